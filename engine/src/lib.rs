@@ -1,0 +1,7 @@
+//! Strata's engine: GGUF models, quantization formats, tokenizers and (in later modules) the forward pass,
+//! backends, expert cache and server.
+
+pub mod gguf;
+pub mod quant;
+pub mod tokenizer;
+pub mod model;

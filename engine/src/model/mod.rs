@@ -1,0 +1,1 @@
+//! Architectures: hyper-parameters from metadata, and the model generator.
