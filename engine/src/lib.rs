@@ -5,3 +5,4 @@ pub mod gguf;
 pub mod quant;
 pub mod tokenizer;
 pub mod model;
+pub mod models;
