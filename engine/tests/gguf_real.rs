@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use strata_engine::gguf::{GgufFile, GgufModel};
+use strata_engine::gguf::{GgufFile, GgufHeader, GgufModel};
 use strata_engine::models;
 
 /// The cached default model; fails (not skips) when absent, since CI fetches models first.
@@ -54,4 +54,84 @@ fn smollm2_metadata_and_tensors() {
         model.tensor_data(t),
         f.tensor_data(f.tensor("blk.29.ffn_down.weight").unwrap())
     );
+}
+
+/// SplitMix64: a seeded generator, so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[test]
+fn truncated_copies_are_errors() {
+    let bytes = std::fs::read(smollm2_path()).unwrap();
+    let data_offset = GgufFile::from_bytes("smollm2", bytes.clone()).unwrap().data_offset() as usize;
+    let mut rng = Rng(0x5eed_0001);
+    // Two cuts inside the header, three inside the tensor data; a cut at the very end removes only the padding
+    // after the last tensor, if any, and may parse.
+    let cuts: Vec<usize> = (0..5)
+        .map(|i| if i < 2 { rng.below(data_offset as u64) } else { rng.below(bytes.len() as u64) } as usize)
+        .collect();
+    for cut in cuts {
+        let result = GgufHeader::parse("smollm2-cut", &bytes[..cut]);
+        let last_end = result.as_ref().ok().map(|h| {
+            h.tensors()
+                .iter()
+                .map(|t| h.data_offset() + t.offset + t.n_bytes)
+                .max()
+                .unwrap_or(0)
+        });
+        match result {
+            Err(e) => assert!(e.to_string().contains("smollm2-cut"), "{e}"),
+            Ok(_) => assert!(
+                last_end.unwrap() <= cut as u64,
+                "cut at {cut} parsed but cuts tensor data"
+            ),
+        }
+    }
+    // Cutting exactly at the end of the last tensor's data parses.
+    let f = GgufFile::from_bytes("smollm2", bytes.clone()).unwrap();
+    let end = f
+        .tensors()
+        .iter()
+        .map(|t| f.data_offset() + t.offset + t.n_bytes)
+        .max()
+        .unwrap() as usize;
+    assert!(GgufHeader::parse("smollm2-cut", &bytes[..end]).is_ok());
+    assert!(GgufHeader::parse("smollm2-cut", &bytes[..end - 1]).is_err());
+}
+
+#[test]
+fn header_byte_flips_never_panic() {
+    let mut bytes = std::fs::read(smollm2_path()).unwrap();
+    let data_offset = GgufHeader::parse("smollm2", &bytes).unwrap().data_offset();
+    let mut rng = Rng(0x5eed_0002);
+    let (mut ok, mut err) = (0, 0);
+    for _ in 0..1000 {
+        let at = rng.below(data_offset) as usize;
+        let mask = (rng.below(255) + 1) as u8;
+        bytes[at] ^= mask;
+        match GgufHeader::parse("smollm2-flipped", &bytes) {
+            Ok(_) => ok += 1,
+            Err(e) => {
+                assert!(e.to_string().contains("smollm2-flipped"), "{e}");
+                err += 1;
+            }
+        }
+        bytes[at] ^= mask;
+    }
+    // Most flips land in token strings and still parse; flips in lengths, counts and tags do not.
+    assert_eq!(ok + err, 1000);
+    assert!(err > 0, "no flip was detected");
 }

@@ -11,8 +11,10 @@ pub mod error;
 pub mod reader;
 pub mod shards;
 pub mod value;
+pub mod writer;
 
 pub use error::{GgufError, GgufWriteError, MAX_ARRAY_DEPTH, MAX_DIMS};
-pub use reader::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, GgufFile, TensorInfo};
+pub use reader::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, GgufFile, GgufHeader, TensorInfo};
 pub use shards::{GgufModel, KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS_COUNT, parse_shard_path, shard_path};
 pub use value::{Metadata, MetadataError, Value, ValueType};
+pub use writer::{GgufWriter, TensorRef, TensorSpec, to_bytes, write_shard_set};

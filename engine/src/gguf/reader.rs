@@ -220,14 +220,52 @@ impl GgufFile {
     }
 }
 
-/// Everything before the data section.
-struct Header {
+/// Everything before the data section of a GGUF file, parsed and validated over borrowed bytes: what
+/// [`GgufFile`] holds besides the bytes themselves.
+///
+/// For checking bytes without handing them over (the corruption tests and the fuzzer flip bytes in one buffer
+/// and parse it again and again).
+#[derive(Debug, Clone)]
+pub struct GgufHeader {
     version: u32,
     metadata: Metadata,
     tensors: Vec<TensorInfo>,
     info_offsets: Vec<u64>,
     data_offset: u64,
     alignment: u64,
+}
+
+impl GgufHeader {
+    /// Parses and validates `bytes`, a whole GGUF file (tensor data ranges are checked against its length);
+    /// `name` stands for the file in error messages. Errors: those of [`GgufFile::open`] but `Io`.
+    pub fn parse(name: impl AsRef<Path>, bytes: &[u8]) -> Result<GgufHeader, GgufError> {
+        parse_header(name.as_ref(), bytes, 0)
+    }
+
+    /// The GGUF version (2 or 3).
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// The metadata key-value pairs, in file order.
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    /// The tensor infos, in file order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// Start of the data section, in bytes from the start of the file.
+    pub fn data_offset(&self) -> u64 {
+        self.data_offset
+    }
+
+    /// Alignment of the data section and of each tensor's offset, in bytes.
+    pub fn alignment(&self) -> u64 {
+        self.alignment
+    }
 }
 
 /// What the parser was reading, for error messages. Rendered only when an error is built.
@@ -389,7 +427,7 @@ impl<'a> Cursor<'a> {
     }
 }
 
-fn parse_header(file: &Path, bytes: &[u8], shard: usize) -> Result<Header, GgufError> {
+fn parse_header(file: &Path, bytes: &[u8], shard: usize) -> Result<GgufHeader, GgufError> {
     let mut c = Cursor { file, bytes, pos: 0 };
     let err_file = || file.to_path_buf();
 
@@ -550,7 +588,7 @@ fn parse_header(file: &Path, bytes: &[u8], shard: usize) -> Result<Header, GgufE
         }
     }
 
-    Ok(Header {
+    Ok(GgufHeader {
         version,
         metadata,
         tensors,
