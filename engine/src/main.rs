@@ -1,1 +1,297 @@
-fn main() {}
+//! `strata`: the engine's command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use strata_engine::gguf::GgufModel;
+use strata_engine::model::inspect::{ModelSummary, human_bytes};
+use strata_engine::model::synth::{SynthArch, SynthSpec};
+use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
+use strata_engine::models;
+use strata_engine::quant::GgmlType;
+
+/// Strata: an inference engine for Mixture-of-Experts LLMs in GGUF.
+#[derive(Parser)]
+#[command(name = "strata", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print a GGUF model's architecture, hyper-parameters, tokenizer, tensors and memory estimate.
+    Inspect {
+        /// A .gguf file (any shard of a set), or `default` for the default model (fetched on first use).
+        #[arg(default_value = "default")]
+        model: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate models: synthetic ones at any shape, or MoEs upcycled from a dense model.
+    Fixtures {
+        #[command(subcommand)]
+        command: FixturesCommand,
+    },
+    /// Manage the model cache.
+    Models {
+        #[command(subcommand)]
+        command: ModelsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum FixturesCommand {
+    /// Write a seeded synthetic model; the same arguments give a byte-identical file.
+    Synth(SynthArgs),
+    /// Turn a dense llama model into a Mixtral-layout MoE from its own FFN weights (no requantization).
+    Upcycle {
+        /// The dense source model (`default` for the default model).
+        #[arg(long, default_value = "default")]
+        model: String,
+        /// Output .gguf path.
+        #[arg(long)]
+        out: PathBuf,
+        /// `identical`: every expert is the layer's FFN (equals the dense model); `shifted`: expert e of layer i
+        /// is layer (i+e) mod L's FFN.
+        #[arg(long, value_enum)]
+        mode: UpcycleMode,
+        /// Experts per layer.
+        #[arg(long, default_value_t = 8)]
+        experts: u32,
+        /// Experts used per token (top-k).
+        #[arg(long, default_value_t = 2)]
+        experts_used: u32,
+        /// Seed of the router weights.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Preset {
+    /// A 4-layer, 16-expert qwen3moe at Q8_0 (tests, about 15 MiB).
+    TinyQwen3moe,
+    /// Qwen3-30B-A3B's shape at Q4_K with a Q6_K output (about 17 GB).
+    Qwen3_30bA3b,
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    /// Output .gguf path.
+    #[arg(long)]
+    out: PathBuf,
+    /// Starting shape; the flags below override its fields.
+    #[arg(long, value_enum, default_value = "tiny-qwen3moe")]
+    preset: Preset,
+    #[arg(long, value_enum)]
+    arch: Option<SynthArch>,
+    #[arg(long)]
+    layers: Option<u32>,
+    #[arg(long)]
+    embd: Option<u32>,
+    /// Dense FFN width.
+    #[arg(long)]
+    ff: Option<u32>,
+    #[arg(long)]
+    heads: Option<u32>,
+    #[arg(long)]
+    heads_kv: Option<u32>,
+    #[arg(long)]
+    head_dim: Option<u32>,
+    #[arg(long)]
+    experts: Option<u32>,
+    /// Experts used per token (top-k).
+    #[arg(long)]
+    experts_used: Option<u32>,
+    /// Expert FFN width.
+    #[arg(long)]
+    ff_exp: Option<u32>,
+    #[arg(long)]
+    vocab: Option<u32>,
+    /// Context length written to the metadata, in tokens.
+    #[arg(long)]
+    ctx: Option<u32>,
+    /// Quant type of every weight class (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...).
+    #[arg(long = "type", value_parser = parse_type)]
+    ty: Option<GgmlType>,
+    #[arg(long, value_parser = parse_type)]
+    type_embd: Option<GgmlType>,
+    #[arg(long, value_parser = parse_type)]
+    type_output: Option<GgmlType>,
+    #[arg(long, value_parser = parse_type)]
+    type_attn: Option<GgmlType>,
+    #[arg(long, value_parser = parse_type)]
+    type_ffn: Option<GgmlType>,
+    #[arg(long, value_parser = parse_type)]
+    type_experts: Option<GgmlType>,
+    #[arg(long, value_parser = parse_type)]
+    type_router: Option<GgmlType>,
+    /// Share the embedding as the output projection.
+    #[arg(long)]
+    tied_output: bool,
+    /// Zipf exponent of expert popularity (0: uniform routing).
+    #[arg(long)]
+    zipf: Option<f64>,
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+#[derive(Subcommand)]
+enum ModelsCommand {
+    /// Fetch models into the cache (checked by sha256; does nothing when they are there).
+    Fetch {
+        /// `default` (the default model only) or `all` (also gemma-3-270m and llama.cpp's test vocabularies).
+        #[arg(default_value = "all")]
+        what: String,
+    },
+    /// Print the cache folder and the default model's path.
+    Path,
+}
+
+fn parse_type(s: &str) -> Result<GgmlType, String> {
+    GgmlType::from_name(s).ok_or_else(|| {
+        let names: Vec<_> = GgmlType::ALL.iter().map(|t| t.name()).collect();
+        format!("unknown quant type `{s}`; known: {}", names.join(", "))
+    })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("strata: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn open_model(arg: &str) -> Result<GgufModel> {
+    let path = models::resolve(Some(arg))?;
+    GgufModel::open(&path).with_context(|| format!("cannot open model {}", path.display()))
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Inspect { model, json } => {
+            let summary = ModelSummary::new(&open_model(&model)?);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&summary)?);
+            } else {
+                print!("{}", summary.to_text());
+            }
+        }
+        Command::Fixtures {
+            command: FixturesCommand::Synth(args),
+        } => {
+            let spec = synth_spec(&args);
+            let start = Instant::now();
+            let bytes = spec
+                .write(&args.out)
+                .with_context(|| format!("cannot write {}", args.out.display()))?;
+            report_written(&args.out, bytes, start);
+        }
+        Command::Fixtures {
+            command:
+                FixturesCommand::Upcycle {
+                    model,
+                    out,
+                    mode,
+                    experts,
+                    experts_used,
+                    seed,
+                },
+        } => {
+            let src = open_model(&model)?;
+            let spec = UpcycleSpec {
+                mode,
+                n_expert: experts,
+                n_expert_used: experts_used,
+                seed,
+            };
+            let start = Instant::now();
+            let bytes = upcycle(&src, &spec, &out).with_context(|| format!("cannot upcycle into {}", out.display()))?;
+            report_written(&out, bytes, start);
+        }
+        Command::Models {
+            command: ModelsCommand::Fetch { what },
+        } => {
+            if what != "default" && what != "all" {
+                bail!("`strata models fetch` takes `default` or `all`, not `{what}`");
+            }
+            models::fetch(&what)?;
+        }
+        Command::Models {
+            command: ModelsCommand::Path,
+        } => {
+            println!("cache         {}", models::models_dir().display());
+            println!("default model {}", models::cached(models::DEFAULT_MODEL_FILE).display());
+        }
+    }
+    Ok(())
+}
+
+fn report_written(path: &std::path::Path, bytes: u64, start: Instant) {
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!(
+        "strata: wrote {} ({}) in {secs:.2} s, {:.1} MB/s",
+        path.display(),
+        human_bytes(bytes),
+        bytes as f64 / 1e6 / secs.max(1e-9)
+    );
+}
+
+fn synth_spec(a: &SynthArgs) -> SynthSpec {
+    let mut s = match a.preset {
+        Preset::TinyQwen3moe => SynthSpec::tiny_qwen3moe(),
+        Preset::Qwen3_30bA3b => SynthSpec::qwen3_30b_a3b(),
+    };
+    macro_rules! set {
+        ($($field:ident = $arg:ident),*) => { $( if let Some(v) = a.$arg { s.$field = v; } )* };
+    }
+    set!(
+        arch = arch,
+        n_layer = layers,
+        n_embd = embd,
+        n_ff = ff,
+        n_head = heads,
+        n_head_kv = heads_kv
+    );
+    set!(
+        head_dim = head_dim,
+        n_expert = experts,
+        n_expert_used = experts_used,
+        n_ff_exp = ff_exp
+    );
+    set!(vocab_size = vocab, n_ctx = ctx, zipf = zipf, seed = seed);
+    if let Some(ty) = a.ty {
+        s.types = strata_engine::model::synth::TensorTypes {
+            router: s.types.router,
+            ..strata_engine::model::synth::TensorTypes::uniform(ty)
+        };
+    }
+    let t = &mut s.types;
+    set_types(t, a);
+    s.tied_output |= a.tied_output;
+    s
+}
+
+fn set_types(t: &mut strata_engine::model::synth::TensorTypes, a: &SynthArgs) {
+    for (slot, arg) in [
+        (&mut t.embd, a.type_embd),
+        (&mut t.output, a.type_output),
+        (&mut t.attn, a.type_attn),
+        (&mut t.ffn, a.type_ffn),
+        (&mut t.experts, a.type_experts),
+        (&mut t.router, a.type_router),
+    ] {
+        if let Some(ty) = arg {
+            *slot = ty;
+        }
+    }
+}

@@ -63,14 +63,22 @@ pub fn resolve(model: Option<&str>) -> Result<PathBuf, ModelsError> {
         }
         Some(p) => {
             let path = PathBuf::from(p);
-            if path.is_file() { Ok(path) } else { Err(ModelsError::NoSuchFile { path }) }
+            if path.is_file() {
+                Ok(path)
+            } else {
+                Err(ModelsError::NoSuchFile { path })
+            }
         }
     }
 }
 
 /// Runs `ci/fetch-models.sh WHAT` (`default` or `all`), which fills the cache; its progress goes to stderr.
 pub fn fetch(what: &str) -> Result<(), ModelsError> {
-    let fail = |reason: String| ModelsError::NotFetched { name: what.to_string(), dir: models_dir(), reason };
+    let fail = |reason: String| ModelsError::NotFetched {
+        name: what.to_string(),
+        dir: models_dir(),
+        reason,
+    };
     let script = fetch_script().ok_or_else(|| fail("the fetch script of this build's source tree is gone".into()))?;
     eprintln!("strata: fetching models ({what}) into {}", models_dir().display());
     let status = Command::new("bash")
@@ -80,5 +88,9 @@ pub fn fetch(what: &str) -> Result<(), ModelsError> {
         .stdout(std::process::Stdio::inherit())
         .status()
         .map_err(|e| fail(format!("could not run {}: {e}", script.display())))?;
-    if status.success() { Ok(()) } else { Err(fail(format!("{} exited with {status}", script.display()))) }
+    if status.success() {
+        Ok(())
+    } else {
+        Err(fail(format!("{} exited with {status}", script.display())))
+    }
 }

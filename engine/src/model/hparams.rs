@@ -154,10 +154,7 @@ impl HParams {
 
         let n_layer = positive("block_count", md.get_u32(&key("block_count"))?)?;
         let n_embd = positive("embedding_length", md.get_u32(&key("embedding_length"))?)?;
-        let n_head = positive(
-            "attention.head_count",
-            md.get_u32(&key("attention.head_count"))?,
-        )?;
+        let n_head = positive("attention.head_count", md.get_u32(&key("attention.head_count"))?)?;
         let n_head_kv = positive(
             "attention.head_count_kv",
             opt_u32("attention.head_count_kv")?.unwrap_or(n_head),

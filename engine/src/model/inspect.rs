@@ -1,0 +1,303 @@
+//! `strata inspect`: what a GGUF model holds, for people and (as JSON) for tools.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::hparams::HParams;
+use crate::gguf::{GgufModel, Metadata};
+use crate::quant::GgmlType;
+
+/// A model's description: architecture, hyper-parameters, tokenizer, tensors, totals and a memory estimate.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelSummary {
+    /// The files of the model (several for a shard set).
+    pub files: Vec<String>,
+    /// Sum of the files' sizes, in bytes.
+    pub file_bytes: u64,
+    /// `general.architecture`.
+    pub architecture: String,
+    /// `general.name`, if present.
+    pub name: Option<String>,
+    /// Hyper-parameters; `None` with `hparams_error` set when they cannot be read (an unsupported architecture
+    /// is still inspectable).
+    pub hparams: Option<HParams>,
+    pub hparams_error: Option<String>,
+    pub tokenizer: TokenizerSummary,
+    pub tensors: Vec<TensorRow>,
+    /// Per quant type: tensor count, elements and bytes, in type-id order.
+    pub totals_by_type: Vec<TypeTotal>,
+    pub memory: MemoryEstimate,
+    /// Every metadata key with a short rendering of its value (long arrays abbreviated).
+    pub metadata: Vec<(String, String)>,
+}
+
+/// The tokenizer as the metadata declares it.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenizerSummary {
+    /// `tokenizer.ggml.model` (`gpt2` for byte-level BPE, `llama` for SentencePiece).
+    pub model: Option<String>,
+    /// `tokenizer.ggml.pre`, the pre-tokenizer of a BPE vocabulary.
+    pub pre: Option<String>,
+    /// Number of tokens in `tokenizer.ggml.tokens`.
+    pub n_tokens: usize,
+    /// Number of BPE merges.
+    pub n_merges: usize,
+    pub bos_token_id: Option<u64>,
+    pub eos_token_id: Option<u64>,
+    pub add_bos_token: Option<bool>,
+    /// Whether `tokenizer.chat_template` is present.
+    pub chat_template: bool,
+}
+
+/// One tensor: name, type, shape in ggml order (row length first), and bytes.
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorRow {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub ty: String,
+    pub shape: Vec<u64>,
+    pub bytes: u64,
+}
+
+/// The tensors of one quant type.
+#[derive(Debug, Clone, Serialize)]
+pub struct TypeTotal {
+    #[serde(rename = "type")]
+    pub ty: String,
+    pub tensors: usize,
+    pub elements: u64,
+    pub bytes: u64,
+}
+
+/// What running the model needs: the weights plus a KV cache, in bytes.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryEstimate {
+    pub weights_bytes: u64,
+    /// KV-cache bytes per token with f16 K and V.
+    pub kv_f16_bytes_per_token: f64,
+    /// Rows: context length in tokens, weights + f16 KV cache, weights + int8 KV cache (bytes).
+    pub at_context: Vec<ContextEstimate>,
+}
+
+/// Memory at one context length.
+#[derive(Debug, Clone, Serialize)]
+pub struct ContextEstimate {
+    pub context_tokens: u64,
+    pub total_kv_f16_bytes: u64,
+    pub total_kv_int8_bytes: u64,
+}
+
+impl ModelSummary {
+    /// Describes `model`.
+    pub fn new(model: &GgufModel) -> ModelSummary {
+        let md = model.metadata();
+        let hparams = HParams::from_metadata(md).map_err(|e| e.to_string());
+        let tensors: Vec<TensorRow> = model
+            .tensors()
+            .iter()
+            .map(|t| TensorRow {
+                name: t.name.clone(),
+                ty: t.ty.name().into(),
+                shape: t.dims.clone(),
+                bytes: t.n_bytes,
+            })
+            .collect();
+        let mut totals: BTreeMap<GgmlType, TypeTotal> = BTreeMap::new();
+        for t in model.tensors() {
+            let e = totals.entry(t.ty).or_insert_with(|| TypeTotal {
+                ty: t.ty.name().into(),
+                tensors: 0,
+                elements: 0,
+                bytes: 0,
+            });
+            e.tensors += 1;
+            e.elements += t.n_elements();
+            e.bytes += t.n_bytes;
+        }
+        let weights_bytes = model.tensors().iter().map(|t| t.n_bytes).sum();
+        let kv_f16 = hparams.as_ref().map_or(0.0, |h| h.kv_bytes_per_token(2.0));
+        let mut contexts = vec![4096];
+        if let Ok(h) = &hparams
+            && h.n_ctx_train > 0
+            && h.n_ctx_train != 4096
+        {
+            contexts.push(h.n_ctx_train as u64);
+        }
+        let at_context = contexts
+            .into_iter()
+            .map(|n| ContextEstimate {
+                context_tokens: n,
+                total_kv_f16_bytes: weights_bytes + (kv_f16 * n as f64) as u64,
+                // int8 K/V carry one f16 scale per 32 values: 34 bytes per 32 elements.
+                total_kv_int8_bytes: weights_bytes + (kv_f16 / 2.0 * 34.0 / 32.0 * n as f64) as u64,
+            })
+            .collect();
+        ModelSummary {
+            files: model.paths().iter().map(|p| p.display().to_string()).collect(),
+            file_bytes: model
+                .paths()
+                .iter()
+                .filter_map(|p| std::fs::metadata(p).ok())
+                .map(|m| m.len())
+                .sum(),
+            architecture: md
+                .architecture()
+                .unwrap_or("(missing general.architecture)")
+                .to_string(),
+            name: md.get("general.name").and_then(|v| v.as_str()).map(String::from),
+            hparams_error: hparams.as_ref().err().cloned(),
+            hparams: hparams.ok(),
+            tokenizer: TokenizerSummary::new(md),
+            tensors,
+            totals_by_type: totals.into_values().collect(),
+            memory: MemoryEstimate {
+                weights_bytes,
+                kv_f16_bytes_per_token: kv_f16,
+                at_context,
+            },
+            metadata: md.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        }
+    }
+
+    /// The human-readable report `strata inspect` prints.
+    pub fn to_text(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let w = &mut s;
+        let _ = writeln!(w, "file         {}", self.files.join(", "));
+        let _ = writeln!(w, "size         {}", human_bytes(self.file_bytes));
+        let _ = writeln!(w, "architecture {}", self.architecture);
+        if let Some(name) = &self.name {
+            let _ = writeln!(w, "name         {name}");
+        }
+        match &self.hparams {
+            Some(h) => {
+                let _ = writeln!(w, "\nhyper-parameters");
+                let rows: Vec<(&str, String)> = vec![
+                    ("n_layer", h.n_layer.to_string()),
+                    ("n_embd", h.n_embd.to_string()),
+                    ("n_ff", h.n_ff.to_string()),
+                    ("n_head", h.n_head.to_string()),
+                    ("n_head_kv", h.n_head_kv.to_string()),
+                    ("head_dim", format!("{} (v {})", h.head_dim, h.head_dim_v)),
+                    ("n_ctx_train", h.n_ctx_train.to_string()),
+                    ("n_vocab", h.vocab_size.to_string()),
+                    ("rms_eps", format!("{:e}", h.rms_eps)),
+                    (
+                        "rope",
+                        format!("base {}, dims {}, scale {}", h.rope_freq_base, h.rope_dim, h.rope_scale),
+                    ),
+                ];
+                for (k, v) in rows {
+                    let _ = writeln!(w, "  {k:<12} {v}");
+                }
+                if h.is_moe() {
+                    let _ = writeln!(
+                        w,
+                        "  {:<12} {} (top-{} used, n_ff_exp {})",
+                        "n_expert", h.n_expert, h.n_expert_used, h.n_ff_exp
+                    );
+                }
+                if let Some(sw) = h.sliding_window {
+                    let _ = writeln!(w, "  {:<12} {sw}", "sliding_win");
+                }
+            }
+            None => {
+                let e = self.hparams_error.as_deref().unwrap_or("unknown");
+                let _ = writeln!(w, "\nhyper-parameters: {e}");
+            }
+        }
+        let t = &self.tokenizer;
+        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            w,
+            "\ntokenizer    {} (pre {}), {} tokens, {} merges",
+            opt(&t.model),
+            opt(&t.pre),
+            t.n_tokens,
+            t.n_merges
+        );
+        let id = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
+        let _ = writeln!(
+            w,
+            "             bos {}, eos {}, add_bos {}, chat template {}",
+            id(t.bos_token_id),
+            id(t.eos_token_id),
+            t.add_bos_token.map_or("-".into(), |b| b.to_string()),
+            if t.chat_template { "present" } else { "absent" }
+        );
+        let name_w = self.tensors.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
+        let _ = writeln!(
+            w,
+            "\n{:<name_w$}  {:<7}  {:<24}  {:>12}",
+            "tensor", "type", "shape", "bytes"
+        );
+        for t in &self.tensors {
+            let shape = format!("{:?}", t.shape);
+            let _ = writeln!(w, "{:<name_w$}  {:<7}  {:<24}  {:>12}", t.name, t.ty, shape, t.bytes);
+        }
+        let _ = writeln!(
+            w,
+            "\n{:<7}  {:>7}  {:>14}  {:>12}",
+            "type", "tensors", "elements", "size"
+        );
+        for t in &self.totals_by_type {
+            let _ = writeln!(
+                w,
+                "{:<7}  {:>7}  {:>14}  {:>12}",
+                t.ty,
+                t.tensors,
+                t.elements,
+                human_bytes(t.bytes)
+            );
+        }
+        let m = &self.memory;
+        let _ = writeln!(w, "\nmemory estimate (weights + KV cache)");
+        let _ = writeln!(w, "  weights          {}", human_bytes(m.weights_bytes));
+        let _ = writeln!(w, "  KV f16 per token {}", human_bytes(m.kv_f16_bytes_per_token as u64));
+        for c in &m.at_context {
+            let _ = writeln!(
+                w,
+                "  context {:>6}   {} with f16 KV, {} with int8 KV",
+                c.context_tokens,
+                human_bytes(c.total_kv_f16_bytes),
+                human_bytes(c.total_kv_int8_bytes)
+            );
+        }
+        s
+    }
+}
+
+impl TokenizerSummary {
+    fn new(md: &Metadata) -> TokenizerSummary {
+        let s = |k: &str| md.get(k).and_then(|v| v.as_str()).map(String::from);
+        let len = |k: &str| md.get(k).and_then(|v| v.as_array()).map_or(0, <[_]>::len);
+        TokenizerSummary {
+            model: s("tokenizer.ggml.model"),
+            pre: s("tokenizer.ggml.pre"),
+            n_tokens: len("tokenizer.ggml.tokens"),
+            n_merges: len("tokenizer.ggml.merges"),
+            bos_token_id: md.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64()),
+            eos_token_id: md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()),
+            add_bos_token: md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()),
+            chat_template: md.contains("tokenizer.chat_template"),
+        }
+    }
+}
+
+/// `n` bytes in binary units (KiB = 2^10, MiB = 2^20, GiB = 2^30).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}

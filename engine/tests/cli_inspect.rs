@@ -1,0 +1,131 @@
+//! `strata inspect` on the real models, as a user runs it, and on bad input.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use strata_engine::models;
+
+fn model(file: &str) -> PathBuf {
+    let path = models::cached(file);
+    assert!(path.is_file(), "{} is missing: run ci/fetch-models.sh", path.display());
+    path
+}
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .expect("run strata")
+}
+
+fn stdout(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "strata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// The value printed after `key` on its line of the hyper-parameter block.
+fn field<'a>(text: &'a str, key: &str) -> &'a str {
+    text.lines()
+        .find_map(|l| {
+            l.trim_start()
+                .strip_prefix(key)
+                .filter(|rest| rest.starts_with(' '))
+                .map(str::trim)
+        })
+        .unwrap_or_else(|| panic!("no `{key}` line in:\n{text}"))
+}
+
+#[test]
+fn smollm2_hyper_parameters_tokenizer_and_tensors() {
+    let path = model(models::DEFAULT_MODEL_FILE);
+    let text = stdout(&strata(&["inspect", path.to_str().unwrap()]));
+    assert_eq!(field(&text, "architecture"), "llama");
+    assert_eq!(field(&text, "n_layer"), "30");
+    assert_eq!(field(&text, "n_embd"), "576");
+    assert_eq!(field(&text, "n_head"), "9");
+    assert_eq!(field(&text, "n_head_kv"), "3");
+    assert_eq!(field(&text, "n_vocab"), "49152");
+    assert!(
+        text.contains("tokenizer    gpt2 (pre smollm), 49152 tokens, 48900 merges"),
+        "{text}"
+    );
+    assert!(text.contains("chat template present"), "{text}");
+    assert!(text.contains("blk.0.ffn_down.weight"), "{text}");
+    // 210 Q4_1 + 61 F32 + 1 Q8_0 tensors (counted independently with PyPI gguf's GGUFReader).
+    let totals: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("Q4_1 ") || l.starts_with("F32 "))
+        .collect();
+    assert!(
+        totals.iter().any(|l| l.split_whitespace().nth(1) == Some("210")),
+        "{totals:?}"
+    );
+    assert!(
+        totals.iter().any(|l| l.split_whitespace().nth(1) == Some("61")),
+        "{totals:?}"
+    );
+}
+
+#[test]
+fn gemma3_hyper_parameters() {
+    let path = model(models::GEMMA3_MODEL_FILE);
+    let text = stdout(&strata(&["inspect", path.to_str().unwrap()]));
+    assert_eq!(field(&text, "architecture"), "gemma3");
+    assert_eq!(field(&text, "n_layer"), "18");
+    assert_eq!(field(&text, "n_embd"), "640");
+    assert_eq!(field(&text, "n_head"), "4");
+    assert_eq!(field(&text, "n_head_kv"), "1");
+    assert_eq!(field(&text, "head_dim"), "256 (v 256)");
+    assert_eq!(field(&text, "sliding_win"), "512");
+    assert!(
+        text.contains("tokenizer    llama (pre default), 262144 tokens"),
+        "{text}"
+    );
+}
+
+#[test]
+fn json_output_carries_the_same_facts() {
+    let path = model(models::DEFAULT_MODEL_FILE);
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&strata(&["inspect", "--json", path.to_str().unwrap()]))).expect("valid JSON");
+    assert_eq!(json["architecture"], "llama");
+    assert_eq!(json["hparams"]["n_layer"], 30);
+    assert_eq!(json["hparams"]["n_head_kv"], 3);
+    assert_eq!(json["tensors"].as_array().unwrap().len(), 272);
+    let weights: u64 = json["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(json["memory"]["weights_bytes"].as_u64(), Some(weights));
+    assert!(weights < json["file_bytes"].as_u64().unwrap());
+}
+
+#[test]
+fn bad_input_is_one_clear_error_and_no_panic() {
+    let missing = strata(&["inspect", "/nonexistent/model.gguf"]);
+    assert_eq!(missing.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        err.contains("/nonexistent/model.gguf") && err.contains("does not exist"),
+        "{err}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let cut = dir.path().join("cut.gguf");
+    let bytes = std::fs::read(model(models::DEFAULT_MODEL_FILE)).unwrap();
+    std::fs::write(&cut, &bytes[..100_000]).unwrap();
+    let out = strata(&["inspect", cut.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cut.gguf") && !err.contains("panicked"), "{err}");
+
+    let unknown = strata(&["inspect", "--frobnicate"]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("--frobnicate"));
+}
