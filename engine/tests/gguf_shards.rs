@@ -186,7 +186,7 @@ fn shard_named_set_without_split_keys() {
     let data = tensors();
     let prefix = dir.path().join("named");
     let (a, b) = data.split_at(3);
-    GgufWriter::write_file(shard_path(&prefix, 0, 2), &metadata(), &borrowed(a)).unwrap();
+    GgufWriter::write_file(shard_path(&prefix, 0, 2), metadata(), &borrowed(a)).unwrap();
     GgufWriter::write_file(shard_path(&prefix, 1, 2), Metadata::new(), &borrowed(b)).unwrap();
     let model = GgufModel::open(shard_path(&prefix, 1, 2)).unwrap();
     assert_eq!(model.tensors().len(), 7);

@@ -696,7 +696,7 @@ pub(crate) fn tensor_bytes(dims: &[u64], ty: GgmlType) -> Result<u64, TensorShap
             TensorShapeError::Overflow("row byte size above u64::MAX")
         });
     };
-    let n_rows = if row_len == 0 { 0 } else { n_elements / row_len };
+    let n_rows = n_elements.checked_div(row_len).unwrap_or(0);
     row_bytes
         .checked_mul(n_rows)
         .ok_or(TensorShapeError::Overflow("byte size above u64::MAX"))
