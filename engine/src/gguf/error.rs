@@ -16,6 +16,7 @@ pub const MAX_DIMS: usize = 4;
 /// tensor and the byte offset of the faulty field.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
+    /// The file cannot be opened or mapped.
     #[error("{file}: cannot open or map the file: {source}")]
     Io {
         file: PathBuf,
@@ -23,9 +24,11 @@ pub enum GgufError {
         source: std::io::Error,
     },
 
+    /// The first four bytes are not `GGUF`.
     #[error("{file}: not a GGUF file: magic at offset 0 is {found:02x?} (expected \"GGUF\")")]
     BadMagic { file: PathBuf, found: [u8; 4] },
 
+    /// A version other than 2 or 3 (version 1, a future version, or a big-endian file).
     #[error("{file}: GGUF version {version} at offset {offset} is not supported (Strata reads versions 2 and 3{hint})")]
     UnsupportedVersion {
         file: PathBuf,
@@ -34,6 +37,7 @@ pub enum GgufError {
         hint: &'static str,
     },
 
+    /// The file ends inside a fixed-size field.
     #[error("{file}: truncated while reading {what}: needed {needed} bytes at offset {offset}, file has {file_bytes}")]
     Truncated {
         file: PathBuf,
@@ -43,6 +47,7 @@ pub enum GgufError {
         file_bytes: u64,
     },
 
+    /// A string or array length larger than the bytes left in the file.
     #[error(
         "{file}: {what} at offset {offset} claims length {len} ({kind}), past the end of the file ({remaining} bytes left)"
     )]
@@ -55,6 +60,7 @@ pub enum GgufError {
         remaining: u64,
     },
 
+    /// A tensor or metadata count that cannot fit in the bytes left (rejected before allocating).
     #[error(
         "{file}: {what} at offset {offset} is {count}, which cannot fit in the {remaining} bytes left (each entry takes at least {min_entry_bytes} bytes)"
     )]
@@ -67,6 +73,7 @@ pub enum GgufError {
         min_entry_bytes: u64,
     },
 
+    /// A key, string value or tensor name that is not UTF-8.
     #[error("{file}: {what} at offset {offset} is not valid UTF-8 ({source})")]
     InvalidUtf8 {
         file: PathBuf,
@@ -76,6 +83,7 @@ pub enum GgufError {
         source: std::str::Utf8Error,
     },
 
+    /// A metadata value type tag outside 0..=12.
     #[error("{file}: metadata key `{key}` at offset {offset} has unknown value type {type_id} (known: 0..=12)")]
     UnknownValueType {
         file: PathBuf,
@@ -84,6 +92,7 @@ pub enum GgufError {
         type_id: u32,
     },
 
+    /// Arrays nested deeper than [`MAX_ARRAY_DEPTH`].
     #[error("{file}: metadata key `{key}`: arrays nested deeper than {max} levels at offset {offset}")]
     NestingTooDeep {
         file: PathBuf,
@@ -92,9 +101,11 @@ pub enum GgufError {
         max: usize,
     },
 
+    /// A metadata key that appears twice.
     #[error("{file}: metadata key `{key}` at offset {offset} appears twice")]
     DuplicateKey { file: PathBuf, key: String, offset: u64 },
 
+    /// `general.alignment` that is not an integer power of two in 1..=2^30.
     #[error("{file}: metadata key `{key}` at offset {offset}: {reason}")]
     BadAlignment {
         file: PathBuf,
@@ -103,6 +114,7 @@ pub enum GgufError {
         reason: String,
     },
 
+    /// A tensor with more than [`MAX_DIMS`] dimensions.
     #[error("{file}: tensor `{tensor}` at offset {offset} has {n_dims} dimensions (at most {max})")]
     TooManyDims {
         file: PathBuf,
@@ -112,6 +124,7 @@ pub enum GgufError {
         max: usize,
     },
 
+    /// A dimension above `i64::MAX` (negative as ggml reads it).
     #[error(
         "{file}: tensor `{tensor}`: dimension {index} at offset {offset} is {dim}, above i64::MAX (negative in ggml)"
     )]
@@ -123,6 +136,7 @@ pub enum GgufError {
         dim: u64,
     },
 
+    /// Dimensions whose element count overflows `i64` or whose byte size overflows `u64`.
     #[error("{file}: tensor `{tensor}` at offset {offset}: dims {dims:?} overflow ({what})")]
     DimsOverflow {
         file: PathBuf,
@@ -132,6 +146,7 @@ pub enum GgufError {
         what: &'static str,
     },
 
+    /// A tensor type id that is not a ggml type (or a retired one).
     #[error("{file}: tensor `{tensor}` at offset {offset} has unknown ggml type id {type_id}")]
     UnknownTensorType {
         file: PathBuf,
@@ -140,6 +155,7 @@ pub enum GgufError {
         type_id: u32,
     },
 
+    /// A row length that is not a whole number of the type's blocks.
     #[error(
         "{file}: tensor `{tensor}` at offset {offset}: row length {row_len} is not a whole number of {ty} blocks ({block_elems} elements each)"
     )]
@@ -152,9 +168,11 @@ pub enum GgufError {
         block_elems: usize,
     },
 
+    /// A tensor name that appears twice in one file.
     #[error("{file}: tensor `{tensor}` appears twice (second tensor info at offset {offset})")]
     DuplicateTensor { file: PathBuf, tensor: String, offset: u64 },
 
+    /// A tensor data offset that is not a multiple of the alignment.
     #[error(
         "{file}: tensor `{tensor}` (tensor info at offset {offset}): data offset {data_offset} is not a multiple of the alignment {alignment}"
     )]
@@ -166,6 +184,7 @@ pub enum GgufError {
         alignment: u64,
     },
 
+    /// Tensor data that runs past the end of the file (a truncated file, or a bad offset).
     #[error(
         "{file}: tensor `{tensor}` (tensor info at offset {offset}): data spans file bytes {start}..{end}, past the end of the file ({file_bytes} bytes); the file may be truncated"
     )]
@@ -178,6 +197,7 @@ pub enum GgufError {
         file_bytes: u64,
     },
 
+    /// Two tensors whose data ranges overlap.
     #[error(
         "{file}: tensors `{tensor}` and `{other}` overlap: `{tensor}` starts at file offset {offset}, before `{other}` ends at {other_end}"
     )]
@@ -189,6 +209,7 @@ pub enum GgufError {
         other_end: u64,
     },
 
+    /// A shard of a set that does not exist on disk.
     #[error("{file}: shard {shard_no} of the set, {missing}, does not exist")]
     MissingShard {
         file: PathBuf,
@@ -196,9 +217,11 @@ pub enum GgufError {
         shard_no: u64,
     },
 
+    /// `split.*` keys that disagree with each other or with the file names.
     #[error("{file}: shard set metadata is inconsistent: key `{key}`: {reason}")]
     BadSplit { file: PathBuf, key: String, reason: String },
 
+    /// `split.tensors.count` that differs from the number of tensors in the set.
     #[error(
         "{file}: metadata key `{key}` says the set holds {expected} tensors, but its {shards} shard(s) hold {found}"
     )]
@@ -210,6 +233,7 @@ pub enum GgufError {
         shards: usize,
     },
 
+    /// A tensor name found in two shards of a set.
     #[error("{file}: tensor `{tensor}` (tensor info at offset {offset}) is also in shard {first_file}")]
     DuplicateTensorAcrossShards {
         file: PathBuf,
@@ -222,6 +246,7 @@ pub enum GgufError {
 /// An error writing a GGUF file with [`crate::gguf::GgufWriter`].
 #[derive(Debug, thiserror::Error)]
 pub enum GgufWriteError {
+    /// Creating, sizing or writing the file failed.
     #[error("{file}: write failed: {source}")]
     Io {
         file: PathBuf,
@@ -229,6 +254,7 @@ pub enum GgufWriteError {
         source: std::io::Error,
     },
 
+    /// A tensor spec that cannot be written (duplicate name, too many dims, partial block, overflow).
     #[error("{file}: tensor `{tensor}` is not valid: {reason}")]
     BadTensor {
         file: PathBuf,
@@ -236,12 +262,15 @@ pub enum GgufWriteError {
         reason: String,
     },
 
+    /// Metadata that cannot be written (bad alignment, mixed-type array, nesting too deep).
     #[error("{file}: metadata key `{key}` is not valid: {reason}")]
     BadMetadata { file: PathBuf, key: String, reason: String },
 
+    /// A tensor index or name that is not in the writer.
     #[error("{file}: no tensor {tensor} in this writer")]
     UnknownTensor { file: PathBuf, tensor: String },
 
+    /// Tensor data whose length differs from the tensor's size in bytes.
     #[error("{file}: tensor `{tensor}` takes {expected} bytes but {given} were given")]
     WrongLength {
         file: PathBuf,
@@ -250,9 +279,11 @@ pub enum GgufWriteError {
         given: u64,
     },
 
+    /// A tensor written twice.
     #[error("{file}: tensor `{tensor}` was written twice")]
     WrittenTwice { file: PathBuf, tensor: String },
 
+    /// Tensors never written when [`crate::gguf::GgufWriter::finish`] is called.
     #[error("{file}: {missing} tensor(s) never written, first `{tensor}`")]
     NotWritten {
         file: PathBuf,

@@ -20,8 +20,11 @@ use crate::quant::types::GgmlType;
 /// A tensor to be written: its name, dims in ggml order (`dims[0]` is the row length) and type.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
+    /// Tensor name (`blk.0.ffn_up_exps.weight`).
     pub name: String,
+    /// Dimensions in ggml order, at most [`MAX_DIMS`]; `dims[0]` must be a whole number of `ty`'s blocks.
     pub dims: Vec<u64>,
+    /// Element type.
     pub ty: GgmlType,
 }
 
@@ -52,7 +55,9 @@ impl From<(String, Vec<u64>, GgmlType)> for TensorSpec {
 /// Which tensor to write: by index in the writer's list, or by name.
 #[derive(Debug, Clone, Copy)]
 pub enum TensorRef<'a> {
+    /// Position in the list given to [`GgufWriter::create`].
     Index(usize),
+    /// Tensor name.
     Name(&'a str),
 }
 
