@@ -1,5 +1,287 @@
 //! Block quantization formats: layout, dequantize, dot products (CPU reference and SIMD), quantize.
+//!
+//! A quantized row of `n` weights of type `ty` is `n / block_elems` blocks of `block_bytes` bytes each (see
+//! [`GgmlType::geometry`]); the block layouts are the structs in [`blocks`]. Everything here works on such rows
+//! as `&[u8]` (any alignment) and on f32 activations.
+//!
+//! | entry | what | errors |
+//! |---|---|---|
+//! | [`dequantize`] | row bytes to f32, bit-exact with ggml / PyPI `gguf` | [`QuantError`] |
+//! | [`vec_dot`] | `Σ w[i] * x[i]` for one quantized row, SIMD when the CPU has it | [`QuantError`] |
+//! | [`dot_fn`] | the [`DotFn`] behind `vec_dot`, chosen once, for the matmul's per-row loop | unsupported type |
+//! | [`reference::vec_dot`] | the plain dot product every SIMD path is tested against | [`QuantError`] |
+//! | [`quantize`] | f32 to row bytes (bit-exact with `gguf.quants.quantize` where that exists) | [`QuantError`] |
+//!
+//! Types: dequantize and dot support F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+//! Q6_K, Q8_K, IQ4_NL, IQ4_XS, IQ3_S and IQ2_XS. Quantize supports F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+//! (bit-exact with `gguf`), and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (ggml's per-sub-block scale search, reimplemented;
+//! not bit-exact with llama-quantize, see [`quantize`]).
+//!
+//! SIMD: on x86_64 with AVX2, FMA and F16C (checked at run time), every dot type except Q8_K has an AVX2 kernel
+//! (module `avx2`); Q8_K (an activation format, never a weight) uses the reference. The kernels widen the weights
+//! to f32 and multiply with f32 activations, so they differ from the reference only by f32 summation order:
+//! `|simd - reference| <= 1e-5 * Σ|w[i] * x[i]|` in the tests. Other CPUs use the reference.
 
+pub mod blocks;
+pub mod iq_tables;
+pub mod quantize;
+pub mod reference;
 pub mod types;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 pub use types::{Geometry, GgmlType, QK_K};
+
+use blocks::*;
+
+/// A dot-product kernel for one quant type: `row` holds whole blocks, `x` one f32 per weight of the row, and the
+/// result is `Σ dequantize(row)[i] * x[i]`.
+///
+/// A `DotFn` does not validate lengths (the matmul checks them once per matrix with [`check_dot`]). With
+/// inconsistent lengths it uses only the blocks covered by both slices, so the sum is wrong but the call never
+/// panics or reads out of bounds.
+pub type DotFn = fn(row: &[u8], x: &[f32]) -> f32;
+
+/// A quantizer for one type: whole blocks of f32 in, exactly the matching bytes out (lengths checked by
+/// [`quantize`]).
+pub(crate) type QuantizeFn = fn(src: &[f32], dst: &mut [u8]);
+
+/// An error from a quant entry point. Every message names the ggml type.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    /// `op` (dequantize, vec_dot or quantize) has no implementation for `ty`.
+    #[error("{op} is not implemented for {ty} tensors")]
+    Unsupported { ty: GgmlType, op: &'static str },
+    /// A byte or element count is not a whole number of `ty` blocks.
+    #[error("{ty} {op}: {what} of {len} is not a whole number of {ty} blocks of {block}")]
+    NotWholeBlocks {
+        ty: GgmlType,
+        op: &'static str,
+        what: &'static str,
+        len: usize,
+        block: usize,
+    },
+    /// The two sides of a call disagree on the number of weights.
+    #[error("{ty} {op}: {what} has length {actual}, expected {expected} for the given {ty} data")]
+    LengthMismatch {
+        ty: GgmlType,
+        op: &'static str,
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+}
+
+/// Dequantize a row (or several rows) of `ty`: `src` is whole blocks, `dst` receives
+/// `src.len() / block_bytes * block_elems` f32 values.
+///
+/// Bit-exact with ggml's `dequantize_row_*` (`ggml-quants.c`) and with PyPI `gguf`'s `gguf.quants.dequantize`
+/// (checked against committed goldens in `engine/tests/quant_goldens.rs`).
+///
+/// Errors: [`QuantError::NotWholeBlocks`] when `src` is not whole blocks, [`QuantError::LengthMismatch`] when
+/// `dst` has a different length, [`QuantError::Unsupported`] for types without a dequantizer.
+pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    const OP: &str = "dequantize";
+    let k = kernels(ty, OP)?;
+    let n = elems_of_bytes(ty, OP, "source bytes", src.len())?;
+    check_len(ty, OP, "destination", n, dst.len())?;
+    (k.dequantize)(src, dst);
+    Ok(())
+}
+
+/// Dot product of one quantized row with an f32 vector: `Σ dequantize(row)[i] * x[i]`, summed in f32 (the
+/// result of the AVX2 path when available, else [`reference::vec_dot`]).
+///
+/// `row`: whole blocks of `ty`; `x`: exactly `row.len() / block_bytes * block_elems` values.
+///
+/// Errors: [`QuantError::NotWholeBlocks`], [`QuantError::LengthMismatch`] (`x`), [`QuantError::Unsupported`].
+pub fn vec_dot(ty: GgmlType, row: &[u8], x: &[f32]) -> Result<f32, QuantError> {
+    check_dot(ty, row, x)?;
+    Ok((dot_fn(ty)?)(row, x))
+}
+
+/// The fastest [`DotFn`] for `ty` on this CPU (AVX2+FMA+F16C when detected, else the reference). Call it once
+/// per matrix and the result per row.
+///
+/// Errors: [`QuantError::Unsupported`].
+pub fn dot_fn(ty: GgmlType) -> Result<DotFn, QuantError> {
+    let k = kernels(ty, "vec_dot")?;
+    Ok(match k.dot_simd {
+        Some(f) if simd_available() => f,
+        _ => k.dot_reference,
+    })
+}
+
+/// Checks that `row` is whole blocks of `ty` and that `x` has one value per weight: the validation
+/// [`vec_dot`] does, for callers that hold a [`DotFn`].
+pub fn check_dot(ty: GgmlType, row: &[u8], x: &[f32]) -> Result<(), QuantError> {
+    const OP: &str = "vec_dot";
+    let n = elems_of_bytes(ty, OP, "row bytes", row.len())?;
+    check_len(ty, OP, "activation vector", n, x.len())
+}
+
+/// Whether the AVX2 kernels run on this CPU (x86_64 with AVX2, FMA and F16C).
+pub fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether [`quantize`] supports `ty`.
+pub fn can_quantize(ty: GgmlType) -> bool {
+    kernels(ty, "quantize").is_ok_and(|k| k.quantize.is_some())
+}
+
+/// Whether [`dequantize`] and [`vec_dot`] support `ty`.
+pub fn can_dequantize(ty: GgmlType) -> bool {
+    kernels(ty, "dequantize").is_ok()
+}
+
+/// Quantize f32 values to `ty`: `src` is whole blocks of elements (a multiple of `block_elems`), `dst` receives
+/// exactly `src.len() / block_elems * block_bytes` bytes. Rows are independent, so callers parallelize by row.
+///
+/// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16 and F16 are bit-exact with PyPI `gguf`'s `gguf.quants.quantize` (and
+/// ggml's `quantize_row_*_ref`). Q2_K..Q6_K follow ggml's reference quantizers (`quantize_row_q4_K_ref` and
+/// friends: a weighted least-squares search of each sub-block's scale and min, then 6- or 4-bit super-block
+/// scales); see [`quantize`](mod@quantize) for the error each reaches.
+///
+/// Errors: [`QuantError::NotWholeBlocks`] when `src.len()` is not a multiple of `block_elems`,
+/// [`QuantError::LengthMismatch`] for `dst`, [`QuantError::Unsupported`] for types without a quantizer.
+pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
+    const OP: &str = "quantize";
+    let f = kernels(ty, OP)?
+        .quantize
+        .ok_or(QuantError::Unsupported { ty, op: OP })?;
+    let g = ty.geometry();
+    if !src.len().is_multiple_of(g.block_elems) {
+        return Err(QuantError::NotWholeBlocks {
+            ty,
+            op: OP,
+            what: "source elements",
+            len: src.len(),
+            block: g.block_elems,
+        });
+    }
+    check_len(
+        ty,
+        OP,
+        "destination",
+        src.len() / g.block_elems * g.block_bytes,
+        dst.len(),
+    )?;
+    f(src, dst);
+    Ok(())
+}
+
+/// Per-type kernels, the one table of what each type supports. Each function takes whole blocks with lengths
+/// already checked.
+pub(crate) struct Kernels {
+    pub dequantize: fn(&[u8], &mut [f32]),
+    pub dot_reference: DotFn,
+    /// AVX2+FMA+F16C kernel; call only when [`simd_available`].
+    pub dot_simd: Option<DotFn>,
+    pub quantize: Option<QuantizeFn>,
+}
+
+macro_rules! simd {
+    ($name:ident) => {{
+        #[cfg(target_arch = "x86_64")]
+        let f: Option<DotFn> = Some(avx2::$name);
+        #[cfg(not(target_arch = "x86_64"))]
+        let f: Option<DotFn> = None;
+        f
+    }};
+}
+
+pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantError> {
+    use GgmlType as T;
+    use quantize as q;
+    use reference as r;
+    fn blocks<B: r::Dequantize>(dot_simd: Option<DotFn>, quantize: Option<QuantizeFn>) -> Kernels {
+        Kernels {
+            dequantize: r::dequantize_blocks::<B>,
+            dot_reference: r::dot_blocks::<B>,
+            dot_simd,
+            quantize,
+        }
+    }
+    Ok(match ty {
+        T::F32 => Kernels {
+            dequantize: r::dequantize_f32,
+            dot_reference: r::dot_f32,
+            dot_simd: simd!(dot_f32),
+            quantize: Some(q::quantize_f32),
+        },
+        T::F16 => Kernels {
+            dequantize: r::dequantize_f16,
+            dot_reference: r::dot_f16,
+            dot_simd: simd!(dot_f16),
+            quantize: Some(q::quantize_f16),
+        },
+        T::BF16 => Kernels {
+            dequantize: r::dequantize_bf16,
+            dot_reference: r::dot_bf16,
+            dot_simd: simd!(dot_bf16),
+            quantize: Some(q::quantize_bf16),
+        },
+        T::Q4_0 => blocks::<BlockQ4_0>(simd!(dot_q4_0), Some(q::quantize_q4_0)),
+        T::Q4_1 => blocks::<BlockQ4_1>(simd!(dot_q4_1), Some(q::quantize_q4_1)),
+        T::Q5_0 => blocks::<BlockQ5_0>(simd!(dot_q5_0), Some(q::quantize_q5_0)),
+        T::Q5_1 => blocks::<BlockQ5_1>(simd!(dot_q5_1), Some(q::quantize_q5_1)),
+        T::Q8_0 => blocks::<BlockQ8_0>(simd!(dot_q8_0), Some(q::quantize_q8_0)),
+        T::Q2_K => blocks::<BlockQ2K>(simd!(dot_q2_k), Some(q::quantize_q2_k)),
+        T::Q3_K => blocks::<BlockQ3K>(simd!(dot_q3_k), Some(q::quantize_q3_k)),
+        T::Q4_K => blocks::<BlockQ4K>(simd!(dot_q4_k), Some(q::quantize_q4_k)),
+        T::Q5_K => blocks::<BlockQ5K>(simd!(dot_q5_k), Some(q::quantize_q5_k)),
+        T::Q6_K => blocks::<BlockQ6K>(simd!(dot_q6_k), Some(q::quantize_q6_k)),
+        T::Q8_K => blocks::<BlockQ8K>(None, None),
+        T::IQ4_NL => blocks::<BlockIQ4NL>(simd!(dot_iq4_nl), None),
+        T::IQ4_XS => blocks::<BlockIQ4XS>(simd!(dot_iq4_xs), None),
+        T::IQ3_S => blocks::<BlockIQ3S>(simd!(dot_iq3_s), None),
+        T::IQ2_XS => blocks::<BlockIQ2XS>(simd!(dot_iq2_xs), None),
+        _ => return Err(QuantError::Unsupported { ty, op }),
+    })
+}
+
+/// Elements held by `len` bytes of `ty`, or [`QuantError::NotWholeBlocks`].
+fn elems_of_bytes(ty: GgmlType, op: &'static str, what: &'static str, len: usize) -> Result<usize, QuantError> {
+    let g = ty.geometry();
+    if !len.is_multiple_of(g.block_bytes) {
+        return Err(QuantError::NotWholeBlocks {
+            ty,
+            op,
+            what,
+            len,
+            block: g.block_bytes,
+        });
+    }
+    Ok(len / g.block_bytes * g.block_elems)
+}
+
+fn check_len(
+    ty: GgmlType,
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    actual: usize,
+) -> Result<(), QuantError> {
+    if expected != actual {
+        return Err(QuantError::LengthMismatch {
+            ty,
+            op,
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

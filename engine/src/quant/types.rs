@@ -44,7 +44,7 @@ macro_rules! ggml_types {
             }
 
             /// Block size and bytes per block.
-            pub fn geometry(self) -> Geometry {
+            pub const fn geometry(self) -> Geometry {
                 match self { $( GgmlType::$variant => Geometry { block_elems: $elems, block_bytes: $bytes }, )* }
             }
         }
@@ -97,14 +97,17 @@ impl GgmlType {
 
     /// The type named `name` (case-insensitive, as printed by [`GgmlType::name`]).
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        GgmlType::ALL.iter().copied().find(|t| t.name().eq_ignore_ascii_case(name))
+        GgmlType::ALL
+            .iter()
+            .copied()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 
     /// Bytes taken by a row of `n_elems` elements, or `None` when `n_elems` is not a whole number of
     /// blocks or the size overflows `u64`.
     pub fn row_bytes(self, n_elems: u64) -> Option<u64> {
         let g = self.geometry();
-        if n_elems % g.block_elems as u64 != 0 {
+        if !n_elems.is_multiple_of(g.block_elems as u64) {
             return None;
         }
         (n_elems / g.block_elems as u64).checked_mul(g.block_bytes as u64)
@@ -114,6 +117,13 @@ impl GgmlType {
     pub fn bits_per_weight(self) -> f64 {
         let g = self.geometry();
         g.block_bytes as f64 * 8.0 / g.block_elems as f64
+    }
+}
+
+/// Serializes as the type's name (`"Q4_K"`), as reports and JSON events print it.
+impl serde::Serialize for GgmlType {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
     }
 }
 
