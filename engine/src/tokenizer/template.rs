@@ -1,0 +1,370 @@
+//! Chat templates: the Jinja template in `tokenizer.chat_template`, rendered with minijinja the way Hugging Face's
+//! `apply_chat_template` renders it.
+//!
+//! The environment matches transformers': `trim_blocks` and `lstrip_blocks` on, Python string and dict methods
+//! (`.strip()`, `.startswith()`, `.items()`...) through `minijinja_contrib::pycompat`, the `raise_exception(msg)`
+//! and `strftime_now(format)` functions, and the variables `messages`, `tools` (none when absent),
+//! `add_generation_prompt`, `bos_token` and `eos_token`.
+
+use std::error::Error as _;
+use std::fmt;
+
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+
+use crate::gguf::{Metadata, MetadataError};
+
+/// The GGUF key of the default chat template; named variants live at `tokenizer.chat_template.<name>`.
+pub const KEY_CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// Why a chat template could not be loaded or rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// The template does not compile; `line` is 1-based within the template.
+    #[error("{key} does not compile{}: {message}", line.map(|l| format!(" (line {l})")).unwrap_or_default())]
+    Syntax {
+        key: String,
+        line: Option<usize>,
+        message: String,
+    },
+    /// The template called `raise_exception(message)`, usually because the conversation breaks its rules
+    /// (roles not alternating, a system message where none is allowed).
+    #[error("the chat template refused the conversation: {message}")]
+    Raised { message: String },
+    /// Rendering failed for another reason (an undefined method, a type error...).
+    #[error("rendering the chat template failed{}: {message}", line.map(|l| format!(" (line {l})")).unwrap_or_default())]
+    Render { line: Option<usize>, message: String },
+}
+
+/// The content of a message: plain text, or a list of typed parts (OpenAI's `[{"type": "text", "text": ...}]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ChatContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a multi-part message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContentPart {
+    /// `text`, `image`, `image_url`...
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// Any other fields, passed to the template as they are.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`...
+    pub role: String,
+    pub content: ChatContent,
+    /// Other fields the template may read (`tool_calls`, `name`, `tool_call_id`...).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ChatMessage {
+    /// A message with plain-text content.
+    pub fn new(role: impl Into<String>, text: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: ChatContent::Text(text.into()),
+            extra: Default::default(),
+        }
+    }
+}
+
+/// What to render: the conversation, the tools on offer, and whether to open the assistant's turn.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    /// Tool definitions (OpenAI's `{"type": "function", "function": {...}}` objects), or `None` (the template
+    /// sees `tools` as none).
+    #[serde(default)]
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Whether to end with the header of an assistant turn, so that generation continues as the assistant.
+    #[serde(default)]
+    pub add_generation_prompt: bool,
+    /// Extra template variables (`enable_thinking`, `documents`...).
+    #[serde(default)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The error `raise_exception` attaches, so that [`ChatTemplate::render`] can tell it from other failures.
+#[derive(Debug)]
+struct Raised(String);
+
+impl fmt::Display for Raised {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Raised {}
+
+/// A compiled chat template with the BOS and EOS texts it may print.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+/// The text of the token whose id is stored at `id_key`, or "" when either is missing.
+fn token_text(meta: &Metadata, id_key: &str) -> String {
+    let Some(id) = meta.get(id_key).and_then(|v| v.as_u64()) else {
+        return String::new();
+    };
+    let tokens = meta.get(super::KEY_TOKENS).and_then(|v| v.as_array()).unwrap_or(&[]);
+    tokens
+        .get(id as usize)
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string()
+}
+
+impl ChatTemplate {
+    /// The template in `tokenizer.chat_template`, compiled, with `bos_token` and `eos_token` taken from
+    /// `tokenizer.ggml.tokens` at `tokenizer.ggml.bos_token_id` / `eos_token_id`. `Ok(None)` when the GGUF has
+    /// no template (base models often have none).
+    ///
+    /// Errors: the key holds a non-string ([`TemplateError::Metadata`]); the template does not compile
+    /// ([`TemplateError::Syntax`], naming the key and the line).
+    pub fn from_metadata(meta: &Metadata) -> Result<Option<ChatTemplate>, TemplateError> {
+        Self::load(meta, KEY_CHAT_TEMPLATE)
+    }
+
+    /// A named variant, `tokenizer.chat_template.<name>` (`tool_use`, `rag`), as some GGUFs carry.
+    ///
+    /// Errors: as [`ChatTemplate::from_metadata`].
+    pub fn from_metadata_named(meta: &Metadata, name: &str) -> Result<Option<ChatTemplate>, TemplateError> {
+        Self::load(meta, &format!("{KEY_CHAT_TEMPLATE}.{name}"))
+    }
+
+    fn load(meta: &Metadata, key: &str) -> Result<Option<ChatTemplate>, TemplateError> {
+        if !meta.contains(key) {
+            return Ok(None);
+        }
+        let source = meta.get_str(key)?;
+        let bos = token_text(meta, super::KEY_BOS_ID);
+        let eos = token_text(meta, super::KEY_EOS_ID);
+        Self::compile(key, source, bos, eos).map(Some)
+    }
+
+    /// Compiles `source` (`key` names where it came from, for errors).
+    ///
+    /// Errors: [`TemplateError::Syntax`] with the line of the first error.
+    pub fn compile(
+        key: &str,
+        source: &str,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<ChatTemplate, TemplateError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(Raised(message)))
+        });
+        env.add_function("strftime_now", |format: String| strftime(&format, unix_now_s()));
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+            .map_err(|e| TemplateError::Syntax {
+                key: key.to_string(),
+                line: e.line(),
+                message: e.detail().unwrap_or(&e.to_string()).to_string(),
+            })?;
+        Ok(ChatTemplate {
+            env,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
+    }
+
+    /// Renders the conversation to the prompt text (special tokens written as text: encode it with
+    /// `parse_special`).
+    ///
+    /// Errors: [`TemplateError::Raised`] with the template's own message when it calls `raise_exception`;
+    /// [`TemplateError::Render`] for any other failure, with the template line.
+    pub fn render(&self, request: &ChatRequest) -> Result<String, TemplateError> {
+        let template = self.env.get_template(TEMPLATE_NAME).expect("added at compile time");
+        let mut ctx = serde_json::Map::new();
+        for (k, v) in &request.extra {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert(
+            "messages".into(),
+            serde_json::to_value(&request.messages).expect("messages serialize"),
+        );
+        ctx.insert(
+            "tools".into(),
+            request
+                .tools
+                .as_ref()
+                .map_or(serde_json::Value::Null, |t| t.clone().into()),
+        );
+        ctx.insert("add_generation_prompt".into(), request.add_generation_prompt.into());
+        ctx.insert("bos_token".into(), self.bos_token.clone().into());
+        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        template.render(Value::from_serialize(&ctx)).map_err(|e| {
+            let mut source = e.source();
+            while let Some(s) = source {
+                if let Some(raised) = s.downcast_ref::<Raised>() {
+                    return TemplateError::Raised {
+                        message: raised.0.clone(),
+                    };
+                }
+                source = s.source();
+            }
+            TemplateError::Render {
+                line: e.line(),
+                message: e.detail().unwrap_or(&e.to_string()).to_string(),
+            }
+        })
+    }
+
+    /// The BOS text the template sees as `bos_token`.
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    /// The EOS text the template sees as `eos_token`.
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
+    }
+}
+
+fn unix_now_s() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// Year, month (1-12) and day (1-31) of a day count since 1970-01-01 (proleptic Gregorian; the "days from civil"
+/// inverse from Howard Hinnant's date algorithms).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(month <= 2), month, day)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (the inverse of [`civil_from_days`]).
+fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = i64::from((month + 9) % 12);
+    let doy = (153 * mp + 2) / 5 + i64::from(day) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// Python's `strftime` for the common specifiers, in UTC: `%Y %y %m %d %e %j %H %I %M %S %p %B %b %h %A %a %%`.
+/// Others are copied through as written.
+fn strftime(format: &str, unix_s: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const WEEKDAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let days = unix_s.div_euclid(86_400);
+    let secs = unix_s.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    let (hour, minute, second) = (secs / 3600, secs / 60 % 60, secs % 60);
+    // 1970-01-01 was a Thursday (index 3 from Monday).
+    let weekday = WEEKDAYS[(days + 3).rem_euclid(7) as usize];
+    let month_name = MONTHS[month as usize - 1];
+    let day_of_year = days - days_from_civil(year, 1, 1) + 1;
+    let mut out = String::with_capacity(format.len() + 16);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out += &year.to_string(),
+            Some('y') => out += &format!("{:02}", year.rem_euclid(100)),
+            Some('m') => out += &format!("{month:02}"),
+            Some('d') => out += &format!("{day:02}"),
+            Some('e') => out += &format!("{day:>2}"),
+            Some('j') => out += &format!("{day_of_year:03}"),
+            Some('H') => out += &format!("{hour:02}"),
+            Some('I') => out += &format!("{:02}", if hour % 12 == 0 { 12 } else { hour % 12 }),
+            Some('M') => out += &format!("{minute:02}"),
+            Some('S') => out += &format!("{second:02}"),
+            Some('p') => out += if hour < 12 { "AM" } else { "PM" },
+            Some('B') => out += month_name,
+            Some('b') | Some('h') => out += &month_name[..3],
+            Some('A') => out += weekday,
+            Some('a') => out += &weekday[..3],
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_formats_known_dates() {
+        // 2024-07-26 13:25:09 UTC, a Friday, day 208 of a leap year (checked with Python's datetime).
+        let t = 1_722_000_309;
+        assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t), "2024-07-26 13:25:09");
+        assert_eq!(
+            strftime("%d %B %Y, %A %a %b %j %p %I %%", t),
+            "26 July 2024, Friday Fri Jul 208 PM 01 %"
+        );
+        assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
+        assert_eq!(strftime("%Y-%m-%d %j", 951_782_400), "2000-02-29 060");
+    }
+}
