@@ -295,6 +295,55 @@ fn per_token<'a>(meta: &'a Metadata, key: &'static str, n: usize) -> Result<Opti
     Ok(Some(items))
 }
 
+/// Ids by text, scores and attributes of every token, from `tokenizer.ggml.scores` and `.token_type`.
+type Tables = (HashMap<String, u32>, Vec<f32>, Vec<u32>);
+
+fn vocab_tables(meta: &Metadata, texts: &[String]) -> Result<Tables, TokenizerError> {
+    let n = texts.len();
+    let mut ids = HashMap::with_capacity(n);
+    for (i, text) in texts.iter().enumerate() {
+        if let Some(first) = ids.insert(text.clone(), i as u32) {
+            return Err(TokenizerError::DuplicateToken {
+                text: text.clone(),
+                first,
+                second: i as u32,
+            });
+        }
+    }
+    let mut scores = vec![0.0f32; n];
+    if let Some(items) = per_token(meta, KEY_SCORES, n)? {
+        for (i, v) in items.iter().take(n).enumerate() {
+            scores[i] = v.as_f64().ok_or_else(|| TokenizerError::BadEntry {
+                key: KEY_SCORES,
+                index: i,
+                value: v.to_string(),
+                expected: "a number",
+            })? as f32;
+        }
+    }
+    let mut attrs = vec![ATTR_NORMAL; n];
+    if let Some(items) = per_token(meta, KEY_TOKEN_TYPE, n)? {
+        for (i, v) in items.iter().take(n).enumerate() {
+            let ty = v.as_i64().ok_or_else(|| TokenizerError::BadEntry {
+                key: KEY_TOKEN_TYPE,
+                index: i,
+                value: v.to_string(),
+                expected: "an integer token type",
+            })?;
+            attrs[i] = match ty {
+                1 => ATTR_NORMAL,
+                2 => ATTR_UNKNOWN,
+                3 => ATTR_CONTROL,
+                4 => ATTR_USER_DEFINED,
+                5 => ATTR_UNUSED,
+                6 => ATTR_BYTE,
+                _ => 0,
+            };
+        }
+    }
+    Ok((ids, scores, attrs))
+}
+
 impl Tokenizer {
     /// Builds the tokenizer of a GGUF from its metadata.
     ///
@@ -332,56 +381,43 @@ impl Tokenizer {
 
         let raw_tokens = meta.get_str_array(KEY_TOKENS)?;
         let n = raw_tokens.len();
-        let mut texts = Vec::with_capacity(n);
-        let mut ids = HashMap::with_capacity(n);
-        for (i, t) in raw_tokens.into_iter().enumerate() {
-            // llama.cpp names empty tokens this way so that they stay unique and never match text.
-            let text = if t.is_empty() {
-                format!("[EMPTY_{i}]")
-            } else {
-                t.to_string()
-            };
-            if let Some(first) = ids.insert(text.clone(), i as u32) {
-                return Err(TokenizerError::DuplicateToken {
-                    text,
-                    first,
-                    second: i as u32,
-                });
-            }
-            texts.push(text);
-        }
+        // llama.cpp names empty tokens this way so that they stay unique and never match text.
+        let texts: Vec<String> = raw_tokens
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if t.is_empty() {
+                    format!("[EMPTY_{i}]")
+                } else {
+                    t.to_string()
+                }
+            })
+            .collect();
+        let merges = match pre_row {
+            Some(_) => meta.get_str_array(KEY_MERGES)?,
+            None => Vec::new(),
+        };
 
-        let mut scores = vec![0.0f32; n];
-        if let Some(items) = per_token(meta, KEY_SCORES, n)? {
-            for (i, v) in items.iter().take(n).enumerate() {
-                scores[i] = v.as_f64().ok_or_else(|| TokenizerError::BadEntry {
-                    key: KEY_SCORES,
-                    index: i,
-                    value: v.to_string(),
-                    expected: "a number",
-                })? as f32;
-            }
-        }
-        let mut attrs = vec![ATTR_NORMAL; n];
-        if let Some(items) = per_token(meta, KEY_TOKEN_TYPE, n)? {
-            for (i, v) in items.iter().take(n).enumerate() {
-                let ty = v.as_i64().ok_or_else(|| TokenizerError::BadEntry {
-                    key: KEY_TOKEN_TYPE,
-                    index: i,
-                    value: v.to_string(),
-                    expected: "an integer token type",
-                })?;
-                attrs[i] = match ty {
-                    1 => ATTR_NORMAL,
-                    2 => ATTR_UNKNOWN,
-                    3 => ATTR_CONTROL,
-                    4 => ATTR_USER_DEFINED,
-                    5 => ATTR_UNUSED,
-                    6 => ATTR_BYTE,
-                    _ => 0,
-                };
-            }
-        }
+        // The BPE model (the slow part: hash maps over every token and merge) builds on a second thread while
+        // this one builds the lookup tables.
+        let (tables, encoder) = std::thread::scope(|scope| {
+            let bpe = pre_row.map(|row| scope.spawn(|| BpeEncoder::new(&texts, &merges, row)));
+            let tables = vocab_tables(meta, &texts);
+            let encoder = match bpe {
+                Some(handle) => handle
+                    .join()
+                    .expect("BPE build does not panic")
+                    .map(|b| Some(Encoder::Bpe(b))),
+                None => Ok(None),
+            };
+            (tables, encoder)
+        });
+        let (ids, scores, attrs) = tables?;
+        let encoder = encoder?.unwrap_or(Encoder::Spm);
+        let kind = match pre_row {
+            Some(row) => TokenizerKind::Bpe { pre: row.names[0] },
+            None => TokenizerKind::Spm,
+        };
         let mut vocab = Vocab {
             texts,
             ids,
@@ -389,16 +425,6 @@ impl Tokenizer {
             attrs,
         };
 
-        let (kind, encoder) = match pre_row {
-            Some(row) => {
-                let merges = meta.get_str_array(KEY_MERGES)?;
-                (
-                    TokenizerKind::Bpe { pre: row.names[0] },
-                    Encoder::Bpe(BpeEncoder::new(&vocab.texts, &merges, row)?),
-                )
-            }
-            None => (TokenizerKind::Spm, Encoder::Spm),
-        };
         let is_spm = kind == TokenizerKind::Spm;
 
         let in_range = |id: u32| ((id as usize) < n).then_some(id);
