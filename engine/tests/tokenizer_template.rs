@@ -1,0 +1,309 @@
+//! Chat templates from GGUF metadata: SmolLM2's ChatML (exact output), a gemma-3-format template, Cohere's
+//! tool-use template from llama.cpp's command-r test vocabulary, `raise_exception`, and broken templates.
+
+use std::path::PathBuf;
+
+use serde_json::json;
+use strata_engine::gguf::{GgufFile, Metadata, Value};
+use strata_engine::models::{DEFAULT_MODEL_FILE, GEMMA3_MODEL_FILE, VOCAB_DIR, models_dir};
+use strata_engine::tokenizer::{
+    ChatContent, ChatMessage, ChatRequest, ChatTemplate, ContentPart, TemplateError, Tokenizer,
+};
+
+fn cached(file: &str) -> PathBuf {
+    let path = models_dir().join(file);
+    assert!(path.is_file(), "{} is missing: run ci/fetch-models.sh", path.display());
+    path
+}
+
+fn request(messages: Vec<ChatMessage>, add_generation_prompt: bool) -> ChatRequest {
+    ChatRequest {
+        messages,
+        add_generation_prompt,
+        ..Default::default()
+    }
+}
+
+/// Metadata holding only a chat template (and BOS/EOS texts for it).
+fn template_metadata(source: &str) -> Metadata {
+    let mut m = Metadata::new();
+    m.insert("tokenizer.chat_template", Value::String(source.into()));
+    let tokens = ["<pad>", "<eos>", "<bos>"].map(|t| Value::String(t.into())).to_vec();
+    m.insert(
+        "tokenizer.ggml.tokens",
+        Value::Array(strata_engine::gguf::ValueType::String, tokens),
+    );
+    m.insert("tokenizer.ggml.bos_token_id", Value::U32(2));
+    m.insert("tokenizer.ggml.eos_token_id", Value::U32(1));
+    m
+}
+
+#[test]
+fn smollm2_chatml_renders_exactly() {
+    let gguf = GgufFile::open(cached(DEFAULT_MODEL_FILE)).unwrap();
+    let template = ChatTemplate::from_metadata(gguf.metadata())
+        .unwrap()
+        .expect("SmolLM2 has a template");
+    let req = request(
+        vec![ChatMessage::new("user", "Hi!"), ChatMessage::new("assistant", "Hello.")],
+        false,
+    );
+    assert_eq!(
+        template.render(&req).unwrap(),
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+    );
+    let req = request(
+        vec![ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi!")],
+        true,
+    );
+    let prompt = template.render(&req).unwrap();
+    assert_eq!(
+        prompt,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    );
+
+    // The rendered prompt tokenizes with its markers as control tokens.
+    let tok = Tokenizer::from_metadata(gguf.metadata()).unwrap();
+    let ids = tok.encode(&prompt, true, true).unwrap();
+    assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 3, "three <|im_start|>");
+    assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 2, "two <|im_end|>");
+}
+
+#[test]
+fn gemma3_base_model_has_no_template() {
+    let gguf = GgufFile::open(cached(GEMMA3_MODEL_FILE)).unwrap();
+    assert!(ChatTemplate::from_metadata(gguf.metadata()).unwrap().is_none());
+}
+
+/// The gemma 3 instruction format, written for this test: BOS, the system message folded into the first user
+/// turn, `model` for the assistant role, content either text or a list of parts, strict alternation enforced
+/// with raise_exception.
+const GEMMA3_STYLE: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- else -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"#;
+
+#[test]
+fn gemma3_style_template_with_parts_and_alternation() {
+    let template = ChatTemplate::from_metadata(&template_metadata(GEMMA3_STYLE))
+        .unwrap()
+        .unwrap();
+    assert_eq!(template.bos_token(), "<bos>");
+    let parts = ChatContent::Parts(vec![
+        ContentPart {
+            kind: "image".into(),
+            text: None,
+            extra: Default::default(),
+        },
+        ContentPart {
+            kind: "text".into(),
+            text: Some(" What is this? ".into()),
+            extra: Default::default(),
+        },
+    ]);
+    let messages = vec![
+        ChatMessage::new("system", "Answer in French."),
+        ChatMessage {
+            role: "user".into(),
+            content: parts,
+            extra: Default::default(),
+        },
+        ChatMessage::new("assistant", "Un chat."),
+        ChatMessage::new("user", "Sûr ?"),
+    ];
+    assert_eq!(
+        template.render(&request(messages, true)).unwrap(),
+        "<bos><start_of_turn>user\nAnswer in French.\n\n<start_of_image>What is this?<end_of_turn>\n\
+         <start_of_turn>model\nUn chat.<end_of_turn>\n<start_of_turn>user\nSûr ?<end_of_turn>\n<start_of_turn>model\n"
+    );
+
+    let err = template
+        .render(&request(
+            vec![ChatMessage::new("user", "a"), ChatMessage::new("user", "b")],
+            true,
+        ))
+        .unwrap_err();
+    match &err {
+        TemplateError::Raised { message } => {
+            assert_eq!(
+                message,
+                "Conversation roles must alternate user/assistant/user/assistant/..."
+            )
+        }
+        other => panic!("expected Raised, got {other:?}"),
+    }
+    assert!(err.to_string().contains("roles must alternate"), "{err}");
+}
+
+#[test]
+fn raise_exception_surfaces_its_message() {
+    let source = "{% if messages | length == 0 %}{{ raise_exception('no messages given') }}{% endif %}ok";
+    let template = ChatTemplate::from_metadata(&template_metadata(source))
+        .unwrap()
+        .unwrap();
+    let err = template.render(&request(vec![], false)).unwrap_err();
+    assert!(
+        matches!(&err, TemplateError::Raised { message } if message == "no messages given"),
+        "{err:?}"
+    );
+    assert_eq!(
+        template
+            .render(&request(vec![ChatMessage::new("user", "x")], false))
+            .unwrap(),
+        "ok"
+    );
+}
+
+/// A tool-calling template in the style of Qwen 2.5 / Hermes: tools as JSON lines, assistant tool calls.
+const TOOLS_TEMPLATE: &str = r#"{%- if tools %}
+<|im_start|>system
+You may call these tools:
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+<|im_start|>{{ message.role }}
+{% if message.tool_calls is defined %}
+{%- for call in message.tool_calls %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}
+{%- else %}{{ message.content }}{% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"#;
+
+#[test]
+fn tools_reach_the_template() {
+    let template = ChatTemplate::from_metadata(&template_metadata(TOOLS_TEMPLATE))
+        .unwrap()
+        .unwrap();
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
+    let mut call = ChatMessage::new("assistant", "");
+    call.extra.insert(
+        "tool_calls".into(),
+        json!([{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]),
+    );
+    let req = ChatRequest {
+        messages: vec![
+            ChatMessage::new("user", "Weather in Oslo?"),
+            call,
+            ChatMessage::new("tool", "12 C"),
+        ],
+        tools: Some(vec![tool]),
+        add_generation_prompt: true,
+        extra: Default::default(),
+    };
+    let out = template.render(&req).unwrap();
+    // Expected strings from Python's Jinja2 3.1.6 with trim_blocks and lstrip_blocks (transformers' settings) and a
+    // compact, key-sorted tojson.
+    assert_eq!(
+        out,
+        "<|im_start|>system\nYou may call these tools:\
+         {\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}},\"type\":\"function\"}<|im_end|>\n\
+         <|im_start|>user\nWeather in Oslo?<|im_end|>\n\
+         <|im_start|>assistant\n<tool_call>{\"arguments\":{\"city\":\"Oslo\"},\"name\":\"get_weather\"}</tool_call><|im_end|>\n\
+         <|im_start|>tool\n12 C<|im_end|>\n<|im_start|>assistant\n"
+    );
+    // Without tools the template sees none and skips the block.
+    let req = request(vec![ChatMessage::new("user", "Hi")], false);
+    assert_eq!(template.render(&req).unwrap(), "<|im_start|>user\nHi<|im_end|>\n");
+}
+
+/// Cohere's command-r tool-use template, as carried by llama.cpp's command-r test vocabulary
+/// (`tokenizer.chat_template.tool_use`): Python dict `.items()` and string `.strip()` through pycompat.
+#[test]
+fn command_r_tool_use_template_renders_tools() {
+    let gguf = GgufFile::open(cached(&format!("{VOCAB_DIR}/ggml-vocab-command-r.gguf"))).unwrap();
+    let template = ChatTemplate::from_metadata_named(gguf.metadata(), "tool_use")
+        .unwrap()
+        .expect("tool_use");
+    let tool = json!({
+        "name": "internet_search",
+        "description": "Returns a list of relevant document snippets for a textual query",
+        "parameter_definitions": {"query": {"description": "Query to search the internet with", "type": "str", "required": true}}
+    });
+    let req = ChatRequest {
+        messages: vec![ChatMessage::new("user", "  What's new?  ")],
+        tools: Some(vec![tool]),
+        add_generation_prompt: true,
+        extra: Default::default(),
+    };
+    let out = template.render(&req).unwrap();
+    assert!(
+        out.starts_with("<BOS_TOKEN><|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># Safety Preamble"),
+        "{out}"
+    );
+    assert!(out.contains("def internet_search(query: str) -> List[Dict]:"), "{out}");
+    assert!(out.contains("query (str): Query to search the internet with"), "{out}");
+    assert!(
+        out.contains("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>What's new?<|END_OF_TURN_TOKEN|>"),
+        "{out}"
+    );
+    assert!(out.ends_with("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"), "{out}");
+}
+
+#[test]
+fn broken_template_fails_at_load_naming_key_and_line() {
+    let source = "{% for message in messages %}\n{{ message.content }}\n{% if %}\n{% endfor %}";
+    let err = ChatTemplate::from_metadata(&template_metadata(source)).unwrap_err();
+    match &err {
+        TemplateError::Syntax { key, line, .. } => {
+            assert_eq!(key, "tokenizer.chat_template");
+            assert_eq!(*line, Some(3));
+        }
+        other => panic!("expected Syntax, got {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains("tokenizer.chat_template") && text.contains("line 3"),
+        "{text}"
+    );
+
+    let unclosed = ChatTemplate::from_metadata(&template_metadata("{% for m in messages %}{{ m.content }}"));
+    assert!(matches!(unclosed, Err(TemplateError::Syntax { .. })), "{unclosed:?}");
+
+    let mut wrong_type = Metadata::new();
+    wrong_type.insert("tokenizer.chat_template", Value::U32(7));
+    let err = ChatTemplate::from_metadata(&wrong_type).unwrap_err();
+    assert!(err.to_string().contains("tokenizer.chat_template"), "{err}");
+}
+
+#[test]
+fn strftime_now_and_python_methods_work() {
+    let source = "{{ strftime_now('%Y') | length }} {{ 'a,b'.split(',') | join('+') }} {{ '  x '.strip() }}";
+    let template = ChatTemplate::from_metadata(&template_metadata(source))
+        .unwrap()
+        .unwrap();
+    assert_eq!(template.render(&request(vec![], false)).unwrap(), "4 a+b x");
+}
