@@ -67,31 +67,6 @@ fn split_merge(merge: &str) -> Option<(&str, &str)> {
     Some((&merge[..split], &merge[split + 1..]))
 }
 
-/// The first merge that names a token, or produces a merged token, absent from the vocabulary.
-fn diagnose_merges(texts: &[String], merges: &[&str]) -> Option<TokenizerError> {
-    let known: std::collections::HashSet<&str> = texts.iter().map(String::as_str).collect();
-    for (index, merge) in merges.iter().enumerate() {
-        let (left, right) = split_merge(merge)?;
-        let joined = format!("{left}{right}");
-        let missing = [left, right, joined.as_str()]
-            .into_iter()
-            .find(|part| !known.contains(part));
-        if let Some(part) = missing {
-            let what = if part == joined { "the merged token" } else { "" };
-            return Some(TokenizerError::BadMerge {
-                index,
-                merge: merge.to_string(),
-                reason: format!(
-                    "{what}{}`{part}` is not in {}",
-                    if what.is_empty() { "" } else { " " },
-                    super::KEY_TOKENS
-                ),
-            });
-        }
-    }
-    None
-}
-
 /// A byte-level BPE encoder for one vocabulary: pre-tokenizer regexes, byte-level mapping and ranked merges.
 pub(crate) struct BpeEncoder {
     inner: tokenizers::Tokenizer,
@@ -110,25 +85,32 @@ impl BpeEncoder {
     ) -> Result<BpeEncoder, TokenizerError> {
         let vocab: Vocab = texts.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         let mut pairs = Vec::with_capacity(merges.len());
+        let mut joined = String::new();
         for (index, merge) in merges.iter().enumerate() {
-            let (left, right) = split_merge(merge).ok_or_else(|| TokenizerError::BadMerge {
+            let bad = |reason: String| TokenizerError::BadMerge {
                 index,
                 merge: merge.to_string(),
-                reason: "no space separates the two parts".into(),
-            })?;
+                reason,
+            };
+            let (left, right) = split_merge(merge).ok_or_else(|| bad("no space separates the two parts".into()))?;
+            // Checked here, not left to the builder: it panics on a merged token longer than every token.
+            joined.clear();
+            joined.push_str(left);
+            joined.push_str(right);
+            for (part, what) in [(left, ""), (right, ""), (joined.as_str(), "the merged token ")] {
+                if !vocab.contains_key(part) {
+                    return Err(bad(format!("{what}`{part}` is not in {}", super::KEY_TOKENS)));
+                }
+            }
             pairs.push((left.to_string(), right.to_string()));
         }
-        // The builder checks that both parts and their concatenation are tokens; on failure, find which merge
-        // broke (only then: it costs as much again as building).
         let model = BPE::builder()
             .vocab_and_merges(vocab, pairs)
             .ignore_merges(pre.ignore_merges)
             .build()
-            .map_err(|e| {
-                diagnose_merges(texts, merges).unwrap_or(TokenizerError::Build {
-                    key: KEY_MERGES,
-                    reason: e.to_string(),
-                })
+            .map_err(|e| TokenizerError::Build {
+                key: KEY_MERGES,
+                reason: e.to_string(),
             })?;
 
         let mut steps = Vec::with_capacity(pre.regexes.len() + 1);

@@ -224,7 +224,7 @@ impl Vocab {
 }
 
 enum Encoder {
-    Bpe(BpeEncoder),
+    Bpe(Box<BpeEncoder>),
     Spm,
 }
 
@@ -406,8 +406,13 @@ impl Tokenizer {
             let encoder = match bpe {
                 Some(handle) => handle
                     .join()
-                    .expect("BPE build does not panic")
-                    .map(|b| Some(Encoder::Bpe(b))),
+                    .unwrap_or_else(|_| {
+                        Err(TokenizerError::Build {
+                            key: KEY_MERGES,
+                            reason: "the BPE builder panicked".into(),
+                        })
+                    })
+                    .map(|b| Some(Encoder::Bpe(Box::new(b)))),
                 None => Ok(None),
             };
             (tables, encoder)
@@ -735,5 +740,132 @@ fn render_piece(vocab: &Vocab, id: usize, is_spm: bool) -> Vec<u8> {
         }
     } else {
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::ValueType;
+
+    fn strings(items: &[&str]) -> Value {
+        Value::Array(
+            ValueType::String,
+            items.iter().map(|s| Value::String(s.to_string())).collect(),
+        )
+    }
+
+    /// A tiny byte-level BPE vocabulary: every byte-level character of "hello world" plus two merges.
+    fn bpe_metadata() -> Metadata {
+        let mut m = Metadata::new();
+        m.insert(KEY_MODEL, Value::String("gpt2".into()));
+        m.insert(KEY_PRE, Value::String("gpt-2".into()));
+        m.insert(
+            KEY_TOKENS,
+            strings(&["h", "e", "l", "o", "Ġ", "w", "r", "d", "he", "hel", "<|end|>"]),
+        );
+        m.insert(KEY_MERGES, strings(&["h e", "he l"]));
+        m.insert(
+            KEY_TOKEN_TYPE,
+            Value::Array(
+                ValueType::I32,
+                [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3].map(Value::I32).to_vec(),
+            ),
+        );
+        m
+    }
+
+    #[test]
+    fn tiny_bpe_encodes_and_decodes() {
+        let tok = Tokenizer::from_metadata(&bpe_metadata()).unwrap();
+        let ids = tok.encode("hello world", false, false).unwrap();
+        assert_eq!(ids, [9, 2, 3, 4, 5, 3, 6, 2, 7]);
+        assert_eq!(tok.decode(&ids).unwrap(), "hello world");
+        assert_eq!(tok.encode("hel<|end|>", false, true).unwrap(), [9, 10]);
+        assert!(tok.is_eog(10));
+        let err = tok.decode(&[11]).unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::TokenOutOfRange { id: 11, vocab_size: 11 }),
+            "{err}"
+        );
+    }
+
+    fn error_of(m: &Metadata) -> String {
+        Tokenizer::from_metadata(m).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_the_key_and_the_problem() {
+        let mut m = bpe_metadata();
+        m.insert(KEY_PRE, Value::String("klingon".into()));
+        let e = error_of(&m);
+        assert!(
+            e.contains(KEY_PRE) && e.contains("klingon") && e.contains("llama-bpe") && e.contains("qwen2"),
+            "{e}"
+        );
+
+        let mut m = bpe_metadata();
+        m.insert(KEY_MERGES, strings(&["h e", "he x"]));
+        let e = error_of(&m);
+        assert!(e.contains("tokenizer.ggml.merges[1]") && e.contains("`x`"), "{e}");
+
+        let mut m = bpe_metadata();
+        m.insert(KEY_MERGES, strings(&["l o"]));
+        let e = error_of(&m);
+        assert!(e.contains("merged token `lo`"), "{e}");
+
+        let mut m = bpe_metadata();
+        m.insert(KEY_MERGES, strings(&["he"]));
+        assert!(error_of(&m).contains("no space"));
+
+        let mut m = bpe_metadata();
+        m.insert(KEY_TOKEN_TYPE, Value::Array(ValueType::I32, vec![Value::I32(1); 3]));
+        let e = error_of(&m);
+        assert!(
+            e.contains(KEY_TOKEN_TYPE) && e.contains("3 entries") && e.contains("11"),
+            "{e}"
+        );
+
+        let mut m = bpe_metadata();
+        m.insert(KEY_TOKENS, strings(&["h", "e", "h"]));
+        assert!(error_of(&m).contains("twice"));
+
+        let mut m = bpe_metadata();
+        m.insert(KEY_MODEL, Value::String("rwkv".into()));
+        assert!(error_of(&m).contains("rwkv"));
+
+        let mut m = Metadata::new();
+        m.insert(KEY_MODEL, Value::String("llama".into()));
+        assert!(error_of(&m).contains(KEY_TOKENS));
+    }
+
+    #[test]
+    fn spm_merges_by_score_with_byte_fallback() {
+        let mut m = Metadata::new();
+        m.insert(KEY_MODEL, Value::String("llama".into()));
+        let mut tokens = vec!["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "▁ab"];
+        let hex: Vec<String> = (0..=255u8).map(|b| format!("<0x{b:02X}>")).collect();
+        tokens.extend(hex.iter().map(String::as_str));
+        m.insert(KEY_TOKENS, strings(&tokens));
+        let mut scores = vec![0.0, 0.0, 0.0, -1.0, -1.0, -1.0, -3.0, -2.0, -4.0];
+        scores.resize(tokens.len(), 0.0);
+        m.insert(
+            KEY_SCORES,
+            Value::Array(ValueType::F32, scores.into_iter().map(Value::F32).collect()),
+        );
+        let mut types = vec![2, 3, 3, 1, 1, 1, 1, 1, 1];
+        types.resize(tokens.len(), 6);
+        m.insert(
+            KEY_TOKEN_TYPE,
+            Value::Array(ValueType::I32, types.into_iter().map(Value::I32).collect()),
+        );
+        let tok = Tokenizer::from_metadata(&m).unwrap();
+        // "▁ab": "ab" (score -2) merges before "▁a" (-3), then "▁" + "ab" = "▁ab".
+        assert_eq!(tok.encode("ab", true, false).unwrap(), [1, 8]);
+        // "é" is not a token: its two UTF-8 bytes become <0xC3> <0xA9>.
+        let ids = tok.encode("é", false, false).unwrap();
+        assert_eq!(ids, [3, 9 + 0xC3, 9 + 0xA9]);
+        assert_eq!(tok.decode(&ids).unwrap(), "é");
+        assert_eq!(tok.decode(&[1, 8]).unwrap(), "<s> ab");
     }
 }

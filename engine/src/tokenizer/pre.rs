@@ -5,9 +5,9 @@
 //! The regexes split in sequence: each one cuts every piece left by the previous one into matches and the text
 //! between them, and both are kept (the `Isolated` split behaviour). The pieces are then byte-level encoded.
 //!
-//! A row is data: adding a pre-tokenizer is adding a row. Rows marked "verified" are checked against llama.cpp's
-//! test vectors in `engine/tests/tokenizer_vectors.rs`; the others are transcriptions not yet checked against any
-//! vector.
+//! A row is data: adding a pre-tokenizer is adding a row. [`PRE_TOKENIZERS`] says which rows are checked against
+//! llama.cpp's test vectors (`engine/tests/tokenizer_vectors.rs`); the others are transcriptions not yet checked
+//! against any vector.
 
 /// GPT-2's word splitter: contractions, letters, digits, other symbols, each with an optional leading space.
 const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
@@ -71,6 +71,9 @@ const fn row(names: &'static [&'static str], regexes: &'static [&'static str]) -
 }
 
 /// Every supported pre-tokenizer. Missing `tokenizer.ggml.pre` means `default`, as in llama.cpp.
+/// Verified against llama.cpp's vectors: the gpt-2 row (gpt-2, mpt), llama-bpe, qwen2, qwen35, the smollm row
+/// (starcoder, refact, command-r; smollm itself by SmolLM2's known ids), falcon, deepseek-coder, deepseek-llm.
+/// Unverified (no vector in the sdist): default, the dbrx row, the poro row, gpt-4o, tekken.
 pub(crate) static PRE_TOKENIZERS: &[PreTokenizer] = &[
     row(
         &["default"],

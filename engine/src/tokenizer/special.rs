@@ -158,9 +158,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     let last_start = haystack.len() - needle.len();
     let mut i = 0;
     while i <= last_start {
-        let Some(off) = haystack[i..=last_start].iter().position(|&b| b == first) else {
-            return None;
-        };
+        let off = haystack[i..=last_start].iter().position(|&b| b == first)?;
         i += off;
         if &haystack[i..i + needle.len()] == needle {
             return Some(i);
