@@ -191,7 +191,9 @@ fn building_large_vocabularies_is_fast() {
             tok.vocab_size(),
             large.len(),
         );
-        assert!(build_ms < 1000.0, "building took {build_ms:.0} ms");
+        // A regression guard with headroom for a loaded CI machine: 0.33-0.58 s was measured for qwen2 with the
+        // two cores shared with a fuzzer and other builds (load average 4.5-5).
+        assert!(build_ms < 1500.0, "building took {build_ms:.0} ms");
         assert!(
             large_ms < small_ms.max(0.05) * 64.0 * 8.0,
             "64x text took {large_ms:.1} ms vs {small_ms:.2} ms"
