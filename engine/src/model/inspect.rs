@@ -7,6 +7,7 @@ use serde::Serialize;
 use super::hparams::HParams;
 use crate::gguf::{GgufModel, Metadata};
 use crate::quant::GgmlType;
+use crate::tokenizer::{ChatTemplate, Tokenizer};
 
 /// A model's description: architecture, hyper-parameters, tokenizer, tensors, totals and a memory estimate.
 #[derive(Debug, Clone, Serialize)]
@@ -48,6 +49,10 @@ pub struct TokenizerSummary {
     pub add_bos_token: Option<bool>,
     /// Whether `tokenizer.chat_template` is present.
     pub chat_template: bool,
+    /// Why the tokenizer cannot be built from this metadata, if it cannot.
+    pub error: Option<String>,
+    /// Why the chat template does not compile, if it does not (the engine refuses such a model at load).
+    pub chat_template_error: Option<String>,
 }
 
 /// One tensor: name, type, shape in ggml order (row length first), and bytes.
@@ -225,8 +230,18 @@ impl ModelSummary {
             id(t.bos_token_id),
             id(t.eos_token_id),
             t.add_bos_token.map_or("-".into(), |b| b.to_string()),
-            if t.chat_template { "present" } else { "absent" }
+            match (t.chat_template, &t.chat_template_error) {
+                (_, Some(_)) => "present but broken",
+                (true, None) => "present",
+                (false, None) => "absent",
+            }
         );
+        if let Some(e) = &t.error {
+            let _ = writeln!(w, "             tokenizer error: {e}");
+        }
+        if let Some(e) = &t.chat_template_error {
+            let _ = writeln!(w, "             chat template error: {e}");
+        }
         let name_w = self.tensors.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
         let _ = writeln!(
             w,
@@ -282,6 +297,8 @@ impl TokenizerSummary {
             eos_token_id: md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()),
             add_bos_token: md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()),
             chat_template: md.contains("tokenizer.chat_template"),
+            error: Tokenizer::from_metadata(md).err().map(|e| e.to_string()),
+            chat_template_error: ChatTemplate::from_metadata(md).err().map(|e| e.to_string()),
         }
     }
 }
