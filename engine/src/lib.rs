@@ -2,7 +2,7 @@
 //! backends, expert cache and server.
 
 pub mod gguf;
-pub mod quant;
-pub mod tokenizer;
 pub mod model;
 pub mod models;
+pub mod quant;
+pub mod tokenizer;

@@ -136,7 +136,10 @@ fn a_broken_chat_template_is_reported_with_its_line() {
     use strata_engine::model::synth::SynthSpec;
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good.gguf");
-    let spec = SynthSpec { n_layer: 1, ..SynthSpec::tiny_qwen3moe() };
+    let spec = SynthSpec {
+        n_layer: 1,
+        ..SynthSpec::tiny_qwen3moe()
+    };
     spec.write(&good).unwrap();
     let text = stdout(&strata(&["inspect", good.to_str().unwrap()]));
     assert!(text.contains("chat template present\n"), "{text}");
@@ -144,9 +147,16 @@ fn a_broken_chat_template_is_reported_with_its_line() {
     // The same model with a template whose second line never closes its block.
     let model = GgufModel::open(&good).unwrap();
     let mut md = model.metadata().clone();
-    md.insert("tokenizer.chat_template", Value::String("hello\n{% for m in messages %}{{ m.content }}".into()));
+    md.insert(
+        "tokenizer.chat_template",
+        Value::String("hello\n{% for m in messages %}{{ m.content }}".into()),
+    );
     let broken = dir.path().join("broken.gguf");
-    let specs: Vec<_> = model.tensors().iter().map(|t| (t.name.clone(), t.dims.clone(), t.ty)).collect();
+    let specs: Vec<_> = model
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.dims.clone(), t.ty))
+        .collect();
     let writer = GgufWriter::create(&broken, md, specs).unwrap();
     for (i, t) in model.tensors().iter().enumerate() {
         writer.write_tensor(i, model.tensor_data(t)).unwrap();
@@ -154,6 +164,12 @@ fn a_broken_chat_template_is_reported_with_its_line() {
     writer.finish().unwrap();
     let text = stdout(&strata(&["inspect", broken.to_str().unwrap()]));
     assert!(text.contains("chat template present but broken"), "{text}");
-    let line = text.lines().find(|l| l.contains("chat template error")).expect("an error line");
-    assert!(line.contains("tokenizer.chat_template") && line.contains("line"), "{line}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("chat template error"))
+        .expect("an error line");
+    assert!(
+        line.contains("tokenizer.chat_template") && line.contains("line"),
+        "{line}"
+    );
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use strata_engine::gguf::GgufFile;
-use strata_engine::models::{DEFAULT_MODEL_FILE, GEMMA3_MODEL_FILE, VOCAB_DIR, models_dir};
+use strata_engine::models::{DEFAULT_MODEL_FILE, GEMMA3_MODEL_FILE, models_dir};
 use strata_engine::tokenizer::{TokenKind, Tokenizer, TokenizerKind};
 
 fn cached(file: &str) -> PathBuf {

@@ -198,7 +198,11 @@ impl fmt::Display for Value {
             Value::F32(v) => write!(f, "{v}"),
             Value::F64(v) => write!(f, "{v}"),
             Value::Bool(v) => write!(f, "{v}"),
-            other => write!(f, "{}", other.as_i64().map_or_else(|| format!("{other:?}"), |v| v.to_string())),
+            other => write!(
+                f,
+                "{}",
+                other.as_i64().map_or_else(|| format!("{other:?}"), |v| v.to_string())
+            ),
         }
     }
 }
@@ -209,7 +213,11 @@ pub enum MetadataError {
     #[error("metadata key `{key}` is missing")]
     Missing { key: String },
     #[error("metadata key `{key}` holds {found:?}, expected {expected}")]
-    WrongType { key: String, expected: &'static str, found: ValueType },
+    WrongType {
+        key: String,
+        expected: &'static str,
+        found: ValueType,
+    },
 }
 
 /// The key-value metadata of a GGUF model, in file order.
@@ -265,7 +273,8 @@ impl Metadata {
     }
 
     fn required(&self, key: &str) -> Result<&Value, MetadataError> {
-        self.get(key).ok_or_else(|| MetadataError::Missing { key: key.to_string() })
+        self.get(key)
+            .ok_or_else(|| MetadataError::Missing { key: key.to_string() })
     }
 
     fn typed<'a, T>(
@@ -275,7 +284,11 @@ impl Metadata {
         f: impl FnOnce(&'a Value) -> Option<T>,
     ) -> Result<T, MetadataError> {
         let v = self.required(key)?;
-        f(v).ok_or_else(|| MetadataError::WrongType { key: key.to_string(), expected, found: v.value_type() })
+        f(v).ok_or_else(|| MetadataError::WrongType {
+            key: key.to_string(),
+            expected,
+            found: v.value_type(),
+        })
     }
 
     /// An integer value as `u64` (any integer type; negative values are a type error).
@@ -285,7 +298,9 @@ impl Metadata {
 
     /// An integer value as `u32`.
     pub fn get_u32(&self, key: &str) -> Result<u32, MetadataError> {
-        self.typed(key, "an integer that fits u32", |v| v.as_u64().and_then(|v| u32::try_from(v).ok()))
+        self.typed(key, "an integer that fits u32", |v| {
+            v.as_u64().and_then(|v| u32::try_from(v).ok())
+        })
     }
 
     /// A float or integer value as `f32`.
@@ -310,7 +325,9 @@ impl Metadata {
 
     /// An array of strings.
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>, MetadataError> {
-        self.typed(key, "an array of strings", |v| v.as_array()?.iter().map(Value::as_str).collect())
+        self.typed(key, "an array of strings", |v| {
+            v.as_array()?.iter().map(Value::as_str).collect()
+        })
     }
 
     /// `general.architecture`, the prefix of the model's hyper-parameter keys (`llama`, `qwen3moe`...).
@@ -320,7 +337,11 @@ impl Metadata {
 
     /// `general.alignment`, defaulting to 32 as the spec says.
     pub fn alignment(&self) -> Result<u64, MetadataError> {
-        if self.contains("general.alignment") { self.get_u64("general.alignment") } else { Ok(32) }
+        if self.contains("general.alignment") {
+            self.get_u64("general.alignment")
+        } else {
+            Ok(32)
+        }
     }
 }
 
@@ -337,7 +358,10 @@ mod tests {
         assert_eq!(m.get_u64("a.n"), Ok(7));
         assert_eq!(m.get_f32("a.n"), Ok(7.0));
         assert_eq!(m.get_str("a.s"), Ok("x"));
-        assert_eq!(m.get_u32("missing"), Err(MetadataError::Missing { key: "missing".into() }));
+        assert_eq!(
+            m.get_u32("missing"),
+            Err(MetadataError::Missing { key: "missing".into() })
+        );
         let err = m.get_u64("a.neg").unwrap_err().to_string();
         assert!(err.contains("a.neg") && err.contains("I32"), "{err}");
         assert_eq!(m.alignment(), Ok(32));

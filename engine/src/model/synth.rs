@@ -243,7 +243,7 @@ impl SynthSpec {
         {
             return bad("n_layer, n_embd, n_head, n_head_kv, head_dim and vocab_size must all be positive");
         }
-        if self.n_head % self.n_head_kv != 0 {
+        if !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad("n_head must be a multiple of n_head_kv");
         }
         if self.vocab_size < SPECIAL_TOKENS.len() as u32 + 256 {
@@ -430,7 +430,7 @@ fn common_direction(seed: u64, n: usize) -> Vec<f32> {
 /// Expert `expert`'s popularity rank (0 = most popular) in `layer`: a seeded permutation per layer.
 fn expert_rank(seed: u64, layer: u32, expert: usize, n_expert: usize) -> usize {
     let mut order: Vec<usize> = (0..n_expert).collect();
-    let mut rng = SplitMix64::new(seed ^ 0x5EED_0F_E7E7 ^ ((layer as u64) << 32));
+    let mut rng = SplitMix64::new(seed ^ 0x005E_ED0F_E7E7 ^ ((layer as u64) << 32));
     for i in (1..n_expert).rev() {
         order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
     }

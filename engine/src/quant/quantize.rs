@@ -246,7 +246,12 @@ fn fit_scale_min(
         // The squared error expands into sums this pass already has (plus the constant Σw·x²), which halves the
         // work of the search; the absolute error has no such expansion.
         let cur: f32 = if use_mad {
-            trial.iter().zip(x).zip(w).map(|((&l, &v), &wi)| wi * err(this_scale * l as f32 + this_min - v)).sum()
+            trial
+                .iter()
+                .zip(x)
+                .zip(w)
+                .map(|((&l, &v), &wi)| wi * err(this_scale * l as f32 + this_min - v))
+                .sum()
         } else {
             let (s, m) = (this_scale, this_min);
             s * s * sum_l2 + 2.0 * s * m * sum_l - 2.0 * s * sum_xl + m * m * sum_w - 2.0 * m * sum_x + sum_x2
