@@ -5,4 +5,5 @@ pub mod gguf;
 pub mod model;
 pub mod models;
 pub mod quant;
+pub mod runtime;
 pub mod tokenizer;

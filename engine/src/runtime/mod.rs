@@ -1,0 +1,3 @@
+//! Generation at run time: turning a model's logits into tokens and text (sampling, stop strings).
+
+pub mod sampling;
