@@ -26,7 +26,7 @@ use super::types::QK_K;
 /// 8 f32 from `x[at..at + 8]` (bounds-checked).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn ld8(x: &[f32], at: usize) -> __m256 {
+pub(super) fn ld8(x: &[f32], at: usize) -> __m256 {
     let s = &x[at..at + 8];
     // SAFETY: `s` is 8 readable f32; the load is unaligned.
     unsafe { _mm256_loadu_ps(s.as_ptr()) }
@@ -35,7 +35,7 @@ fn ld8(x: &[f32], at: usize) -> __m256 {
 /// 16 bytes from the start of `b` (bounds-checked).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn ld128(b: &[u8]) -> __m128i {
+pub(super) fn ld128(b: &[u8]) -> __m128i {
     let s = &b[..16];
     // SAFETY: `s` is 16 readable bytes; the load is unaligned.
     unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
@@ -44,7 +44,7 @@ fn ld128(b: &[u8]) -> __m128i {
 /// 32 bytes from the start of `b` (bounds-checked).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn ld256(b: &[u8]) -> __m256i {
+pub(super) fn ld256(b: &[u8]) -> __m256i {
     let s = &b[..32];
     // SAFETY: `s` is 32 readable bytes; the load is unaligned.
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
@@ -52,13 +52,13 @@ fn ld256(b: &[u8]) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16(h: F16Bits) -> f32 {
+pub(super) fn f16(h: F16Bits) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(h.0) as i32)))
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))

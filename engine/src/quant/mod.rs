@@ -22,7 +22,9 @@
 //! to f32 and multiply with f32 activations, so they differ from the reference only by f32 summation order:
 //! `|simd - reference| <= 1e-5 * Σ|w[i] * x[i]|` in the tests. Other CPUs use the reference.
 
+pub mod activations;
 pub mod blocks;
+mod int8;
 pub mod iq_tables;
 pub mod quantize;
 pub mod reference;
@@ -30,7 +32,10 @@ pub mod types;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_int8;
 
+pub use activations::{ActivationFormat, ActivationVector, QuantizedActivations};
 pub use types::{Geometry, GgmlType, QK_K};
 
 use blocks::*;
@@ -42,6 +47,15 @@ use blocks::*;
 /// inconsistent lengths it uses only the blocks covered by both slices, so the sum is wrong but the call never
 /// panics or reads out of bounds.
 pub type DotFn = fn(row: &[u8], x: &[f32]) -> f32;
+
+/// An integer dot-product kernel for one weight type: `row` holds whole blocks, `x` the activations quantized
+/// for that type ([`QuantizedActivations`]), and the result is `Σ dequantize(row)[i] * x̂[i]` where `x̂` is the
+/// activations as quantized (for F32, F16 and BF16 weights, the f32 [`DotFn`]).
+///
+/// Like [`DotFn`] it does not validate (see [`check_dot_q8`]): with inconsistent lengths it uses only the blocks
+/// both sides cover; with activations in another format than the type's it returns NaN. Never panics or reads
+/// out of bounds.
+pub type DotQ8Fn = fn(row: &[u8], x: &ActivationVector<'_>) -> f32;
 
 /// A quantizer for one type: whole blocks of f32 in, exactly the matching bytes out (lengths checked by
 /// [`quantize`]).
@@ -61,6 +75,14 @@ pub enum QuantError {
         what: &'static str,
         len: usize,
         block: usize,
+    },
+    /// Activations quantized for another weight type than the row's.
+    #[error("{ty} {op}: activations are {actual}, {ty} weights multiply {expected} activations")]
+    ActivationFormat {
+        ty: GgmlType,
+        op: &'static str,
+        expected: ActivationFormat,
+        actual: ActivationFormat,
     },
     /// The two sides of a call disagree on the number of weights.
     #[error("{ty} {op}: {what} has length {actual}, expected {expected} for the given {ty} data")]
@@ -117,6 +139,64 @@ pub fn dot_fn(ty: GgmlType) -> Result<DotFn, QuantError> {
 /// [`vec_dot`] does, for callers that hold a [`DotFn`].
 pub fn check_dot(ty: GgmlType, row: &[u8], x: &[f32]) -> Result<(), QuantError> {
     const OP: &str = "vec_dot";
+    let n = elems_of_bytes(ty, OP, "row bytes", row.len())?;
+    check_len(ty, OP, "activation vector", n, x.len())
+}
+
+/// The activation format weight type `ty` multiplies with on the int8 path (ggml's `vec_dot_type`): Q8_1 for
+/// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL; Q8_K for Q2_K..Q6_K, IQ4_XS, IQ3_S and IQ2_XS; F32 for F32, F16,
+/// BF16 and Q8_K.
+///
+/// Errors: [`QuantError::Unsupported`].
+pub fn activation_format(ty: GgmlType) -> Result<ActivationFormat, QuantError> {
+    Ok(kernels(ty, "vec_dot_q8")?.activations)
+}
+
+/// Quantize one activation vector `x` for weights of type `ty` (a new buffer; a matmul keeps one
+/// [`QuantizedActivations`] and calls [`QuantizedActivations::quantize`] instead).
+///
+/// Errors: as [`QuantizedActivations::quantize`].
+pub fn quantize_activations(ty: GgmlType, x: &[f32]) -> Result<QuantizedActivations, QuantError> {
+    let mut q = QuantizedActivations::new();
+    q.quantize(ty, x, x.len())?;
+    Ok(q)
+}
+
+/// Dot product of one quantized row with activations quantized for its type: `Σ dequantize(row)[i] * x̂[i]`
+/// (integer arithmetic inside each block, see [`DotQ8Fn`]).
+///
+/// Errors: [`QuantError::NotWholeBlocks`], [`QuantError::ActivationFormat`], [`QuantError::LengthMismatch`],
+/// [`QuantError::Unsupported`].
+pub fn vec_dot_q8(ty: GgmlType, row: &[u8], x: &ActivationVector<'_>) -> Result<f32, QuantError> {
+    check_dot_q8(ty, row, x)?;
+    Ok((dot_q8_fn(ty)?)(row, x))
+}
+
+/// The fastest [`DotQ8Fn`] for weights of type `ty` on this CPU (AVX2 where this module has a kernel and the CPU
+/// has AVX2+FMA+F16C, else the plain integer reference). Call it once per matrix and the result per row.
+///
+/// Errors: [`QuantError::Unsupported`].
+pub fn dot_q8_fn(ty: GgmlType) -> Result<DotQ8Fn, QuantError> {
+    let k = kernels(ty, "vec_dot_q8")?;
+    Ok(match k.dot_q8_simd {
+        Some(f) if simd_available() => f,
+        _ => k.dot_q8_reference,
+    })
+}
+
+/// Checks that `row` is whole blocks of `ty`, that `x` is in `ty`'s activation format and that it has one value
+/// per weight: the validation [`vec_dot_q8`] does, for callers that hold a [`DotQ8Fn`].
+pub fn check_dot_q8(ty: GgmlType, row: &[u8], x: &ActivationVector<'_>) -> Result<(), QuantError> {
+    const OP: &str = "vec_dot_q8";
+    let expected = activation_format(ty)?;
+    if x.format() != expected {
+        return Err(QuantError::ActivationFormat {
+            ty,
+            op: OP,
+            expected,
+            actual: x.format(),
+        });
+    }
     let n = elems_of_bytes(ty, OP, "row bytes", row.len())?;
     check_len(ty, OP, "activation vector", n, x.len())
 }
@@ -187,64 +267,141 @@ pub(crate) struct Kernels {
     /// AVX2+FMA+F16C kernel; call only when [`simd_available`].
     pub dot_simd: Option<DotFn>,
     pub quantize: Option<QuantizeFn>,
+    /// The int8 path: the activation format, the plain kernel and the AVX2 one (call only when
+    /// [`simd_available`]).
+    pub activations: ActivationFormat,
+    pub dot_q8_reference: DotQ8Fn,
+    pub dot_q8_simd: Option<DotQ8Fn>,
+}
+
+impl Kernels {
+    fn int8(self, activations: ActivationFormat, reference: DotQ8Fn, simd: Option<DotQ8Fn>) -> Kernels {
+        Kernels {
+            activations,
+            dot_q8_reference: reference,
+            dot_q8_simd: simd,
+            ..self
+        }
+    }
 }
 
 macro_rules! simd {
-    ($name:ident) => {{
+    ($name:ident) => {
+        simd!(avx2, DotFn, $name)
+    };
+    ($module:ident, $fn_ty:ty, $name:ident) => {{
         #[cfg(target_arch = "x86_64")]
-        let f: Option<DotFn> = Some(avx2::$name);
+        let f: Option<$fn_ty> = Some($module::$name);
         #[cfg(not(target_arch = "x86_64"))]
-        let f: Option<DotFn> = None;
+        let f: Option<$fn_ty> = None;
         f
     }};
 }
 
+/// The AVX2 [`DotQ8Fn`] named `$name` in `avx2_int8`.
+macro_rules! simd8 {
+    ($name:ident) => {
+        simd!(avx2_int8, DotQ8Fn, $name)
+    };
+}
+
 pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantError> {
+    use ActivationFormat::{F32 as A_F32, Q8_1 as A_Q8_1, Q8_K as A_Q8_K};
     use GgmlType as T;
     use quantize as q;
     use reference as r;
+    /// A block type's f32 kernels; the int8 columns start as the plain f32 path and `.int8(..)` sets them.
     fn blocks<B: r::Dequantize>(dot_simd: Option<DotFn>, quantize: Option<QuantizeFn>) -> Kernels {
         Kernels {
             dequantize: r::dequantize_blocks::<B>,
             dot_reference: r::dot_blocks::<B>,
             dot_simd,
             quantize,
+            activations: A_F32,
+            dot_q8_reference: int8::dot_q8_k,
+            dot_q8_simd: None,
         }
+    }
+    fn scalar(dequantize: fn(&[u8], &mut [f32]), dot_reference: DotFn, dot_simd: Option<DotFn>) -> Kernels {
+        Kernels {
+            dequantize,
+            dot_reference,
+            dot_simd,
+            quantize: None,
+            activations: A_F32,
+            dot_q8_reference: int8::dot_f32,
+            dot_q8_simd: None,
+        }
+    }
+    fn b32<B: int8::IntBlock32>() -> DotQ8Fn {
+        int8::dot_blocks32::<B>
+    }
+    fn bk<B: int8::IntBlockK>() -> DotQ8Fn {
+        int8::dot_blocks_k::<B>
     }
     Ok(match ty {
         T::F32 => Kernels {
-            dequantize: r::dequantize_f32,
-            dot_reference: r::dot_f32,
-            dot_simd: simd!(dot_f32),
             quantize: Some(q::quantize_f32),
-        },
+            ..scalar(r::dequantize_f32, r::dot_f32, simd!(dot_f32))
+        }
+        .int8(A_F32, int8::dot_f32, simd8!(dot_f32)),
         T::F16 => Kernels {
-            dequantize: r::dequantize_f16,
-            dot_reference: r::dot_f16,
-            dot_simd: simd!(dot_f16),
             quantize: Some(q::quantize_f16),
-        },
+            ..scalar(r::dequantize_f16, r::dot_f16, simd!(dot_f16))
+        }
+        .int8(A_F32, int8::dot_f16, simd8!(dot_f16)),
         T::BF16 => Kernels {
-            dequantize: r::dequantize_bf16,
-            dot_reference: r::dot_bf16,
-            dot_simd: simd!(dot_bf16),
             quantize: Some(q::quantize_bf16),
-        },
-        T::Q4_0 => blocks::<BlockQ4_0>(simd!(dot_q4_0), Some(q::quantize_q4_0)),
-        T::Q4_1 => blocks::<BlockQ4_1>(simd!(dot_q4_1), Some(q::quantize_q4_1)),
-        T::Q5_0 => blocks::<BlockQ5_0>(simd!(dot_q5_0), Some(q::quantize_q5_0)),
-        T::Q5_1 => blocks::<BlockQ5_1>(simd!(dot_q5_1), Some(q::quantize_q5_1)),
-        T::Q8_0 => blocks::<BlockQ8_0>(simd!(dot_q8_0), Some(q::quantize_q8_0)),
-        T::Q2_K => blocks::<BlockQ2K>(simd!(dot_q2_k), Some(q::quantize_q2_k)),
-        T::Q3_K => blocks::<BlockQ3K>(simd!(dot_q3_k), Some(q::quantize_q3_k)),
-        T::Q4_K => blocks::<BlockQ4K>(simd!(dot_q4_k), Some(q::quantize_q4_k)),
-        T::Q5_K => blocks::<BlockQ5K>(simd!(dot_q5_k), Some(q::quantize_q5_k)),
-        T::Q6_K => blocks::<BlockQ6K>(simd!(dot_q6_k), Some(q::quantize_q6_k)),
+            ..scalar(r::dequantize_bf16, r::dot_bf16, simd!(dot_bf16))
+        }
+        .int8(A_F32, int8::dot_bf16, simd8!(dot_bf16)),
+        T::Q4_0 => blocks::<BlockQ4_0>(simd!(dot_q4_0), Some(q::quantize_q4_0)).int8(
+            A_Q8_1,
+            b32::<BlockQ4_0>(),
+            simd8!(dot_q4_0),
+        ),
+        T::Q4_1 => blocks::<BlockQ4_1>(simd!(dot_q4_1), Some(q::quantize_q4_1)).int8(
+            A_Q8_1,
+            b32::<BlockQ4_1>(),
+            simd8!(dot_q4_1),
+        ),
+        T::Q5_0 => blocks::<BlockQ5_0>(simd!(dot_q5_0), Some(q::quantize_q5_0)).int8(
+            A_Q8_1,
+            b32::<BlockQ5_0>(),
+            simd8!(dot_q5_0),
+        ),
+        T::Q5_1 => blocks::<BlockQ5_1>(simd!(dot_q5_1), Some(q::quantize_q5_1)).int8(
+            A_Q8_1,
+            b32::<BlockQ5_1>(),
+            simd8!(dot_q5_1),
+        ),
+        T::Q8_0 => blocks::<BlockQ8_0>(simd!(dot_q8_0), Some(q::quantize_q8_0)).int8(
+            A_Q8_1,
+            b32::<BlockQ8_0>(),
+            simd8!(dot_q8_0),
+        ),
+        T::Q2_K => {
+            blocks::<BlockQ2K>(simd!(dot_q2_k), Some(q::quantize_q2_k)).int8(A_Q8_K, bk::<BlockQ2K>(), simd8!(dot_q2_k))
+        }
+        T::Q3_K => {
+            blocks::<BlockQ3K>(simd!(dot_q3_k), Some(q::quantize_q3_k)).int8(A_Q8_K, bk::<BlockQ3K>(), simd8!(dot_q3_k))
+        }
+        T::Q4_K => {
+            blocks::<BlockQ4K>(simd!(dot_q4_k), Some(q::quantize_q4_k)).int8(A_Q8_K, bk::<BlockQ4K>(), simd8!(dot_q4_k))
+        }
+        T::Q5_K => {
+            blocks::<BlockQ5K>(simd!(dot_q5_k), Some(q::quantize_q5_k)).int8(A_Q8_K, bk::<BlockQ5K>(), simd8!(dot_q5_k))
+        }
+        T::Q6_K => {
+            blocks::<BlockQ6K>(simd!(dot_q6_k), Some(q::quantize_q6_k)).int8(A_Q8_K, bk::<BlockQ6K>(), simd8!(dot_q6_k))
+        }
         T::Q8_K => blocks::<BlockQ8K>(None, None),
-        T::IQ4_NL => blocks::<BlockIQ4NL>(simd!(dot_iq4_nl), None),
-        T::IQ4_XS => blocks::<BlockIQ4XS>(simd!(dot_iq4_xs), None),
-        T::IQ3_S => blocks::<BlockIQ3S>(simd!(dot_iq3_s), None),
-        T::IQ2_XS => blocks::<BlockIQ2XS>(simd!(dot_iq2_xs), None),
+        T::IQ4_NL => {
+            blocks::<BlockIQ4NL>(simd!(dot_iq4_nl), None).int8(A_Q8_1, b32::<BlockIQ4NL>(), simd8!(dot_iq4_nl))
+        }
+        T::IQ4_XS => blocks::<BlockIQ4XS>(simd!(dot_iq4_xs), None).int8(A_Q8_K, bk::<BlockIQ4XS>(), simd8!(dot_iq4_xs)),
+        T::IQ3_S => blocks::<BlockIQ3S>(simd!(dot_iq3_s), None).int8(A_Q8_K, bk::<BlockIQ3S>(), None),
+        T::IQ2_XS => blocks::<BlockIQ2XS>(simd!(dot_iq2_xs), None).int8(A_Q8_K, bk::<BlockIQ2XS>(), None),
         _ => return Err(QuantError::Unsupported { ty, op }),
     })
 }

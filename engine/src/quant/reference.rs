@@ -26,6 +26,12 @@ pub fn dot_fn(ty: GgmlType) -> Result<DotFn, QuantError> {
     super::kernels(ty, "vec_dot").map(|k| k.dot_reference)
 }
 
+/// The plain integer [`super::DotQ8Fn`] for weights of type `ty` (module `int8`; see [`super::dot_q8_fn`]), or
+/// [`QuantError::Unsupported`].
+pub fn dot_q8_fn(ty: GgmlType) -> Result<super::DotQ8Fn, QuantError> {
+    super::kernels(ty, "vec_dot_q8").map(|k| k.dot_q8_reference)
+}
+
 /// Dequantize one block into `out` (exactly `Self::ELEMS` values).
 pub(crate) trait Dequantize: QuantBlock {
     fn dequantize(&self, out: &mut [f32]);

@@ -306,3 +306,366 @@ fn quantize_is_idempotent_on_k_types() {
         assert!(err.sqrt() < 0.05, "{ty}: re-quantization rms change {}", err.sqrt());
     }
 }
+
+// ---- int8 activations ---------------------------------------------------------------------------------------
+
+/// Every weight type with an int8 path (the float types and Q8_K keep f32 activations).
+const INT8_TYPES: &[GgmlType] = &[
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::IQ4_NL,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_XS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ2_XS,
+];
+
+/// The activations as quantized: `d * q` per value (or the f32 values).
+fn dequantized_activations(x: &ActivationVector<'_>) -> Vec<f64> {
+    if x.format == ActivationFormat::F32 {
+        return x.f32s.iter().map(|&v| v as f64).collect();
+    }
+    let block = x.qs.len() / x.d.len().max(1);
+    x.qs.iter()
+        .enumerate()
+        .map(|(i, &q)| x.d[i / block] as f64 * q as f64)
+        .collect()
+}
+
+/// `(Σ w[i] y[i], Σ |w[i] y[i]|)` in f64 for the dequantized row `w`.
+fn dot_f64(ty: GgmlType, row: &[u8], y: &[f64]) -> (f64, f64) {
+    let mut w = vec![0f32; y.len()];
+    dequantize(ty, row, &mut w).unwrap();
+    w.iter().zip(y).fold((0.0, 0.0), |(s, a), (&w, &y)| {
+        (s + w as f64 * y, a + (w as f64 * y).abs())
+    })
+}
+
+#[test]
+fn activation_formats_follow_ggml_vec_dot_type() {
+    use ActivationFormat as A;
+    for (ty, f) in [
+        (GgmlType::F32, A::F32),
+        (GgmlType::F16, A::F32),
+        (GgmlType::BF16, A::F32),
+        (GgmlType::Q8_K, A::F32),
+        (GgmlType::Q4_0, A::Q8_1),
+        (GgmlType::Q4_1, A::Q8_1),
+        (GgmlType::Q5_0, A::Q8_1),
+        (GgmlType::Q5_1, A::Q8_1),
+        (GgmlType::Q8_0, A::Q8_1),
+        (GgmlType::IQ4_NL, A::Q8_1),
+        (GgmlType::Q2_K, A::Q8_K),
+        (GgmlType::Q3_K, A::Q8_K),
+        (GgmlType::Q4_K, A::Q8_K),
+        (GgmlType::Q5_K, A::Q8_K),
+        (GgmlType::Q6_K, A::Q8_K),
+        (GgmlType::IQ4_XS, A::Q8_K),
+        (GgmlType::IQ3_S, A::Q8_K),
+        (GgmlType::IQ2_XS, A::Q8_K),
+    ] {
+        assert_eq!(activation_format(ty).unwrap(), f, "{ty}");
+    }
+    assert!(activation_format(GgmlType::TQ1_0).is_err());
+}
+
+#[test]
+fn activation_quantizer_simd_is_bit_exact_with_plain() {
+    if !simd_available() {
+        eprintln!("skipping: no AVX2+FMA+F16C on this CPU");
+        return;
+    }
+    let mut rng = Rng(11);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_K] {
+        for scale in [1.0f32, 1e-3, 1e4, 1e-32] {
+            let mut x: Vec<f32> = (0..8 * QK_K).map(|_| rng.gauss() * scale).collect();
+            // A zero block, a block with a NaN, one with +inf, exact .5 ties, an outlier.
+            x[..QK_K].fill(0.0);
+            x[QK_K + 3] = f32::NAN;
+            x[2 * QK_K + 7] = f32::INFINITY;
+            x[3 * QK_K..3 * QK_K + 32].copy_from_slice(&std::array::from_fn::<f32, 32, _>(|i| i as f32 - 15.5));
+            x[4 * QK_K + 1] = 1e3 * scale;
+            let (mut a, mut b) = (QuantizedActivations::new(), QuantizedActivations::new());
+            a.quantize_with(ty, &x, 2 * QK_K, true).unwrap();
+            b.quantize_with(ty, &x, 2 * QK_K, false).unwrap();
+            assert_eq!(a.qs, b.qs, "{ty} x{scale}: codes");
+            assert_eq!(a.sums, b.sums, "{ty} x{scale}: sums");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a.d), bits(&b.d), "{ty} x{scale}: scales");
+        }
+    }
+}
+
+#[test]
+fn activation_quantizer_codes_and_special_blocks() {
+    let mut x = vec![0f32; 4 * QK_K];
+    for (i, v) in x.iter_mut().enumerate().skip(QK_K) {
+        *v = (i as f32 * 0.37).sin();
+    }
+    x[2 * QK_K + 5] = f32::NAN;
+    x[3 * QK_K + 9] = f32::NEG_INFINITY;
+    for ty in [GgmlType::Q4_0, GgmlType::Q6_K] {
+        let q = quantize_activations(ty, &x).unwrap();
+        let v = q.vector(0);
+        let block = ty.geometry().block_elems;
+        let dq = dequantized_activations(&v);
+        for (b, &d) in v.d.iter().enumerate() {
+            let range = b * block..(b + 1) * block;
+            if range.contains(&(2 * QK_K + 5)) {
+                assert!(d.is_nan(), "{ty} block {b}");
+            } else if range.contains(&(3 * QK_K + 9)) {
+                assert!(d.is_infinite(), "{ty} block {b}");
+            } else if b * block < QK_K {
+                assert_eq!(d, 0.0);
+            } else {
+                let amax = x[range.clone()].iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert_eq!(d, amax / 127.0);
+                assert!(v.qs[range.clone()].iter().any(|&c| c.abs() == 127));
+                for i in range {
+                    assert!((dq[i] - x[i] as f64).abs() <= d as f64 * 0.5 * (1.0 + 1e-6), "{ty} {i}");
+                }
+            }
+        }
+        assert!(v.qs.iter().all(|&c| c != i8::MIN));
+    }
+}
+
+#[test]
+fn int8_simd_matches_reference_within_1e5_of_abs_sum() {
+    if !simd_available() {
+        eprintln!("skipping: no AVX2+FMA+F16C on this CPU");
+        return;
+    }
+    let mut rng = Rng(0x1234_5678);
+    for &ty in DOT_TYPES {
+        let g = ty.geometry();
+        let lens: &[usize] = if g.block_elems == 1 {
+            &[7, 4096 + 13]
+        } else {
+            &[1, 3, 16]
+        };
+        for &n_blocks in lens {
+            let row = random_row(&mut rng, ty, n_blocks);
+            let x: Vec<f32> = (0..n_blocks * g.block_elems).map(|_| rng.gauss()).collect();
+            let q = quantize_activations(ty, &x).unwrap();
+            let v = q.vector(0);
+            let fast = vec_dot_q8(ty, &row, &v).unwrap() as f64;
+            let slow = (reference::dot_q8_fn(ty).unwrap())(&row, &v) as f64;
+            let (_, abs) = dot_f64(ty, &row, &dequantized_activations(&v));
+            let tol = 1e-5 * abs + 1e-30;
+            assert!(
+                (fast - slow).abs() <= tol,
+                "{ty} {n_blocks} blocks: simd {fast} vs reference {slow}, tol {tol}"
+            );
+        }
+    }
+}
+
+#[test]
+fn int8_reference_equals_dot_with_quantized_activations() {
+    // The integer kernels compute exactly Σ w[i] * (d q)[i]: only f32 rounding of the block terms differs.
+    let mut rng = Rng(99);
+    for &ty in INT8_TYPES {
+        let g = ty.geometry();
+        for n_blocks in [1, 5] {
+            let row = random_row(&mut rng, ty, n_blocks);
+            let x: Vec<f32> = (0..n_blocks * g.block_elems).map(|_| rng.gauss()).collect();
+            let q = quantize_activations(ty, &x).unwrap();
+            let v = q.vector(0);
+            let got = (reference::dot_q8_fn(ty).unwrap())(&row, &v) as f64;
+            let (want, abs) = dot_f64(ty, &row, &dequantized_activations(&v));
+            assert!(
+                (got - want).abs() <= 1e-5 * abs + 1e-30,
+                "{ty} {n_blocks} blocks: {got} vs {want} (Σ|wx| {abs})"
+            );
+        }
+    }
+}
+
+/// Largest `|int8 dot - exact| / Σ|w x|` over 64 rows of 4096 weights (quantized with our quantizers, or random
+/// codes for the IQ types), for gaussian activations and for gaussian activations with 1% outliers of 20σ.
+fn int8_relative_error(ty: GgmlType, outliers: bool) -> f64 {
+    let mut rng = Rng(0xC0FFEE);
+    let n = 4096;
+    let g = ty.geometry();
+    let mut worst = 0f64;
+    for _ in 0..64 {
+        let row = if can_quantize(ty) {
+            let w: Vec<f32> = (0..n).map(|_| rng.gauss() * 0.02).collect();
+            let mut row = vec![0u8; n / g.block_elems * g.block_bytes];
+            quantize(ty, &w, &mut row).unwrap();
+            row
+        } else {
+            random_row(&mut rng, ty, n / g.block_elems)
+        };
+        let x: Vec<f32> = (0..n)
+            .map(|_| {
+                let v = rng.gauss();
+                if outliers && rng.next_u64().is_multiple_of(100) {
+                    20.0 * v
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let q = quantize_activations(ty, &x).unwrap();
+        let got = vec_dot_q8(ty, &row, &q.vector(0)).unwrap() as f64;
+        let exact: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let (want, abs) = dot_f64(ty, &row, &exact);
+        worst = worst.max((got - want).abs() / abs);
+    }
+    worst
+}
+
+#[test]
+fn int8_dot_error_against_exact_f32_activations() {
+    // Bounds: about 2.5x the worst case measured (with outliers) over 64 rows; see quant/mod.rs for the table.
+    for &ty in INT8_TYPES {
+        let (gauss, spiky) = (int8_relative_error(ty, false), int8_relative_error(ty, true));
+        let bound = if activation_format(ty).unwrap() == ActivationFormat::Q8_K {
+            1.2e-2
+        } else {
+            4e-3
+        };
+        eprintln!("{ty}: max |int8 - exact| / Σ|wx|: gaussian {gauss:.2e}, with outliers {spiky:.2e}");
+        assert!(gauss < bound && spiky < bound, "{ty}: {gauss} / {spiky} exceed {bound}");
+    }
+}
+
+#[test]
+fn int8_edge_cases() {
+    let mut rng = Rng(5);
+    for &ty in INT8_TYPES {
+        let g = ty.geometry();
+        let n = 2 * QK_K;
+        let row = random_row(&mut rng, ty, n / g.block_elems);
+        let zero_row = vec![0u8; row.len()];
+        let x: Vec<f32> = (0..n).map(|_| rng.gauss()).collect();
+        let q = quantize_activations(ty, &x).unwrap();
+        let zx = quantize_activations(ty, &vec![0f32; n]).unwrap();
+        for f in [dot_q8_fn(ty).unwrap(), reference::dot_q8_fn(ty).unwrap()] {
+            assert_eq!(f(&zero_row, &q.vector(0)), 0.0, "{ty}: zero row");
+            assert_eq!(f(&row, &zx.vector(0)), 0.0, "{ty}: zero activations");
+            // Large magnitudes: scale x by 1e30; the result scales with it and stays finite.
+            let big: Vec<f32> = x.iter().map(|v| v * 1e30).collect();
+            let qb = quantize_activations(ty, &big).unwrap();
+            let (small, large) = (f(&row, &q.vector(0)) as f64, f(&row, &qb.vector(0)) as f64);
+            assert!(
+                large.is_finite() && (large / 1e30 - small).abs() <= 1e-5 * small.abs() + 1e-3,
+                "{ty}: {small} vs {large}"
+            );
+            // A NaN activation makes the dot NaN, as on the f32 path.
+            let mut xn = x.clone();
+            xn[QK_K + 1] = f32::NAN;
+            let qn = quantize_activations(ty, &xn).unwrap();
+            assert!(f(&row, &qn.vector(0)).is_nan(), "{ty}: NaN activation");
+            // Inconsistent lengths: a wrong sum, never a panic; extra activations are ignored.
+            let v = q.vector(0);
+            let _ = f(&row[..row.len() - 1], &v);
+            let _ = f(&[], &v);
+            let prefix = f(&row[..g.block_bytes], &v);
+            let short = quantize_activations(ty, &x[..g.block_elems]).unwrap();
+            assert_eq!(prefix, f(&row[..g.block_bytes], &short.vector(0)), "{ty}: prefix");
+            let _ = f(&row, &short.vector(0));
+            // Activations in another format: NaN, not garbage.
+            let other = if activation_format(ty).unwrap() == ActivationFormat::Q8_K {
+                GgmlType::Q4_0
+            } else {
+                GgmlType::Q4_K
+            };
+            let wrong = quantize_activations(other, &x).unwrap();
+            assert!(f(&row, &wrong.vector(0)).is_nan(), "{ty}: wrong format");
+            let f32s = quantize_activations(GgmlType::F32, &x).unwrap();
+            assert!(f(&row, &f32s.vector(0)).is_nan(), "{ty}: f32 activations");
+        }
+    }
+}
+
+#[test]
+fn int8_checked_entry_errors() {
+    let x = vec![0.5f32; 512];
+    let q = quantize_activations(GgmlType::Q4_K, &x).unwrap();
+    let e = vec_dot_q8(GgmlType::Q4_0, &[0u8; 18 * 16], &q.vector(0)).unwrap_err();
+    assert_eq!(
+        e,
+        QuantError::ActivationFormat {
+            ty: GgmlType::Q4_0,
+            op: "vec_dot_q8",
+            expected: ActivationFormat::Q8_1,
+            actual: ActivationFormat::Q8_K
+        }
+    );
+    assert!(e.to_string().contains("Q4_0") && e.to_string().contains("Q8_K"), "{e}");
+    let e = vec_dot_q8(GgmlType::Q4_K, &[0u8; 144], &q.vector(0)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            QuantError::LengthMismatch {
+                expected: 256,
+                actual: 512,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = quantize_activations(GgmlType::Q4_K, &x[..100]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            QuantError::NotWholeBlocks {
+                len: 100,
+                block: 256,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = QuantizedActivations::new()
+        .quantize(GgmlType::Q4_0, &x[..96], 64)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            QuantError::LengthMismatch {
+                expected: 64,
+                actual: 96,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(quantize_activations(GgmlType::IQ1_S, &x).is_err());
+    assert!(dot_q8_fn(GgmlType::TQ2_0).is_err());
+    // n = 0: no vectors.
+    let mut q = QuantizedActivations::new();
+    q.quantize(GgmlType::Q4_0, &[], 0).unwrap();
+    assert_eq!(q.count(), 0);
+}
+
+#[test]
+fn activation_buffer_reuse_matches_fresh_quantization() {
+    let mut rng = Rng(17);
+    let x: Vec<f32> = (0..3 * 512).map(|_| rng.gauss()).collect();
+    let mut buf = QuantizedActivations::new();
+    buf.quantize(GgmlType::Q6_K, &x, 512).unwrap();
+    buf.quantize(GgmlType::Q4_1, &x[..64], 64).unwrap();
+    buf.quantize(GgmlType::Q4_1, &x, 512).unwrap();
+    assert_eq!(
+        (buf.count(), buf.vector_len(), buf.format()),
+        (3, 512, ActivationFormat::Q8_1)
+    );
+    for t in 0..3 {
+        let fresh = quantize_activations(GgmlType::Q4_1, &x[t * 512..(t + 1) * 512]).unwrap();
+        let (a, b) = (buf.vector(t), fresh.vector(0));
+        assert_eq!((a.qs, a.d, a.sums), (b.qs, b.d, b.sums), "vector {t}");
+    }
+    buf.quantize(GgmlType::BF16, &x, 512).unwrap();
+    assert_eq!(buf.vector(2).f32s, &x[1024..]);
+}

@@ -1,0 +1,570 @@
+//! AVX2 activation quantization and integer dot products (weight codes × int8 activation codes).
+//!
+//! The technique is ggml-cpu's x86 `ggml_vec_dot_*_q8_*` (arch/x86/quants.c), rewritten: unsigned weight codes
+//! (nibbles, 5- and 6-bit codes, 2- and 3-bit planes) meet the signed activation bytes in `vpmaddubsw` (u8 × i8
+//! pairs summed to i16, which cannot saturate here: |code| <= 63 and |q| <= 127), then `vpmaddwd` widens to i32
+//! while multiplying by ones or by the integer sub-block scales. A weight offset (Q4_0's 8, Q5_0's 16, Q3_K's 4,
+//! Q6_K's 32) is taken out afterwards through the activations' code sums, and mins likewise, so every block's sum
+//! is exact in integers and only `d_w * d_x` (and `dmin * d_x`) are float. Signed weights (Q8_0, IQ4_NL,
+//! IQ4_XS) use `vpsignb` to move the sign onto the activation (`|w| * sign(w) x`; |w| <= 128 and |x| <= 127 keep
+//! the pairs below 2^15).
+//!
+//! The integer block sums equal the reference's (`super::int8`) exactly; the results differ only in f32
+//! summation order. The quantizer does the reference's f32 operations in the same order and matches it bit for
+//! bit.
+//!
+//! Safety: as in `avx2`: every kernel is reached through the entries at the bottom, handed out only after
+//! [`super::simd_available`]; memory is read through bounds-checked slices.
+
+use std::arch::x86_64::*;
+
+use bytemuck::cast_slice;
+
+use super::activations::{ActivationFormat, ActivationVector, block_scale};
+use super::avx2::{f16, hsum, ld8, ld128, ld256};
+use super::blocks::*;
+use super::iq_tables::KVALUES_IQ4NL;
+use super::types::QK_K;
+
+// ---- helpers --------------------------------------------------------------------------------------------------
+
+/// 32 activation codes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ldq(q: &[i8]) -> __m256i {
+    ld256(cast_slice(&q[..32]))
+}
+
+/// `Σ` of pairs of pairs of `w[k] * x[k]` (w unsigned, x signed): 8 i32 lanes, lane k covering bytes 4k..4k+4.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mul_sum_u8_i8(w: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+}
+
+/// As [`mul_sum_u8_i8`] for signed weights.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mul_sum_i8_i8(w: __m256i, x: __m256i) -> __m256i {
+    mul_sum_u8_i8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+}
+
+/// The 32 nibbles of a 16-byte `qs` in element order: low nibbles (elements 0..16), then high.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn nibbles32(qs: &[u8]) -> __m256i {
+    let q = ld128(qs);
+    _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), _mm256_set1_epi8(0x0F))
+}
+
+/// Bytes 0xFF where bit k of `bits` is set (byte k), else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bits_to_bytes32(bits: u32) -> __m256i {
+    let v = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        ),
+    );
+    let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+}
+
+/// Two sub-block scales as i16: `lo` for bytes 0..16 of a 32-byte group, `hi` for bytes 16..32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_pair(lo: i32, hi: i32) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+}
+
+/// The blocks, activation codes, scales and sums both sides cover, for Q8_1 activations.
+#[inline]
+#[allow(clippy::type_complexity)]
+fn split32<'a, B: QuantBlock>(
+    row: &'a [u8],
+    x: &ActivationVector<'a>,
+) -> Option<(&'a [B], &'a [[i8; 32]], &'a [f32], &'a [i16])> {
+    if x.format != ActivationFormat::Q8_1 {
+        return None;
+    }
+    let (qs, _) = x.qs.as_chunks::<32>();
+    let n = (row.len() / size_of::<B>())
+        .min(qs.len())
+        .min(x.d.len())
+        .min(x.sums.len());
+    Some((
+        cast_slice(&row[..n * size_of::<B>()]),
+        &qs[..n],
+        &x.d[..n],
+        &x.sums[..n],
+    ))
+}
+
+/// As [`split32`] for Q8_K activations (sums per 16 values).
+#[inline]
+#[allow(clippy::type_complexity)]
+fn split_k<'a, B: QuantBlock>(
+    row: &'a [u8],
+    x: &ActivationVector<'a>,
+) -> Option<(&'a [B], &'a [[i8; QK_K]], &'a [f32], &'a [[i16; 16]])> {
+    if x.format != ActivationFormat::Q8_K {
+        return None;
+    }
+    let (qs, _) = x.qs.as_chunks::<QK_K>();
+    let (sums, _) = x.sums.as_chunks::<16>();
+    let n = (row.len() / size_of::<B>())
+        .min(qs.len())
+        .min(x.d.len())
+        .min(sums.len());
+    Some((cast_slice(&row[..n * size_of::<B>()]), &qs[..n], &x.d[..n], &sums[..n]))
+}
+
+/// The 16 code sums of a Q8_K block as i16 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ld_bsums(s: &[i16; 16]) -> __m256i {
+    ld256(cast_slice(s))
+}
+
+// ---- activation quantization --------------------------------------------------------------------------------
+
+/// `activations::quantize_codes_plain` in AVX2, bit for bit: blocks of `block` (a multiple of 32) values, sums
+/// per `group` (16 or 32). Lengths are consistent (checked by the caller).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_quantize(x: &[f32], block: usize, group: usize, qs: &mut [i8], d: &mut [f32], sums: &mut [i16]) {
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (((xb, qb), db), sb) in x
+        .chunks_exact(block)
+        .zip(qs.chunks_exact_mut(block))
+        .zip(d.iter_mut())
+        .zip(sums.chunks_exact_mut(block / group))
+    {
+        let (mut mx, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for c in xb.chunks_exact(8) {
+            let v = ld8(c, 0);
+            mx = _mm256_max_ps(mx, _mm256_and_ps(v, abs_mask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        }
+        let amax = if _mm256_movemask_ps(nan) != 0 {
+            f32::NAN
+        } else {
+            hmax(mx)
+        };
+        let (scale, inv) = block_scale(amax);
+        *db = scale;
+        if inv == 0.0 {
+            qb.fill(0);
+            sb.fill(0);
+            continue;
+        }
+        let iv = _mm256_set1_ps(inv);
+        for (k, (xc, qc)) in xb.chunks_exact(32).zip(qb.chunks_exact_mut(32)).enumerate() {
+            let code = |i: usize| {
+                let v = _mm256_mul_ps(ld8(xc, 8 * i), iv);
+                _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
+            };
+            let (v0, v1, v2, v3) = (code(0), code(1), code(2), code(3));
+            // packs interleave 128-bit lanes; the permute restores element order.
+            let packed = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+            let packed = _mm256_permutevar8x32_epi32(packed, order);
+            // SAFETY: `qc` is 32 writable bytes (chunks_exact_mut(32)); the store is unaligned.
+            unsafe { _mm256_storeu_si256(qc.as_mut_ptr().cast(), packed) };
+            let (s01, s23) = (_mm256_add_epi32(v0, v1), _mm256_add_epi32(v2, v3));
+            if group == 16 {
+                sb[2 * k] = hsum_i32(s01) as i16;
+                sb[2 * k + 1] = hsum_i32(s23) as i16;
+            } else {
+                sb[k] = hsum_i32(_mm256_add_epi32(s01, s23)) as i16;
+            }
+        }
+    }
+}
+
+/// Entry for `activations::quantize_codes`; only valid where `simd_available()`.
+pub(super) fn quantize_activations(
+    x: &[f32],
+    block: usize,
+    group: usize,
+    qs: &mut [i8],
+    d: &mut [f32],
+    sums: &mut [i16],
+) {
+    debug_assert!(super::simd_available());
+    // SAFETY: reached only when `simd_available()` found AVX2, FMA and F16C (`QuantizedActivations::quantize`).
+    unsafe { k_quantize(x, block, group, qs, d, sums) }
+}
+
+// ---- 32-value blocks × Q8_1 -----------------------------------------------------------------------------------
+
+/// Q4_0 × Q8_1 (`ggml_vec_dot_q4_0_q8_0`): `d_w d_x (Σ nibble·q - 8 Σ q)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q4_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split32::<BlockQ4_0>(row, x) else {
+        return f32::NAN;
+    };
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
+        // 8 lanes minus Σq each: minus 8 Σq in total.
+        let p = _mm256_sub_epi32(p, _mm256_set1_epi32(s as i32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
+    }
+    hsum(acc)
+}
+
+/// Q4_1 × Q8_1 (`ggml_vec_dot_q4_1_q8_1`): `d_w d_x Σ nibble·q + m d_x Σ q`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q4_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split32::<BlockQ4_1>(row, x) else {
+        return f32::NAN;
+    };
+    let mut acc = _mm256_setzero_ps();
+    let mut mins = 0f32;
+    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
+        mins += f16(b.m) * (dx * s as f32);
+    }
+    hsum(acc) + mins
+}
+
+/// The 32 five-bit codes (0..32) of a Q5 block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn five_bit32(qs: &[u8], qh: [u8; 4]) -> __m256i {
+    let high = _mm256_and_si256(bits_to_bytes32(u32::from_le_bytes(qh)), _mm256_set1_epi8(0x10));
+    _mm256_or_si256(nibbles32(qs), high)
+}
+
+/// Q5_0 × Q8_1 (`ggml_vec_dot_q5_0_q8_0`): `d_w d_x (Σ code·q - 16 Σ q)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q5_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split32::<BlockQ5_0>(row, x) else {
+        return f32::NAN;
+    };
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
+        let p = _mm256_sub_epi32(p, _mm256_set1_epi32(2 * s as i32));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
+    }
+    hsum(acc)
+}
+
+/// Q5_1 × Q8_1 (`ggml_vec_dot_q5_1_q8_1`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q5_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split32::<BlockQ5_1>(row, x) else {
+        return f32::NAN;
+    };
+    let mut acc = _mm256_setzero_ps();
+    let mut mins = 0f32;
+    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
+        mins += f16(b.m) * (dx * s as f32);
+    }
+    hsum(acc) + mins
+}
+
+/// Q8_0 × Q8_1 (`ggml_vec_dot_q8_0_q8_0`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q8_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, _)) = split32::<BlockQ8_0>(row, x) else {
+        return f32::NAN;
+    };
+    let mut acc = _mm256_setzero_ps();
+    for ((b, q), &dx) in blocks.iter().zip(qs).zip(ds) {
+        let p = mul_sum_i8_i8(ldq(&b.qs), ldq(q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
+    }
+    hsum(acc)
+}
+
+/// IQ4_NL × Q8_1 (`ggml_vec_dot_iq4_nl_q8_0`): nibbles to levels through `vpshufb`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_iq4_nl(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, _)) = split32::<BlockIQ4NL>(row, x) else {
+        return f32::NAN;
+    };
+    let table = ld128(cast_slice(&KVALUES_IQ4NL));
+    let table = _mm256_set_m128i(table, table);
+    let mut acc = _mm256_setzero_ps();
+    for ((b, q), &dx) in blocks.iter().zip(qs).zip(ds) {
+        let w = _mm256_shuffle_epi8(table, nibbles32(&b.qs));
+        let p = mul_sum_i8_i8(w, ldq(q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
+    }
+    hsum(acc)
+}
+
+// ---- super-blocks × Q8_K --------------------------------------------------------------------------------------
+
+/// Q2_K × Q8_K (`ggml_vec_dot_q2_K_q8_K`): 2-bit codes, 4-bit scales and mins per 16 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q2_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ2K>(row, x) else {
+        return f32::NAN;
+    };
+    let three = _mm256_set1_epi8(3);
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let mut isum = _mm256_setzero_si256();
+        for h in 0..2 {
+            let qv = ld256(&b.qs[32 * h..]);
+            for s in 0..4 {
+                let w = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * s as i32)), three);
+                let sub = 8 * h + 2 * s;
+                let sc = scale_pair((b.scales[sub] & 0x0F) as i32, (b.scales[sub + 1] & 0x0F) as i32);
+                let p = _mm256_maddubs_epi16(w, ldq(&q[128 * h + 32 * s..]));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sc));
+            }
+        }
+        let mins = _mm_and_si128(_mm_srli_epi16::<4>(ld128(&b.scales)), _mm_set1_epi8(0x0F));
+        let imin = _mm256_madd_epi16(ld_bsums(bs), _mm256_cvtepu8_epi16(mins));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(isum), acc);
+        acc = _mm256_fnmadd_ps(_mm256_set1_ps(f16(b.dmin) * dx), _mm256_cvtepi32_ps(imin), acc);
+    }
+    hsum(acc)
+}
+
+/// Q3_K × Q8_K (`ggml_vec_dot_q3_K_q8_K`): codes `lo2 + 4 hbit` (0..8), offset 4 taken out through the sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q3_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ3K>(row, x) else {
+        return f32::NAN;
+    };
+    let (three, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let scales = scales_q3k(&b.scales);
+        let hm = ld256(&b.hmask);
+        let mut isum = _mm256_setzero_si256();
+        for h in 0..2 {
+            let qv = ld256(&b.qs[32 * h..]);
+            for s in 0..4 {
+                let lo = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * s as i32)), three);
+                let bit = _mm256_set1_epi8((1u8 << (4 * h + s)) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                let w = _mm256_or_si256(lo, _mm256_and_si256(set, four));
+                let sub = 8 * h + 2 * s;
+                let sc = scale_pair(scales[sub] as i32 - 32, scales[sub + 1] as i32 - 32);
+                let p = _mm256_maddubs_epi16(w, ldq(&q[128 * h + 32 * s..]));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sc));
+            }
+        }
+        let sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(ld128(&scales)), _mm256_set1_epi16(32));
+        let offset = _mm256_madd_epi16(ld_bsums(bs), sc16);
+        let isum = _mm256_sub_epi32(isum, _mm256_slli_epi32::<2>(offset));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(isum), acc);
+    }
+    hsum(acc)
+}
+
+/// The 8 6-bit scales and 8 6-bit mins of a Q4_K / Q5_K block as bytes (`scale_min_k4` for j = 0..8, done on
+/// whole 32-bit words).
+#[inline]
+fn k4_scales_mins(s: &[u8; 12]) -> (u64, u64) {
+    let word = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+    let (a, b, c) = (word(0), word(4), word(8));
+    let sc_lo = a & 0x3F3F_3F3F;
+    let m_lo = b & 0x3F3F_3F3F;
+    let sc_hi = (c & 0x0F0F_0F0F) | ((a >> 6) & 0x0303_0303) << 4;
+    let m_hi = ((c >> 4) & 0x0F0F_0F0F) | ((b >> 6) & 0x0303_0303) << 4;
+    (sc_lo as u64 | (sc_hi as u64) << 32, m_lo as u64 | (m_hi as u64) << 32)
+}
+
+/// The shared body of Q4_K and Q5_K: `codes(c)` gives the codes of sub-blocks 2c and 2c + 1 (32 bytes each).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+fn k4_block(
+    d: F16Bits,
+    dmin: F16Bits,
+    packed: &[u8; 12],
+    q: &[i8; QK_K],
+    dx: f32,
+    bs: &[i16; 16],
+    codes: impl Fn(usize) -> (__m256i, __m256i),
+    acc: __m256,
+) -> __m256 {
+    let (scales, mins) = k4_scales_mins(packed);
+    let mut isum = _mm256_setzero_si256();
+    for c in 0..4 {
+        let (lo, hi) = codes(c);
+        let s_lo = _mm256_set1_epi16((scales >> (16 * c)) as u8 as i16);
+        let s_hi = _mm256_set1_epi16((scales >> (16 * c + 8)) as u8 as i16);
+        let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ldq(&q[64 * c..])), s_lo);
+        let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ldq(&q[64 * c + 32..])), s_hi);
+        isum = _mm256_add_epi32(isum, _mm256_add_epi32(p_lo, p_hi));
+    }
+    // Each min covers two groups of 16: duplicate it onto both i16 lanes `vpmaddwd` pairs.
+    let m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+    let m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    let imin = _mm256_madd_epi16(ld_bsums(bs), m16);
+    let acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(d) * dx), _mm256_cvtepi32_ps(isum), acc);
+    _mm256_fnmadd_ps(_mm256_set1_ps(f16(dmin) * dx), _mm256_cvtepi32_ps(imin), acc)
+}
+
+/// Q4_K × Q8_K (`ggml_vec_dot_q4_K_q8_K`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q4_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ4K>(row, x) else {
+        return f32::NAN;
+    };
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let codes = |c: usize| {
+            let v = ld256(&b.qs[32 * c..]);
+            (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4))
+        };
+        acc = k4_block(b.d, b.dmin, &b.scales, q, dx, bs, codes, acc);
+    }
+    hsum(acc)
+}
+
+/// Q5_K × Q8_K (`ggml_vec_dot_q5_K_q8_K`): Q4_K plus bit j of `qh[l]` as bit 4 of sub-block j.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q5_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ5K>(row, x) else {
+        return f32::NAN;
+    };
+    let (m4, b4) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let qh = ld256(&b.qh);
+        let high = |j: usize| {
+            let bit = _mm256_set1_epi8((1u8 << j) as i8);
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), b4)
+        };
+        let codes = |c: usize| {
+            let v = ld256(&b.qs[32 * c..]);
+            let lo = _mm256_or_si256(_mm256_and_si256(v, m4), high(2 * c));
+            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(v), m4), high(2 * c + 1));
+            (lo, hi)
+        };
+        acc = k4_block(b.d, b.dmin, &b.scales, q, dx, bs, codes, acc);
+    }
+    hsum(acc)
+}
+
+/// Q6_K × Q8_K (`ggml_vec_dot_q6_K_q8_K`): 6-bit codes (0..64), offset 32 taken out through the sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q6_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ6K>(row, x) else {
+        return f32::NAN;
+    };
+    let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let mut isum = _mm256_setzero_si256();
+        for h in 0..2 {
+            let qh = ld256(&b.qh[32 * h..]);
+            for s in 0..4 {
+                let ql = ld256(&b.ql[64 * h + 32 * (s & 1)..]);
+                let lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (s >> 1) as i32)), m4);
+                let hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * s as i32)), m2);
+                let w = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
+                let sub = 8 * h + 2 * s;
+                let sc = scale_pair(b.scales[sub] as i32, b.scales[sub + 1] as i32);
+                let p = _mm256_maddubs_epi16(w, ldq(&q[128 * h + 32 * s..]));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sc));
+            }
+        }
+        let sc16 = _mm256_cvtepi8_epi16(ld128(cast_slice(&b.scales)));
+        let offset = _mm256_madd_epi16(ld_bsums(bs), sc16);
+        let isum = _mm256_sub_epi32(isum, _mm256_slli_epi32::<5>(offset));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(isum), acc);
+    }
+    hsum(acc)
+}
+
+/// IQ4_XS × Q8_K (`ggml_vec_dot_iq4_xs_q8_K`): levels through `vpshufb`, 6-bit scales minus 32 per 32 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_iq4_xs(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, _)) = split_k::<BlockIQ4XS>(row, x) else {
+        return f32::NAN;
+    };
+    let table = ld128(cast_slice(&KVALUES_IQ4NL));
+    let table = _mm256_set_m128i(table, table);
+    let mut acc = _mm256_setzero_ps();
+    for ((b, q), &dx) in blocks.iter().zip(qs).zip(ds) {
+        let scales_h = u16::from_le_bytes(b.scales_h);
+        let mut isum = _mm256_setzero_si256();
+        for i in 0..8 {
+            let ls = ((b.scales_l[i / 2] >> (4 * (i % 2))) & 0x0F) | ((((scales_h >> (2 * i)) & 3) as u8) << 4);
+            let w = _mm256_shuffle_epi8(table, nibbles32(&b.qs[16 * i..]));
+            let xq = ldq(&q[32 * i..]);
+            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(ls as i16 - 32)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(isum), acc);
+    }
+    hsum(acc)
+}
+
+// ---- entries --------------------------------------------------------------------------------------------------
+
+macro_rules! entries {
+    ($($entry:ident => $kernel:ident,)*) => {$(
+        #[doc = concat!("[`super::DotQ8Fn`] entry for `", stringify!($kernel), "`; only valid where `simd_available()`.")]
+        pub(super) fn $entry(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+            debug_assert!(super::simd_available());
+            // SAFETY: these entries are reached only through `super::dot_q8_fn`, which returns them only after
+            // `simd_available()` found AVX2, FMA and F16C on this CPU.
+            unsafe { $kernel(row, x) }
+        }
+    )*};
+}
+
+entries! {
+    dot_q4_0 => k_q4_0,
+    dot_q4_1 => k_q4_1,
+    dot_q5_0 => k_q5_0,
+    dot_q5_1 => k_q5_1,
+    dot_q8_0 => k_q8_0,
+    dot_iq4_nl => k_iq4_nl,
+    dot_q2_k => k_q2_k,
+    dot_q3_k => k_q3_k,
+    dot_q4_k => k_q4_k,
+    dot_q5_k => k_q5_k,
+    dot_q6_k => k_q6_k,
+    dot_iq4_xs => k_iq4_xs,
+}
+
+/// F32-activation entries: the f32 AVX2 kernels behind a [`super::DotQ8Fn`]; NaN when `x` is not F32.
+macro_rules! f32_entries {
+    ($($name:ident => $dot:path,)*) => {$(
+        pub(super) fn $name(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+            if x.format != ActivationFormat::F32 {
+                return f32::NAN;
+            }
+            $dot(row, x.f32s)
+        }
+    )*};
+}
+
+f32_entries! {
+    dot_f32 => super::avx2::dot_f32,
+    dot_f16 => super::avx2::dot_f16,
+    dot_bf16 => super::avx2::dot_bf16,
+}
