@@ -1,6 +1,7 @@
 //! Strata's engine: GGUF models, quantization formats, tokenizers and (in later modules) the forward pass,
 //! backends, expert cache and server.
 
+pub mod backend;
 pub mod gguf;
 pub mod model;
 pub mod models;

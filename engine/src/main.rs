@@ -12,6 +12,10 @@ use strata_engine::model::synth::{SynthArch, SynthSpec};
 use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
+use strata_engine::runtime::kv::KvType;
+use strata_engine::runtime::session;
+
+mod generate_cmd;
 
 /// Strata: an inference engine for Mixture-of-Experts LLMs in GGUF.
 #[derive(Parser)]
@@ -42,6 +46,86 @@ enum Command {
         #[command(subcommand)]
         command: ModelsCommand,
     },
+    /// Generate text from a prompt on the CPU, streaming it to stdout; the summary goes to stderr.
+    Generate(GenerateArgs),
+    /// An interactive chat through the model's chat template (multi-turn, reusing the cached prefix).
+    Chat(EngineArgs),
+}
+
+/// Model, cache and sampling settings shared by `generate` and `chat`.
+#[derive(Args)]
+struct EngineArgs {
+    /// A .gguf file, or `default` for the default model (fetched on first use).
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Most tokens to generate per answer.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// KV cache type: f16, or int8 (blocks of 32 values with an f16 scale).
+    #[arg(long, value_enum, default_value = "f16")]
+    kv: KvType,
+    /// Context size in tokens (capped by the model's training context). A longer request is an error.
+    #[arg(long, default_value_t = session::DEFAULT_MAX_CONTEXT)]
+    max_context: usize,
+    /// Prefill chunk in tokens, or `auto`.
+    #[arg(long, default_value = "auto", value_parser = parse_prefill)]
+    prefill: Prefill,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+}
+
+/// Sampling flags (llama.cpp's names and defaults, except the temperature: 0, greedy, unless asked).
+#[derive(Args)]
+struct SamplingArgs {
+    /// Temperature; 0 is greedy (argmax).
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Seed of the random draw: the same seed and prompt give the same tokens.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text is generated (repeatable); it is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+#[derive(Clone, Copy)]
+struct Prefill(Option<usize>);
+
+fn parse_prefill(s: &str) -> Result<Prefill, String> {
+    if s == "auto" {
+        return Ok(Prefill(None));
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Prefill(Some(n))),
+        _ => Err(format!("--prefill takes a positive token count or `auto`, not `{s}`")),
+    }
 }
 
 #[derive(Subcommand)]
@@ -137,6 +221,7 @@ struct SynthArgs {
     /// Zipf exponent of expert popularity (0: uniform routing).
     #[arg(long)]
     zipf: Option<f64>,
+    /// Seed of the random draw: the same seed and prompt give the same tokens.
     #[arg(long)]
     seed: Option<u64>,
 }
@@ -232,6 +317,8 @@ fn run(cli: Cli) -> Result<()> {
             println!("cache         {}", models::models_dir().display());
             println!("default model {}", models::cached(models::DEFAULT_MODEL_FILE).display());
         }
+        Command::Generate(args) => generate_cmd::run_generate(args)?,
+        Command::Chat(args) => generate_cmd::run_chat(args)?,
     }
     Ok(())
 }

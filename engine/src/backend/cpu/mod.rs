@@ -1,0 +1,425 @@
+//! The CPU backend: the reference semantics of every [`Backend`] op, parallel with rayon.
+//!
+//! Parallelism: decode (one token) splits a matmul over output rows; prefill splits it over row blocks ×
+//! token tiles, dequantizing each weight row once per tile and reusing it for every token of the tile.
+//! Attention splits over KV heads × token tiles, so the query heads of a GQA group share each key and value
+//! read. Ops run on rayon's global pool (`--threads` sizes it).
+//!
+//! Hot paths: no locks and no logging anywhere below; allocation only for per-task scratch in the prefill
+//! paths (once per rayon work item, never per token or per row).
+
+pub mod kernels;
+
+use rayon::prelude::*;
+
+use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
+use crate::quant;
+use crate::runtime::kv::KvLayer;
+
+/// Rows per rayon task in a decode matmul.
+const DECODE_ROWS: usize = 16;
+/// Rows dequantized together in a prefill tile.
+const PREFILL_ROWS: usize = 16;
+/// Tokens per prefill tile: the number of times each dequantized row is reused.
+const PREFILL_TOKENS: usize = 64;
+/// Tokens per attention task in prefill.
+const ATTN_TOKENS: usize = 16;
+
+/// The CPU backend (no state: threads come from rayon's global pool).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+/// A pointer shared by parallel tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every task writes a set of indices no other task writes (argued at each use).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+impl SharedOut {
+    #[inline]
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `silu(x) = x / (1 + e^-x)`.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (ggml's `ggml_gelu_f32`; ggml's CPU path looks it up in an f16 table, which
+/// differs by f16 rounding of the input).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+impl CpuBackend {
+    /// The matmul with the kernel chosen by the caller: `batched` dequantizes rows and multiplies in f32
+    /// (prefill), otherwise each row is one quantized dot product (decode). A token's result depends on the
+    /// kernel, never on which other tokens share the batch, so expert dispatch keeps a batch's kernel for an
+    /// expert that receives a single token (what makes identical experts reproduce the dense model exactly).
+    fn matmul_as(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32], batched: bool) {
+        assert_eq!(x.len(), n_tok * w.cols, "matmul: activations");
+        assert_eq!(out.len(), n_tok * w.rows, "matmul: output");
+        if batched {
+            Self::matmul_prefill(w, x, n_tok, out);
+        } else {
+            Self::matmul_decode(w, x, out);
+        }
+    }
+
+    fn matmul_decode(w: &QMat<'_>, x: &[f32], out: &mut [f32]) {
+        out.par_chunks_mut(DECODE_ROWS).enumerate().for_each(|(c, o)| {
+            let r0 = c * DECODE_ROWS;
+            for (i, y) in o.iter_mut().enumerate() {
+                *y = (w.dot)(w.row(r0 + i), x);
+            }
+        });
+    }
+
+    fn matmul_prefill(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+        let (rows, cols) = (w.rows, w.cols);
+        let row_blocks = rows.div_ceil(PREFILL_ROWS);
+        let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
+        let shared = SharedOut(out.as_mut_ptr());
+        (0..row_blocks * tok_tiles).into_par_iter().for_each_init(
+            || vec![0f32; PREFILL_ROWS * cols],
+            |deq, task| {
+                let (rb, tt) = (task / tok_tiles, task % tok_tiles);
+                let r0 = rb * PREFILL_ROWS;
+                let nr = PREFILL_ROWS.min(rows - r0);
+                let t0 = tt * PREFILL_TOKENS;
+                let t1 = (t0 + PREFILL_TOKENS).min(n_tok);
+                quant::dequantize(
+                    w.ty,
+                    &w.data[r0 * w.row_bytes..(r0 + nr) * w.row_bytes],
+                    &mut deq[..nr * cols],
+                )
+                .expect("matrix checked at construction");
+                for t in t0..t1 {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let mut r = 0;
+                    while r < nr {
+                        let ys: [f32; 4];
+                        let k = if r + 4 <= nr {
+                            ys = kernels::dot4(&deq[r * cols..(r + 4) * cols], xt);
+                            4
+                        } else {
+                            ys = [kernels::dot(&deq[r * cols..(r + 1) * cols], xt), 0.0, 0.0, 0.0];
+                            1
+                        };
+                        for (i, y) in ys.iter().take(k).enumerate() {
+                            // SAFETY: element (t, r0 + r + i) belongs to this task's row block and token
+                            // tile only, and is inside `out` (t < n_tok, r0 + r + i < rows).
+                            unsafe { *shared.ptr().add(t * rows + r0 + r + i) = *y };
+                        }
+                        r += k;
+                    }
+                }
+            },
+        );
+    }
+}
+
+/// RMSNorm of one row (ggml's `rms_norm`: the mean of squares summed in f64) times `w`.
+#[inline]
+fn rms_norm_row(x: &mut [f32], w: &[f32], eps: f32) {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
+    for (v, g) in x.iter_mut().zip(w) {
+        *v = *v * scale * g;
+    }
+}
+
+/// Rotates one token's heads (ggml's `rope_f32` with `ext_factor = 0`: θ_i = p · scale · base^(-2i/n_rot),
+/// computed by repeated multiplication as ggml's rope cache does).
+fn rope_token(x: &mut [f32], n_head: usize, head_dim: usize, pos: u32, p: &RopeParams) {
+    let half = p.n_rot / 2;
+    let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+    let mut theta = pos as f32;
+    // n_rot ≤ head_dim; heads wider than 1024 are rejected at load.
+    let mut cs = [(0f32, 0f32); 512];
+    for c in cs.iter_mut().take(half) {
+        let t = p.freq_scale * theta;
+        *c = (t.cos(), t.sin());
+        theta *= theta_scale;
+    }
+    for h in 0..n_head {
+        let v = &mut x[h * head_dim..(h + 1) * head_dim];
+        for (i, &(cos, sin)) in cs.iter().take(half).enumerate() {
+            let (a, b) = match p.kind {
+                RopeKind::Normal => (2 * i, 2 * i + 1),
+                RopeKind::Neox => (i, i + half),
+            };
+            let (x0, x1) = (v[a], v[b]);
+            v[a] = x0 * cos - x1 * sin;
+            v[b] = x0 * sin + x1 * cos;
+        }
+    }
+}
+
+/// Per-task buffers of the attention.
+struct AttnScratch {
+    scores: Vec<f32>,
+    acc: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+        Self::matmul_as(w, x, n_tok, out, n_tok > 1);
+    }
+
+    fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) {
+        let n = w.len();
+        assert_eq!(x.len() % n, 0, "rms_norm: rows of {n}");
+        if x.len() / n >= 64 {
+            x.par_chunks_mut(n).for_each(|r| rms_norm_row(r, w, eps));
+        } else {
+            x.chunks_mut(n).for_each(|r| rms_norm_row(r, w, eps));
+        }
+    }
+
+    fn rope(&self, x: &mut [f32], n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
+        let width = n_head * head_dim;
+        assert_eq!(x.len(), positions.len() * width, "rope: shape");
+        assert!(
+            p.n_rot <= head_dim && p.n_rot.is_multiple_of(2) && p.n_rot <= 1024,
+            "rope: n_rot"
+        );
+        x.par_chunks_mut(width)
+            .zip(positions.par_iter())
+            .with_min_len(8)
+            .for_each(|(t, &pos)| rope_token(t, n_head, head_dim, pos, p));
+    }
+
+    fn scale(&self, x: &mut [f32], s: f32) {
+        x.iter_mut().for_each(|v| *v *= s);
+    }
+
+    fn add(&self, x: &mut [f32], y: &[f32]) {
+        assert_eq!(x.len(), y.len(), "add: lengths");
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+    }
+
+    fn store_kv(&self, kv: &mut KvLayer, k: &[f32], v: &[f32], positions: &[u32]) {
+        let n = positions.len();
+        assert!(
+            n > 0 && k.len().is_multiple_of(n) && v.len().is_multiple_of(n),
+            "store_kv: shapes"
+        );
+        let (wk, wv) = (k.len() / n, v.len() / n);
+        for (t, &p) in positions.iter().enumerate() {
+            kv.k.write(p as usize, &k[t * wk..(t + 1) * wk]);
+            kv.v.write(p as usize, &v[t * wv..(t + 1) * wv]);
+        }
+    }
+
+    fn attention(&self, q: &[f32], kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut [f32]) {
+        let n_tok = positions.len();
+        let (dk, dv) = (p.head_dim, p.head_dim_v);
+        assert_eq!(q.len(), n_tok * p.n_head * dk, "attention: q");
+        assert_eq!(out.len(), n_tok * p.n_head * dv, "attention: out");
+        assert_eq!(kv.k.head_dim(), dk, "attention: cache key width");
+        assert_eq!(kv.v.head_dim(), dv, "attention: cache value width");
+        let group = p.n_head / p.n_head_kv;
+        let tile = if n_tok == 1 { 1 } else { ATTN_TOKENS };
+        let tiles = n_tok.div_ceil(tile);
+        let shared = SharedOut(out.as_mut_ptr());
+        let first_key = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        (0..tiles * p.n_head_kv).into_par_iter().for_each_init(
+            || AttnScratch {
+                scores: Vec::new(),
+                acc: Vec::new(),
+                v: vec![0.0; dv],
+            },
+            |s, task| {
+                let (ti, g) = (task / p.n_head_kv, task % p.n_head_kv);
+                let t0 = ti * tile;
+                let t1 = (t0 + tile).min(n_tok);
+                let toks = &positions[t0..t1];
+                let hi = toks.iter().map(|&x| x as usize).max().expect("non-empty tile");
+                let lo = toks
+                    .iter()
+                    .map(|&x| first_key(x as usize))
+                    .min()
+                    .expect("non-empty tile");
+                let n_keys = hi + 1 - lo;
+                let n_q = toks.len() * group;
+                s.scores.clear();
+                s.scores.resize(n_q * n_keys, f32::NEG_INFINITY);
+                s.acc.clear();
+                s.acc.resize(n_q * dv, 0.0);
+                // Scores: query (t, hh) against every key it may see.
+                for (ti, &pos) in toks.iter().enumerate() {
+                    let pos = pos as usize;
+                    let first = first_key(pos);
+                    for hh in 0..group {
+                        let h = g * group + hh;
+                        let qv = &q[((t0 + ti) * p.n_head + h) * dk..][..dk];
+                        let row = &mut s.scores[(ti * group + hh) * n_keys..][..n_keys];
+                        for j in first..=pos {
+                            row[j - lo] = p.scale * kv.k.dot(j, g, qv);
+                        }
+                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let mut sum = 0.0;
+                        for x in row.iter_mut() {
+                            *x = (*x - max).exp();
+                            sum += *x;
+                        }
+                        let inv = 1.0 / sum;
+                        row.iter_mut().for_each(|x| *x *= inv);
+                    }
+                }
+                // Values: each cached value row is read once per task and added into every query that sees it.
+                for j in lo..=hi {
+                    kv.v.read(j, g, &mut s.v);
+                    for qi in 0..n_q {
+                        let w = s.scores[qi * n_keys + j - lo];
+                        if w != 0.0 {
+                            kernels::axpy(w, &s.v, &mut s.acc[qi * dv..(qi + 1) * dv]);
+                        }
+                    }
+                }
+                for ti in 0..toks.len() {
+                    for hh in 0..group {
+                        let src = &s.acc[(ti * group + hh) * dv..][..dv];
+                        let dst = ((t0 + ti) * p.n_head + g * group + hh) * dv;
+                        // SAFETY: head g * group + hh of token t0 + ti belongs to this task alone (KV head g,
+                        // token tile ti), and lies inside `out`.
+                        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), shared.ptr().add(dst), dv) };
+                    }
+                }
+            },
+        );
+    }
+
+    fn glu(&self, gate: &mut [f32], up: &[f32], act: GluKind) {
+        assert_eq!(gate.len(), up.len(), "glu: lengths");
+        let f = match act {
+            GluKind::SwiGlu => silu,
+            GluKind::GeGlu => gelu_tanh,
+        };
+        gate.par_chunks_mut(4096)
+            .zip(up.par_chunks(4096))
+            .for_each(|(g, u)| g.iter_mut().zip(u).for_each(|(a, b)| *a = f(*a) * b));
+    }
+
+    fn softmax(&self, x: &mut [f32], width: usize) {
+        assert_eq!(x.len() % width, 0, "softmax: rows");
+        for row in x.chunks_mut(width) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for v in row.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            row.iter_mut().for_each(|v| *v /= sum);
+        }
+    }
+
+    fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing) {
+        assert!(
+            k >= 1 && k <= n_expert && logits.len().is_multiple_of(n_expert),
+            "route: shapes"
+        );
+        let n_tok = logits.len() / n_expert;
+        self.softmax(logits, n_expert);
+        out.k = k;
+        out.normalized = normalize;
+        out.ids.clear();
+        out.weights.clear();
+        for probs in logits.chunks(n_expert) {
+            let start = out.ids.len();
+            for _ in 0..k {
+                let mut best: Option<usize> = None;
+                for (e, &pr) in probs.iter().enumerate() {
+                    if out.ids[start..].contains(&(e as u32)) {
+                        continue;
+                    }
+                    if best.is_none_or(|b| pr > probs[b]) {
+                        best = Some(e);
+                    }
+                }
+                let e = best.expect("k <= n_expert");
+                out.ids.push(e as u32);
+                out.weights.push(probs[e]);
+            }
+            if normalize {
+                let sum: f32 = out.weights[start..].iter().sum();
+                out.weights[start..].iter_mut().for_each(|w| *w /= sum);
+            }
+        }
+        debug_assert_eq!(out.ids.len(), n_tok * k);
+    }
+
+    fn moe_ffn(&self, ex: &Experts<'_>, x: &[f32], routing: &Routing, out: &mut [f32], s: &mut MoeScratch) {
+        let n_embd = ex.gate.cols;
+        let nff = ex.n_ff_exp;
+        let n_tok = x.len() / n_embd;
+        assert_eq!(out.len(), x.len(), "moe_ffn: output");
+        assert_eq!(routing.ids.len(), n_tok * routing.k, "moe_ffn: routing");
+        s.acc.clear();
+        s.acc.resize(n_tok * n_embd, 0.0);
+        let batched = n_tok > 1;
+        for e in 0..ex.n_expert {
+            // The routing slots (token t's i-th choice is slot t * k + i) that chose expert e, whose tokens are
+            // gathered into a contiguous batch.
+            s.tokens.clear();
+            for (slot, &id) in routing.ids.iter().enumerate() {
+                if id as usize == e {
+                    s.tokens.push(slot as u32);
+                }
+            }
+            let m = s.tokens.len();
+            if m == 0 {
+                continue;
+            }
+            s.x.resize(m * n_embd, 0.0);
+            for (i, &slot) in s.tokens.iter().enumerate() {
+                let t = slot as usize / routing.k;
+                s.x[i * n_embd..(i + 1) * n_embd].copy_from_slice(&x[t * n_embd..][..n_embd]);
+            }
+            s.gate.resize(m * nff, 0.0);
+            s.up.resize(m * nff, 0.0);
+            s.down.resize(m * n_embd, 0.0);
+            let x_e = &s.x[..m * n_embd];
+            Self::matmul_as(
+                &ex.gate.rows_slice(e * nff, nff),
+                x_e,
+                m,
+                &mut s.gate[..m * nff],
+                batched,
+            );
+            Self::matmul_as(&ex.up.rows_slice(e * nff, nff), x_e, m, &mut s.up[..m * nff], batched);
+            self.glu(&mut s.gate[..m * nff], &s.up[..m * nff], ex.act);
+            let down = ex.down.rows_slice(e * n_embd, n_embd);
+            Self::matmul_as(&down, &s.gate[..m * nff], m, &mut s.down[..m * n_embd], batched);
+            for (i, &slot) in s.tokens.iter().enumerate() {
+                let (t, w) = (slot as usize / routing.k, routing.weights[slot as usize] as f64);
+                let acc = &mut s.acc[t * n_embd..(t + 1) * n_embd];
+                for (a, d) in acc.iter_mut().zip(&s.down[i * n_embd..(i + 1) * n_embd]) {
+                    *a += w * *d as f64;
+                }
+            }
+        }
+        for (t, o) in out.chunks_mut(n_embd).enumerate() {
+            let inv = if routing.normalized {
+                let ws = &routing.weights[t * routing.k..(t + 1) * routing.k];
+                1.0 / ws.iter().map(|&w| w as f64).sum::<f64>()
+            } else {
+                1.0
+            };
+            for (y, a) in o.iter_mut().zip(&s.acc[t * n_embd..(t + 1) * n_embd]) {
+                *y = (a * inv) as f32;
+            }
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! Generation: prefill a prompt, then decode token by token until end-of-generation, a stop string or the
+//! token limit, streaming text as it is produced.
+
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::runtime::sampling::{Sampler, StopMatcher};
+use crate::runtime::session::{PrefillStats, Session, SessionError};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// An end-of-generation token (EOS, EOT...), not printed.
+    Eog,
+    /// A stop string matched; it and what follows are not printed.
+    StopString,
+    /// `max_tokens` reached.
+    Limit,
+    /// The context is full.
+    Context,
+}
+
+/// Counts and timings of one request (the summary line's numbers).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GenerateStats {
+    pub prefill: PrefillStats,
+    /// Tokens sampled (including a final end-of-generation token).
+    pub generated: usize,
+    pub decode_ms: f64,
+    pub stop: StopReason,
+}
+
+impl GenerateStats {
+    /// The summary in the seeds' style, without the `strata:` prefix:
+    /// `prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms (60.6 tok/s)`.
+    pub fn summary(&self) -> String {
+        let p = &self.prefill;
+        let rate = |n: usize, ms: f64| if ms > 0.0 { n as f64 / ms * 1e3 } else { 0.0 };
+        format!(
+            "prompt {} tokens = {} reused + {} read in {:.0} ms ({:.1} tok/s), {} generated in {:.0} ms ({:.1} tok/s)",
+            p.prompt_tokens,
+            p.reused,
+            p.read,
+            p.ms,
+            rate(p.read, p.ms),
+            self.generated,
+            self.decode_ms,
+            rate(self.generated, self.decode_ms)
+        )
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+/// Picks the next token from logits and the token history.
+pub trait TokenSampler {
+    fn next_token(&mut self, logits: &[f32], history: &[u32]) -> u32;
+}
+
+impl TokenSampler for Sampler {
+    fn next_token(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sample(logits, history)
+    }
+}
+
+/// Argmax, ties to the lowest id.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Greedy;
+
+impl TokenSampler for Greedy {
+    fn next_token(&mut self, logits: &[f32], _history: &[u32]) -> u32 {
+        argmax(logits)
+    }
+}
+
+/// Index of the largest value, the lowest index among ties (NaN never wins).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Generation settings.
+#[derive(Debug, Clone, Default)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+}
+
+/// Prefills `prompt`, then samples up to `opts.max_tokens` tokens, calling `on_text` with each printable
+/// piece of text (whole UTF-8 characters; end-of-generation tokens and stop strings are not printed).
+/// Returns the generated ids (an end-of-generation token included) and the stats.
+///
+/// Errors: the prompt does not fit the context or is empty ([`SessionError`]); a token cannot be decoded.
+pub fn generate<B: Backend>(
+    session: &mut Session<'_, B>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    sampler: &mut dyn TokenSampler,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<(Vec<u32>, GenerateStats), GenerateError> {
+    let prefill = session.prefill(prompt)?;
+    let start = Instant::now();
+    let mut history: Vec<u32> = prompt.to_vec();
+    let mut out = Vec::new();
+    let mut bytes: Vec<u8> = Vec::new();
+    let mut stops = StopMatcher::new(opts.stop.iter().cloned());
+    let mut stop = StopReason::Limit;
+    while out.len() < opts.max_tokens {
+        let tok = sampler.next_token(session.logits(), &history);
+        out.push(tok);
+        history.push(tok);
+        if tokenizer.is_eog(tok) {
+            stop = StopReason::Eog;
+            break;
+        }
+        bytes.extend_from_slice(&tokenizer.decode_bytes(&[tok], true)?);
+        let valid = match std::str::from_utf8(&bytes) {
+            Ok(s) => s.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            // Invalid bytes (not a cut character) are printed lossily now.
+            Err(_) => bytes.len(),
+        };
+        let piece = String::from_utf8_lossy(&bytes[..valid]).into_owned();
+        bytes.drain(..valid);
+        let step = stops.feed(&piece);
+        if !step.text.is_empty() {
+            on_text(step.text);
+        }
+        if step.stopped {
+            stop = StopReason::StopString;
+            break;
+        }
+        if out.len() == opts.max_tokens {
+            break;
+        }
+        if session.tokens().len() >= session.n_ctx() {
+            stop = StopReason::Context;
+            break;
+        }
+        session.decode(tok)?;
+    }
+    if stop != StopReason::StopString {
+        let rest = stops.feed(&String::from_utf8_lossy(&bytes)).text.to_string() + stops.finish();
+        if !rest.is_empty() {
+            on_text(&rest);
+        }
+    }
+    Ok((
+        out.clone(),
+        GenerateStats {
+            prefill,
+            generated: out.len(),
+            decode_ms: start.elapsed().as_secs_f64() * 1e3,
+            stop,
+        },
+    ))
+}

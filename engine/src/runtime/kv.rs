@@ -1,0 +1,178 @@
+//! The KV cache: keys and values of every layer for positions `0..n_ctx`, in f16 or int8.
+//!
+//! Cell `p` of a layer holds the token at position `p` (a linear cache: one sequence, no eviction). A row is
+//! one token's keys (or values) for all KV heads, `n_head_kv * head_dim` values, stored as whole blocks of a
+//! GGML type so the quant module's dot products and dequantizers apply as they are:
+//! - `f16`: [`GgmlType::F16`], 2 bytes per value;
+//! - `int8`: [`GgmlType::Q8_0`], blocks of 32 values with one f16 scale each (34 bytes per 32 values,
+//!   1.0625 bytes per value). `head_dim` must be a multiple of 32 so a block never straddles two heads.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::model::HParams;
+use crate::quant::{self, DotFn, GgmlType};
+
+/// Storage type of the cache (`--kv f16|int8`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum KvType {
+    #[default]
+    F16,
+    /// Per-32-value blocks of int8 with an f16 scale (ggml's Q8_0 layout).
+    Int8,
+}
+
+impl KvType {
+    /// The GGML block type rows are stored in.
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            KvType::F16 => GgmlType::F16,
+            KvType::Int8 => GgmlType::Q8_0,
+        }
+    }
+}
+
+impl fmt::Display for KvType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvType::F16 => "f16",
+            KvType::Int8 => "int8",
+        })
+    }
+}
+
+impl FromStr for KvType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<KvType, String> {
+        match s {
+            "f16" => Ok(KvType::F16),
+            "int8" | "q8_0" => Ok(KvType::Int8),
+            _ => Err(format!("unknown KV cache type `{s}`; known: f16, int8")),
+        }
+    }
+}
+
+/// Why a cache could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("an int8 KV cache needs head widths that are multiples of 32; this model has {head_dim}")]
+    HeadDim { head_dim: usize },
+    #[error("a KV cache needs a context of at least one token")]
+    Empty,
+}
+
+/// One layer's keys or values: `n_ctx` rows of `heads * head_dim` values.
+#[derive(Debug, Clone)]
+pub struct KvRows {
+    ty: GgmlType,
+    data: Vec<u8>,
+    head_dim: usize,
+    heads: usize,
+    /// Bytes of one head's slice of a row.
+    head_bytes: usize,
+    dot: DotFn,
+}
+
+impl KvRows {
+    fn new(ty: GgmlType, n_ctx: usize, heads: usize, head_dim: usize) -> KvRows {
+        let head_bytes = ty.row_bytes(head_dim as u64).expect("head width checked") as usize;
+        KvRows {
+            ty,
+            data: vec![0; n_ctx * heads * head_bytes],
+            head_dim,
+            heads,
+            head_bytes,
+            dot: quant::dot_fn(ty).expect("F16 and Q8_0 have dot products"),
+        }
+    }
+
+    /// Stores `row` (`heads * head_dim` values) at `cell`, rounding to the cache type.
+    pub fn write(&mut self, cell: usize, row: &[f32]) {
+        let bytes = self.heads * self.head_bytes;
+        let dst = &mut self.data[cell * bytes..(cell + 1) * bytes];
+        quant::quantize(self.ty, row, dst).expect("row width fixed at construction");
+    }
+
+    /// The stored bytes of head `head` at `cell`.
+    #[inline]
+    fn head(&self, cell: usize, head: usize) -> &[u8] {
+        let start = (cell * self.heads + head) * self.head_bytes;
+        &self.data[start..start + self.head_bytes]
+    }
+
+    /// `Σ q[i] · stored[cell][head][i]` (`q` has `head_dim` values).
+    #[inline]
+    pub fn dot(&self, cell: usize, head: usize, q: &[f32]) -> f32 {
+        (self.dot)(self.head(cell, head), q)
+    }
+
+    /// Head `head` of `cell` as f32 into `out` (`head_dim` values).
+    #[inline]
+    pub fn read(&self, cell: usize, head: usize, out: &mut [f32]) {
+        quant::dequantize(self.ty, self.head(cell, head), out).expect("head width fixed at construction");
+    }
+
+    /// Values per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// One layer of the cache.
+#[derive(Debug, Clone)]
+pub struct KvLayer {
+    pub k: KvRows,
+    pub v: KvRows,
+}
+
+/// The whole cache: one [`KvLayer`] per transformer block.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    ty: KvType,
+    n_ctx: usize,
+    pub layers: Vec<KvLayer>,
+}
+
+impl KvCache {
+    /// A cache of `n_ctx` cells per layer for the model `hp` (zero-filled, allocated now).
+    ///
+    /// Errors: `n_ctx` is 0; an int8 cache for a head width that is not a multiple of 32.
+    pub fn new(hp: &HParams, n_ctx: usize, ty: KvType) -> Result<KvCache, KvError> {
+        if n_ctx == 0 {
+            return Err(KvError::Empty);
+        }
+        let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
+        for d in [dk, dv] {
+            if ty.ggml().row_bytes(d as u64).is_none() {
+                return Err(KvError::HeadDim { head_dim: d });
+            }
+        }
+        let heads = hp.n_head_kv as usize;
+        let layers = (0..hp.n_layer)
+            .map(|_| KvLayer {
+                k: KvRows::new(ty.ggml(), n_ctx, heads, dk),
+                v: KvRows::new(ty.ggml(), n_ctx, heads, dv),
+            })
+            .collect();
+        Ok(KvCache { ty, n_ctx, layers })
+    }
+
+    pub fn ty(&self) -> KvType {
+        self.ty
+    }
+
+    /// Cells per layer: the longest sequence the cache holds, in tokens.
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    /// Bytes held by all layers.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.k.bytes() + l.v.bytes()).sum()
+    }
+}

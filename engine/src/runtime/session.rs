@@ -1,0 +1,233 @@
+//! A session: one sequence's KV cache over a loaded model, with chunked prefill, decode steps and prefix
+//! reuse across consecutive requests.
+//!
+//! Prefix reuse: a new prompt keeps the cached cells of the longest common token prefix with what the cache
+//! holds and computes only the rest ("R reused + X read"). At least the last prompt token is always read, so
+//! the session has its logits.
+
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::model::{Logits, Model, Scratch};
+use crate::runtime::kv::{KvCache, KvError, KvType};
+
+/// Default `--max-context`, in tokens (capped by the model's training context).
+pub const DEFAULT_MAX_CONTEXT: usize = 4096;
+/// Prefill chunk used by `--prefill auto`, in tokens.
+pub const AUTO_PREFILL_CHUNK: usize = 512;
+
+/// Why a session step failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SessionError {
+    #[error(
+        "the request needs {needed} tokens of context but the context holds {n_ctx} (--max-context); shorten the prompt or raise --max-context"
+    )]
+    ContextOverflow { needed: usize, n_ctx: usize },
+    #[error("the prompt is empty: at least one token is needed")]
+    EmptyPrompt,
+    #[error("token id {id} is outside the model's vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+/// Session settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionConfig {
+    /// Largest context, in tokens; capped by the model's `context_length`.
+    pub max_context: usize,
+    pub kv: KvType,
+    /// Tokens per prefill chunk; `None`: [`AUTO_PREFILL_CHUNK`].
+    pub prefill_chunk: Option<usize>,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        SessionConfig {
+            max_context: DEFAULT_MAX_CONTEXT,
+            kv: KvType::F16,
+            prefill_chunk: None,
+        }
+    }
+}
+
+/// What a prefill did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillStats {
+    pub prompt_tokens: usize,
+    /// Tokens whose cache cells were kept from the previous request.
+    pub reused: usize,
+    /// Tokens computed.
+    pub read: usize,
+    pub ms: f64,
+}
+
+/// One sequence over a model.
+pub struct Session<'m, B: Backend> {
+    model: &'m Model,
+    backend: B,
+    kv: KvCache,
+    scratch: Scratch,
+    /// The tokens whose keys and values the cache holds, in position order.
+    tokens: Vec<u32>,
+    chunk: usize,
+    vocab: usize,
+}
+
+impl<'m, B: Backend> Session<'m, B> {
+    /// A session with an empty cache of `min(config.max_context, context_length)` cells.
+    ///
+    /// Errors: a zero context; an int8 cache for a head width that is not a multiple of 32.
+    pub fn new(model: &'m Model, backend: B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
+        let train = model.hp.n_ctx_train as usize;
+        let n_ctx = if train > 0 {
+            config.max_context.min(train)
+        } else {
+            config.max_context
+        };
+        let kv = KvCache::new(&model.hp, n_ctx, config.kv)?;
+        Ok(Session {
+            model,
+            backend,
+            kv,
+            scratch: Scratch::default(),
+            tokens: Vec::new(),
+            chunk: config.prefill_chunk.unwrap_or(AUTO_PREFILL_CHUNK).max(1),
+            vocab: model.weights.output.rows,
+        })
+    }
+
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// Cells in the cache: the longest sequence, in tokens.
+    pub fn n_ctx(&self) -> usize {
+        self.kv.n_ctx()
+    }
+
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Tokens currently cached, in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Forgets the cached tokens (the cells are overwritten by the next request).
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+    }
+
+    fn check_tokens(&self, ids: &[u32]) -> Result<(), SessionError> {
+        let vocab = self.model.weights.token_embd.rows;
+        match ids.iter().find(|&&id| id as usize >= vocab) {
+            Some(&id) => Err(SessionError::BadToken { id, vocab }),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the cache hold `prompt`, reusing the longest common prefix with what it holds, and leaves the
+    /// last prompt token's logits in [`Session::logits`].
+    ///
+    /// Errors: an empty prompt; a prompt longer than the context (never truncated); an id outside the
+    /// vocabulary.
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<PrefillStats, SessionError> {
+        let start = Instant::now();
+        if prompt.is_empty() {
+            return Err(SessionError::EmptyPrompt);
+        }
+        if prompt.len() > self.n_ctx() {
+            return Err(SessionError::ContextOverflow {
+                needed: prompt.len(),
+                n_ctx: self.n_ctx(),
+            });
+        }
+        self.check_tokens(prompt)?;
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let reused = common.min(prompt.len() - 1);
+        self.tokens.truncate(reused);
+        let rest = &prompt[reused..];
+        let chunks = rest.len().div_ceil(self.chunk);
+        for (i, chunk) in rest.chunks(self.chunk).enumerate() {
+            let want = if i + 1 == chunks { Logits::Last } else { Logits::None };
+            self.model.forward(
+                &self.backend,
+                chunk,
+                self.tokens.len(),
+                &mut self.kv,
+                &mut self.scratch,
+                want,
+            );
+            self.tokens.extend_from_slice(chunk);
+        }
+        Ok(PrefillStats {
+            prompt_tokens: prompt.len(),
+            reused,
+            read: rest.len(),
+            ms: start.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Appends `token` and computes its logits ([`Session::logits`]).
+    ///
+    /// Errors: the context is full; an id outside the vocabulary.
+    pub fn decode(&mut self, token: u32) -> Result<&[f32], SessionError> {
+        if self.tokens.len() >= self.n_ctx() {
+            return Err(SessionError::ContextOverflow {
+                needed: self.tokens.len() + 1,
+                n_ctx: self.n_ctx(),
+            });
+        }
+        self.check_tokens(&[token])?;
+        let pos = self.tokens.len();
+        self.model.forward(
+            &self.backend,
+            &[token],
+            pos,
+            &mut self.kv,
+            &mut self.scratch,
+            Logits::Last,
+        );
+        self.tokens.push(token);
+        Ok(self.logits())
+    }
+
+    /// The logits of the last token computed (`vocab` values).
+    pub fn logits(&self) -> &[f32] {
+        &self.scratch.logits[..self.vocab]
+    }
+
+    /// Teacher forcing: clears the cache, runs `tokens` in prefill chunks and returns every position's
+    /// logits, `[tokens.len()][vocab]` (position t predicts token t + 1).
+    ///
+    /// Errors: as [`Session::prefill`].
+    pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>, SessionError> {
+        if tokens.is_empty() {
+            return Err(SessionError::EmptyPrompt);
+        }
+        if tokens.len() > self.n_ctx() {
+            return Err(SessionError::ContextOverflow {
+                needed: tokens.len(),
+                n_ctx: self.n_ctx(),
+            });
+        }
+        self.check_tokens(tokens)?;
+        self.tokens.clear();
+        let mut out = Vec::with_capacity(tokens.len() * self.vocab);
+        for chunk in tokens.chunks(self.chunk) {
+            let lg = self.model.forward(
+                &self.backend,
+                chunk,
+                self.tokens.len(),
+                &mut self.kv,
+                &mut self.scratch,
+                Logits::All,
+            );
+            out.extend_from_slice(lg);
+            self.tokens.extend_from_slice(chunk);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,287 @@
+//! The CPU engine end to end on real and generated models: SmolLM2 answers "Paris", the identical-expert
+//! upcycled MoE equals the dense model (DESIGN.md section 4's exact oracle), int8 KV stays close to f16,
+//! prefill equals decode, prefix reuse, context limits, and the synthetic qwen3moe.
+
+use std::path::PathBuf;
+
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::gguf::GgufModel;
+use strata_engine::model::Model;
+use strata_engine::model::synth::SynthSpec;
+use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
+use strata_engine::models;
+use strata_engine::runtime::generate::{GenerateOptions, Greedy, StopReason, generate};
+use strata_engine::runtime::kv::KvType;
+use strata_engine::runtime::sampling::{Sampler, SamplingParams};
+use strata_engine::runtime::session::{Session, SessionConfig, SessionError};
+use strata_engine::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer};
+
+/// The cached default model; fails (not skips) when absent, since CI fetches models first.
+fn smollm2_path() -> PathBuf {
+    let path = models::cached(models::DEFAULT_MODEL_FILE);
+    assert!(
+        path.is_file(),
+        "{} is missing: run ci/fetch-models.sh first",
+        path.display()
+    );
+    path
+}
+
+const TEXT: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named \
+after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed \
+\"La dame de fer\" (French for \"Iron Lady\"), it was constructed as the centrepiece of the 1889 World's Fair, and \
+to crown the centennial anniversary of the French Revolution. Although initially criticised by some of France's \
+leading artists and intellectuals for its design, it has since become a global cultural icon of France and one of \
+the most recognisable structures in the world.";
+
+fn config(kv: KvType) -> SessionConfig {
+    SessionConfig {
+        max_context: 1024,
+        kv,
+        prefill_chunk: Some(48),
+    }
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = x.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln() + max;
+    x.iter().map(|v| *v as f64 - lse).collect()
+}
+
+/// Mean KL(p ‖ q) over rows of `vocab` logits.
+fn mean_kld(p: &[f32], q: &[f32], vocab: usize) -> f64 {
+    let rows = p.len() / vocab;
+    (0..rows)
+        .map(|r| {
+            let lp = log_softmax(&p[r * vocab..(r + 1) * vocab]);
+            let lq = log_softmax(&q[r * vocab..(r + 1) * vocab]);
+            lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum::<f64>()
+        })
+        .sum::<f64>()
+        / rows as f64
+}
+
+fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+#[test]
+fn smollm2_answers_paris_through_the_chat_template() {
+    let model = Model::load(smollm2_path()).unwrap();
+    let md = model.gguf.metadata();
+    let tok = Tokenizer::from_metadata(md).unwrap();
+    let template = ChatTemplate::from_metadata(md).unwrap().unwrap();
+    let prompt = template
+        .render(&ChatRequest {
+            messages: vec![ChatMessage::new("user", "What is the capital of France?")],
+            add_generation_prompt: true,
+            ..ChatRequest::default()
+        })
+        .unwrap();
+    let ids = tok.encode(&prompt, true, true).unwrap();
+    let mut session = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    let opts = GenerateOptions {
+        max_tokens: 24,
+        stop: vec![],
+    };
+    let mut text = String::new();
+    let (out, stats) = generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |t| text.push_str(t)).unwrap();
+    assert!(text.contains("Paris"), "answer: {text:?}");
+    assert_eq!(stats.prefill.read, ids.len());
+    assert_eq!(stats.generated, out.len());
+
+    // The same request again reuses all but the last prompt token, and greedy decoding repeats itself.
+    let mut again = String::new();
+    let (out2, stats2) = generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |t| again.push_str(t)).unwrap();
+    assert_eq!((stats2.prefill.reused, stats2.prefill.read), (ids.len() - 1, 1));
+    assert_eq!((out2, again), (out, text.clone()));
+
+    // A stop string ends generation and is not printed.
+    let opts = GenerateOptions {
+        max_tokens: 24,
+        stop: vec!["Paris".into()],
+    };
+    let mut cut = String::new();
+    let (_, stats3) = generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |t| cut.push_str(t)).unwrap();
+    assert_eq!(stats3.stop, StopReason::StopString);
+    assert_eq!(cut, text[..text.find("Paris").unwrap()]);
+}
+
+#[test]
+fn the_same_seed_gives_the_same_tokens() {
+    let model = Model::load(smollm2_path()).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let ids = tok.encode("Once upon a time", true, false).unwrap();
+    let opts = GenerateOptions {
+        max_tokens: 24,
+        stop: vec![],
+    };
+    let run = |seed: u64| {
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        let mut sampler = Sampler::new(params, model.weights.output.rows).unwrap();
+        let mut session = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+        generate(&mut session, &tok, &ids, &opts, &mut sampler, &mut |_| {})
+            .unwrap()
+            .0
+    };
+    let a = run(7);
+    assert_eq!(a, run(7));
+    assert!(!a.is_empty());
+    // Different seeds diverge somewhere among 4 tries at temperature 1 (a fixed seed list: deterministic).
+    assert!([8, 9, 10, 11].iter().any(|&s| run(s) != a));
+}
+
+#[test]
+fn prefill_chunks_and_decode_steps_give_the_same_logits() {
+    let model = Model::load(smollm2_path()).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let ids = tok.encode(TEXT, true, false).unwrap();
+    let ids = &ids[..40];
+    let vocab = model.hp.vocab_size as usize;
+    let mut session = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    let all = session.logits_all(ids).unwrap();
+    // Token by token through decode.
+    session.clear();
+    session.prefill(&ids[..1]).unwrap();
+    let mut stepwise = session.logits().to_vec();
+    for &id in &ids[1..] {
+        stepwise.extend_from_slice(session.decode(id).unwrap());
+    }
+    let err = max_rel_err(&stepwise, &all);
+    assert!(err < 1e-3, "decode vs prefill: {err}");
+    assert_eq!(all.len(), ids.len() * vocab);
+}
+
+#[test]
+fn identical_expert_upcycled_moe_reproduces_the_dense_logits() {
+    let dense = Model::load(smollm2_path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("smollm2-moe4x-identical.gguf");
+    let spec = UpcycleSpec {
+        mode: UpcycleMode::Identical,
+        n_expert: 4,
+        n_expert_used: 2,
+        seed: 3,
+    };
+    upcycle(&GgufModel::open(smollm2_path()).unwrap(), &spec, &path).unwrap();
+    let moe = Model::load(&path).unwrap();
+    assert!(moe.hp.is_moe() && moe.hp.n_expert == 4);
+    let tok = Tokenizer::from_metadata(dense.gguf.metadata()).unwrap();
+    let mut worst = 0f32;
+    for prompt in [
+        TEXT,
+        "What is the capital of France?",
+        "fn main() { println!(\"hello\"); }",
+    ] {
+        let ids = tok.encode(prompt, true, false).unwrap();
+        let ids = &ids[..ids.len().min(64)];
+        let mut sa = Session::new(&dense, CpuBackend, config(KvType::F16)).unwrap();
+        let mut sb = Session::new(&moe, CpuBackend, config(KvType::F16)).unwrap();
+        let (a, b) = (sa.logits_all(ids).unwrap(), sb.logits_all(ids).unwrap());
+        worst = worst.max(max_rel_err(&b, &a));
+        // A decode step (one token: the other matmul kernel) too.
+        let (a, b) = (sa.decode(ids[1]).unwrap().to_vec(), sb.decode(ids[1]).unwrap().to_vec());
+        worst = worst.max(max_rel_err(&b, &a));
+    }
+    eprintln!("upcycle oracle: max relative logit error {worst:.2e}");
+    assert!(worst <= 1e-4, "identical-expert MoE vs dense: {worst}");
+}
+
+#[test]
+fn int8_kv_stays_within_kld_of_f16() {
+    let model = Model::load(smollm2_path()).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let ids = tok.encode(TEXT, true, false).unwrap();
+    let ids = &ids[..ids.len().min(128)];
+    assert!(ids.len() >= 100);
+    let vocab = model.hp.vocab_size as usize;
+    let f = Session::new(&model, CpuBackend, config(KvType::F16))
+        .unwrap()
+        .logits_all(ids)
+        .unwrap();
+    let i = Session::new(&model, CpuBackend, config(KvType::Int8))
+        .unwrap()
+        .logits_all(ids)
+        .unwrap();
+    let kld = mean_kld(&f, &i, vocab);
+    eprintln!("int8 KV vs f16 KV: mean KLD {kld:.2e} over {} positions", ids.len());
+    assert!(kld > 0.0 && kld <= 0.01, "mean KLD {kld}");
+}
+
+#[test]
+fn a_prompt_over_the_context_is_an_error_naming_both_numbers() {
+    let model = Model::load(smollm2_path()).unwrap();
+    let cfg = SessionConfig {
+        max_context: 16,
+        ..config(KvType::F16)
+    };
+    let mut session = Session::new(&model, CpuBackend, cfg).unwrap();
+    let ids: Vec<u32> = (100..120).collect();
+    let err = session.prefill(&ids).unwrap_err();
+    assert_eq!(err, SessionError::ContextOverflow { needed: 20, n_ctx: 16 });
+    let msg = err.to_string();
+    assert!(msg.contains("20") && msg.contains("16"), "{msg}");
+    // Filling the context exactly works; one more decode step is an error.
+    session.prefill(&ids[..16]).unwrap();
+    assert!(matches!(
+        session.decode(5),
+        Err(SessionError::ContextOverflow { needed: 17, n_ctx: 16 })
+    ));
+    // The context is capped by the model's training context (8192 for SmolLM2).
+    let big = SessionConfig {
+        max_context: 1 << 20,
+        ..config(KvType::F16)
+    };
+    assert_eq!(Session::new(&model, CpuBackend, big).unwrap().n_ctx(), 8192);
+}
+
+#[test]
+fn synthetic_qwen3moe_runs_and_prefill_matches_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    let model = Model::load(&path).unwrap();
+    let ids: Vec<u32> = (0..30).map(|i| 300 + i * 37 % 1500).collect();
+    for kv in [KvType::F16, KvType::Int8] {
+        let mut session = Session::new(&model, CpuBackend, config(kv)).unwrap();
+        let all = session.logits_all(&ids).unwrap();
+        assert!(all.iter().all(|v| v.is_finite()));
+        session.clear();
+        session.prefill(&ids[..5]).unwrap();
+        let mut step = session.logits().to_vec();
+        for &id in &ids[5..] {
+            step.extend_from_slice(session.decode(id).unwrap());
+        }
+        let vocab = model.hp.vocab_size as usize;
+        let err = max_rel_err(&step, &all[4 * vocab..]);
+        assert!(err < 1e-3, "{kv}: {err}");
+    }
+}
+
+#[test]
+fn unsupported_architecture_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let spec = SynthSpec {
+        n_layer: 1,
+        vocab_size: 300,
+        ..SynthSpec::tiny_qwen3moe()
+    };
+    let mut md = spec.metadata();
+    md.insert(
+        "general.architecture",
+        strata_engine::gguf::Value::String("mamba".into()),
+    );
+    let bytes = strata_engine::gguf::to_bytes("m.gguf", &md, &[]).unwrap();
+    std::fs::write(&path, bytes).unwrap();
+    let err = Model::load(&path).err().expect("mamba must be refused").to_string();
+    assert!(
+        err.contains("mamba") && err.contains("llama") && err.contains("gemma3"),
+        "{err}"
+    );
+}
