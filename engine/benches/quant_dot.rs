@@ -1,8 +1,10 @@
 //! Throughput of `quant::vec_dot` per quant type, next to this machine's memory read bandwidth.
 //!
-//! Run: `cargo bench -p strata-engine --bench quant_dot` (about a minute). Prints one table: for each type its
+//! Run: `cargo bench -p strata-engine --bench quant_dot` (about two minutes). Prints one table: for each type its
 //! bits per weight, then GB/s (10^9 bytes per second) of *weight bytes* consumed by one core running the
-//! reference and the SIMD dot product, over rows of 4096 weights:
+//! reference and the SIMD f32-activation dot product (`quant::dot_fn`) and the int8-activation one
+//! (`quant::dot_q8_fn`, activations quantized once outside the timed loop, as a matmul does), over rows of 4096
+//! weights:
 //! - "L2": a 512 KiB set of rows, swept repeatedly (in cache; the kernel's compute ceiling);
 //! - "DRAM": a 192 MiB set of rows, swept once per pass (beyond L2 and L3; what a decode step sees).
 //!
@@ -126,6 +128,19 @@ fn rows(ty: GgmlType, n_rows: usize, rng: &mut Rng) -> Vec<u8> {
     out
 }
 
+/// GB/s of weight bytes for the int8-activation `dot` over every row of `data`.
+fn dot_q8_rate(ty: GgmlType, data: &[u8], x: &quant::ActivationVector<'_>, dot: quant::DotQ8Fn) -> f64 {
+    let row_bytes = ty.row_bytes(ROW_ELEMS as u64).unwrap() as usize;
+    quant::check_dot_q8(ty, &data[..row_bytes], x).unwrap();
+    rate(data.len(), || {
+        let mut s = 0f32;
+        for row in data.chunks_exact(row_bytes) {
+            s += dot(black_box(row), black_box(x));
+        }
+        black_box(s);
+    }) / 1e9
+}
+
 /// GB/s of weight bytes for `dot` over every row of `data`.
 fn dot_rate(ty: GgmlType, data: &[u8], x: &[f32], dot: quant::DotFn) -> f64 {
     let row_bytes = ty.row_bytes(ROW_ELEMS as u64).unwrap() as usize;
@@ -178,9 +193,10 @@ fn main() {
     }
     println!();
     println!(
-        "| type | bits/weight | ref L2 GB/s | SIMD L2 GB/s | ref DRAM GB/s | SIMD DRAM GB/s | SIMD/ref (L2) | SIMD DRAM Gweights/s |"
+        "| type | bits/weight | ref L2 GB/s | SIMD L2 GB/s | ref DRAM GB/s | SIMD DRAM GB/s | SIMD/ref (L2) | SIMD DRAM Gweights/s | int8 act | int8 L2 GB/s | int8 DRAM GB/s | int8/SIMD (DRAM) | quantize act ns |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut xq = quant::QuantizedActivations::new();
     for &ty in TYPES {
         let row_bytes = ty.row_bytes(ROW_ELEMS as u64).unwrap() as usize;
         let l2_rows = (L2_SET_BYTES / row_bytes).max(1);
@@ -191,11 +207,20 @@ fn main() {
         let fast = quant::dot_fn(ty).unwrap();
         let (ref_l2, simd_l2) = (dot_rate(ty, &small, &x, reference), dot_rate(ty, &small, &x, fast));
         let (ref_mem, simd_mem) = (dot_rate(ty, &big, &x, reference), dot_rate(ty, &big, &x, fast));
+        let fast_q8 = quant::dot_q8_fn(ty).unwrap();
+        xq.quantize(ty, &x, ROW_ELEMS).unwrap();
+        let v = xq.vector(0);
+        let (q8_l2, q8_mem) = (dot_q8_rate(ty, &small, &v, fast_q8), dot_q8_rate(ty, &big, &v, fast_q8));
+        // The once-per-matmul cost: quantizing one activation vector of ROW_ELEMS values.
+        let mut buf = quant::QuantizedActivations::new();
+        let quant_ns = 1e9 / rate(1, || buf.quantize(ty, black_box(&x), ROW_ELEMS).unwrap());
         let bpw = ty.bits_per_weight();
         println!(
-            "| {ty} | {bpw:.4} | {ref_l2:.2} | {simd_l2:.2} | {ref_mem:.2} | {simd_mem:.2} | {:.1}x | {:.2} |",
+            "| {ty} | {bpw:.4} | {ref_l2:.2} | {simd_l2:.2} | {ref_mem:.2} | {simd_mem:.2} | {:.1}x | {:.2} | {} | {q8_l2:.2} | {q8_mem:.2} | {:.2}x | {quant_ns:.0} |",
             simd_l2 / ref_l2,
-            simd_mem * 8.0 / bpw
+            simd_mem * 8.0 / bpw,
+            v.format(),
+            q8_mem / simd_mem
         );
     }
 

@@ -50,10 +50,25 @@ pub(super) fn ld256(b: &[u8]) -> __m256i {
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
 }
 
+/// The f16 as f32 (`vcvtph2ps`), through inline asm: with the intrinsic, LLVM sees that only lane 0 matters and
+/// loads the half with a `vpinsrw` into whatever register is free, often a loop's accumulator, which chains
+/// every block's scale onto the previous block's multiply-add (measured: Q4_0 x Q8_1 ran at a third of its
+/// speed). The asm operand needs the whole register, so it is built with a dependency-free `vmovd`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn f16(h: F16Bits) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes(h.0) as i32)))
+    let v = _mm_cvtsi32_si128(u16::from_le_bytes(h.0) as i32);
+    let out: __m128;
+    // SAFETY: one register-to-register F16C instruction (F16C is enabled on this function); no memory access.
+    unsafe {
+        std::arch::asm!(
+            "vcvtph2ps {o}, {i}",
+            o = lateout(xmm_reg) out,
+            i = in(xmm_reg) v,
+            options(pure, nomem, nostack, preserves_flags)
+        )
+    };
+    _mm_cvtss_f32(out)
 }
 
 #[inline]
