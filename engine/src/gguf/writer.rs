@@ -212,9 +212,16 @@ fn put_value(h: &mut Vec<u8>, value: &Value, depth: usize) -> Result<(), String>
 /// with [`GgufWriter::write_tensor`], which takes `&self` and writes at the tensor's offset with a positioned
 /// write, so threads (rayon) may write different tensors at once. [`GgufWriter::finish`] checks that every
 /// tensor was written. Padding is the zeros of the pre-sized file.
+///
+/// The data goes to a temporary file beside the destination (`.NAME.partial-PID`), which `finish` renames into
+/// place. So a failed or interrupted write never leaves a valid-looking half file, never destroys an existing
+/// file at the destination, and never rewrites a file that is still memory-mapped as an input. A writer dropped
+/// without `finish` removes its temporary file.
 #[derive(Debug)]
 pub struct GgufWriter {
     path: PathBuf,
+    partial: PathBuf,
+    finished: bool,
     file: File,
     tensors: Vec<TensorInfo>,
     index: HashMap<String, usize>,
@@ -223,8 +230,16 @@ pub struct GgufWriter {
     file_bytes: u64,
 }
 
+impl Drop for GgufWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
+}
+
 impl GgufWriter {
-    /// Creates (or truncates) `path`, writes the header for `metadata` and `tensors`, and sets the file's length
+    /// Creates (or, at `finish`, replaces) `path`, writes the header for `metadata` and `tensors`, and sets the file's length
     /// to its final size in bytes.
     ///
     /// Errors: [`GgufWriteError::BadMetadata`] (bad `general.alignment`, an array whose items are not all of its
@@ -242,15 +257,25 @@ impl GgufWriter {
             file: path.clone(),
             source,
         };
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let partial = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
-            .open(&path)
+            .open(&partial)
             .map_err(io)?;
-        file.set_len(layout.file_bytes).map_err(io)?;
-        file.write_all_at(&layout.header, 0).map_err(io)?;
+        let sized = file
+            .set_len(layout.file_bytes)
+            .and_then(|()| file.write_all_at(&layout.header, 0));
+        if let Err(e) = sized {
+            let _ = std::fs::remove_file(&partial);
+            return Err(io(e));
+        }
         let index = layout
             .tensors
             .iter()
@@ -262,6 +287,8 @@ impl GgufWriter {
             data_offset: layout.header.len() as u64,
             file_bytes: layout.file_bytes,
             path,
+            partial,
+            finished: false,
             file,
             tensors: layout.tensors,
             index,
@@ -336,7 +363,7 @@ impl GgufWriter {
     /// Checks that every tensor was written and closes the file; returns its size in bytes.
     ///
     /// Errors: [`GgufWriteError::NotWritten`] naming the first missing tensor; [`GgufWriteError::Io`].
-    pub fn finish(self) -> Result<u64, GgufWriteError> {
+    pub fn finish(mut self) -> Result<u64, GgufWriteError> {
         let missing: Vec<usize> = (0..self.tensors.len())
             .filter(|&i| !self.written[i].load(Ordering::Acquire))
             .collect();
@@ -347,10 +374,13 @@ impl GgufWriter {
                 missing: missing.len(),
             });
         }
-        self.file.sync_data().map_err(|source| GgufWriteError::Io {
+        let io = |source| GgufWriteError::Io {
             file: self.path.clone(),
             source,
-        })?;
+        };
+        self.file.sync_data().map_err(io)?;
+        std::fs::rename(&self.partial, &self.path).map_err(io)?;
+        self.finished = true;
         Ok(self.file_bytes)
     }
 
@@ -622,6 +652,35 @@ mod tests {
             matches!(err, GgufWriteError::BadMetadata { ref key, .. } if key == "m"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn an_unfinished_write_leaves_the_destination_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("model.gguf");
+        std::fs::write(&dest, b"the previous file").unwrap();
+        let tensors = [
+            TensorSpec::new("a", &[32], GgmlType::F32),
+            TensorSpec::new("b", &[32], GgmlType::F32),
+        ];
+        let writer = GgufWriter::create(&dest, Metadata::new(), &tensors).unwrap();
+        writer.write_tensor(0, &[0u8; 128]).unwrap();
+        // Tensor `b` is never written: finish refuses, and the old file is still there, whole.
+        assert!(matches!(writer.finish(), Err(GgufWriteError::NotWritten { .. })));
+        assert_eq!(std::fs::read(&dest).unwrap(), b"the previous file");
+        // A writer dropped mid-way removes its temporary file.
+        drop(GgufWriter::create(&dest, Metadata::new(), &tensors).unwrap());
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("model.gguf")]);
+        // A finished one replaces it.
+        let writer = GgufWriter::create(&dest, Metadata::new(), &tensors).unwrap();
+        writer.write_tensor(0, &[0u8; 128]).unwrap();
+        writer.write_tensor(1, &[0u8; 128]).unwrap();
+        writer.finish().unwrap();
+        assert_eq!(GgufFile::open(&dest).unwrap().tensors().len(), 2);
     }
 
     #[test]

@@ -67,6 +67,9 @@ pub enum HParamsError {
     },
 }
 
+/// The largest dimension (layers, width, heads, experts, vocabulary...) accepted from metadata.
+const MAX_DIM: u32 = 1 << 24;
+
 fn supported() -> String {
     Arch::ALL.map(Arch::name).join(", ")
 }
@@ -140,15 +143,32 @@ impl HParams {
                 Ok(None)
             }
         };
+        // Dimensions past 2^24 are not models but corrupt or hostile files; refusing them keeps every size
+        // computed from them (products of a few dimensions) far from overflow.
         let positive = |k: &str, v: u32| -> Result<u32, HParamsError> {
-            if v == 0 {
-                Err(HParamsError::Invalid {
+            match v {
+                0 => Err(HParamsError::Invalid {
                     key: key(k),
                     value: v.to_string(),
                     why: "must be positive",
-                })
-            } else {
+                }),
+                v if v > MAX_DIM => Err(HParamsError::Invalid {
+                    key: key(k),
+                    value: v.to_string(),
+                    why: "is implausibly large (over 2^24)",
+                }),
+                v => Ok(v),
+            }
+        };
+        let finite_positive = |k: &str, v: f32| -> Result<f32, HParamsError> {
+            if v.is_finite() && v > 0.0 {
                 Ok(v)
+            } else {
+                Err(HParamsError::Invalid {
+                    key: key(k),
+                    value: v.to_string(),
+                    why: "must be a finite positive number",
+                })
             }
         };
 
@@ -166,14 +186,30 @@ impl HParams {
                 why: "must divide attention.head_count",
             });
         }
-        let head_dim = positive(
-            "attention.key_length",
-            opt_u32("attention.key_length")?.unwrap_or(n_embd / n_head),
+        let head_dim = match opt_u32("attention.key_length")? {
+            Some(v) => positive("attention.key_length", v)?,
+            None if n_embd < n_head => {
+                return Err(HParamsError::Invalid {
+                    key: key("attention.head_count"),
+                    value: n_head.to_string(),
+                    why: "exceeds embedding_length, so the head width (embedding_length / head_count) would be 0",
+                });
+            }
+            None => n_embd / n_head,
+        };
+        let head_dim_v = positive(
+            "attention.value_length",
+            opt_u32("attention.value_length")?.unwrap_or(head_dim),
         )?;
-        let head_dim_v = opt_u32("attention.value_length")?.unwrap_or(head_dim);
-        let n_ff = opt_u32("feed_forward_length")?.unwrap_or(0);
-        let n_expert = opt_u32("expert_count")?.unwrap_or(0);
-        let n_expert_used = opt_u32("expert_used_count")?.unwrap_or(0);
+        let bounded = |k: &str| -> Result<u32, HParamsError> {
+            match opt_u32(k)? {
+                Some(v) if v > 0 => positive(k, v),
+                other => Ok(other.unwrap_or(0)),
+            }
+        };
+        let n_ff = bounded("feed_forward_length")?;
+        let n_expert = bounded("expert_count")?;
+        let n_expert_used = bounded("expert_used_count")?;
         if n_expert > 0 && (n_expert_used == 0 || n_expert_used > n_expert) {
             return Err(HParamsError::Invalid {
                 key: key("expert_used_count"),
@@ -181,15 +217,21 @@ impl HParams {
                 why: "must be between 1 and expert_count for a MoE model",
             });
         }
-        let n_ff_exp = opt_u32("expert_feed_forward_length")?.unwrap_or(n_ff);
-        let rms_eps = md.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
+        let n_ff_exp = match bounded("expert_feed_forward_length")? {
+            0 => n_ff,
+            v => v,
+        };
+        let rms_eps = finite_positive(
+            "attention.layer_norm_rms_epsilon",
+            md.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+        )?;
         let rope_scale = match md.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => opt_f32("rope.scaling.factor")?.unwrap_or(1.0),
             _ => 1.0,
         };
         let vocab_size = match opt_u32("vocab_size")? {
-            Some(v) => v,
-            None => md.get_array("tokenizer.ggml.tokens")?.len() as u32,
+            Some(v) => positive("vocab_size", v)?,
+            None => md.get_array("tokenizer.ggml.tokens")?.len().min(u32::MAX as usize) as u32,
         };
         Ok(HParams {
             arch,
@@ -202,7 +244,7 @@ impl HParams {
             head_dim,
             head_dim_v,
             rms_eps,
-            rope_freq_base: opt_f32("rope.freq_base")?.unwrap_or(10_000.0),
+            rope_freq_base: finite_positive("rope.freq_base", opt_f32("rope.freq_base")?.unwrap_or(10_000.0))?,
             rope_scale,
             rope_dim: opt_u32("rope.dimension_count")?.unwrap_or(head_dim),
             n_expert,
@@ -220,7 +262,7 @@ impl HParams {
 
     /// KV-cache bytes per token (one cell in every layer) when K and V are stored at `bytes_per_elem` each.
     pub fn kv_bytes_per_token(&self, bytes_per_elem: f64) -> f64 {
-        let per_layer = self.n_head_kv as f64 * (self.head_dim + self.head_dim_v) as f64;
+        let per_layer = self.n_head_kv as f64 * (self.head_dim as f64 + self.head_dim_v as f64);
         self.n_layer as f64 * per_layer * bytes_per_elem
     }
 }
@@ -286,6 +328,30 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("llama.block_count")
+        );
+        let mut md = llama_md();
+        md.insert("llama.attention.key_length", Value::U32(u32::MAX));
+        assert!(
+            HParams::from_metadata(&md)
+                .unwrap_err()
+                .to_string()
+                .contains("implausibly large")
+        );
+        let mut md = llama_md();
+        md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(f32::NAN));
+        assert!(
+            HParams::from_metadata(&md)
+                .unwrap_err()
+                .to_string()
+                .contains("layer_norm_rms_epsilon")
+        );
+        let mut md = llama_md();
+        md.insert("llama.attention.head_count", Value::U32(1000));
+        md.insert("llama.attention.head_count_kv", Value::U32(1000));
+        let err = HParams::from_metadata(&md).unwrap_err().to_string();
+        assert!(
+            err.contains("llama.attention.head_count") && !err.contains("key_length"),
+            "{err}"
         );
     }
 }

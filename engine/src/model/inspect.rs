@@ -117,10 +117,13 @@ impl ModelSummary {
                 bytes: 0,
             });
             e.tensors += 1;
-            e.elements += t.n_elements();
-            e.bytes += t.n_bytes;
+            e.elements = e.elements.saturating_add(t.n_elements());
+            e.bytes = e.bytes.saturating_add(t.n_bytes);
         }
-        let weights_bytes = model.tensors().iter().map(|t| t.n_bytes).sum();
+        let weights_bytes = model
+            .tensors()
+            .iter()
+            .fold(0u64, |sum, t| sum.saturating_add(t.n_bytes));
         let kv_f16 = hparams.as_ref().map_or(0.0, |h| h.kv_bytes_per_token(2.0));
         let mut contexts = vec![4096];
         if let Ok(h) = &hparams
@@ -133,9 +136,10 @@ impl ModelSummary {
             .into_iter()
             .map(|n| ContextEstimate {
                 context_tokens: n,
-                total_kv_f16_bytes: weights_bytes + (kv_f16 * n as f64) as u64,
+                // Float-to-int casts saturate, and so do these sums: a hostile header cannot overflow them.
+                total_kv_f16_bytes: weights_bytes.saturating_add((kv_f16 * n as f64) as u64),
                 // int8 K/V carry one f16 scale per 32 values: 34 bytes per 32 elements.
-                total_kv_int8_bytes: weights_bytes + (kv_f16 / 2.0 * 34.0 / 32.0 * n as f64) as u64,
+                total_kv_int8_bytes: weights_bytes.saturating_add((kv_f16 / 2.0 * 34.0 / 32.0 * n as f64) as u64),
             })
             .collect();
         ModelSummary {

@@ -210,6 +210,18 @@ impl SynthSpec {
             push("output.weight".into(), vec![e, v], t.output, Fill::Dense);
         }
         for t in &out {
+            let bytes = t.dims[1..]
+                .iter()
+                .try_fold(t.ty.row_bytes(t.dims[0]).unwrap_or(0), |a, &d| a.checked_mul(d));
+            if bytes.is_none_or(|b| b > MAX_TENSOR_BYTES) {
+                return Err(SynthError::Shape(format!(
+                    "tensor {} ({:?} {}) is over the generator's limit of {} GiB per tensor (each is built in memory)",
+                    t.name,
+                    t.dims,
+                    t.ty,
+                    MAX_TENSOR_BYTES >> 30
+                )));
+            }
             if t.ty.row_bytes(t.dims[0]).is_none() {
                 return Err(SynthError::Shape(format!(
                     "tensor {} has rows of {} elements, not a whole number of {} blocks ({} elements each)",
@@ -231,6 +243,25 @@ impl SynthSpec {
 
     fn validate(&self) -> Result<(), SynthError> {
         let bad = |what: &str| Err(SynthError::Shape(what.to_string()));
+        // Caps well above any real model, so that a typo fails at once instead of allocating terabytes.
+        for (name, value, max) in [
+            ("n_layer", self.n_layer, 4096),
+            ("n_embd", self.n_embd, 1 << 16),
+            ("n_ff", self.n_ff, 1 << 18),
+            ("n_head", self.n_head, 1024),
+            ("n_head_kv", self.n_head_kv, 1024),
+            ("head_dim", self.head_dim, 1024),
+            ("n_expert", self.n_expert, 1024),
+            ("n_ff_exp", self.n_ff_exp, 1 << 18),
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("n_ctx", self.n_ctx, 1 << 24),
+        ] {
+            if value > max {
+                return Err(SynthError::Shape(format!(
+                    "{name} = {value} is over the generator's limit of {max}"
+                )));
+            }
+        }
         if [
             self.n_layer,
             self.n_embd,
@@ -255,8 +286,8 @@ impl SynthSpec {
         if self.arch.is_moe() && self.n_ff_exp == 0 || !self.arch.is_moe() && self.n_ff == 0 {
             return bad("the FFN width (n_ff, or n_ff_exp for a MoE) must be positive");
         }
-        if !self.zipf.is_finite() || self.zipf < 0.0 {
-            return bad("zipf must be a finite number >= 0");
+        if !(0.0..=MAX_ZIPF).contains(&self.zipf) {
+            return bad("zipf must be a number from 0 to 100");
         }
         Ok(())
     }
@@ -276,7 +307,13 @@ impl SynthSpec {
         md.insert(format!("{a}.block_count"), u(self.n_layer));
         md.insert(format!("{a}.context_length"), u(self.n_ctx));
         md.insert(format!("{a}.embedding_length"), u(self.n_embd));
-        md.insert(format!("{a}.feed_forward_length"), u(self.n_ff));
+        // llama's MoE layout has no separate expert width: its experts are `feed_forward_length` wide.
+        let n_ff = if self.arch == SynthArch::Mixtral {
+            self.n_ff_exp
+        } else {
+            self.n_ff
+        };
+        md.insert(format!("{a}.feed_forward_length"), u(n_ff));
         md.insert(format!("{a}.attention.head_count"), u(self.n_head));
         md.insert(format!("{a}.attention.head_count_kv"), u(self.n_head_kv));
         md.insert(format!("{a}.attention.key_length"), u(self.head_dim));
@@ -439,6 +476,13 @@ fn expert_rank(seed: u64, layer: u32, expert: usize, n_expert: usize) -> usize {
         .position(|&e| e == expert)
         .expect("a permutation holds every expert")
 }
+
+/// The largest tensor the generator builds (in memory, before writing it), in bytes: 16 GiB.
+const MAX_TENSOR_BYTES: u64 = 16 << 30;
+
+/// The largest Zipf exponent: beyond it the router logits' spread overflows f32 and the top expert takes every
+/// token anyway.
+const MAX_ZIPF: f64 = 100.0;
 
 /// Special tokens of the synthetic vocabulary, after the 256 byte tokens.
 const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];

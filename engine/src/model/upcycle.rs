@@ -45,7 +45,17 @@ const FFN_PARTS: [&str; 3] = ["ffn_gate", "ffn_up", "ffn_down"];
 /// Errors: `src` is not a dense llama model, a layer lacks an FFN tensor, or (shifted mode) two layers' FFN
 /// tensors differ in type or shape so their raw blocks cannot be stacked; each names the tensor.
 pub fn upcycle(src: &GgufModel, spec: &UpcycleSpec, dst: &Path) -> Result<u64, SynthError> {
-    let shape_err = |s: String| SynthError::Shape(s);
+    let src_name = src
+        .paths()
+        .first()
+        .map_or_else(String::new, |p| p.display().to_string());
+    let shape_err = |s: String| SynthError::Shape(format!("{src_name}: {s}"));
+    if src.paths().iter().any(|p| same_file(p, dst)) {
+        return Err(SynthError::Shape(format!(
+            "the output {} is the input model; write the MoE to another path",
+            dst.display()
+        )));
+    }
     let md = src.metadata();
     let arch = md.architecture().map_err(|e| shape_err(e.to_string()))?;
     if arch != "llama" {
@@ -57,6 +67,12 @@ pub fn upcycle(src: &GgufModel, spec: &UpcycleSpec, dst: &Path) -> Result<u64, S
         return Err(shape_err(
             "the model already has experts (llama.expert_count is set)".into(),
         ));
+    }
+    if spec.n_expert > MAX_EXPERTS {
+        return Err(shape_err(format!(
+            "{} experts is over the upcycler's limit of {MAX_EXPERTS}",
+            spec.n_expert
+        )));
     }
     if spec.n_expert == 0 || spec.n_expert_used == 0 || spec.n_expert_used > spec.n_expert {
         return Err(shape_err(format!(
@@ -170,6 +186,18 @@ pub fn upcycle(src: &GgufModel, spec: &UpcycleSpec, dst: &Path) -> Result<u64, S
             Ok(())
         })?;
     Ok(writer.finish()?)
+}
+
+/// The most experts per layer an upcycle writes (each stacked tensor is built in memory).
+pub const MAX_EXPERTS: u32 = 256;
+
+/// Whether `a` and `b` name the same existing file (device and inode), so writing `b` would replace `a`.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 /// Router weights of one layer, `n_expert` rows of `n_embd`, uniform with RMS 1/√n_embd, seeded per layer.
