@@ -250,15 +250,33 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("strata: error: {e:#}");
+            eprintln!("strata: error: {}", error_chain(&e));
             ExitCode::FAILURE
         }
     }
 }
 
+/// The error and its causes on one line, skipping a cause whose text the message already carries (the library
+/// errors embed their I/O cause, and anyhow's `{:#}` would print it twice).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+/// Opens a model given as a path or `default`; the GGUF errors already name the file.
 fn open_model(arg: &str) -> Result<GgufModel> {
     let path = models::resolve(Some(arg))?;
-    GgufModel::open(&path).with_context(|| format!("cannot open model {}", path.display()))
+    Ok(GgufModel::open(&path)?)
 }
 
 fn run(cli: Cli) -> Result<()> {

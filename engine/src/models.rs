@@ -66,10 +66,10 @@ pub fn resolve(model: Option<&str>) -> Result<PathBuf, ModelsError> {
         }
         Some(p) => {
             let path = PathBuf::from(p);
-            if path.is_file() {
-                Ok(path)
-            } else {
-                Err(ModelsError::NoSuchFile { path })
+            match std::fs::metadata(&path) {
+                Ok(m) if m.is_file() => Ok(path),
+                Ok(_) => Err(ModelsError::NotAFile { path }),
+                Err(_) => Err(ModelsError::NoSuchFile { path }),
             }
         }
     }
