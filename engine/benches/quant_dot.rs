@@ -197,7 +197,11 @@ fn main() {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut xq = quant::QuantizedActivations::new();
-    for &ty in TYPES {
+    // QUANT_DOT_TYPES=Q4_0,Q4_K limits the table to those types.
+    let only: Option<Vec<GgmlType>> = std::env::var("QUANT_DOT_TYPES")
+        .ok()
+        .map(|v| v.split(',').filter_map(GgmlType::from_name).collect());
+    for &ty in TYPES.iter().filter(|t| only.as_ref().is_none_or(|o| o.contains(t))) {
         let row_bytes = ty.row_bytes(ROW_ELEMS as u64).unwrap() as usize;
         let l2_rows = (L2_SET_BYTES / row_bytes).max(1);
         let dram_rows = if full { DRAM_SET_BYTES / row_bytes } else { l2_rows };

@@ -23,7 +23,7 @@ use bytemuck::cast_slice;
 use super::activations::{ActivationFormat, ActivationVector, block_scale};
 use super::avx2::{f16, hsum, ld8, ld128, ld256};
 use super::blocks::*;
-use super::iq_tables::KVALUES_IQ4NL;
+use super::iq_tables::{IQ2XS_GRID, IQ3S_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
 use super::types::QK_K;
 
 // ---- helpers --------------------------------------------------------------------------------------------------
@@ -214,20 +214,51 @@ pub(super) fn quantize_activations(
 
 // ---- 32-value blocks × Q8_1 -----------------------------------------------------------------------------------
 
+/// The loop every 32-value kernel shares: `term(block, codes, Σq)` gives the block's `d_w` (the activation
+/// scale is applied here), its 8 lanes of exact integer sums, and its min term `m_w Σq` (0 without a min).
+/// Two blocks per step into two accumulators, so one block's multiply-add latency does not hold up the next.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum_blocks32<B: QuantBlock>(
+    blocks: &[B],
+    qs: &[[i8; 32]],
+    ds: &[f32],
+    sums: &[i16],
+    term: impl Fn(&B, &[i8; 32], i16) -> (f32, __m256i, f32),
+) -> f32 {
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut min0, mut min1) = (0f32, 0f32);
+    let n = blocks.len().min(qs.len()).min(ds.len()).min(sums.len());
+    let pairs = n / 2;
+    for i in 0..pairs {
+        let (j, k) = (2 * i, 2 * i + 1);
+        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j]);
+        let (d1, p1, m1) = term(&blocks[k], &qs[k], sums[k]);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * ds[j]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * ds[k]), _mm256_cvtepi32_ps(p1), acc1);
+        min0 += m0 * ds[j];
+        min1 += m1 * ds[k];
+    }
+    if n % 2 == 1 {
+        let j = n - 1;
+        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j]);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * ds[j]), _mm256_cvtepi32_ps(p0), acc0);
+        min0 += m0 * ds[j];
+    }
+    hsum(_mm256_add_ps(acc0, acc1)) + (min0 + min1)
+}
+
 /// Q4_0 × Q8_1 (`ggml_vec_dot_q4_0_q8_0`): `d_w d_x (Σ nibble·q - 8 Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q4_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     let Some((blocks, qs, ds, sums)) = split32::<BlockQ4_0>(row, x) else {
         return f32::NAN;
     };
-    let mut acc = _mm256_setzero_ps();
-    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
         let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
         // 8 lanes minus Σq each: minus 8 Σq in total.
-        let p = _mm256_sub_epi32(p, _mm256_set1_epi32(s as i32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum(acc)
+        (f16(b.d), _mm256_sub_epi32(p, _mm256_set1_epi32(s as i32)), 0.0)
+    })
 }
 
 /// Q4_1 × Q8_1 (`ggml_vec_dot_q4_1_q8_1`): `d_w d_x Σ nibble·q + m d_x Σ q`.
@@ -236,14 +267,10 @@ fn k_q4_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     let Some((blocks, qs, ds, sums)) = split32::<BlockQ4_1>(row, x) else {
         return f32::NAN;
     };
-    let mut acc = _mm256_setzero_ps();
-    let mut mins = 0f32;
-    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
         let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
-        mins += f16(b.m) * (dx * s as f32);
-    }
-    hsum(acc) + mins
+        (f16(b.d), p, f16(b.m) * s as f32)
+    })
 }
 
 /// The 32 five-bit codes (0..32) of a Q5 block.
@@ -260,13 +287,10 @@ fn k_q5_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     let Some((blocks, qs, ds, sums)) = split32::<BlockQ5_0>(row, x) else {
         return f32::NAN;
     };
-    let mut acc = _mm256_setzero_ps();
-    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
         let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
-        let p = _mm256_sub_epi32(p, _mm256_set1_epi32(2 * s as i32));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum(acc)
+        (f16(b.d), _mm256_sub_epi32(p, _mm256_set1_epi32(2 * s as i32)), 0.0)
+    })
 }
 
 /// Q5_1 × Q8_1 (`ggml_vec_dot_q5_1_q8_1`).
@@ -275,45 +299,35 @@ fn k_q5_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     let Some((blocks, qs, ds, sums)) = split32::<BlockQ5_1>(row, x) else {
         return f32::NAN;
     };
-    let mut acc = _mm256_setzero_ps();
-    let mut mins = 0f32;
-    for (((b, q), &dx), &s) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
         let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
-        mins += f16(b.m) * (dx * s as f32);
-    }
-    hsum(acc) + mins
+        (f16(b.d), p, f16(b.m) * s as f32)
+    })
 }
 
 /// Q8_0 × Q8_1 (`ggml_vec_dot_q8_0_q8_0`).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q8_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, _)) = split32::<BlockQ8_0>(row, x) else {
+    let Some((blocks, qs, ds, sums)) = split32::<BlockQ8_0>(row, x) else {
         return f32::NAN;
     };
-    let mut acc = _mm256_setzero_ps();
-    for ((b, q), &dx) in blocks.iter().zip(qs).zip(ds) {
-        let p = mul_sum_i8_i8(ldq(&b.qs), ldq(q));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum(acc)
+    sum_blocks32(blocks, qs, ds, sums, |b, q, _| {
+        (f16(b.d), mul_sum_i8_i8(ldq(&b.qs), ldq(q)), 0.0)
+    })
 }
 
 /// IQ4_NL × Q8_1 (`ggml_vec_dot_iq4_nl_q8_0`): nibbles to levels through `vpshufb`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_iq4_nl(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, _)) = split32::<BlockIQ4NL>(row, x) else {
+    let Some((blocks, qs, ds, sums)) = split32::<BlockIQ4NL>(row, x) else {
         return f32::NAN;
     };
     let table = ld128(cast_slice(&KVALUES_IQ4NL));
     let table = _mm256_set_m128i(table, table);
-    let mut acc = _mm256_setzero_ps();
-    for ((b, q), &dx) in blocks.iter().zip(qs).zip(ds) {
+    sum_blocks32(blocks, qs, ds, sums, |b, q, _| {
         let w = _mm256_shuffle_epi8(table, nibbles32(&b.qs));
-        let p = mul_sum_i8_i8(w, ldq(q));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(p), acc);
-    }
-    hsum(acc)
+        (f16(b.d), mul_sum_i8_i8(w, ldq(q)), 0.0)
+    })
 }
 
 // ---- super-blocks × Q8_K --------------------------------------------------------------------------------------
@@ -522,6 +536,70 @@ fn k_iq4_xs(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     hsum(acc)
 }
 
+/// `x` with the sign flipped where bit k of `bits` is set (byte k).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn apply_signs(x: __m256i, bits: u32) -> __m256i {
+    _mm256_sign_epi8(x, _mm256_or_si256(bits_to_bytes32(bits), _mm256_set1_epi8(1)))
+}
+
+/// IQ3_S × Q8_K (`ggml_vec_dot_iq3_s_q8_K`): grid magnitudes (u8) times sign-flipped activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_iq3_s(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, _)) = split_k::<BlockIQ3S>(row, x) else {
+        return f32::NAN;
+    };
+    let mut acc = _mm256_setzero_ps();
+    for ((b, q), &dx) in blocks.iter().zip(qs).zip(ds) {
+        let mut isum = _mm256_setzero_si256();
+        for c in 0..8 {
+            let qh = b.qh[c] as usize;
+            let grid = |k: usize| IQ3S_GRID[b.qs[8 * c + k] as usize | ((qh >> k) & 1) << 8] as i32;
+            let mags = _mm256_setr_epi32(grid(0), grid(1), grid(2), grid(3), grid(4), grid(5), grid(6), grid(7));
+            let signs = u32::from_le_bytes([
+                b.signs[4 * c],
+                b.signs[4 * c + 1],
+                b.signs[4 * c + 2],
+                b.signs[4 * c + 3],
+            ]);
+            let xs = apply_signs(ldq(&q[32 * c..]), signs);
+            let sc = 1 + 2 * ((b.scales[c / 2] >> (4 * (c % 2))) & 0x0F) as i16;
+            let p = _mm256_maddubs_epi16(mags, xs);
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(isum), acc);
+    }
+    hsum(acc)
+}
+
+/// IQ2_XS × Q8_K (`ggml_vec_dot_iq2_xs_q8_K`): grid rows of 8 magnitudes, signs from `KSIGNS_IQ2XS`,
+/// `d / 8 * (2 sc + 1)` per 16 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_iq2_xs(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, _)) = split_k::<BlockIQ2XS>(row, x) else {
+        return f32::NAN;
+    };
+    let mut acc = _mm256_setzero_ps();
+    for ((b, q), &dx) in blocks.iter().zip(qs).zip(ds) {
+        let mut isum = _mm256_setzero_si256();
+        for c in 0..8 {
+            let code = |k: usize| u16::from_le_bytes(b.qs[4 * c + k]);
+            let grid = |k: usize| IQ2XS_GRID[(code(k) & 511) as usize] as i64;
+            let mags = _mm256_setr_epi64x(grid(0), grid(1), grid(2), grid(3));
+            let sign = |k: usize| KSIGNS_IQ2XS[(code(k) >> 9) as usize];
+            let xs = apply_signs(
+                ldq(&q[32 * c..]),
+                u32::from_le_bytes([sign(0), sign(1), sign(2), sign(3)]),
+            );
+            let sc = |j: usize| 1 + 2 * ((b.scales[j / 2] >> (4 * (j % 2))) & 0x0F) as i32;
+            let p = _mm256_maddubs_epi16(mags, xs);
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scale_pair(sc(2 * c), sc(2 * c + 1))));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * 0.125 * dx), _mm256_cvtepi32_ps(isum), acc);
+    }
+    hsum(acc)
+}
+
 // ---- entries --------------------------------------------------------------------------------------------------
 
 macro_rules! entries {
@@ -549,6 +627,8 @@ entries! {
     dot_q5_k => k_q5_k,
     dot_q6_k => k_q6_k,
     dot_iq4_xs => k_iq4_xs,
+    dot_iq3_s => k_iq3_s,
+    dot_iq2_xs => k_iq2_xs,
 }
 
 /// F32-activation entries: the f32 AVX2 kernels behind a [`super::DotQ8Fn`]; NaN when `x` is not F32.

@@ -400,8 +400,8 @@ pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantEr
             blocks::<BlockIQ4NL>(simd!(dot_iq4_nl), None).int8(A_Q8_1, b32::<BlockIQ4NL>(), simd8!(dot_iq4_nl))
         }
         T::IQ4_XS => blocks::<BlockIQ4XS>(simd!(dot_iq4_xs), None).int8(A_Q8_K, bk::<BlockIQ4XS>(), simd8!(dot_iq4_xs)),
-        T::IQ3_S => blocks::<BlockIQ3S>(simd!(dot_iq3_s), None).int8(A_Q8_K, bk::<BlockIQ3S>(), None),
-        T::IQ2_XS => blocks::<BlockIQ2XS>(simd!(dot_iq2_xs), None).int8(A_Q8_K, bk::<BlockIQ2XS>(), None),
+        T::IQ3_S => blocks::<BlockIQ3S>(simd!(dot_iq3_s), None).int8(A_Q8_K, bk::<BlockIQ3S>(), simd8!(dot_iq3_s)),
+        T::IQ2_XS => blocks::<BlockIQ2XS>(simd!(dot_iq2_xs), None).int8(A_Q8_K, bk::<BlockIQ2XS>(), simd8!(dot_iq2_xs)),
         _ => return Err(QuantError::Unsupported { ty, op }),
     })
 }
