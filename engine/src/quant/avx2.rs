@@ -5,7 +5,7 @@
 //! row lookups) and multiply-adds them with `x`, applying each (sub-)block scale once per sub-block and each min
 //! through the sub-block's `Σ x`. The arithmetic is the reference's (`super::reference`, ggml's
 //! `dequantize_row_*`) up to f32 summation order. ggml's own AVX2 `ggml_vec_dot_*` instead quantize `x` to
-//! Q8; we keep f32 activations so results match the reference within rounding.
+//! Q8; that is the int8 path (`avx2_int8`), which the matmul uses; this f32 path stays exact up to rounding.
 //!
 //! Safety: every kernel is a `#[target_feature(enable = "avx2,fma,f16c")]` function reached only through the
 //! `DotFn` entries at the bottom, which [`super::dot_fn`] hands out only after [`super::simd_available`]. All
