@@ -79,6 +79,14 @@ fn sampler(args: &SamplingArgs, vocab: usize) -> Result<Sampler> {
     Sampler::new(params, vocab).context("invalid sampling flags")
 }
 
+fn system_messages(args: &EngineArgs) -> Vec<ChatMessage> {
+    args.system
+        .system
+        .iter()
+        .map(|s| ChatMessage::new("system", s.clone()))
+        .collect()
+}
+
 fn chat_request(messages: Vec<ChatMessage>) -> ChatRequest {
     ChatRequest {
         messages,
@@ -106,7 +114,12 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
             .template
             .as_ref()
             .context("--chat needs a chat template, and this model has none (tokenizer.chat_template)")?;
-        t.render(&chat_request(vec![ChatMessage::new("user", args.prompt.clone())]))?
+        t.render(&chat_request(
+            system_messages(&args.engine)
+                .into_iter()
+                .chain([ChatMessage::new("user", args.prompt.clone())])
+                .collect(),
+        ))?
     } else {
         args.prompt.clone()
     };
@@ -137,7 +150,7 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
         stop: args.sampling.stop.clone(),
     };
     let mut s = sampler(&args.sampling, l.model.weights.output.rows)?;
-    let mut messages: Vec<ChatMessage> = Vec::new();
+    let mut messages: Vec<ChatMessage> = system_messages(&args);
     eprintln!("strata chat: type a message; an empty line or end of input quits");
     let stdin = std::io::stdin();
     loop {

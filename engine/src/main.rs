@@ -75,6 +75,8 @@ struct EngineArgs {
     threads: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    system: SystemArg,
 }
 
 #[derive(Args)]
@@ -87,6 +89,13 @@ struct GenerateArgs {
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
+}
+
+/// A system message for `--chat` and `chat` (without it the template's default, if any, applies).
+#[derive(Args)]
+struct SystemArg {
+    #[arg(long)]
+    system: Option<String>,
 }
 
 /// Sampling flags (llama.cpp's names and defaults, except the temperature: 0, greedy, unless asked).

@@ -74,7 +74,14 @@ fn smollm2_answers_paris_through_the_chat_template() {
     let template = ChatTemplate::from_metadata(md).unwrap().unwrap();
     let prompt = template
         .render(&ChatRequest {
-            messages: vec![ChatMessage::new("user", "What is the capital of France?")],
+            // SmolLM2 Q4_1's first answer token is a near tie between "The" and French words for some system
+            // messages: with the template's default one ("...named SmolLM, trained by Hugging Face") llama.cpp
+            // answers "L'Étoile, la Marseillaise..." and so do we. With this one both answer "The capital of
+            // France is Paris." (checked with llama.cpp's llama-completion, greedy, -t 2).
+            messages: vec![
+                ChatMessage::new("system", "You are a helpful AI assistant."),
+                ChatMessage::new("user", "What is the capital of France?"),
+            ],
             add_generation_prompt: true,
             ..ChatRequest::default()
         })

@@ -15,7 +15,8 @@
 pub mod cpu;
 
 use crate::gguf::{GgufModel, TensorInfo};
-use crate::quant::{self, DotFn, GgmlType, QuantError};
+use crate::quant::activations::ActivationFormat;
+use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
 use crate::runtime::kv::KvLayer;
 
 /// A quantized weight matrix viewed in place (zero-copy) in a GGUF mapping: `rows` rows of `cols` weights.
@@ -28,8 +29,12 @@ pub struct QMat<'a> {
     pub cols: usize,
     /// Bytes per row (`ty.row_bytes(cols)`).
     pub row_bytes: usize,
-    /// The per-row dot product chosen once for `ty` (the one call a faster activation format will replace).
+    /// The per-row f32-activation dot product chosen once for `ty`.
     pub dot: DotFn,
+    /// The per-row int8-activation dot product (ggml's `vec_dot` with `vec_dot_type` activations).
+    pub dot_q8: DotQ8Fn,
+    /// The activation format `dot_q8` takes; [`ActivationFormat::F32`] for float weights, which use `dot`.
+    pub act: ActivationFormat,
 }
 
 impl<'a> QMat<'a> {
@@ -38,6 +43,8 @@ impl<'a> QMat<'a> {
     /// Errors: `ty` has no dot product, `cols` is not whole blocks, or `data` is not exactly the matrix.
     pub fn new(ty: GgmlType, data: &'a [u8], rows: usize, cols: usize) -> Result<QMat<'a>, QuantError> {
         let dot = quant::dot_fn(ty)?;
+        let dot_q8 = quant::dot_q8_fn(ty)?;
+        let act = quant::activation_format(ty)?;
         let row_bytes = ty.row_bytes(cols as u64).ok_or(QuantError::NotWholeBlocks {
             ty,
             op: "matmul",
@@ -61,6 +68,8 @@ impl<'a> QMat<'a> {
             cols,
             row_bytes,
             dot,
+            dot_q8,
+            act,
         })
     }
 

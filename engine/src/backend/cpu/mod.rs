@@ -10,10 +10,13 @@
 
 pub mod kernels;
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
 use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use crate::quant;
+use crate::quant::activations::{ActivationFormat, QuantizedActivations};
 use crate::runtime::kv::KvLayer;
 
 /// Rows per rayon task in a decode matmul.
@@ -64,11 +67,56 @@ impl CpuBackend {
     fn matmul_as(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32], batched: bool) {
         assert_eq!(x.len(), n_tok * w.cols, "matmul: activations");
         assert_eq!(out.len(), n_tok * w.rows, "matmul: output");
-        if batched {
+        if w.act != ActivationFormat::F32 {
+            Self::matmul_q8(w, x, n_tok, out);
+        } else if batched {
             Self::matmul_prefill(w, x, n_tok, out);
         } else {
             Self::matmul_decode(w, x, out);
         }
+    }
+
+    /// Quantized weights: the activations are quantized to int8 once per matmul (ggml's `vec_dot_type`), then
+    /// every (row, token) is one integer dot product, tiled as rows × tokens so a block of weight rows stays
+    /// in cache while the tile's tokens pass over it. A token's result does not depend on the batch.
+    fn matmul_q8(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+        thread_local! {
+            // The calling thread's activation buffer: grown to the largest matrix, then reused (no allocation
+            // per token, no lock). Matmuls never nest on one thread.
+            static ACTIVATIONS: RefCell<QuantizedActivations> = RefCell::new(QuantizedActivations::new());
+        }
+        ACTIVATIONS.with_borrow_mut(|qa| {
+            qa.quantize(w.ty, x, w.cols).expect("matrix checked at construction");
+            let qa = &*qa;
+            let rows = w.rows;
+            if n_tok == 1 {
+                let v = qa.vector(0);
+                out.par_chunks_mut(DECODE_ROWS).enumerate().for_each(|(c, o)| {
+                    let r0 = c * DECODE_ROWS;
+                    for (i, y) in o.iter_mut().enumerate() {
+                        *y = (w.dot_q8)(w.row(r0 + i), &v);
+                    }
+                });
+                return;
+            }
+            let row_blocks = rows.div_ceil(PREFILL_ROWS);
+            let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
+            let shared = SharedOut(out.as_mut_ptr());
+            (0..row_blocks * tok_tiles).into_par_iter().for_each(|task| {
+                let (rb, tt) = (task / tok_tiles, task % tok_tiles);
+                let r0 = rb * PREFILL_ROWS;
+                let r1 = (r0 + PREFILL_ROWS).min(rows);
+                let t0 = tt * PREFILL_TOKENS;
+                for t in t0..(t0 + PREFILL_TOKENS).min(n_tok) {
+                    let v = qa.vector(t);
+                    for r in r0..r1 {
+                        // SAFETY: element (t, r) belongs to this task's row block and token tile only, and is
+                        // inside `out` (t < n_tok, r < rows).
+                        unsafe { *shared.ptr().add(t * rows + r) = (w.dot_q8)(w.row(r), &v) };
+                    }
+                }
+            });
+        });
     }
 
     fn matmul_decode(w: &QMat<'_>, x: &[f32], out: &mut [f32]) {
