@@ -88,7 +88,8 @@ pub fn fetch(what: &str) -> Result<(), ModelsError> {
         .arg(&script)
         .arg(what)
         .env("STRATA_MODELS_DIR", models_dir())
-        .stdout(std::process::Stdio::inherit())
+        // The script's progress must not mix into our stdout, which may be JSON (`strata inspect --json`).
+        .stdout(std::process::Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| fail(format!("could not run {}: {e}", script.display())))?;
     if status.success() {
