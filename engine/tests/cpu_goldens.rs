@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::gguf::GgufModel;
 use strata_engine::model::Model;
+use strata_engine::model::synth::SynthSpec;
+use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::models;
 use strata_engine::runtime::generate::argmax;
 use strata_engine::runtime::kv::KvType;
@@ -196,4 +199,91 @@ fn smollm2_teacher_forced_distribution_matches_llama_cpp() {
     assert!(kld <= 0.005, "mean KLD {kld}");
     // Issue 3 asks for 99%; today 248 of 256 (96.9%), every miss at a llama.cpp top-2 gap below 0.05 nats.
     assert!(top1 >= 0.96, "top-1 agreement {top1}");
+}
+
+/// A generated golden model, written into `dir` and checked against the golden's recorded size.
+fn generated_model(dir: &Path, golden: &Value) -> PathBuf {
+    let name = golden["model"]["name"].as_str().unwrap();
+    let path = dir.join(format!("{name}.gguf"));
+    match name {
+        "smollm2-upcycled-shifted-e4k2-s1" => {
+            let spec = UpcycleSpec {
+                mode: UpcycleMode::Shifted,
+                n_expert: 4,
+                n_expert_used: 2,
+                seed: 1,
+            };
+            upcycle(
+                &GgufModel::open(cached_model(models::DEFAULT_MODEL_FILE)).unwrap(),
+                &spec,
+                &path,
+            )
+            .unwrap();
+        }
+        "tiny-qwen3moe" => {
+            SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+        }
+        other => panic!("no generator for {other}"),
+    }
+    let size = std::fs::metadata(&path).unwrap().len();
+    assert_eq!(
+        Some(size),
+        golden["model"]["size_bytes"].as_u64(),
+        "{name}: the generator's output changed size; regenerate the goldens"
+    );
+    path
+}
+
+fn report_all(name: &str, model: &Model) -> (usize, usize, Vec<Divergence>, f64, f64) {
+    let greedy = read_json(&goldens_dir(name).join("greedy.json"));
+    let teacher = read_json(&goldens_dir(name).join("teacher.json"));
+    let (identical, diverged) = check_greedy(model, &greedy);
+    let (top1, kld) = check_teacher(model, &teacher);
+    let n = greedy["prompts"].as_array().unwrap().len();
+    eprintln!(
+        "{name}: greedy {identical} of {n} identical, divergences {diverged:?}; teacher top-1 {:.2}%, mean KLD {kld:.2e}",
+        top1 * 100.0
+    );
+    (identical, n, diverged, top1, kld)
+}
+
+#[test]
+fn gemma3_matches_llama_cpp() {
+    let model = Model::load(cached_model(models::GEMMA3_MODEL_FILE)).unwrap();
+    let (_, _, diverged, top1, kld) = report_all("gemma-3-270m-q4_k_m", &model);
+    // Issue 3 asks for KLD ≤ 0.005 and top-1 ≥ 99%. Today: KLD 6.2e-3, top-1 93.0%, greedy 5 of 8 identical
+    // (divergences at llama.cpp gaps of 0.11-0.20 logits). llama.cpp's own noise floor for gemma-3 was not
+    // measured (fixtures/goldens/README.md); on SmolLM2, attention rounding alone moves it by KLD 0.0027-0.0029
+    // and 3-6% of top-1. These guards stop regressions; they do not claim the issue's bar.
+    assert!(kld <= 0.008, "mean KLD {kld}");
+    assert!(top1 >= 0.92, "top-1 agreement {top1}");
+    for d in &diverged {
+        assert!(d.llama_gap < 0.5, "{d:?}: llama.cpp was not close to a tie there");
+    }
+}
+
+#[test]
+fn upcycled_shifted_moe_matches_llama_cpp() {
+    let dir = tempfile::tempdir().unwrap();
+    let golden = read_json(&goldens_dir("smollm2-upcycled-shifted-e4k2-s1").join("teacher.json"));
+    let model = Model::load(generated_model(dir.path(), &golden)).unwrap();
+    let (_, _, _, top1, kld) = report_all("smollm2-upcycled-shifted-e4k2-s1", &model);
+    // This model is chaotic (perplexity 2e8 on ordinary text): llama.cpp against itself with another KV or
+    // attention precision gives KLD 1.7-1.8 and 57-60% top-1 (fixtures/goldens/README.md, noise floor), so
+    // the issue's tolerances cannot hold here; greedy sequences are not compared. The guard is that noise floor.
+    assert!(kld <= 2.0, "mean KLD {kld}");
+    assert!(top1 >= 0.5, "top-1 agreement {top1}");
+}
+
+#[test]
+fn tiny_qwen3moe_matches_llama_cpp() {
+    let dir = tempfile::tempdir().unwrap();
+    let golden = read_json(&goldens_dir("tiny-qwen3moe").join("teacher.json"));
+    let model = Model::load(generated_model(dir.path(), &golden)).unwrap();
+    let (_, _, diverged, top1, kld) = report_all("tiny-qwen3moe", &model);
+    assert!(kld <= 0.005, "mean KLD {kld}");
+    assert!(top1 >= 0.96, "top-1 agreement {top1}");
+    for d in &diverged {
+        assert!(d.llama_gap < 0.5, "{d:?}: llama.cpp was not close to a tie there");
+    }
 }
