@@ -10,6 +10,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use half::slice::HalfFloatSliceExt;
+
 use crate::model::HParams;
 use crate::quant::{self, DotFn, GgmlType};
 
@@ -109,7 +111,15 @@ impl KvRows {
     /// Head `head` of `cell` as f32 into `out` (`head_dim` values).
     #[inline]
     pub fn read(&self, cell: usize, head: usize, out: &mut [f32]) {
-        quant::dequantize(self.ty, self.head(cell, head), out).expect("head width fixed at construction");
+        let bytes = self.head(cell, head);
+        if self.ty == GgmlType::F16
+            && let Ok(halves) = bytemuck::try_cast_slice::<u8, half::f16>(bytes)
+        {
+            // Hot path of attention: half's slice conversion uses F16C when present.
+            halves.convert_to_f32_slice(out);
+            return;
+        }
+        quant::dequantize(self.ty, bytes, out).expect("head width fixed at construction");
     }
 
     /// Values per head.

@@ -1,9 +1,11 @@
 //! The CPU backend: the reference semantics of every [`Backend`] op, parallel with rayon.
 //!
 //! Parallelism: decode (one token) splits a matmul over output rows; prefill splits it over row blocks ×
-//! token tiles, dequantizing each weight row once per tile and reusing it for every token of the tile.
-//! Attention splits over KV heads × token tiles, so the query heads of a GQA group share each key and value
-//! read. Ops run on rayon's global pool (`--threads` sizes it).
+//! token tiles. Quantized weights multiply int8 activations (quantized once per matmul, ggml's
+//! `vec_dot_type`), a tile keeping its block of weight rows in cache while its tokens pass over it; float
+//! weights (F32, F16, BF16) are dequantized once per tile and reused for every token of the tile. Attention
+//! splits over KV heads × token tiles in prefill, so the query heads of a GQA group share each key and value
+//! read, and over query heads in decode. Ops run on rayon's global pool (`--threads` sizes it).
 //!
 //! Hot paths: no locks and no logging anywhere below; allocation only for per-task scratch in the prefill
 //! paths (once per rayon work item, never per token or per row).
@@ -280,16 +282,22 @@ impl Backend for CpuBackend {
         let group = p.n_head / p.n_head_kv;
         let tile = if n_tok == 1 { 1 } else { ATTN_TOKENS };
         let tiles = n_tok.div_ceil(tile);
+        // Query heads per task: a whole GQA group in prefill (each key and value read serves all of them); one
+        // head in decode, so a few KV heads still spread over every thread.
+        let hpt = if n_tok == 1 { 1 } else { group };
+        let subs = group / hpt;
         let shared = SharedOut(out.as_mut_ptr());
         let first_key = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        (0..tiles * p.n_head_kv).into_par_iter().for_each_init(
+        (0..tiles * p.n_head_kv * subs).into_par_iter().for_each_init(
             || AttnScratch {
                 scores: Vec::new(),
                 acc: Vec::new(),
                 v: vec![0.0; dv],
             },
             |s, task| {
-                let (ti, g) = (task / p.n_head_kv, task % p.n_head_kv);
+                let (ti, rest) = (task / (p.n_head_kv * subs), task % (p.n_head_kv * subs));
+                let (g, sub) = (rest / subs, rest % subs);
+                let h0 = g * group + sub * hpt;
                 let t0 = ti * tile;
                 let t1 = (t0 + tile).min(n_tok);
                 let toks = &positions[t0..t1];
@@ -300,7 +308,7 @@ impl Backend for CpuBackend {
                     .min()
                     .expect("non-empty tile");
                 let n_keys = hi + 1 - lo;
-                let n_q = toks.len() * group;
+                let n_q = toks.len() * hpt;
                 s.scores.clear();
                 s.scores.resize(n_q * n_keys, f32::NEG_INFINITY);
                 s.acc.clear();
@@ -309,10 +317,9 @@ impl Backend for CpuBackend {
                 for (ti, &pos) in toks.iter().enumerate() {
                     let pos = pos as usize;
                     let first = first_key(pos);
-                    for hh in 0..group {
-                        let h = g * group + hh;
-                        let qv = &q[((t0 + ti) * p.n_head + h) * dk..][..dk];
-                        let row = &mut s.scores[(ti * group + hh) * n_keys..][..n_keys];
+                    for hh in 0..hpt {
+                        let qv = &q[((t0 + ti) * p.n_head + h0 + hh) * dk..][..dk];
+                        let row = &mut s.scores[(ti * hpt + hh) * n_keys..][..n_keys];
                         for j in first..=pos {
                             row[j - lo] = p.scale * kv.k.dot(j, g, qv);
                         }
@@ -337,11 +344,11 @@ impl Backend for CpuBackend {
                     }
                 }
                 for ti in 0..toks.len() {
-                    for hh in 0..group {
-                        let src = &s.acc[(ti * group + hh) * dv..][..dv];
-                        let dst = ((t0 + ti) * p.n_head + g * group + hh) * dv;
-                        // SAFETY: head g * group + hh of token t0 + ti belongs to this task alone (KV head g,
-                        // token tile ti), and lies inside `out`.
+                    for hh in 0..hpt {
+                        let src = &s.acc[(ti * hpt + hh) * dv..][..dv];
+                        let dst = ((t0 + ti) * p.n_head + h0 + hh) * dv;
+                        // SAFETY: head h0 + hh of token t0 + ti belongs to this task alone (its token tile and
+                        // head range), and lies inside `out`.
                         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), shared.ptr().add(dst), dv) };
                     }
                 }
