@@ -23,6 +23,8 @@ pub enum ModelsError {
     NotFetched { name: String, dir: PathBuf, reason: String },
     #[error("model file {path} does not exist")]
     NoSuchFile { path: PathBuf },
+    #[error("{path} is not in the model cache; run ci/fetch-models.sh (or `strata models fetch`) first")]
+    NotInCache { path: PathBuf },
     #[error("model path {path} is not a regular file (a directory or a device?); give a .gguf file")]
     NotAFile { path: PathBuf },
 }
@@ -42,6 +44,19 @@ pub fn models_dir() -> PathBuf {
 /// Path of a cached file, whether or not it exists yet.
 pub fn cached(file: &str) -> PathBuf {
     models_dir().join(file)
+}
+
+/// The path of `file` (relative to the cache, e.g. [`DEFAULT_MODEL_FILE`] or `VOCAB_DIR/ggml-vocab-gpt-2.gguf`),
+/// which must already be there: nothing is fetched.
+///
+/// Errors: [`ModelsError::NotInCache`], saying how to fetch it.
+pub fn require(file: &str) -> Result<PathBuf, ModelsError> {
+    let path = cached(file);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(ModelsError::NotInCache { path })
+    }
 }
 
 /// The fetch script of the source tree this binary was built from, when that tree is still there.

@@ -6,9 +6,7 @@ use std::process::{Command, Output};
 use strata_engine::models;
 
 fn model(file: &str) -> PathBuf {
-    let path = models::cached(file);
-    assert!(path.is_file(), "{} is missing: run ci/fetch-models.sh", path.display());
-    path
+    models::require(file).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn strata(args: &[&str]) -> Output {

@@ -40,13 +40,7 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn cached_model(file: &str) -> PathBuf {
-    let path = models::cached(file);
-    assert!(
-        path.is_file(),
-        "{} is missing: run ci/fetch-models.sh first",
-        path.display()
-    );
-    path
+    models::require(file).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn session(model: &Model) -> Session<'_, CpuBackend> {

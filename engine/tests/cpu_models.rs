@@ -18,13 +18,7 @@ use strata_engine::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer
 
 /// The cached default model; fails (not skips) when absent, since CI fetches models first.
 fn smollm2_path() -> PathBuf {
-    let path = models::cached(models::DEFAULT_MODEL_FILE);
-    assert!(
-        path.is_file(),
-        "{} is missing: run ci/fetch-models.sh first",
-        path.display()
-    );
-    path
+    models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"))
 }
 
 const TEXT: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named \

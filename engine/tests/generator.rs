@@ -223,9 +223,7 @@ fn invalid_specs_are_errors_not_files() {
 }
 
 fn default_model() -> GgufModel {
-    let path = models::cached(models::DEFAULT_MODEL_FILE);
-    assert!(path.is_file(), "{} is missing: run ci/fetch-models.sh", path.display());
-    GgufModel::open(&path).unwrap()
+    GgufModel::open(models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"))).unwrap()
 }
 
 #[test]

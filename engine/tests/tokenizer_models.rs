@@ -4,13 +4,11 @@
 use std::path::PathBuf;
 
 use strata_engine::gguf::GgufFile;
-use strata_engine::models::{DEFAULT_MODEL_FILE, GEMMA3_MODEL_FILE, models_dir};
+use strata_engine::models::{DEFAULT_MODEL_FILE, GEMMA3_MODEL_FILE};
 use strata_engine::tokenizer::{TokenKind, Tokenizer, TokenizerKind};
 
 fn cached(file: &str) -> PathBuf {
-    let path = models_dir().join(file);
-    assert!(path.is_file(), "{} is missing: run ci/fetch-models.sh", path.display());
-    path
+    strata_engine::models::require(file).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn load(file: &str) -> Tokenizer {

@@ -5,15 +5,13 @@ use std::path::PathBuf;
 
 use serde_json::json;
 use strata_engine::gguf::{GgufFile, Metadata, Value};
-use strata_engine::models::{DEFAULT_MODEL_FILE, GEMMA3_MODEL_FILE, VOCAB_DIR, models_dir};
+use strata_engine::models::{DEFAULT_MODEL_FILE, GEMMA3_MODEL_FILE, VOCAB_DIR};
 use strata_engine::tokenizer::{
     ChatContent, ChatMessage, ChatRequest, ChatTemplate, ContentPart, TemplateError, Tokenizer,
 };
 
 fn cached(file: &str) -> PathBuf {
-    let path = models_dir().join(file);
-    assert!(path.is_file(), "{} is missing: run ci/fetch-models.sh", path.display());
-    path
+    strata_engine::models::require(file).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn request(messages: Vec<ChatMessage>, add_generation_prompt: bool) -> ChatRequest {

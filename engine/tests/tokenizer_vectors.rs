@@ -6,20 +6,15 @@
 use std::path::PathBuf;
 
 use strata_engine::gguf::GgufFile;
-use strata_engine::models::{VOCAB_DIR, models_dir};
+use strata_engine::models::VOCAB_DIR;
 use strata_engine::tokenizer::Tokenizer;
 
 /// The separator between inputs in a `.inp` file (the file ends with one too).
 const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
 
 fn vocab_path(name: &str) -> PathBuf {
-    let path = models_dir().join(VOCAB_DIR).join(format!("ggml-vocab-{name}.gguf"));
-    assert!(
-        path.is_file(),
-        "{} is missing: run ci/fetch-models.sh (it unpacks llama.cpp's tokenizer vocabularies into the model cache)",
-        path.display()
-    );
-    path
+    let file = format!("{VOCAB_DIR}/ggml-vocab-{name}.gguf");
+    strata_engine::models::require(&file).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// (input text, expected ids) pairs of one vocabulary, parsed as test-tokenizer-0.cpp parses them.
