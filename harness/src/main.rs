@@ -12,6 +12,9 @@ struct Cli {}
 
 fn main() {
     Cli::parse();
-    eprintln!("strata-harness {}: no scenario runner in this build yet", env!("CARGO_PKG_VERSION"));
+    eprintln!(
+        "strata-harness {}: no scenario runner in this build yet",
+        env!("CARGO_PKG_VERSION")
+    );
     std::process::exit(2);
 }
