@@ -79,23 +79,17 @@ impl Deref for Bytes {
 pub struct GgufFile {
     path: PathBuf,
     bytes: Bytes,
-    version: u32,
-    metadata: Metadata,
-    tensors: Vec<TensorInfo>,
-    /// File offset of each tensor's info record, for error messages.
-    info_offsets: Vec<u64>,
-    data_offset: u64,
-    alignment: u64,
+    header: GgufHeader,
 }
 
 impl fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GgufFile")
             .field("path", &self.path)
-            .field("version", &self.version)
-            .field("metadata_entries", &self.metadata.len())
-            .field("tensors", &self.tensors.len())
-            .field("data_offset", &self.data_offset)
+            .field("version", &self.header.version)
+            .field("metadata_entries", &self.header.metadata.len())
+            .field("tensors", &self.header.tensors.len())
+            .field("data_offset", &self.header.data_offset)
             .field("file_bytes", &self.file_bytes())
             .finish()
     }
@@ -137,16 +131,7 @@ impl GgufFile {
 
     fn parse(path: PathBuf, bytes: Bytes, shard: usize) -> Result<GgufFile, GgufError> {
         let header = parse_header(&path, &bytes, shard)?;
-        Ok(GgufFile {
-            path,
-            bytes,
-            version: header.version,
-            metadata: header.metadata,
-            tensors: header.tensors,
-            info_offsets: header.info_offsets,
-            data_offset: header.data_offset,
-            alignment: header.alignment,
-        })
+        Ok(GgufFile { path, bytes, header })
     }
 
     /// The path the file was opened from (or the name given to [`GgufFile::from_bytes`]).
@@ -156,32 +141,37 @@ impl GgufFile {
 
     /// The GGUF version (2 or 3).
     pub fn version(&self) -> u32 {
-        self.version
+        self.header.version()
     }
 
     /// The metadata key-value pairs, in file order.
     pub fn metadata(&self) -> &Metadata {
-        &self.metadata
+        self.header.metadata()
     }
 
     /// The tensor infos, in file order.
     pub fn tensors(&self) -> &[TensorInfo] {
-        &self.tensors
+        self.header.tensors()
     }
 
     /// The tensor named `name` (a linear search; [`crate::gguf::GgufModel::tensor`] is indexed).
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensors.iter().find(|t| t.name == name)
+        self.tensors().iter().find(|t| t.name == name)
     }
 
     /// Start of the data section, in bytes from the start of the file (a multiple of [`GgufFile::alignment`]).
     pub fn data_offset(&self) -> u64 {
-        self.data_offset
+        self.header.data_offset()
     }
 
     /// Alignment of the data section and of each tensor's offset, in bytes (`general.alignment`, default 32).
     pub fn alignment(&self) -> u64 {
-        self.alignment
+        self.header.alignment()
+    }
+
+    /// The parsed header: everything before the data section.
+    pub fn header(&self) -> &GgufHeader {
+        &self.header
     }
 
     /// Size of the file in bytes.
@@ -200,6 +190,7 @@ impl GgufFile {
     /// from another file whose range falls outside this one, the slice is empty.
     pub fn tensor_data(&self, info: &TensorInfo) -> &[u8] {
         let range = self
+            .header
             .data_offset
             .checked_add(info.offset)
             .and_then(|start| Some(start..start.checked_add(info.n_bytes)?))
@@ -209,12 +200,12 @@ impl GgufFile {
 
     /// File offset of the tensor info record of tensor number `index` (for error messages).
     pub(crate) fn info_offset(&self, index: usize) -> u64 {
-        self.info_offsets.get(index).copied().unwrap_or(0)
+        self.header.info_offsets.get(index).copied().unwrap_or(0)
     }
 
     /// Moves every tensor into shard `shard` of a set.
     pub(crate) fn set_shard(&mut self, shard: usize) {
-        for t in &mut self.tensors {
+        for t in &mut self.header.tensors {
             t.shard = shard;
         }
     }
