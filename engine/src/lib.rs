@@ -7,4 +7,5 @@ pub mod model;
 pub mod models;
 pub mod quant;
 pub mod runtime;
+pub mod serve;
 pub mod tokenizer;

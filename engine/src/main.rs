@@ -50,6 +50,11 @@ enum Command {
     Generate(GenerateArgs),
     /// An interactive chat through the model's chat template (multi-turn, reusing the cached prefix).
     Chat(EngineArgs),
+    /// Serve the OpenAI and Anthropic HTTP APIs over a supervised engine worker process.
+    Serve(strata_engine::serve::ServeArgs),
+    /// The engine worker `strata serve` starts (JSON lines on stdin/stdout); not for direct use.
+    #[command(hide = true)]
+    Worker(strata_engine::serve::EngineFlags),
 }
 
 /// Model, cache and sampling settings shared by `generate` and `chat`.
@@ -128,13 +133,7 @@ struct SamplingArgs {
 struct Prefill(Option<usize>);
 
 fn parse_prefill(s: &str) -> Result<Prefill, String> {
-    if s == "auto" {
-        return Ok(Prefill(None));
-    }
-    match s.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(Prefill(Some(n))),
-        _ => Err(format!("--prefill takes a positive token count or `auto`, not `{s}`")),
-    }
+    session::parse_prefill_chunk(s).map(Prefill)
 }
 
 #[derive(Subcommand)]
@@ -346,6 +345,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(args) => generate_cmd::run_generate(args)?,
         Command::Chat(args) => generate_cmd::run_chat(args)?,
+        Command::Serve(args) => strata_engine::serve::run(args)?,
+        Command::Worker(flags) => strata_engine::serve::worker::run(&flags)?,
     }
     Ok(())
 }

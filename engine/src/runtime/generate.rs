@@ -1,6 +1,7 @@
 //! Generation: prefill a prompt, then decode token by token until end-of-generation, a stop string or the
 //! token limit, streaming text as it is produced.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::backend::Backend;
@@ -19,6 +20,8 @@ pub enum StopReason {
     Limit,
     /// The context is full.
     Context,
+    /// The caller's cancel flag was set (a client went away); checked once per token.
+    Cancelled,
 }
 
 /// Counts and timings of one request (the summary line's numbers).
@@ -111,6 +114,31 @@ pub fn generate<B: Backend>(
     sampler: &mut dyn TokenSampler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats), GenerateError> {
+    generate_cancellable(
+        session,
+        tokenizer,
+        prompt,
+        opts,
+        sampler,
+        &AtomicBool::new(false),
+        on_text,
+    )
+}
+
+/// [`generate`] that also ends, with [`StopReason::Cancelled`], once `cancel` is set: it is read before each
+/// token is sampled, so at most one more token is computed after it is set (`strata serve` sets it from another
+/// thread when a client closes its stream). Text held back for a possible stop string is dropped on cancel.
+///
+/// Errors: as [`generate`].
+pub fn generate_cancellable<B: Backend>(
+    session: &mut Session<'_, B>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    sampler: &mut dyn TokenSampler,
+    cancel: &AtomicBool,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<(Vec<u32>, GenerateStats), GenerateError> {
     let prefill = session.prefill(prompt)?;
     let start = Instant::now();
     let mut history: Vec<u32> = prompt.to_vec();
@@ -119,6 +147,10 @@ pub fn generate<B: Backend>(
     let mut stops = StopMatcher::new(opts.stop.iter().cloned());
     let mut stop = StopReason::Limit;
     while out.len() < opts.max_tokens {
+        if cancel.load(Ordering::Relaxed) {
+            stop = StopReason::Cancelled;
+            break;
+        }
         let tok = sampler.next_token(session.logits(), &history);
         out.push(tok);
         history.push(tok);
@@ -152,7 +184,7 @@ pub fn generate<B: Backend>(
         }
         session.decode(tok)?;
     }
-    if stop != StopReason::StopString {
+    if stop != StopReason::StopString && stop != StopReason::Cancelled {
         let rest = stops.feed(&String::from_utf8_lossy(&bytes)).text.to_string() + stops.finish();
         if !rest.is_empty() {
             on_text(&rest);

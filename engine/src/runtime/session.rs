@@ -16,6 +16,28 @@ pub const DEFAULT_MAX_CONTEXT: usize = 4096;
 /// Prefill chunk used by `--prefill auto`, in tokens.
 pub const AUTO_PREFILL_CHUNK: usize = 512;
 
+/// Cells a session allocates: `max_context` capped by the model's training context (`n_ctx_train`, 0 when the
+/// metadata has none), in tokens. The server uses it to refuse an over-long prompt before queueing it.
+pub fn context_cells(max_context: usize, n_ctx_train: u32) -> usize {
+    match n_ctx_train as usize {
+        0 => max_context,
+        train => max_context.min(train),
+    }
+}
+
+/// Parses a `--prefill` value: a positive token count, or `auto` (`None`: [`AUTO_PREFILL_CHUNK`]).
+///
+/// Errors: anything else, as a one-line message naming the flag.
+pub fn parse_prefill_chunk(s: &str) -> Result<Option<usize>, String> {
+    if s == "auto" {
+        return Ok(None);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Some(n)),
+        _ => Err(format!("--prefill takes a positive token count or `auto`, not `{s}`")),
+    }
+}
+
 /// Why a session step failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SessionError {
@@ -79,12 +101,7 @@ impl<'m, B: Backend> Session<'m, B> {
     ///
     /// Errors: a zero context; an int8 cache for a head width that is not a multiple of 32.
     pub fn new(model: &'m Model, backend: B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
-        let train = model.hp.n_ctx_train as usize;
-        let n_ctx = if train > 0 {
-            config.max_context.min(train)
-        } else {
-            config.max_context
-        };
+        let n_ctx = context_cells(config.max_context, model.hp.n_ctx_train);
         let kv = KvCache::new(&model.hp, n_ctx, config.kv)?;
         Ok(Session {
             model,

@@ -1,0 +1,436 @@
+//! What the OpenAI and Anthropic surfaces share: the error type (mapped to each API's own JSON shape in one
+//! place), body parsing, the served model's identity and prompt building, and running a request on the engine.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::Shared;
+use super::protocol::{Finish, JobSampling, Timings};
+use super::supervisor::{EngineRequest, JobEvent, SubmitError};
+use crate::gguf::GgufModel;
+use crate::model::hparams::HParams;
+use crate::runtime::sampling::SamplingParams;
+use crate::runtime::session::context_cells;
+use crate::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer};
+
+/// Which API a request came through: it decides the error shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`.
+    Anthropic,
+}
+
+impl Api {
+    /// The API a path belongs to (`/v1/messages...` is Anthropic's, everything else OpenAI's).
+    pub fn for_path(path: &str) -> Api {
+        if path.starts_with("/v1/messages") {
+            Api::Anthropic
+        } else {
+            Api::OpenAi
+        }
+    }
+}
+
+/// The kinds of failure a client can see; each has one status and one type name per API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// 400: malformed JSON, wrong types, bad values, a prompt over the context.
+    InvalidRequest,
+    /// 401: missing or wrong API key.
+    Authentication,
+    /// 404: an unknown model name.
+    NotFound,
+    /// 413: a body over `--max-body-bytes`.
+    TooLarge,
+    /// 503 with Retry-After: the queue is full.
+    Overloaded,
+    /// 503 with Retry-After: the engine worker died or is restarting.
+    EngineDown,
+}
+
+impl ErrorKind {
+    fn status(self) -> StatusCode {
+        match self {
+            ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
+            ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::Overloaded | ErrorKind::EngineDown => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The error's `type` string in `api`'s vocabulary.
+    fn type_name(self, api: Api) -> &'static str {
+        match (api, self) {
+            (_, ErrorKind::InvalidRequest) => "invalid_request_error",
+            (_, ErrorKind::Authentication) => "authentication_error",
+            (Api::OpenAi, ErrorKind::NotFound) => "invalid_request_error",
+            (Api::Anthropic, ErrorKind::NotFound) => "not_found_error",
+            (Api::OpenAi, ErrorKind::TooLarge) => "invalid_request_error",
+            (Api::Anthropic, ErrorKind::TooLarge) => "request_too_large",
+            (Api::OpenAi, ErrorKind::Overloaded | ErrorKind::EngineDown) => "server_error",
+            (Api::Anthropic, ErrorKind::Overloaded) => "overloaded_error",
+            (Api::Anthropic, ErrorKind::EngineDown) => "api_error",
+        }
+    }
+}
+
+/// An error answer: status, type and message in the shape of the API the request came through.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub api: Api,
+    pub kind: ErrorKind,
+    pub message: String,
+    /// OpenAI's `code` (`model_not_found`, `context_length_exceeded`).
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(api: Api, kind: ErrorKind, message: impl Into<String>) -> ApiError {
+        ApiError {
+            api,
+            kind,
+            message: message.into(),
+            code: None,
+        }
+    }
+
+    /// A 400 `invalid_request_error`.
+    pub fn invalid(api: Api, message: impl Into<String>) -> ApiError {
+        ApiError::new(api, ErrorKind::InvalidRequest, message)
+    }
+
+    fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    /// The JSON body in the API's shape.
+    pub fn body(&self) -> serde_json::Value {
+        let ty = self.kind.type_name(self.api);
+        match self.api {
+            Api::OpenAi => serde_json::json!({
+                "error": { "message": self.message, "type": ty, "param": null, "code": self.code }
+            }),
+            Api::Anthropic => serde_json::json!({
+                "type": "error",
+                "error": { "type": ty, "message": self.message }
+            }),
+        }
+    }
+
+    /// The error as an SSE `data:` payload for a stream that already answered 200.
+    pub fn stream_body(&self) -> String {
+        self.body().to_string()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.kind.status();
+        let mut resp = (status, axum::Json(self.body())).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// Reads a JSON body into `T`, mapping every failure to a 4xx: over the size limit (413), not UTF-8, not
+/// JSON, or JSON of the wrong shape or types (400, with serde's line and column).
+pub fn parse_body<T: DeserializeOwned>(api: Api, body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rej| {
+        if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                api,
+                ErrorKind::TooLarge,
+                "the request body is larger than --max-body-bytes",
+            )
+        } else {
+            ApiError::invalid(api, format!("cannot read the request body: {rej}"))
+        }
+    })?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| {
+        ApiError::invalid(
+            api,
+            format!("the request body is not valid UTF-8 (at byte {})", e.valid_up_to()),
+        )
+    })?;
+    serde_json::from_str(text).map_err(|e| {
+        let what = match e.classify() {
+            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => "malformed JSON",
+            _ => "invalid request",
+        };
+        ApiError::invalid(api, format!("{what}: {e}"))
+    })
+}
+
+/// One string or a list of strings (OpenAI's `stop`, a completion's `prompt`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+/// The served model: its API name, tokenizer, chat template and context size, read from the GGUF's metadata
+/// (no weights are read).
+pub struct ModelInfo {
+    /// The name clients use: the file name without `.gguf`.
+    pub id: String,
+    file_name: String,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    /// Context cells the worker allocates, in tokens.
+    pub n_ctx: usize,
+    /// Unix seconds the server started (OpenAI's `created`).
+    pub created: u64,
+}
+
+impl ModelInfo {
+    /// Reads the metadata of the model at `path`.
+    ///
+    /// Errors: the file is not a readable GGUF; its tokenizer, template or hyper-parameters are invalid.
+    pub fn open(path: &Path, max_context: usize) -> Result<ModelInfo> {
+        let gguf = GgufModel::open(path)?;
+        let md = gguf.metadata();
+        let hp = HParams::from_metadata(md).with_context(|| format!("{}: hyper-parameters", path.display()))?;
+        let tokenizer = Tokenizer::from_metadata(md).with_context(|| format!("{}: tokenizer", path.display()))?;
+        let template = ChatTemplate::from_metadata(md).with_context(|| format!("{}: chat template", path.display()))?;
+        let file_name = path
+            .file_name()
+            .map_or(String::new(), |f| f.to_string_lossy().into_owned());
+        Ok(ModelInfo {
+            id: file_name.strip_suffix(".gguf").unwrap_or(&file_name).to_string(),
+            file_name,
+            tokenizer,
+            template,
+            n_ctx: context_cells(max_context, hp.n_ctx_train),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        })
+    }
+
+    /// Checks a request's `model`: absent, `default`, the id or the file name are this model.
+    ///
+    /// Errors: 404 naming the model that is served.
+    pub fn check_name(&self, api: Api, name: Option<&str>) -> Result<(), ApiError> {
+        match name {
+            None => Ok(()),
+            Some(n) if n == "default" || n == self.id || n == self.file_name => Ok(()),
+            Some(n) => Err(ApiError::new(
+                api,
+                ErrorKind::NotFound,
+                format!("model `{n}` is not served here; this server serves `{}`", self.id),
+            )
+            .with_code("model_not_found")),
+        }
+    }
+
+    /// Renders a conversation through the chat template (opening the assistant's turn) and tokenizes it.
+    ///
+    /// Errors: no messages; the model has no template; the template refuses the conversation.
+    pub fn chat_prompt(&self, api: Api, messages: Vec<ChatMessage>) -> Result<Vec<u32>, ApiError> {
+        if messages.is_empty() {
+            return Err(ApiError::invalid(
+                api,
+                "`messages` is empty: at least one message is needed",
+            ));
+        }
+        let template = self.template.as_ref().ok_or_else(|| {
+            ApiError::invalid(
+                api,
+                "this model has no chat template; use /v1/completions with a plain prompt",
+            )
+        })?;
+        let text = template
+            .render(&ChatRequest {
+                messages,
+                add_generation_prompt: true,
+                ..ChatRequest::default()
+            })
+            .map_err(|e| ApiError::invalid(api, e.to_string()))?;
+        self.tokenizer
+            .encode(&text, true, true)
+            .map_err(|e| ApiError::invalid(api, e.to_string()))
+    }
+
+    /// Tokenizes a plain prompt (special tokens in it are plain text).
+    ///
+    /// Errors: an empty prompt.
+    pub fn text_prompt(&self, api: Api, text: &str) -> Result<Vec<u32>, ApiError> {
+        if text.is_empty() {
+            return Err(ApiError::invalid(api, "the prompt is empty"));
+        }
+        self.tokenizer
+            .encode(text, true, false)
+            .map_err(|e| ApiError::invalid(api, e.to_string()))
+    }
+
+    /// Checks that `prompt` fits the context and returns the generation limit: `max_tokens`, or what the
+    /// context leaves when it is absent.
+    ///
+    /// Errors: a prompt over the context (400 with both counts; never truncated); `max_tokens` ≤ 0.
+    pub fn limit(&self, api: Api, prompt: &[u32], max_tokens: Option<i64>) -> Result<usize, ApiError> {
+        if prompt.len() > self.n_ctx {
+            return Err(ApiError::invalid(
+                api,
+                format!(
+                    "the prompt has {} tokens but the context holds {} (--max-context); shorten it",
+                    prompt.len(),
+                    self.n_ctx
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        match max_tokens {
+            Some(n) if n <= 0 => Err(ApiError::invalid(
+                api,
+                format!("max_tokens must be at least 1, got {n}"),
+            )),
+            Some(n) => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
+            None => Ok((self.n_ctx - prompt.len()).max(1)),
+        }
+    }
+}
+
+/// Builds the job's sampling settings, checking them with the sampler's own rules.
+///
+/// Errors: a temperature below 0 or not finite, a top_p outside (0, 1].
+pub fn sampling(
+    api: Api,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+) -> Result<JobSampling, ApiError> {
+    let s = JobSampling {
+        temperature: temperature.unwrap_or(1.0),
+        top_p: top_p.unwrap_or(1.0),
+        seed,
+    };
+    SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        seed,
+        ..SamplingParams::default()
+    }
+    .validate()
+    .map_err(|e| ApiError::invalid(api, e.to_string()))?;
+    Ok(s)
+}
+
+/// How long a stream waits for its first event before committing to 200 and sending keep-alive comments.
+pub const STREAM_COMMIT_WAIT: Duration = Duration::from_secs(2);
+/// Interval of SSE keep-alive comments while nothing else is sent (a long prefill, a wait in the queue).
+pub const STREAM_KEEPALIVE: Duration = Duration::from_secs(2);
+
+/// Queues a request on the engine.
+///
+/// Errors: 503 with Retry-After when the queue is full.
+pub fn submit(state: &Shared, api: Api, request: EngineRequest) -> Result<UnboundedReceiver<JobEvent>, ApiError> {
+    state.supervisor.submit(request).map_err(|e| {
+        state.metrics.queue_rejected.inc();
+        match e {
+            SubmitError::QueueFull { max_queue } => ApiError::new(
+                api,
+                ErrorKind::Overloaded,
+                format!("the server is busy: {max_queue} requests are already waiting (--max-queue); retry later"),
+            ),
+        }
+    })
+}
+
+/// The error a failed job answers with.
+pub fn job_error(api: Api, status: u16, message: String) -> ApiError {
+    let kind = if status == 503 {
+        ErrorKind::EngineDown
+    } else {
+        ErrorKind::InvalidRequest
+    };
+    ApiError::new(api, kind, message)
+}
+
+/// A finished non-streaming generation.
+pub struct Completed {
+    pub text: String,
+    pub finish: Finish,
+    pub timings: Timings,
+}
+
+/// Waits for a whole generation.
+///
+/// Errors: the job failed (the engine died: 503; the worker refused the request: 400).
+pub async fn collect(api: Api, mut rx: UnboundedReceiver<JobEvent>) -> Result<Completed, ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            JobEvent::Text(t) => text.push_str(&t),
+            JobEvent::Done { stop, timings } => {
+                return Ok(Completed {
+                    text,
+                    finish: stop,
+                    timings,
+                });
+            }
+            JobEvent::Failed { status, message } => return Err(job_error(api, status, message)),
+        }
+    }
+    Err(ApiError::new(
+        api,
+        ErrorKind::EngineDown,
+        "the engine dropped the request",
+    ))
+}
+
+/// Waits up to [`STREAM_COMMIT_WAIT`] for a stream's first event, so that a failure before any text (a death
+/// during prefill, a refused request) is still answered with its own status rather than inside a 200.
+///
+/// Errors: the job failed before sending anything.
+pub async fn first_event(api: Api, rx: &mut UnboundedReceiver<JobEvent>) -> Result<Option<JobEvent>, ApiError> {
+    match tokio::time::timeout(STREAM_COMMIT_WAIT, rx.recv()).await {
+        Err(_) => Ok(None),
+        Ok(Some(JobEvent::Failed { status, message })) => Err(job_error(api, status, message)),
+        Ok(Some(ev)) => Ok(Some(ev)),
+        Ok(None) => Err(ApiError::new(
+            api,
+            ErrorKind::EngineDown,
+            "the engine dropped the request",
+        )),
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A response id with `prefix` (`chatcmpl-`, `cmpl-`, `msg_`), unique within this process.
+pub fn response_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("{prefix}{:x}{:06x}", unix_now(), NEXT.fetch_add(1, Ordering::Relaxed))
+}

@@ -1,0 +1,134 @@
+//! `GET /metrics`: the server's counters in the Prometheus text format (the `prometheus` crate's registry and
+//! encoder).
+
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+
+use super::protocol::Timings;
+
+/// Every metric `strata serve` exports, registered in one registry. Names carry their unit (`_seconds`,
+/// `_total`).
+pub struct Metrics {
+    registry: Registry,
+    /// `strata_requests_total{endpoint, status}`: HTTP requests answered, by route and status code.
+    pub requests: IntCounterVec,
+    /// `strata_prompt_tokens_total`: prompt tokens of completed requests (computed plus reused).
+    pub prompt_tokens: IntCounter,
+    /// `strata_prompt_tokens_reused_total`: prompt tokens reused from the KV cache.
+    pub prompt_tokens_reused: IntCounter,
+    /// `strata_generated_tokens_total`.
+    pub generated_tokens: IntCounter,
+    /// `strata_prefill_seconds`: prefill time per request.
+    pub prefill_seconds: Histogram,
+    /// `strata_decode_seconds`: decode time per request.
+    pub decode_seconds: Histogram,
+    /// `strata_queue_depth`: requests waiting behind the running one.
+    pub queue_depth: IntGauge,
+    /// `strata_queue_rejected_total`: requests answered 503 because the queue was full.
+    pub queue_rejected: IntCounter,
+    /// `strata_worker_restarts_total{cause}`: worker deaths by cause (`exit_code_N`, `signal_N`, `watchdog`).
+    pub worker_restarts: IntCounterVec,
+    /// `strata_worker_faults_total`: worker deaths that sent a `fault` event first.
+    pub worker_faults: IntCounter,
+    /// `strata_worker_ready`: 1 while a loaded worker is serving.
+    pub worker_ready: IntGauge,
+    /// `strata_requests_cancelled_total`: requests whose client went away before the end.
+    pub cancelled: IntCounter,
+}
+
+impl Metrics {
+    /// A fresh registry with every metric at zero.
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "strata_requests_total",
+                "HTTP requests answered, by endpoint and status code",
+            ),
+            &["endpoint", "status"],
+        )
+        .expect("valid metric");
+        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
+        let seconds = |name: &str, help: &str| {
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(vec![
+                0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+            ]))
+            .expect("valid metric")
+        };
+        let m = Metrics {
+            requests,
+            prompt_tokens: counter("strata_prompt_tokens_total", "prompt tokens of completed requests"),
+            prompt_tokens_reused: counter(
+                "strata_prompt_tokens_reused_total",
+                "prompt tokens reused from the KV cache",
+            ),
+            generated_tokens: counter("strata_generated_tokens_total", "tokens generated"),
+            prefill_seconds: seconds("strata_prefill_seconds", "prefill time per request, seconds"),
+            decode_seconds: seconds("strata_decode_seconds", "decode time per request, seconds"),
+            queue_depth: IntGauge::new("strata_queue_depth", "requests waiting behind the running one")
+                .expect("valid metric"),
+            queue_rejected: counter(
+                "strata_queue_rejected_total",
+                "requests refused because the queue was full",
+            ),
+            worker_restarts: IntCounterVec::new(
+                Opts::new(
+                    "strata_worker_restarts_total",
+                    "engine worker deaths (each followed by a restart), by cause",
+                ),
+                &["cause"],
+            )
+            .expect("valid metric"),
+            worker_faults: counter("strata_worker_faults_total", "worker deaths preceded by a fault event"),
+            worker_ready: IntGauge::new("strata_worker_ready", "1 while a loaded engine worker serves")
+                .expect("valid metric"),
+            cancelled: counter(
+                "strata_requests_cancelled_total",
+                "requests whose client went away first",
+            ),
+            registry,
+        };
+        let r = &m.registry;
+        let all: [Box<dyn prometheus::core::Collector>; 12] = [
+            Box::new(m.requests.clone()),
+            Box::new(m.prompt_tokens.clone()),
+            Box::new(m.prompt_tokens_reused.clone()),
+            Box::new(m.generated_tokens.clone()),
+            Box::new(m.prefill_seconds.clone()),
+            Box::new(m.decode_seconds.clone()),
+            Box::new(m.queue_depth.clone()),
+            Box::new(m.queue_rejected.clone()),
+            Box::new(m.worker_restarts.clone()),
+            Box::new(m.worker_faults.clone()),
+            Box::new(m.worker_ready.clone()),
+            Box::new(m.cancelled.clone()),
+        ];
+        for c in all {
+            r.register(c).expect("metric names are unique");
+        }
+        m
+    }
+
+    /// Adds one completed request's counts and times.
+    pub fn record_timings(&self, t: &Timings) {
+        self.prompt_tokens.inc_by(t.prompt_tokens() as u64);
+        self.prompt_tokens_reused.inc_by(t.cache_n as u64);
+        self.generated_tokens.inc_by(t.predicted_n as u64);
+        self.prefill_seconds.observe(t.prompt_ms / 1e3);
+        self.decode_seconds.observe(t.predicted_ms / 1e3);
+    }
+
+    /// The registry in the Prometheus text exposition format (version 0.0.4).
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding does not fail");
+        String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

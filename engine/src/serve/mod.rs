@@ -1,0 +1,321 @@
+//! `strata serve`: an HTTP front (axum) speaking the OpenAI and Anthropic APIs, over one supervised engine worker
+//! process (DESIGN.md section 3).
+//!
+//! - [`protocol`]: the JSON-lines protocol between the front and the worker.
+//! - [`worker`]: the worker process (`strata worker`, hidden): loads the model, runs one request at a time.
+//! - [`supervisor`]: spawns, feeds, watches and restarts the worker; the bounded request queue.
+//! - [`api`]: what both APIs share: errors in each API's shape, body parsing, prompts, the model's identity.
+//! - [`openai`] and [`anthropic`]: the two API surfaces. [`metrics`]: `/metrics`.
+//!
+//! The front renders chat templates and tokenizes (to count tokens and refuse an over-long prompt before it
+//! queues) but never loads weights; the worker does.
+
+pub mod anthropic;
+pub mod api;
+pub mod metrics;
+pub mod openai;
+pub mod protocol;
+pub mod supervisor;
+pub mod worker;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use subtle::ConstantTimeEq;
+
+use crate::runtime::kv::KvType;
+use crate::runtime::session;
+use api::{Api, ApiError, ErrorKind, ModelInfo};
+use metrics::Metrics;
+use supervisor::{Supervisor, SupervisorConfig};
+
+/// The environment variable read when `--api-key` is not given.
+pub const ENV_API_KEY: &str = "STRATA_API_KEY";
+
+/// Engine settings shared by `strata serve` and the worker it starts (passed through on the worker's command
+/// line by [`EngineFlags::to_args`]).
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineFlags {
+    /// A .gguf file, or `default` for the default model (fetched on first use).
+    #[arg(long, default_value = "default")]
+    pub model: String,
+    /// KV cache type: f16, or int8 (blocks of 32 values with an f16 scale).
+    #[arg(long, value_enum, default_value = "f16")]
+    pub kv: KvType,
+    /// Context size in tokens (capped by the model's training context). A longer prompt is refused with 400.
+    #[arg(long, default_value_t = session::DEFAULT_MAX_CONTEXT)]
+    pub max_context: usize,
+    /// Prefill chunk in tokens, or `auto`.
+    #[arg(long, default_value = "auto", value_parser = parse_prefill)]
+    pub prefill: PrefillChunk,
+    /// Engine threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// A `--prefill` value: tokens per prefill chunk, `None` for `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillChunk(pub Option<usize>);
+
+fn parse_prefill(s: &str) -> Result<PrefillChunk, String> {
+    session::parse_prefill_chunk(s).map(PrefillChunk)
+}
+
+impl EngineFlags {
+    /// The flags as command-line arguments, for `strata worker`.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            "--model".to_string(),
+            self.model.clone(),
+            "--kv".into(),
+            match self.kv {
+                KvType::F16 => "f16".into(),
+                KvType::Int8 => "int8".into(),
+            },
+            "--max-context".into(),
+            self.max_context.to_string(),
+            "--prefill".into(),
+            self.prefill.0.map_or("auto".into(), |n| n.to_string()),
+        ];
+        if let Some(t) = self.threads {
+            a.extend(["--threads".into(), t.to_string()]);
+        }
+        a
+    }
+}
+
+/// `strata serve` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineFlags,
+    /// Address to bind. A non-loopback address needs an API key (or --insecure-public).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Requests allowed to wait behind the running one; beyond it the answer is 503 with Retry-After.
+    #[arg(long, default_value_t = 16)]
+    pub max_queue: usize,
+    /// A worker silent this many seconds while a request is in flight is killed and restarted.
+    #[arg(long, default_value_t = 120)]
+    pub watchdog_s: u64,
+    /// Largest request body in bytes; a larger one gets 413.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (else $STRATA_API_KEY).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Allow a non-loopback address without an API key.
+    #[arg(long)]
+    pub insecure_public: bool,
+}
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub model: ModelInfo,
+    pub supervisor: Supervisor,
+    pub metrics: Arc<Metrics>,
+    api_key: Option<String>,
+}
+
+/// Shared handler state.
+pub type Shared = Arc<AppState>;
+
+/// Resolves `host:port`, refusing a non-loopback address without a key unless `insecure_public`.
+///
+/// Errors: the address does not resolve; a public address without a key.
+pub fn bind_address(host: &str, port: u16, has_key: bool, insecure_public: bool) -> Result<SocketAddr> {
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .with_context(|| format!("cannot resolve --host {host}"))?
+        .collect();
+    let Some(&addr) = addrs.first() else {
+        bail!("--host {host} resolves to no address");
+    };
+    if !addrs.iter().all(|a| a.ip().is_loopback()) && !has_key && !insecure_public {
+        bail!(
+            "--host {host} is reachable from other machines, and no API key is set; give --api-key (or \
+             ${ENV_API_KEY}), or --insecure-public to serve without one"
+        );
+    }
+    Ok(addr)
+}
+
+/// Runs `strata serve` until the process is interrupted.
+///
+/// Errors: the model's metadata cannot be read; the address is refused or cannot be bound.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var(ENV_API_KEY).ok())
+        .filter(|k| !k.is_empty());
+    let addr = bind_address(&args.host, args.port, api_key.is_some(), args.insecure_public)?;
+    let path = crate::models::resolve(Some(&args.engine.model))?;
+    let model = ModelInfo::open(&path, args.engine.max_context)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let metrics = Arc::new(Metrics::new());
+        let mut engine = args.engine.clone();
+        // The worker must load the file the front read, even if `default` would resolve differently later.
+        engine.model = path.display().to_string();
+        let supervisor = Supervisor::start(
+            SupervisorConfig {
+                engine,
+                max_queue: args.max_queue,
+                watchdog: Duration::from_secs(args.watchdog_s.max(1)),
+            },
+            metrics.clone(),
+        );
+        let state = Arc::new(AppState {
+            model,
+            supervisor,
+            metrics,
+            api_key,
+        });
+        eprintln!(
+            "strata serve: listening on http://{} (model {}, context {} tokens{})",
+            listener.local_addr()?,
+            state.model.id,
+            state.model.n_ctx,
+            if state.api_key.is_some() {
+                ", API key required"
+            } else {
+                ""
+            }
+        );
+        axum::serve(listener, router(state, args.max_body_bytes))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .context("the HTTP server failed")
+    })
+}
+
+/// The routes, with the body limit, the API-key check and the request counter.
+pub fn router(state: Shared, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/metrics", get(metrics_text))
+        .layer(middleware::from_fn_with_state(state.clone(), require_key))
+        .route("/health", get(health))
+        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+async fn health(State(s): State<Shared>) -> Response {
+    let w = s.supervisor.state();
+    let body = serde_json::json!({
+        "status": if w.ready { "ok" } else { "loading" },
+        "model": s.model.id,
+        "worker_pid": w.pid,
+        "last_worker_death": w.last_death,
+    });
+    let status = if w.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+async fn metrics_text(State(s): State<Shared>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+/// The key a request presents: `Authorization: Bearer KEY` or `x-api-key: KEY`.
+fn presented_key(headers: &HeaderMap) -> Option<&[u8]> {
+    if let Some(v) = headers.get(header::AUTHORIZATION) {
+        let v = v.as_bytes();
+        if v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ") {
+            return Some(&v[7..]);
+        }
+    }
+    headers.get("x-api-key").map(|v| v.as_bytes())
+}
+
+/// Whether `presented` equals `key`, compared in constant time (only the length can leak).
+pub fn key_matches(presented: &[u8], key: &[u8]) -> bool {
+    presented.ct_eq(key).into()
+}
+
+async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let ok = presented_key(req.headers()).is_some_and(|p| key_matches(p, key.as_bytes()));
+        if !ok {
+            let api = Api::for_path(req.uri().path());
+            return ApiError::new(
+                api,
+                ErrorKind::Authentication,
+                "missing or wrong API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn count_requests(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("other".to_string(), |p| p.as_str().to_string());
+    let resp = next.run(req).await;
+    s.metrics
+        .requests
+        .with_label_values(&[endpoint.as_str(), resp.status().as_str()])
+        .inc();
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn public_address_needs_a_key() {
+        assert!(bind_address("127.0.0.1", 0, false, false).is_ok());
+        assert!(bind_address("0.0.0.0", 0, false, false).is_err());
+        assert!(bind_address("0.0.0.0", 0, true, false).is_ok());
+        assert!(bind_address("0.0.0.0", 0, false, true).is_ok());
+    }
+
+    #[test]
+    fn keys_compare() {
+        assert!(key_matches(b"secret", b"secret"));
+        assert!(!key_matches(b"secreT", b"secret"));
+        assert!(!key_matches(b"secret2", b"secret"));
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, "Bearer abc".parse().unwrap());
+        assert_eq!(presented_key(&h), Some(&b"abc"[..]));
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", "xyz".parse().unwrap());
+        assert_eq!(presented_key(&h), Some(&b"xyz"[..]));
+    }
+}

@@ -1,0 +1,298 @@
+//! The OpenAI surface: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`.
+//!
+//! Source: OpenAI's API reference (chat completion and completion objects, their streaming chunks, the
+//! `stream_options.include_usage` final chunk, `data: [DONE]`). Every answer also carries llama.cpp server's
+//! `timings` object. A stream that fails after it answered 200 ends with a `data: {"error": ...}` line and no
+//! `[DONE]`, so a client never takes a cut stream for a whole one.
+
+use std::convert::Infallible;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::Shared;
+use super::api::{
+    self, Api, ApiError, Completed, OneOrMany, STREAM_KEEPALIVE, collect, first_event, parse_body, response_id, submit,
+};
+use super::protocol::{Finish, Timings};
+use super::supervisor::{EngineRequest, JobEvent};
+use crate::tokenizer::{ChatContent, ChatMessage};
+
+const API: Api = Api::OpenAi;
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The fields of a chat completion or completion request that Strata reads; others are ignored.
+#[derive(Debug, Deserialize)]
+struct Common {
+    model: Option<String>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<OneOrMany>,
+    n: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatCompletionRequest {
+    messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    prompt: OneOrMany,
+    #[serde(flatten)]
+    common: Common,
+}
+
+/// OpenAI content parts become one text (the chat templates expect strings); non-text parts are refused.
+///
+/// Errors: a part that is not text.
+pub fn flatten_content(api: Api, messages: Vec<ChatMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+    messages
+        .into_iter()
+        .map(|mut m| {
+            if let ChatContent::Parts(parts) = &m.content {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
+                                api,
+                                format!("content parts of type `{kind}` are not supported; send text"),
+                            ));
+                        }
+                    }
+                }
+                m.content = ChatContent::Text(text);
+            }
+            Ok(m)
+        })
+        .collect()
+}
+
+fn finish_reason(f: Finish) -> &'static str {
+    match f {
+        Finish::Limit | Finish::Context => "length",
+        Finish::Eog | Finish::StopString | Finish::Cancelled => "stop",
+    }
+}
+
+fn usage(t: &Timings) -> Value {
+    json!({
+        "prompt_tokens": t.prompt_tokens(),
+        "completion_tokens": t.predicted_n,
+        "total_tokens": t.prompt_tokens() + t.predicted_n,
+        "prompt_tokens_details": { "cached_tokens": t.cache_n },
+    })
+}
+
+/// Turns the shared request fields into an engine request for `prompt`.
+fn engine_request(
+    state: &Shared,
+    c: &Common,
+    prompt: Vec<u32>,
+    default_max: Option<i64>,
+) -> Result<EngineRequest, ApiError> {
+    state.model.check_name(API, c.model.as_deref())?;
+    if let Some(n) = c.n
+        && n != 1
+    {
+        return Err(ApiError::invalid(
+            API,
+            format!("n must be 1 (one choice per request), got {n}"),
+        ));
+    }
+    let max = c.max_completion_tokens.or(c.max_tokens).or(default_max);
+    let max_tokens = state.model.limit(API, &prompt, max)?;
+    let stop = c.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();
+    Ok(EngineRequest {
+        prompt,
+        max_tokens,
+        stop,
+        sampling: api::sampling(API, c.temperature, c.top_p, c.seed)?,
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    match chat(state, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse_body(API, body)?;
+    state.model.check_name(API, req.common.model.as_deref())?;
+    let messages = flatten_content(API, req.messages)?;
+    let prompt = state.model.chat_prompt(API, messages)?;
+    let engine = engine_request(&state, &req.common, prompt, None)?;
+    respond(state, &req.common, engine, Kind::Chat).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    match complete(state, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(API, body)?;
+    state.model.check_name(API, req.common.model.as_deref())?;
+    let text = match req.prompt.into_vec() {
+        v if v.len() == 1 => v.into_iter().next().expect("one"),
+        v => {
+            return Err(ApiError::invalid(
+                API,
+                format!("prompt must be one string (batches are not supported), got {}", v.len()),
+            ));
+        }
+    };
+    let prompt = state.model.text_prompt(API, &text)?;
+    // OpenAI's default for completions is 16 tokens.
+    let engine = engine_request(&state, &req.common, prompt, Some(16))?;
+    respond(state, &req.common, engine, Kind::Text).await
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+impl Kind {
+    fn prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl-",
+            Kind::Text => "cmpl-",
+        }
+    }
+}
+
+async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -> Result<Response, ApiError> {
+    let id = response_id(kind.prefix());
+    let model = state.model.id.clone();
+    let created = api::unix_now();
+    let mut rx = submit(&state, API, engine)?;
+    if !c.stream {
+        let Completed { text, finish, timings } = collect(API, rx).await?;
+        let body = match kind {
+            Kind::Chat => json!({
+                "id": id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": { "role": "assistant", "content": text },
+                    "logprobs": null,
+                    "finish_reason": finish_reason(finish),
+                }],
+                "usage": usage(&timings),
+                "timings": timings,
+            }),
+            Kind::Text => json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(finish) }],
+                "usage": usage(&timings),
+                "timings": timings,
+            }),
+        };
+        return Ok(Json(body).into_response());
+    }
+
+    let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let first = first_event(API, &mut rx).await?;
+    let chunk = move |delta: Option<&str>, finish: Option<Finish>, role: bool| -> Value {
+        let finish = finish.map(finish_reason);
+        match kind {
+            Kind::Chat => {
+                let mut d = serde_json::Map::new();
+                if role {
+                    d.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = delta {
+                    d.insert("content".into(), t.into());
+                }
+                json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{ "index": 0, "delta": d, "logprobs": null, "finish_reason": finish }],
+                })
+            }
+            Kind::Text => json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{ "index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish }],
+            }),
+        }
+    };
+    let data = |v: &Value| -> Result<SseEvent, Infallible> { Ok(SseEvent::default().data(v.to_string())) };
+    let stream = async_stream::stream! {
+        if matches!(kind, Kind::Chat) {
+            yield data(&chunk(Some(""), None, true));
+        }
+        let mut pending = first;
+        loop {
+            let ev = match pending.take() {
+                Some(ev) => ev,
+                None => match rx.recv().await {
+                    Some(ev) => ev,
+                    None => JobEvent::Failed { status: 503, message: "the engine dropped the request".into() },
+                },
+            };
+            match ev {
+                JobEvent::Text(t) => yield data(&chunk(Some(&t), None, false)),
+                JobEvent::Done { stop, timings } => {
+                    let mut last = chunk(None, Some(stop), false);
+                    last["timings"] = serde_json::to_value(timings).unwrap_or_default();
+                    if include_usage {
+                        yield data(&last);
+                        let mut u = chunk(None, None, false);
+                        u["choices"] = json!([]);
+                        u["usage"] = usage(&timings);
+                        u["timings"] = last["timings"].clone();
+                        yield data(&u);
+                    } else {
+                        last["usage"] = usage(&timings);
+                        yield data(&last);
+                    }
+                    yield Ok(SseEvent::default().data("[DONE]"));
+                    break;
+                }
+                JobEvent::Failed { status, message } => {
+                    yield Ok(SseEvent::default().data(api::job_error(API, status, message).stream_body()));
+                    break;
+                }
+            }
+        }
+    };
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(STREAM_KEEPALIVE))
+        .into_response())
+}
+
+/// `GET /v1/models`: the one model served.
+pub async fn models(State(state): State<Shared>) -> Response {
+    Json(json!({
+        "object": "list",
+        "data": [{ "id": state.model.id, "object": "model", "created": state.model.created, "owned_by": "strata" }],
+    }))
+    .into_response()
+}

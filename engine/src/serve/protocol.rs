@@ -1,0 +1,180 @@
+//! The engine worker protocol: newline-delimited JSON over the worker's stdin (commands) and stdout (messages),
+//! one object per line (DESIGN.md section 3). The worker's stderr carries the human log only.
+//!
+//! A request's life: the front writes `{"op":"generate","id":7,...}`; the worker answers zero or more
+//! `{"type":"text","id":7,"text":"..."}` lines, then exactly one `done` or `failed` line for id 7. The front may
+//! write `{"op":"cancel","id":7}` at any time; the worker then ends id 7 within one token, still with `done`
+//! (stop `cancelled`). `event` lines (load, request, fault) may come at any time.
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the event schema, carried by every [`Event`] as `v`.
+pub const EVENT_SCHEMA_VERSION: u32 = 1;
+
+/// A command from the front to the worker (one stdin line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Command {
+    Generate(GenerateJob),
+    /// End request `id` as soon as possible (its client went away).
+    Cancel {
+        id: u64,
+    },
+}
+
+/// One generation: prompt ids (already rendered and tokenized by the front), limits and sampling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateJob {
+    pub id: u64,
+    /// Prompt token ids; never empty, never longer than the context (the front checks both).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate (≥ 1).
+    pub max_tokens: usize,
+    /// Stop strings: generation ends when one appears; it is not sent.
+    #[serde(default)]
+    pub stop: Vec<String>,
+    pub sampling: JobSampling,
+}
+
+/// The sampling knobs the APIs expose; the rest keep [`crate::runtime::sampling::SamplingParams`]' defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct JobSampling {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// In (0, 1].
+    pub top_p: f32,
+    /// `None`: seeded from the clock.
+    pub seed: Option<u64>,
+}
+
+/// A message from the worker to the front (one stdout line).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Message {
+    /// The model is loaded; requests may be sent.
+    Ready {
+        /// Context cells, in tokens.
+        n_ctx: usize,
+        pid: u32,
+    },
+    /// A piece of generated text (whole UTF-8 characters, stop strings held back).
+    Text { id: u64, text: String },
+    /// Request `id` ended normally.
+    Done { id: u64, stop: Finish, timings: Timings },
+    /// Request `id` could not run (an error about the request itself, e.g. an id outside the vocabulary).
+    Failed { id: u64, message: String },
+    /// A structured event (see [`Event`]).
+    Event(Event),
+}
+
+/// Why a generation ended (the wire form of [`crate::runtime::generate::StopReason`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// An end-of-generation token.
+    Eog,
+    /// A stop string.
+    StopString,
+    /// The `max_tokens` limit.
+    Limit,
+    /// The context filled up.
+    Context,
+    /// The front cancelled it.
+    Cancelled,
+}
+
+impl From<crate::runtime::generate::StopReason> for Finish {
+    fn from(r: crate::runtime::generate::StopReason) -> Finish {
+        use crate::runtime::generate::StopReason as S;
+        match r {
+            S::Eog => Finish::Eog,
+            S::StopString => Finish::StopString,
+            S::Limit => Finish::Limit,
+            S::Context => Finish::Context,
+            S::Cancelled => Finish::Cancelled,
+        }
+    }
+}
+
+/// Counts and times of one request, in llama.cpp server's `timings` names; every API response carries it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timings {
+    /// Prompt tokens computed (not reused from the cache).
+    pub prompt_n: usize,
+    /// Prompt tokens reused from the cache (prefix reuse).
+    pub cache_n: usize,
+    /// Prefill time, ms.
+    pub prompt_ms: f64,
+    /// Tokens generated (a final end-of-generation token included).
+    pub predicted_n: usize,
+    /// Decode time, ms.
+    pub predicted_ms: f64,
+}
+
+impl Timings {
+    /// All prompt tokens: computed plus reused.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_n + self.cache_n
+    }
+}
+
+/// A structured event: `{"event": KIND, "v": 1, "ts_ms": ..., ...fields}`. Kinds emitted today: `load` (model,
+/// n_ctx, load_ms, rss_bytes), `request` (id, prompt_tokens, reused, prefill_ms, generated, decode_ms, stop) and
+/// `fault` (error, location), the last written by the worker's panic hook before it exits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub event: String,
+    pub v: u32,
+    /// Milliseconds since the Unix epoch.
+    pub ts_ms: u64,
+    #[serde(flatten)]
+    pub fields: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Event {
+    /// An event of `kind` stamped now, with `fields` (an object; anything else is dropped).
+    pub fn now(kind: &str, fields: serde_json::Value) -> Event {
+        let ts_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        Event {
+            event: kind.to_string(),
+            v: EVENT_SCHEMA_VERSION,
+            ts_ms,
+            fields: match fields {
+                serde_json::Value::Object(m) => m,
+                _ => Default::default(),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_round_trip() {
+        let cmd = Command::Generate(GenerateJob {
+            id: 7,
+            prompt: vec![1, 2],
+            max_tokens: 3,
+            stop: vec!["\n".into()],
+            sampling: JobSampling {
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: Some(1),
+            },
+        });
+        let line = serde_json::to_string(&cmd).unwrap();
+        assert!(line.starts_with(r#"{"op":"generate","id":7"#), "{line}");
+        assert_eq!(serde_json::from_str::<Command>(&line).unwrap(), cmd);
+        let ev = Message::Event(Event::now("fault", serde_json::json!({"error": "boom"})));
+        let line = serde_json::to_string(&ev).unwrap();
+        assert!(
+            line.contains(r#""type":"event""#) && line.contains(r#""event":"fault""#),
+            "{line}"
+        );
+        assert_eq!(serde_json::from_str::<Message>(&line).unwrap(), ev);
+    }
+}

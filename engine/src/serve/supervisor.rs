@@ -1,0 +1,422 @@
+//! The supervisor: owns the engine worker process, feeds it one request at a time in arrival order from a
+//! bounded queue, relays its output to the request's handler, and restarts it when it dies or goes silent.
+//!
+//! Failure contract (DESIGN.md section 3, seed 000): when the worker dies, the request in flight and every
+//! request queued at that moment end with [`JobEvent::Failed`] carrying one message, for example
+//! `the engine stopped unexpectedly (exit code 1); the next request restarts it`; the cause is logged and
+//! counted, and a new worker is started at once. Requests that arrive afterwards wait for it.
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::EngineFlags;
+use super::metrics::Metrics;
+use super::protocol::{Command, Finish, GenerateJob, JobSampling, Message, Timings};
+
+/// What a request asks of the engine (the front has rendered and tokenized the prompt).
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub sampling: JobSampling,
+}
+
+/// What a handler receives for its request, in order: `Text`*, then one `Done` or `Failed`.
+#[derive(Debug, Clone)]
+pub enum JobEvent {
+    Text(String),
+    Done {
+        stop: Finish,
+        timings: Timings,
+    },
+    /// The request failed; `status` is the HTTP status to answer (503 when the engine died, 400 when the worker
+    /// refused the request itself).
+    Failed {
+        status: u16,
+        message: String,
+    },
+}
+
+/// Why a request could not be queued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SubmitError {
+    /// `--max-queue` requests are already waiting.
+    QueueFull { max_queue: usize },
+}
+
+/// The worker's state as `/health` reports it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerState {
+    pub ready: bool,
+    /// The worker's process id while one runs.
+    pub pid: Option<u32>,
+    /// Why the last worker stopped, if one did.
+    pub last_death: Option<String>,
+}
+
+struct Job {
+    request: EngineRequest,
+    events: mpsc::UnboundedSender<JobEvent>,
+}
+
+/// The handlers' side of the supervisor: cheap to clone.
+#[derive(Clone)]
+pub struct Supervisor {
+    jobs: mpsc::Sender<Job>,
+    state: watch::Receiver<WorkerState>,
+    metrics: Arc<Metrics>,
+    max_queue: usize,
+}
+
+/// Settings of the supervision loop.
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    /// The engine flags passed to `strata worker`.
+    pub engine: EngineFlags,
+    /// Requests allowed to wait behind the running one.
+    pub max_queue: usize,
+    /// A worker silent this long while a request is in flight is killed.
+    pub watchdog: Duration,
+}
+
+impl Supervisor {
+    /// Starts the supervision task (it spawns the first worker at once) on the current tokio runtime.
+    pub fn start(config: SupervisorConfig, metrics: Arc<Metrics>) -> Supervisor {
+        let max_queue = config.max_queue.max(1);
+        let (jobs_tx, jobs_rx) = mpsc::channel(max_queue);
+        let (state_tx, state_rx) = watch::channel(WorkerState::default());
+        tokio::spawn(supervise(config, jobs_rx, state_tx, metrics.clone()));
+        Supervisor {
+            jobs: jobs_tx,
+            state: state_rx,
+            metrics,
+            max_queue,
+        }
+    }
+
+    /// Queues a request; its events arrive on the returned receiver. Dropping the receiver cancels the request
+    /// (the worker stops within one token).
+    ///
+    /// Errors: [`SubmitError::QueueFull`].
+    pub fn submit(&self, request: EngineRequest) -> Result<mpsc::UnboundedReceiver<JobEvent>, SubmitError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        match self.jobs.try_send(Job { request, events: tx }) {
+            Ok(()) => {
+                self.metrics.queue_depth.inc();
+                Ok(rx)
+            }
+            Err(_) => Err(SubmitError::QueueFull {
+                max_queue: self.max_queue,
+            }),
+        }
+    }
+
+    /// The worker's current state.
+    pub fn state(&self) -> WorkerState {
+        self.state.borrow().clone()
+    }
+}
+
+/// A running worker: its process, its stdin, and its parsed stdout lines.
+struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::UnboundedReceiver<Message>,
+    pid: Option<u32>,
+    /// The last `fault` event's fields, for the death report.
+    last_fault: Option<String>,
+}
+
+fn spawn_worker(flags: &EngineFlags) -> std::io::Result<Worker> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("worker").args(flags.to_args());
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    cmd.kill_on_drop(true);
+    let mut child = cmd.spawn()?;
+    let stdin = child.stdin.take().expect("piped stdin");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str::<Message>(&line) {
+                Ok(m) => {
+                    if tx.send(m).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => eprintln!("strata serve: ignoring a worker line that is not protocol ({e}): {line}"),
+            }
+        }
+    });
+    Ok(Worker {
+        pid: child.id(),
+        child,
+        stdin,
+        lines: rx,
+        last_fault: None,
+    })
+}
+
+/// Describes how a worker ended: `exit code N`, `killed by signal N`, or why it was stopped.
+fn exit_cause(status: Option<std::process::ExitStatus>) -> (String, String) {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(c), _) => (format!("exit code {c}"), format!("exit_code_{c}")),
+            (None, Some(sig)) => (format!("killed by signal {sig}"), format!("signal_{sig}")),
+            _ => ("exit status unknown".into(), "unknown".into()),
+        },
+        None => ("exit status unknown".into(), "unknown".into()),
+    }
+}
+
+/// Stops the worker (if it still runs), reaps it and returns (message, metric label).
+async fn bury(mut w: Worker, watchdog: Option<Duration>) -> (String, String, Option<String>) {
+    let (text, label) = if let Some(limit) = watchdog {
+        let _ = w.child.start_kill();
+        let _ = w.child.wait().await;
+        (
+            format!(
+                "silent for {} s, stopped by the watchdog (--watchdog-s)",
+                limit.as_secs()
+            ),
+            "watchdog".to_string(),
+        )
+    } else {
+        // Give the process a moment to be reaped after closing its stdout, then make sure it is gone.
+        let status = match tokio::time::timeout(Duration::from_secs(5), w.child.wait()).await {
+            Ok(Ok(s)) => Some(s),
+            _ => {
+                let _ = w.child.start_kill();
+                w.child.wait().await.ok()
+            }
+        };
+        exit_cause(status)
+    };
+    // A fault event written just before the exit may still be in the pipe.
+    while let Ok(m) = w.lines.try_recv() {
+        if let Message::Event(e) = m
+            && e.event == "fault"
+        {
+            w.last_fault = Some(serde_json::Value::Object(e.fields).to_string());
+        }
+    }
+    (text, label, w.last_fault)
+}
+
+fn death_message(cause: &str) -> String {
+    format!("the engine stopped unexpectedly ({cause}); the next request restarts it")
+}
+
+async fn supervise(
+    config: SupervisorConfig,
+    mut jobs: mpsc::Receiver<Job>,
+    state: watch::Sender<WorkerState>,
+    metrics: Arc<Metrics>,
+) {
+    let mut next_id: u64 = 0;
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        // Start a worker and wait for it to load.
+        state.send_modify(|s| {
+            s.ready = false;
+            s.pid = None;
+        });
+        metrics.worker_ready.set(0);
+        let mut worker = match spawn_worker(&config.engine) {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("strata serve: cannot start the engine worker: {e}");
+                fail_queued(&mut jobs, &metrics, &format!("the engine cannot start ({e})"));
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+                continue;
+            }
+        };
+        state.send_modify(|s| s.pid = worker.pid);
+        let ready = loop {
+            match worker.lines.recv().await {
+                Some(Message::Ready { .. }) => break true,
+                Some(Message::Event(e)) => note_event(&mut worker, &e),
+                Some(_) => {}
+                None => break false,
+            }
+        };
+        if !ready {
+            let (cause, label, fault) = bury(worker, None).await;
+            report_death(&metrics, &state, &cause, &label, fault.as_deref(), "while loading");
+            fail_queued(&mut jobs, &metrics, &death_message(&cause));
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(30));
+            continue;
+        }
+        backoff = Duration::from_millis(250);
+        state.send_modify(|s| s.ready = true);
+        metrics.worker_ready.set(1);
+
+        // Serve jobs until the worker dies.
+        let death = loop {
+            let job = tokio::select! {
+                job = jobs.recv() => match job {
+                    Some(j) => j,
+                    None => return,
+                },
+                msg = worker.lines.recv() => match msg {
+                    Some(Message::Event(e)) => { note_event(&mut worker, &e); continue; }
+                    Some(_) => continue,
+                    None => break bury(worker, None).await,
+                },
+            };
+            metrics.queue_depth.dec();
+            if job.events.is_closed() {
+                continue;
+            }
+            next_id += 1;
+            match run_job(&mut worker, &config, &metrics, next_id, &job).await {
+                Ok(()) => {}
+                Err(JobEnd::Died) => {
+                    let d = bury(worker, None).await;
+                    let _ = job.events.send(JobEvent::Failed {
+                        status: 503,
+                        message: death_message(&d.0),
+                    });
+                    break d;
+                }
+                Err(JobEnd::Silent) => {
+                    let d = bury(worker, Some(config.watchdog)).await;
+                    let _ = job.events.send(JobEvent::Failed {
+                        status: 503,
+                        message: death_message(&d.0),
+                    });
+                    break d;
+                }
+            }
+        };
+        let (cause, label, fault) = death;
+        report_death(&metrics, &state, &cause, &label, fault.as_deref(), "");
+        fail_queued(&mut jobs, &metrics, &death_message(&cause));
+    }
+}
+
+fn note_event(worker: &mut Worker, e: &super::protocol::Event) {
+    if e.event == "fault" {
+        worker.last_fault = Some(serde_json::Value::Object(e.fields.clone()).to_string());
+    }
+}
+
+fn report_death(
+    metrics: &Metrics,
+    state: &watch::Sender<WorkerState>,
+    cause: &str,
+    label: &str,
+    fault: Option<&str>,
+    when: &str,
+) {
+    let fault_text = fault.map(|f| format!("; last fault {f}")).unwrap_or_default();
+    let when = if when.is_empty() {
+        String::new()
+    } else {
+        format!(" {when}")
+    };
+    eprintln!("strata serve: the engine worker stopped{when} ({cause}){fault_text}; restarting it");
+    metrics.worker_restarts.with_label_values(&[label]).inc();
+    if fault.is_some() {
+        metrics.worker_faults.inc();
+    }
+    state.send_modify(|s| {
+        s.ready = false;
+        s.pid = None;
+        s.last_death = Some(format!("{cause}{fault_text}"));
+    });
+}
+
+/// Ends every request waiting in the queue with a 503 carrying `message`.
+fn fail_queued(jobs: &mut mpsc::Receiver<Job>, metrics: &Metrics, message: &str) {
+    while let Ok(job) = jobs.try_recv() {
+        metrics.queue_depth.dec();
+        let _ = job.events.send(JobEvent::Failed {
+            status: 503,
+            message: message.to_string(),
+        });
+    }
+}
+
+enum JobEnd {
+    /// The worker's stdout closed or its stdin broke.
+    Died,
+    /// The watchdog fired.
+    Silent,
+}
+
+async fn write_command(stdin: &mut ChildStdin, cmd: &Command) -> std::io::Result<()> {
+    let mut line = serde_json::to_string(cmd).expect("commands serialize");
+    line.push('\n');
+    stdin.write_all(line.as_bytes()).await?;
+    stdin.flush().await
+}
+
+/// Runs one job to its end on the worker, relaying text; cancels it when the handler goes away.
+async fn run_job(
+    worker: &mut Worker,
+    config: &SupervisorConfig,
+    metrics: &Metrics,
+    id: u64,
+    job: &Job,
+) -> Result<(), JobEnd> {
+    let r = &job.request;
+    let cmd = Command::Generate(GenerateJob {
+        id,
+        prompt: r.prompt.clone(),
+        max_tokens: r.max_tokens,
+        stop: r.stop.clone(),
+        sampling: r.sampling,
+    });
+    if write_command(&mut worker.stdin, &cmd).await.is_err() {
+        return Err(JobEnd::Died);
+    }
+    let mut cancelled = false;
+    let mut deadline = Instant::now() + config.watchdog;
+    loop {
+        tokio::select! {
+            msg = worker.lines.recv() => {
+                deadline = Instant::now() + config.watchdog;
+                match msg {
+                    None => return Err(JobEnd::Died),
+                    Some(Message::Text { id: mid, text }) if mid == id => {
+                        let _ = job.events.send(JobEvent::Text(text));
+                    }
+                    Some(Message::Done { id: mid, stop, timings }) if mid == id => {
+                        metrics.record_timings(&timings);
+                        let _ = job.events.send(JobEvent::Done { stop, timings });
+                        return Ok(());
+                    }
+                    Some(Message::Failed { id: mid, message }) if mid == id => {
+                        let _ = job.events.send(JobEvent::Failed { status: 400, message });
+                        return Ok(());
+                    }
+                    Some(Message::Event(e)) => note_event(worker, &e),
+                    Some(_) => {}
+                }
+            }
+            _ = job.events.closed(), if !cancelled => {
+                cancelled = true;
+                metrics.cancelled.inc();
+                if write_command(&mut worker.stdin, &Command::Cancel { id }).await.is_err() {
+                    return Err(JobEnd::Died);
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => return Err(JobEnd::Silent),
+        }
+    }
+}

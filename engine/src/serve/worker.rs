@@ -1,0 +1,241 @@
+//! The engine worker: the process that holds the model and runs one request at a time for `strata serve`,
+//! speaking [`super::protocol`] over stdin/stdout. It is started by the front as `strata worker ...` (a hidden
+//! subcommand); a fault here kills only this process, and the front restarts it.
+
+use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+
+use super::EngineFlags;
+use super::protocol::{Command, Event, Finish, GenerateJob, Message, Timings};
+use crate::backend::cpu::CpuBackend;
+use crate::model::Model;
+use crate::runtime::generate::{GenerateOptions, generate_cancellable};
+use crate::runtime::sampling::{Sampler, SamplingParams};
+use crate::runtime::session::{Session, SessionConfig};
+use crate::tokenizer::Tokenizer;
+
+/// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
+/// so the failure contract can be tested on the CPU).
+pub const ENV_FAULT_AFTER_TOKENS: &str = "STRATA_WORKER_FAULT_AFTER_TOKENS";
+
+/// Writes one protocol message as a line on stdout. A closed stdout means the front is gone: the worker exits.
+pub fn send(msg: &Message) {
+    // One allocation per message; per token this is noise next to a forward pass.
+    let line = serde_json::to_string(msg).expect("protocol messages serialize");
+    let mut out = std::io::stdout().lock();
+    if writeln!(out, "{line}").and_then(|_| out.flush()).is_err() {
+        std::process::exit(0);
+    }
+}
+
+/// Sends a `fault` event from the panic hook, so the front can log and count the cause of the death.
+fn install_fault_hook() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let error = match (
+            info.payload().downcast_ref::<&str>(),
+            info.payload().downcast_ref::<String>(),
+        ) {
+            (Some(s), _) => s.to_string(),
+            (_, Some(s)) => s.clone(),
+            _ => "panic".to_string(),
+        };
+        let location = info.location().map(|l| l.to_string()).unwrap_or_default();
+        send(&Message::Event(Event::now(
+            "fault",
+            serde_json::json!({ "error": error, "location": location }),
+        )));
+        default(info);
+        // A panic on a pool thread must not leave a half-alive worker behind.
+        std::process::exit(101);
+    }));
+}
+
+/// Resident set size of this process in bytes (Linux `/proc/self/statm`), or 0 where it cannot be read.
+pub fn rss_bytes(pid: Option<u32>) -> u64 {
+    let path = match pid {
+        Some(p) => format!("/proc/{p}/statm"),
+        None => "/proc/self/statm".to_string(),
+    };
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+/// Runs the worker until stdin closes: loads the model, sends `ready`, then serves `generate` commands in
+/// arrival order.
+///
+/// Errors: the model cannot be loaded (the front sees the exit and reports it).
+pub fn run(flags: &EngineFlags) -> Result<()> {
+    install_fault_hook();
+    if let Some(n) = flags.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .context("cannot start the worker threads")?;
+    }
+    let start = Instant::now();
+    let path = crate::models::resolve(Some(&flags.model))?;
+    let model = Model::load(&path).with_context(|| format!("cannot load model {}", path.display()))?;
+    let tokenizer =
+        Tokenizer::from_metadata(model.gguf.metadata()).with_context(|| format!("{}: tokenizer", path.display()))?;
+    let config = SessionConfig {
+        max_context: flags.max_context,
+        kv: flags.kv,
+        prefill_chunk: flags.prefill.0,
+    };
+    let mut session = Session::new(&model, CpuBackend, config)?;
+    let load_ms = start.elapsed().as_secs_f64() * 1e3;
+    eprintln!(
+        "strata serve: worker {} loaded {} ({}, {} layers) in {load_ms:.0} ms",
+        std::process::id(),
+        path.display(),
+        model.hp.arch,
+        model.hp.n_layer
+    );
+    send(&Message::Event(Event::now(
+        "load",
+        serde_json::json!({
+            "model": path.display().to_string(),
+            "n_ctx": session.n_ctx(),
+            "load_ms": load_ms,
+            "rss_bytes": rss_bytes(None),
+        }),
+    )));
+
+    // The reader thread turns stdin lines into jobs and sets the cancel flag of the running one, so a cancel
+    // reaches a generation in progress. Stdin closing means the front is gone.
+    let cancel_id = Arc::new(AtomicU64::new(0));
+    let cancel_flag = Arc::new(AtomicBool::new(false));
+    let running_id = Arc::new(AtomicU64::new(0));
+    let (jobs_tx, jobs_rx) = mpsc::channel::<GenerateJob>();
+    {
+        let (cancel_id, cancel_flag, running_id) = (cancel_id.clone(), cancel_flag.clone(), running_id.clone());
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                match serde_json::from_str::<Command>(&line) {
+                    Ok(Command::Generate(job)) => {
+                        if jobs_tx.send(job).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(Command::Cancel { id }) => {
+                        cancel_id.store(id, Ordering::SeqCst);
+                        if running_id.load(Ordering::SeqCst) == id {
+                            cancel_flag.store(true, Ordering::SeqCst);
+                        }
+                    }
+                    Err(e) => eprintln!("strata serve: worker ignores a bad command line ({e}): {line}"),
+                }
+            }
+            std::process::exit(0);
+        });
+    }
+    send(&Message::Ready {
+        n_ctx: session.n_ctx(),
+        pid: std::process::id(),
+    });
+
+    let fault_after: Option<usize> = std::env::var(ENV_FAULT_AFTER_TOKENS).ok().and_then(|v| v.parse().ok());
+    let vocab = model.weights.output.rows;
+    while let Ok(job) = jobs_rx.recv() {
+        running_id.store(job.id, Ordering::SeqCst);
+        cancel_flag.store(cancel_id.load(Ordering::SeqCst) == job.id, Ordering::SeqCst);
+        run_job(&mut session, &tokenizer, vocab, &job, &cancel_flag, fault_after);
+        running_id.store(0, Ordering::SeqCst);
+    }
+    Ok(())
+}
+
+fn run_job(
+    session: &mut Session<'_, CpuBackend>,
+    tokenizer: &Tokenizer,
+    vocab: usize,
+    job: &GenerateJob,
+    cancel: &AtomicBool,
+    fault_after: Option<usize>,
+) {
+    let params = SamplingParams {
+        temperature: job.sampling.temperature,
+        top_p: job.sampling.top_p,
+        seed: job.sampling.seed,
+        ..SamplingParams::default()
+    };
+    let mut sampler = match Sampler::new(params, vocab) {
+        Ok(s) => s,
+        Err(e) => {
+            send(&Message::Failed {
+                id: job.id,
+                message: e.to_string(),
+            });
+            return;
+        }
+    };
+    let opts = GenerateOptions {
+        max_tokens: job.max_tokens,
+        stop: job.stop.clone(),
+    };
+    let mut sent = 0usize;
+    let result = generate_cancellable(
+        session,
+        tokenizer,
+        &job.prompt,
+        &opts,
+        &mut sampler,
+        cancel,
+        &mut |text| {
+            if fault_after.is_some_and(|n| sent >= n) {
+                panic!("injected fault after {sent} tokens ({ENV_FAULT_AFTER_TOKENS})");
+            }
+            sent += 1;
+            send(&Message::Text {
+                id: job.id,
+                text: text.to_string(),
+            });
+        },
+    );
+    match result {
+        Ok((_, stats)) => {
+            eprintln!("strata serve: {}", stats.summary());
+            let timings = Timings {
+                prompt_n: stats.prefill.read,
+                cache_n: stats.prefill.reused,
+                prompt_ms: stats.prefill.ms,
+                predicted_n: stats.generated,
+                predicted_ms: stats.decode_ms,
+            };
+            let stop = Finish::from(stats.stop);
+            send(&Message::Event(Event::now(
+                "request",
+                serde_json::json!({
+                    "id": job.id,
+                    "prompt_tokens": stats.prefill.prompt_tokens,
+                    "reused": stats.prefill.reused,
+                    "prefill_ms": stats.prefill.ms,
+                    "generated": stats.generated,
+                    "decode_ms": stats.decode_ms,
+                    "stop": stop,
+                }),
+            )));
+            send(&Message::Done {
+                id: job.id,
+                stop,
+                timings,
+            });
+        }
+        Err(e) => {
+            // The cache may hold a half-written prompt; start the next request from scratch.
+            session.clear();
+            send(&Message::Failed {
+                id: job.id,
+                message: e.to_string(),
+            });
+        }
+    }
+}
