@@ -25,8 +25,10 @@ pub struct Metrics {
     pub queue_depth: IntGauge,
     /// `strata_queue_rejected_total`: requests answered 503 because the queue was full.
     pub queue_rejected: IntCounter,
-    /// `strata_worker_restarts_total{cause}`: worker deaths by cause (`exit_code_N`, `signal_N`, `watchdog`).
-    pub worker_restarts: IntCounterVec,
+    /// `strata_worker_restarts_total`: worker deaths, each followed by a restart.
+    pub worker_restarts: IntCounter,
+    /// `strata_worker_deaths_total{cause}`: the same deaths by cause (`exit_code_N`, `signal_N`, `watchdog`).
+    pub worker_deaths: IntCounterVec,
     /// `strata_worker_faults_total`: worker deaths that sent a `fault` event first.
     pub worker_faults: IntCounter,
     /// `strata_worker_ready`: 1 while a loaded worker is serving.
@@ -70,11 +72,12 @@ impl Metrics {
                 "strata_queue_rejected_total",
                 "requests refused because the queue was full",
             ),
-            worker_restarts: IntCounterVec::new(
-                Opts::new(
-                    "strata_worker_restarts_total",
-                    "engine worker deaths (each followed by a restart), by cause",
-                ),
+            worker_restarts: counter(
+                "strata_worker_restarts_total",
+                "engine worker deaths, each followed by a restart",
+            ),
+            worker_deaths: IntCounterVec::new(
+                Opts::new("strata_worker_deaths_total", "engine worker deaths by cause"),
                 &["cause"],
             )
             .expect("valid metric"),
@@ -88,7 +91,7 @@ impl Metrics {
             registry,
         };
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 12] = [
+        let all: [Box<dyn prometheus::core::Collector>; 13] = [
             Box::new(m.requests.clone()),
             Box::new(m.prompt_tokens.clone()),
             Box::new(m.prompt_tokens_reused.clone()),
@@ -98,6 +101,7 @@ impl Metrics {
             Box::new(m.queue_depth.clone()),
             Box::new(m.queue_rejected.clone()),
             Box::new(m.worker_restarts.clone()),
+            Box::new(m.worker_deaths.clone()),
             Box::new(m.worker_faults.clone()),
             Box::new(m.worker_ready.clone()),
             Box::new(m.cancelled.clone()),

@@ -330,7 +330,8 @@ fn report_death(
         format!(" {when}")
     };
     eprintln!("strata serve: the engine worker stopped{when} ({cause}){fault_text}; restarting it");
-    metrics.worker_restarts.with_label_values(&[label]).inc();
+    metrics.worker_restarts.inc();
+    metrics.worker_deaths.with_label_values(&[label]).inc();
     if fault.is_some() {
         metrics.worker_faults.inc();
     }

@@ -1,0 +1,360 @@
+//! `strata serve` on the default model through both APIs: answers, streams, usage and timings, errors in each
+//! API's shape, the queue bound and the API key.
+
+mod serve_common;
+
+use serde_json::{Value, json};
+use serve_common::{Server, SseReader};
+
+const SYSTEM: &str = "You are a helpful AI assistant.";
+const QUESTION: &str = "What is the capital of France?";
+
+fn assert_timings(v: &Value) {
+    for k in ["prompt_n", "cache_n", "prompt_ms", "predicted_n", "predicted_ms"] {
+        assert!(v["timings"][k].is_number(), "timings.{k} missing in {v}");
+    }
+}
+
+#[test]
+fn openai_chat_completions_plain_and_streamed() {
+    let s = Server::start();
+    let req = json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        "temperature": 0, "max_tokens": 24,
+    });
+    let (status, v) = s.post("/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text}");
+    assert_eq!(v["object"], "chat.completion");
+    let u = &v["usage"];
+    assert_eq!(
+        u["total_tokens"].as_u64().unwrap(),
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+    );
+    assert_timings(&v);
+
+    let mut stream_req = req.clone();
+    stream_req["stream"] = json!(true);
+    stream_req["stream_options"] = json!({"include_usage": true});
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&stream_req)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = SseReader::new(r).rest();
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(&e.data).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(streamed.contains("Paris"), "{streamed}");
+    let finish = chunks
+        .iter()
+        .find(|c| c["choices"][0]["finish_reason"].is_string())
+        .unwrap();
+    assert_timings(finish);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert!(usage["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{usage}");
+    // The same prompt again: its prefix is reused from the cache.
+    assert!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{usage}"
+    );
+
+    // A stop string ends the answer before it.
+    let mut stop_req = req.clone();
+    stop_req["stop"] = json!(["Paris"]);
+    let (status, v) = s.post("/v1/chat/completions", &stop_req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(
+        !v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Paris")
+    );
+}
+
+#[test]
+fn openai_completions_and_models() {
+    let s = Server::start();
+    let models: Value = s.client.get(s.url("/v1/models")).send().unwrap().json().unwrap();
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "default", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "seed": 3, "top_p": 0.9}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_timings(&v);
+    let r = s
+        .client
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": "Once upon a time", "max_tokens": 3, "stream": true}))
+        .send()
+        .unwrap();
+    let events = SseReader::new(r).rest();
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    let last: Value = serde_json::from_str(&events[events.len() - 2].data).unwrap();
+    assert_eq!(last["usage"]["completion_tokens"], 3, "{last}");
+}
+
+#[test]
+fn anthropic_messages_plain_streamed_and_counted() {
+    let s = Server::start();
+    let req = json!({
+        "model": "SmolLM2-135M-Instruct.Q4_1", "system": SYSTEM, "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
+    });
+    let (status, v) = s.post("/v1/messages", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["role"], "assistant");
+    assert!(v["content"][0]["text"].as_str().unwrap().contains("Paris"), "{v}");
+    assert!(["end_turn", "max_tokens"].contains(&v["stop_reason"].as_str().unwrap()));
+    assert_timings(&v);
+    let (status, count) = s.post(
+        "/v1/messages/count_tokens",
+        &json!({"model": "default", "system": SYSTEM, "messages": req["messages"]}),
+    );
+    assert_eq!(status, 200, "{count}");
+    assert_eq!(count["input_tokens"], v["usage"]["input_tokens"]);
+
+    let mut sreq = req.clone();
+    sreq["stream"] = json!(true);
+    sreq["stop_sequences"] = json!(["Paris"]);
+    let r = s.client.post(s.url("/v1/messages")).json(&sreq).send().unwrap();
+    assert_eq!(r.status(), 200);
+    let events = SseReader::new(r).rest();
+    let names: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(&names[..2], ["message_start", "content_block_start"]);
+    assert_eq!(
+        &names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    assert!(
+        names[2..names.len() - 3].iter().all(|n| *n == "content_block_delta"),
+        "{names:?}"
+    );
+    let delta: Value = serde_json::from_str(&events[events.len() - 2].data).unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], "stop_sequence", "{delta}");
+    assert_eq!(delta["delta"]["stop_sequence"], "Paris");
+    assert!(delta["usage"]["output_tokens"].as_u64().unwrap() > 0);
+    assert_timings(&delta);
+}
+
+#[test]
+fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
+    let s = Server::start_with(&["--max-context", "64", "--max-body-bytes", "4096"], &[]);
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let openai_cases: Vec<(Vec<u8>, u16, &str)> = vec![
+        (b"{not json".to_vec(), 400, "malformed JSON"),
+        (br#"{"messages": "hi"}"#.to_vec(), 400, "invalid request"),
+        (
+            json!({"messages": msgs, "max_tokens": "ten"}).to_string().into_bytes(),
+            400,
+            "invalid request",
+        ),
+        (
+            json!({"model": "gpt-4", "messages": msgs}).to_string().into_bytes(),
+            404,
+            "not served",
+        ),
+        (json!({"messages": []}).to_string().into_bytes(), 400, "empty"),
+        (
+            json!({"messages": msgs, "max_tokens": 0}).to_string().into_bytes(),
+            400,
+            "at least 1",
+        ),
+        (
+            json!({"messages": msgs, "max_completion_tokens": -5})
+                .to_string()
+                .into_bytes(),
+            400,
+            "at least 1",
+        ),
+        (
+            json!({"messages": msgs, "temperature": -1}).to_string().into_bytes(),
+            400,
+            "temperature",
+        ),
+        (
+            b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}".to_vec(),
+            400,
+            "UTF-8",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]})
+                .to_string()
+                .into_bytes(),
+            400,
+            "context holds 64",
+        ),
+        (vec![b' '; 5000], 413, "max-body-bytes"),
+    ];
+    for (body, status, needle) in openai_cases {
+        let (got, v) = s.post_raw(chat, body.clone());
+        assert_eq!(
+            got,
+            status,
+            "{}: {v}",
+            String::from_utf8_lossy(&body[..body.len().min(80)])
+        );
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("OpenAI shape: {v}"));
+        assert!(msg.contains(needle), "{msg} lacks {needle}");
+        assert!(v["error"]["type"].is_string());
+    }
+    // The prompt-over-context message names both counts.
+    let (_, v) = s.post(
+        chat,
+        &json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]}),
+    );
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("tokens but the context holds 64"), "{msg}");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+
+    let anthropic_cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("/v1/messages", b"[1, 2".to_vec(), 400),
+        ("/v1/messages", json!({"messages": msgs}).to_string().into_bytes(), 400),
+        (
+            "/v1/messages",
+            json!({"messages": msgs, "max_tokens": 0}).to_string().into_bytes(),
+            400,
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "claude", "messages": msgs, "max_tokens": 5})
+                .to_string()
+                .into_bytes(),
+            404,
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": [], "max_tokens": 5}).to_string().into_bytes(),
+            400,
+        ),
+        ("/v1/messages", vec![b' '; 5000], 413),
+        (
+            "/v1/messages/count_tokens",
+            json!({"messages": 3}).to_string().into_bytes(),
+            400,
+        ),
+    ];
+    for (path, body, status) in anthropic_cases {
+        let (got, v) = s.post_raw(path, body);
+        assert_eq!(got, status, "{path}: {v}");
+        assert_eq!(v["type"], "error", "Anthropic shape: {v}");
+        assert!(
+            v["error"]["type"].is_string() && v["error"]["message"].is_string(),
+            "{v}"
+        );
+    }
+    let (status, v) = s.post(chat, &json!({"messages": msgs, "max_tokens": 2}));
+    assert_eq!(status, 200, "{v}");
+    let metrics = s.metrics();
+    for name in [
+        "strata_requests_total",
+        "strata_prompt_tokens_total",
+        "strata_generated_tokens_total",
+        "strata_prefill_seconds",
+        "strata_decode_seconds",
+        "strata_queue_depth",
+        "strata_worker_restarts_total",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    assert!(metrics.contains(r#"strata_requests_total{endpoint="/v1/chat/completions",status="400"}"#));
+}
+
+#[test]
+fn full_queue_answers_503_with_retry_after() {
+    let s = std::sync::Arc::new(Server::start_with(&["--max-queue", "1"], &[]));
+    let body = json!({"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 40});
+    let handles: Vec<_> = (0..5)
+        .map(|_| {
+            let (s, body) = (s.clone(), body.clone());
+            std::thread::spawn(move || {
+                let r = s.client.post(s.url("/v1/chat/completions")).json(&body).send().unwrap();
+                (r.status().as_u16(), r.headers().get("retry-after").is_some())
+            })
+        })
+        .collect();
+    let results: Vec<(u16, bool)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let busy: Vec<_> = results.iter().filter(|r| r.0 == 503).collect();
+    assert!(!busy.is_empty(), "{results:?}");
+    assert!(busy.iter().all(|r| r.1), "503 without Retry-After: {results:?}");
+    assert!(results.iter().filter(|r| r.0 == 200).count() >= 2, "{results:?}");
+    assert!(s.metrics().contains("strata_queue_rejected_total"));
+}
+
+#[test]
+fn api_key_is_required_when_set_and_public_addresses_need_one() {
+    let s = Server::start_with(&["--api-key", "sekret"], &[]);
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1});
+    let r = s.client.post(s.url("/v1/chat/completions")).json(&body).send().unwrap();
+    assert_eq!(r.status(), 401);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["error"]["type"], "authentication_error");
+    let r = s.client.post(s.url("/v1/messages")).json(&body).send().unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.json::<Value>().unwrap()["type"], "error");
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .bearer_auth("sekret")
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = s
+        .client
+        .post(s.url("/v1/messages/count_tokens"))
+        .header("x-api-key", "sekret")
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // Health stays open for probes.
+    assert_eq!(s.client.get(s.url("/health")).send().unwrap().status(), 200);
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--host", "0.0.0.0", "--port", "0"])
+        .env_remove("STRATA_API_KEY")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--insecure-public"), "{err}");
+}

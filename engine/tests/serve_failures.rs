@@ -1,0 +1,182 @@
+//! The failure contract of `strata serve` (DESIGN.md section 3, seed 000): a dead or silent worker gives 503
+//! with the original's message (or an error event in a stream that already answered 200, never a cut stream
+//! that looks whole), is restarted, and the next request gets 200; a closed stream cancels its generation.
+
+mod serve_common;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use serve_common::{Server, SseReader, signal};
+
+fn long_request(stream: bool) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 2000, "temperature": 0.8, "seed": 1, "stream": stream,
+    })
+}
+
+fn short_request() -> Value {
+    json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
+}
+
+#[test]
+fn sigkill_of_the_worker_gives_503_then_the_next_request_200() {
+    let s = Server::start();
+
+    // Mid-stream: the stream has answered 200, so it ends with an error event and no [DONE].
+    let pid = s.worker_pid();
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&long_request(true))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut sse = SseReader::new(r);
+    for _ in 0..3 {
+        sse.next_event().expect("a chunk before the kill");
+    }
+    signal(pid, "KILL");
+    let rest = sse.rest();
+    let last = rest.last().expect("an error event");
+    assert_ne!(last.data, "[DONE]");
+    let err: Value = serde_json::from_str(&last.data).unwrap();
+    assert_eq!(err["error"]["type"], "server_error", "{err}");
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert_eq!(
+        msg,
+        "the engine stopped unexpectedly (killed by signal 9); the next request restarts it"
+    );
+
+    // A non-streaming request in flight gets the 503 itself.
+    s.wait_ready(Duration::from_secs(60));
+    let pid = s.worker_pid();
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        signal(pid, "KILL");
+    });
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&long_request(false))
+        .send()
+        .unwrap();
+    killer.join().unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().get("retry-after").is_some());
+    let v: Value = r.json().unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the engine stopped unexpectedly"),
+        "{v}"
+    );
+
+    // The worker comes back and serves.
+    s.wait_ready(Duration::from_secs(60));
+    let (status, v) = s.post("/v1/chat/completions", &short_request());
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = s.post(
+        "/v1/messages",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let metrics = s.metrics();
+    assert!(
+        metrics.contains(r#"strata_worker_deaths_total{cause="signal_9"} 2"#),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn a_worker_fault_is_reported_counted_and_survived() {
+    let s = Server::start_with(&[], &[("STRATA_WORKER_FAULT_AFTER_TOKENS", "2")]);
+    let (status, v) = s.post(
+        "/v1/messages",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20}),
+    );
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["type"], "error");
+    assert_eq!(
+        v["error"]["message"],
+        "the engine stopped unexpectedly (exit code 101); the next request restarts it"
+    );
+    s.wait_ready(Duration::from_secs(60));
+    let health = s.health();
+    let death = health["last_worker_death"].as_str().unwrap();
+    assert!(
+        death.contains("exit code 101") && death.contains("injected fault"),
+        "{death}"
+    );
+    let metrics = s.metrics();
+    assert!(
+        metrics.contains(r#"strata_worker_deaths_total{cause="exit_code_101"} 1"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains("strata_worker_faults_total 1"), "{metrics}");
+    // Two tokens fit under the fault's threshold.
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{v}");
+}
+
+#[test]
+fn the_watchdog_stops_a_silent_worker() {
+    let s = Server::start_with(&["--watchdog-s", "2"], &[]);
+    let pid = s.worker_pid();
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1000));
+        signal(pid, "STOP");
+    });
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&long_request(false))
+        .send()
+        .unwrap();
+    stopper.join().unwrap();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("watchdog"), "{v}");
+    s.wait_ready(Duration::from_secs(60));
+    assert!(
+        s.metrics()
+            .contains(r#"strata_worker_deaths_total{cause="watchdog"} 1"#)
+    );
+    let (status, _) = s.post("/v1/chat/completions", &short_request());
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn a_closed_stream_stops_its_generation() {
+    let s = Server::start();
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&long_request(true))
+        .send()
+        .unwrap();
+    let mut sse = SseReader::new(r);
+    for _ in 0..3 {
+        sse.next_event().unwrap();
+    }
+    drop(sse);
+    // The 2000-token generation is cancelled, so a short request is answered at once.
+    let start = Instant::now();
+    let (status, v) = s.post("/v1/chat/completions", &short_request());
+    assert_eq!(status, 200, "{v}");
+    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+    let metrics = s.metrics();
+    assert!(metrics.contains("strata_requests_cancelled_total 1"), "{metrics}");
+    let generated: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("strata_generated_tokens_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(generated < 200.0, "the cancelled request went on: {generated} tokens");
+}
