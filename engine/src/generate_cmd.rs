@@ -21,12 +21,7 @@ struct Loaded {
 }
 
 fn load(args: &EngineArgs) -> Result<Loaded> {
-    if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global()
-            .context("cannot start the worker threads")?;
-    }
+    strata_engine::backend::cpu::init_threads(args.threads).context("cannot start the worker threads")?;
     let path = models::resolve(Some(&args.model))?;
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new_spinner();

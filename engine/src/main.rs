@@ -15,6 +15,7 @@ use strata_engine::quant::GgmlType;
 use strata_engine::runtime::kv::KvType;
 use strata_engine::runtime::session;
 
+mod bench_cmd;
 mod generate_cmd;
 
 /// Strata: an inference engine for Mixture-of-Experts LLMs in GGUF.
@@ -55,6 +56,8 @@ enum Command {
     /// The engine worker `strata serve` starts (JSON lines on stdin/stdout); not for direct use.
     #[command(hide = true)]
     Worker(strata_engine::serve::EngineFlags),
+    /// Prefill and decode tok/s and peak RSS on the CPU, beside llama.cpp's llama-bench on the same file.
+    Bench(bench_cmd::BenchArgs),
 }
 
 /// Model, cache and sampling settings shared by `generate` and `chat`.
@@ -347,6 +350,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => generate_cmd::run_chat(args)?,
         Command::Serve(args) => strata_engine::serve::run(args)?,
         Command::Worker(flags) => strata_engine::serve::worker::run(&flags)?,
+        Command::Bench(args) => bench_cmd::run(args)?,
     }
     Ok(())
 }

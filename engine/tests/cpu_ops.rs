@@ -3,7 +3,7 @@
 //! expert dispatch.
 
 use half::f16;
-use strata_engine::backend::cpu::{CpuBackend, gelu_tanh, silu};
+use strata_engine::backend::cpu::{CpuBackend, gelu_ggml, gelu_tanh, silu};
 use strata_engine::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use strata_engine::model::{Arch, HParams};
 use strata_engine::quant::{self, GgmlType};
@@ -202,16 +202,18 @@ fn naive_attention(q: &[f32], k: &[f32], v: &[f32], n_tok: usize, p: &AttnParams
             let scores: Vec<f64> = (first..=t)
                 .map(|j| {
                     let kv = &k[(j * nkv + g) * d..][..d];
-                    qv.iter().zip(kv).map(|(a, b)| *a as f64 * r(*b)).sum::<f64>() * p.scale as f64
+                    // An f16 cache meets an f16 query (ggml's f16 matmul converts its other operand).
+                    qv.iter().zip(kv).map(|(a, b)| r(*a) * r(*b)).sum::<f64>() * p.scale as f64
                 })
                 .collect();
             let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let sum: f64 = e.iter().sum();
             for i in 0..d {
+                // ... and f16 probabilities.
                 let acc: f64 = (first..=t)
                     .zip(&e)
-                    .map(|(j, w)| w / sum * r(v[(j * nkv + g) * d + i]))
+                    .map(|(j, w)| r((w / sum) as f32) * r(v[(j * nkv + g) * d + i]))
                     .sum();
                 out[(t * nh + h) * d + i] = acc as f32;
             }
@@ -374,7 +376,7 @@ fn moe_dispatch_matches_per_token_expert_loop() {
         be.moe_ffn(&ex, &x, &routing, &mut out, &mut MoeScratch::default());
         let f = match act {
             GluKind::SwiGlu => silu,
-            GluKind::GeGlu => gelu_tanh,
+            GluKind::GeGlu => gelu_ggml,
         };
         let mut want = vec![0f32; n_tok * e];
         for t in 0..n_tok {
@@ -400,4 +402,11 @@ fn activations_match_their_formulas() {
     // gelu(x) ≈ x·Φ(x): Φ(1) = 0.841345
     assert!((gelu_tanh(1.0) - 0.841345).abs() < 1e-3);
     assert!(gelu_tanh(-10.0).abs() < 1e-6);
+    // ggml's f16 GELU: the input and the result rounded to f16, clamped outside ±10.
+    assert_eq!(gelu_ggml(1.0), f16::from_f32(gelu_tanh(1.0)).to_f32());
+    assert_eq!(
+        gelu_ggml(0.1234567),
+        f16::from_f32(gelu_tanh(f16::from_f32(0.1234567).to_f32())).to_f32()
+    );
+    assert_eq!((gelu_ggml(-10.5), gelu_ggml(12.0)), (0.0, 12.0));
 }

@@ -149,7 +149,7 @@ pub struct AttnParams {
 pub enum GluKind {
     /// `silu(g) * u` (llama, qwen3).
     SwiGlu,
-    /// `gelu_tanh(g) * u` (gemma3).
+    /// `gelu(g) * u`, GELU in its tanh form with ggml's f16 rounding (gemma3; see `cpu::gelu_ggml`).
     GeGlu,
 }
 

@@ -20,7 +20,7 @@
 
 use std::path::Path;
 
-use crate::backend::{AttnParams, Backend, Experts, MoeScratch, QMat, Routing};
+use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, Routing};
 use crate::gguf::{GgufError, GgufModel};
 use crate::model::weights::{Ffn, Weights, WeightsError};
 use crate::model::{HParams, HParamsError};
@@ -153,11 +153,13 @@ impl Model {
             be.scale(x, sc);
         }
 
+        trace("inp_embd", None, &s.x[..n * e]);
         for (il, layer) in w.layers.iter().enumerate() {
             let x = &mut s.x[..n * e];
             let h = sized(&mut s.h, n * e);
             h.copy_from_slice(x);
             be.rms_norm(h, &layer.attn_norm, hp.rms_eps);
+            trace("attn_norm", Some(il), h);
 
             let q = sized(&mut s.q, n * nh * dk);
             let k = sized(&mut s.k, n * nkv * dk);
@@ -165,6 +167,9 @@ impl Model {
             be.matmul(&self.m(&layer.wq), h, n, q);
             be.matmul(&self.m(&layer.wk), h, n, k);
             be.matmul(&self.m(&layer.wv), h, n, v);
+            trace("Qcur", Some(il), q);
+            trace("Kcur", Some(il), k);
+            trace("Vcur", Some(il), v);
             if let Some(qn) = &layer.q_norm {
                 be.rms_norm(q, qn, hp.rms_eps);
             }
@@ -176,17 +181,25 @@ impl Model {
             let cache = &mut kv.layers[il];
             be.store_kv(cache, k, v, &s.pos);
             let att = sized(&mut s.att, n * nh * dv);
+            let scale = if w.config.attn_scale_on_q {
+                be.scale(q, w.config.attn_scale);
+                1.0
+            } else {
+                w.config.attn_scale
+            };
             let params = AttnParams {
                 n_head: nh,
                 n_head_kv: nkv,
                 head_dim: dk,
                 head_dim_v: dv,
-                scale: w.config.attn_scale,
+                scale,
                 window: layer.window,
             };
             be.attention(q, cache, &s.pos, &params, att);
+            trace("kqv_out", Some(il), att);
             let o = sized(&mut s.o, n * e);
             be.matmul(&self.m(&layer.wo), att, n, o);
+            trace("attn_out", Some(il), o);
             if let Some(pn) = &layer.post_attn_norm {
                 be.rms_norm(o, pn, hp.rms_eps);
             }
@@ -194,6 +207,7 @@ impl Model {
 
             h.copy_from_slice(x);
             be.rms_norm(h, &layer.ffn_norm, hp.rms_eps);
+            trace("ffn_norm", Some(il), h);
             match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
                     let gm = self.m(gate);
@@ -201,8 +215,16 @@ impl Model {
                     let u = sized(&mut s.up, n * gm.rows);
                     be.matmul(&gm, h, n, g);
                     be.matmul(&self.m(up), h, n, u);
+                    trace("ffn_gate", Some(il), g);
+                    trace("ffn_up", Some(il), u);
                     be.glu(g, u, w.config.act);
+                    let glu_name = match w.config.act {
+                        GluKind::SwiGlu => "ffn_swiglu",
+                        GluKind::GeGlu => "ffn_geglu",
+                    };
+                    trace(glu_name, Some(il), g);
                     be.matmul(&self.m(down), g, n, o);
+                    trace("ffn_out", Some(il), o);
                 }
                 Ffn::Moe { router, gate, up, down } => {
                     let nx = hp.n_expert as usize;
@@ -237,6 +259,34 @@ impl Model {
         let out = self.m(&w.output);
         let lg = sized(&mut s.logits, m * out.rows);
         be.matmul(&out, h, m, lg);
+        trace("result_norm", None, h);
+        trace("result_output", None, lg);
         &s.logits[..m * out.rows]
     }
+}
+
+/// Set `STRATA_TRACE_TENSORS=1` to print one line per intermediate tensor of every forward pass to stderr:
+/// `tensor NAME-LAYER n=N first=[..] last=[..] sum=S`, named like llama.cpp's graph nodes (`attn_norm-3`,
+/// `Qcur-3` before q-norm and RoPE, `kqv_out-3`, `ffn_out-3`, `result_output`; `inp_embd` is the scaled
+/// embedding), so a run can be compared
+/// line by line with llama.cpp's `llama-eval-callback` on the same prompt (fixtures/llamacpp/compare_tensors.py).
+/// A diagnostic for numerical divergences; it costs one relaxed load per call when off.
+static TRACE_TENSORS: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var_os("STRATA_TRACE_TENSORS").is_some_and(|v| v != "0"));
+
+/// Prints `v` (all tokens of the batch, row-major) when tensor tracing is on; see [`TRACE_TENSORS`].
+fn trace(name: &str, il: Option<usize>, v: &[f32]) {
+    if !*TRACE_TENSORS || v.is_empty() {
+        return;
+    }
+    let sum: f64 = v.iter().map(|&x| x as f64).sum();
+    let k = v.len().min(3);
+    let fmt = |xs: &[f32]| xs.iter().map(|x| format!("{x:.6}")).collect::<Vec<_>>().join(", ");
+    let layer = il.map(|i| format!("-{i}")).unwrap_or_default();
+    eprintln!(
+        "tensor {name}{layer} n={} first=[{}] last=[{}] sum={sum:.6}",
+        v.len(),
+        fmt(&v[..k]),
+        fmt(&v[v.len() - k..])
+    );
 }

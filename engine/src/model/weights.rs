@@ -81,8 +81,12 @@ pub struct ArchConfig {
     /// Multiplies the token embeddings (gemma3: √n_embd).
     pub embd_scale: Option<f32>,
     pub act: GluKind,
-    /// Multiplies q·k before the softmax.
+    /// The attention scale: multiplies q·k before the softmax, or q itself when `attn_scale_on_q`.
     pub attn_scale: f32,
+    /// Scale the queries before attention instead of the scores (llama.cpp's gemma3 graph: `Qcur =
+    /// ggml_scale(Qcur, f_attention_scale)` with a KQ scale of 1). The two differ only in where an f16 cache
+    /// rounds the queries.
+    pub attn_scale_on_q: bool,
     /// Renormalise the router's top-k weights to sum 1.
     pub moe_normalize: bool,
 }
@@ -242,6 +246,7 @@ impl Weights {
                 GluKind::SwiGlu
             },
             attn_scale,
+            attn_scale_on_q: hp.arch == Arch::Gemma3,
             moe_normalize,
         };
         let has_qk_norm = matches!(hp.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3);

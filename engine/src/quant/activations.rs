@@ -8,18 +8,19 @@
 //! holds those activations: [`QuantizedActivations`] is a buffer the matmul owns and refills (no allocation once
 //! it has grown to the largest matrix), [`ActivationVector`] one quantized vector of it.
 //!
-//! Codes (every format): per block of `B` values (32 or 256), `amax = max |x|`, `d = amax / 127` (an f32, not
-//! rounded to f16 as ggml stores it) and `q = round_ties_even(x * (127 / amax))`, so `q` is in -127..=127 and
-//! `x ≈ d * q` with `|x - d q| <= d / 2`. Each block also keeps integer sums of its codes (`Σ q` per 32 values
-//! for [`ActivationFormat::Q8_1`], per 16 for [`ActivationFormat::Q8_K`]: ggml's `s` and `bsums`), which
-//! the kernels use for the weights' offsets and mins. Blocks with `amax < 1e-30` (zero or denormal) quantize to
-//! `d = 0`, codes 0; a block holding NaN or ±inf gets `d` NaN or inf and codes 0, so any dot product with it is
-//! NaN, as the f32 path would give.
+//! Codes (every format): per block of `B` values (32 or 256), `amax = max |x|`, `d = amax / 127` and
+//! `q = round_ties_even(x * (127 / amax))`, so `q` is in -127..=127 and `x ≈ d * q` with `|x - d q| <= d / 2`.
+//! Each block also keeps integer sums of its codes (`Σ q` per 32 values for [`ActivationFormat::Q8_1`], per 16
+//! for [`ActivationFormat::Q8_K`]: ggml's `bsums`), which the kernels use for the weights' offsets and mins.
+//! Blocks with `amax < 1e-30` (zero or denormal) quantize to `d = 0`, codes 0; a block holding NaN or ±inf gets
+//! `d` NaN or inf and codes 0, so any dot product with it is NaN, as the f32 path would give.
 //!
-//! Differences from ggml: ggml's `Q8_0` and `Q8_1` have these codes with `d` rounded to f16 (`Q8_0` lacks the
-//! sum; the codes are the same, so one format serves both here), and ggml's `quantize_row_q8_K` maps the
-//! block's signed maximum to -128 rather than using a symmetric ±127. Both change a dot product by far less
-//! than the activation rounding itself does.
+//! Storage matches ggml's where it rounds, because the CPU engine is held to llama.cpp's logits (a 135M model
+//! moves by a KL divergence of 1e-3 when these roundings change): 32-value blocks store `d` rounded to f16
+//! and, for Q8_1, `s = d Σq` computed from the unrounded `d` and rounded to f16 (`block_q8_1.s`, which Q4_1 and
+//! Q5_1 multiply by their min), except where f16 would overflow; Q8_K keeps `d` in f32. Q8_0 and Q8_1 share one format here (Q8_0 ignores `s`).
+//! One difference remains: ggml's `quantize_row_q8_K` scales by the block's signed maximum (`-127 / max`),
+//! which negates codes and scale together and gives the same products.
 
 use std::fmt;
 
@@ -74,6 +75,9 @@ pub struct ActivationVector<'a> {
     pub(crate) d: &'a [f32],
     /// `Σ q` per group (32 values for Q8_1, 16 for Q8_K).
     pub(crate) sums: &'a [i16],
+    /// Q8_1 only, per block: `d Σq` rounded to f16 (ggml's `block_q8_1.s`, the partner of Q4_1's and Q5_1's
+    /// min), computed with `d` before its own rounding.
+    pub(crate) s: &'a [f32],
 }
 
 impl ActivationVector<'_> {
@@ -110,6 +114,7 @@ pub struct QuantizedActivations {
     pub(crate) qs: Vec<i8>,
     pub(crate) d: Vec<f32>,
     pub(crate) sums: Vec<i16>,
+    pub(crate) s: Vec<f32>,
 }
 
 impl Default for QuantizedActivations {
@@ -130,6 +135,7 @@ impl QuantizedActivations {
             qs: Vec::new(),
             d: Vec::new(),
             sums: Vec::new(),
+            s: Vec::new(),
         }
     }
 
@@ -179,6 +185,7 @@ impl QuantizedActivations {
             self.qs.clear();
             self.d.clear();
             self.sums.clear();
+            self.s.clear();
             return Ok(());
         }
         self.f32s.clear();
@@ -186,6 +193,18 @@ impl QuantizedActivations {
         self.d.resize(x.len() / block, 0.0);
         self.sums.resize(x.len() / group, 0);
         quantize_codes(x, block, group, &mut self.qs, &mut self.d, &mut self.sums, simd);
+        self.s.clear();
+        if format == ActivationFormat::Q8_1 {
+            // ggml's storage: `s = d Σq` and then `d` itself, each rounded to f16. Where ggml's f16 would overflow
+            // to inf (activations beyond 65504 · 127), the f32 value stays: a finite result where ggml has none.
+            let f16 = |v: f32| {
+                let h = half::f16::from_f32(v).to_f32();
+                if h.is_finite() || !v.is_finite() { h } else { v }
+            };
+            self.s
+                .extend(self.d.iter().zip(&self.sums).map(|(&d, &q)| f16(d * q as f32)));
+            self.d.iter_mut().for_each(|d| *d = f16(*d));
+        }
         Ok(())
     }
 
@@ -220,6 +239,7 @@ impl QuantizedActivations {
                 qs: &[],
                 d: &[],
                 sums: &[],
+                s: &[],
             };
         }
         let (block, group) = self.format.block_and_group();
@@ -229,6 +249,11 @@ impl QuantizedActivations {
             qs: &self.qs[t * n..(t + 1) * n],
             d: &self.d[t * n / block..(t + 1) * n / block],
             sums: &self.sums[t * n / group..(t + 1) * n / group],
+            s: if self.s.is_empty() {
+                &[]
+            } else {
+                &self.s[t * n / block..(t + 1) * n / block]
+            },
         }
     }
 }

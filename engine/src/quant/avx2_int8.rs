@@ -100,7 +100,7 @@ fn scale_pair(lo: i32, hi: i32) -> __m256i {
 fn split32<'a, B: QuantBlock>(
     row: &'a [u8],
     x: &ActivationVector<'a>,
-) -> Option<(&'a [B], &'a [[i8; 32]], &'a [f32], &'a [i16])> {
+) -> Option<(&'a [B], &'a [[i8; 32]], &'a [f32], &'a [i16], &'a [f32])> {
     if x.format != ActivationFormat::Q8_1 {
         return None;
     }
@@ -108,12 +108,14 @@ fn split32<'a, B: QuantBlock>(
     let n = (row.len() / size_of::<B>())
         .min(qs.len())
         .min(x.d.len())
-        .min(x.sums.len());
+        .min(x.sums.len())
+        .min(x.s.len());
     Some((
         cast_slice(&row[..n * size_of::<B>()]),
         &qs[..n],
         &x.d[..n],
         &x.sums[..n],
+        &x.s[..n],
     ))
 }
 
@@ -214,8 +216,9 @@ pub(super) fn quantize_activations(
 
 // ---- 32-value blocks × Q8_1 -----------------------------------------------------------------------------------
 
-/// The loop every 32-value kernel shares: `term(block, codes, Σq)` gives the block's `d_w` (the activation
-/// scale is applied here), its 8 lanes of exact integer sums, and its min term `m_w Σq` (0 without a min).
+/// The loop every 32-value kernel shares: `term(block, codes, Σq, s)` gives the block's `d_w` (the activation
+/// scale is applied here), its 8 lanes of exact integer sums, and its min term `m_w s` (0 without a min; `s` is
+/// the activation block's `d Σq` as ggml's Q8_1 stores it).
 /// Two blocks per step into two accumulators, so one block's multiply-add latency does not hold up the next.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -224,26 +227,27 @@ fn sum_blocks32<B: QuantBlock>(
     qs: &[[i8; 32]],
     ds: &[f32],
     sums: &[i16],
-    term: impl Fn(&B, &[i8; 32], i16) -> (f32, __m256i, f32),
+    ss: &[f32],
+    term: impl Fn(&B, &[i8; 32], i16, f32) -> (f32, __m256i, f32),
 ) -> f32 {
     let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let (mut min0, mut min1) = (0f32, 0f32);
-    let n = blocks.len().min(qs.len()).min(ds.len()).min(sums.len());
+    let n = blocks.len().min(qs.len()).min(ds.len()).min(sums.len()).min(ss.len());
     let pairs = n / 2;
     for i in 0..pairs {
         let (j, k) = (2 * i, 2 * i + 1);
-        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j]);
-        let (d1, p1, m1) = term(&blocks[k], &qs[k], sums[k]);
+        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j], ss[j]);
+        let (d1, p1, m1) = term(&blocks[k], &qs[k], sums[k], ss[k]);
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * ds[j]), _mm256_cvtepi32_ps(p0), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * ds[k]), _mm256_cvtepi32_ps(p1), acc1);
-        min0 += m0 * ds[j];
-        min1 += m1 * ds[k];
+        min0 += m0;
+        min1 += m1;
     }
     if n % 2 == 1 {
         let j = n - 1;
-        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j]);
+        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j], ss[j]);
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * ds[j]), _mm256_cvtepi32_ps(p0), acc0);
-        min0 += m0 * ds[j];
+        min0 += m0;
     }
     hsum(_mm256_add_ps(acc0, acc1)) + (min0 + min1)
 }
@@ -251,10 +255,10 @@ fn sum_blocks32<B: QuantBlock>(
 /// Q4_0 × Q8_1 (`ggml_vec_dot_q4_0_q8_0`): `d_w d_x (Σ nibble·q - 8 Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q4_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split32::<BlockQ4_0>(row, x) else {
+    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ4_0>(row, x) else {
         return f32::NAN;
     };
-    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
+    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, s, _| {
         let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
         // 8 lanes minus Σq each: minus 8 Σq in total.
         (f16(b.d), _mm256_sub_epi32(p, _mm256_set1_epi32(s as i32)), 0.0)
@@ -264,12 +268,12 @@ fn k_q4_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
 /// Q4_1 × Q8_1 (`ggml_vec_dot_q4_1_q8_1`): `d_w d_x Σ nibble·q + m d_x Σ q`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q4_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split32::<BlockQ4_1>(row, x) else {
+    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ4_1>(row, x) else {
         return f32::NAN;
     };
-    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
+    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, s| {
         let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
-        (f16(b.d), p, f16(b.m) * s as f32)
+        (f16(b.d), p, f16(b.m) * s)
     })
 }
 
@@ -284,10 +288,10 @@ fn five_bit32(qs: &[u8], qh: [u8; 4]) -> __m256i {
 /// Q5_0 × Q8_1 (`ggml_vec_dot_q5_0_q8_0`): `d_w d_x (Σ code·q - 16 Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q5_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split32::<BlockQ5_0>(row, x) else {
+    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ5_0>(row, x) else {
         return f32::NAN;
     };
-    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
+    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, s, _| {
         let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
         (f16(b.d), _mm256_sub_epi32(p, _mm256_set1_epi32(2 * s as i32)), 0.0)
     })
@@ -296,22 +300,22 @@ fn k_q5_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
 /// Q5_1 × Q8_1 (`ggml_vec_dot_q5_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q5_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split32::<BlockQ5_1>(row, x) else {
+    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ5_1>(row, x) else {
         return f32::NAN;
     };
-    sum_blocks32(blocks, qs, ds, sums, |b, q, s| {
+    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, s| {
         let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
-        (f16(b.d), p, f16(b.m) * s as f32)
+        (f16(b.d), p, f16(b.m) * s)
     })
 }
 
 /// Q8_0 × Q8_1 (`ggml_vec_dot_q8_0_q8_0`).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q8_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split32::<BlockQ8_0>(row, x) else {
+    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ8_0>(row, x) else {
         return f32::NAN;
     };
-    sum_blocks32(blocks, qs, ds, sums, |b, q, _| {
+    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, _| {
         (f16(b.d), mul_sum_i8_i8(ldq(&b.qs), ldq(q)), 0.0)
     })
 }
@@ -319,12 +323,12 @@ fn k_q8_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
 /// IQ4_NL × Q8_1 (`ggml_vec_dot_iq4_nl_q8_0`): nibbles to levels through `vpshufb`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_iq4_nl(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split32::<BlockIQ4NL>(row, x) else {
+    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockIQ4NL>(row, x) else {
         return f32::NAN;
     };
     let table = ld128(cast_slice(&KVALUES_IQ4NL));
     let table = _mm256_set_m128i(table, table);
-    sum_blocks32(blocks, qs, ds, sums, |b, q, _| {
+    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, _| {
         let w = _mm256_shuffle_epi8(table, nibbles32(&b.qs));
         (f16(b.d), mul_sum_i8_i8(w, ldq(q)), 0.0)
     })

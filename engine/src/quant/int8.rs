@@ -35,15 +35,15 @@ pub(crate) fn dot_blocks32<B: IntBlock32>(row: &[u8], x: &ActivationVector<'_>) 
     let n = (row.len() / size_of::<B>())
         .min(x.qs.len() / 32)
         .min(x.d.len())
-        .min(x.sums.len());
+        .min(x.s.len());
     let blocks: &[B] = cast_slice(&row[..n * size_of::<B>()]);
     let mut sum = 0f32;
-    for (((b, q), &dx), &s) in blocks.iter().zip(x.qs.chunks_exact(32)).zip(x.d).zip(x.sums) {
+    for (((b, q), &dx), &s) in blocks.iter().zip(x.qs.chunks_exact(32)).zip(x.d).zip(x.s) {
         let (d, m, codes) = b.unpack();
         let isum: i32 = codes.iter().zip(q).map(|(&c, &q)| c as i32 * q as i32).sum();
         sum += d * dx * isum as f32;
         if m != 0.0 {
-            sum += m * (dx * s as f32);
+            sum += m * s;
         }
     }
     sum

@@ -122,6 +122,11 @@ impl KvRows {
         quant::dequantize(self.ty, bytes, out).expect("head width fixed at construction");
     }
 
+    /// The storage type ([`GgmlType::F16`] or [`GgmlType::Q8_0`]).
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
     /// Values per head.
     pub fn head_dim(&self) -> usize {
         self.head_dim

@@ -73,12 +73,7 @@ pub fn rss_bytes(pid: Option<u32>) -> u64 {
 /// Errors: the model cannot be loaded (the front sees the exit and reports it).
 pub fn run(flags: &EngineFlags) -> Result<()> {
     install_fault_hook();
-    if let Some(n) = flags.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global()
-            .context("cannot start the worker threads")?;
-    }
+    crate::backend::cpu::init_threads(flags.threads).context("cannot start the worker threads")?;
     let start = Instant::now();
     let path = crate::models::resolve(Some(&flags.model))?;
     let model = Model::load(&path).with_context(|| format!("cannot load model {}", path.display()))?;

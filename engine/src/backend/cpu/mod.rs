@@ -17,8 +17,8 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
-use crate::quant;
 use crate::quant::activations::{ActivationFormat, QuantizedActivations};
+use crate::quant::{self, GgmlType};
 use crate::runtime::kv::KvLayer;
 
 /// Rows per rayon task in a decode matmul.
@@ -29,6 +29,17 @@ const PREFILL_ROWS: usize = 16;
 const PREFILL_TOKENS: usize = 64;
 /// Tokens per attention task in prefill.
 const ATTN_TOKENS: usize = 16;
+
+/// Sizes rayon's global pool, which every CPU op runs on, to `threads` workers (at least 1); `None` keeps
+/// rayon's default (one per core, or `RAYON_NUM_THREADS`). Call once, before the first op.
+///
+/// Errors: the pool was already started, or the OS refused the threads.
+pub fn init_threads(threads: Option<usize>) -> Result<(), rayon::ThreadPoolBuildError> {
+    match threads {
+        Some(n) => rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global(),
+        None => Ok(()),
+    }
+}
 
 /// The CPU backend (no state: threads come from rayon's global pool).
 #[derive(Debug, Default, Clone, Copy)]
@@ -53,12 +64,25 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// GELU, tanh approximation (ggml's `ggml_gelu_f32`; ggml's CPU path looks it up in an f16 table, which
-/// differs by f16 rounding of the input).
+/// GELU, tanh approximation: `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`.
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+/// GELU as ggml's CPU backend computes it (`GGML_GELU_FP16`, the default): 0 below -10, the identity above 10,
+/// and between them [`gelu_tanh`] of the input rounded to f16, itself rounded to f16 (ggml looks the result up
+/// in a 65,536-entry f16 table). Matching this rounding keeps gemma3's logits within llama.cpp's.
+#[inline]
+pub fn gelu_ggml(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        round_f16(gelu_tanh(round_f16(x)))
+    }
 }
 
 impl CpuBackend {
@@ -211,9 +235,31 @@ fn rope_token(x: &mut [f32], n_head: usize, head_dim: usize, pos: u32, p: &RopeP
     }
 }
 
+/// Softmax of one row in place (ggml's `soft_max`: exponentials in f32, their sum in f64, then one multiply by
+/// the f32 reciprocal). `-inf` entries become 0.
+#[inline]
+fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f64;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    row.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// `x` rounded to the nearest f16 (round to nearest even), back in f32.
+#[inline]
+fn round_f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
 /// Per-task buffers of the attention.
 struct AttnScratch {
     scores: Vec<f32>,
+    /// The current query rounded to f16.
+    q: Vec<f32>,
     acc: Vec<f32>,
     v: Vec<f32>,
 }
@@ -288,9 +334,14 @@ impl Backend for CpuBackend {
         let subs = group / hpt;
         let shared = SharedOut(out.as_mut_ptr());
         let first_key = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        // An f16 cache rounds what meets it to f16 as well, as ggml's f16 matmuls do (the other operand is
+        // converted to the weight's `vec_dot_type`): the queries before q·k, the probabilities before ·v.
+        let f16_keys = kv.k.ty() == GgmlType::F16;
+        let f16_values = kv.v.ty() == GgmlType::F16;
         (0..tiles * p.n_head_kv * subs).into_par_iter().for_each_init(
             || AttnScratch {
                 scores: Vec::new(),
+                q: Vec::with_capacity(dk),
                 acc: Vec::new(),
                 v: vec![0.0; dv],
             },
@@ -318,19 +369,20 @@ impl Backend for CpuBackend {
                     let pos = pos as usize;
                     let first = first_key(pos);
                     for hh in 0..hpt {
-                        let qv = &q[((t0 + ti) * p.n_head + h0 + hh) * dk..][..dk];
+                        let mut qv = &q[((t0 + ti) * p.n_head + h0 + hh) * dk..][..dk];
+                        if f16_keys {
+                            s.q.clear();
+                            s.q.extend(qv.iter().map(|&x| round_f16(x)));
+                            qv = &s.q;
+                        }
                         let row = &mut s.scores[(ti * hpt + hh) * n_keys..][..n_keys];
                         for j in first..=pos {
                             row[j - lo] = p.scale * kv.k.dot(j, g, qv);
                         }
-                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let mut sum = 0.0;
-                        for x in row.iter_mut() {
-                            *x = (*x - max).exp();
-                            sum += *x;
+                        softmax_row(row);
+                        if f16_values {
+                            row.iter_mut().for_each(|x| *x = round_f16(*x));
                         }
-                        let inv = 1.0 / sum;
-                        row.iter_mut().for_each(|x| *x *= inv);
                     }
                 }
                 // Values: each cached value row is read once per task and added into every query that sees it.
@@ -360,7 +412,7 @@ impl Backend for CpuBackend {
         assert_eq!(gate.len(), up.len(), "glu: lengths");
         let f = match act {
             GluKind::SwiGlu => silu,
-            GluKind::GeGlu => gelu_tanh,
+            GluKind::GeGlu => gelu_ggml,
         };
         gate.par_chunks_mut(4096)
             .zip(up.par_chunks(4096))
@@ -369,15 +421,7 @@ impl Backend for CpuBackend {
 
     fn softmax(&self, x: &mut [f32], width: usize) {
         assert_eq!(x.len() % width, 0, "softmax: rows");
-        for row in x.chunks_mut(width) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for v in row.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            row.iter_mut().for_each(|v| *v /= sum);
-        }
+        x.chunks_mut(width).for_each(softmax_row);
     }
 
     fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing) {
