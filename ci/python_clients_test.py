@@ -1,0 +1,132 @@
+"""The official OpenAI and Anthropic Python SDKs against a live `strata serve` (started by ci/python-clients.sh).
+
+Usage: python ci/python_clients_test.py http://127.0.0.1:PORT
+Covers plain and streamed answers for both APIs, count_tokens, usage and error mapping to each SDK's exceptions.
+"""
+
+import sys
+
+import anthropic
+import openai
+
+BASE = sys.argv[1].rstrip("/")
+MODEL = "default"
+QUESTION = "What is the capital of France?"
+SYSTEM = "You are a helpful AI assistant."
+
+oa = openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0)
+an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0)
+
+
+def test_openai_chat():
+    r = oa.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=24,
+    )
+    assert "Paris" in r.choices[0].message.content, r
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0, r.usage
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_chat_stream():
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+            temperature=0,
+            max_completion_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text, text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0, chunks[-1]
+
+
+def test_openai_completions_and_models():
+    r = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, seed=1)
+    assert r.usage.completion_tokens == 4, r.usage
+    ids = [m.id for m in oa.models.list()]
+    assert ids and ids[0].startswith("SmolLM2"), ids
+
+
+def test_openai_errors():
+    try:
+        oa.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])
+        raise AssertionError("unknown model accepted")
+    except openai.NotFoundError as e:
+        assert "not served" in str(e), e
+    try:
+        oa.chat.completions.create(model=MODEL, messages=[])
+        raise AssertionError("empty messages accepted")
+    except openai.BadRequestError as e:
+        assert "empty" in str(e), e
+    try:
+        oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=0)
+        raise AssertionError("max_tokens 0 accepted")
+    except openai.BadRequestError:
+        pass
+
+
+def test_anthropic_messages():
+    m = an.messages.create(
+        model=MODEL,
+        system=SYSTEM,
+        max_tokens=24,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": QUESTION}],
+    )
+    assert "Paris" in m.content[0].text, m
+    assert m.usage.input_tokens > 0 and m.usage.output_tokens > 0, m.usage
+    count = an.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}])
+    assert count.input_tokens == m.usage.input_tokens, (count, m.usage)
+
+
+def test_anthropic_stream():
+    with an.messages.stream(
+        model=MODEL,
+        system=SYSTEM,
+        max_tokens=24,
+        extra_body={"temperature": 0},
+        stop_sequences=["Paris"],
+        messages=[{"role": "user", "content": QUESTION}],
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert "Paris" not in text, text
+    assert final.stop_reason == "stop_sequence", final
+    assert final.usage.output_tokens > 0
+
+
+def test_anthropic_errors():
+    try:
+        an.messages.create(model="claude-3", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
+        raise AssertionError("unknown model accepted")
+    except anthropic.NotFoundError as e:
+        assert "not served" in str(e), e
+    try:
+        an.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "Hi"}])
+        raise AssertionError("max_tokens 0 accepted")
+    except anthropic.BadRequestError:
+        pass
+
+
+def main():
+    tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
+    failed = 0
+    for name, f in tests:
+        try:
+            f()
+            print(f"ok   {name}")
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail the run
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}")
+    print(f"{len(tests) - failed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
