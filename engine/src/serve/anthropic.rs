@@ -214,14 +214,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         }));
         let mut pending = first;
         loop {
-            let ev = match pending.take() {
-                Some(ev) => ev,
-                None => match rx.recv().await {
-                    Some(ev) => ev,
-                    None => JobEvent::Failed { status: 503, message: "the engine dropped the request".into() },
-                },
-            };
-            match ev {
+            match api::next_job_event(&mut pending, &mut rx).await {
                 JobEvent::Text(t) => yield event("content_block_delta", json!({
                     "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": t },
                 })),

@@ -421,6 +421,18 @@ pub async fn first_event(api: Api, rx: &mut UnboundedReceiver<JobEvent>) -> Resu
     }
 }
 
+/// A stream's next job event: `pending` (the one [`first_event`] read) first, then the receiver's; a closed
+/// receiver reads as a 503 failure, so a stream never ends as if it were whole.
+pub async fn next_job_event(pending: &mut Option<JobEvent>, rx: &mut UnboundedReceiver<JobEvent>) -> JobEvent {
+    if let Some(ev) = pending.take() {
+        return ev;
+    }
+    rx.recv().await.unwrap_or_else(|| JobEvent::Failed {
+        status: 503,
+        message: "the engine dropped the request".into(),
+    })
+}
+
 /// Seconds since the Unix epoch.
 pub fn unix_now() -> u64 {
     std::time::SystemTime::now()

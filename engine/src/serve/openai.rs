@@ -250,14 +250,7 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
         }
         let mut pending = first;
         loop {
-            let ev = match pending.take() {
-                Some(ev) => ev,
-                None => match rx.recv().await {
-                    Some(ev) => ev,
-                    None => JobEvent::Failed { status: 503, message: "the engine dropped the request".into() },
-                },
-            };
-            match ev {
+            match api::next_job_event(&mut pending, &mut rx).await {
                 JobEvent::Text(t) => yield data(&chunk(Some(&t), None, false)),
                 JobEvent::Done { stop, timings } => {
                     let mut last = chunk(None, Some(stop), false);
