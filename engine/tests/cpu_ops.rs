@@ -84,6 +84,41 @@ fn matmul_matches_dequantized_reference_for_decode_and_prefill_tiles() {
 }
 
 #[test]
+fn matmul_many_equals_one_matmul_per_matrix() {
+    // q/k/v-like (three types sharing Q8_1 activations: fused in decode), gate/up-like (Q4_K, Q8_K), and a mix of
+    // activation formats (not fusable: the fallback). Every case must give matmul's results bit for bit.
+    let be = CpuBackend;
+    let cases: [&[(GgmlType, usize)]; 3] = [
+        &[(GgmlType::Q4_1, 64), (GgmlType::Q8_0, 17), (GgmlType::Q5_0, 33)],
+        &[(GgmlType::Q4_K, 40), (GgmlType::Q6_K, 40)],
+        &[(GgmlType::Q4_0, 9), (GgmlType::Q4_K, 12), (GgmlType::F16, 5)],
+    ];
+    let cols = 256;
+    for (ci, case) in cases.iter().enumerate() {
+        let mats: Vec<(Vec<u8>, usize, GgmlType)> = case
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, rows))| (quantized(ty, rows, cols, 50 + i as u64).0, rows, ty))
+            .collect();
+        let ws: Vec<QMat<'_>> = mats
+            .iter()
+            .map(|(b, rows, ty)| QMat::new(*ty, b, *rows, cols).unwrap())
+            .collect();
+        for n_tok in [1, 3] {
+            let x = values(n_tok * cols, 60 + n_tok as u64);
+            let mut got: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n_tok * w.rows]).collect();
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| o.as_mut_slice()).collect();
+            be.matmul_many(&ws, &x, n_tok, &mut outs);
+            for (i, w) in ws.iter().enumerate() {
+                let mut want = vec![0f32; n_tok * w.rows];
+                be.matmul(w, &x, n_tok, &mut want);
+                assert_eq!(got[i], want, "case {ci} matrix {i} ({}) n_tok={n_tok}", w.ty);
+            }
+        }
+    }
+}
+
+#[test]
 fn rms_norm_matches_reference() {
     let be = CpuBackend;
     let n = 48;

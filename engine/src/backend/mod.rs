@@ -200,6 +200,13 @@ pub trait Backend: Send + Sync {
     /// `out[t][r] = Σ_c W[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok][w.cols]`, `out` `[n_tok][w.rows]`.
     fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]);
 
+    /// `outs[i] = ws[i] · x` for every i, each as [`Backend::matmul`] computes it (`x` is `[n_tok][cols]` for
+    /// every matrix; `outs[i]` is `[n_tok][ws[i].rows]`). A backend may share work among matrices that read the
+    /// same activations (a layer's q/k/v, its gate/up); the default runs them one after another.
+    fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+        matmul_each(self, ws, x, n_tok, outs);
+    }
+
     /// RMSNorm of each row of width `w.len()`, in place: `x = x / sqrt(mean(x²) + eps) * w` (ggml's
     /// `rms_norm` then `mul`). `x` is `[rows][w.len()]`; per-head q/k-norm is the same call with `w` of
     /// width `head_dim`.
@@ -238,4 +245,12 @@ pub trait Backend: Send + Sync {
     /// chosen experts `e` (divided by `Σ_i weights[t,i]` when `routing.normalized`), summed in f64. `x` and
     /// `out` are `[n_tok][n_embd]`.
     fn moe_ffn(&self, ex: &Experts<'_>, x: &[f32], routing: &Routing, out: &mut [f32], scratch: &mut MoeScratch);
+}
+
+/// [`Backend::matmul_many`] as separate [`Backend::matmul`] calls (its default, and a backend's fallback).
+pub fn matmul_each<B: Backend + ?Sized>(be: &B, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
+    for (w, o) in ws.iter().zip(outs.iter_mut()) {
+        be.matmul(w, x, n_tok, o);
+    }
 }

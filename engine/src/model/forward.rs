@@ -164,9 +164,12 @@ impl Model {
             let q = sized(&mut s.q, n * nh * dk);
             let k = sized(&mut s.k, n * nkv * dk);
             let v = sized(&mut s.v, n * nkv * dv);
-            be.matmul(&self.m(&layer.wq), h, n, q);
-            be.matmul(&self.m(&layer.wk), h, n, k);
-            be.matmul(&self.m(&layer.wv), h, n, v);
+            be.matmul_many(
+                &[self.m(&layer.wq), self.m(&layer.wk), self.m(&layer.wv)],
+                h,
+                n,
+                &mut [&mut *q, &mut *k, &mut *v],
+            );
             trace("Qcur", Some(il), q);
             trace("Kcur", Some(il), k);
             trace("Vcur", Some(il), v);
@@ -213,8 +216,7 @@ impl Model {
                     let gm = self.m(gate);
                     let g = sized(&mut s.gate, n * gm.rows);
                     let u = sized(&mut s.up, n * gm.rows);
-                    be.matmul(&gm, h, n, g);
-                    be.matmul(&self.m(up), h, n, u);
+                    be.matmul_many(&[gm, self.m(up)], h, n, &mut [&mut *g, &mut *u]);
                     trace("ffn_gate", Some(il), g);
                     trace("ffn_up", Some(il), u);
                     be.glu(g, u, w.config.act);

@@ -41,6 +41,15 @@ pub fn init_threads(threads: Option<usize>) -> Result<(), rayon::ThreadPoolBuild
     }
 }
 
+thread_local! {
+    // The calling thread's activation buffer: grown to the largest matrix, then reused (no allocation per token,
+    // no lock). Matmuls never nest on one thread.
+    static ACTIVATIONS: RefCell<QuantizedActivations> = RefCell::new(QuantizedActivations::new());
+}
+
+/// Most matrices [`Backend::matmul_many`] fuses into one decode dispatch.
+const MAX_FUSED: usize = 4;
+
 /// The CPU backend (no state: threads come from rayon's global pool).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
@@ -106,11 +115,6 @@ impl CpuBackend {
     /// every (row, token) is one integer dot product, tiled as rows × tokens so a block of weight rows stays
     /// in cache while the tile's tokens pass over it. A token's result does not depend on the batch.
     fn matmul_q8(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        thread_local! {
-            // The calling thread's activation buffer: grown to the largest matrix, then reused (no allocation
-            // per token, no lock). Matmuls never nest on one thread.
-            static ACTIVATIONS: RefCell<QuantizedActivations> = RefCell::new(QuantizedActivations::new());
-        }
         ACTIVATIONS.with_borrow_mut(|qa| {
             qa.quantize(w.ty, x, w.cols).expect("matrix checked at construction");
             let qa = &*qa;
@@ -140,6 +144,38 @@ impl CpuBackend {
                         // inside `out` (t < n_tok, r < rows).
                         unsafe { *shared.ptr().add(t * rows + r) = (w.dot_q8)(w.row(r), &v) };
                     }
+                }
+            });
+        });
+    }
+
+    /// Decode through up to [`MAX_FUSED`] quantized matrices of one activation format that read the same `x`:
+    /// one quantization of `x` and one parallel pass over the rows of all of them (chunks of [`DECODE_ROWS`]
+    /// rows, a chunk never spanning two matrices), so a layer's q/k/v or gate/up cost one fork-join, not three
+    /// or two. Each row's result is the one [`Self::matmul_q8`] gives.
+    fn matmul_fused_decode(ws: &[QMat<'_>], x: &[f32], outs: &mut [&mut [f32]]) {
+        debug_assert!(ws.len() <= MAX_FUSED && ws.len() == outs.len());
+        let mut ptrs = [SharedOut(std::ptr::null_mut()); MAX_FUSED];
+        let mut first_chunk = [0usize; MAX_FUSED + 1];
+        for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+            assert_eq!(o.len(), w.rows, "matmul_many: output {i}");
+            ptrs[i] = SharedOut(o.as_mut_ptr());
+            first_chunk[i + 1] = first_chunk[i] + w.rows.div_ceil(DECODE_ROWS);
+        }
+        let total = first_chunk[ws.len()];
+        ACTIVATIONS.with_borrow_mut(|qa| {
+            qa.quantize(ws[0].ty, x, ws[0].cols)
+                .expect("matrix checked at construction");
+            let v = qa.vector(0);
+            (0..total).into_par_iter().for_each(|c| {
+                let i = (0..ws.len())
+                    .rfind(|&i| first_chunk[i] <= c)
+                    .expect("chunk 0 is matrix 0's");
+                let w = &ws[i];
+                let r0 = (c - first_chunk[i]) * DECODE_ROWS;
+                for r in r0..(r0 + DECODE_ROWS).min(w.rows) {
+                    // SAFETY: row r of matrix i belongs to chunk c alone, and r < w.rows = outs[i].len().
+                    unsafe { *ptrs[i].ptr().add(r) = (w.dot_q8)(w.row(r), &v) };
                 }
             });
         });
@@ -271,6 +307,20 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
         Self::matmul_as(w, x, n_tok, out, n_tok > 1);
+    }
+
+    fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
+        let fusable = n_tok == 1
+            && (1..=MAX_FUSED).contains(&ws.len())
+            && ws[0].act != ActivationFormat::F32
+            && ws.iter().all(|w| w.act == ws[0].act && w.cols == ws[0].cols);
+        if fusable {
+            assert_eq!(x.len(), ws[0].cols, "matmul_many: activations");
+            Self::matmul_fused_decode(ws, x, outs);
+        } else {
+            super::matmul_each(self, ws, x, n_tok, outs);
+        }
     }
 
     fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) {
