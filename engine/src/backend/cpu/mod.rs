@@ -296,6 +296,8 @@ struct AttnScratch {
     scores: Vec<f32>,
     /// The current query rounded to f16.
     q: Vec<f32>,
+    /// The task's keys in f32, `[n_keys][head_dim]` (prefill).
+    k: Vec<f32>,
     acc: Vec<f32>,
     v: Vec<f32>,
 }
@@ -392,6 +394,7 @@ impl Backend for CpuBackend {
             || AttnScratch {
                 scores: Vec::new(),
                 q: Vec::with_capacity(dk),
+                k: Vec::new(),
                 acc: Vec::new(),
                 v: vec![0.0; dv],
             },
@@ -410,6 +413,15 @@ impl Backend for CpuBackend {
                     .expect("non-empty tile");
                 let n_keys = hi + 1 - lo;
                 let n_q = toks.len() * hpt;
+                // Prefill: the task's keys converted to f32 once, then read by each of its queries (a tile's
+                // tokens times a GQA group), instead of converted again for every query.
+                let keys_f32 = n_q > 1;
+                if keys_f32 {
+                    s.k.resize(n_keys * dk, 0.0);
+                    for j in lo..=hi {
+                        kv.k.read(j, g, &mut s.k[(j - lo) * dk..][..dk]);
+                    }
+                }
                 s.scores.clear();
                 s.scores.resize(n_q * n_keys, f32::NEG_INFINITY);
                 s.acc.clear();
@@ -426,8 +438,14 @@ impl Backend for CpuBackend {
                             qv = &s.q;
                         }
                         let row = &mut s.scores[(ti * hpt + hh) * n_keys..][..n_keys];
-                        for j in first..=pos {
-                            row[j - lo] = p.scale * kv.k.dot(j, g, qv);
+                        if keys_f32 {
+                            for j in first..=pos {
+                                row[j - lo] = p.scale * kernels::dot(&s.k[(j - lo) * dk..][..dk], qv);
+                            }
+                        } else {
+                            for j in first..=pos {
+                                row[j - lo] = p.scale * kv.k.dot(j, g, qv);
+                            }
                         }
                         softmax_row(row);
                         if f16_values {
