@@ -1,0 +1,162 @@
+//! `strata generate` and `strata chat` as a user runs them: the binary, its stdout (the text) and stderr (the
+//! summary line), on the default model from the cache.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use strata_engine::models;
+
+fn strata() -> Command {
+    // Fail early, naming the fetch command, when the cache is empty.
+    models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"));
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn run(args: &[&str]) -> Output {
+    let mut c = strata();
+    c.args(args).args(["--threads", "2"]);
+    c.output().expect("strata runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `prompt P tokens = R reused + X read ...` from a summary line: (P, R, X).
+fn summary(stderr: &str) -> Vec<(usize, usize, usize)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split("prompt ").nth(1)?;
+            let nums: Vec<usize> = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .take(3)
+                .map(|s| s.parse().unwrap())
+                .collect();
+            (rest.contains("reused") && nums.len() == 3).then(|| (nums[0], nums[1], nums[2]))
+        })
+        .collect()
+}
+
+#[test]
+fn generate_chat_answers_paris_and_prints_the_summary_line() {
+    let out = run(&[
+        "generate",
+        "--chat",
+        "--system",
+        "You are a helpful AI assistant.",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+    ]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("Paris"), "stdout: {stdout}");
+    let s = summary(&stderr);
+    assert_eq!(s.len(), 1, "one summary line expected: {stderr}");
+    let (p, r, x) = s[0];
+    assert!(p > 10 && r == 0 && x == p, "{stderr}");
+    assert!(stderr.contains("generated in") && stderr.contains("tok/s"), "{stderr}");
+}
+
+#[test]
+fn the_same_seed_gives_the_same_text_and_stop_strings_cut_it() {
+    let args = [
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "24",
+        "--temp",
+        "0.9",
+        "--seed",
+        "1234",
+    ];
+    let (a, b) = (run(&args), run(&args));
+    assert!(a.status.success() && b.status.success());
+    assert_eq!(text(&a.stdout), text(&b.stdout));
+    // Greedy continuation, then the same with a stop string taken from inside it: the output ends before it.
+    let greedy = text(&run(&["generate", "--prompt", "The capital of France is", "--max-tokens", "16"]).stdout);
+    let stop = greedy.split_whitespace().nth(2).expect("a few words").to_string();
+    let cut = run(&[
+        "generate",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "16",
+        "--stop",
+        &stop,
+    ]);
+    let cut = text(&cut.stdout);
+    assert!(
+        !cut.contains(&stop),
+        "stop {stop:?} still in {cut:?} (greedy: {greedy:?})"
+    );
+    assert!(
+        greedy.starts_with(cut.trim_end()),
+        "{cut:?} is not a prefix of {greedy:?}"
+    );
+}
+
+#[test]
+fn a_prompt_over_the_context_fails_naming_both_counts() {
+    let long = "word ".repeat(200);
+    let out = run(&["generate", "--prompt", &long, "--max-context", "64"]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    // "the request needs N tokens of context but the context holds 64": both numbers, N over 64.
+    let needs: usize = stderr
+        .split("needs ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {stderr}"));
+    assert!(needs > 200 && stderr.contains("holds 64"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(out.stdout.is_empty(), "nothing generated: {}", text(&out.stdout));
+}
+
+#[test]
+fn unknown_flags_and_values_are_clear_errors() {
+    let out = run(&["generate", "--prompt", "hi", "--temperature", "1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--temperature"), "{}", text(&out.stderr));
+    let out = run(&["generate", "--prompt", "hi", "--kv", "int4"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("int4"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn chat_reuses_the_earlier_turns_from_the_kv_cache() {
+    let mut child = strata()
+        .args([
+            "chat",
+            "--threads",
+            "2",
+            "--max-tokens",
+            "12",
+            "--system",
+            "You are a helpful AI assistant.",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is the capital of France?\nAnd of Italy?\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let s = summary(&stderr);
+    assert_eq!(s.len(), 2, "two turns, two summary lines: {stderr}");
+    // The second turn's prompt starts with the whole first exchange: most of it comes from the cache.
+    let (p2, r2, x2) = s[1];
+    assert!(r2 >= s[0].0 && r2 + x2 == p2, "{s:?}");
+}
