@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::AnyBackend;
 use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, generate};
@@ -49,6 +49,24 @@ fn load(args: &EngineArgs) -> Result<Loaded> {
         tokenizer,
         template,
     })
+}
+
+/// The backend of `--device`; a CUDA device reports its start (kernels compiled or read from the cache).
+fn open_backend(args: &EngineArgs) -> Result<AnyBackend> {
+    let start = Instant::now();
+    let be = AnyBackend::open(args.device).with_context(|| format!("cannot use --device {}", args.device))?;
+    if let Some(c) = be.cuda() {
+        let k = &c.gpu().compile;
+        eprintln!(
+            "strata: {} ready in {} ms (kernels for {} {} in {:.0} ms)",
+            args.device,
+            start.elapsed().as_millis(),
+            k.arch,
+            if k.cached { "read from the cache" } else { "compiled" },
+            k.ms
+        );
+    }
+    Ok(be)
 }
 
 fn session_config(args: &EngineArgs) -> SessionConfig {
@@ -119,7 +137,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         args.prompt.clone()
     };
     let tokens = l.tokenizer.encode(&prompt_text, true, args.chat)?;
-    let mut session = Session::new(&l.model, CpuBackend, session_config(&args.engine))?;
+    let mut session = Session::new(&l.model, open_backend(&args.engine)?, session_config(&args.engine))?;
     let opts = GenerateOptions {
         max_tokens: args.engine.max_tokens,
         stop: args.engine.sampling.stop.clone(),
@@ -139,7 +157,7 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
     let Some(template) = l.template.as_ref() else {
         bail!("`strata chat` needs a chat template, and this model has none (tokenizer.chat_template)");
     };
-    let mut session = Session::new(&l.model, CpuBackend, session_config(&args))?;
+    let mut session = Session::new(&l.model, open_backend(&args)?, session_config(&args))?;
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         stop: args.sampling.stop.clone(),

@@ -16,6 +16,7 @@ use strata_engine::runtime::kv::KvType;
 use strata_engine::runtime::session;
 
 mod bench_cmd;
+mod device_cmd;
 mod generate_cmd;
 
 /// Strata: an inference engine for Mixture-of-Experts LLMs in GGUF.
@@ -58,6 +59,8 @@ enum Command {
     Worker(strata_engine::serve::EngineFlags),
     /// Prefill and decode tok/s and peak RSS on the CPU, beside llama.cpp's llama-bench on the same file.
     Bench(bench_cmd::BenchArgs),
+    /// CUDA devices: --list-devices, --selftest [--model M --max-context N], --check-kernels.
+    Device(device_cmd::DeviceArgs),
 }
 
 /// Model, cache and sampling settings shared by `generate` and `chat`.
@@ -81,6 +84,9 @@ struct EngineArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Where to compute: cpu, or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: strata_engine::backend::Device,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -351,6 +357,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(args) => strata_engine::serve::run(args)?,
         Command::Worker(flags) => strata_engine::serve::worker::run(&flags)?,
         Command::Bench(args) => bench_cmd::run(args)?,
+        Command::Device(args) => device_cmd::run(args)?,
     }
     Ok(())
 }

@@ -13,6 +13,9 @@
 //!   position `p` (see [`crate::runtime::kv`]).
 
 pub mod cpu;
+pub mod cuda;
+
+pub use cuda::select::{AnyBackend, Device};
 
 use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;

@@ -1,0 +1,376 @@
+//! One CUDA device: its context and stream, the kernels of `kernels/` compiled by NVRTC for its arch (cached on
+//! disk), and checked launches.
+//!
+//! Kernel cache: the PTX of the whole program is written to `<cache>/strata/kernels/strata-HASH-sm_XY-drvN.ptx`,
+//! where HASH is FNV-1a 64 of the sources and options, XY the compute capability and N the driver version, so a
+//! second start compiles nothing. `STRATA_KERNEL_CACHE` overrides the folder.
+//!
+//! Launch checking (seed 003): every launch's return code is checked; with `STRATA_SYNC_LAUNCHES=1` the stream is
+//! synchronised after each launch, so an asynchronous fault surfaces at the kernel that caused it. A failure
+//! writes a `fault` event naming the kernel, grid, block and call number.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::events;
+use super::loader;
+
+/// The kernel sources, in compile order: the headers, then every `.cu` file of `kernels/`.
+pub const KERNEL_SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../../kernels/common.cuh")),
+    ("quant.cuh", include_str!("../../../../kernels/quant.cuh")),
+    ("matvec.cu", include_str!("../../../../kernels/matvec.cu")),
+    ("elementwise.cu", include_str!("../../../../kernels/elementwise.cu")),
+    ("attention.cu", include_str!("../../../../kernels/attention.cu")),
+];
+
+/// Every kernel the backend launches (each must exist in the compiled module).
+pub const KERNEL_NAMES: &[&str] = &[
+    "mmv_f32",
+    "mmv_f16",
+    "mmv_bf16",
+    "mmv_q4_0",
+    "mmv_q4_1",
+    "mmv_q5_0",
+    "mmv_q5_1",
+    "mmv_q8_0",
+    "mmv_q2_k",
+    "mmv_q3_k",
+    "mmv_q4_k",
+    "mmv_q5_k",
+    "mmv_q6_k",
+    "dq_f16_f32",
+    "dq_f16_f16",
+    "dq_f16_bf16",
+    "dq_f16_q4_0",
+    "dq_f16_q4_1",
+    "dq_f16_q5_0",
+    "dq_f16_q5_1",
+    "dq_f16_q8_0",
+    "dq_f16_q2_k",
+    "dq_f16_q3_k",
+    "dq_f16_q4_k",
+    "dq_f16_q5_k",
+    "dq_f16_q6_k",
+    "f32_to_f16",
+    "gemm_f16_tiled",
+    "rms_norm",
+    "rope",
+    "scale_f32",
+    "add_f32",
+    "glu",
+    "kv_store_f16",
+    "kv_store_q8_0",
+    "gather_rows",
+    "attn_scores",
+    "attn_softmax",
+    "attn_pv",
+    "sum_splits",
+];
+
+/// Why a CUDA operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(transparent)]
+    Unavailable(#[from] loader::Unavailable),
+    #[error("CUDA {what}: {source}")]
+    Driver {
+        what: String,
+        source: cudarc::driver::DriverError,
+    },
+    #[error("NVRTC could not compile the kernels for {arch}: {log}")]
+    Compile { arch: String, log: String },
+    #[error("kernel {kernel} (grid {grid:?}, block {block:?}, launch #{call}) failed: {error}")]
+    Launch {
+        kernel: String,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        call: u64,
+        error: String,
+    },
+    #[error("no CUDA device {ordinal}: this machine has {count}")]
+    NoSuchDevice { ordinal: usize, count: usize },
+    #[error("cannot allocate {bytes} bytes on the device ({free} free): {source}")]
+    Alloc {
+        bytes: usize,
+        free: usize,
+        source: cudarc::driver::DriverError,
+    },
+}
+
+impl CudaError {
+    pub(crate) fn driver(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+        let what = what.into();
+        move |source| CudaError::Driver { what, source }
+    }
+}
+
+/// One kernel argument (every kernel takes device pointers and scalars only).
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    /// A device pointer.
+    P(u64),
+    I(i32),
+    L(i64),
+    F(f32),
+}
+
+/// How the kernels were obtained at start.
+#[derive(Debug, Clone)]
+pub struct CompileReport {
+    /// `sm_90`.
+    pub arch: String,
+    /// Read from the disk cache (no NVRTC call).
+    pub cached: bool,
+    /// NVRTC (or the cache read) plus the module load, in ms.
+    pub ms: f64,
+    pub path: PathBuf,
+}
+
+/// The folder of the kernel cache.
+pub fn kernel_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("STRATA_KERNEL_CACHE") {
+        return PathBuf::from(d);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
+    cache.join("strata").join("kernels")
+}
+
+/// The whole program NVRTC compiles: every source of [`KERNEL_SOURCES`] in order.
+pub fn program_source() -> String {
+    let mut s = String::new();
+    for (name, text) in KERNEL_SOURCES {
+        s.push_str(&format!("// ---- kernels/{name}\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}
+
+fn nvrtc_options() -> Vec<String> {
+    vec!["--std=c++17".into(), "-default-device".into()]
+}
+
+/// FNV-1a 64 of the program and options: the cache key's content part.
+fn content_hash(src: &str, opts: &[String]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in src.bytes().chain(opts.iter().flat_map(|o| o.bytes())) {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Compiles the program for `arch` (`sm_90`) with NVRTC; needs no driver.
+///
+/// Errors: NVRTC missing, or a compile error (the log names the file and line).
+pub fn compile_ptx(arch: &'static str) -> Result<String, CudaError> {
+    let src = program_source();
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        options: nvrtc_options(),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| CudaError::Compile {
+        arch: arch.to_string(),
+        log: format!("{e:?}"),
+    })?;
+    Ok(ptx.to_src())
+}
+
+/// NVRTC arch names are `&'static str`; these are the ones we compile for.
+pub fn arch_name(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (7, 0) => "sm_70",
+        (7, 5) => "sm_75",
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 7) => "sm_87",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        (m, _) if m >= 12 => "sm_120",
+        (m, _) if m >= 10 => "sm_100",
+        _ => "sm_80",
+    }
+}
+
+/// The driver's version (`13000` for 13.0).
+pub fn driver_version() -> Result<i32, CudaError> {
+    let mut v = 0;
+    // SAFETY: the driver library was loaded by `loader::load`; the call writes one int.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .map_err(CudaError::driver("cuDriverGetVersion"))?;
+    Ok(v)
+}
+
+/// NVRTC's version as (major, minor): the CUDA runtime the kernels are compiled with.
+pub fn nvrtc_version() -> Option<(i32, i32)> {
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: NVRTC was loaded by `loader`; the call writes two ints.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
+    (r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((a, b))
+}
+
+/// Number of CUDA devices.
+///
+/// Errors: no driver, or the driver fails to initialise (no device, driver/library mismatch).
+pub fn device_count() -> Result<usize, CudaError> {
+    loader::load()?;
+    cudarc::driver::result::init().map_err(CudaError::driver("cuInit"))?;
+    let n = cudarc::driver::result::device::get_count().map_err(CudaError::driver("cuDeviceGetCount"))?;
+    Ok(n as usize)
+}
+
+/// An open device with the kernels loaded.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    calls: AtomicU64,
+    sync_launches: bool,
+    pub compile: CompileReport,
+    pub ordinal: usize,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiling (or reading from the cache) and loading every kernel.
+    ///
+    /// Errors: no driver or NVRTC, no such device, a compile or module-load failure.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("context creation"))?;
+        // One stream, and buffers whose order we keep ourselves: cudarc's per-buffer events are not needed.
+        // SAFETY: every buffer of this backend is used on `stream` alone.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(CudaError::driver("compute capability"))?;
+        let arch = arch_name(major, minor);
+        let start = Instant::now();
+        let src = program_source();
+        let key = content_hash(&src, &nvrtc_options());
+        let drv = driver_version()?;
+        let dir = kernel_cache_dir();
+        let path = dir.join(format!("strata-{key:016x}-sm_{major}{minor}-drv{drv}.ptx"));
+        let (ptx, cached) = match std::fs::read_to_string(&path) {
+            Ok(p) => (p, true),
+            Err(_) => {
+                let p = compile_ptx(arch)?;
+                // A cache that cannot be written only costs the next start a compile.
+                let _ = std::fs::create_dir_all(&dir);
+                let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+                if std::fs::write(&tmp, &p).is_ok() {
+                    let _ = std::fs::rename(&tmp, &path);
+                }
+                (p, false)
+            }
+        };
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(CudaError::driver("loading the kernel module"))?;
+        let mut funcs = HashMap::new();
+        for name in KERNEL_NAMES {
+            let f = module
+                .load_function(name)
+                .map_err(CudaError::driver(format!("kernel {name}")))?;
+            funcs.insert(*name, f);
+        }
+        let compile = CompileReport {
+            arch: arch.to_string(),
+            cached,
+            ms: start.elapsed().as_secs_f64() * 1e3,
+            path,
+        };
+        Ok(Gpu {
+            ctx,
+            stream,
+            funcs,
+            calls: AtomicU64::new(0),
+            sync_launches: std::env::var_os("STRATA_SYNC_LAUNCHES").is_some_and(|v| v != "0"),
+            compile,
+            ordinal,
+        })
+    }
+
+    /// Launches `kernel` on the stream and checks the result; with `STRATA_SYNC_LAUNCHES=1` also waits for it.
+    ///
+    /// Errors: the launch or (in sync mode) the kernel failed; a `fault` event was written.
+    pub fn launch(
+        &self,
+        kernel: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<(), CudaError> {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        let f = self.funcs.get(kernel).ok_or_else(|| CudaError::Launch {
+            kernel: kernel.into(),
+            grid,
+            block,
+            call,
+            error: "no such kernel in the module".into(),
+        })?;
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(v) => b.arg(v),
+                Arg::I(v) => b.arg(v),
+                Arg::L(v) => b.arg(v),
+                Arg::F(v) => b.arg(v),
+            };
+        }
+        // SAFETY: each kernel's argument list is fixed by its caller in this backend, which passes pointers to
+        // buffers it sized for the launch.
+        let mut r = unsafe { b.launch(cfg) }.map(|_| ());
+        if r.is_ok() && self.sync_launches {
+            r = self.stream.synchronize();
+        }
+        r.map_err(|e| {
+            let error = e.to_string();
+            events::emit(
+                "fault",
+                serde_json::json!({"kernel": kernel, "grid": [grid.0, grid.1, grid.2],
+                    "block": [block.0, block.1, block.2], "call": call, "error": error,
+                    "synced": self.sync_launches}),
+                &format!("kernel {kernel} grid {grid:?} block {block:?} launch #{call}: {error}"),
+            );
+            CudaError::Launch {
+                kernel: kernel.into(),
+                grid,
+                block,
+                call,
+                error,
+            }
+        })
+    }
+
+    /// Launches so far (the number a `fault` event reports).
+    pub fn launches(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        self.ctx.mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))
+    }
+}

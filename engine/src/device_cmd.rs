@@ -1,0 +1,237 @@
+//! `strata device`: list CUDA devices, compile-check the kernels, and the device self-test with its memory plan
+//! (seed 000 shows the shape of the output).
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use strata_engine::backend::Device;
+use strata_engine::backend::cuda::loader;
+use strata_engine::backend::cuda::runtime::{self, Gpu};
+use strata_engine::backend::cuda::store::{Arena, DevBuf};
+use strata_engine::model::inspect::human_bytes;
+use strata_engine::runtime::kv::KvType;
+use strata_engine::{gguf::GgufModel, model::HParams, models};
+
+#[derive(Args)]
+pub struct DeviceArgs {
+    /// Name, compute capability, SMs, memory, driver and runtime of every CUDA device, and whether our kernels
+    /// compile for it.
+    #[arg(long)]
+    list_devices: bool,
+    /// Arena allocation test, over-allocation refused, and the memory plan against free memory.
+    #[arg(long)]
+    selftest: bool,
+    /// Compile every kernel with NVRTC for sm_90 and sm_80 (needs NVRTC only, no GPU or driver).
+    #[arg(long)]
+    check_kernels: bool,
+    /// The device of --selftest.
+    #[arg(long, default_value = "cuda:0")]
+    device: Device,
+    /// A model whose memory plan --selftest prints (`default` for the default model).
+    #[arg(long)]
+    model: Option<String>,
+    /// Context of the plan, in tokens.
+    #[arg(long, default_value_t = 4096)]
+    max_context: usize,
+    /// KV cache type of the plan.
+    #[arg(long, value_enum, default_value = "f16")]
+    kv: KvType,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn gib(b: usize) -> String {
+    format!("{:.3} GiB ({b} B)", b as f64 / GIB)
+}
+
+pub fn run(a: DeviceArgs) -> Result<()> {
+    if a.check_kernels {
+        return check_kernels();
+    }
+    if a.selftest {
+        return selftest(&a);
+    }
+    list_devices()
+}
+
+fn check_kernels() -> Result<()> {
+    let found = loader::load_nvrtc()?;
+    println!("NVRTC {} ({:?})", found.from, runtime::nvrtc_version());
+    for arch in ["sm_90", "sm_80"] {
+        let t = Instant::now();
+        runtime::compile_ptx(arch)?;
+        println!(
+            "kernels compile for {arch}: yes ({:.0} ms)",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    Ok(())
+}
+
+fn list_devices() -> Result<()> {
+    let n = match runtime::device_count() {
+        Ok(n) => n,
+        Err(e) => {
+            println!("no CUDA devices: {e}");
+            return Ok(());
+        }
+    };
+    let libs = loader::load()?;
+    let drv = runtime::driver_version()?;
+    let rt = runtime::nvrtc_version().map_or("unknown".into(), |(a, b)| format!("{a}.{b}"));
+    println!(
+        "driver {}.{} ({}), NVRTC {rt} ({})",
+        drv / 1000,
+        drv % 1000 / 10,
+        libs.driver.from,
+        libs.nvrtc.from
+    );
+    println!(
+        "cuBLAS {}",
+        libs.cublas
+            .as_ref()
+            .map_or("not found (the prefill GEMM uses our own kernel)".into(), |f| f
+                .from
+                .clone())
+    );
+    for i in 0..n {
+        let ctx = cudarc::driver::CudaContext::new(i)?;
+        let (maj, min) = ctx.compute_capability()?;
+        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let (free, total) = ctx.mem_get_info()?;
+        println!("device {i}: {}", ctx.name()?);
+        println!("  compute capability  {maj}.{min} ({})", runtime::arch_name(maj, min));
+        println!("  multiprocessors     {sms}");
+        println!("  VRAM total / free   {} / {}", gib(total), gib(free));
+        println!("  driver / runtime    {drv} / {rt}");
+        drop(ctx);
+        match Gpu::open(i) {
+            Ok(g) => println!(
+                "  our kernels         compile for {}: yes ({}, {:.0} ms)",
+                g.compile.arch,
+                if g.compile.cached {
+                    "from the cache"
+                } else {
+                    "compiled now"
+                },
+                g.compile.ms
+            ),
+            Err(e) => println!("  our kernels         cannot run: {e}"),
+        }
+    }
+    Ok(())
+}
+
+/// Bytes the plan reserves for the driver, cuBLAS's workspace and fragmentation.
+const RESERVE_BYTES: usize = 512 << 20;
+/// Arena of the allocation test.
+const ARENA_BYTES: usize = 64 << 20;
+
+fn selftest(a: &DeviceArgs) -> Result<()> {
+    let Device::Cuda(ord) = a.device else {
+        bail!("--selftest tests a CUDA device; --device cpu has nothing to test");
+    };
+    let t0 = Instant::now();
+    let gpu = Gpu::open(ord)?;
+    let start_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (free, total) = gpu.mem_info()?;
+    let (maj, min) = gpu.ctx.compute_capability()?;
+    let sms = gpu
+        .ctx
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    println!("device {ord}: {}", gpu.ctx.name()?);
+    println!("  CUDA arch           sm_{maj}{min} (kernels for {})", gpu.compile.arch);
+    println!("  multiprocessors     {sms}");
+    println!("  VRAM total / free   {} / {}", gib(total), gib(free));
+    println!(
+        "  driver / runtime    {} / {:?}",
+        runtime::driver_version()?,
+        runtime::nvrtc_version().unwrap_or((0, 0))
+    );
+    println!(
+        "  start               {start_ms:.0} ms (kernels {}, {:.0} ms)",
+        if gpu.compile.cached {
+            "from the cache"
+        } else {
+            "compiled"
+        },
+        gpu.compile.ms
+    );
+
+    // Arena: one allocation, carved by a bump pointer; asking for more than is left must be refused.
+    let mut arena = Arena::new(&gpu.stream, ARENA_BYTES)?;
+    let two = arena.alloc(1 << 20).is_some() && arena.alloc(1 << 20).is_some();
+    let used = arena.used();
+    let refused_in_arena = two && arena.alloc(arena.capacity()).is_none();
+    let over = total + (1usize << 30);
+    let refused_by_driver = DevBuf::alloc(&gpu.stream, over).is_err();
+    // The failed allocation must leave the context usable.
+    let after = DevBuf::alloc(&gpu.stream, 1 << 20).is_ok();
+    drop(arena);
+
+    if let Some(m) = &a.model {
+        plan(m, a, free)?;
+    }
+    println!(
+        "\nselftest: arena {}, used {} after two 1 MiB allocations",
+        gib(ARENA_BYTES),
+        gib(used)
+    );
+    if !(refused_in_arena && refused_by_driver && after) {
+        bail!(
+            "selftest: over-allocation of {} was not refused as required (arena {refused_in_arena}, driver {refused_by_driver}, usable after {after})",
+            gib(over)
+        );
+    }
+    println!(
+        "selftest: over-allocation refused as required ({} asked of the driver)",
+        gib(over)
+    );
+    println!("strata device selftest OK");
+    Ok(())
+}
+
+/// The memory plan of `model` at `--max-context`, against `free` bytes.
+fn plan(model: &str, a: &DeviceArgs, free: usize) -> Result<()> {
+    let path = models::resolve(Some(model))?;
+    let gguf = GgufModel::open(&path)?;
+    let hp = HParams::from_metadata(gguf.metadata())?;
+    let weights: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
+    let per_elem = match a.kv {
+        KvType::F16 => 2.0,
+        KvType::Int8 => 34.0 / 32.0,
+    };
+    let kv = (hp.kv_bytes_per_token(per_elem) * a.max_context as f64) as u64;
+    // Prefill buffers: a 512-token chunk's activations and one f16-dequantized matrix (the largest).
+    let largest = gguf
+        .tensors()
+        .iter()
+        .map(|t| t.dims.iter().product::<u64>())
+        .max()
+        .unwrap_or(0);
+    let widest = (hp.n_embd.max(hp.n_ff).max(hp.n_ff_exp * hp.n_expert_used.max(1)) as u64).max(1);
+    let prefill = 512 * widest * 4 * 6 + largest * 2 + 512 * hp.n_embd as u64 * 2;
+    let total = weights + kv + prefill + RESERVE_BYTES as u64;
+    println!(
+        "\nmemory plan  {}  --max-context {} --kv {}",
+        path.display(),
+        a.max_context,
+        a.kv
+    );
+    println!("  weights (all experts resident) {:.6} GB", weights as f64 / 1e9);
+    println!("  KV cache            {:.6} GB", kv as f64 / 1e9);
+    println!("  prefill buffers     {:.6} GB", prefill as f64 / 1e9);
+    println!("  reserve             {:.6} GB", RESERVE_BYTES as f64 / 1e9);
+    println!(
+        "  plan                {:.6} GB ({})",
+        total as f64 / 1e9,
+        human_bytes(total)
+    );
+    println!("  card free           {}", gib(free));
+    println!(
+        "  plan vs free        {}",
+        if total as usize <= free { "FITS" } else { "DOES NOT FIT" }
+    );
+    Ok(())
+}

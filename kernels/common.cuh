@@ -1,0 +1,41 @@
+// Shared device helpers of every kernel file. NVRTC compiles kernels/*.cu as one program with this header
+// first, so no system header is needed (no <cuda_fp16.h>, no <stdint.h>): f16 conversions are single PTX
+// instructions.
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define STRATA_INF __int_as_float(0x7f800000)
+
+// f16 bits -> f32 (exact).
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+// f32 -> f16 bits, round to nearest even (what half::f16::from_f32 and ggml's conversion do).
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float round_f16(float f) { return h2f(f2h(f)); }
+__device__ __forceinline__ float bf2f(u16 b) { return __int_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
+__device__ __forceinline__ u32 ld32(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}

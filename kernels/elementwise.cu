@@ -1,0 +1,108 @@
+// Element-wise and per-row ops. Each mirrors the CPU backend's function named beside it
+// (engine/src/backend/cpu/mod.rs), including its summation precision.
+
+// RMSNorm (cpu: rms_norm_row): the mean of squares in f64, x * scale * w. One block of 256 per row.
+extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ w, int n, float eps) {
+    __shared__ double part[8];
+    float* row = x + (long long)blockIdx.x * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)row[i] * (double)row[i];
+    ss = warp_sum_d(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        double s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0;
+        s = warp_sum_d(s);
+        if (threadIdx.x == 0) part[0] = s;
+    }
+    __syncthreads();
+    float scale = 1.0f / sqrtf((float)(part[0] / n) + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = row[i] * scale * w[i];
+}
+
+// RoPE (cpu: rope_token): theta = pos * theta_scale^i by repeated multiplication, as ggml's rope cache.
+// One thread per (token, head, rotated pair). neox: pairs (i, i + n_rot/2), else (2i, 2i+1).
+extern "C" __global__ void rope(float* __restrict__ x, const unsigned int* __restrict__ pos, int n_tok, int n_head,
+                                int head_dim, int n_rot, float theta_scale, float freq_scale, int neox) {
+    int half = n_rot / 2;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_tok * n_head * half) return;
+    int p = (int)(i % half), h = (int)((i / half) % n_head), t = (int)(i / ((long long)half * n_head));
+    float theta = (float)pos[t];
+    for (int k = 0; k < p; ++k) theta *= theta_scale;
+    float a = freq_scale * theta;
+    float cs = cosf(a), sn = sinf(a);
+    float* v = x + ((long long)t * n_head + h) * head_dim;
+    int i0 = neox ? p : 2 * p, i1 = neox ? p + half : 2 * p + 1;
+    float x0 = v[i0], x1 = v[i1];
+    v[i0] = x0 * cs - x1 * sn;
+    v[i1] = x0 * sn + x1 * cs;
+}
+
+extern "C" __global__ void scale_f32(float* __restrict__ x, float s, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
+extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// gate = act(gate) * up. act 0: silu (cpu: silu); 1: ggml's f16 GELU (cpu: gelu_ggml).
+extern "C" __global__ void glu(float* __restrict__ g, const float* __restrict__ u, long long n, int act) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = g[i], a;
+    if (act == 0) {
+        a = x / (1.0f + expf(-x));
+    } else if (x <= -10.0f) {
+        a = 0.0f;
+    } else if (x >= 10.0f) {
+        a = x;
+    } else {
+        float r = round_f16(x);
+        a = round_f16(0.5f * r * (1.0f + tanhf(0.7978846f * r * (1.0f + 0.044715f * r * r))));
+    }
+    g[i] = a * u[i];
+}
+
+// Writes n_tok rows of `width` values into cache cells pos[t] as f16 (row_bytes = 2 * width).
+extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u8* __restrict__ dst,
+                                        const unsigned int* __restrict__ pos, int n_tok, int width,
+                                        long long row_bytes) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_tok * width) return;
+    int t = (int)(i / width), c = (int)(i % width);
+    u16* row = (u16*)(dst + (long long)pos[t] * row_bytes);
+    row[c] = f2h(src[i]);
+}
+
+// The same as Q8_0 blocks (ggml's quantize_row_q8_0_ref): d = amax / 127, q = round(x / d). One thread per
+// block of 32 values.
+extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u8* __restrict__ dst,
+                                         const unsigned int* __restrict__ pos, int n_tok, int width,
+                                         long long row_bytes) {
+    int nb = width / 32;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_tok * nb) return;
+    int t = (int)(i / nb), b = (int)(i % nb);
+    const float* x = src + (long long)t * width + 32 * b;
+    float amax = 0.f;
+    for (int l = 0; l < 32; ++l) amax = fmaxf(amax, fabsf(x[l]));
+    float d = amax / 127.0f, id = d != 0.f ? 1.0f / d : 0.f;
+    u8* blk = dst + (long long)pos[t] * row_bytes + 34 * b;
+    u16 dh = f2h(d);
+    blk[0] = (u8)(dh & 0xFF);
+    blk[1] = (u8)(dh >> 8);
+    for (int l = 0; l < 32; ++l) blk[2 + l] = (u8)(i8)roundf(x[l] * id);
+}
+
+// Gathers rows: out[i] = x[idx[i]], rows of `width` floats (MoE dispatch: tokens grouped by expert).
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsigned int* __restrict__ idx,
+                                       float* __restrict__ out, int n, int width) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * width) return;
+    int r = (int)(i / width), c = (int)(i % width);
+    out[i] = x[(long long)idx[r] * width + c];
+}
