@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::model::{Logits, Model, Scratch};
+use crate::runtime::fault::{FaultPlan, GemmFault};
 use crate::runtime::kv::{KvCache, KvError, KvType};
 
 /// Default `--max-context`, in tokens (capped by the model's training context).
@@ -51,6 +52,10 @@ pub enum SessionError {
     BadToken { id: u32, vocab: usize },
     #[error(transparent)]
     Kv(#[from] KvError),
+    /// A prefill GEMM failed (injected by `STRATA_FAULT`) and the GEMM fallback is off: the original engine
+    /// died here, so the worker treats it as fatal.
+    #[error("prefill gemm failed: {0}")]
+    GemmFault(GemmFault),
 }
 
 /// Session settings.
@@ -82,6 +87,9 @@ pub struct PrefillStats {
     /// Tokens computed.
     pub read: usize,
     pub ms: f64,
+    /// Set on the one prefill whose GEMM failed and switched the session to its own kernel path for good
+    /// (batches of at most `limit` rows): the caller reports it once, as a `fallback` event.
+    pub gemm_fallback: Option<GemmFault>,
 }
 
 /// One sequence over a model.
@@ -94,6 +102,9 @@ pub struct Session<'m, B: Backend> {
     tokens: Vec<u32>,
     chunk: usize,
     vocab: usize,
+    faults: FaultPlan,
+    /// Whether a failed library GEMM falls back to our own kernel path (`--gemm-fallback`).
+    gemm_fallback: bool,
 }
 
 impl<'m, B: Backend> Session<'m, B> {
@@ -111,7 +122,39 @@ impl<'m, B: Backend> Session<'m, B> {
             tokens: Vec::new(),
             chunk: config.prefill_chunk.unwrap_or(AUTO_PREFILL_CHUNK).max(1),
             vocab: model.weights.output.rows,
+            faults: FaultPlan::default(),
+            gemm_fallback: true,
         })
+    }
+
+    /// Sets the injected faults and whether a failed prefill GEMM falls back to our own kernel path (the
+    /// default: no faults, fallback on).
+    pub fn set_fault_policy(&mut self, faults: FaultPlan, gemm_fallback: bool) {
+        self.faults = faults;
+        self.gemm_fallback = gemm_fallback;
+    }
+
+    /// Rows of the next prefill batch out of `remaining` tokens. A batch whose library GEMM fails either
+    /// switches the session to batches of at most the failing limit (fallback on; the switch is returned once)
+    /// or is an error (fallback off).
+    fn next_batch_rows(&mut self, remaining: usize) -> Result<(usize, Option<GemmFault>), SessionError> {
+        let rows = remaining.min(self.chunk);
+        if !self.faults.prefill_gemm_fails(rows) {
+            return Ok((rows, None));
+        }
+        let limit = self.faults.prefill_gemm_max_rows.unwrap_or(1);
+        let n_embd = self.model.hp.n_embd as usize;
+        let fault = GemmFault {
+            m: rows,
+            k: n_embd,
+            n: (self.model.hp.n_head * self.model.hp.head_dim) as usize,
+            limit,
+        };
+        if !self.gemm_fallback {
+            return Err(SessionError::GemmFault(fault));
+        }
+        self.chunk = self.chunk.min(limit);
+        Ok((remaining.min(self.chunk), Some(fault)))
     }
 
     pub fn model(&self) -> &'m Model {
@@ -166,9 +209,14 @@ impl<'m, B: Backend> Session<'m, B> {
         let reused = common.min(prompt.len() - 1);
         self.tokens.truncate(reused);
         let rest = &prompt[reused..];
-        let chunks = rest.len().div_ceil(self.chunk);
-        for (i, chunk) in rest.chunks(self.chunk).enumerate() {
-            let want = if i + 1 == chunks { Logits::Last } else { Logits::None };
+        let mut gemm_fallback = None;
+        let mut done = 0;
+        while done < rest.len() {
+            let (rows, switched) = self.next_batch_rows(rest.len() - done)?;
+            gemm_fallback = gemm_fallback.or(switched);
+            let chunk = &rest[done..done + rows];
+            done += rows;
+            let want = if done == rest.len() { Logits::Last } else { Logits::None };
             self.model.forward(
                 &self.backend,
                 chunk,
@@ -184,6 +232,7 @@ impl<'m, B: Backend> Session<'m, B> {
             reused,
             read: rest.len(),
             ms: start.elapsed().as_secs_f64() * 1e3,
+            gemm_fallback,
         })
     }
 

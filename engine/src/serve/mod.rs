@@ -59,6 +59,28 @@ pub struct EngineFlags {
     /// Engine threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// When a library prefill GEMM fails, switch to our own kernel path (prefill batches no larger than the
+    /// failing limit) and keep serving (`on`, as llama.cpp users expect), or let the worker die (`off`, the
+    /// original Strata's behaviour; the front answers 503 and restarts it).
+    #[arg(long, value_enum, default_value = "on")]
+    pub gemm_fallback: OnOff,
+    /// Append the worker's structured events (JSON lines, DESIGN.md section 3) to this file.
+    #[arg(long)]
+    pub events: Option<std::path::PathBuf>,
+}
+
+/// A two-state switch spelled `on` or `off` on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+impl OnOff {
+    /// `true` for `on`.
+    pub fn is_on(self) -> bool {
+        self == OnOff::On
+    }
 }
 
 /// A `--prefill` value: tokens per prefill chunk, `None` for `auto`.
@@ -87,6 +109,13 @@ impl EngineFlags {
         ];
         if let Some(t) = self.threads {
             a.extend(["--threads".into(), t.to_string()]);
+        }
+        a.extend([
+            "--gemm-fallback".into(),
+            if self.gemm_fallback.is_on() { "on" } else { "off" }.into(),
+        ]);
+        if let Some(p) = &self.events {
+            a.extend(["--events".into(), p.display().to_string()]);
         }
         a
     }
@@ -160,6 +189,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .or_else(|| std::env::var(ENV_API_KEY).ok())
         .filter(|k| !k.is_empty());
     let addr = bind_address(&args.host, args.port, api_key.is_some(), args.insecure_public)?;
+    // A malformed fault switch is an error now, not a worker that dies at every start.
+    crate::runtime::fault::FaultPlan::from_env()?;
     let path = crate::models::resolve(Some(&args.engine.model))?;
     let model = ModelInfo::open(&path, args.engine.max_context)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -13,19 +13,29 @@ use super::EngineFlags;
 use super::protocol::{Command, Event, Finish, GenerateJob, Message, Timings};
 use crate::backend::cpu::CpuBackend;
 use crate::model::Model;
-use crate::runtime::generate::{GenerateOptions, generate_cancellable};
+use crate::runtime::fault::{FaultPlan, OP_PREFILL_GEMM};
+use crate::runtime::generate::{GenerateError, GenerateOptions, generate_cancellable};
 use crate::runtime::sampling::{Sampler, SamplingParams};
-use crate::runtime::session::{Session, SessionConfig};
+use crate::runtime::session::{Session, SessionConfig, SessionError};
 use crate::tokenizer::Tokenizer;
 
 /// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
 /// so the failure contract can be tested on the CPU).
 pub const ENV_FAULT_AFTER_TOKENS: &str = "STRATA_WORKER_FAULT_AFTER_TOKENS";
 
-/// Writes one protocol message as a line on stdout. A closed stdout means the front is gone: the worker exits.
+/// The `--events` file, opened once at start; events are rare (per request), so a mutex is fine here.
+static EVENTS_FILE: OnceLock<Mutex<std::fs::File>> = OnceLock::new();
+
+/// Writes one protocol message as a line on stdout (events also to the `--events` file). A closed stdout means
+/// the front is gone: the worker exits.
 pub fn send(msg: &Message) {
     // One allocation per message; per token this is noise next to a forward pass.
     let line = serde_json::to_string(msg).expect("protocol messages serialize");
+    if let (Message::Event(e), Some(file)) = (msg, EVENTS_FILE.get())
+        && let Ok(mut f) = file.lock()
+    {
+        let _ = serde_json::to_writer(&mut *f, e).map(|_| writeln!(f));
+    }
     let mut out = std::io::stdout().lock();
     if writeln!(out, "{line}").and_then(|_| out.flush()).is_err() {
         std::process::exit(0);
@@ -73,6 +83,15 @@ pub fn rss_bytes(pid: Option<u32>) -> u64 {
 /// Errors: the model cannot be loaded (the front sees the exit and reports it).
 pub fn run(flags: &EngineFlags) -> Result<()> {
     install_fault_hook();
+    let faults = FaultPlan::from_env()?;
+    if let Some(path) = &flags.events {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot open the events file {}", path.display()))?;
+        let _ = EVENTS_FILE.set(Mutex::new(file));
+    }
     crate::backend::cpu::init_threads(flags.threads).context("cannot start the worker threads")?;
     let start = Instant::now();
     let path = crate::models::resolve(Some(&flags.model))?;
@@ -85,6 +104,7 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
         prefill_chunk: flags.prefill.0,
     };
     let mut session = Session::new(&model, CpuBackend, config)?;
+    session.set_fault_policy(faults, flags.gemm_fallback.is_on());
     let load_ms = start.elapsed().as_secs_f64() * 1e3;
     eprintln!(
         "strata serve: worker {} loaded {} ({}, {} layers) in {load_ms:.0} ms",
@@ -197,6 +217,20 @@ fn run_job(
     );
     match result {
         Ok((_, stats)) => {
+            if let Some(f) = stats.prefill.gemm_fallback {
+                eprintln!(
+                    "strata serve: {f}; falling back to our own prefill kernel in batches of at most {} rows \
+                     for the rest of this session",
+                    f.limit
+                );
+                send(&Message::Event(Event::now(
+                    "fallback",
+                    serde_json::json!({
+                        "op": OP_PREFILL_GEMM, "m": f.m, "n": f.n, "k": f.k, "max_rows": f.limit,
+                        "error": f.to_string(), "to": "strata_prefill_chunked",
+                    }),
+                )));
+            }
             eprintln!("strata serve: {}", stats.summary());
             let timings = Timings {
                 prompt_n: stats.prefill.read,
@@ -223,6 +257,19 @@ fn run_job(
                 stop,
                 timings,
             });
+        }
+        Err(GenerateError::Session(SessionError::GemmFault(f))) => {
+            // The original engine died here (seed 000); with --gemm-fallback off so does the worker, after saying
+            // which operation and shape failed.
+            eprintln!("strata serve: prefill gemm: {f}");
+            send(&Message::Event(Event::now(
+                "fault",
+                serde_json::json!({
+                    "op": OP_PREFILL_GEMM, "m": f.m, "n": f.n, "k": f.k, "error": f.to_string(),
+                    "request": job.id,
+                }),
+            )));
+            std::process::exit(1);
         }
         Err(e) => {
             // The cache may hold a half-written prompt; start the next request from scratch.

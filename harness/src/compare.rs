@@ -1,0 +1,162 @@
+//! `strata-harness compare OLD NEW`: per-metric ratios between two reports of the same scenario, with a noise
+//! threshold taken from the repetition spread; regressions are listed first.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::report::{Report, Stat};
+
+/// Smallest noise threshold, as a fraction (5 %), for runs without repetitions.
+pub const MIN_NOISE: f64 = 0.05;
+
+/// One metric of one row in both reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delta {
+    /// `arm / case / tokens / metric`.
+    pub key: String,
+    pub old: f64,
+    pub new: f64,
+    /// new / old.
+    pub ratio: f64,
+    /// The noise threshold for this metric, as a fraction.
+    pub threshold: f64,
+}
+
+impl Delta {
+    /// A slowdown beyond the threshold (every metric compared is a rate: higher is better).
+    pub fn is_regression(&self) -> bool {
+        self.ratio < 1.0 - self.threshold
+    }
+    /// A speed-up beyond the threshold.
+    pub fn is_improvement(&self) -> bool {
+        self.ratio > 1.0 + self.threshold
+    }
+}
+
+fn rows(r: &Report) -> BTreeMap<String, Stat> {
+    let mut m = BTreeMap::new();
+    for a in &r.arms {
+        for row in &a.rows {
+            let tok = row.tokens_requested.map_or(String::new(), |n| format!(" / {n} tokens"));
+            for (metric, st) in [("prefill tok/s", row.prefill_tok_s), ("decode tok/s", row.decode_tok_s)] {
+                if let Some(st) = st {
+                    m.insert(format!("{} / {}{tok} / {metric}", a.name, row.case), st);
+                }
+            }
+        }
+    }
+    m
+}
+
+/// The metrics both reports have, regressions first (worst first), then the rest by key.
+pub fn compare(old: &Report, new: &Report) -> Vec<Delta> {
+    let (o, n) = (rows(old), rows(new));
+    let mut out: Vec<Delta> = o
+        .iter()
+        .filter_map(|(k, a)| {
+            let b = n.get(k)?;
+            (a.median > 0.0).then(|| Delta {
+                key: k.clone(),
+                old: a.median,
+                new: b.median,
+                ratio: b.median / a.median,
+                threshold: a.spread().max(b.spread()).max(MIN_NOISE),
+            })
+        })
+        .collect();
+    out.sort_by(|x, y| {
+        y.is_regression()
+            .cmp(&x.is_regression())
+            .then(if x.is_regression() {
+                x.ratio.total_cmp(&y.ratio)
+            } else {
+                std::cmp::Ordering::Equal
+            })
+            .then(x.key.cmp(&y.key))
+    });
+    out
+}
+
+/// The comparison as a Markdown table, with a one-line summary first.
+pub fn render(old: &Report, new: &Report, deltas: &[Delta]) -> String {
+    let regressions = deltas.iter().filter(|d| d.is_regression()).count();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{}: {} regression(s) beyond the noise threshold among {} metrics ({} `{}` -> {} `{}`)\n",
+        new.scenario,
+        regressions,
+        deltas.len(),
+        old.started_utc,
+        &old.environment.git_rev[..old.environment.git_rev.len().min(10)],
+        new.started_utc,
+        &new.environment.git_rev[..new.environment.git_rev.len().min(10)],
+    );
+    let _ = writeln!(
+        s,
+        "| metric | old | new | new/old | noise | |\n|---|---:|---:|---:|---:|---|"
+    );
+    for d in deltas {
+        let tag = if d.is_regression() {
+            "**REGRESSION**"
+        } else if d.is_improvement() {
+            "faster"
+        } else {
+            "within noise"
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} | {:.1} | {:.3} | ±{:.1} % | {tag} |",
+            d.key,
+            d.old,
+            d.new,
+            d.ratio,
+            d.threshold * 100.0
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{ArmReport, CaseRow, Environment, Verdict};
+
+    fn report(prefill: [f64; 3]) -> Report {
+        Report {
+            schema_version: 1,
+            scenario: "t".into(),
+            scenario_file: String::new(),
+            description: String::new(),
+            command: String::new(),
+            started_utc: String::new(),
+            duration_s: 0.0,
+            quick: false,
+            environment: Environment::default(),
+            verdict: Verdict::default(),
+            arms: vec![ArmReport {
+                name: "a".into(),
+                rows: vec![CaseRow {
+                    case: "c".into(),
+                    tokens_requested: Some(64),
+                    prefill_tok_s: Stat::of(&prefill),
+                    ..CaseRow::default()
+                }],
+                ..ArmReport::default()
+            }],
+        }
+    }
+
+    #[test]
+    fn regression_beyond_spread_is_flagged() {
+        let old = report([100.0, 98.0, 102.0]);
+        let deltas = compare(&old, &report([80.0, 79.0, 81.0]));
+        assert_eq!(deltas.len(), 1);
+        assert!(deltas[0].is_regression(), "{deltas:?}");
+        assert!((deltas[0].ratio - 0.8).abs() < 1e-9);
+        // A wide spread hides a 10 % drop.
+        let noisy = report([100.0, 70.0, 130.0]);
+        assert!(!compare(&noisy, &report([90.0, 89.0, 91.0]))[0].is_regression());
+        assert!(render(&old, &old, &compare(&old, &old)).contains("0 regression(s)"));
+    }
+}

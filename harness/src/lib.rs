@@ -1,0 +1,272 @@
+//! `strata-harness`: replays hardware bug reports as scenarios against `strata serve` and writes reproducible,
+//! comparable, bisectable reports (DESIGN.md sections 1 and 3).
+//!
+//! - [`scenario`]: the YAML schema, parsing with line-accurate errors, validation, the JSON Schema.
+//! - [`server`]: finding or building `strata`, starting and stopping `strata serve`, its HTTP API.
+//! - [`prompt`]: prompts of an exact token count with unique prefixes.
+//! - [`runner`]: the matrix, cases, sweeps, boundary search, expectations.
+//! - [`capture`]: memory sampling and the worker's events.
+//! - [`report`], [`plot`]: report.json, report.md, PNG and SVG plots. [`compare`] and [`bisect`]: the other
+//!   commands.
+
+pub mod bisect;
+pub mod capture;
+pub mod compare;
+pub mod plot;
+pub mod prompt;
+pub mod report;
+pub mod runner;
+pub mod scenario;
+pub mod server;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use report::{Environment, Report, Verdict};
+
+/// Exit code: every expectation met.
+pub const EXIT_PASS: i32 = 0;
+/// Exit code: some expectation failed.
+pub const EXIT_FAIL: i32 = 1;
+/// Exit code: the scenario (or another input) is wrong.
+pub const EXIT_SCENARIO: i32 = 2;
+/// Exit code: the engine could not be built or started at all (git bisect's "skip").
+pub const EXIT_ENGINE: i32 = 125;
+
+/// What `run` needs beyond the scenario file.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Overrides the scenario's device.
+    pub device: Option<String>,
+    /// Parent folder of report folders (`reports/`).
+    pub out: PathBuf,
+    /// The `strata` binary (default: beside this one, built when missing).
+    pub strata: Option<PathBuf>,
+    /// Use the scenario's `quick` settings.
+    pub quick: bool,
+    /// The engine's source tree, for the git fingerprint (default: the current folder).
+    pub source: Option<PathBuf>,
+    /// Only these combinations (by name), all when empty.
+    pub only_arms: Vec<String>,
+    /// The command line to record.
+    pub command: String,
+}
+
+/// A finished run: its exit code, report folder and report.
+pub struct RunOutcome {
+    pub exit_code: i32,
+    pub folder: Option<PathBuf>,
+    pub report: Option<Report>,
+    /// One line for the terminal.
+    pub summary: String,
+}
+
+fn git(dir: &Path, args: &[&str]) -> Option<String> {
+    let out = Command::new("git").current_dir(dir).args(args).output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The environment fingerprint: git revision and dirty flag of `source`, build profile of `strata`, host.
+pub fn fingerprint(source: &Path, strata: &Path, device: &str) -> Environment {
+    let mut sys = sysinfo::System::new();
+    sys.refresh_memory();
+    sys.refresh_cpu_all();
+    let cpu = sys
+        .cpus()
+        .first()
+        .map(|c| c.brand().trim().to_string())
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let profile = if strata.components().any(|c| c.as_os_str() == "release") {
+        "release"
+    } else if strata.components().any(|c| c.as_os_str() == "debug") {
+        "dev"
+    } else {
+        "unknown"
+    };
+    Environment {
+        git_rev: git(source, &["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into()),
+        git_dirty: git(source, &["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty()),
+        build_profile: profile.into(),
+        strata_binary: strata.display().to_string(),
+        cpu,
+        cpu_cores: sys.cpus().len(),
+        ram_bytes: sys.total_memory(),
+        os: sysinfo::System::long_os_version().unwrap_or_else(|| std::env::consts::OS.into()),
+        device: device.into(),
+        driver: if device == "cpu" {
+            "none (CPU)".into()
+        } else {
+            "unknown".into()
+        },
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A new report folder `<out>/<UTC date>-<scenario>-<rev>` (`-2`, `-3`... when taken).
+///
+/// Errors: it cannot be created.
+pub fn report_folder(out: &Path, scenario: &str, rev: &str) -> std::io::Result<PathBuf> {
+    let date = &report::utc_timestamp(now_secs())[..10];
+    let short = &rev[..rev.len().min(8)];
+    let base = out.join(format!("{date}-{scenario}-{short}"));
+    let mut dir = base.clone();
+    let mut n = 2;
+    while dir.exists() {
+        dir = PathBuf::from(format!("{}-{n}", base.display()));
+        n += 1;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Runs a scenario file end to end and writes its report folder.
+pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
+    let fail = |code: i32, summary: String| RunOutcome {
+        exit_code: code,
+        folder: None,
+        report: None,
+        summary,
+    };
+    let s = match scenario::load(scenario_file) {
+        Ok(s) => s,
+        Err(e) => return fail(EXIT_SCENARIO, format!("scenario error: {e}")),
+    };
+    let device = opts.device.clone().unwrap_or_else(|| s.device.clone());
+    if let Err(why) = runner::device_available(&device) {
+        return fail(EXIT_ENGINE, format!("cannot run on this machine: {why}"));
+    }
+    if opts.quick && s.quick.is_none() {
+        return fail(
+            EXIT_SCENARIO,
+            format!("{}: --quick needs a `quick:` section", scenario_file.display()),
+        );
+    }
+    let strata = match server::strata_binary(opts.strata.as_deref()) {
+        Ok(p) => p,
+        Err(e) => return fail(EXIT_ENGINE, format!("the engine could not be built: {e:#}")),
+    };
+    let model_path = match runner::model_path(&s.model) {
+        Ok(p) => p,
+        Err(e) => return fail(EXIT_ENGINE, format!("the model is not available: {e:#}")),
+    };
+    let mut prompts = match prompt::PromptBuilder::open(&model_path) {
+        Ok(p) => p,
+        Err(e) => return fail(EXIT_SCENARIO, format!("cannot build prompts for this model: {e:#}")),
+    };
+    let source = opts.source.clone().unwrap_or_else(|| PathBuf::from("."));
+    let environment = fingerprint(&source, &strata, &device);
+    let folder = match report_folder(&opts.out, &s.name, &environment.git_rev) {
+        Ok(f) => f,
+        Err(e) => {
+            return fail(
+                EXIT_SCENARIO,
+                format!("cannot create a report folder in {}: {e}", opts.out.display()),
+            );
+        }
+    };
+    let settings = runner::RunSettings {
+        strata,
+        model_path,
+        quick: opts.quick,
+        out_dir: folder.clone(),
+        progress: std::io::stderr().is_terminal(),
+    };
+    let started = now_secs();
+    let epoch = Instant::now();
+    let mut arms = Vec::new();
+    for combo in runner::combos(&s) {
+        if !opts.only_arms.is_empty() && !opts.only_arms.contains(&combo.name) {
+            continue;
+        }
+        eprintln!("strata-harness: {}: arm {}", s.name, combo.name);
+        match runner::run_combo(&s, &combo, &settings, &mut prompts, epoch) {
+            Ok(a) => arms.push(a),
+            Err(e) => {
+                return RunOutcome {
+                    exit_code: EXIT_FAIL,
+                    folder: Some(folder),
+                    report: None,
+                    summary: format!("arm {} stopped: {e:#}", combo.name),
+                };
+            }
+        }
+    }
+    let mut report = Report {
+        schema_version: report::REPORT_SCHEMA_VERSION,
+        scenario: s.name.clone(),
+        scenario_file: scenario_file.display().to_string(),
+        description: s.description.clone(),
+        command: opts.command.clone(),
+        started_utc: report::utc_timestamp(started),
+        duration_s: epoch.elapsed().as_secs_f64(),
+        quick: opts.quick,
+        environment,
+        verdict: Verdict::default(),
+        arms,
+    };
+    report.settle_verdict();
+    let plots = plot::write_all(&folder, &report).unwrap_or_else(|e| {
+        eprintln!("strata-harness: plots not drawn: {e:#}");
+        Vec::new()
+    });
+    let md = report::markdown(&report, &plots);
+    let written = std::fs::write(folder.join("report.md"), md)
+        .map_err(anyhow::Error::from)
+        .and_then(|_| report::write_json(&report, &folder.join("report.json")));
+    if let Err(e) = written {
+        return fail(
+            EXIT_SCENARIO,
+            format!("cannot write the report into {}: {e:#}", folder.display()),
+        );
+    }
+    let all_dead = !report.arms.is_empty() && report.arms.iter().all(|a| a.error.is_some());
+    let code = if all_dead {
+        EXIT_ENGINE
+    } else if report.verdict.passed {
+        EXIT_PASS
+    } else {
+        EXIT_FAIL
+    };
+    let boundaries: Vec<String> = report
+        .arms
+        .iter()
+        .flat_map(|a| {
+            a.boundaries.iter().map(move |b| {
+                format!(
+                    "{}: boundary {}",
+                    a.name,
+                    b.first_failing.map_or("none".into(), |n| n.to_string())
+                )
+            })
+        })
+        .collect();
+    let summary = format!(
+        "{}: {} ({} of {} expectations failed){}; report {}",
+        s.name,
+        if report.verdict.passed { "PASS" } else { "FAIL" },
+        report.verdict.failed,
+        report.verdict.checked,
+        if boundaries.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", boundaries.join("; "))
+        },
+        folder.join("report.md").display()
+    );
+    RunOutcome {
+        exit_code: code,
+        folder: Some(folder),
+        report: Some(report),
+        summary,
+    }
+}

@@ -1,0 +1,113 @@
+//! Exact-token prompts: text that the model's tokenizer encodes to exactly N tokens, starting with a token unique
+//! to the request, so the server's prefix reuse cannot keep any cell of an earlier prompt and every token is
+//! computed (seed 000: "independent prompts with different prefixes").
+//!
+//! The text is built with the engine's own tokenizer read from the model file (the same code the server runs);
+//! the server's own count (`usage.prompt_tokens`) is recorded for each request and checked against N.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use strata_engine::gguf::GgufFile;
+use strata_engine::tokenizer::Tokenizer;
+
+/// Filler words; each is one token in common BPE vocabularies, but nothing relies on it: counts are checked.
+const FILLER: &[&str] = &[
+    " the", " river", " runs", " past", " old", " stone", " walls", " and", " green", " fields", " under", " a",
+    " quiet", " sky", " while", " birds", " sing", " in", " tall", " trees",
+];
+
+/// Builds exact-token prompts for one model.
+pub struct PromptBuilder {
+    tokenizer: Tokenizer,
+    /// Single-token words usable as unique first tokens, in vocabulary order.
+    prefixes: Vec<String>,
+    next_prefix: usize,
+}
+
+impl PromptBuilder {
+    /// Reads the tokenizer of the model at `path`.
+    ///
+    /// Errors: the file is not a GGUF model with a tokenizer; the vocabulary has too few plain words.
+    pub fn open(path: &Path) -> Result<PromptBuilder> {
+        let gguf = GgufFile::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let tokenizer = Tokenizer::from_metadata(gguf.metadata())
+            .with_context(|| format!("{}: cannot build its tokenizer", path.display()))?;
+        let bos = usize::from(tokenizer.add_bos());
+        let mut prefixes = Vec::new();
+        for id in 0..tokenizer.vocab_size() as u32 {
+            let Ok(piece) = tokenizer.decode(&[id]) else { continue };
+            let word = piece.trim();
+            // A capitalised plain word of 4+ letters, one token on its own at the start of a prompt.
+            if word.len() < 4
+                || !word.starts_with(|c: char| c.is_ascii_uppercase())
+                || !word.chars().all(|c| c.is_ascii_alphabetic())
+            {
+                continue;
+            }
+            let text = word.to_string();
+            if tokenizer
+                .encode(&text, true, false)
+                .is_ok_and(|ids| ids.len() == 1 + bos)
+            {
+                prefixes.push(text);
+            }
+        }
+        if prefixes.len() < 64 {
+            bail!(
+                "{}: the vocabulary has only {} plain single-token words to use as unique prompt prefixes",
+                path.display(),
+                prefixes.len()
+            );
+        }
+        Ok(PromptBuilder {
+            tokenizer,
+            prefixes,
+            next_prefix: 0,
+        })
+    }
+
+    /// The tokenizer in use.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Token count of `text` as a completion prompt (BOS included where the model adds one).
+    ///
+    /// Errors: the tokenizer refused the text.
+    pub fn count(&self, text: &str) -> Result<usize> {
+        Ok(self.tokenizer.encode(text, true, false)?.len())
+    }
+
+    /// A prompt of exactly `n` tokens whose first word differs from every earlier prompt of this builder.
+    ///
+    /// Errors: `n` is smaller than the prefix (BOS + one word), or no filler reaches exactly `n`.
+    pub fn exact(&mut self, n: usize) -> Result<String> {
+        let prefix = self.prefixes[self.next_prefix % self.prefixes.len()].clone();
+        self.next_prefix += 1;
+        let base = self.count(&prefix)?;
+        if n < base {
+            bail!("cannot build a {n}-token prompt: the unique prefix alone is {base} tokens");
+        }
+        // Filler words encode independently (the pre-tokenizer splits at spaces), so one round usually lands on
+        // `n`; the count is checked each round, and words are added or dropped until it is exact.
+        let mut words: Vec<&str> = Vec::new();
+        let mut have = base;
+        for _ in 0..64 {
+            let text = format!("{prefix}{}", words.concat());
+            have = self.count(&text)?;
+            if have == n {
+                return Ok(text);
+            }
+            if have < n {
+                for _ in 0..n - have {
+                    words.push(FILLER[words.len() % FILLER.len()]);
+                }
+            } else {
+                let drop = (have - n).max(1).min(words.len());
+                words.truncate(words.len() - drop);
+            }
+        }
+        bail!("cannot build a prompt of exactly {n} tokens (reached {have})")
+    }
+}

@@ -1,0 +1,682 @@
+//! Runs a scenario: the matrix's combinations one after another, each against its own `strata serve`, case by
+//! case (prompts, sweeps, boundary searches, repetitions), then judges the expectations.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Value, json};
+
+use crate::capture::{MemorySampler, count_events, read_events};
+use crate::prompt::PromptBuilder;
+use crate::report::{ArmReport, Boundary, CaseRow, Check, Sample, Stat};
+use crate::scenario::{Arm, BoundaryExpect, Case, Expect, Prompt, Scenario, SweepValues};
+use crate::server::Server;
+
+/// How long a server may take to become healthy (model load), and a worker to come back after a death.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One combination of the matrix: an arm per axis.
+#[derive(Debug, Clone)]
+pub struct Combo {
+    /// `axis=arm,...` or `default`.
+    pub name: String,
+    pub arms: Vec<Arm>,
+    pub axes: Vec<String>,
+}
+
+impl Combo {
+    /// The arm names, in axis order.
+    pub fn arm_names(&self) -> Vec<String> {
+        self.arms.iter().map(|a| a.name.clone()).collect()
+    }
+
+    /// A file-name-safe form of the name.
+    pub fn slug(&self) -> String {
+        self.name.replace([',', '='], "-")
+    }
+}
+
+/// The Cartesian product of the matrix's axes (sorted by axis name; arms in file order).
+pub fn combos(s: &Scenario) -> Vec<Combo> {
+    let mut out = vec![Combo {
+        name: String::new(),
+        arms: vec![],
+        axes: vec![],
+    }];
+    for (axis, arms) in &s.matrix {
+        out = out
+            .into_iter()
+            .flat_map(|c| {
+                arms.iter().map(move |a| {
+                    let mut c = c.clone();
+                    c.arms.push(a.clone());
+                    c.axes.push(axis.clone());
+                    c
+                })
+            })
+            .collect();
+    }
+    for c in &mut out {
+        c.name = if c.arms.is_empty() {
+            "default".into()
+        } else {
+            c.axes
+                .iter()
+                .zip(&c.arms)
+                .map(|(x, a)| format!("{x}={}", a.name))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+    }
+    out
+}
+
+/// Settings of one run beyond the scenario.
+pub struct RunSettings {
+    pub strata: PathBuf,
+    pub model_path: PathBuf,
+    pub quick: bool,
+    /// The report folder (logs go to `logs/` inside).
+    pub out_dir: PathBuf,
+    /// Show progress bars (a terminal).
+    pub progress: bool,
+}
+
+/// The first failing value in `[lo, hi]` for a predicate that fails from some point on: probes `hi`, then `lo`,
+/// then bisects, O(log(hi - lo)) probes. Returns (first failing, last passing, probes made).
+pub fn find_boundary(
+    lo: usize,
+    hi: usize,
+    mut passes: impl FnMut(usize) -> Result<bool>,
+) -> Result<(Option<usize>, Option<usize>, usize)> {
+    let mut probes = 1;
+    if passes(hi)? {
+        return Ok((None, Some(hi), probes));
+    }
+    if lo == hi {
+        return Ok((Some(hi), None, probes));
+    }
+    probes += 1;
+    if !passes(lo)? {
+        return Ok((Some(lo), None, probes));
+    }
+    let (mut good, mut bad) = (lo, hi);
+    while bad - good > 1 {
+        let mid = good + (bad - good) / 2;
+        probes += 1;
+        if passes(mid)? {
+            good = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok((Some(bad), Some(good), probes))
+}
+
+/// Runs every case of `s` against an already started server for `combo`; fills `arm.rows` and `arm.boundaries`.
+struct ArmRun<'a> {
+    s: &'a Scenario,
+    combo: &'a Combo,
+    server: &'a mut Server,
+    prompts: &'a mut PromptBuilder,
+    sampler: &'a MemorySampler,
+    epoch: Instant,
+    log_path: PathBuf,
+    arm: &'a mut ArmReport,
+    quick: Option<&'a crate::scenario::Quick>,
+    bar: ProgressBar,
+}
+
+impl ArmRun<'_> {
+    fn repetitions(&self, c: &Case) -> u32 {
+        match self.quick {
+            Some(q) => q.repetitions.max(1),
+            None => c.repetitions.unwrap_or(self.s.repetitions),
+        }
+    }
+
+    fn expect(&self, c: &Case) -> Expect {
+        let mut e = self.s.expect.merged(&c.expect);
+        for a in &self.combo.arms {
+            if let Some(o) = c.arms.get(&a.name) {
+                e = e.merged(o);
+            }
+        }
+        e
+    }
+
+    fn log_len(&self) -> u64 {
+        std::fs::metadata(&self.log_path).map_or(0, |m| m.len())
+    }
+
+    fn log_excerpt(&self, from: u64) -> String {
+        let text = std::fs::read(&self.log_path).unwrap_or_default();
+        let from = (from as usize).min(text.len());
+        let tail = String::from_utf8_lossy(&text[from..]).into_owned();
+        let lines: Vec<&str> = tail.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Sends one request and waits for the worker to be back if it died.
+    fn request(&mut self, c: &Case, prompt: &Prompt, tokens: Option<usize>) -> Result<Sample> {
+        let max_tokens = c.max_tokens.unwrap_or(self.s.max_tokens);
+        let restarts_before = self.server.restarts().unwrap_or(0);
+        let mut sample = Sample {
+            t_start_ms: self.epoch.elapsed().as_millis() as u64,
+            ..Sample::default()
+        };
+        let (path, body, counted) = if let Some(n) = tokens.or(prompt.tokens) {
+            let text = self.prompts.exact(n)?;
+            (
+                "/v1/completions",
+                json!({"prompt": text, "max_tokens": max_tokens, "temperature": 0, "seed": 1}),
+                None,
+            )
+        } else if let Some(text) = &prompt.text {
+            let n = self.prompts.count(text)?;
+            (
+                "/v1/completions",
+                json!({"prompt": text, "max_tokens": max_tokens, "temperature": 0, "seed": 1}),
+                Some(n),
+            )
+        } else {
+            let msgs = prompt.messages.clone().unwrap_or_default();
+            let n = self.server.count_chat_tokens(&msgs).ok();
+            let m: Vec<Value> = msgs
+                .iter()
+                .map(|m| json!({"role": m.role, "content": m.content}))
+                .collect();
+            (
+                "/v1/chat/completions",
+                json!({"messages": m, "max_tokens": max_tokens, "temperature": 0, "seed": 1}),
+                n,
+            )
+        };
+        let answer = self.server.post(path, &body);
+        sample.t_end_ms = self.epoch.elapsed().as_millis() as u64;
+        match answer {
+            Ok(a) => {
+                sample.status = a.status;
+                let b = &a.body;
+                let t = &b["timings"];
+                sample.prompt_tokens = b["usage"]["prompt_tokens"].as_u64().map(|n| n as usize).or(counted);
+                sample.cached_tokens = t["cache_n"].as_u64().map(|n| n as usize);
+                sample.prefill_ms = t["prompt_ms"].as_f64();
+                sample.decode_ms = t["predicted_ms"].as_f64();
+                sample.generated = t["predicted_n"].as_u64().map(|n| n as usize);
+                let rate = |n: Option<u64>, ms: Option<f64>| match (n, ms) {
+                    (Some(n), Some(ms)) if ms > 0.0 => Some(n as f64 / ms * 1e3),
+                    _ => None,
+                };
+                sample.prefill_tok_s = rate(t["prompt_n"].as_u64(), sample.prefill_ms);
+                sample.decode_tok_s = rate(t["predicted_n"].as_u64(), sample.decode_ms);
+                let choice = &b["choices"][0];
+                sample.output = choice["text"]
+                    .as_str()
+                    .or(choice["message"]["content"].as_str())
+                    .unwrap_or("")
+                    .to_string();
+                sample.error = b["error"]["message"].as_str().unwrap_or("").to_string();
+            }
+            Err(e) => {
+                sample.status = 0;
+                sample.error = format!("no HTTP answer: {e:#}");
+            }
+        }
+        if sample.status != 200 {
+            // A dead worker is restarted by the front; wait for it so the next request meets a loaded one.
+            self.server
+                .wait_healthy(HEALTH_TIMEOUT)
+                .context("the server did not come back after a failed request")?;
+        }
+        sample.restarts = self.server.restarts().unwrap_or(restarts_before) - restarts_before;
+        if let Some(pid) = self.server.worker_pid() {
+            self.sampler.worker_pid.store(pid, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.bar.inc(1);
+        Ok(sample)
+    }
+
+    /// Runs one row (`reps` requests) and returns it without checks.
+    fn row(&mut self, c: &Case, kind: &str, tokens: Option<usize>) -> Result<CaseRow> {
+        let reps = self.repetitions(c);
+        let label = match tokens {
+            Some(n) => format!("{} {n}", c.name),
+            None => c.name.clone(),
+        };
+        self.bar.set_message(label.clone());
+        self.arm.markers.push((self.epoch.elapsed().as_millis() as u64, label));
+        let log_from = self.log_len();
+        let prompt = c.prompt.clone().unwrap_or(Prompt {
+            text: None,
+            messages: None,
+            tokens,
+        });
+        let mut samples = Vec::new();
+        for _ in 0..reps {
+            samples.push(self.request(c, &prompt, tokens)?);
+        }
+        let stat = |f: fn(&Sample) -> Option<f64>| Stat::of(&samples.iter().filter_map(f).collect::<Vec<_>>());
+        Ok(CaseRow {
+            case: c.name.clone(),
+            kind: kind.into(),
+            tokens_requested: tokens.or(prompt.tokens),
+            prefill_tok_s: stat(|s| s.prefill_tok_s),
+            decode_tok_s: stat(|s| s.decode_tok_s),
+            log_excerpt: self.log_excerpt(log_from),
+            samples,
+            checks: vec![],
+        })
+    }
+
+    fn run_case(&mut self, c: &Case) -> Result<()> {
+        let expect = self.expect(c);
+        let cap = self.quick.map(|q| q.max_prompt_tokens);
+        match (&c.prompt, &c.sweep) {
+            (Some(_), _) => {
+                let row = self.row(c, "prompt", None)?;
+                self.arm.rows.push(row);
+            }
+            (None, Some(sw)) if sw.find_boundary => {
+                let SweepValues::Range(r) = &sw.tokens else {
+                    unreachable!("validated")
+                };
+                let to = cap.map_or(r.to, |cap| r.to.min(cap).max(r.from));
+                let mut rows = Vec::new();
+                let (first, last, probes) = find_boundary(r.from, to, |n| {
+                    let row = self.row(c, "probe", Some(n))?;
+                    let ok = row.samples.iter().all(|s| s.status == 200 && s.restarts == 0);
+                    rows.push(row);
+                    Ok(ok)
+                })?;
+                rows.sort_by_key(|row| row.tokens_requested);
+                self.arm.rows.extend(rows);
+                let check = expect.boundary.as_ref().map(|b| {
+                    let want = match b {
+                        BoundaryExpect::At(n) => Some(*n),
+                        BoundaryExpect::None(_) => None,
+                    };
+                    let show = |x: Option<usize>| x.map_or("none".to_string(), |n| n.to_string());
+                    Check {
+                        what: format!("boundary of {}", c.name),
+                        expected: show(want),
+                        got: show(first),
+                        passed: want == first,
+                    }
+                });
+                self.arm.boundaries.push(Boundary {
+                    case: c.name.clone(),
+                    from: r.from,
+                    to,
+                    first_failing: first,
+                    last_passing: last,
+                    probes,
+                    check,
+                });
+            }
+            (None, Some(sw)) => {
+                let mut pts = match &sw.tokens {
+                    SweepValues::List(v) => v.clone(),
+                    SweepValues::Range(r) => r.points(),
+                };
+                if let Some(cap) = cap {
+                    pts.retain(|&n| n <= cap);
+                }
+                for n in pts {
+                    let row = self.row(c, "sweep", Some(n))?;
+                    self.arm.rows.push(row);
+                }
+            }
+            (None, None) => unreachable!("validated"),
+        }
+        Ok(())
+    }
+}
+
+/// Judges a row against `e` (boundary probes judged by their boundary instead, when one is expected).
+pub fn check_row(row: &CaseRow, e: &Expect, tokenizer: Option<&strata_engine::tokenizer::Tokenizer>) -> Vec<Check> {
+    let mut out = Vec::new();
+    if row.kind == "probe" && e.boundary.is_some() {
+        return out;
+    }
+    let want_status = e.status.unwrap_or(200);
+    let statuses: Vec<String> = row.samples.iter().map(|s| s.status.to_string()).collect();
+    out.push(Check {
+        what: "HTTP status".into(),
+        expected: want_status.to_string(),
+        got: statuses.join(", "),
+        passed: row.samples.iter().all(|s| s.status == want_status),
+    });
+    let want_restarts = e.restarts.unwrap_or(0);
+    out.push(Check {
+        what: "worker restarts per request".into(),
+        expected: want_restarts.to_string(),
+        got: row
+            .samples
+            .iter()
+            .map(|s| s.restarts.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        passed: row.samples.iter().all(|s| s.restarts == want_restarts),
+    });
+    if let Some(n) = row.tokens_requested
+        && row.kind != "probe"
+        && want_status == 200
+    {
+        let seen: Vec<String> = row
+            .samples
+            .iter()
+            .map(|s| s.prompt_tokens.map_or("?".into(), |p| p.to_string()))
+            .collect();
+        out.push(Check {
+            what: "prompt tokens seen by the server".into(),
+            expected: n.to_string(),
+            got: seen.join(", "),
+            passed: row.samples.iter().all(|s| s.prompt_tokens == Some(n)),
+        });
+    }
+    let rate = |what: &str, min: Option<f64>, st: &Option<Stat>, out: &mut Vec<Check>| {
+        if let Some(min) = min {
+            let got = st.map(|s| s.median);
+            out.push(Check {
+                what: format!("{what} (median)"),
+                expected: format!(">= {min} tok/s"),
+                got: got.map_or("none".into(), |g| format!("{g:.1} tok/s")),
+                passed: got.is_some_and(|g| g >= min),
+            });
+        }
+    };
+    rate("prefill rate", e.min_prefill_tok_s, &row.prefill_tok_s, &mut out);
+    rate("decode rate", e.min_decode_tok_s, &row.decode_tok_s, &mut out);
+    if let Some(max) = e.max_rss_mib {
+        let peak = row.samples.iter().map(|s| s.peak_worker_rss_bytes).max().unwrap_or(0) as f64 / 1048576.0;
+        out.push(Check {
+            what: "worker RSS peak".into(),
+            expected: format!("<= {max} MiB"),
+            got: format!("{peak:.0} MiB"),
+            passed: peak <= max,
+        });
+    }
+    for s in row.samples.iter().filter(|s| s.status == 200) {
+        let short: String = s.output.chars().take(120).collect();
+        if let Some(t) = &e.contains {
+            out.push(Check {
+                what: "output contains".into(),
+                expected: format!("{t:?}"),
+                got: format!("{short:?}"),
+                passed: s.output.contains(t.as_str()),
+            });
+        }
+        if let Some(r) = &e.regex {
+            let ok = regex::Regex::new(r).is_ok_and(|re| re.is_match(&s.output));
+            out.push(Check {
+                what: "output matches".into(),
+                expected: format!("/{r}/"),
+                got: format!("{short:?}"),
+                passed: ok,
+            });
+        }
+        if let (Some(g), Some(tok)) = (&e.golden_tokens, tokenizer) {
+            let ids = tok.encode(&s.output, false, false).unwrap_or_default();
+            out.push(Check {
+                what: "output tokens start with the golden ones".into(),
+                expected: format!("{g:?}"),
+                got: format!("{:?}", &ids[..ids.len().min(g.len())]),
+                passed: ids.starts_with(g),
+            });
+        }
+    }
+    out
+}
+
+/// Runs one combination: starts its server, runs every case, stops the server, reads the captures.
+///
+/// Errors: the server could not start (the arm's `error` is set instead and `Ok` returned), or a harness-side
+/// failure (a prompt could not be built, the server vanished).
+pub fn run_combo(
+    s: &Scenario,
+    combo: &Combo,
+    settings: &RunSettings,
+    prompts: &mut PromptBuilder,
+    epoch: Instant,
+) -> Result<ArmReport> {
+    let logs = settings.out_dir.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let slug = combo.slug();
+    let log_path = logs.join(format!("{slug}.log"));
+    let events_path = logs.join(format!("{slug}.events.jsonl"));
+    let _ = std::fs::remove_file(&events_path);
+    let mut env: BTreeMap<String, String> = s.env.clone();
+    let mut args = s.args.clone();
+    for a in &combo.arms {
+        env.extend(a.env.clone());
+        args.extend(a.args.clone());
+    }
+    let mut arm = ArmReport {
+        name: combo.name.clone(),
+        arm_names: combo.arm_names(),
+        args: args.clone(),
+        env: env.clone(),
+        log_file: format!("logs/{slug}.log"),
+        events_file: format!("logs/{slug}.events.jsonl"),
+        metrics_before_file: format!("logs/{slug}.metrics-before.txt"),
+        metrics_after_file: format!("logs/{slug}.metrics-after.txt"),
+        ..ArmReport::default()
+    };
+    let mut full_args = args.clone();
+    full_args.extend([
+        "--model".into(),
+        settings.model_path.display().to_string(),
+        "--events".into(),
+        events_path.display().to_string(),
+    ]);
+    let env_list: Vec<(String, String)> = env.into_iter().collect();
+    let mut server = match Server::start(&settings.strata, &full_args, &env_list, &log_path, HEALTH_TIMEOUT) {
+        Ok(sv) => sv,
+        Err(e) => {
+            arm.error = Some(format!("{e:#}"));
+            return Ok(arm);
+        }
+    };
+    let sampler = MemorySampler::start(
+        server.pid(),
+        Duration::from_millis(s.captures.memory_sample_ms.max(10)),
+        epoch,
+    );
+    if let Some(pid) = server.worker_pid() {
+        sampler.worker_pid.store(pid, std::sync::atomic::Ordering::Relaxed);
+    }
+    std::fs::write(
+        settings.out_dir.join(&arm.metrics_before_file),
+        server.metrics().unwrap_or_default(),
+    )?;
+    let restarts_start = server.restarts().unwrap_or(0);
+    let bar = if settings.progress {
+        let b = ProgressBar::new(0);
+        b.set_style(
+            ProgressStyle::with_template("{prefix:>24} [{bar:30}] {pos} requests  {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        b.set_prefix(combo.name.clone());
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let quick = if settings.quick { s.quick.as_ref() } else { None };
+    let result = {
+        let mut run = ArmRun {
+            s,
+            combo,
+            server: &mut server,
+            prompts,
+            sampler: &sampler,
+            epoch,
+            log_path: log_path.clone(),
+            arm: &mut arm,
+            quick,
+            bar: bar.clone(),
+        };
+        let planned: u64 = s
+            .cases
+            .iter()
+            .map(|c| {
+                let reps = u64::from(run.repetitions(c));
+                let n = match &c.sweep {
+                    None => 1,
+                    Some(sw) if sw.find_boundary => 12,
+                    Some(sw) => match &sw.tokens {
+                        SweepValues::List(v) => v.len() as u64,
+                        SweepValues::Range(r) => r.points().len() as u64,
+                    },
+                };
+                n * reps
+            })
+            .sum();
+        run.bar.set_length(planned);
+        s.cases.iter().try_for_each(|c| run.run_case(c))
+    };
+    bar.finish_and_clear();
+    arm.restarts = server.restarts().unwrap_or(restarts_start) - restarts_start;
+    std::fs::write(
+        settings.out_dir.join(&arm.metrics_after_file),
+        server.metrics().unwrap_or_default(),
+    )?;
+    server.stop();
+    arm.memory = sampler.finish();
+    arm.raw_events = read_events(&events_path);
+    arm.events = count_events(&arm.raw_events);
+    result?;
+    // Per-request RSS peaks, then the checks.
+    for row in &mut arm.rows {
+        for smp in &mut row.samples {
+            smp.peak_worker_rss_bytes = arm
+                .memory
+                .iter()
+                .filter(|m| m.t_ms >= smp.t_start_ms && m.t_ms <= smp.t_end_ms + 250)
+                .map(|m| m.worker_rss_bytes)
+                .max()
+                .unwrap_or(0);
+        }
+    }
+    let by_name: BTreeMap<&str, &Case> = s.cases.iter().map(|c| (c.name.as_str(), c)).collect();
+    let tok = prompts.tokenizer();
+    for row in &mut arm.rows {
+        let c = by_name[row.case.as_str()];
+        let mut e = s.expect.merged(&c.expect);
+        for a in &combo.arms {
+            if let Some(o) = c.arms.get(&a.name) {
+                e = e.merged(o);
+            }
+        }
+        row.checks = check_row(row, &e, Some(tok));
+    }
+    for a in &combo.arms {
+        for (kind, want) in &a.expect_events {
+            let got = arm.events.get(kind).copied().unwrap_or(0);
+            arm.event_checks.push(Check {
+                what: format!("`{kind}` events over the arm"),
+                expected: want.to_string(),
+                got: got.to_string(),
+                passed: got == *want,
+            });
+        }
+    }
+    Ok(arm)
+}
+
+/// The scenario's model as a local path (fetching the default model on first use).
+///
+/// Errors: the model cannot be found or fetched.
+pub fn model_path(model: &str) -> Result<PathBuf> {
+    Ok(strata_engine::models::resolve(Some(model))?)
+}
+
+/// Whether `device` can run here, and why not.
+pub fn device_available(device: &str) -> Result<(), String> {
+    if device == "cpu" {
+        return Ok(());
+    }
+    if let Some(n) = device.strip_prefix("cuda:") {
+        if n.parse::<u32>().is_err() {
+            return Err(format!("`{device}` is not a device (cuda:N)"));
+        }
+        return Err(format!(
+            "{device}: this engine build runs scenarios on the CPU only (no CUDA serve path yet)"
+        ));
+    }
+    if let Some(p) = device.strip_prefix("sim:") {
+        return Err(format!(
+            "{device}: simulated device profiles (scenarios/devices/{p}.yaml) are not implemented yet"
+        ));
+    }
+    Err(format!("`{device}` is not a device: cpu, cuda:N or sim:PROFILE"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boundary_search_is_logarithmic_and_exact() {
+        for b in [16, 17, 65, 1000, 4096] {
+            let mut calls = 0;
+            let (first, last, probes) = find_boundary(16, 4096, |n| {
+                calls += 1;
+                Ok(n < b)
+            })
+            .unwrap();
+            assert_eq!(first, Some(b));
+            assert_eq!(last, if b > 16 { Some(b - 1) } else { None });
+            assert_eq!(probes, calls);
+            assert!(calls <= 2 + 12, "{calls}");
+        }
+        let (first, last, probes) = find_boundary(16, 4096, |_| Ok(true)).unwrap();
+        assert_eq!((first, last, probes), (None, Some(4096), 1));
+    }
+
+    #[test]
+    fn matrix_is_a_cartesian_product() {
+        let s = crate::scenario::parse(
+            "t",
+            "name: t\nmatrix:\n  kv: [{name: f16}, {name: int8}]\n  fb: [{name: on}, {name: off}]\ncases:\n  - name: a\n    prompt: {text: x}\n",
+        )
+        .unwrap();
+        let names: Vec<String> = combos(&s).into_iter().map(|c| c.name).collect();
+        assert_eq!(
+            names,
+            ["fb=on,kv=f16", "fb=on,kv=int8", "fb=off,kv=f16", "fb=off,kv=int8"]
+        );
+    }
+
+    #[test]
+    fn rows_are_judged() {
+        let row = CaseRow {
+            kind: "prompt".into(),
+            tokens_requested: Some(53),
+            samples: vec![Sample {
+                status: 200,
+                prompt_tokens: Some(53),
+                output: "The capital is Paris.".into(),
+                ..Sample::default()
+            }],
+            ..CaseRow::default()
+        };
+        let e = Expect {
+            contains: Some("Paris".into()),
+            regex: Some("capital".into()),
+            ..Expect::default()
+        };
+        assert!(check_row(&row, &e, None).iter().all(|c| c.passed));
+        let e = Expect {
+            status: Some(503),
+            contains: Some("Rome".into()),
+            ..Expect::default()
+        };
+        let checks = check_row(&row, &e, None);
+        assert_eq!(checks.iter().filter(|c| !c.passed).count(), 2, "{checks:?}");
+    }
+}

@@ -1,0 +1,545 @@
+//! Scenarios: the YAML a bug report becomes (DESIGN.md section 3, "Scenarios and reports").
+//!
+//! A scenario names a model, a device, engine args and env, a matrix of named arms, cases (prompts, sweeps,
+//! repetitions) and expectations. The Rust types below are the schema: `scenario.schema.json` is generated from
+//! them ([`json_schema`]) and checked in, so editors complete and check scenario files. [`load`] parses with
+//! line-accurate errors and a "did you mean" suggestion for a misspelt key, then [`Scenario::validate`] checks
+//! what the types cannot.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// One scenario file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Short name; it becomes part of the report folder's name (letters, digits, `-` and `_`).
+    pub name: String,
+    /// What the scenario replays (the bug report it comes from, and what it shows).
+    #[serde(default)]
+    pub description: String,
+    /// A .gguf path, or `default` for the default model (fetched on first use).
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// `cpu`, `cuda:N` or `sim:PROFILE`; `--device` overrides it.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// `strata serve` arguments shared by every arm.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Environment of `strata serve` (and its worker), shared by every arm.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Axes of named arms; the runs are their Cartesian product, in file order (axes sorted by name).
+    #[serde(default)]
+    pub matrix: BTreeMap<String, Vec<Arm>>,
+    /// Requests per case (or per sweep point); the report gives median, min and max.
+    #[serde(default = "one")]
+    pub repetitions: u32,
+    /// Most tokens generated per request.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: usize,
+    /// Expectations every case starts from (a case or an arm may override fields).
+    #[serde(default)]
+    pub expect: Expect,
+    /// The cases, run in order against each arm's server.
+    pub cases: Vec<Case>,
+    /// A smaller run for `--quick` and for `cargo test`.
+    #[serde(default)]
+    pub quick: Option<Quick>,
+    /// What to capture besides the worker's events, log and /metrics (always captured).
+    #[serde(default)]
+    pub captures: Captures,
+}
+
+fn default_model() -> String {
+    "default".into()
+}
+fn default_device() -> String {
+    "cpu".into()
+}
+fn one() -> u32 {
+    1
+}
+fn default_max_tokens() -> usize {
+    16
+}
+fn default_sample_ms() -> u64 {
+    200
+}
+
+/// A named arm of one matrix axis: the arguments and environment it adds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Arm {
+    /// The arm's name within its axis (for example `on`, `off`, `f16`).
+    pub name: String,
+    /// Extra `strata serve` arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Extra environment.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Exact counts of worker events over the whole run of a combination containing this arm (for example
+    /// `fallback: 1`).
+    #[serde(default)]
+    pub expect_events: BTreeMap<String, u64>,
+}
+
+/// One case: a prompt, or a sweep of exact token counts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Case {
+    /// The case's name in the report.
+    pub name: String,
+    /// The prompt (absent when `sweep` gives token counts).
+    #[serde(default)]
+    pub prompt: Option<Prompt>,
+    /// Exact prompt token counts to run, one request (times repetitions) each.
+    #[serde(default)]
+    pub sweep: Option<Sweep>,
+    /// Overrides the scenario's `repetitions`.
+    #[serde(default)]
+    pub repetitions: Option<u32>,
+    /// Overrides the scenario's `max_tokens`.
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// Expectation fields overriding the scenario's.
+    #[serde(default)]
+    pub expect: Expect,
+    /// Per-arm expectation fields (keyed by arm name), overriding the case's.
+    #[serde(default)]
+    pub arms: BTreeMap<String, Expect>,
+}
+
+/// A prompt: exactly one of `text`, `messages` or `tokens`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Prompt {
+    /// Literal text, sent to /v1/completions as is.
+    #[serde(default)]
+    pub text: Option<String>,
+    /// A chat, sent to /v1/chat/completions (the model's template renders it).
+    #[serde(default)]
+    pub messages: Option<Vec<Message>>,
+    /// A prompt of exactly this many tokens in the model's tokenizer, with a prefix unique to the request.
+    #[serde(default)]
+    pub tokens: Option<usize>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    pub content: String,
+}
+
+/// Token counts to sweep: a list or a range.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Sweep {
+    /// Prompt token counts, either a list (`[53, 60, 72]`) or a range (`{from: 16, to: 1024}`).
+    pub tokens: SweepValues,
+    /// Bisect the range for the first failing token count (a request answered other than 200, or a worker
+    /// restart) in O(log n) requests, assuming every count past it fails too.
+    #[serde(default)]
+    pub find_boundary: bool,
+}
+
+/// A sweep's values.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum SweepValues {
+    List(Vec<usize>),
+    Range(Range),
+}
+
+/// An inclusive range of token counts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Range {
+    pub from: usize,
+    pub to: usize,
+    /// Linear step; without it the points double from `from` (and `to` is always included).
+    #[serde(default)]
+    pub step: Option<usize>,
+}
+
+impl Range {
+    /// The range's points (with `find_boundary`, only `from` and `to` matter).
+    pub fn points(&self) -> Vec<usize> {
+        let mut v = Vec::new();
+        let mut x = self.from.max(1);
+        while x < self.to {
+            v.push(x);
+            x = match self.step {
+                Some(s) => x + s.max(1),
+                None => x * 2,
+            };
+        }
+        v.push(self.to);
+        v
+    }
+}
+
+/// What a request must show; every field is optional and merges over the level above.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// HTTP status (default 200).
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// Worker restarts the request may cause (default 0).
+    #[serde(default)]
+    pub restarts: Option<u64>,
+    /// Lowest prefill rate, tokens/s (median over repetitions).
+    #[serde(default)]
+    pub min_prefill_tok_s: Option<f64>,
+    /// Lowest decode rate, tokens/s (median over repetitions).
+    #[serde(default)]
+    pub min_decode_tok_s: Option<f64>,
+    /// Highest worker resident memory during the case, MiB (2^20 bytes).
+    #[serde(default)]
+    pub max_rss_mib: Option<f64>,
+    /// The output must contain this text (case-sensitive).
+    #[serde(default)]
+    pub contains: Option<String>,
+    /// The output must match this regular expression.
+    #[serde(default)]
+    pub regex: Option<String>,
+    /// The output, tokenized again, must start with these token ids.
+    #[serde(default)]
+    pub golden_tokens: Option<Vec<u32>>,
+    /// For a `find_boundary` sweep: the first failing token count, or `none` when nothing fails.
+    #[serde(default)]
+    pub boundary: Option<BoundaryExpect>,
+}
+
+/// An expected boundary: a token count, or `none`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum BoundaryExpect {
+    At(usize),
+    /// The word `none`.
+    None(NoneWord),
+}
+
+/// The word `none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NoneWord {
+    None,
+}
+
+impl Expect {
+    /// `self` with every field `over` sets replaced.
+    pub fn merged(&self, over: &Expect) -> Expect {
+        Expect {
+            status: over.status.or(self.status),
+            restarts: over.restarts.or(self.restarts),
+            min_prefill_tok_s: over.min_prefill_tok_s.or(self.min_prefill_tok_s),
+            min_decode_tok_s: over.min_decode_tok_s.or(self.min_decode_tok_s),
+            max_rss_mib: over.max_rss_mib.or(self.max_rss_mib),
+            contains: over.contains.clone().or_else(|| self.contains.clone()),
+            regex: over.regex.clone().or_else(|| self.regex.clone()),
+            golden_tokens: over.golden_tokens.clone().or_else(|| self.golden_tokens.clone()),
+            boundary: over.boundary.clone().or_else(|| self.boundary.clone()),
+        }
+    }
+}
+
+/// The smaller run used by `--quick` and `cargo test`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Quick {
+    /// Sweep points and ranges are capped at this many prompt tokens.
+    pub max_prompt_tokens: usize,
+    /// Repetitions per case.
+    #[serde(default = "one")]
+    pub repetitions: u32,
+}
+
+/// Optional captures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Captures {
+    /// Memory sampling period, ms.
+    #[serde(default = "default_sample_ms")]
+    pub memory_sample_ms: u64,
+}
+
+impl Default for Captures {
+    fn default() -> Self {
+        Captures {
+            memory_sample_ms: default_sample_ms(),
+        }
+    }
+}
+
+/// A scenario that cannot be used: where and why, written for the person at the terminal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScenarioError {
+    /// The file as given.
+    pub file: String,
+    /// 1-based line (0 when unknown).
+    pub line: usize,
+    /// 1-based column (0 when unknown).
+    pub column: usize,
+    /// What is wrong, and the fix when there is an obvious one.
+    pub message: String,
+}
+
+impl std::fmt::Display for ScenarioError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.file, self.message)
+        } else {
+            write!(f, "{}:{}:{}: {}", self.file, self.line, self.column, self.message)
+        }
+    }
+}
+
+impl std::error::Error for ScenarioError {}
+
+/// Reads and validates a scenario file.
+///
+/// Errors: an unreadable file; YAML or schema errors (with line, column and a suggestion); a failed
+/// [`Scenario::validate`].
+pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ScenarioError {
+        file: path.display().to_string(),
+        line: 0,
+        column: 0,
+        message: format!("cannot read the scenario: {e}"),
+    })?;
+    parse(&path.display().to_string(), &text)
+}
+
+/// Parses and validates scenario text; `file` names it in errors.
+///
+/// Errors: as [`load`].
+pub fn parse(file: &str, text: &str) -> Result<Scenario, ScenarioError> {
+    let de = yaml_serde::Deserializer::from_str(text);
+    let scenario: Scenario = serde_path_to_error::deserialize(de).map_err(|e| {
+        let inner = e.into_inner();
+        let (line, column) = inner.location().map_or((0, 0), |l| (l.line(), l.column()));
+        let raw = inner.to_string();
+        // yaml_serde appends " at line L column C"; we print the location up front instead.
+        // Its message already starts with the path (`cases[0].expect: ...`).
+        let msg = raw.split(" at line ").next().unwrap_or(&raw).to_string();
+        ScenarioError {
+            file: file.to_string(),
+            line,
+            column,
+            message: format!("{msg}{}", suggestion(&msg)),
+        }
+    })?;
+    scenario.validate().map_err(|message| ScenarioError {
+        file: file.to_string(),
+        line: 0,
+        column: 0,
+        message,
+    })?;
+    Ok(scenario)
+}
+
+/// "; did you mean `x`?" for serde's `unknown field `a`, expected one of `b`, `c`` and `unknown variant`
+/// messages, when one expected name is close.
+fn suggestion(msg: &str) -> String {
+    let Some(at) = msg.find("unknown field").or_else(|| msg.find("unknown variant")) else {
+        return String::new();
+    };
+    let msg = &msg[at..];
+    let quoted: Vec<&str> = msg.split('`').skip(1).step_by(2).collect();
+    let Some((got, expected)) = quoted.split_first() else {
+        return String::new();
+    };
+    expected
+        .iter()
+        .map(|e| (strsim::damerau_levenshtein(got, e), *e))
+        .filter(|&(d, e)| d <= 2.max(e.len() / 3))
+        .min()
+        .map(|(_, e)| format!("; did you mean `{e}`?"))
+        .unwrap_or_default()
+}
+
+impl Scenario {
+    /// Checks what the types cannot: names, one prompt kind per case, sweeps over token counts, arm names the
+    /// cases refer to.
+    ///
+    /// Errors: the first problem, as one line naming the case or arm.
+    pub fn validate(&self) -> Result<(), String> {
+        let ok_name = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !ok_name(&self.name) {
+            return Err(format!(
+                "name `{}` must be non-empty and use only letters, digits, `-` and `_`",
+                self.name
+            ));
+        }
+        if self.cases.is_empty() {
+            return Err("cases: at least one case is needed".into());
+        }
+        if self.repetitions == 0 || self.max_tokens == 0 {
+            return Err("repetitions and max_tokens must be at least 1".into());
+        }
+        let mut arm_names = Vec::new();
+        for (axis, arms) in &self.matrix {
+            if arms.is_empty() {
+                return Err(format!("matrix.{axis}: an axis needs at least one arm"));
+            }
+            for a in arms {
+                if !ok_name(&a.name) {
+                    return Err(format!(
+                        "matrix.{axis}: arm name `{}` must use letters, digits, `-`, `_`",
+                        a.name
+                    ));
+                }
+                if arm_names.contains(&a.name) {
+                    return Err(format!("matrix.{axis}: arm name `{}` is used twice", a.name));
+                }
+                arm_names.push(a.name.clone());
+            }
+        }
+        let mut case_names = Vec::new();
+        for c in &self.cases {
+            let at = format!("case `{}`", c.name);
+            if case_names.contains(&&c.name) {
+                return Err(format!("{at}: the name is used twice"));
+            }
+            case_names.push(&c.name);
+            match (&c.prompt, &c.sweep) {
+                (Some(p), None) => {
+                    let kinds = [p.text.is_some(), p.messages.is_some(), p.tokens.is_some()];
+                    if kinds.iter().filter(|&&k| k).count() != 1 {
+                        return Err(format!(
+                            "{at}: a prompt has exactly one of `text`, `messages`, `tokens`"
+                        ));
+                    }
+                    if p.tokens == Some(0) || p.messages.as_ref().is_some_and(|m| m.is_empty()) {
+                        return Err(format!("{at}: an empty prompt"));
+                    }
+                }
+                (None, Some(s)) => {
+                    let pts = match &s.tokens {
+                        SweepValues::List(v) => v.clone(),
+                        SweepValues::Range(r) => {
+                            if r.from == 0 || r.from > r.to {
+                                return Err(format!("{at}: a range needs 1 <= from <= to"));
+                            }
+                            r.points()
+                        }
+                    };
+                    if pts.is_empty() || pts.contains(&0) {
+                        return Err(format!("{at}: sweep token counts must be positive and not empty"));
+                    }
+                    if s.find_boundary && !matches!(s.tokens, SweepValues::Range(_)) {
+                        return Err(format!(
+                            "{at}: find_boundary needs a range (`tokens: {{from: A, to: B}}`)"
+                        ));
+                    }
+                }
+                _ => return Err(format!("{at}: give either `prompt` or `sweep`, not both or neither")),
+            }
+            if c.repetitions == Some(0) || c.max_tokens == Some(0) {
+                return Err(format!("{at}: repetitions and max_tokens must be at least 1"));
+            }
+            for arm in c.arms.keys() {
+                if !arm_names.contains(arm) {
+                    return Err(format!(
+                        "{at}: arms.{arm} names no arm of the matrix (arms: {})",
+                        arm_names.join(", ")
+                    ));
+                }
+            }
+            for e in std::iter::once(&c.expect).chain(c.arms.values()) {
+                if let Some(r) = &e.regex {
+                    regex_check(r).map_err(|m| format!("{at}: expect.regex: {m}"))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn regex_check(r: &str) -> Result<(), String> {
+    regex::Regex::new(r).map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// The JSON Schema of scenario files, generated from [`Scenario`] (checked in as `harness/scenario.schema.json`).
+pub fn json_schema() -> String {
+    let schema = schemars::schema_for!(Scenario);
+    serde_json::to_string_pretty(&schema).expect("schemas serialize") + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = "name: t\ncases:\n  - name: a\n    prompt: {text: hi}\n";
+
+    #[test]
+    fn minimal_scenario_gets_defaults() {
+        let s = parse("t.yaml", MIN).unwrap();
+        assert_eq!(s.model, "default");
+        assert_eq!(s.device, "cpu");
+        assert_eq!(s.repetitions, 1);
+    }
+
+    #[test]
+    fn typo_gets_line_column_and_suggestion() {
+        let e = parse("t.yaml", &format!("{MIN}repetitons: 3\n")).unwrap_err();
+        assert_eq!(e.line, 5, "{e}");
+        assert!(e.message.contains("did you mean `repetitions`?"), "{e}");
+        let e = parse("t.yaml", "name: t\ncases:\n  - name: a\n    promt: {text: hi}\n").unwrap_err();
+        assert_eq!((e.line, e.column), (4, 5), "{e}");
+        assert!(e.message.contains("cases[0]") && e.message.contains("`prompt`"), "{e}");
+    }
+
+    #[test]
+    fn semantic_errors_name_the_case() {
+        let e = parse(
+            "t.yaml",
+            "name: t\ncases:\n  - name: a\n    prompt: {text: hi, tokens: 3}\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.message.contains("case `a`") && e.message.contains("exactly one"),
+            "{e}"
+        );
+        let e = parse(
+            "t.yaml",
+            "name: t\ncases:\n  - name: a\n    sweep: {tokens: [1, 2], find_boundary: true}\n",
+        )
+        .unwrap_err();
+        assert!(e.message.contains("needs a range"), "{e}");
+    }
+
+    #[test]
+    fn range_points_double_and_end_at_to() {
+        let r = Range {
+            from: 16,
+            to: 1024,
+            step: None,
+        };
+        assert_eq!(r.points(), vec![16, 32, 64, 128, 256, 512, 1024]);
+        let r = Range {
+            from: 10,
+            to: 25,
+            step: Some(10),
+        };
+        assert_eq!(r.points(), vec![10, 20, 25]);
+    }
+
+    #[test]
+    fn boundary_expectation_reads_number_or_none() {
+        let e: Expect = yaml_serde::from_str("boundary: 65").unwrap();
+        assert_eq!(e.boundary, Some(BoundaryExpect::At(65)));
+        let e: Expect = yaml_serde::from_str("boundary: none").unwrap();
+        assert_eq!(e.boundary, Some(BoundaryExpect::None(NoneWord::None)));
+    }
+}

@@ -1,0 +1,126 @@
+//! Scenarios as tests: every `scenarios/*.yaml` runs with its `quick:` settings, one trial per matrix combination
+//! (libtest-mimic). A scenario whose device this machine lacks is listed as ignored, with the reason in its name.
+//! Each run's report.md is snapshotted (insta) with the volatile fields (rates, times, memory, host) redacted.
+//!
+//! The engine binary comes from the same target folder (`cargo test --workspace` builds it).
+
+use std::path::{Path, PathBuf};
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use strata_harness::{RunOptions, runner, scenario};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// report.md with everything that changes from run to run replaced by placeholders.
+fn redact(md: &str) -> String {
+    let mut out = Vec::new();
+    let mut in_env = false;
+    for line in md.lines() {
+        if line.starts_with("## Log excerpts") {
+            out.push("## Log excerpts of failing requests\n\n[redacted]".to_string());
+            break;
+        }
+        if line.starts_with("## Environment") {
+            in_env = true;
+        } else if line.starts_with("## ") || line.starts_with("Quick run") {
+            in_env = false;
+        }
+        if in_env && line.starts_with("| ") && !line.starts_with("| |") {
+            let key = line.split('|').nth(1).unwrap_or("").trim();
+            out.push(format!("| {key} | [redacted] |"));
+            continue;
+        }
+        if line.starts_with("| ") && line.matches('|').count() == 9 && !line.starts_with("| case") {
+            let mut cols: Vec<String> = line.split('|').map(str::to_string).collect();
+            cols[5] = " [rate] ".into();
+            cols[6] = " [rate] ".into();
+            out.push(cols.join("|"));
+            continue;
+        }
+        if let Some(i) = line.find("Worker RSS peak:") {
+            let rest = &line[i..];
+            let end = rest.find("MiB.").map_or(rest.len(), |e| e + 4);
+            out.push(format!("{}Worker RSS peak: [rss].{}", &line[..i], &rest[end..]));
+            continue;
+        }
+        out.push(line.to_string());
+    }
+    out.join("\n") + "\n"
+}
+
+fn run_arm(file: &Path, combo: &str, name: &str) -> Result<(), Failed> {
+    let out = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let opts = RunOptions {
+        out: out.path().to_path_buf(),
+        quick: true,
+        source: Some(root()),
+        only_arms: vec![combo.to_string()],
+        command: format!("cargo test -p strata-harness --test scenarios {name}"),
+        ..RunOptions::default()
+    };
+    let o = strata_harness::run(file, &opts);
+    let folder = o.folder.ok_or_else(|| format!("no report: {}", o.summary))?;
+    let md = std::fs::read_to_string(folder.join("report.md")).map_err(|e| e.to_string())?;
+    if o.exit_code != 0 {
+        return Err(format!("exit {}: {}\n\n{md}", o.exit_code, o.summary).into());
+    }
+    for f in [
+        "report.json",
+        "tok_s_vs_prompt.png",
+        "tok_s_vs_prompt.svg",
+        "memory_timeline.png",
+    ] {
+        if !folder.join(f).is_file() {
+            return Err(format!("{f} missing from {}", folder.display()).into());
+        }
+    }
+    let mut settings = insta::Settings::clone_current();
+    settings.set_snapshot_path(root().join("harness/tests/snapshots"));
+    settings.set_prepend_module_to_snapshot(false);
+    settings.bind(|| insta::assert_snapshot!(name.replace([':', '=', ','], "_"), redact(&md)));
+    Ok(())
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let mut trials = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("scenarios"))
+        .expect("scenarios/ exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    for file in files {
+        let stem = file.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        let s = match scenario::load(&file) {
+            Ok(s) => s,
+            Err(e) => {
+                let msg = e.to_string();
+                trials.push(Trial::test(format!("{stem}::parse"), move || Err(msg.into())));
+                continue;
+            }
+        };
+        let unavailable = runner::device_available(&s.device).err();
+        for combo in runner::combos(&s) {
+            let name = format!("{stem}::{}", combo.name);
+            match &unavailable {
+                Some(why) => {
+                    trials.push(Trial::test(format!("{name} (ignored: {why})"), || Ok(())).with_ignored_flag(true))
+                }
+                None if s.quick.is_none() => trials.push(Trial::test(name.clone(), move || {
+                    Err(format!("{name}: the scenario needs a `quick:` section to run as a test").into())
+                })),
+                None => {
+                    let (file, combo_name) = (file.clone(), combo.name.clone());
+                    trials.push(Trial::test(name.clone(), move || run_arm(&file, &combo_name, &name)));
+                }
+            }
+        }
+    }
+    // The scenarios share a 2-core machine with the engine they start: one at a time.
+    let mut args = args;
+    args.test_threads = Some(1);
+    libtest_mimic::run(&args, trials).exit();
+}
