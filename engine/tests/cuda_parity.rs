@@ -352,7 +352,7 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
     let path = dir.join(format!("{name}.gguf"));
     spec.write(&path).unwrap();
     let model = Model::load(&path).unwrap();
-    let vocab = model.hp.vocab_size as usize;
+    let vocab = model.weights.output.rows;
     let cfg = SessionConfig {
         max_context: 1024,
         kv,
@@ -374,8 +374,8 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
     let mut same_argmax = 0;
     for _ in 0..24 {
         let arg = |v: &[f32]| v.iter().enumerate().fold(0, |b, (i, &x)| if x > v[b] { i } else { b });
-        let next = arg(&pa) as u32;
-        same_argmax += (arg(&pb) as u32 == next) as usize;
+        let next = arg(&pa[pa.len() - vocab..]) as u32;
+        same_argmax += (arg(&pb[pb.len() - vocab..]) as u32 == next) as usize;
         pa.extend_from_slice(sc.decode(next).unwrap());
         pb.extend_from_slice(sg.decode(next).unwrap());
     }
