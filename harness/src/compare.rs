@@ -120,20 +120,10 @@ pub fn render(old: &Report, new: &Report, deltas: &[Delta]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{ArmReport, CaseRow, Environment, Verdict};
+    use crate::report::{ArmReport, CaseRow};
 
     fn report(prefill: [f64; 3]) -> Report {
         Report {
-            schema_version: 1,
-            scenario: "t".into(),
-            scenario_file: String::new(),
-            description: String::new(),
-            command: String::new(),
-            started_utc: String::new(),
-            duration_s: 0.0,
-            quick: false,
-            environment: Environment::default(),
-            verdict: Verdict::default(),
             arms: vec![ArmReport {
                 name: "a".into(),
                 rows: vec![CaseRow {
@@ -144,6 +134,7 @@ mod tests {
                 }],
                 ..ArmReport::default()
             }],
+            ..Report::empty("t")
         }
     }
 

@@ -196,6 +196,23 @@ pub struct Boundary {
 }
 
 impl Report {
+    /// A report of `scenario` with no arms and an empty environment (a starting point for tests and tools).
+    pub fn empty(scenario: &str) -> Report {
+        Report {
+            schema_version: REPORT_SCHEMA_VERSION,
+            scenario: scenario.into(),
+            scenario_file: String::new(),
+            description: String::new(),
+            command: String::new(),
+            started_utc: String::new(),
+            duration_s: 0.0,
+            quick: false,
+            environment: Environment::default(),
+            verdict: Verdict::default(),
+            arms: Vec::new(),
+        }
+    }
+
     /// Every check of the run.
     pub fn checks(&self) -> impl Iterator<Item = &Check> {
         self.arms.iter().flat_map(|a| {
@@ -510,16 +527,6 @@ mod tests {
     #[test]
     fn verdict_counts_failed_checks_and_dead_arms() {
         let mut r = Report {
-            schema_version: 1,
-            scenario: "t".into(),
-            scenario_file: String::new(),
-            description: String::new(),
-            command: String::new(),
-            started_utc: String::new(),
-            duration_s: 0.0,
-            quick: false,
-            environment: Environment::default(),
-            verdict: Verdict::default(),
             arms: vec![ArmReport {
                 rows: vec![CaseRow {
                     checks: vec![
@@ -533,6 +540,7 @@ mod tests {
                 }],
                 ..ArmReport::default()
             }],
+            ..Report::empty("t")
         };
         r.settle_verdict();
         assert!(!r.verdict.passed);
