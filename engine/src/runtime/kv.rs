@@ -13,7 +13,7 @@ use std::str::FromStr;
 use half::slice::HalfFloatSliceExt;
 
 use crate::model::HParams;
-use crate::quant::{self, DotFn, GgmlType};
+use crate::quant::{self, GgmlType};
 
 /// Storage type of the cache (`--kv f16|int8`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -72,7 +72,6 @@ pub struct KvRows {
     heads: usize,
     /// Bytes of one head's slice of a row.
     head_bytes: usize,
-    dot: DotFn,
 }
 
 impl KvRows {
@@ -84,7 +83,6 @@ impl KvRows {
             head_dim,
             heads,
             head_bytes,
-            dot: quant::dot_fn(ty).expect("F16 and Q8_0 have dot products"),
         }
     }
 
@@ -100,12 +98,6 @@ impl KvRows {
     fn head(&self, cell: usize, head: usize) -> &[u8] {
         let start = (cell * self.heads + head) * self.head_bytes;
         &self.data[start..start + self.head_bytes]
-    }
-
-    /// `Σ q[i] · stored[cell][head][i]` (`q` has `head_dim` values).
-    #[inline]
-    pub fn dot(&self, cell: usize, head: usize, q: &[f32]) -> f32 {
-        (self.dot)(self.head(cell, head), q)
     }
 
     /// Head `head` of `cell` as f32 into `out` (`head_dim` values).

@@ -413,14 +413,13 @@ impl Backend for CpuBackend {
                     .expect("non-empty tile");
                 let n_keys = hi + 1 - lo;
                 let n_q = toks.len() * hpt;
-                // Prefill: the task's keys converted to f32 once, then read by each of its queries (a tile's
-                // tokens times a GQA group), instead of converted again for every query.
-                let keys_f32 = n_q > 1;
-                if keys_f32 {
-                    s.k.resize(n_keys * dk, 0.0);
-                    for j in lo..=hi {
-                        kv.k.read(j, g, &mut s.k[(j - lo) * dk..][..dk]);
-                    }
+                // The task's keys converted to f32 once, then read by each of its queries (in prefill a tile's
+                // tokens times a GQA group). Decode takes the same path, so a token's scores are the same bits
+                // whether it was decoded or prefilled: the f16 rounding of the probabilities below would
+                // otherwise turn one-ulp differences of summation order into visible ones.
+                s.k.resize(n_keys * dk, 0.0);
+                for j in lo..=hi {
+                    kv.k.read(j, g, &mut s.k[(j - lo) * dk..][..dk]);
                 }
                 s.scores.clear();
                 s.scores.resize(n_q * n_keys, f32::NEG_INFINITY);
@@ -438,14 +437,8 @@ impl Backend for CpuBackend {
                             qv = &s.q;
                         }
                         let row = &mut s.scores[(ti * hpt + hh) * n_keys..][..n_keys];
-                        if keys_f32 {
-                            for j in first..=pos {
-                                row[j - lo] = p.scale * kernels::dot(&s.k[(j - lo) * dk..][..dk], qv);
-                            }
-                        } else {
-                            for j in first..=pos {
-                                row[j - lo] = p.scale * kv.k.dot(j, g, qv);
-                            }
+                        for j in first..=pos {
+                            row[j - lo] = p.scale * kernels::dot(&s.k[(j - lo) * dk..][..dk], qv);
                         }
                         softmax_row(row);
                         if f16_values {
