@@ -286,3 +286,26 @@ fn unsupported_architecture_is_a_clear_error() {
         "{err}"
     );
 }
+
+#[test]
+fn prefill_reports_progress_after_each_chunk_but_the_last() {
+    let model = Model::load(smollm2_path()).unwrap();
+    let cfg = SessionConfig {
+        prefill_chunk: Some(8),
+        ..config(KvType::F16)
+    };
+    let mut session = Session::new(&model, CpuBackend, cfg).unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    session.on_prefill_progress(move |read, total| log.lock().unwrap().push((read, total)));
+    let prompt: Vec<u32> = (100..120).collect();
+    session.prefill(&prompt).unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![(8, 20), (16, 20)]);
+    // A second prompt sharing 12 tokens reads only the rest: 10 tokens, one chunk boundary.
+    seen.lock().unwrap().clear();
+    let mut second = prompt[..12].to_vec();
+    second.extend(200..210);
+    let stats = session.prefill(&second).unwrap();
+    assert_eq!((stats.reused, stats.read), (12, 10));
+    assert_eq!(*seen.lock().unwrap(), vec![(8, 10)]);
+}

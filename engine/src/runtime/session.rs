@@ -105,6 +105,9 @@ pub struct Session<'m, B: Backend> {
     faults: FaultPlan,
     /// Whether a failed library GEMM falls back to our own kernel path (`--gemm-fallback`).
     gemm_fallback: bool,
+    /// Called after each prefill chunk with (tokens read so far, tokens to read); see
+    /// [`Session::on_prefill_progress`].
+    progress: Option<Box<dyn FnMut(usize, usize) + Send>>,
 }
 
 impl<'m, B: Backend> Session<'m, B> {
@@ -124,7 +127,15 @@ impl<'m, B: Backend> Session<'m, B> {
             vocab: model.weights.output.rows,
             faults: FaultPlan::default(),
             gemm_fallback: true,
+            progress: None,
         })
+    }
+
+    /// Calls `f(read, total)` after every prefill chunk but the last, `read` of the `total` prompt tokens not
+    /// reused from the cache having been computed. `strata serve`'s worker turns it into `progress` messages,
+    /// which also tell its watchdog that a long prefill is alive.
+    pub fn on_prefill_progress(&mut self, f: impl FnMut(usize, usize) + Send + 'static) {
+        self.progress = Some(Box::new(f));
     }
 
     /// Sets the injected faults and whether a failed prefill GEMM falls back to our own kernel path (the
@@ -226,6 +237,11 @@ impl<'m, B: Backend> Session<'m, B> {
                 want,
             );
             self.tokens.extend_from_slice(chunk);
+            if done < rest.len()
+                && let Some(f) = self.progress.as_mut()
+            {
+                f(done, rest.len());
+            }
         }
         Ok(PrefillStats {
             prompt_tokens: prompt.len(),

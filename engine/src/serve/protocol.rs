@@ -59,6 +59,10 @@ pub enum Message {
     },
     /// A piece of generated text (whole UTF-8 characters, stop strings held back).
     Text { id: u64, text: String },
+    /// Prefill progress of the running request: `read` of `total` prompt tokens computed, sent after each
+    /// prefill chunk but the last. Any message also tells the front's watchdog the worker is alive, so a long
+    /// prefill is not taken for a hang.
+    Progress { read: usize, total: usize },
     /// Request `id` ended normally.
     Done { id: u64, stop: Finish, timings: Timings },
     /// Request `id` could not run (an error about the request itself, e.g. an id outside the vocabulary).

@@ -104,6 +104,7 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
         prefill_chunk: flags.prefill.0,
     };
     let mut session = Session::new(&model, CpuBackend, config)?;
+    session.on_prefill_progress(|read, total| send(&Message::Progress { read, total }));
     session.set_fault_policy(faults, flags.gemm_fallback.is_on());
     let load_ms = start.elapsed().as_secs_f64() * 1e3;
     eprintln!(
