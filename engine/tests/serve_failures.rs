@@ -126,7 +126,9 @@ fn a_worker_fault_is_reported_counted_and_survived() {
 
 #[test]
 fn the_watchdog_stops_a_silent_worker() {
-    let s = Server::start_with(&["--watchdog-s", "2"], &[]);
+    // 5 s: long enough that a busy 2-core machine (this file's four servers run at once) still answers the short
+    // request after the restart within it, short enough for a test.
+    let s = Server::start_with(&["--watchdog-s", "5"], &[]);
     let pid = s.worker_pid();
     let stopper = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(1000));
