@@ -78,24 +78,29 @@ extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u8* __res
     row[c] = f2h(src[i]);
 }
 
-// The same as Q8_0 blocks (ggml's quantize_row_q8_0_ref): d = amax / 127, q = round(x / d). One thread per
-// block of 32 values.
+// The same as Q8_0 blocks (ggml's quantize_row_q8_0_ref, the CPU's quantize_q8_0): d = amax / 127, codes
+// round(x / d) (half away from zero) clamped to [-128, 127], d stored as f16. One warp per block of 32 values,
+// lane l quantizing value l: block b of row t is at pos[t] * row_bytes + 34 * b. Grid: n_tok * width / 32 warps.
 extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u8* __restrict__ dst,
                                          const unsigned int* __restrict__ pos, int n_tok, int width,
                                          long long row_bytes) {
     int nb = width / 32;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)n_tok * nb) return;
-    int t = (int)(i / nb), b = (int)(i % nb);
-    const float* x = src + (long long)t * width + 32 * b;
-    float amax = 0.f;
-    for (int l = 0; l < 32; ++l) amax = fmaxf(amax, fabsf(x[l]));
-    float d = amax / 127.0f, id = d != 0.f ? 1.0f / d : 0.f;
-    u8* blk = dst + (long long)pos[t] * row_bytes + 34 * b;
-    u16 dh = f2h(d);
-    blk[0] = (u8)(dh & 0xFF);
-    blk[1] = (u8)(dh >> 8);
-    for (int l = 0; l < 32; ++l) blk[2 + l] = (u8)(i8)roundf(x[l] * id);
+    long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (w >= (long long)n_tok * nb) return; // whole warps: blockDim is a multiple of 32
+    int t = (int)(w / nb), b = (int)(w % nb);
+    float x = src[(long long)t * width + 32 * b + lane];
+    float amax = warp_max(fabsf(x));
+    float d = amax / 127.0f;
+    float id = d != 0.f ? 1.0f / d : 0.f;
+    int q = (int)roundf(x * id);
+    q = q < -128 ? -128 : (q > 127 ? 127 : q);
+    u8* blk = dst + (long long)pos[t] * row_bytes + 34LL * b;
+    blk[2 + lane] = (u8)(q & 0xFF);
+    // The scale as one 16-bit store, as kv_store_f16 writes its values (blocks start at even offsets: row_bytes
+    // and 34 * b are even). Storing f2h's result byte by byte lost its low byte on the H200 (sm_90, NVRTC 13.0):
+    // every stored scale came back with a zero low byte, a 9% error in the cached values.
+    if (lane == 0) *(u16*)blk = f2h(d);
 }
 
 // Gathers rows: out[i] = x[idx[i]], rows of `width` floats (MoE dispatch: tokens grouped by expert).

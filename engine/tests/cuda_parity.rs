@@ -109,6 +109,13 @@ fn matmul_matches_cpu() {
             let (mut a, mut b) = (vec![0f32; n_tok * rows], vec![f32::NAN; n_tok * rows]);
             cpu.matmul(&w, &x, n_tok, &mut a);
             gpu.matmul(&w, &x, n_tok, &mut b);
+            if !a.iter().all(|v| v.is_finite()) {
+                rows_out.push(Row(
+                    format!("matmul {ty} {rows}x{cols} n_tok={n_tok}: CPU reference not finite"),
+                    f64::INFINITY,
+                    0.0,
+                ));
+            }
             let tol = if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
                 5e-3
             } else {
@@ -218,6 +225,7 @@ fn attention_matches_cpu() {
     let (cpu, gpu) = (CpuBackend, gpu());
     let mut rng = Rng(5);
     let mut rows = Vec::new();
+    let mut dumped = false;
     for kv_ty in [KvType::F16, KvType::Int8] {
         for &(nh, nkv, hd, ctx, window) in &[
             (4u32, 2u32, 64u32, 600usize, None),
@@ -245,6 +253,49 @@ fn attention_matches_cpu() {
                 let q = rng.vec(n * nh * hd, 2.0);
                 cpu.store_kv(&mut kc.layers[0], &k, &v, &pos);
                 gpu.store_kv(&mut kg.layers[0], &k, &v, &pos);
+                // The stored cells themselves, dequantized: the GPU's twin against the CPU's cache.
+                for (name, rc, rg) in [
+                    ("k", &kc.layers[0].k, &kg.layers[0].k),
+                    ("v", &kc.layers[0].v, &kg.layers[0].v),
+                ] {
+                    let ty = kv_ty.ggml();
+                    let hb = ty.row_bytes(hd as u64).unwrap() as usize;
+                    let dev = gpu.kv_device_bytes(rg).expect("twin after store");
+                    let (mut want, mut got) = (Vec::new(), Vec::new());
+                    let mut buf = vec![0f32; hd];
+                    for &c in &pos {
+                        for h in 0..nkv {
+                            rc.read(c as usize, h, &mut buf);
+                            want.extend_from_slice(&buf);
+                            let at = (c as usize * nkv + h) * hb;
+                            quant::dequantize(ty, &dev[at..at + hb], &mut buf).unwrap();
+                            got.extend_from_slice(&buf);
+                        }
+                    }
+                    let err = rel_err(&got, &want);
+                    if err > 1e-6 && !dumped {
+                        // The first differing block: source values, the CPU's bytes, the GPU's bytes.
+                        dumped = true;
+                        let src = if name == "k" { &k } else { &v };
+                        let nbh = hd / 32;
+                        if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+                            let (t, blk) = (i / (nkv * hd), (i % (nkv * hd)) / 32);
+                            let xs = &src[t * nkv * hd + blk * 32..][..32];
+                            let mut cpu_b = vec![0u8; 34];
+                            quant::quantize(ty, xs, &mut cpu_b).unwrap();
+                            let at = (pos[t] as usize * nkv + blk / nbh) * hb + (blk % nbh) * 34;
+                            println!(
+                                "store_kv {name} first differing block: token {t} block {blk}\n  x   {xs:?}\n  cpu {cpu_b:02x?}\n  gpu {:02x?}",
+                                &dev[at..at + 34]
+                            );
+                        }
+                    }
+                    rows.push(Row(
+                        format!("store_kv {name} kv={kv_ty} h={nh}/{nkv} d={hd} n_tok={n} at {pos0}"),
+                        err,
+                        1e-6,
+                    ));
+                }
                 let (mut a, mut b) = (vec![0f32; n * nh * hd], vec![f32::NAN; n * nh * hd]);
                 cpu.attention(&q, &kc.layers[0], &pos, &p, &mut a);
                 gpu.attention(&q, &kg.layers[0], &pos, &p, &mut b);

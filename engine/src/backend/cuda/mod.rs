@@ -44,12 +44,12 @@ const MMV_MAX_TOKENS: usize = 4;
 /// Keys per split of the decode attention's P·V pass.
 const ATTN_SPLIT_KEYS: usize = 128;
 
-/// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul. BF16 has
-/// kernels but disagreed with the CPU on the H200 (relative error 1.0, under investigation), so the CPU runs it.
+/// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
         GgmlType::F32 => "f32",
         GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
         GgmlType::Q4_0 => "q4_0",
         GgmlType::Q4_1 => "q4_1",
         GgmlType::Q5_0 => "q5_0",
@@ -176,6 +176,15 @@ impl CudaBackend {
             .stream
             .synchronize()
             .map_err(CudaError::driver("stream synchronize"))
+    }
+
+    /// The bytes of the device twin of one K or V cache (tests and diagnostics); `None` before its first store.
+    pub fn kv_device_bytes(&self, rows: &KvRows) -> Option<Vec<u8>> {
+        let s = self.lock();
+        let d = s.kv.get(&(rows as *const KvRows as usize))?;
+        let mut out = vec![0u8; d.buf.bytes];
+        d.buf.read(&self.gpu.stream, &mut out).ok()?;
+        Some(out)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -476,7 +485,8 @@ impl Backend for CudaBackend {
                 let src = s.upload(g, Slot::X, f32_bytes(data))?;
                 let (kernel, threads) = match ty {
                     GgmlType::F16 => ("kv_store_f16", n_tok * width),
-                    _ => ("kv_store_q8_0", n_tok * width / 32),
+                    // One warp per 32-value block.
+                    _ => ("kv_store_q8_0", n_tok * width),
                 };
                 g.launch(
                     kernel,

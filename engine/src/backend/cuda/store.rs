@@ -92,24 +92,62 @@ pub trait WeightStore: Send {
     fn resident_bytes(&self) -> usize;
 }
 
+/// A cheap fingerprint of `data`: FNV-1a 64 over its first and last 64 bytes and 64 samples of 8 bytes spread
+/// evenly between them (at most 640 bytes read, whatever the size).
+pub fn fingerprint(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ data.len() as u64;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    let n = data.len();
+    if n <= 640 {
+        eat(data);
+    } else {
+        eat(&data[..64]);
+        for i in 0..64 {
+            let at = 64 + (n - 136) * i / 63;
+            eat(&data[at..at + 8]);
+        }
+        eat(&data[n - 64..]);
+    }
+    h
+}
+
+/// One resident copy and the fingerprint of the host bytes it was made from.
+struct Resident {
+    buf: DevBuf,
+    print: u64,
+}
+
 /// Every weight resident in VRAM, keyed by its host address and length (host views are stable: the mapped
-/// file and the loaded norm vectors live as long as the model).
+/// file and the loaded norm vectors live as long as the model). A host buffer freed and another allocated at
+/// the same address with the same length (tests, or a model loaded after another was dropped) must not get the
+/// old copy: each lookup compares a [`fingerprint`] of the bytes, and a mismatch copies them again.
 #[derive(Default)]
 pub struct ResidentStore {
-    map: HashMap<(usize, usize), DevBuf>,
+    map: HashMap<(usize, usize), Resident>,
     bytes: usize,
 }
 
 impl WeightStore for ResidentStore {
     fn device_ptr(&mut self, stream: &Arc<CudaStream>, data: &[u8]) -> Result<u64, CudaError> {
         let key = (data.as_ptr() as usize, data.len());
-        if let Some(b) = self.map.get(&key) {
-            return Ok(b.ptr);
+        let print = fingerprint(data);
+        if let Some(r) = self.map.get(&key) {
+            if r.print == print {
+                return Ok(r.buf.ptr);
+            }
+            // Stale: the address now holds other bytes. The old copy is freed in stream order.
+            self.map.remove(&key);
+            self.bytes -= data.len();
         }
-        let b = DevBuf::upload(stream, data)?;
-        let p = b.ptr;
+        let buf = DevBuf::upload(stream, data)?;
+        let p = buf.ptr;
         self.bytes += data.len();
-        self.map.insert(key, b);
+        self.map.insert(key, Resident { buf, print });
         Ok(p)
     }
 
