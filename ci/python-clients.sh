@@ -17,12 +17,16 @@ if ! "$venv/bin/pip" install --quiet --disable-pip-version-check 'openai>=1.40' 
     echo "python-clients: skipped: cannot pip install openai and anthropic (is PyPI reachable?)" >&2
     exit 77
 fi
-cargo build --locked -p strata-engine --bin strata
+# The same build as `cargo test --workspace` (ci/test.sh runs that first, so this is a no-op there); building
+# only the binary would resolve other features and compile dozens of crates again.
+cargo test --workspace --locked --no-run --quiet
 port=$("$venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 log=$(mktemp)
 target/debug/strata serve --port "$port" --threads 2 >"$log" 2>&1 &
 server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -f "$log"' EXIT
+# The script's own status survives the cleanup (a killed server's `wait` returns 143, which `set -e` would
+# otherwise turn into the script's exit status).
+trap 'status=$?; kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -f "$log"; exit $status' EXIT
 for _ in $(seq 1 600); do
     if curl -fs "http://127.0.0.1:$port/health" >/dev/null 2>&1; then break; fi
     if ! kill -0 "$server" 2>/dev/null; then cat "$log" >&2; echo "python-clients: strata serve exited" >&2; exit 1; fi
