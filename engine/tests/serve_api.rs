@@ -213,6 +213,14 @@ fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
             "context holds 64",
         ),
         (vec![b' '; 5000], 413, "max-body-bytes"),
+        (
+            json!({"messages": [{"role": "user", "content": "Hi"}],
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
+            .to_string()
+            .into_bytes(),
+            400,
+            "tool use is not supported",
+        ),
     ];
     for (body, status, needle) in openai_cases {
         let (got, v) = s.post_raw(chat, body.clone());
@@ -258,6 +266,13 @@ fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
             400,
         ),
         ("/v1/messages", vec![b' '; 5000], 413),
+        (
+            "/v1/messages",
+            json!({"messages": msgs, "max_tokens": 5, "tools": [{"name": "f", "input_schema": {}}]})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
         (
             "/v1/messages/count_tokens",
             json!({"messages": 3}).to_string().into_bytes(),

@@ -91,6 +91,8 @@ struct MessagesRequest {
     top_p: Option<f32>,
     #[serde(default)]
     stream: bool,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
 }
 
 /// Renders and tokenizes the conversation (system prompt first).
@@ -168,6 +170,7 @@ pub async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesReje
 
 async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(API, body)?;
+    api::refuse_tools(API, req.tools.as_ref(), req.tool_choice.as_ref())?;
     let Some(max_tokens) = req.max_tokens else {
         return Err(ApiError::invalid(API, "max_tokens is required"));
     };

@@ -46,6 +46,8 @@ struct Common {
     seed: Option<u64>,
     stop: Option<OneOrMany>,
     n: Option<i64>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +115,7 @@ fn engine_request(
     default_max: Option<i64>,
 ) -> Result<EngineRequest, ApiError> {
     state.model.check_name(API, c.model.as_deref())?;
+    api::refuse_tools(API, c.tools.as_ref(), c.tool_choice.as_ref())?;
     if let Some(n) = c.n
         && n != 1
     {
