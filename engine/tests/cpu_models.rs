@@ -309,3 +309,25 @@ fn prefill_reports_progress_after_each_chunk_but_the_last() {
     assert_eq!((stats.reused, stats.read), (12, 10));
     assert_eq!(*seen.lock().unwrap(), vec![(8, 10)]);
 }
+
+#[test]
+fn a_reused_prefix_gives_the_same_logits_bits_as_a_fresh_prefill() {
+    // Sampling with a seed must not depend on what the cache held before: the last prompt token's logits are
+    // computed the same way whether the prompt was read whole, read after a reused prefix, or decoded.
+    let model = Model::load(smollm2_path()).unwrap();
+    let prompt: Vec<u32> = (300..340).collect();
+    let mut fresh = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    fresh.prefill(&prompt).unwrap();
+    let want = fresh.logits().to_vec();
+    let mut reused = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    reused.prefill(&prompt[..33]).unwrap();
+    let stats = reused.prefill(&prompt).unwrap();
+    assert_eq!((stats.reused, stats.read), (33, 7));
+    assert!(reused.logits() == want.as_slice(), "logits differ after prefix reuse");
+    let mut stepped = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    stepped.prefill(&prompt[..39]).unwrap();
+    assert!(
+        stepped.decode(prompt[39]).unwrap() == want.as_slice(),
+        "decode differs from prefill"
+    );
+}
