@@ -1,6 +1,6 @@
 //! `strata bench`: prefill and decode speed of the CPU engine on one model, with llama.cpp's `llama-bench` run on
-//! the same file in the same invocation, the decode bound of this machine and the reference speeds of DESIGN.md
-//! section 5.
+//! the same file in the same invocation, the decode bound of this machine and llama-bench's reference speeds on
+//! the 2-core CI machine.
 //!
 //! What is measured follows llama-bench's definitions, so the columns compare:
 //! - `ppN`: prefill of N random tokens into an empty KV cache, one `Session::prefill` (chunked as `--prefill`
@@ -28,10 +28,9 @@ use strata_engine::runtime::generate::argmax;
 use strata_engine::runtime::kv::KvType;
 use strata_engine::runtime::session::{Session, SessionConfig};
 
-/// llama.cpp's llama-bench on SmolLM2-135M Q4_1, `-t 2`, on the 2-core CI machine (DESIGN.md section 5).
-const DESIGN_ANCHOR_SMOLLM2: &[(&str, f64)] =
-    &[("pp128", 505.0), ("pp512", 496.0), ("pp2048", 432.0), ("tg128", 176.0)];
-/// Issue 3's targets, as fractions of llama.cpp in the same run: prefill and decode.
+/// llama.cpp's llama-bench on SmolLM2-135M Q4_1, `-t 2`, on the 2-core CI machine (the project's reference).
+const REFERENCE_SMOLLM2_CI: &[(&str, f64)] = &[("pp128", 505.0), ("pp512", 496.0), ("pp2048", 432.0), ("tg128", 176.0)];
+/// Strata's CPU targets, as fractions of llama.cpp in the same run: prefill and decode.
 const TARGET_PREFILL: f64 = 0.5;
 const TARGET_DECODE: f64 = 0.8;
 
@@ -79,7 +78,7 @@ struct TestResult {
     max: f64,
     /// llama-bench's mean tok/s for the same test, when it ran.
     llama_cpp: Option<f64>,
-    /// DESIGN.md section 5's llama-bench figure for this test on the CI machine (SmolLM2 only).
+    /// llama-bench's reference figure for this test on the 2-core CI machine (SmolLM2 only).
     design_anchor: Option<f64>,
 }
 
@@ -190,10 +189,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let is_smollm2 = path.file_name().and_then(|f| f.to_str()) == Some(models::DEFAULT_MODEL_FILE);
     if is_smollm2 {
         for r in &mut results {
-            r.design_anchor = DESIGN_ANCHOR_SMOLLM2
-                .iter()
-                .find(|(t, _)| *t == r.test)
-                .map(|(_, v)| *v);
+            r.design_anchor = REFERENCE_SMOLLM2_CI.iter().find(|(t, _)| *t == r.test).map(|(_, v)| *v);
         }
     }
     let report = BenchReport {
@@ -404,7 +400,7 @@ fn markdown(r: &BenchReport) -> String {
         (_, Some(e)) => s += &format!("- llama.cpp: {e}\n"),
         (None, None) => {}
     }
-    s += "\n| test | strata tok/s (median) | min – max | llama.cpp tok/s | strata ÷ llama.cpp | target | DESIGN §5 anchor | fraction of decode bound |\n";
+    s += "\n| test | strata tok/s (median) | min – max | llama.cpp tok/s | strata ÷ llama.cpp | target | llama-bench on the CI machine | fraction of decode bound |\n";
     s += "|---|---|---|---|---|---|---|---|\n";
     for t in &r.results {
         let decode = t.test.starts_with("tg");

@@ -192,9 +192,10 @@ fn smollm2_teacher_forced_distribution_matches_llama_cpp() {
     );
     assert!(kld <= 0.005, "mean KLD {kld}");
     // Issue 3 asks for 99%. llama.cpp does not agree with itself that well: its token-by-token pass (n_ubatch 1)
-    // against its batched pass gives 96.1% and KLD 2.4e-3 on this model (noise floor in fixtures/goldens/README.md);
-    // Strata measures 96.1% and 2.5e-3. This guard is that floor less one point.
-    assert!(top1 >= 0.95, "top-1 agreement {top1}");
+    // against its batched pass gives 96.1% and KLD 2.4e-3 on this model, its flash-attention toggle 94.1% and
+    // 2.9e-3 (noise floor in fixtures/goldens/README.md); Strata measures 95.3% and 2.9e-3. The guard is the
+    // lower of llama.cpp's own figures.
+    assert!(top1 >= 0.94, "top-1 agreement {top1}");
 }
 
 /// A generated golden model, written into `dir` and checked against the golden's recorded size.
@@ -250,7 +251,7 @@ fn gemma3_matches_llama_cpp() {
     // Issue 3 asks for KLD ≤ 0.005 and top-1 ≥ 99%. llama.cpp's own token-by-token pass (n_ubatch 1) against its
     // batched pass gives KLD 4.8e-3 and 93.0% on this model (its batched kernels, the repacked Q4_K GEMM and
     // llamafile's Q5_0/Q8_0 GEMM, round differently from its single-token ones); Strata, which computes a token
-    // the same way in any batch, measures KLD 5.6e-3 and 92.2%. These guards sit just outside that floor.
+    // the same way in any batch, measures KLD 5.4e-3 and 91.8%. These guards sit just outside that floor.
     assert!(kld <= 0.008, "mean KLD {kld}");
     assert!(top1 >= 0.90, "top-1 agreement {top1}");
     // A greedy path may part where llama.cpp's top two are closer than its own batch noise moves a logit (up to
