@@ -7,9 +7,9 @@ use anyhow::{Context, Result, bail};
 use strata_engine::backend::AnyBackend;
 use strata_engine::model::Model;
 use strata_engine::models;
-use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, generate};
+use strata_engine::runtime::generate::{GenerateError, GenerateOptions, GenerateStats, generate};
 use strata_engine::runtime::sampling::{Sampler, SamplingParams};
-use strata_engine::runtime::session::{Session, SessionConfig};
+use strata_engine::runtime::session::{Session, SessionConfig, SessionError};
 use strata_engine::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer};
 
 use crate::{EngineArgs, GenerateArgs, SamplingArgs};
@@ -176,10 +176,21 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
         let text = template.render(&chat_request(messages.clone()))?;
         let tokens = l.tokenizer.encode(&text, true, true)?;
         let mut answer = String::new();
-        let (_, stats) = generate(&mut session, &l.tokenizer, &tokens, &opts, &mut s, &mut |t| {
+        let result = generate(&mut session, &l.tokenizer, &tokens, &opts, &mut s, &mut |t| {
             answer.push_str(t);
             stream_to_stdout(t)
-        })?;
+        });
+        let stats = match result {
+            Ok((_, stats)) => stats,
+            // A turn over the context ends that turn, not the chat: the message is dropped and the user may ask
+            // something shorter.
+            Err(GenerateError::Session(e @ SessionError::ContextOverflow { .. })) if answer.is_empty() => {
+                eprintln!("strata chat: {e}; that message was dropped (an empty line quits)");
+                messages.pop();
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         stream_to_stdout("\n");
         print_summary(&stats);
         messages.push(ChatMessage::new("assistant", answer));

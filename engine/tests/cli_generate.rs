@@ -160,3 +160,26 @@ fn chat_reuses_the_earlier_turns_from_the_kv_cache() {
     let (p2, r2, x2) = s[1];
     assert!(r2 >= s[0].0 && r2 + x2 == p2, "{s:?}");
 }
+
+#[test]
+fn a_chat_turn_over_the_context_is_dropped_and_the_chat_goes_on() {
+    let mut child = strata()
+        .args(["chat", "--threads", "2", "--max-tokens", "8", "--max-context", "128"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let long = "word ".repeat(200);
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{long}\nWhat is 2+2?\n").as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("holds 128") && stderr.contains("dropped"), "{stderr}");
+    assert_eq!(summary(&stderr).len(), 1, "the second turn is answered: {stderr}");
+}

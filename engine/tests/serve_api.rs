@@ -121,6 +121,23 @@ fn openai_completions_and_models() {
 }
 
 #[test]
+fn unknown_paths_and_methods_answer_in_the_api_shape() {
+    let s = Server::start();
+    let r = s.client.get(s.url("/v1/nothing")).send().unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("/v1/nothing"), "{v}");
+    let r = s.client.get(s.url("/v1/chat/completions")).send().unwrap();
+    assert_eq!(r.status(), 405);
+    let v: Value = r.json().unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("GET"), "{v}");
+    let r = s.client.get(s.url("/v1/messages")).send().unwrap();
+    assert_eq!(r.status(), 405);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["type"], "error", "Anthropic shape: {v}");
+}
+
+#[test]
 fn anthropic_messages_plain_streamed_and_counted() {
     let s = Server::start();
     let req = json!({

@@ -50,8 +50,10 @@ pub enum ErrorKind {
     InvalidRequest,
     /// 401: missing or wrong API key.
     Authentication,
-    /// 404: an unknown model name.
+    /// 404: an unknown model name or path.
     NotFound,
+    /// 405: a known path with the wrong method.
+    MethodNotAllowed,
     /// 413: a body over `--max-body-bytes`.
     TooLarge,
     /// 503 with Retry-After: the queue is full.
@@ -66,6 +68,7 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::Overloaded | ErrorKind::EngineDown => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -74,7 +77,7 @@ impl ErrorKind {
     /// The error's `type` string in `api`'s vocabulary.
     fn type_name(self, api: Api) -> &'static str {
         match (api, self) {
-            (_, ErrorKind::InvalidRequest) => "invalid_request_error",
+            (_, ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed) => "invalid_request_error",
             (_, ErrorKind::Authentication) => "authentication_error",
             (Api::OpenAi, ErrorKind::NotFound) => "invalid_request_error",
             (Api::Anthropic, ErrorKind::NotFound) => "not_found_error",

@@ -25,7 +25,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -249,11 +249,34 @@ pub fn router(state: Shared, max_body_bytes: usize) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics", get(metrics_text))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn_with_state(state.clone(), require_key))
         .route("/health", get(health))
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
+}
+
+/// The API a path belongs to, for the shape of its error answers.
+fn api_of(uri: &Uri) -> Api {
+    if uri.path().starts_with("/v1/messages") {
+        Api::Anthropic
+    } else {
+        Api::OpenAi
+    }
+}
+
+/// 404 for an unknown path, in the error shape of the API it looks like.
+async fn no_route(uri: Uri) -> Response {
+    let msg = format!("no such endpoint: {}", uri.path());
+    ApiError::new(api_of(&uri), ErrorKind::NotFound, msg).into_response()
+}
+
+/// 405 for a known path called with the wrong method.
+async fn wrong_method(method: Method, uri: Uri) -> Response {
+    let msg = format!("{} does not accept {method}", uri.path());
+    ApiError::new(api_of(&uri), ErrorKind::MethodNotAllowed, msg).into_response()
 }
 
 async fn health(State(s): State<Shared>) -> Response {
