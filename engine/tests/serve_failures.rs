@@ -16,6 +16,23 @@ fn long_request(stream: bool) -> Value {
     })
 }
 
+/// Sends a long non-streaming chat request and signals the worker `after_ms` into it; returns the answer.
+fn signal_during_long_request(s: &Server, sig: &'static str, after_ms: u64) -> reqwest::blocking::Response {
+    let pid = s.worker_pid();
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(after_ms));
+        signal(pid, sig);
+    });
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&long_request(false))
+        .send()
+        .unwrap();
+    sender.join().unwrap();
+    r
+}
+
 fn short_request() -> Value {
     json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
 }
@@ -51,18 +68,7 @@ fn sigkill_of_the_worker_gives_503_then_the_next_request_200() {
 
     // A non-streaming request in flight gets the 503 itself.
     s.wait_ready(Duration::from_secs(60));
-    let pid = s.worker_pid();
-    let killer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(1500));
-        signal(pid, "KILL");
-    });
-    let r = s
-        .client
-        .post(s.url("/v1/chat/completions"))
-        .json(&long_request(false))
-        .send()
-        .unwrap();
-    killer.join().unwrap();
+    let r = signal_during_long_request(&s, "KILL", 1500);
     assert_eq!(r.status(), 503);
     assert!(r.headers().get("retry-after").is_some());
     let v: Value = r.json().unwrap();
@@ -129,18 +135,7 @@ fn the_watchdog_stops_a_silent_worker() {
     // 5 s: long enough that a busy 2-core machine (this file's four servers run at once) still answers the short
     // request after the restart within it, short enough for a test.
     let s = Server::start_with(&["--watchdog-s", "5"], &[]);
-    let pid = s.worker_pid();
-    let stopper = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(1000));
-        signal(pid, "STOP");
-    });
-    let r = s
-        .client
-        .post(s.url("/v1/chat/completions"))
-        .json(&long_request(false))
-        .send()
-        .unwrap();
-    stopper.join().unwrap();
+    let r = signal_during_long_request(&s, "STOP", 1000);
     assert_eq!(r.status(), 503);
     let v: Value = r.json().unwrap();
     assert!(v["error"]["message"].as_str().unwrap().contains("watchdog"), "{v}");
