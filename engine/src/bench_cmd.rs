@@ -218,12 +218,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
 }
 
 impl TestResult {
-    fn new(test: String, mut tok_s: Vec<f64>) -> TestResult {
+    fn new(test: String, tok_s: Vec<f64>) -> TestResult {
         let mut sorted = tok_s.clone();
         sorted.sort_by(f64::total_cmp);
         let median = sorted[sorted.len() / 2];
         let (min, max) = (sorted[0], sorted[sorted.len() - 1]);
-        tok_s.shrink_to_fit();
         TestResult {
             test,
             tok_s,
