@@ -1,46 +1,80 @@
 #!/usr/bin/env bash
-# The CUDA checks of issue 6, on a machine with an NVIDIA GPU and no Rust toolchain: the release `strata` binary
-# and the cuda_parity test binary are built elsewhere and carried in carry/ (see README "CUDA").
-#   ci/device-test.sh            device list, kernel start times (cold, then cached), selftest, parity, KLD,
-#                                sync-launch mode, a quick generate on a synthetic model
-# Logs go to $OUT (or ./device-out); a short table is printed last.
+# The CUDA checks and benchmarks of issue 6, on a machine with an NVIDIA GPU and no Rust toolchain: the release
+# `strata` binary and the cuda_parity test binary are built elsewhere and carried in carry/ (see README "CUDA").
+#   ci/device-test.sh [parity] [bench-small] [bench-30b]   (default: parity bench-small)
+#     parity       device list, kernel start times (cold, then cached), selftest, op parity table, end-to-end KLD,
+#                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
+#     bench-small  `strata bench --device cuda:0` on a SmolLM2-135M-shaped model (llama, Q4_1, Q8_0 embedding)
+#     bench-30b    the same on a Qwen3-30B-A3B-shaped qwen3moe (Q4_K, Q6_K output), generated here (about 17 GB)
+# Logs and reports go to $OUT (or ./device-out); a short table is printed last.
 set -uo pipefail
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 BIN=${STRATA_BIN:-carry/strata}
 TESTS=${STRATA_CUDA_TESTS:-carry/cuda_parity}
 export STRATA_KERNEL_CACHE=$(mktemp -d)
-export STRATA_EVENTS=$OUT/events.jsonl
-WORK=$(mktemp -d)
+WORK=${STRATA_WORK:-$(mktemp -d)}
+MODES=${*:-parity bench-small}
 declare -a ROWS
 row() { ROWS+=("$(printf '%-44s %s' "$1" "$2")"); }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/nvidia-smi.txt"
-"$BIN" device --list-devices 2>&1 | tee "$OUT/list-devices.txt"
-row "list-devices" "$(grep -c '^device ' "$OUT/list-devices.txt") device(s)"
-# --list-devices compiles the kernels (and fills the cache): the cold start gets an empty cache of its own.
-STRATA_KERNEL_CACHE=$(mktemp -d) "$BIN" device --selftest 2>&1 | tee "$OUT/selftest-cold.txt"
-row "start, kernels compiled (cold cache)" "$(grep -o 'start .*' "$OUT/selftest-cold.txt")"
-"$BIN" device --selftest 2>&1 | tee "$OUT/selftest-warm.txt"
-row "start, kernels from the cache" "$(grep -o 'start .*' "$OUT/selftest-warm.txt")"
-row "selftest" "$(tail -1 "$OUT/selftest-warm.txt")"
 
-# Parity and KLD (single-threaded tests: one GPU context at a time keeps the logs readable).
-"$TESTS" --ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/parity.txt"
-row "parity tests" "$(grep -E '^test result' "$OUT/parity.txt" | tail -1)"
-while read -r l; do row "  KLD" "$l"; done < <(grep -E 'mean KLD' "$OUT/parity.txt")
-row "  worst op rows" "$(grep -E 'rel err' "$OUT/parity.txt" | sort -k5 -g -r 2>/dev/null | head -1)"
-row "fallback events" "$(grep -c '"fallback"' "$STRATA_EVENTS" 2>/dev/null || echo 0)"
-
-# A synthetic SmolLM2-shaped model and the tiny MoE through `strata generate`, CPU and CUDA, greedy.
-"$BIN" fixtures synth --out "$WORK/moe.gguf" --preset tiny-qwen3moe 2>&1 | tail -1
-for dev in cpu cuda:0; do
-  f=gen-${dev//:/}   # no ':' in names of files that come back
-  STRATA_SYNC_LAUNCHES=1 "$BIN" generate --model "$WORK/moe.gguf" --device $dev --prompt "hello" --max-tokens 32 \
-    > "$OUT/$f.txt" 2> "$OUT/$f.err"
-  row "generate tiny-qwen3moe $dev" "rc=$? $(tail -1 "$OUT/$f.err")"
+for mode in $MODES; do
+case $mode in
+parity)
+  "$BIN" device --list-devices 2>&1 | tee "$OUT/list-devices.txt"
+  row "list-devices" "$(grep -c '^device ' "$OUT/list-devices.txt") device(s)"
+  # --list-devices compiles the kernels (and fills the cache): the cold start gets an empty cache of its own.
+  STRATA_KERNEL_CACHE=$(mktemp -d) "$BIN" device --selftest 2>&1 | tee "$OUT/selftest-cold.txt"
+  row "start, kernels compiled (cold cache)" "$(grep -o 'start .*' "$OUT/selftest-cold.txt")"
+  "$BIN" device --selftest 2>&1 | tee "$OUT/selftest-warm.txt"
+  row "start, kernels from the cache" "$(grep -o 'start .*' "$OUT/selftest-warm.txt")"
+  row "selftest" "$(tail -1 "$OUT/selftest-warm.txt")"
+  # Parity and KLD (single-threaded tests: one GPU context at a time keeps the logs readable).
+  "$TESTS" --ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/parity.txt"
+  row "parity tests" "$(grep -E '^test result' "$OUT/parity.txt" | tail -1)"
+  row "  op rows within tolerance" "$(grep -c 'rel err.* ok$' "$OUT/parity.txt") of $(grep -c 'rel err' "$OUT/parity.txt")"
+  while read -r l; do row "  KLD" "$l"; done < <(grep -E 'mean KLD' "$OUT/parity.txt")
+  row "  fallback events (gemm test)" "$(grep -c 'strata: fallback:' "$OUT/parity.txt")"
+  # The tiny MoE through `strata generate`, CPU and CUDA, greedy; then an injected cuBLAS failure.
+  "$BIN" fixtures synth --out "$WORK/moe.gguf" --preset tiny-qwen3moe 2>&1 | tail -1
+  for dev in cpu cuda:0; do
+    f=gen-${dev//:/}   # no ':' in names of files that come back
+    STRATA_SYNC_LAUNCHES=1 "$BIN" generate --model "$WORK/moe.gguf" --device $dev --prompt "hello" --max-tokens 32 \
+      > "$OUT/$f.txt" 2> "$OUT/$f.err"
+    row "generate tiny-qwen3moe $dev" "rc=$? $(tail -1 "$OUT/$f.err")"
+  done
+  cmp -s "$OUT/gen-cpu.txt" "$OUT/gen-cuda0.txt" && row "greedy text cpu == cuda" "same" || row "greedy text cpu == cuda" "differs"
+  long=$(printf 'the quick brown fox %.0s' $(seq 1 60))
+  STRATA_FAULT='prefill_gemm:m>64' "$BIN" generate --model "$WORK/moe.gguf" --device cuda:0 --prompt "$long" \
+    --max-tokens 8 --prefill 256 > "$OUT/gen-fault.txt" 2> "$OUT/gen-fault.err"
+  row "STRATA_FAULT=prefill_gemm:m>64, fallback on" "rc=$? fallback events: $(grep -c 'strata: fallback:' "$OUT/gen-fault.err")"
+  ;;
+bench-small)
+  "$BIN" fixtures synth --out "$WORK/smollm2-shaped.gguf" --arch llama --layers 30 --embd 576 --ff 1536 --heads 9 \
+    --heads-kv 3 --head-dim 64 --experts 0 --experts-used 0 --ff-exp 0 --vocab 49152 --ctx 8192 --type Q4_1 \
+    --type-embd Q8_0 --tied-output 2>&1 | tail -1
+  "$BIN" bench --device cuda:0 --model "$WORK/smollm2-shaped.gguf" --llama-bench off --reps 5 \
+    --prompt-tokens 128,512,2048 --gen-tokens 128 --prefill 2048 > "$OUT/bench-smollm2-shaped.md" 2> "$OUT/bench-smollm2-shaped.err"
+  row "bench smollm2-shaped" "rc=$?"
+  while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
+  ;;
+bench-30b)
+  /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
+  row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-30b.csv" 2>/dev/null &
+  SMI=$!
+  "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps 3 \
+    --prompt-tokens 512,2048,8192 --gen-tokens 128 --prefill 2048 > "$OUT/bench-30b.md" 2> "$OUT/bench-30b.err"
+  row "bench qwen3-30b-a3b-shaped" "rc=$?"
+  kill $SMI 2>/dev/null
+  row "  nvidia-smi memory.used peak (MiB)" "$(sort -n "$OUT/smi-30b.csv" | tail -1)"
+  while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-30b.md" | cut -d'|' -f2,3,9)
+  ;;
+*) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
 done
-cmp -s "$OUT/gen-cpu.txt" "$OUT/gen-cuda0.txt" && row "greedy text cpu == cuda" "same" || row "greedy text cpu == cuda" "differs"
 
 echo
 echo "==== device-test summary (${STRATA_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')})"

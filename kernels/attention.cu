@@ -99,3 +99,79 @@ extern "C" __global__ void sum_splits(const float* __restrict__ part, float* __r
     for (int k = 0; k < n_split; ++k) s += part[(long long)k * n + i];
     out[i] = s;
 }
+
+// Decode attention in one launch (cpu: Backend::attention, the same rounding): block (h, t) computes query head h
+// of token t against cells first..=pos[t] (first = pos + 1 - window with a window), reading its position from the
+// device, so the launch's arguments do not change from one decode step to the next (CUDA graphs). Scores go to
+// scores[(t * n_head + h) * n_ctx ...]; out is [n_tok][n_head][dv]. Block 256 threads (8 warps).
+extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __restrict__ k,
+                                       const u8* __restrict__ v, float* __restrict__ scores,
+                                       float* __restrict__ out, const unsigned int* __restrict__ pos, int n_head,
+                                       int n_head_kv, int dk, int dv, float scale, int window, long long krb,
+                                       int khb, int kty, long long vrb, int vhb, int vty, int n_ctx) {
+    __shared__ float red[8];
+    __shared__ double redd[8];
+    __shared__ float pv[256];
+    int h = blockIdx.x, t = blockIdx.y, th = t * n_head + h;
+    int g = h / (n_head / n_head_kv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int p = (int)pos[t];
+    int first = window > 0 ? max(0, p + 1 - window) : 0;
+    int n = p + 1 - first;
+    float* sc = scores + (long long)th * n_ctx;
+    const float* qv = q + (long long)th * dk;
+    for (int j = warp; j < n; j += 8) {
+        float acc = 0.f;
+        for (int d = lane; d < dk; d += 32) {
+            float a = qv[d];
+            if (kty == 0) a = round_f16(a);
+            acc += a * kv_load(k, krb, khb, kty, first + j, g, d);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) sc[j] = scale * acc;
+    }
+    __syncthreads();
+    float m = -STRATA_INF;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, sc[j]);
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < 8; ++w) m = fmaxf(m, red[w]);
+    double s = 0.0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = expf(sc[j] - m);
+        sc[j] = e;
+        s += (double)e;
+    }
+    s = warp_sum_d(s);
+    if (lane == 0) redd[warp] = s;
+    __syncthreads();
+    double tot = 0.0;
+    for (int w = 0; w < 8; ++w) tot += redd[w];
+    float inv = (float)(1.0 / tot);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float pr = sc[j] * inv;
+        sc[j] = vty == 0 ? round_f16(pr) : pr;
+    }
+    __syncthreads();
+    // P.V: the block's threads split into groups of dv (rounded up to warps), each group taking every
+    // groups-th key; the groups' sums meet in shared memory.
+    int per = (dv + 31) & ~31;
+    int groups = max(1, (int)blockDim.x / per);
+    int grp = threadIdx.x / per, d = threadIdx.x % per;
+    float acc = 0.f;
+    if (grp < groups && d < dv)
+        for (int j = grp; j < n; j += groups) {
+            float w = sc[j];
+            if (w != 0.f) acc += w * kv_load(v, vrb, vhb, vty, first + j, g, d);
+        }
+    float* o = out + (long long)th * dv;
+    for (int gi = 0; gi < groups; ++gi) {
+        if (grp == gi && d < dv) {
+            if (gi == 0) pv[d] = acc; else pv[d] += acc;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < dv) o[threadIdx.x] = pv[threadIdx.x];
+}

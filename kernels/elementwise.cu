@@ -1,10 +1,12 @@
 // Element-wise and per-row ops. Each mirrors the CPU backend's function named beside it
 // (engine/src/backend/cpu/mod.rs), including its summation precision.
 
-// RMSNorm (cpu: rms_norm_row): the mean of squares in f64, x * scale * w. One block of 256 per row.
-extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ w, int n, float eps) {
+// RMSNorm (cpu: rms_norm_row): the mean of squares in f64, out = x * scale * w (out may be x). One block of 256
+// per row of n.
+extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int n, float eps) {
     __shared__ double part[8];
-    float* row = x + (long long)blockIdx.x * n;
+    const float* row = x + (long long)blockIdx.x * n;
+    float* dst = out + (long long)blockIdx.x * n;
     double ss = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)row[i] * (double)row[i];
     ss = warp_sum_d(ss);
@@ -17,7 +19,7 @@ extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restri
     }
     __syncthreads();
     float scale = 1.0f / sqrtf((float)(part[0] / n) + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = row[i] * scale * w[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i] * scale * w[i];
 }
 
 // RoPE (cpu: rope_token): theta = pos * theta_scale^i by repeated multiplication, as ggml's rope cache.
@@ -110,4 +112,77 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsign
     if (i >= (long long)n * width) return;
     int r = (int)(i / width), c = (int)(i % width);
     out[i] = x[(long long)idx[r] * width + c];
+}
+
+// dst[i] = src[i], n values.
+extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __restrict__ dst, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}
+
+// The MoE router (cpu: route): per token, softmax over the n_expert logits (in place: they become the
+// probabilities; max, exp in f32, sum in f64, as softmax_row), then the k largest probabilities, ties to the
+// lower id, renormalised to sum 1 (an f32 sum in choice order) when `normalize`. ids and weights are
+// [n_tok][k]. One warp per token (grid n_tok, block 32); n_expert <= 1024.
+extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,
+                                     int n_expert, int k, int normalize) {
+    float* row = logits + (long long)blockIdx.x * n_expert;
+    int lane = threadIdx.x;
+    float m = -STRATA_INF;
+    for (int e = lane; e < n_expert; e += 32) m = fmaxf(m, row[e]);
+    m = warp_max(m);
+    double s = 0.0;
+    for (int e = lane; e < n_expert; e += 32) {
+        float x = expf(row[e] - m);
+        row[e] = x;
+        s += (double)x;
+    }
+    s = warp_sum_d(s);
+    float inv = (float)(1.0 / s);
+    for (int e = lane; e < n_expert; e += 32) row[e] *= inv;
+    __syncwarp();
+    // Top-k by repeated arg-max over the warp: each lane keeps its best unchosen expert.
+    u32 chosen[32]; // bit e % 32 of word e / 32
+    for (int i = 0; i < 32; ++i) chosen[i] = 0;
+    u32* out_ids = ids + (long long)blockIdx.x * k;
+    float* out_w = wts + (long long)blockIdx.x * k;
+    float sum = 0.f;
+    for (int i = 0; i < k; ++i) {
+        float best = -STRATA_INF;
+        int be = n_expert;
+        for (int e = lane; e < n_expert; e += 32) {
+            if (chosen[e >> 5] & (1u << (e & 31))) continue;
+            if (row[e] > best || (row[e] == best && e < be)) best = row[e], be = e;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ob > best || (ob == best && oe < be)) best = ob, be = oe;
+        }
+        chosen[be >> 5] |= 1u << (be & 31);
+        sum += best;
+        if (lane == 0) out_ids[i] = (u32)be, out_w[i] = best;
+    }
+    __syncwarp();
+    if (normalize && lane == 0)
+        for (int i = 0; i < k; ++i) out_w[i] /= sum;
+}
+
+// The weighted sum of the experts' outputs (cpu: moe_ffn): out[t][c] = sum_i wts[t][i] * d[row(t, i)][c] in f64,
+// divided by sum_i wts[t][i] (f64) when `normalized`. row(t, i) = rows[t * k + i], or t * k + i without `rows`.
+// One thread per output value.
+extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* __restrict__ rows,
+                                       const float* __restrict__ wts, float* __restrict__ out, int n_tok, int k,
+                                       int n_embd, int normalized) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_tok * n_embd) return;
+    int t = (int)(i / n_embd), c = (int)(i % n_embd);
+    double acc = 0.0, ws = 0.0;
+    for (int j = 0; j < k; ++j) {
+        int slot = t * k + j;
+        int r = rows ? (int)rows[slot] : slot;
+        acc += (double)wts[slot] * (double)d[(long long)r * n_embd + c];
+        ws += (double)wts[slot];
+    }
+    out[i] = (float)(normalized ? acc * (1.0 / ws) : acc);
 }

@@ -1,6 +1,11 @@
-//! `strata bench`: prefill and decode speed of the CPU engine on one model, with llama.cpp's `llama-bench` run on
-//! the same file in the same invocation, the decode bound of this machine and llama-bench's reference speeds on
-//! the 2-core CI machine.
+//! `strata bench`: prefill and decode speed of the engine on one model (`--device cpu` or `cuda:N`), with
+//! llama.cpp's `llama-bench` run on the same file in the same invocation when a build is at hand, the bounds of
+//! this machine and llama-bench's reference speeds from DESIGN.md section 5.
+//!
+//! On a GPU the bounds are measured in the same run (METHOD.md): decode ≤ device copy bandwidth ÷ bytes read per
+//! token; prefill ≤ the dense f16 matrix rate (cuBLAS, 8192³) ÷ FLOPs per token (2 × the weights a token
+//! multiplies: every matrix, the routed share of the experts). After the timed runs, one profiled pass of each
+//! test gives the device time per kernel from CUDA events, and the memory the device reports in use.
 //!
 //! What is measured follows llama-bench's definitions, so the columns compare:
 //! - `ppN`: prefill of N random tokens into an empty KV cache, one `Session::prefill` (chunked as `--prefill`
@@ -21,7 +26,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use rayon::prelude::*;
 use serde::Serialize;
-use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::{AnyBackend, Device};
 use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::generate::argmax;
@@ -30,6 +35,9 @@ use strata_engine::runtime::session::{Session, SessionConfig};
 
 /// llama.cpp's llama-bench on SmolLM2-135M Q4_1, `-t 2`, on the 2-core CI machine (the project's reference).
 const REFERENCE_SMOLLM2_CI: &[(&str, f64)] = &[("pp128", 505.0), ("pp512", 496.0), ("pp2048", 432.0), ("tg128", 176.0)];
+/// llama.cpp's llama-bench (flash attention on) on the H200 with a Qwen3-30B-A3B-shaped qwen3moe, Q4_K with a
+/// Q6_K output, random weights, all in VRAM (DESIGN.md section 5).
+const REFERENCE_30B_A3B_H200: &[(&str, f64)] = &[("pp512", 9192.0), ("pp2048", 10240.0), ("tg128", 307.0)];
 /// Strata's CPU targets, as fractions of llama.cpp in the same run: prefill and decode.
 const TARGET_PREFILL: f64 = 0.5;
 const TARGET_DECODE: f64 = 0.8;
@@ -61,9 +69,39 @@ pub struct BenchArgs {
     /// present) or `off`.
     #[arg(long, default_value = "auto")]
     llama_bench: String,
+    /// Where to compute: cpu, or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
     /// Print JSON instead of Markdown.
     #[arg(long)]
     json: bool,
+}
+
+/// Device time of one kernel in a profiled pass.
+#[derive(Debug, Serialize)]
+struct KernelTime {
+    kernel: String,
+    launches: u64,
+    ms: f64,
+}
+
+/// What a GPU run adds: the device, its measured ceilings, memory in use, per-kernel time.
+#[derive(Debug, Serialize)]
+struct GpuInfo {
+    device: String,
+    /// Device copy bandwidth, GB/s (read + write), measured.
+    copy_gb_s: f64,
+    /// cuBLAS f16 GEMM rate, TFLOP/s, measured.
+    gemm_tflops: Option<f64>,
+    /// FLOPs per prefilled token (2 × multiplied weights).
+    flops_per_token: f64,
+    /// Device memory in use (total − free, as nvidia-smi counts it) after the tests, MiB.
+    mem_used_mib: f64,
+    mem_total_mib: f64,
+    /// Bytes of weights copied to the device.
+    resident_weight_mib: f64,
+    /// Per test: kernels by device time in one profiled pass.
+    profiles: Vec<(String, f64, Vec<KernelTime>)>,
 }
 
 /// One test's timings.
@@ -98,6 +136,9 @@ struct BenchReport {
     read_bandwidth_gb_s: f64,
     /// `read_bandwidth ÷ bytes_per_token`.
     decode_bound_tok_s: f64,
+    /// `matrix rate ÷ FLOPs per token` (GPU).
+    prefill_bound_tok_s: Option<f64>,
+    gpu: Option<GpuInfo>,
     /// Process high-water mark after every test, MiB.
     peak_rss_mib: f64,
     results: Vec<TestResult>,
@@ -135,7 +176,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         kv: args.kv,
         prefill_chunk: args.prefill,
     };
-    let mut session = Session::new(&model, CpuBackend, config)?;
+    let backend = AnyBackend::open(args.device).with_context(|| format!("cannot use --device {}", args.device))?;
+    let mut session = Session::new(&model, backend, config)?;
     let vocab = model.weights.output.rows as u32;
     let mut results = Vec::new();
     for &n in &args.prompt_tokens {
@@ -167,7 +209,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let peak_rss_mib = peak_rss_kib().map_or(f64::NAN, |k| k as f64 / 1024.0);
     let bytes_per_token = bytes_per_token(&model);
-    let read_bandwidth_gb_s = read_bandwidth() / 1e9;
+    let gpu = match session.backend().cuda().is_some() {
+        true => Some(gpu_info(&model, &mut session, &args)?),
+        false => None,
+    };
+    let read_bandwidth_gb_s = match &gpu {
+        Some(g) => g.copy_gb_s,
+        None => read_bandwidth() / 1e9,
+    };
+    let prefill_bound_tok_s = gpu
+        .as_ref()
+        .and_then(|g| g.gemm_tflops.map(|t| t * 1e12 / g.flops_per_token));
     drop(session);
 
     let (llama_bench, llama_bench_error) = match llama_bench_path(&args.llama_bench) {
@@ -187,9 +239,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Err(e) => (None, Some(format!("{e:#}"))),
     };
     let is_smollm2 = path.file_name().and_then(|f| f.to_str()) == Some(models::DEFAULT_MODEL_FILE);
-    if is_smollm2 {
+    let hp = &model.hp;
+    let is_30b_a3b = hp.arch.to_string() == "qwen3moe"
+        && (hp.n_layer, hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp) == (48, 2048, 128, 8, 768);
+    let anchors = match (is_smollm2 && gpu.is_none(), is_30b_a3b && gpu.is_some()) {
+        (true, _) => Some(REFERENCE_SMOLLM2_CI),
+        (_, true) => Some(REFERENCE_30B_A3B_H200),
+        _ => None,
+    };
+    if let Some(anchors) = anchors {
         for r in &mut results {
-            r.design_anchor = REFERENCE_SMOLLM2_CI.iter().find(|(t, _)| *t == r.test).map(|(_, v)| *v);
+            r.design_anchor = anchors.iter().find(|(t, _)| *t == r.test).map(|(_, v)| *v);
         }
     }
     let report = BenchReport {
@@ -204,6 +264,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bytes_per_token,
         read_bandwidth_gb_s,
         decode_bound_tok_s: read_bandwidth_gb_s * 1e9 / bytes_per_token as f64,
+        prefill_bound_tok_s,
+        gpu,
         peak_rss_mib,
         results,
         llama_bench,
@@ -277,6 +339,83 @@ fn bytes_per_token(model: &Model) -> u64 {
             }
         })
         .sum::<f64>() as u64
+}
+
+/// FLOPs a prefilled token costs in the weight matrices: 2 per multiplied weight (every matrix but the embedding
+/// lookup, the routed share of the experts). Attention's own FLOPs grow with the context and are left out.
+fn flops_per_token(model: &Model) -> f64 {
+    let share = if model.hp.n_expert > 0 {
+        model.hp.n_expert_used as f64 / model.hp.n_expert as f64
+    } else {
+        1.0
+    };
+    let tied = model.gguf.tensor("output.weight").is_none();
+    model
+        .gguf
+        .tensors()
+        .iter()
+        .filter(|t| t.dims.len() >= 2 && (t.name != "token_embd.weight" || tied))
+        .map(|t| {
+            let n = t.dims.iter().product::<u64>() as f64;
+            2.0 * if t.name.contains("_exps") { n * share } else { n }
+        })
+        .sum()
+}
+
+/// The GPU's ceilings, one profiled pass of each test and the memory in use.
+fn gpu_info(model: &Model, session: &mut Session<'_, AnyBackend>, args: &BenchArgs) -> Result<GpuInfo> {
+    fn cuda<'a>(s: &'a Session<'_, AnyBackend>) -> &'a strata_engine::backend::cuda::CudaBackend {
+        s.backend().cuda().expect("a CUDA session")
+    }
+    let vocab = model.weights.output.rows as u32;
+    let mut profiles = Vec::new();
+    let rows = |cuda: &strata_engine::backend::cuda::CudaBackend| -> Vec<KernelTime> {
+        cuda.gpu()
+            .kernel_profile()
+            .into_iter()
+            .map(|(k, n, ms)| KernelTime {
+                kernel: k.to_string(),
+                launches: n,
+                ms,
+            })
+            .collect()
+    };
+    cuda(session).synchronize()?;
+    let _ = cuda(session).gpu().kernel_profile();
+    cuda(session).gpu().set_profiling(true);
+    for &n in &args.prompt_tokens {
+        let prompt = random_tokens(n, vocab, n as u64 + 1);
+        session.clear();
+        session.prefill(&prompt)?;
+        let k = rows(cuda(session));
+        profiles.push((format!("pp{n}"), k.iter().map(|r| r.ms).sum(), k));
+    }
+    if args.gen_tokens > 0 {
+        session.clear();
+        let mut token = random_tokens(1, vocab, 7)[0];
+        for _ in 0..args.gen_tokens {
+            token = argmax(session.decode(token)?);
+        }
+        let k = rows(cuda(session));
+        profiles.push((format!("tg{}", args.gen_tokens), k.iter().map(|r| r.ms).sum(), k));
+    }
+    let cuda = cuda(session);
+    cuda.gpu().set_profiling(false);
+    let (free, total) = cuda.gpu().mem_info()?;
+    Ok(GpuInfo {
+        device: format!(
+            "{} (cuda:{})",
+            cuda.gpu().ctx.name().unwrap_or_default(),
+            cuda.gpu().ordinal
+        ),
+        copy_gb_s: cuda.measure_copy_gb_s()?,
+        gemm_tflops: cuda.measure_gemm_tflops()?,
+        flops_per_token: flops_per_token(model),
+        mem_used_mib: (total - free) as f64 / 1048576.0,
+        mem_total_mib: total as f64 / 1048576.0,
+        resident_weight_mib: cuda.resident_weight_bytes() as f64 / 1048576.0,
+        profiles,
+    })
 }
 
 /// Read bandwidth in bytes/s over a 512 MiB buffer summed by the rayon pool (best of 5 passes).
@@ -393,13 +532,38 @@ fn markdown(r: &BenchReport) -> String {
         r.read_bandwidth_gb_s,
         r.decode_bound_tok_s
     );
+    if let Some(g) = &r.gpu {
+        s += &format!(
+            "- device: {}; copy bandwidth {:.0} GB/s (read + write) and f16 GEMM {} measured in this run\n",
+            g.device,
+            g.copy_gb_s,
+            g.gemm_tflops
+                .map_or("not available".into(), |t| format!("{t:.0} TFLOP/s"))
+        );
+        s += &format!(
+            "- prefill bound: {:.2} GFLOP per token ÷ the GEMM rate = {}\n",
+            g.flops_per_token / 1e9,
+            r.prefill_bound_tok_s.map_or("—".into(), |b| format!("{b:.0} tok/s"))
+        );
+        s += &format!(
+            "- device memory in use after the tests: {:.0} MiB of {:.0} MiB (weights {:.0} MiB)\n",
+            g.mem_used_mib, g.mem_total_mib, g.resident_weight_mib
+        );
+    }
     s += &format!("- peak RSS: {:.1} MiB\n", r.peak_rss_mib);
     match (&r.llama_bench, &r.llama_bench_error) {
         (Some(b), None) => s += &format!("- llama.cpp: `{b} -t {} -r <reps> -o json`, same tests\n", r.threads),
         (_, Some(e)) => s += &format!("- llama.cpp: {e}\n"),
         (None, None) => {}
     }
-    s += "\n| test | strata tok/s (median) | min – max | llama.cpp tok/s | strata ÷ llama.cpp | target | llama-bench on the CI machine | fraction of decode bound |\n";
+    let anchor_col = if r.gpu.is_some() {
+        "llama-bench on the H200 (DESIGN.md §5)"
+    } else {
+        "llama-bench on the CI machine"
+    };
+    s += &format!(
+        "\n| test | strata tok/s (median) | min – max | llama.cpp tok/s | strata ÷ llama.cpp | target | {anchor_col} | fraction of bound |\n"
+    );
     s += "|---|---|---|---|---|---|---|---|\n";
     for t in &r.results {
         let decode = t.test.starts_with("tg");
@@ -408,10 +572,14 @@ fn markdown(r: &BenchReport) -> String {
         let verdict = ratio.map_or("—".to_string(), |x| {
             format!("≥ {target}x: {}", if x >= target { "met" } else { "missed" })
         });
-        let bound = if decode {
-            format!("{:.0}%", 100.0 * t.median / r.decode_bound_tok_s)
-        } else {
-            "—".into()
+        let bound = match (decode, r.prefill_bound_tok_s) {
+            (true, _) => format!(
+                "{:.1}% of {:.0}",
+                100.0 * t.median / r.decode_bound_tok_s,
+                r.decode_bound_tok_s
+            ),
+            (false, Some(b)) => format!("{:.1}% of {b:.0}", 100.0 * t.median / b),
+            (false, None) => "—".into(),
         };
         s += &format!(
             "| {} | {:.1} | {:.1} – {:.1} | {} | {} | {} | {} | {} |\n",
@@ -425,6 +593,21 @@ fn markdown(r: &BenchReport) -> String {
             fmt(t.design_anchor),
             bound
         );
+    }
+    if let Some(g) = &r.gpu {
+        for (test, total, rows) in &g.profiles {
+            s += &format!("\n### Where the time goes: {test}, one profiled pass ({total:.1} ms of kernels)\n\n");
+            s += "| kernel | launches | device ms | share |\n|---|---|---|---|\n";
+            for k in rows.iter().take(12) {
+                s += &format!(
+                    "| {} | {} | {:.2} | {:.1}% |\n",
+                    k.kernel,
+                    k.launches,
+                    k.ms,
+                    100.0 * k.ms / total.max(1e-9)
+                );
+            }
+        }
     }
     s
 }

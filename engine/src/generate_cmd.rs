@@ -138,6 +138,8 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     };
     let tokens = l.tokenizer.encode(&prompt_text, true, args.chat)?;
     let mut session = Session::new(&l.model, open_backend(&args.engine)?, session_config(&args.engine))?;
+    // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
+    session.set_fault_policy(strata_engine::runtime::fault::FaultPlan::from_env()?, true);
     let opts = GenerateOptions {
         max_tokens: args.engine.max_tokens,
         stop: args.engine.sampling.stop.clone(),
@@ -158,6 +160,8 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
         bail!("`strata chat` needs a chat template, and this model has none (tokenizer.chat_template)");
     };
     let mut session = Session::new(&l.model, open_backend(&args)?, session_config(&args))?;
+    // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
+    session.set_fault_policy(strata_engine::runtime::fault::FaultPlan::from_env()?, true);
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         stop: args.sampling.stop.clone(),

@@ -4,7 +4,7 @@
 
 use half::f16;
 use strata_engine::backend::cpu::{CpuBackend, gelu_ggml, gelu_tanh, silu};
-use strata_engine::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
+use strata_engine::backend::{AttnParams, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use strata_engine::model::{Arch, HParams};
 use strata_engine::quant::{self, GgmlType};
 use strata_engine::runtime::kv::{KvCache, KvType};

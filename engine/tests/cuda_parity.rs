@@ -5,11 +5,12 @@
 //! ‖cuda − cpu‖ / ‖cpu‖. Where the two backends round differently, the tolerance says why.
 
 use strata_engine::backend::cpu::CpuBackend;
-use strata_engine::backend::cuda::CudaBackend;
-use strata_engine::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
+use strata_engine::backend::cuda::{CudaBackend, DevVec};
+use strata_engine::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams};
 use strata_engine::model::synth::{SynthArch, SynthSpec, TensorTypes};
 use strata_engine::model::{HParams, Model};
 use strata_engine::quant::{self, GgmlType};
+use strata_engine::runtime::fault::FaultPlan;
 use strata_engine::runtime::kv::{KvCache, KvType};
 use strata_engine::runtime::session::{Session, SessionConfig};
 
@@ -45,6 +46,21 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 
 fn gpu() -> CudaBackend {
     CudaBackend::new(0).unwrap_or_else(|e| panic!("CUDA backend: {e}"))
+}
+
+/// `x` on the device.
+fn up(g: &CudaBackend, x: &[f32]) -> DevVec {
+    let mut d = DevVec::default();
+    g.reserve(&mut d, x.len());
+    g.upload(x, &mut d);
+    d
+}
+
+/// The first `n` values of `d`, back on the host.
+fn down(g: &CudaBackend, d: &DevVec, n: usize) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    g.download(d, 0, &mut v);
+    v
 }
 
 /// One row of the op table: name, measured relative error, tolerance.
@@ -106,9 +122,11 @@ fn matmul_matches_cpu() {
             };
             let w = QMat::new(ty, &data, rows, cols).unwrap();
             let x = rng.vec(n_tok * cols, 1.0);
-            let (mut a, mut b) = (vec![0f32; n_tok * rows], vec![f32::NAN; n_tok * rows]);
+            let mut a = vec![0f32; n_tok * rows];
             cpu.matmul(&w, &x, n_tok, &mut a);
-            gpu.matmul(&w, &x, n_tok, &mut b);
+            let mut bd = up(&gpu, &vec![f32::NAN; n_tok * rows]);
+            Backend::matmul(&gpu, &w, &up(&gpu, &x), n_tok, &mut bd);
+            let b = down(&gpu, &bd, n_tok * rows);
             if !a.iter().all(|v| v.is_finite()) {
                 rows_out.push(Row(
                     format!("matmul {ty} {rows}x{cols} n_tok={n_tok}: CPU reference not finite"),
@@ -131,15 +149,71 @@ fn matmul_matches_cpu() {
     report(&rows_out);
 }
 
+/// Up to three matrices in one launch (a layer's q/k/v at decode), and the embedding lookup, per type: the
+/// same tolerances as matmul; get_rows is a dequantization, exact but for f32 rounding (1e-6).
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn matmul_many_and_get_rows_match_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = Rng(17);
+    let mut rows_out = Vec::new();
+    for &ty in TYPES {
+        let cols = 512;
+        let shapes = [384usize, 128, 136];
+        let datas: Vec<Vec<u8>> = shapes
+            .iter()
+            .map(|&r| quantized(ty, r, cols, &mut rng).unwrap())
+            .collect();
+        let ws: Vec<QMat<'_>> = datas
+            .iter()
+            .zip(shapes)
+            .map(|(d, r)| QMat::new(ty, d, r, cols).unwrap())
+            .collect();
+        for n_tok in [1usize, 3] {
+            let x = rng.vec(n_tok * cols, 1.0);
+            let mut outs: Vec<DevVec> = shapes.iter().map(|&r| up(&gpu, &vec![f32::NAN; n_tok * r])).collect();
+            let mut refs: Vec<&mut DevVec> = outs.iter_mut().collect();
+            gpu.matmul_many(&ws, &up(&gpu, &x), n_tok, &mut refs);
+            for (i, w) in ws.iter().enumerate() {
+                let mut a = vec![0f32; n_tok * w.rows];
+                cpu.matmul(w, &x, n_tok, &mut a);
+                let b = down(&gpu, &outs[i], n_tok * w.rows);
+                let tol = if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+                    5e-3
+                } else {
+                    2e-2
+                };
+                rows_out.push(Row(
+                    format!("matmul_many {ty} matrix {i} n_tok={n_tok}"),
+                    rel_err(&b, &a),
+                    tol,
+                ));
+            }
+        }
+        let ids = [3u32, 0, 383, 3, 200];
+        let mut want = Vec::new();
+        let mut row = vec![0f32; cols];
+        for &id in &ids {
+            quant::dequantize(ty, ws[0].row(id as usize), &mut row).unwrap();
+            want.extend_from_slice(&row);
+        }
+        let mut od = up(&gpu, &vec![f32::NAN; ids.len() * cols]);
+        gpu.get_rows(&ws[0], &ids, &mut od);
+        rows_out.push(Row(
+            format!("get_rows {ty}"),
+            rel_err(&down(&gpu, &od, ids.len() * cols), &want),
+            1e-6,
+        ));
+    }
+    report(&rows_out);
+}
+
 /// The prefill GEMM through our own kernel after an injected library failure: same results, one fallback.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn gemm_fallback_matches_cpu() {
-    // SAFETY: set before the backend reads it, in this test's process (tests of this file run serially only if
-    // asked; the variable only affects backends created after it).
-    unsafe { std::env::set_var("STRATA_FAULT_BLAS_GEMM_ABOVE", "64") };
     let (cpu, gpu) = (CpuBackend, gpu());
-    unsafe { std::env::remove_var("STRATA_FAULT_BLAS_GEMM_ABOVE") };
+    assert!(gpu.set_fault_policy(FaultPlan::parse("prefill_gemm:m>64").unwrap(), true));
     let mut rng = Rng(11);
     let mut rows_out = Vec::new();
     for &n_tok in &[32usize, 72, 72, 200] {
@@ -147,9 +221,11 @@ fn gemm_fallback_matches_cpu() {
         let data = quantized(GgmlType::Q4_K, rows, cols, &mut rng).unwrap();
         let w = QMat::new(GgmlType::Q4_K, &data, rows, cols).unwrap();
         let x = rng.vec(n_tok * cols, 1.0);
-        let (mut a, mut b) = (vec![0f32; n_tok * rows], vec![f32::NAN; n_tok * rows]);
+        let mut a = vec![0f32; n_tok * rows];
         cpu.matmul(&w, &x, n_tok, &mut a);
-        gpu.matmul(&w, &x, n_tok, &mut b);
+        let mut bd = up(&gpu, &vec![f32::NAN; n_tok * rows]);
+        Backend::matmul(&gpu, &w, &up(&gpu, &x), n_tok, &mut bd);
+        let b = down(&gpu, &bd, n_tok * rows);
         rows_out.push(Row(
             format!("gemm after injected BLAS failure, n_tok={n_tok}"),
             rel_err(&b, &a),
@@ -168,10 +244,28 @@ fn elementwise_ops_match_cpu() {
     for &(n, w) in &[(1usize, 576usize), (17, 2048), (3, 64)] {
         let x = rng.vec(n * w, 3.0);
         let g = rng.vec(w, 1.0);
-        let (mut a, mut b) = (x.clone(), x.clone());
+        let mut a = x.clone();
         cpu.rms_norm(&mut a, &g, 1e-6);
-        gpu.rms_norm(&mut b, &g, 1e-6);
-        rows.push(Row(format!("rms_norm {n}x{w}"), rel_err(&b, &a), 1e-5));
+        let mut bd = up(&gpu, &x);
+        gpu.rms_norm(&mut bd, n, &g, 1e-6);
+        rows.push(Row(
+            format!("rms_norm {n}x{w}"),
+            rel_err(&down(&gpu, &bd, n * w), &a),
+            1e-5,
+        ));
+        let mut od = up(&gpu, &vec![f32::NAN; n * w]);
+        let xd = up(&gpu, &x);
+        gpu.rms_norm_into(&xd, &mut od, n, &g, 1e-6);
+        rows.push(Row(
+            format!("rms_norm_into {n}x{w}"),
+            rel_err(&down(&gpu, &od, n * w), &a),
+            1e-5,
+        ));
+        rows.push(Row(
+            format!("rms_norm_into {n}x{w} leaves x"),
+            rel_err(&down(&gpu, &xd, n * w), &x),
+            0.0,
+        ));
     }
     for kind in [RopeKind::Normal, RopeKind::Neox] {
         let (nh, hd, n) = (8usize, 128usize, 9usize);
@@ -183,28 +277,38 @@ fn elementwise_ops_match_cpu() {
             freq_scale: 1.0,
         };
         let x = rng.vec(n * nh * hd, 1.0);
-        let (mut a, mut b) = (x.clone(), x.clone());
+        let mut a = x.clone();
         cpu.rope(&mut a, nh, hd, &pos, &p);
-        gpu.rope(&mut b, nh, hd, &pos, &p);
-        rows.push(Row(format!("rope {kind:?} {n}x{nh}x{hd}"), rel_err(&b, &a), 1e-5));
+        let mut bd = up(&gpu, &x);
+        Backend::rope(&gpu, &mut bd, nh, hd, &pos, &p);
+        rows.push(Row(
+            format!("rope {kind:?} {n}x{nh}x{hd}"),
+            rel_err(&down(&gpu, &bd, x.len()), &a),
+            1e-5,
+        ));
     }
     for (act, tol) in [(GluKind::SwiGlu, 1e-6), (GluKind::GeGlu, 1e-3)] {
         let g0 = rng.vec(5000, 6.0);
         let u = rng.vec(5000, 1.0);
-        let (mut a, mut b) = (g0.clone(), g0.clone());
+        let mut a = g0.clone();
         cpu.glu(&mut a, &u, act);
-        gpu.glu(&mut b, &u, act);
-        rows.push(Row(format!("glu {act:?}"), rel_err(&b, &a), tol));
+        let mut bd = up(&gpu, &g0);
+        gpu.glu(&mut bd, &up(&gpu, &u), 5000, act);
+        rows.push(Row(format!("glu {act:?}"), rel_err(&down(&gpu, &bd, 5000), &a), tol));
     }
     let x = rng.vec(3000, 1.0);
     let y = rng.vec(3000, 1.0);
-    let (mut a, mut b) = (x.clone(), x.clone());
+    let mut a = x.clone();
+    let mut bd = up(&gpu, &x);
     cpu.add(&mut a, &y);
-    gpu.add(&mut b, &y);
-    rows.push(Row("add".into(), rel_err(&b, &a), 1e-7));
+    gpu.add(&mut bd, &up(&gpu, &y), 3000);
+    rows.push(Row("add".into(), rel_err(&down(&gpu, &bd, 3000), &a), 1e-7));
     cpu.scale(&mut a, 0.37);
-    gpu.scale(&mut b, 0.37);
-    rows.push(Row("scale".into(), rel_err(&b, &a), 1e-7));
+    gpu.scale(&mut bd, 3000, 0.37);
+    rows.push(Row("scale".into(), rel_err(&down(&gpu, &bd, 3000), &a), 1e-7));
+    let mut cd = up(&gpu, &vec![f32::NAN; 1000]);
+    gpu.copy(&bd, 1500, &mut cd, 1000);
+    rows.push(Row("copy".into(), rel_err(&down(&gpu, &cd, 1000), &a[1500..2500]), 0.0));
     report(&rows);
 }
 
@@ -252,7 +356,7 @@ fn attention_matches_cpu() {
                 let v = rng.vec(n * nkv * hd, 1.0);
                 let q = rng.vec(n * nh * hd, 2.0);
                 cpu.store_kv(&mut kc.layers[0], &k, &v, &pos);
-                gpu.store_kv(&mut kg.layers[0], &k, &v, &pos);
+                gpu.store_kv(&mut kg.layers[0], &up(&gpu, &k), &up(&gpu, &v), &pos);
                 // The stored cells themselves, dequantized: the GPU's twin against the CPU's cache.
                 for (name, rc, rg) in [
                     ("k", &kc.layers[0].k, &kg.layers[0].k),
@@ -296,9 +400,11 @@ fn attention_matches_cpu() {
                         1e-6,
                     ));
                 }
-                let (mut a, mut b) = (vec![0f32; n * nh * hd], vec![f32::NAN; n * nh * hd]);
+                let mut a = vec![0f32; n * nh * hd];
                 cpu.attention(&q, &kc.layers[0], &pos, &p, &mut a);
-                gpu.attention(&q, &kg.layers[0], &pos, &p, &mut b);
+                let mut bd = up(&gpu, &vec![f32::NAN; n * nh * hd]);
+                Backend::attention(&gpu, &up(&gpu, &q), &kg.layers[0], &pos, &p, &mut bd);
+                let b = down(&gpu, &bd, n * nh * hd);
                 rows.push(Row(
                     format!("attention kv={kv_ty} h={nh}/{nkv} d={hd} n_tok={n} at {pos0} window={window:?}"),
                     rel_err(&b, &a),
@@ -311,7 +417,9 @@ fn attention_matches_cpu() {
     report(&rows);
 }
 
-/// Expert dispatch: both backends group tokens by expert and sum in f64; the matmuls differ as above: 2e-2.
+/// Router and expert dispatch (`Backend::moe`), decode (experts reached by id on the device) and prefill (tokens
+/// grouped by expert): the same experts are chosen (the logits are well separated), both backends sum in f64; the
+/// matmuls differ as above: 2e-2.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn moe_ffn_matches_cpu() {
@@ -337,17 +445,39 @@ fn moe_ffn_matches_cpu() {
             act: GluKind::SwiGlu,
         };
         let x = rng.vec(n_tok * e, 1.0);
-        let mut logits = rng.vec(n_tok * ne, 3.0);
-        let mut routing = Routing::default();
-        cpu.route(&mut logits, ne, k, true, &mut routing);
-        let (mut a, mut b) = (vec![0f32; n_tok * e], vec![f32::NAN; n_tok * e]);
-        cpu.moe_ffn(&ex, &x, &routing, &mut a, &mut MoeScratch::default());
-        gpu.moe_ffn(&ex, &x, &routing, &mut b, &mut MoeScratch::default());
-        rows.push(Row(
-            format!("moe_ffn {ty} n_tok={n_tok} 16 experts top-4"),
-            rel_err(&b, &a),
-            2e-2,
-        ));
+        let logits = rng.vec(n_tok * ne, 3.0);
+        for normalize in [true, false] {
+            let mut a = vec![0f32; n_tok * e];
+            let mut lc = logits.clone();
+            Backend::moe(
+                &cpu,
+                &ex,
+                &mut lc,
+                &x,
+                n_tok,
+                k,
+                normalize,
+                &mut a,
+                &mut MoeScratch::default(),
+            );
+            let mut bd = up(&gpu, &vec![f32::NAN; n_tok * e]);
+            let mut lg = up(&gpu, &logits);
+            gpu.moe(
+                &ex,
+                &mut lg,
+                &up(&gpu, &x),
+                n_tok,
+                k,
+                normalize,
+                &mut bd,
+                &mut MoeScratch::default(),
+            );
+            rows.push(Row(
+                format!("moe {ty} n_tok={n_tok} 16 experts top-4 normalize={normalize}"),
+                rel_err(&down(&gpu, &bd, n_tok * e), &a),
+                2e-2,
+            ));
+        }
     }
     report(&rows);
 }

@@ -181,9 +181,11 @@ pub struct Routing {
     pub normalized: bool,
 }
 
-/// Reusable buffers for [`Backend::moe_ffn`], grown on demand and kept between calls.
+/// Reusable host buffers of the CPU's expert dispatch, grown on demand and kept between calls.
 #[derive(Debug, Default)]
 pub struct MoeScratch {
+    /// The router's choice for the current batch.
+    pub routing: Routing,
     /// Routing slots (`t * k + i`) of the tokens sent to the current expert.
     pub tokens: Vec<u32>,
     /// Weighted sum of the expert outputs, `[n_tok][n_embd]`, in f64.
@@ -194,66 +196,100 @@ pub struct MoeScratch {
     pub down: Vec<f32>,
 }
 
-/// The operations of a forward pass. Shapes are in each method's doc; every method panics on inconsistent
-/// lengths (a bug in the caller, which sizes everything from the hyper-parameters checked at load).
+/// The operations of a forward pass over activation buffers that live where the backend computes: host
+/// memory for the CPU ([`Vec<f32>`]), device memory for a GPU. The forward pass moves data between host and
+/// backend only through [`Backend::upload`] (token ids become embeddings through [`Backend::get_rows`]) and
+/// [`Backend::download`] (logits), so a GPU backend keeps every activation of a layer on the device.
+///
+/// Shapes are in each method's doc; element counts are explicit because a buffer may be longer than its use
+/// (buffers grow to the largest batch and are reused). Every method panics on inconsistent shapes (a bug in
+/// the caller, which sizes everything from the hyper-parameters checked at load) and, on a GPU, on a device
+/// fault after writing its `fault` event (DESIGN.md section 3: the worker dies, the server restarts it).
 pub trait Backend: Send + Sync {
-    /// A short name for logs (`cpu`).
+    /// An f32 activation buffer.
+    type Buf: Default + Send;
+
+    /// A short name for logs (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
 
+    /// Makes `buf` hold at least `len` values (their contents are unspecified after a growth).
+    fn reserve(&self, buf: &mut Self::Buf, len: usize);
+
+    /// `dst[..src.len()] = src` (dst must hold them).
+    fn upload(&self, src: &[f32], dst: &mut Self::Buf);
+
+    /// `dst = src[offset..offset + dst.len()]`, waiting for pending work.
+    fn download(&self, src: &Self::Buf, offset: usize, dst: &mut [f32]);
+
+    /// `dst[..len] = src[src_offset..src_offset + len]`.
+    fn copy(&self, src: &Self::Buf, src_offset: usize, dst: &mut Self::Buf, len: usize);
+
+    /// Embedding lookup: `out[t] = dequantize(table row ids[t])`, `out` `[ids.len()][table.cols]`
+    /// (ggml's `get_rows`). Ids were checked against `table.rows` by the caller.
+    fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut Self::Buf);
+
     /// `out[t][r] = Σ_c W[r][c] · x[t][c]` for `n_tok` tokens: `x` is `[n_tok][w.cols]`, `out` `[n_tok][w.rows]`.
-    fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]);
+    fn matmul(&self, w: &QMat<'_>, x: &Self::Buf, n_tok: usize, out: &mut Self::Buf);
 
     /// `outs[i] = ws[i] · x` for every i, each as [`Backend::matmul`] computes it (`x` is `[n_tok][cols]` for
     /// every matrix; `outs[i]` is `[n_tok][ws[i].rows]`). A backend may share work among matrices that read the
-    /// same activations (a layer's q/k/v, its gate/up); the default runs them one after another.
-    fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
-        matmul_each(self, ws, x, n_tok, outs);
+    /// same activations (a layer's q/k/v, its gate/up).
+    fn matmul_many(&self, ws: &[QMat<'_>], x: &Self::Buf, n_tok: usize, outs: &mut [&mut Self::Buf]);
+
+    /// RMSNorm of `rows` rows of width `w.len()`, in place: `x = x / sqrt(mean(x²) + eps) * w` (ggml's
+    /// `rms_norm` then `mul`). Per-head q/k-norm is the same call with `w` of width `head_dim`.
+    fn rms_norm(&self, x: &mut Self::Buf, rows: usize, w: &[f32], eps: f32);
+
+    /// `out[..rows·w.len()] = rms_norm(x)` out of place (a layer's `h = norm(x)`); `x` is unchanged.
+    fn rms_norm_into(&self, x: &Self::Buf, out: &mut Self::Buf, rows: usize, w: &[f32], eps: f32) {
+        self.copy(x, 0, out, rows * w.len());
+        self.rms_norm(out, rows, w, eps);
     }
 
-    /// RMSNorm of each row of width `w.len()`, in place: `x = x / sqrt(mean(x²) + eps) * w` (ggml's
-    /// `rms_norm` then `mul`). `x` is `[rows][w.len()]`; per-head q/k-norm is the same call with `w` of
-    /// width `head_dim`.
-    fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32);
-
     /// Rotates each head of each token in place: `x` is `[positions.len()][n_head][head_dim]`.
-    fn rope(&self, x: &mut [f32], n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams);
+    fn rope(&self, x: &mut Self::Buf, n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams);
 
-    /// Multiplies every element by `s`.
-    fn scale(&self, x: &mut [f32], s: f32);
+    /// Multiplies the first `len` values by `s`.
+    fn scale(&self, x: &mut Self::Buf, len: usize, s: f32);
 
-    /// `x += y`.
-    fn add(&self, x: &mut [f32], y: &[f32]);
+    /// `x[..len] += y[..len]`.
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize);
 
     /// Writes the keys and values of tokens at `positions` into `kv`: `k` is `[n_tok][n_head_kv * head_dim]`,
     /// `v` `[n_tok][n_head_kv * head_dim_v]`.
-    fn store_kv(&self, kv: &mut KvLayer, k: &[f32], v: &[f32], positions: &[u32]);
+    fn store_kv(&self, kv: &mut KvLayer, k: &Self::Buf, v: &Self::Buf, positions: &[u32]);
 
     /// Causal attention with GQA over the cache: query head `h` uses KV head `h / (n_head / n_head_kv)`; the
     /// query at `positions[t]` attends to cells `max(0, p - window + 1)..=p`. `q` is `[n_tok][n_head][head_dim]`,
     /// `out` `[n_tok][n_head][head_dim_v]`. The cache must already hold every attended cell.
-    fn attention(&self, q: &[f32], kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut [f32]);
+    fn attention(&self, q: &Self::Buf, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut Self::Buf);
 
-    /// `gate = act(gate) * up`, element-wise.
-    fn glu(&self, gate: &mut [f32], up: &[f32], act: GluKind);
+    /// `gate[..len] = act(gate) * up`, element-wise.
+    fn glu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize, act: GluKind);
 
-    /// Softmax of each row of width `width`, in place.
-    fn softmax(&self, x: &mut [f32], width: usize);
+    /// A MoE FFN from the router's logits (`[n_tok][n_expert]`, overwritten): per token, softmax over all
+    /// experts, the `k` largest probabilities (ties to the lower id), renormalised to sum 1 when `normalize`
+    /// (llama.cpp's `build_moe_ffn` with softmax gating and `norm_w`); then
+    /// `out[t] = Σ_i weights[t,i] · down_e(act(gate_e(x[t])) * up_e(x[t]))` over token t's experts `e`
+    /// (divided by the weights' exact sum when renormalised), summed in f64. `x` and `out` are `[n_tok][n_embd]`.
+    /// `scratch` holds the CPU's host buffers; a GPU backend keeps its own on the device.
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut Self::Buf,
+        x: &Self::Buf,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        out: &mut Self::Buf,
+        scratch: &mut MoeScratch,
+    );
 
-    /// Router: `logits` is `[n_tok][n_expert]`; per token, softmax over all experts, the `k` largest
-    /// probabilities (ties to the lower id), renormalised to sum 1 when `normalize` (llama.cpp's
-    /// `build_moe_ffn` with softmax gating and `norm_w`). Fills `out` for `n_tok` tokens.
-    fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing);
-
-    /// Expert dispatch: `out[t] = Σ_i weights[t,i] · down_e(act(gate_e(x[t])) * up_e(x[t]))` over token t's
-    /// chosen experts `e` (divided by `Σ_i weights[t,i]` when `routing.normalized`), summed in f64. `x` and
-    /// `out` are `[n_tok][n_embd]`.
-    fn moe_ffn(&self, ex: &Experts<'_>, x: &[f32], routing: &Routing, out: &mut [f32], scratch: &mut MoeScratch);
-}
-
-/// [`Backend::matmul_many`] as separate [`Backend::matmul`] calls (its default, and a backend's fallback).
-pub fn matmul_each<B: Backend + ?Sized>(be: &B, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
-    assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
-    for (w, o) in ws.iter().zip(outs.iter_mut()) {
-        be.matmul(w, x, n_tok, o);
+    /// Hands the backend the injected faults and the `--gemm-fallback` policy. Returns whether the backend
+    /// applies them itself (a GPU with a library GEMM and our own kernel behind it); otherwise the session
+    /// applies them by capping its prefill batch (the CPU).
+    fn set_fault_policy(&self, _faults: crate::runtime::fault::FaultPlan, _gemm_fallback: bool) -> bool {
+        false
     }
 }

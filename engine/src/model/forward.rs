@@ -20,11 +20,10 @@
 
 use std::path::Path;
 
-use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, Routing};
+use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat};
 use crate::gguf::{GgufError, GgufModel};
 use crate::model::weights::{Ffn, Weights, WeightsError};
 use crate::model::{HParams, HParamsError};
-use crate::quant;
 use crate::runtime::kv::KvCache;
 
 /// Why a model could not be loaded.
@@ -56,31 +55,44 @@ pub enum Logits {
     All,
 }
 
-/// Activation buffers of the forward pass, grown to the largest batch seen and reused, so decode steps
-/// allocate nothing.
-#[derive(Debug, Default)]
-pub struct Scratch {
+/// Activation buffers of the forward pass, where backend `B` computes (device memory on a GPU), grown to the
+/// largest batch seen and reused, so decode steps allocate nothing. `logits` is on the host.
+pub struct Scratch<B: Backend> {
     pos: Vec<u32>,
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    router: Vec<f32>,
-    routing: Routing,
+    x: B::Buf,
+    h: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    att: B::Buf,
+    o: B::Buf,
+    gate: B::Buf,
+    up: B::Buf,
+    router: B::Buf,
+    lg: B::Buf,
     moe: MoeScratch,
     pub logits: Vec<f32>,
 }
 
-fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n {
-        v.resize(n, 0.0);
+impl<B: Backend> Default for Scratch<B> {
+    fn default() -> Self {
+        Scratch {
+            pos: Vec::new(),
+            x: B::Buf::default(),
+            h: B::Buf::default(),
+            q: B::Buf::default(),
+            k: B::Buf::default(),
+            v: B::Buf::default(),
+            att: B::Buf::default(),
+            o: B::Buf::default(),
+            gate: B::Buf::default(),
+            up: B::Buf::default(),
+            router: B::Buf::default(),
+            lg: B::Buf::default(),
+            moe: MoeScratch::default(),
+            logits: Vec::new(),
+        }
     }
-    &mut v[..n]
 }
 
 impl Model {
@@ -126,7 +138,7 @@ impl Model {
         tokens: &[u32],
         pos0: usize,
         kv: &mut KvCache,
-        s: &'s mut Scratch,
+        s: &'s mut Scratch<B>,
         logits: Logits,
     ) -> &'s [f32] {
         let hp = &self.hp;
@@ -137,55 +149,61 @@ impl Model {
         let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
         s.pos.clear();
         s.pos.extend((pos0..pos0 + n).map(|p| p as u32));
+        let (n_ff, nx) = (self.max_ff(), hp.n_expert as usize);
+        for (buf, len) in [
+            (&mut s.x, n * e),
+            (&mut s.h, n * e),
+            (&mut s.q, n * nh * dk),
+            (&mut s.k, n * nkv * dk),
+            (&mut s.v, n * nkv * dv),
+            (&mut s.att, n * nh * dv),
+            (&mut s.o, n * e),
+            (&mut s.gate, n * n_ff),
+            (&mut s.up, n * n_ff),
+            (&mut s.router, n * nx.max(1)),
+        ] {
+            be.reserve(buf, len);
+        }
 
         // Embeddings: one dequantized row of token_embd per token.
         let embd = self.m(&w.token_embd);
-        let x = sized(&mut s.x, n * e);
-        for (t, &id) in tokens.iter().enumerate() {
+        for &id in tokens {
             assert!(
                 (id as usize) < embd.rows,
                 "forward: token id {id} outside the vocabulary"
             );
-            quant::dequantize(embd.ty, embd.row(id as usize), &mut x[t * e..(t + 1) * e])
-                .expect("embedding checked at load");
         }
+        be.get_rows(&embd, tokens, &mut s.x);
         if let Some(sc) = w.config.embd_scale {
-            be.scale(x, sc);
+            be.scale(&mut s.x, n * e, sc);
         }
 
-        trace("inp_embd", None, &s.x[..n * e]);
+        trace(be, "inp_embd", None, &s.x, n * e);
         for (il, layer) in w.layers.iter().enumerate() {
-            let x = &mut s.x[..n * e];
-            let h = sized(&mut s.h, n * e);
-            h.copy_from_slice(x);
-            be.rms_norm(h, &layer.attn_norm, hp.rms_eps);
-            trace("attn_norm", Some(il), h);
+            be.rms_norm_into(&s.x, &mut s.h, n, &layer.attn_norm, hp.rms_eps);
+            trace(be, "attn_norm", Some(il), &s.h, n * e);
 
-            let q = sized(&mut s.q, n * nh * dk);
-            let k = sized(&mut s.k, n * nkv * dk);
-            let v = sized(&mut s.v, n * nkv * dv);
             be.matmul_many(
                 &[self.m(&layer.wq), self.m(&layer.wk), self.m(&layer.wv)],
-                h,
+                &s.h,
                 n,
-                &mut [&mut *q, &mut *k, &mut *v],
+                &mut [&mut s.q, &mut s.k, &mut s.v],
             );
-            trace("Qcur", Some(il), q);
-            trace("Kcur", Some(il), k);
-            trace("Vcur", Some(il), v);
+            trace(be, "Qcur", Some(il), &s.q, n * nh * dk);
+            trace(be, "Kcur", Some(il), &s.k, n * nkv * dk);
+            trace(be, "Vcur", Some(il), &s.v, n * nkv * dv);
             if let Some(qn) = &layer.q_norm {
-                be.rms_norm(q, qn, hp.rms_eps);
+                be.rms_norm(&mut s.q, n * nh, qn, hp.rms_eps);
             }
             if let Some(kn) = &layer.k_norm {
-                be.rms_norm(k, kn, hp.rms_eps);
+                be.rms_norm(&mut s.k, n * nkv, kn, hp.rms_eps);
             }
-            be.rope(q, nh, dk, &s.pos, &layer.rope);
-            be.rope(k, nkv, dk, &s.pos, &layer.rope);
+            be.rope(&mut s.q, nh, dk, &s.pos, &layer.rope);
+            be.rope(&mut s.k, nkv, dk, &s.pos, &layer.rope);
             let cache = &mut kv.layers[il];
-            be.store_kv(cache, k, v, &s.pos);
-            let att = sized(&mut s.att, n * nh * dv);
+            be.store_kv(cache, &s.k, &s.v, &s.pos);
             let scale = if w.config.attn_scale_on_q {
-                be.scale(q, w.config.attn_scale);
+                be.scale(&mut s.q, n * nh * dk, w.config.attn_scale);
                 1.0
             } else {
                 w.config.attn_scale
@@ -198,41 +216,35 @@ impl Model {
                 scale,
                 window: layer.window,
             };
-            be.attention(q, cache, &s.pos, &params, att);
-            trace("kqv_out", Some(il), att);
-            let o = sized(&mut s.o, n * e);
-            be.matmul(&self.m(&layer.wo), att, n, o);
-            trace("attn_out", Some(il), o);
+            be.attention(&s.q, cache, &s.pos, &params, &mut s.att);
+            trace(be, "kqv_out", Some(il), &s.att, n * nh * dv);
+            be.matmul(&self.m(&layer.wo), &s.att, n, &mut s.o);
+            trace(be, "attn_out", Some(il), &s.o, n * e);
             if let Some(pn) = &layer.post_attn_norm {
-                be.rms_norm(o, pn, hp.rms_eps);
+                be.rms_norm(&mut s.o, n, pn, hp.rms_eps);
             }
-            be.add(x, o);
+            be.add(&mut s.x, &s.o, n * e);
 
-            h.copy_from_slice(x);
-            be.rms_norm(h, &layer.ffn_norm, hp.rms_eps);
-            trace("ffn_norm", Some(il), h);
+            be.rms_norm_into(&s.x, &mut s.h, n, &layer.ffn_norm, hp.rms_eps);
+            trace(be, "ffn_norm", Some(il), &s.h, n * e);
             match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
                     let gm = self.m(gate);
-                    let g = sized(&mut s.gate, n * gm.rows);
-                    let u = sized(&mut s.up, n * gm.rows);
-                    be.matmul_many(&[gm, self.m(up)], h, n, &mut [&mut *g, &mut *u]);
-                    trace("ffn_gate", Some(il), g);
-                    trace("ffn_up", Some(il), u);
-                    be.glu(g, u, w.config.act);
+                    let f = n * gm.rows;
+                    be.matmul_many(&[gm, self.m(up)], &s.h, n, &mut [&mut s.gate, &mut s.up]);
+                    trace(be, "ffn_gate", Some(il), &s.gate, f);
+                    trace(be, "ffn_up", Some(il), &s.up, f);
+                    be.glu(&mut s.gate, &s.up, f, w.config.act);
                     let glu_name = match w.config.act {
                         GluKind::SwiGlu => "ffn_swiglu",
                         GluKind::GeGlu => "ffn_geglu",
                     };
-                    trace(glu_name, Some(il), g);
-                    be.matmul(&self.m(down), g, n, o);
-                    trace("ffn_out", Some(il), o);
+                    trace(be, glu_name, Some(il), &s.gate, f);
+                    be.matmul(&self.m(down), &s.gate, n, &mut s.o);
+                    trace(be, "ffn_out", Some(il), &s.o, n * e);
                 }
                 Ffn::Moe { router, gate, up, down } => {
-                    let nx = hp.n_expert as usize;
-                    let r = sized(&mut s.router, n * nx);
-                    be.matmul(&self.m(router), h, n, r);
-                    be.route(r, nx, hp.n_expert_used as usize, w.config.moe_normalize, &mut s.routing);
+                    be.matmul(&self.m(router), &s.h, n, &mut s.router);
                     let ex = Experts {
                         gate: self.m(gate),
                         up: self.m(up),
@@ -241,13 +253,23 @@ impl Model {
                         n_ff_exp: hp.n_ff_exp as usize,
                         act: w.config.act,
                     };
-                    be.moe_ffn(&ex, h, &s.routing, o, &mut s.moe);
+                    be.moe(
+                        &ex,
+                        &mut s.router,
+                        &s.h,
+                        n,
+                        hp.n_expert_used as usize,
+                        w.config.moe_normalize,
+                        &mut s.o,
+                        &mut s.moe,
+                    );
+                    trace(be, "ffn_moe_out", Some(il), &s.o, n * e);
                 }
             }
             if let Some(pn) = &layer.post_ffn_norm {
-                be.rms_norm(o, pn, hp.rms_eps);
+                be.rms_norm(&mut s.o, n, pn, hp.rms_eps);
             }
-            be.add(x, o);
+            be.add(&mut s.x, &s.o, n * e);
         }
 
         let (first, m) = match logits {
@@ -255,15 +277,31 @@ impl Model {
             Logits::Last => (n - 1, 1),
             Logits::All => (0, n),
         };
-        let h = sized(&mut s.h, m * e);
-        h.copy_from_slice(&s.x[first * e..(first + m) * e]);
-        be.rms_norm(h, &w.output_norm, hp.rms_eps);
+        be.copy(&s.x, first * e, &mut s.o, m * e);
+        be.rms_norm_into(&s.o, &mut s.h, m, &w.output_norm, hp.rms_eps);
         let out = self.m(&w.output);
-        let lg = sized(&mut s.logits, m * out.rows);
-        be.matmul(&out, h, m, lg);
-        trace("result_norm", None, h);
-        trace("result_output", None, lg);
+        be.reserve(&mut s.lg, m * out.rows);
+        be.matmul(&out, &s.h, m, &mut s.lg);
+        trace(be, "result_norm", None, &s.h, m * e);
+        trace(be, "result_output", None, &s.lg, m * out.rows);
+        if s.logits.len() < m * out.rows {
+            s.logits.resize(m * out.rows, 0.0);
+        }
+        be.download(&s.lg, 0, &mut s.logits[..m * out.rows]);
         &s.logits[..m * out.rows]
+    }
+
+    /// The widest FFN of any layer (dense `n_ff`; 0 for MoE layers, whose buffers the backend keeps).
+    fn max_ff(&self) -> usize {
+        self.weights
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                Ffn::Dense { gate, .. } => gate.rows,
+                Ffn::Moe { .. } => 0,
+            })
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -276,11 +314,15 @@ impl Model {
 static TRACE_TENSORS: std::sync::LazyLock<bool> =
     std::sync::LazyLock::new(|| std::env::var_os("STRATA_TRACE_TENSORS").is_some_and(|v| v != "0"));
 
-/// Prints `v` (all tokens of the batch, row-major) when tensor tracing is on; see [`TRACE_TENSORS`].
-fn trace(name: &str, il: Option<usize>, v: &[f32]) {
-    if !*TRACE_TENSORS || v.is_empty() {
+/// Prints the first `len` values of `buf` (all tokens of the batch, row-major) when tensor tracing is on; see
+/// [`TRACE_TENSORS`]. The values are downloaded from the backend only then.
+fn trace<B: Backend>(be: &B, name: &str, il: Option<usize>, buf: &B::Buf, len: usize) {
+    if !*TRACE_TENSORS || len == 0 {
         return;
     }
+    let mut host = vec![0.0f32; len];
+    be.download(buf, 0, &mut host);
+    let v = &host[..];
     let sum: f64 = v.iter().map(|&x| x as f64).sum();
     let k = v.len().min(3);
     let fmt = |xs: &[f32]| xs.iter().map(|x| format!("{x:.6}")).collect::<Vec<_>>().join(", ");

@@ -124,6 +124,16 @@ impl KvRows {
         self.head_dim
     }
 
+    /// Heads per row.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// Values per row (`heads * head_dim`).
+    pub fn width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.data.len()

@@ -97,7 +97,7 @@ pub struct Session<'m, B: Backend> {
     model: &'m Model,
     backend: B,
     kv: KvCache,
-    scratch: Scratch,
+    scratch: Scratch<B>,
     /// The tokens whose keys and values the cache holds, in position order.
     tokens: Vec<u32>,
     chunk: usize,
@@ -140,9 +140,18 @@ impl<'m, B: Backend> Session<'m, B> {
 
     /// Sets the injected faults and whether a failed prefill GEMM falls back to our own kernel path (the
     /// default: no faults, fallback on).
+    ///
+    /// A backend with a fallback kernel of its own (CUDA) applies the policy itself: its library GEMM fails
+    /// as the plan says, and the backend either switches to its own kernel for good (one `fallback` event) or
+    /// fails the request. Otherwise (the CPU) the session caps its prefill batches.
     pub fn set_fault_policy(&mut self, faults: FaultPlan, gemm_fallback: bool) {
-        self.faults = faults;
-        self.gemm_fallback = gemm_fallback;
+        if self.backend.set_fault_policy(faults, gemm_fallback) {
+            self.faults = FaultPlan::default();
+            self.gemm_fallback = true;
+        } else {
+            self.faults = faults;
+            self.gemm_fallback = gemm_fallback;
+        }
     }
 
     /// Rows of the next prefill batch out of `remaining` tokens. A batch whose library GEMM fails either
@@ -166,6 +175,11 @@ impl<'m, B: Backend> Session<'m, B> {
         }
         self.chunk = self.chunk.min(limit);
         Ok((remaining.min(self.chunk), Some(fault)))
+    }
+
+    /// The backend the session computes on.
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     pub fn model(&self) -> &'m Model {

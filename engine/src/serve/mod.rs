@@ -67,6 +67,9 @@ pub struct EngineFlags {
     /// Append the worker's structured events (JSON lines, DESIGN.md section 3) to this file.
     #[arg(long)]
     pub events: Option<std::path::PathBuf>,
+    /// Where the worker computes: cpu, or cuda:N (all weights resident in VRAM).
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::backend::Device,
 }
 
 /// A two-state switch spelled `on` or `off` on the command line.
@@ -117,6 +120,7 @@ impl EngineFlags {
         if let Some(p) = &self.events {
             a.extend(["--events".into(), p.display().to_string()]);
         }
+        a.extend(["--device".into(), self.device.to_string()]);
         a
     }
 }

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 
 use super::EngineFlags;
 use super::protocol::{Command, Event, Finish, GenerateJob, Message, Timings};
-use crate::backend::cpu::CpuBackend;
+use crate::backend::AnyBackend;
 use crate::model::Model;
 use crate::runtime::fault::{FaultPlan, OP_PREFILL_GEMM};
 use crate::runtime::generate::{GenerateError, GenerateOptions, generate_cancellable};
@@ -103,7 +103,11 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
         kv: flags.kv,
         prefill_chunk: flags.prefill.0,
     };
-    let mut session = Session::new(&model, CpuBackend, config)?;
+    // The CUDA backend's own events (`fault` with the kernel and launch shape, `fallback`) travel like the
+    // worker's: over the protocol, and into the --events file.
+    crate::backend::cuda::events::set_sink(|ev| send(&Message::Event(ev.clone())));
+    let backend = AnyBackend::open(flags.device).with_context(|| format!("cannot use --device {}", flags.device))?;
+    let mut session = Session::new(&model, backend, config)?;
     session.on_prefill_progress(|read, total| send(&Message::Progress { read, total }));
     session.set_fault_policy(faults, flags.gemm_fallback.is_on());
     let load_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -170,7 +174,7 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
 }
 
 fn run_job(
-    session: &mut Session<'_, CpuBackend>,
+    session: &mut Session<'_, AnyBackend>,
     tokenizer: &Tokenizer,
     vocab: usize,
     job: &GenerateJob,

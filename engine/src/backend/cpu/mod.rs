@@ -302,16 +302,16 @@ struct AttnScratch {
     v: Vec<f32>,
 }
 
-impl Backend for CpuBackend {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
-    fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+/// The ops on host slices, lengths taken from the slices: what the [`Backend`] impl below runs on the used
+/// prefix of each buffer, and what op-level tests call directly.
+impl CpuBackend {
+    /// [`Backend::matmul`] on slices: `x` is `[n_tok][w.cols]`, `out` `[n_tok][w.rows]`.
+    pub fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
         Self::matmul_as(w, x, n_tok, out, n_tok > 1);
     }
 
-    fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+    /// [`Backend::matmul_many`] on slices.
+    pub fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
         assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
         let fusable = n_tok == 1
             && (1..=MAX_FUSED).contains(&ws.len())
@@ -321,11 +321,14 @@ impl Backend for CpuBackend {
             assert_eq!(x.len(), ws[0].cols, "matmul_many: activations");
             Self::matmul_fused_decode(ws, x, outs);
         } else {
-            super::matmul_each(self, ws, x, n_tok, outs);
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(w, x, n_tok, o);
+            }
         }
     }
 
-    fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) {
+    /// [`Backend::rms_norm`] on a slice of whole rows of `w.len()`.
+    pub fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) {
         let n = w.len();
         assert_eq!(x.len() % n, 0, "rms_norm: rows of {n}");
         if x.len() / n >= 64 {
@@ -335,7 +338,8 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut [f32], n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
+    /// [`Backend::rope`] on a slice.
+    pub fn rope(&self, x: &mut [f32], n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
         let width = n_head * head_dim;
         assert_eq!(x.len(), positions.len() * width, "rope: shape");
         assert!(
@@ -348,16 +352,19 @@ impl Backend for CpuBackend {
             .for_each(|(t, &pos)| rope_token(t, n_head, head_dim, pos, p));
     }
 
-    fn scale(&self, x: &mut [f32], s: f32) {
+    /// [`Backend::scale`] on a slice.
+    pub fn scale(&self, x: &mut [f32], s: f32) {
         x.iter_mut().for_each(|v| *v *= s);
     }
 
-    fn add(&self, x: &mut [f32], y: &[f32]) {
+    /// [`Backend::add`] on slices of one length.
+    pub fn add(&self, x: &mut [f32], y: &[f32]) {
         assert_eq!(x.len(), y.len(), "add: lengths");
         x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
     }
 
-    fn store_kv(&self, kv: &mut KvLayer, k: &[f32], v: &[f32], positions: &[u32]) {
+    /// [`Backend::store_kv`] on slices of `positions.len()` rows.
+    pub fn store_kv(&self, kv: &mut KvLayer, k: &[f32], v: &[f32], positions: &[u32]) {
         let n = positions.len();
         assert!(
             n > 0 && k.len().is_multiple_of(n) && v.len().is_multiple_of(n),
@@ -370,7 +377,8 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn attention(&self, q: &[f32], kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut [f32]) {
+    /// [`Backend::attention`] on slices.
+    pub fn attention(&self, q: &[f32], kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut [f32]) {
         let n_tok = positions.len();
         let (dk, dv) = (p.head_dim, p.head_dim_v);
         assert_eq!(q.len(), n_tok * p.n_head * dk, "attention: q");
@@ -469,7 +477,8 @@ impl Backend for CpuBackend {
         );
     }
 
-    fn glu(&self, gate: &mut [f32], up: &[f32], act: GluKind) {
+    /// [`Backend::glu`] on slices of one length.
+    pub fn glu(&self, gate: &mut [f32], up: &[f32], act: GluKind) {
         assert_eq!(gate.len(), up.len(), "glu: lengths");
         let f = match act {
             GluKind::SwiGlu => silu,
@@ -480,12 +489,15 @@ impl Backend for CpuBackend {
             .for_each(|(g, u)| g.iter_mut().zip(u).for_each(|(a, b)| *a = f(*a) * b));
     }
 
-    fn softmax(&self, x: &mut [f32], width: usize) {
+    /// Softmax of each row of width `width`, in place (the sum in f64).
+    pub fn softmax(&self, x: &mut [f32], width: usize) {
         assert_eq!(x.len() % width, 0, "softmax: rows");
         x.chunks_mut(width).for_each(softmax_row);
     }
 
-    fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing) {
+    /// The router of [`Backend::moe`]: `logits` is `[n_tok][n_expert]` (overwritten by the probabilities);
+    /// fills `out` for `n_tok` tokens.
+    pub fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing) {
         assert!(
             k >= 1 && k <= n_expert && logits.len().is_multiple_of(n_expert),
             "route: shapes"
@@ -520,7 +532,8 @@ impl Backend for CpuBackend {
         debug_assert_eq!(out.ids.len(), n_tok * k);
     }
 
-    fn moe_ffn(&self, ex: &Experts<'_>, x: &[f32], routing: &Routing, out: &mut [f32], s: &mut MoeScratch) {
+    /// The expert dispatch of [`Backend::moe`] for a given routing; `x` and `out` are `[n_tok][n_embd]`.
+    pub fn moe_ffn(&self, ex: &Experts<'_>, x: &[f32], routing: &Routing, out: &mut [f32], s: &mut MoeScratch) {
         let n_embd = ex.gate.cols;
         let nff = ex.n_ff_exp;
         let n_tok = x.len() / n_embd;
@@ -581,5 +594,116 @@ impl Backend for CpuBackend {
                 *y = (a * inv) as f32;
             }
         }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn reserve(&self, buf: &mut Vec<f32>, len: usize) {
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+    }
+
+    fn upload(&self, src: &[f32], dst: &mut Vec<f32>) {
+        dst[..src.len()].copy_from_slice(src);
+    }
+
+    fn download(&self, src: &Vec<f32>, offset: usize, dst: &mut [f32]) {
+        dst.copy_from_slice(&src[offset..offset + dst.len()]);
+    }
+
+    fn copy(&self, src: &Vec<f32>, src_offset: usize, dst: &mut Vec<f32>, len: usize) {
+        dst[..len].copy_from_slice(&src[src_offset..src_offset + len]);
+    }
+
+    fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut Vec<f32>) {
+        let n = table.cols;
+        for (t, &id) in ids.iter().enumerate() {
+            quant::dequantize(table.ty, table.row(id as usize), &mut out[t * n..(t + 1) * n])
+                .expect("embedding table checked at load");
+        }
+    }
+
+    fn matmul(&self, w: &QMat<'_>, x: &Vec<f32>, n_tok: usize, out: &mut Vec<f32>) {
+        CpuBackend::matmul(self, w, &x[..n_tok * w.cols], n_tok, &mut out[..n_tok * w.rows]);
+    }
+
+    fn matmul_many(&self, ws: &[QMat<'_>], x: &Vec<f32>, n_tok: usize, outs: &mut [&mut Vec<f32>]) {
+        let cols = ws.first().map_or(0, |w| w.cols);
+        let mut slices: Vec<&mut [f32]> = ws
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(w, o)| &mut o[..n_tok * w.rows])
+            .collect();
+        CpuBackend::matmul_many(self, ws, &x[..n_tok * cols], n_tok, &mut slices);
+    }
+
+    fn rms_norm(&self, x: &mut Vec<f32>, rows: usize, w: &[f32], eps: f32) {
+        CpuBackend::rms_norm(self, &mut x[..rows * w.len()], w, eps);
+    }
+
+    fn rope(&self, x: &mut Vec<f32>, n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
+        let n = positions.len() * n_head * head_dim;
+        CpuBackend::rope(self, &mut x[..n], n_head, head_dim, positions, p);
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, len: usize, s: f32) {
+        CpuBackend::scale(self, &mut x[..len], s);
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
+        CpuBackend::add(self, &mut x[..len], &y[..len]);
+    }
+
+    fn store_kv(&self, kv: &mut KvLayer, k: &Vec<f32>, v: &Vec<f32>, positions: &[u32]) {
+        let n = positions.len();
+        let (wk, wv) = (kv.k.width(), kv.v.width());
+        CpuBackend::store_kv(self, kv, &k[..n * wk], &v[..n * wv], positions);
+    }
+
+    fn attention(&self, q: &Vec<f32>, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut Vec<f32>) {
+        let n = positions.len() * p.n_head;
+        CpuBackend::attention(
+            self,
+            &q[..n * p.head_dim],
+            kv,
+            positions,
+            p,
+            &mut out[..n * p.head_dim_v],
+        );
+    }
+
+    fn glu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize, act: GluKind) {
+        CpuBackend::glu(self, &mut gate[..len], &up[..len], act);
+    }
+
+    fn moe(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut Vec<f32>,
+        x: &Vec<f32>,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        out: &mut Vec<f32>,
+        scratch: &mut MoeScratch,
+    ) {
+        let n_embd = ex.gate.cols;
+        let mut routing = std::mem::take(&mut scratch.routing);
+        self.route(
+            &mut logits[..n_tok * ex.n_expert],
+            ex.n_expert,
+            k,
+            normalize,
+            &mut routing,
+        );
+        self.moe_ffn(ex, &x[..n_tok * n_embd], &routing, &mut out[..n_tok * n_embd], scratch);
+        scratch.routing = routing;
     }
 }

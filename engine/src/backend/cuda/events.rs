@@ -1,9 +1,8 @@
 //! The CUDA backend's structured events (DESIGN.md section 3): `fault` (kernel, launch shape, call number,
-//! error) and `fallback` (what failed and what runs instead). Each is one JSON line appended to the file named by
-//! `STRATA_EVENTS` (when set) and one human line on stderr; a process can also install a sink (the serve worker
-//! forwards them over its protocol).
+//! error) and `fallback` (what failed and what runs instead). Each is one human line on stderr and goes to the
+//! process's sink: the serve worker installs one that forwards them over its protocol and into its `--events`
+//! file, like its own events.
 
-use std::io::Write;
 use std::sync::OnceLock;
 
 use crate::serve::protocol::Event;
@@ -20,12 +19,6 @@ pub fn set_sink(f: impl Fn(&Event) + Send + Sync + 'static) {
 pub fn emit(kind: &str, fields: serde_json::Value, human: &str) {
     let ev = Event::now(kind, fields);
     eprintln!("strata: {kind}: {human}");
-    if let Some(path) = std::env::var_os("STRATA_EVENTS")
-        && let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path)
-        && let Ok(line) = serde_json::to_string(&ev)
-    {
-        let _ = writeln!(f, "{line}");
-    }
     if let Some(sink) = SINK.get() {
         sink(&ev);
     }

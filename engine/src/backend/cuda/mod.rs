@@ -1,12 +1,15 @@
 //! The CUDA backend: the [`Backend`] ops as CUDA kernels (kernels/*.cu, compiled by NVRTC at start).
 //!
-//! Design (issue 6, first step): the trait passes host slices, so each op copies its activations to the device,
-//! runs its kernels and copies the result back. What is large stays on the device: every weight matrix is
-//! copied once, on first use, into a [`store::WeightStore`] (all resident in VRAM here; experts are reached
-//! through the same interface, one buffer per expert), and each KV cache has a device twin keyed by its host
-//! address, which is the cache's only copy of the data (the host `KvCache` keeps the layout). The forward pass
-//! stays the one of `model::forward`. Ops the GPU does not compute (IQ weight types, the router's softmax and
-//! top-k, which read a few hundred values) run on the CPU backend, which defines the semantics anyway.
+//! Activations live on the device ([`DevVec`], the backend's buffer type): a forward pass uploads token ids
+//! and downloads logits, nothing else crosses PCIe. Every weight matrix is copied once, on first use, into a
+//! [`store::WeightStore`] (all resident in VRAM here; a MoE layer's stacked expert tensors are one buffer each,
+//! an expert being a row range of it), and each KV cache has a device twin keyed by its host address, which is
+//! the cache's only copy of the data (the host `KvCache` keeps the layout). The forward pass stays the one of
+//! `model::forward`. Weight types without a kernel (the IQ types) run on the CPU backend through host copies.
+//!
+//! MoE: the router's softmax and top-k run on the device (`moe_route`). At decode the experts are reached by id
+//! from the device (`mmv_moe_*`: no host round trip); in prefill the routing is read back once per layer to
+//! group the tokens by expert, each group running as a GEMM.
 //!
 //! Semantics follow the CPU backend (`backend::cpu`), including the f16 rounding of queries and probabilities
 //! against an f16 cache; quantized weights multiply f32 activations (the CPU quantizes them to int8 first). The
@@ -14,8 +17,9 @@
 //!
 //! Prefill GEMM: weights dequantized to f16, activations converted to f16, cuBLAS `GemmEx` with f32 accumulation.
 //! When the library fails, the backend falls back for good to our own kernel (`gemm_f16_tiled`) after one
-//! `fallback` event (seed 000). `STRATA_FAULT_BLAS_GEMM_ABOVE=M` makes the library "fail" for batches over M
-//! tokens, to exercise that path on real hardware.
+//! `fallback` event (seed 000). `STRATA_FAULT=prefill_gemm:m>N` (given through [`Backend::set_fault_policy`])
+//! makes the library "fail" for batches over N tokens, to exercise that path on real hardware; with
+//! `--gemm-fallback off` the failure is a `fault` and the op panics, as the original crashed.
 //!
 //! Errors: the trait has no error path, so a failed kernel panics after writing its `fault` event (the serve
 //! worker's panic hook then exits and the server restarts it, DESIGN.md section 3).
@@ -34,7 +38,8 @@ use cudarc::cublas::sys as blas_sys;
 
 use super::cpu::CpuBackend;
 use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
-use crate::quant::GgmlType;
+use crate::quant::{self, GgmlType};
+use crate::runtime::fault::{FaultPlan, OP_PREFILL_GEMM};
 use crate::runtime::kv::{KvLayer, KvRows};
 use runtime::{Arg, CudaError, Gpu};
 use store::{DevBuf, ResidentStore, WeightStore};
@@ -78,20 +83,46 @@ fn typed(prefix: &str, ty: GgmlType) -> &'static str {
         .expect("every type of kernel_type has its kernels")
 }
 
-/// Scratch buffers of one op, grown on demand.
+/// Scratch buffers of the backend, grown on demand.
 #[derive(Clone, Copy)]
 enum Slot {
-    X = 0,
-    Y,
-    Z,
-    Pos,
+    Pos = 0,
     Scores,
     Part,
     WF16,
     XF16,
     Idx,
+    MoeIds,
+    MoeW,
+    MoeX,
+    MoeGate,
+    MoeUp,
+    MoeDown,
+    MoeRows,
 }
-const SLOTS: usize = 9;
+const SLOTS: usize = 13;
+
+/// An f32 activation buffer on the device: the CUDA backend's [`Backend::Buf`].
+#[derive(Default)]
+pub struct DevVec {
+    buf: Option<DevBuf>,
+}
+
+impl DevVec {
+    /// The device address (0 before the first [`Backend::reserve`]).
+    pub fn ptr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.ptr)
+    }
+
+    /// Values it holds.
+    pub fn capacity(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.bytes / 4)
+    }
+
+    fn at(&self, offset: usize) -> u64 {
+        self.ptr() + (offset * 4) as u64
+    }
+}
 
 /// A KV cache's device twin.
 struct DevKv {
@@ -103,9 +134,14 @@ struct Inner {
     weights: Box<dyn WeightStore>,
     kv: HashMap<usize, DevKv>,
     slots: Vec<Option<DevBuf>>,
+    /// The positions last uploaded to [`Slot::Pos`] (a decode step changes one value).
+    pos: Vec<u32>,
     blas: Option<CudaBlas>,
     blas_failed: bool,
-    fault_blas_above: Option<usize>,
+    /// `prefill_gemm:m>N` of `STRATA_FAULT`: the library GEMM "fails" for batches over N tokens.
+    fault_gemm_above: Option<usize>,
+    /// `--gemm-fallback`: whether a failed library GEMM falls back to our kernel (else the op fails).
+    gemm_fallback: bool,
 }
 
 /// The CUDA backend over one device (see the module docs).
@@ -123,6 +159,13 @@ fn f32_bytes(x: &[f32]) -> &[u8] {
     bytemuck::cast_slice(x)
 }
 
+fn glu_code(act: GluKind) -> i32 {
+    match act {
+        GluKind::SwiGlu => 0,
+        GluKind::GeGlu => 1,
+    }
+}
+
 impl CudaBackend {
     /// Opens device `ordinal` with every weight resident in VRAM.
     ///
@@ -137,22 +180,21 @@ impl CudaBackend {
         if blas.is_none() {
             events::emit(
                 "fallback",
-                serde_json::json!({"what": "prefill_gemm", "from": "cublas", "to": "gemm_f16_tiled", "why": "cuBLAS not found or not initialised"}),
+                serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_f16_tiled", "why": "cuBLAS not found or not initialised"}),
                 "cuBLAS is not available; the prefill GEMM uses our own kernel",
             );
         }
-        let fault_blas_above = std::env::var("STRATA_FAULT_BLAS_GEMM_ABOVE")
-            .ok()
-            .and_then(|v| v.parse().ok());
         Ok(CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
                 weights: Box::new(ResidentStore::default()),
                 kv: HashMap::new(),
                 slots: (0..SLOTS).map(|_| None).collect(),
+                pos: Vec::new(),
                 blas_failed: blas.is_none(),
                 blas,
-                fault_blas_above,
+                fault_gemm_above: None,
+                gemm_fallback: true,
             }),
             cpu: CpuBackend,
         })
@@ -195,6 +237,13 @@ impl CudaBackend {
     fn check<T>(r: Result<T, CudaError>) -> T {
         r.unwrap_or_else(|e| panic!("CUDA backend: {e}"))
     }
+
+    /// `len` values of `buf` from `offset`, on the host (the CPU fallback of ops without a kernel).
+    fn to_host(&self, buf: &DevVec, offset: usize, len: usize) -> Vec<f32> {
+        let mut v = vec![0.0f32; len];
+        Backend::download(self, buf, offset, &mut v);
+        v
+    }
 }
 
 impl Inner {
@@ -219,11 +268,52 @@ impl Inner {
         Ok(p)
     }
 
-    fn download(&self, gpu: &Gpu, s: Slot, out: &mut [f32]) -> Result<(), CudaError> {
+    /// The positions on the device, uploaded only when they differ from the last ones.
+    fn positions(&mut self, gpu: &Gpu, positions: &[u32]) -> Result<u64, CudaError> {
+        if self.pos != positions || self.slots[Slot::Pos as usize].is_none() {
+            self.pos.clear();
+            self.pos.extend_from_slice(positions);
+            return self.upload(gpu, Slot::Pos, bytemuck::cast_slice(positions));
+        }
+        Ok(self.slots[Slot::Pos as usize].as_ref().expect("uploaded").ptr)
+    }
+
+    fn read_slot<T: bytemuck::Pod>(&self, gpu: &Gpu, s: Slot, out: &mut [T]) -> Result<(), CudaError> {
         self.slots[s as usize]
             .as_ref()
             .expect("slot written before it is read")
             .read(&gpu.stream, bytemuck::cast_slice_mut(out))
+    }
+
+    /// Matrix-vector products of up to three matrices of one type and width over the same `n_tok` activation
+    /// rows (one launch): `ys[i][t][r] = ws[i][r] · x[t]`.
+    fn mmv(&mut self, gpu: &Gpu, ws: &[(&QMat<'_>, u64, u64)], xp: u64, n_tok: usize) -> Result<(), CudaError> {
+        assert!((1..=3).contains(&ws.len()), "mmv: one to three matrices");
+        let w0 = ws[0].0;
+        let mut p = [(0u64, 0u64, 0i32); 3];
+        for (i, (w, wp, yp)) in ws.iter().enumerate() {
+            p[i] = (*wp, *yp, w.rows as i32);
+        }
+        let total: usize = ws.iter().map(|(w, _, _)| w.rows).sum();
+        gpu.launch(
+            typed("mmv_", w0.ty),
+            (total.div_ceil(8) as u32, n_tok as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(p[0].0),
+                Arg::P(p[1].0),
+                Arg::P(p[2].0),
+                Arg::P(xp),
+                Arg::P(p[0].1),
+                Arg::P(p[1].1),
+                Arg::P(p[2].1),
+                Arg::I(p[0].2),
+                Arg::I(p[1].2),
+                Arg::I(p[2].2),
+                Arg::I(w0.cols as i32),
+                Arg::L(w0.row_bytes as i64),
+            ],
+        )
     }
 
     /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens, else the GEMM.
@@ -239,19 +329,7 @@ impl Inner {
     ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows, w.cols);
         if n_tok <= MMV_MAX_TOKENS {
-            return gpu.launch(
-                typed("mmv_", w.ty),
-                (rows.div_ceil(8) as u32, n_tok as u32, 1),
-                (256, 1, 1),
-                &[
-                    Arg::P(wp),
-                    Arg::P(xp),
-                    Arg::P(yp),
-                    Arg::I(rows as i32),
-                    Arg::I(cols as i32),
-                    Arg::L(w.row_bytes as i64),
-                ],
-            );
+            return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);
         }
         let wf = self.slot(gpu, Slot::WF16, rows * cols * 2)?;
         let xf = self.slot(gpu, Slot::XF16, n_tok * cols * 2)?;
@@ -275,27 +353,40 @@ impl Inner {
             &[Arg::P(xp), Arg::P(xf), Arg::L((n_tok * cols) as i64)],
         )?;
         if !self.blas_failed {
-            let injected = self.fault_blas_above.is_some_and(|m| n_tok > m);
-            let r = if injected {
-                Err(format!(
-                    "injected failure (STRATA_FAULT_BLAS_GEMM_ABOVE={})",
-                    self.fault_blas_above.unwrap_or(0)
-                ))
-            } else {
-                self.gemm_blas(wf, xf, yp, rows, cols, n_tok)
+            let r = match self.fault_gemm_above {
+                Some(m) if n_tok > m => Err(format!(
+                    "injected failure ({}={OP_PREFILL_GEMM}:m>{m})",
+                    crate::runtime::fault::ENV_FAULT
+                )),
+                _ => self.gemm_blas(wf, xf, yp, rows, cols, n_tok),
             };
             match r {
                 Ok(()) => return Ok(()),
-                Err(why) => {
+                Err(why) if self.gemm_fallback => {
                     self.blas_failed = true;
                     events::emit(
                         "fallback",
-                        serde_json::json!({"what": "prefill_gemm", "from": "cublas", "to": "gemm_f16_tiled",
+                        serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_f16_tiled",
                             "why": why, "m": n_tok, "n": rows, "k": cols}),
                         &format!(
                             "prefill gemm: cublasGemmEx failed ({why}) at {n_tok} tokens; using our own GEMM kernel from now on"
                         ),
                     );
+                }
+                Err(why) => {
+                    events::emit(
+                        "fault",
+                        serde_json::json!({"kernel": "cublasGemmEx", "op": OP_PREFILL_GEMM, "error": why,
+                            "m": n_tok, "n": rows, "k": cols}),
+                        &format!("prefill gemm: cublasGemmEx failed ({why}) at {n_tok} tokens (--gemm-fallback off)"),
+                    );
+                    return Err(CudaError::Launch {
+                        kernel: "cublasGemmEx".into(),
+                        grid: (0, 0, 0),
+                        block: (0, 0, 0),
+                        call: gpu.launches(),
+                        error: why,
+                    });
                 }
             }
         }
@@ -360,6 +451,153 @@ impl Inner {
         let d = &self.kv[&key];
         Ok((d.buf.ptr, d.ty))
     }
+
+    /// Expert dispatch on the device once routed: `ids`/`wts` ([n_tok][k]) in their slots, `x` `[n_tok][n_embd]`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_dispatch(
+        &mut self,
+        gpu: &Gpu,
+        ex: &Experts<'_>,
+        xp: u64,
+        n_tok: usize,
+        k: usize,
+        normalized: bool,
+        outp: u64,
+    ) -> Result<(), CudaError> {
+        let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
+        let slots = n_tok * k;
+        let gw = self.weights.device_ptr(&gpu.stream, ex.gate.data)?;
+        let uw = self.weights.device_ptr(&gpu.stream, ex.up.data)?;
+        let dw = self.weights.device_ptr(&gpu.stream, ex.down.data)?;
+        let ids = self.slots[Slot::MoeIds as usize].as_ref().expect("routed").ptr;
+        let wts = self.slots[Slot::MoeW as usize].as_ref().expect("routed").ptr;
+        let gp = self.slot(gpu, Slot::MoeGate, slots * nff * 4)?;
+        let up = self.slot(gpu, Slot::MoeUp, slots * nff * 4)?;
+        let dp = self.slot(gpu, Slot::MoeDown, slots * n_embd * 4)?;
+        let same = ex.gate.ty == ex.up.ty;
+        let rows_map = if n_tok <= MMV_MAX_TOKENS {
+            // Decode: every slot reaches its expert by id on the device.
+            let launch = |s: &Self,
+                          wa: u64,
+                          wb: u64,
+                          x: u64,
+                          ya: u64,
+                          yb: u64,
+                          div: usize,
+                          w: &QMat<'_>,
+                          rows: usize,
+                          z: u32| {
+                let _ = s;
+                gpu.launch(
+                    typed("mmv_moe_", w.ty),
+                    (rows.div_ceil(8) as u32, slots as u32, z),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(wa),
+                        Arg::P(wb),
+                        Arg::P(x),
+                        Arg::P(ya),
+                        Arg::P(yb),
+                        Arg::P(ids),
+                        Arg::I(div as i32),
+                        Arg::I(rows as i32),
+                        Arg::I(w.cols as i32),
+                        Arg::L(w.row_bytes as i64),
+                    ],
+                )
+            };
+            if same {
+                launch(self, gw, uw, xp, gp, up, k, &ex.gate, nff, 2)?;
+            } else {
+                launch(self, gw, gw, xp, gp, gp, k, &ex.gate, nff, 1)?;
+                launch(self, uw, uw, xp, up, up, k, &ex.up, nff, 1)?;
+            }
+            gpu.launch(
+                "glu",
+                grid1(slots * nff, 256),
+                (256, 1, 1),
+                &[
+                    Arg::P(gp),
+                    Arg::P(up),
+                    Arg::L((slots * nff) as i64),
+                    Arg::I(glu_code(ex.act)),
+                ],
+            )?;
+            launch(self, dw, dw, gp, dp, dp, 1, &ex.down, n_embd, 1)?;
+            0
+        } else {
+            // Prefill: read the routing back, group the slots by expert, one GEMM per expert and matrix.
+            let mut ids_h = vec![0u32; slots];
+            self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
+            let mut order: Vec<u32> = (0..slots as u32).collect();
+            order.sort_by_key(|&s| (ids_h[s as usize], s));
+            let mut row_of_slot = vec![0u32; slots];
+            for (row, &s) in order.iter().enumerate() {
+                row_of_slot[s as usize] = row as u32;
+            }
+            let tok_of_row: Vec<u32> = order.iter().map(|&s| s / k as u32).collect();
+            let ip = self.upload(gpu, Slot::Idx, bytemuck::cast_slice(&tok_of_row))?;
+            let xg = self.slot(gpu, Slot::MoeX, slots * n_embd * 4)?;
+            gpu.launch(
+                "gather_rows",
+                grid1(slots * n_embd, 256),
+                (256, 1, 1),
+                &[
+                    Arg::P(xp),
+                    Arg::P(ip),
+                    Arg::P(xg),
+                    Arg::I(slots as i32),
+                    Arg::I(n_embd as i32),
+                ],
+            )?;
+            let mut first = 0;
+            while first < slots {
+                let e = ids_h[order[first] as usize] as usize;
+                let m = order[first..]
+                    .iter()
+                    .take_while(|&&s| ids_h[s as usize] as usize == e)
+                    .count();
+                let gate = ex.gate.rows_slice(e * nff, nff);
+                let upm = ex.up.rows_slice(e * nff, nff);
+                let down = ex.down.rows_slice(e * n_embd, n_embd);
+                let at = |base: u64, w: &QMat<'_>, rows: usize| base + (e * rows * w.row_bytes) as u64;
+                let xs = xg + (first * n_embd * 4) as u64;
+                let (gs, us) = (gp + (first * nff * 4) as u64, up + (first * nff * 4) as u64);
+                self.matmul_dev(gpu, &gate, at(gw, &gate, nff), xs, m, gs)?;
+                self.matmul_dev(gpu, &upm, at(uw, &upm, nff), xs, m, us)?;
+                gpu.launch(
+                    "glu",
+                    grid1(m * nff, 256),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(gs),
+                        Arg::P(us),
+                        Arg::L((m * nff) as i64),
+                        Arg::I(glu_code(ex.act)),
+                    ],
+                )?;
+                let dd = dp + (first * n_embd * 4) as u64;
+                self.matmul_dev(gpu, &down, at(dw, &down, n_embd), gs, m, dd)?;
+                first += m;
+            }
+            self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
+        };
+        gpu.launch(
+            "moe_combine",
+            grid1(n_tok * n_embd, 256),
+            (256, 1, 1),
+            &[
+                Arg::P(dp),
+                Arg::P(rows_map),
+                Arg::P(wts),
+                Arg::P(outp),
+                Arg::I(n_tok as i32),
+                Arg::I(k as i32),
+                Arg::I(n_embd as i32),
+                Arg::I(normalized as i32),
+            ],
+        )
+    }
 }
 
 /// Bytes of one head of a cache row and of a whole row, for `heads` heads of `head_dim` values of `ty`.
@@ -371,61 +609,158 @@ fn kv_geometry(ty: GgmlType, heads: usize, head_dim: usize) -> (usize, usize) {
 }
 
 impl Backend for CudaBackend {
+    type Buf = DevVec;
+
     fn name(&self) -> &'static str {
         "cuda"
     }
 
-    fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        if !gpu_computes(w) {
-            return self.cpu.matmul(w, x, n_tok, out);
+    fn reserve(&self, buf: &mut DevVec, len: usize) {
+        if buf.capacity() < len {
+            buf.buf = None;
+            buf.buf = Some(Self::check(DevBuf::alloc(&self.gpu.stream, len * 4)));
         }
-        assert_eq!(x.len(), n_tok * w.cols, "matmul: activations");
-        assert_eq!(out.len(), n_tok * w.rows, "matmul: output");
+    }
+
+    fn upload(&self, src: &[f32], dst: &mut DevVec) {
+        assert!(
+            src.len() <= dst.capacity(),
+            "upload: {} values into {}",
+            src.len(),
+            dst.capacity()
+        );
+        if let Some(b) = dst.buf.as_mut() {
+            Self::check(b.write(&self.gpu.stream, f32_bytes(src)));
+        }
+    }
+
+    fn download(&self, src: &DevVec, offset: usize, dst: &mut [f32]) {
+        if dst.is_empty() {
+            return;
+        }
+        let b = src.buf.as_ref().expect("download: a buffer never sized");
+        Self::check(b.read_at(&self.gpu.stream, offset * 4, bytemuck::cast_slice_mut(dst)));
+    }
+
+    fn copy(&self, src: &DevVec, src_offset: usize, dst: &mut DevVec, len: usize) {
+        assert!(
+            src_offset + len <= src.capacity() && len <= dst.capacity(),
+            "copy: out of bounds"
+        );
+        Self::check(self.gpu.launch(
+            "copy_f32",
+            grid1(len, 256),
+            (256, 1, 1),
+            &[Arg::P(src.at(src_offset)), Arg::P(dst.ptr()), Arg::L(len as i64)],
+        ));
+    }
+
+    fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut DevVec) {
+        let n = ids.len() * table.cols;
+        assert!(n <= out.capacity(), "get_rows: output");
+        if !gpu_computes(table) {
+            let mut host = vec![0.0f32; n];
+            for (t, &id) in ids.iter().enumerate() {
+                quant::dequantize(
+                    table.ty,
+                    table.row(id as usize),
+                    &mut host[t * table.cols..][..table.cols],
+                )
+                .expect("embedding table checked at load");
+            }
+            return Backend::upload(self, &host, out);
+        }
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            let wp = s.weights.device_ptr(&g.stream, table.data)?;
+            let ip = s.upload(g, Slot::Idx, bytemuck::cast_slice(ids))?;
+            g.launch(
+                typed("get_rows_", table.ty),
+                grid1(n / 32, 256),
+                (256, 1, 1),
+                &[
+                    Arg::P(wp),
+                    Arg::P(ip),
+                    Arg::P(out.ptr()),
+                    Arg::I(ids.len() as i32),
+                    Arg::I(table.cols as i32),
+                    Arg::L(table.row_bytes as i64),
+                ],
+            )
+        })());
+    }
+
+    fn matmul(&self, w: &QMat<'_>, x: &DevVec, n_tok: usize, out: &mut DevVec) {
+        assert!(x.capacity() >= n_tok * w.cols, "matmul: activations");
+        assert!(out.capacity() >= n_tok * w.rows, "matmul: output");
+        if !gpu_computes(w) {
+            let xh = self.to_host(x, 0, n_tok * w.cols);
+            let mut yh = vec![0.0f32; n_tok * w.rows];
+            self.cpu.matmul(w, &xh, n_tok, &mut yh);
+            return Backend::upload(self, &yh, out);
+        }
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
             let wp = s.weights.device_ptr(&g.stream, w.data)?;
-            let xp = s.upload(g, Slot::X, f32_bytes(x))?;
-            let yp = s.slot(g, Slot::Y, out.len() * 4)?;
-            s.matmul_dev(g, w, wp, xp, n_tok, yp)?;
-            s.download(g, Slot::Y, out)
+            s.matmul_dev(g, w, wp, x.ptr(), n_tok, out.ptr())
         })());
     }
 
-    fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        let n = w.len();
-        assert_eq!(x.len() % n, 0, "rms_norm: rows of {n}");
+    fn matmul_many(&self, ws: &[QMat<'_>], x: &DevVec, n_tok: usize, outs: &mut [&mut DevVec]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
+        let fusable = n_tok <= MMV_MAX_TOKENS
+            && (1..=3).contains(&ws.len())
+            && ws
+                .iter()
+                .all(|w| gpu_computes(w) && w.ty == ws[0].ty && w.cols == ws[0].cols);
+        if !fusable {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                Backend::matmul(self, w, x, n_tok, o);
+            }
+            return;
+        }
+        for (w, o) in ws.iter().zip(outs.iter()) {
+            assert!(o.capacity() >= n_tok * w.rows, "matmul_many: output");
+        }
+        assert!(x.capacity() >= n_tok * ws[0].cols, "matmul_many: activations");
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
-            let wp = s.weights.device_ptr(&g.stream, f32_bytes(w))?;
-            let xp = s.upload(g, Slot::X, f32_bytes(x))?;
-            g.launch(
-                "rms_norm",
-                ((x.len() / n) as u32, 1, 1),
-                (256, 1, 1),
-                &[Arg::P(xp), Arg::P(wp), Arg::I(n as i32), Arg::F(eps)],
-            )?;
-            s.download(g, Slot::X, x)
+            let mut mats = Vec::with_capacity(3);
+            for (w, o) in ws.iter().zip(outs.iter()) {
+                mats.push((w, s.weights.device_ptr(&g.stream, w.data)?, o.ptr()));
+            }
+            s.mmv(g, &mats, x.ptr(), n_tok)
         })());
     }
 
-    fn rope(&self, x: &mut [f32], n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
-        assert_eq!(x.len(), positions.len() * n_head * head_dim, "rope: shape");
+    fn rms_norm(&self, x: &mut DevVec, rows: usize, w: &[f32], eps: f32) {
+        let p = x.ptr();
+        self.norm(p, p, rows, w, eps, x.capacity());
+    }
+
+    fn rms_norm_into(&self, x: &DevVec, out: &mut DevVec, rows: usize, w: &[f32], eps: f32) {
+        assert!(out.capacity() >= rows * w.len(), "rms_norm_into: output");
+        self.norm(x.ptr(), out.ptr(), rows, w, eps, x.capacity());
+    }
+
+    fn rope(&self, x: &mut DevVec, n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
+        assert!(x.capacity() >= positions.len() * n_head * head_dim, "rope: shape");
         assert!(p.n_rot <= head_dim && p.n_rot.is_multiple_of(2), "rope: n_rot");
         let g = &*self.gpu;
         let mut s = self.lock();
         let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
         Self::check((|| {
-            let xp = s.upload(g, Slot::X, f32_bytes(x))?;
-            let pp = s.upload(g, Slot::Pos, bytemuck::cast_slice(positions))?;
+            let pp = s.positions(g, positions)?;
             let n = positions.len() * n_head * (p.n_rot / 2);
             g.launch(
                 "rope",
                 grid1(n, 256),
                 (256, 1, 1),
                 &[
-                    Arg::P(xp),
+                    Arg::P(x.ptr()),
                     Arg::P(pp),
                     Arg::I(positions.len() as i32),
                     Arg::I(n_head as i32),
@@ -435,65 +770,52 @@ impl Backend for CudaBackend {
                     Arg::F(p.freq_scale),
                     Arg::I((p.kind == RopeKind::Neox) as i32),
                 ],
-            )?;
-            s.download(g, Slot::X, x)
+            )
         })());
     }
 
-    fn scale(&self, x: &mut [f32], sc: f32) {
-        let g = &*self.gpu;
-        let mut s = self.lock();
-        Self::check((|| {
-            let xp = s.upload(g, Slot::X, f32_bytes(x))?;
-            g.launch(
-                "scale_f32",
-                grid1(x.len(), 256),
-                (256, 1, 1),
-                &[Arg::P(xp), Arg::F(sc), Arg::L(x.len() as i64)],
-            )?;
-            s.download(g, Slot::X, x)
-        })());
+    fn scale(&self, x: &mut DevVec, len: usize, sc: f32) {
+        assert!(x.capacity() >= len, "scale: length");
+        Self::check(self.gpu.launch(
+            "scale_f32",
+            grid1(len, 256),
+            (256, 1, 1),
+            &[Arg::P(x.ptr()), Arg::F(sc), Arg::L(len as i64)],
+        ));
     }
 
-    fn add(&self, x: &mut [f32], y: &[f32]) {
-        assert_eq!(x.len(), y.len(), "add: lengths");
-        let g = &*self.gpu;
-        let mut s = self.lock();
-        Self::check((|| {
-            let xp = s.upload(g, Slot::X, f32_bytes(x))?;
-            let yp = s.upload(g, Slot::Y, f32_bytes(y))?;
-            g.launch(
-                "add_f32",
-                grid1(x.len(), 256),
-                (256, 1, 1),
-                &[Arg::P(xp), Arg::P(yp), Arg::L(x.len() as i64)],
-            )?;
-            s.download(g, Slot::X, x)
-        })());
+    fn add(&self, x: &mut DevVec, y: &DevVec, len: usize) {
+        assert!(x.capacity() >= len && y.capacity() >= len, "add: lengths");
+        Self::check(self.gpu.launch(
+            "add_f32",
+            grid1(len, 256),
+            (256, 1, 1),
+            &[Arg::P(x.ptr()), Arg::P(y.ptr()), Arg::L(len as i64)],
+        ));
     }
 
-    fn store_kv(&self, kv: &mut KvLayer, k: &[f32], v: &[f32], positions: &[u32]) {
+    fn store_kv(&self, kv: &mut KvLayer, k: &DevVec, v: &DevVec, positions: &[u32]) {
         let n_tok = positions.len();
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
-            let pp = s.upload(g, Slot::Pos, bytemuck::cast_slice(positions))?;
+            let pp = s.positions(g, positions)?;
             for (rows, data) in [(&kv.k, k), (&kv.v, v)] {
-                let width = data.len() / n_tok;
-                let (_, row_bytes) = kv_geometry(rows.ty(), width / rows.head_dim(), rows.head_dim());
+                let width = rows.width();
+                assert!(data.capacity() >= n_tok * width, "store_kv: shapes");
+                let (_, row_bytes) = kv_geometry(rows.ty(), rows.heads(), rows.head_dim());
                 let (dst, ty) = s.kv_twin(g, rows)?;
-                let src = s.upload(g, Slot::X, f32_bytes(data))?;
-                let (kernel, threads) = match ty {
-                    GgmlType::F16 => ("kv_store_f16", n_tok * width),
+                let kernel = match ty {
+                    GgmlType::F16 => "kv_store_f16",
                     // One warp per 32-value block.
-                    _ => ("kv_store_q8_0", n_tok * width),
+                    _ => "kv_store_q8_0",
                 };
                 g.launch(
                     kernel,
-                    grid1(threads, 256),
+                    grid1(n_tok * width, 256),
                     (256, 1, 1),
                     &[
-                        Arg::P(src),
+                        Arg::P(data.ptr()),
                         Arg::P(dst),
                         Arg::P(pp),
                         Arg::I(n_tok as i32),
@@ -506,11 +828,12 @@ impl Backend for CudaBackend {
         })());
     }
 
-    fn attention(&self, q: &[f32], kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut [f32]) {
+    fn attention(&self, q: &DevVec, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut DevVec) {
         let n_tok = positions.len();
         let (dk, dv) = (p.head_dim, p.head_dim_v);
-        assert_eq!(q.len(), n_tok * p.n_head * dk, "attention: q");
-        assert_eq!(out.len(), n_tok * p.n_head * dv, "attention: out");
+        let rows = n_tok * p.n_head;
+        assert!(q.capacity() >= rows * dk, "attention: q");
+        assert!(out.capacity() >= rows * dv, "attention: out");
         let first_key = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let hi = positions.iter().map(|&x| x as usize).max().expect("at least one token");
         let lo = positions
@@ -519,7 +842,6 @@ impl Backend for CudaBackend {
             .min()
             .expect("at least one token");
         let n_keys = hi + 1 - lo;
-        let rows = n_tok * p.n_head;
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
@@ -528,15 +850,45 @@ impl Backend for CudaBackend {
             let (kp, kty) = s.kv_twin(g, &kv.k)?;
             let (vp, vty) = s.kv_twin(g, &kv.v)?;
             let code = |t: GgmlType| if t == GgmlType::F16 { 0 } else { 1 };
-            let qp = s.upload(g, Slot::X, f32_bytes(q))?;
-            let pp = s.upload(g, Slot::Pos, bytemuck::cast_slice(positions))?;
+            let pp = s.positions(g, positions)?;
+            if n_tok <= MMV_MAX_TOKENS && dv <= 256 {
+                // Decode: one launch whose arguments do not depend on the position (CUDA graphs).
+                let n_ctx = kv.k.bytes() / krb;
+                let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
+                return g.launch(
+                    "attn_decode",
+                    (p.n_head as u32, n_tok as u32, 1),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(q.ptr()),
+                        Arg::P(kp),
+                        Arg::P(vp),
+                        Arg::P(sp),
+                        Arg::P(out.ptr()),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dk as i32),
+                        Arg::I(dv as i32),
+                        Arg::F(p.scale),
+                        Arg::I(p.window.unwrap_or(0) as i32),
+                        Arg::L(krb as i64),
+                        Arg::I(khb as i32),
+                        Arg::I(code(kty)),
+                        Arg::L(vrb as i64),
+                        Arg::I(vhb as i32),
+                        Arg::I(code(vty)),
+                        Arg::I(n_ctx as i32),
+                    ],
+                );
+            }
             let sp = s.slot(g, Slot::Scores, rows * n_keys * 4)?;
             g.launch(
                 "attn_scores",
                 (n_keys.div_ceil(8) as u32, rows as u32, 1),
                 (256, 1, 1),
                 &[
-                    Arg::P(qp),
+                    Arg::P(q.ptr()),
                     Arg::P(kp),
                     Arg::P(sp),
                     Arg::P(pp),
@@ -565,11 +917,10 @@ impl Backend for CudaBackend {
                 n_keys.div_ceil(ATTN_SPLIT_KEYS)
             };
             let split_len = n_keys.div_ceil(n_split);
-            let op = s.slot(g, Slot::Y, out.len() * 4)?;
             let target = if n_split == 1 {
-                op
+                out.ptr()
             } else {
-                s.slot(g, Slot::Part, n_split * out.len() * 4)?
+                s.slot(g, Slot::Part, n_split * rows * dv * 4)?
             };
             let threads = dv.next_multiple_of(32).min(256) as u32;
             g.launch(
@@ -595,149 +946,211 @@ impl Backend for CudaBackend {
             if n_split > 1 {
                 g.launch(
                     "sum_splits",
-                    grid1(out.len(), 256),
+                    grid1(rows * dv, 256),
                     (256, 1, 1),
                     &[
                         Arg::P(target),
-                        Arg::P(op),
+                        Arg::P(out.ptr()),
                         Arg::I(n_split as i32),
-                        Arg::L(out.len() as i64),
+                        Arg::L((rows * dv) as i64),
                     ],
                 )?;
             }
-            s.download(g, Slot::Y, out)
+            Ok(())
         })());
     }
 
-    fn glu(&self, gate: &mut [f32], up: &[f32], act: GluKind) {
-        assert_eq!(gate.len(), up.len(), "glu: lengths");
-        let g = &*self.gpu;
-        let mut s = self.lock();
-        Self::check((|| {
-            let gp = s.upload(g, Slot::X, f32_bytes(gate))?;
-            let up_ = s.upload(g, Slot::Y, f32_bytes(up))?;
-            let a = match act {
-                GluKind::SwiGlu => 0,
-                GluKind::GeGlu => 1,
-            };
-            g.launch(
-                "glu",
-                grid1(gate.len(), 256),
-                (256, 1, 1),
-                &[Arg::P(gp), Arg::P(up_), Arg::L(gate.len() as i64), Arg::I(a)],
-            )?;
-            s.download(g, Slot::X, gate)
-        })());
+    fn glu(&self, gate: &mut DevVec, up: &DevVec, len: usize, act: GluKind) {
+        assert!(gate.capacity() >= len && up.capacity() >= len, "glu: lengths");
+        Self::check(self.gpu.launch(
+            "glu",
+            grid1(len, 256),
+            (256, 1, 1),
+            &[
+                Arg::P(gate.ptr()),
+                Arg::P(up.ptr()),
+                Arg::L(len as i64),
+                Arg::I(glu_code(act)),
+            ],
+        ));
     }
 
-    fn softmax(&self, x: &mut [f32], width: usize) {
-        self.cpu.softmax(x, width);
-    }
-
-    fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing) {
-        self.cpu.route(logits, n_expert, k, normalize, out);
-    }
-
-    fn moe_ffn(&self, ex: &Experts<'_>, x: &[f32], routing: &Routing, out: &mut [f32], scr: &mut MoeScratch) {
-        if ![ex.gate, ex.up, ex.down].iter().all(gpu_computes) {
-            return self.cpu.moe_ffn(ex, x, routing, out, scr);
-        }
+    fn moe(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut DevVec,
+        x: &DevVec,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        out: &mut DevVec,
+        scratch: &mut MoeScratch,
+    ) {
         let n_embd = ex.gate.cols;
-        let nff = ex.n_ff_exp;
-        let n_tok = x.len() / n_embd;
-        assert_eq!(out.len(), x.len(), "moe_ffn: output");
-        assert_eq!(routing.ids.len(), n_tok * routing.k, "moe_ffn: routing");
-        // Routing slots grouped by expert (expert order, then slot order, as the CPU visits them).
-        scr.tokens.clear();
-        let mut segments: Vec<(usize, usize, usize)> = Vec::new(); // (expert, first, count)
-        for e in 0..ex.n_expert {
-            let first = scr.tokens.len();
-            scr.tokens.extend(
-                routing
-                    .ids
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, id)| **id as usize == e)
-                    .map(|(s, _)| s as u32),
-            );
-            if scr.tokens.len() > first {
-                segments.push((e, first, scr.tokens.len() - first));
-            }
+        assert!(
+            x.capacity() >= n_tok * n_embd && out.capacity() >= n_tok * n_embd,
+            "moe: shapes"
+        );
+        assert!(logits.capacity() >= n_tok * ex.n_expert, "moe: router logits");
+        assert!(k >= 1 && k <= ex.n_expert && ex.n_expert <= 1024, "moe: k of n_expert");
+        if ![ex.gate, ex.up, ex.down].iter().all(gpu_computes) {
+            // Experts of a type without kernels: the CPU backend, through host copies.
+            let mut lh = self.to_host(logits, 0, n_tok * ex.n_expert);
+            let xh = self.to_host(x, 0, n_tok * n_embd);
+            let mut routing = Routing::default();
+            self.cpu.route(&mut lh, ex.n_expert, k, normalize, &mut routing);
+            let mut oh = vec![0.0f32; n_tok * n_embd];
+            self.cpu.moe_ffn(ex, &xh, &routing, &mut oh, scratch);
+            return Backend::upload(self, &oh, out);
         }
-        let total = scr.tokens.len();
-        let rows_of: Vec<u32> = scr.tokens.iter().map(|&slot| slot / routing.k as u32).collect();
-        scr.down.resize(total * n_embd, 0.0);
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
-            let xp = s.upload(g, Slot::X, f32_bytes(x))?;
-            let ip = s.upload(g, Slot::Idx, bytemuck::cast_slice(&rows_of))?;
-            let xg = s.slot(g, Slot::Z, total * n_embd * 4)?;
+            let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
+            let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
             g.launch(
-                "gather_rows",
-                grid1(total * n_embd, 256),
-                (256, 1, 1),
+                "moe_route",
+                (n_tok as u32, 1, 1),
+                (32, 1, 1),
                 &[
-                    Arg::P(xp),
-                    Arg::P(ip),
-                    Arg::P(xg),
-                    Arg::I(total as i32),
-                    Arg::I(n_embd as i32),
+                    Arg::P(logits.ptr()),
+                    Arg::P(ids),
+                    Arg::P(wts),
+                    Arg::I(ex.n_expert as i32),
+                    Arg::I(k as i32),
+                    Arg::I(normalize as i32),
                 ],
             )?;
-            // Gate and up side by side per segment in Y ([total][2][nff] as two halves), down into Part.
-            let gp = s.slot(g, Slot::Y, 2 * total * nff * 4)?;
-            let up = gp + (total * nff * 4) as u64;
-            let dp = s.slot(g, Slot::Part, total * n_embd * 4)?;
-            for &(e, first, m) in &segments {
-                let gate = ex.gate.rows_slice(e * nff, nff);
-                let upm = ex.up.rows_slice(e * nff, nff);
-                let down = ex.down.rows_slice(e * n_embd, n_embd);
-                let (gw, uw, dw) = (
-                    s.weights.device_ptr(&g.stream, gate.data)?,
-                    s.weights.device_ptr(&g.stream, upm.data)?,
-                    s.weights.device_ptr(&g.stream, down.data)?,
-                );
-                let xs = xg + (first * n_embd * 4) as u64;
-                let (gs, us) = (gp + (first * nff * 4) as u64, up + (first * nff * 4) as u64);
-                s.matmul_dev(g, &gate, gw, xs, m, gs)?;
-                s.matmul_dev(g, &upm, uw, xs, m, us)?;
-                let a = match ex.act {
-                    GluKind::SwiGlu => 0,
-                    GluKind::GeGlu => 1,
-                };
-                g.launch(
-                    "glu",
-                    grid1(m * nff, 256),
-                    (256, 1, 1),
-                    &[Arg::P(gs), Arg::P(us), Arg::L((m * nff) as i64), Arg::I(a)],
-                )?;
-                s.matmul_dev(g, &down, dw, gs, m, dp + (first * n_embd * 4) as u64)?;
-            }
-            s.download(g, Slot::Part, &mut scr.down[..total * n_embd])
+            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, out.ptr())
         })());
-        // The weighted sum in f64, as the CPU backend does it.
-        scr.acc.clear();
-        scr.acc.resize(n_tok * n_embd, 0.0);
-        for (i, &slot) in scr.tokens.iter().enumerate() {
-            let (t, w) = (slot as usize / routing.k, routing.weights[slot as usize] as f64);
-            let acc = &mut scr.acc[t * n_embd..(t + 1) * n_embd];
-            for (a, d) in acc.iter_mut().zip(&scr.down[i * n_embd..(i + 1) * n_embd]) {
-                *a += w * *d as f64;
-            }
+    }
+
+    fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
+        let mut s = self.lock();
+        s.fault_gemm_above = faults.prefill_gemm_max_rows;
+        s.gemm_fallback = gemm_fallback;
+        true
+    }
+}
+
+impl CudaBackend {
+    /// RMSNorm of `rows` rows from `xp` into `op` (may be equal).
+    fn norm(&self, xp: u64, op: u64, rows: usize, w: &[f32], eps: f32, cap: usize) {
+        let n = w.len();
+        assert!(cap >= rows * n, "rms_norm: rows of {n}");
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            let wp = s.weights.device_ptr(&g.stream, f32_bytes(w))?;
+            g.launch(
+                "rms_norm",
+                (rows as u32, 1, 1),
+                (256, 1, 1),
+                &[Arg::P(xp), Arg::P(op), Arg::P(wp), Arg::I(n as i32), Arg::F(eps)],
+            )
+        })());
+    }
+}
+
+/// The device's two ceilings, measured (METHOD.md: datasheet rates are leads): copy bandwidth and dense f16
+/// matrix rate. Benchmarks divide by them to give each figure beside its bound.
+impl CudaBackend {
+    /// Device-memory bandwidth in GB/s (1e9 bytes): the best of 5 copies of 1 GiB with `copy_f32`, counting bytes
+    /// read plus bytes written, timed by CUDA events.
+    ///
+    /// Errors: allocation or launch failure.
+    pub fn measure_copy_gb_s(&self) -> Result<f64, CudaError> {
+        let n = 1usize << 28; // f32 values: 1 GiB
+        let g = &*self.gpu;
+        let a = DevBuf::alloc(&g.stream, n * 4)?;
+        let b = DevBuf::alloc(&g.stream, n * 4)?;
+        // Random-looking data, never zeros: fill on the device with a pattern from the host.
+        let pattern: Vec<f32> = (0..1u32 << 20)
+            .map(|i| (i.wrapping_mul(2654435761) >> 8) as f32)
+            .collect();
+        let src = DevBuf::upload(&g.stream, f32_bytes(&pattern))?;
+        for c in 0..n / pattern.len() {
+            g.launch(
+                "copy_f32",
+                grid1(pattern.len(), 256),
+                (256, 1, 1),
+                &[
+                    Arg::P(src.ptr),
+                    Arg::P(a.ptr + (c * pattern.len() * 4) as u64),
+                    Arg::L(pattern.len() as i64),
+                ],
+            )?;
         }
-        for (t, o) in out.chunks_mut(n_embd).enumerate() {
-            let inv = if routing.normalized {
-                1.0 / routing.weights[t * routing.k..(t + 1) * routing.k]
-                    .iter()
-                    .map(|&w| w as f64)
-                    .sum::<f64>()
-            } else {
-                1.0
-            };
-            for (y, a) in o.iter_mut().zip(&scr.acc[t * n_embd..(t + 1) * n_embd]) {
-                *y = (a * inv) as f32;
-            }
+        let mut best = 0f64;
+        for _ in 0..6 {
+            let ms = self.time_ms(|| {
+                g.launch(
+                    "copy_f32",
+                    grid1(n, 256),
+                    (256, 1, 1),
+                    &[Arg::P(a.ptr), Arg::P(b.ptr), Arg::L(n as i64)],
+                )
+            })?;
+            best = best.max(2.0 * (n * 4) as f64 / (ms * 1e-3) / 1e9);
         }
+        Ok(best)
+    }
+
+    /// Dense f16 matrix rate in TFLOP/s through cuBLAS `GemmEx` (f32 accumulation, the prefill GEMM's mode):
+    /// the best of 5 products of 8192 × 8192 × 8192 over random operands; `None` without cuBLAS.
+    ///
+    /// Errors: allocation or launch failure.
+    pub fn measure_gemm_tflops(&self) -> Result<Option<f64>, CudaError> {
+        let n = 8192usize;
+        let g = &*self.gpu;
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let host: Vec<u16> = (0..n * n)
+            .map(|_| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                half::f16::from_f32(((rng >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).to_bits()
+            })
+            .collect();
+        let a = DevBuf::upload(&g.stream, bytemuck::cast_slice(&host))?;
+        let b = DevBuf::upload(&g.stream, bytemuck::cast_slice(&host))?;
+        let c = DevBuf::alloc(&g.stream, n * n * 4)?;
+        let s = self.lock();
+        if s.blas.is_none() {
+            return Ok(None);
+        }
+        let mut best = 0f64;
+        for _ in 0..6 {
+            let ms = self.time_ms(|| {
+                s.gemm_blas(a.ptr, b.ptr, c.ptr, n, n, n)
+                    .map_err(|error| CudaError::Launch {
+                        kernel: "cublasGemmEx".into(),
+                        grid: (0, 0, 0),
+                        block: (0, 0, 0),
+                        call: 0,
+                        error,
+                    })
+            })?;
+            best = best.max(2.0 * (n * n * n) as f64 / (ms * 1e-3) / 1e12);
+        }
+        Ok(Some(best))
+    }
+
+    /// Device milliseconds of the work `f` queues, between two CUDA events.
+    fn time_ms(&self, f: impl FnOnce() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+        let ev = || {
+            self.gpu
+                .ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(CudaError::driver("event"))
+        };
+        let (start, end) = (ev()?, ev()?);
+        start
+            .record(&self.gpu.stream)
+            .map_err(CudaError::driver("event record"))?;
+        f()?;
+        end.record(&self.gpu.stream)
+            .map_err(CudaError::driver("event record"))?;
+        Ok(start.elapsed_ms(&end).map_err(CudaError::driver("event elapsed"))? as f64)
     }
 }

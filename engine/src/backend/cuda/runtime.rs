@@ -11,11 +11,11 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::events;
 use super::loader;
@@ -44,6 +44,32 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mmv_q4_k",
     "mmv_q5_k",
     "mmv_q6_k",
+    "mmv_moe_f32",
+    "mmv_moe_f16",
+    "mmv_moe_bf16",
+    "mmv_moe_q4_0",
+    "mmv_moe_q4_1",
+    "mmv_moe_q5_0",
+    "mmv_moe_q5_1",
+    "mmv_moe_q8_0",
+    "mmv_moe_q2_k",
+    "mmv_moe_q3_k",
+    "mmv_moe_q4_k",
+    "mmv_moe_q5_k",
+    "mmv_moe_q6_k",
+    "get_rows_f32",
+    "get_rows_f16",
+    "get_rows_bf16",
+    "get_rows_q4_0",
+    "get_rows_q4_1",
+    "get_rows_q5_0",
+    "get_rows_q5_1",
+    "get_rows_q8_0",
+    "get_rows_q2_k",
+    "get_rows_q3_k",
+    "get_rows_q4_k",
+    "get_rows_q5_k",
+    "get_rows_q6_k",
     "dq_f16_f32",
     "dq_f16_f16",
     "dq_f16_bf16",
@@ -67,6 +93,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_store_f16",
     "kv_store_q8_0",
     "gather_rows",
+    "copy_f32",
+    "moe_route",
+    "moe_combine",
+    "attn_decode",
     "attn_scores",
     "attn_softmax",
     "attn_pv",
@@ -239,6 +269,9 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     calls: AtomicU64,
     sync_launches: bool,
+    /// `STRATA_PROFILE_KERNELS=1`: every launch between two timing events (see [`Gpu::kernel_profile`]).
+    profile: Mutex<Profile>,
+    profiling: std::sync::atomic::AtomicBool,
     pub compile: CompileReport,
     pub ordinal: usize,
 }
@@ -302,6 +335,10 @@ impl Gpu {
             funcs,
             calls: AtomicU64::new(0),
             sync_launches: std::env::var_os("STRATA_SYNC_LAUNCHES").is_some_and(|v| v != "0"),
+            profile: Mutex::new(Profile::default()),
+            profiling: std::env::var_os("STRATA_PROFILE_KERNELS")
+                .is_some_and(|v| v != "0")
+                .into(),
             compile,
             ordinal,
         })
@@ -339,9 +376,20 @@ impl Gpu {
                 Arg::F(v) => b.arg(v),
             };
         }
+        let profiling = self.profiling.load(Ordering::Relaxed);
+        let timing = if profiling { self.timing_event() } else { None };
         // SAFETY: each kernel's argument list is fixed by its caller in this backend, which passes pointers to
         // buffers it sized for the launch.
         let mut r = unsafe { b.launch(cfg) }.map(|_| ());
+        if let Some(start) = timing
+            && let Some(end) = self.timing_event()
+        {
+            let mut p = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+            p.pending.push((kernel, start, end));
+            if p.pending.len() >= 4096 {
+                p.fold();
+            }
+        }
         if r.is_ok() && self.sync_launches {
             r = self.stream.synchronize();
         }
@@ -364,6 +412,32 @@ impl Gpu {
         })
     }
 
+    /// A timing event recorded on the stream now (profile mode); `None` if the driver refused one.
+    fn timing_event(&self) -> Option<CudaEvent> {
+        let e = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .ok()?;
+        e.record(&self.stream).ok()?;
+        Some(e)
+    }
+
+    /// Turns per-launch timing on or off (also on at start with `STRATA_PROFILE_KERNELS=1`).
+    pub fn set_profiling(&self, on: bool) {
+        self.profiling.store(on, Ordering::Relaxed);
+    }
+
+    /// Per-kernel device time since the last call, from CUDA events around every launch made while profiling
+    /// (otherwise empty): (kernel, launches, total ms), the most time first. Waits for
+    /// the stream. The events add host work per launch, so time end-to-end runs without the variable.
+    pub fn kernel_profile(&self) -> Vec<(&'static str, u64, f64)> {
+        let mut p = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+        p.fold();
+        let mut rows: Vec<_> = p.totals.drain().map(|(k, (n, ms))| (k, n, ms)).collect();
+        rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+        rows
+    }
+
     /// Launches so far (the number a `fault` event reports).
     pub fn launches(&self) -> u64 {
         self.calls.load(Ordering::Relaxed)
@@ -372,5 +446,24 @@ impl Gpu {
     /// (free, total) device memory in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
         self.ctx.mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))
+    }
+}
+
+/// Launch timings of profile mode: event pairs not yet read, and totals per kernel.
+#[derive(Default)]
+struct Profile {
+    pending: Vec<(&'static str, CudaEvent, CudaEvent)>,
+    totals: HashMap<&'static str, (u64, f64)>,
+}
+
+impl Profile {
+    /// Reads every pending pair (waiting for them) into the totals.
+    fn fold(&mut self) {
+        for (k, start, end) in self.pending.drain(..) {
+            let ms = start.elapsed_ms(&end).map_or(0.0, |m| m as f64);
+            let t = self.totals.entry(k).or_insert((0, 0.0));
+            t.0 += 1;
+            t.1 += ms;
+        }
     }
 }

@@ -3,10 +3,11 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::CudaBackend;
 use super::runtime::CudaError;
+use super::{CudaBackend, DevVec};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams, Routing};
+use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams};
+use crate::runtime::fault::FaultPlan;
 use crate::runtime::kv::KvLayer;
 
 /// Where a session computes (`--device`).
@@ -66,53 +67,165 @@ impl AnyBackend {
             AnyBackend::Cpu(_) => None,
         }
     }
+}
 
-    fn be(&self) -> &dyn Backend {
+/// An activation buffer of an [`AnyBackend`]: host memory for the CPU, device memory for CUDA; empty until the
+/// backend first sizes it.
+#[derive(Default)]
+pub enum AnyBuf {
+    #[default]
+    Empty,
+    Host(Vec<f32>),
+    Dev(DevVec),
+}
+
+impl AnyBuf {
+    fn host(&self) -> &Vec<f32> {
         match self {
-            AnyBackend::Cpu(c) => c,
-            AnyBackend::Cuda(c) => &**c,
+            AnyBuf::Host(v) => v,
+            _ => panic!("AnyBackend: a CPU op got a buffer the CPU backend did not size"),
+        }
+    }
+    fn host_mut(&mut self) -> &mut Vec<f32> {
+        match self {
+            AnyBuf::Host(v) => v,
+            _ => panic!("AnyBackend: a CPU op got a buffer the CPU backend did not size"),
+        }
+    }
+    fn dev(&self) -> &DevVec {
+        match self {
+            AnyBuf::Dev(v) => v,
+            _ => panic!("AnyBackend: a CUDA op got a buffer the CUDA backend did not size"),
+        }
+    }
+    fn dev_mut(&mut self) -> &mut DevVec {
+        match self {
+            AnyBuf::Dev(v) => v,
+            _ => panic!("AnyBackend: a CUDA op got a buffer the CUDA backend did not size"),
         }
     }
 }
 
+/// Runs one op on whichever backend this is, each buffer argument unwrapped to that backend's type:
+/// `dispatch!(self, be, [x, out], [y], be.op(w, x, out))` with `x`, `out` taken `&mut` and `y` `&`.
+macro_rules! dispatch {
+    ($self:ident, $be:ident, [$($m:ident),*], [$($r:ident),*], $call:expr) => {
+        match $self {
+            AnyBackend::Cpu($be) => {
+                $(let $m = $m.host_mut();)*
+                $(let $r = $r.host();)*
+                $call
+            }
+            AnyBackend::Cuda(c) => {
+                let $be: &CudaBackend = c;
+                $(let $m = $m.dev_mut();)*
+                $(let $r = $r.dev();)*
+                $call
+            }
+        }
+    };
+}
+
 impl Backend for AnyBackend {
+    type Buf = AnyBuf;
+
     fn name(&self) -> &'static str {
-        self.be().name()
+        match self {
+            AnyBackend::Cpu(c) => c.name(),
+            AnyBackend::Cuda(c) => c.name(),
+        }
     }
-    fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        self.be().matmul(w, x, n_tok, out)
+    fn reserve(&self, buf: &mut AnyBuf, len: usize) {
+        match self {
+            AnyBackend::Cpu(c) => {
+                if !matches!(buf, AnyBuf::Host(_)) {
+                    *buf = AnyBuf::Host(Vec::new());
+                }
+                Backend::reserve(c, buf.host_mut(), len)
+            }
+            AnyBackend::Cuda(c) => {
+                if !matches!(buf, AnyBuf::Dev(_)) {
+                    *buf = AnyBuf::Dev(DevVec::default());
+                }
+                Backend::reserve(&**c, buf.dev_mut(), len)
+            }
+        }
     }
-    fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
-        self.be().matmul_many(ws, x, n_tok, outs)
+    fn upload(&self, src: &[f32], dst: &mut AnyBuf) {
+        dispatch!(self, be, [dst], [], be.upload(src, dst))
     }
-    fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        self.be().rms_norm(x, w, eps)
+    fn download(&self, src: &AnyBuf, offset: usize, dst: &mut [f32]) {
+        dispatch!(self, be, [], [src], be.download(src, offset, dst))
     }
-    fn rope(&self, x: &mut [f32], n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
-        self.be().rope(x, n_head, head_dim, positions, p)
+    fn copy(&self, src: &AnyBuf, src_offset: usize, dst: &mut AnyBuf, len: usize) {
+        dispatch!(self, be, [dst], [src], Backend::copy(be, src, src_offset, dst, len))
     }
-    fn scale(&self, x: &mut [f32], s: f32) {
-        self.be().scale(x, s)
+    fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut AnyBuf) {
+        dispatch!(self, be, [out], [], be.get_rows(table, ids, out))
     }
-    fn add(&self, x: &mut [f32], y: &[f32]) {
-        self.be().add(x, y)
+    fn matmul(&self, w: &QMat<'_>, x: &AnyBuf, n_tok: usize, out: &mut AnyBuf) {
+        dispatch!(self, be, [out], [x], Backend::matmul(be, w, x, n_tok, out))
     }
-    fn store_kv(&self, kv: &mut KvLayer, k: &[f32], v: &[f32], positions: &[u32]) {
-        self.be().store_kv(kv, k, v, positions)
+    fn matmul_many(&self, ws: &[QMat<'_>], x: &AnyBuf, n_tok: usize, outs: &mut [&mut AnyBuf]) {
+        match self {
+            AnyBackend::Cpu(be) => {
+                let mut o: Vec<&mut Vec<f32>> = outs.iter_mut().map(|b| b.host_mut()).collect();
+                Backend::matmul_many(be, ws, x.host(), n_tok, &mut o)
+            }
+            AnyBackend::Cuda(be) => {
+                let mut o: Vec<&mut DevVec> = outs.iter_mut().map(|b| b.dev_mut()).collect();
+                Backend::matmul_many(&**be, ws, x.dev(), n_tok, &mut o)
+            }
+        }
     }
-    fn attention(&self, q: &[f32], kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut [f32]) {
-        self.be().attention(q, kv, positions, p, out)
+    fn rms_norm(&self, x: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
+        dispatch!(self, be, [x], [], Backend::rms_norm(be, x, rows, w, eps))
     }
-    fn glu(&self, gate: &mut [f32], up: &[f32], act: GluKind) {
-        self.be().glu(gate, up, act)
+    fn rms_norm_into(&self, x: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
+        dispatch!(self, be, [out], [x], be.rms_norm_into(x, out, rows, w, eps))
     }
-    fn softmax(&self, x: &mut [f32], width: usize) {
-        self.be().softmax(x, width)
+    fn rope(&self, x: &mut AnyBuf, n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
+        dispatch!(self, be, [x], [], Backend::rope(be, x, n_head, head_dim, positions, p))
     }
-    fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing) {
-        self.be().route(logits, n_expert, k, normalize, out)
+    fn scale(&self, x: &mut AnyBuf, len: usize, s: f32) {
+        dispatch!(self, be, [x], [], Backend::scale(be, x, len, s))
     }
-    fn moe_ffn(&self, ex: &Experts<'_>, x: &[f32], routing: &Routing, out: &mut [f32], scratch: &mut MoeScratch) {
-        self.be().moe_ffn(ex, x, routing, out, scratch)
+    fn add(&self, x: &mut AnyBuf, y: &AnyBuf, len: usize) {
+        dispatch!(self, be, [x], [y], Backend::add(be, x, y, len))
+    }
+    fn store_kv(&self, kv: &mut KvLayer, k: &AnyBuf, v: &AnyBuf, positions: &[u32]) {
+        dispatch!(self, be, [], [k, v], Backend::store_kv(be, kv, k, v, positions))
+    }
+    fn attention(&self, q: &AnyBuf, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut AnyBuf) {
+        dispatch!(self, be, [out], [q], Backend::attention(be, q, kv, positions, p, out))
+    }
+    fn glu(&self, gate: &mut AnyBuf, up: &AnyBuf, len: usize, act: GluKind) {
+        dispatch!(self, be, [gate], [up], Backend::glu(be, gate, up, len, act))
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn moe(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut AnyBuf,
+        x: &AnyBuf,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        out: &mut AnyBuf,
+        scratch: &mut MoeScratch,
+    ) {
+        dispatch!(
+            self,
+            be,
+            [logits, out],
+            [x],
+            be.moe(ex, logits, x, n_tok, k, normalize, out, scratch)
+        )
+    }
+    fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
+        match self {
+            AnyBackend::Cpu(c) => c.set_fault_policy(faults, gemm_fallback),
+            AnyBackend::Cuda(c) => c.set_fault_policy(faults, gemm_fallback),
+        }
     }
 }

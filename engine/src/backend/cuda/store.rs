@@ -69,12 +69,23 @@ impl DevBuf {
 
     /// Reads the first `out.len()` bytes into `out`, waiting for the stream.
     pub fn read(&self, stream: &Arc<CudaStream>, out: &mut [u8]) -> Result<(), CudaError> {
-        assert!(out.len() <= self.bytes, "DevBuf::read: {} > {}", out.len(), self.bytes);
+        self.read_at(stream, 0, out)
+    }
+
+    /// Reads bytes `offset..offset + out.len()` into `out`, waiting for the stream.
+    pub fn read_at(&self, stream: &Arc<CudaStream>, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
+        assert!(
+            offset + out.len() <= self.bytes,
+            "DevBuf::read_at: {} + {} > {}",
+            offset,
+            out.len(),
+            self.bytes
+        );
         if out.is_empty() {
             return Ok(());
         }
         stream
-            .memcpy_dtoh(&self.buf.slice(0..out.len()), out)
+            .memcpy_dtoh(&self.buf.slice(offset..offset + out.len()), out)
             .map_err(CudaError::driver("device-to-host copy"))?;
         stream.synchronize().map_err(CudaError::driver("stream synchronize"))
     }
