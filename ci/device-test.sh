@@ -61,7 +61,7 @@ bench-small)
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
   ;;
 bench-30b)
-  /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
+  /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-30b.csv" 2>/dev/null &
   SMI=$!

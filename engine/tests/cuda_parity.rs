@@ -561,9 +561,14 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
         pb.extend_from_slice(sg.decode(next).unwrap());
     }
     let kld_dec = mean_kld(&pa, &pb, vocab);
+    let (captures, replays) = sg.backend().gpu().graph_counts();
     println!(
-        "{name} kv={kv}: teacher-forced mean KLD {kld_tf:.3e} over {} positions; decode mean KLD {kld_dec:.3e}, greedy argmax agrees {same_argmax}/24",
+        "{name} kv={kv}: teacher-forced mean KLD {kld_tf:.3e} over {} positions; decode mean KLD {kld_dec:.3e}, greedy argmax agrees {same_argmax}/24; decode CUDA graphs: {captures} captured, {replays} replays",
         tokens.len()
+    );
+    assert!(
+        replays >= 20,
+        "{name}: decode steps should replay their CUDA graph ({replays} replays)"
     );
     let _ = std::fs::remove_dir_all(&dir);
     assert!(kld_tf <= 0.002 && kld_dec <= 0.002, "{name}: KLD over 0.002");

@@ -286,6 +286,14 @@ pub trait Backend: Send + Sync {
         scratch: &mut MoeScratch,
     );
 
+    /// Brackets one forward pass of `n_tok` tokens (`key` tells shapes apart): a GPU backend records a decode
+    /// step into a CUDA graph and replays it on later steps. No data may be read back between the two calls but
+    /// through [`Backend::download`].
+    fn step_begin(&self, _n_tok: usize, _key: u64) {}
+
+    /// Ends the step begun by [`Backend::step_begin`] (a GPU backend launches the step's graph here).
+    fn step_end(&self) {}
+
     /// Hands the backend the injected faults and the `--gemm-fallback` policy. Returns whether the backend
     /// applies them itself (a GPU with a library GEMM and our own kernel behind it); otherwise the session
     /// applies them by capping its prefill batch (the CPU).

@@ -165,6 +165,12 @@ impl Model {
             be.reserve(buf, len);
         }
 
+        // One step for the backend (a GPU replays decode steps as a graph); tracing reads tensors mid-step.
+        let graphable = !*TRACE_TENSORS;
+        if graphable {
+            be.step_begin(n, (n as u64) << 2 | logits as u64);
+        }
+
         // Embeddings: one dequantized row of token_embd per token.
         let embd = self.m(&w.token_embd);
         for &id in tokens {
@@ -273,7 +279,12 @@ impl Model {
         }
 
         let (first, m) = match logits {
-            Logits::None => return &[],
+            Logits::None => {
+                if graphable {
+                    be.step_end();
+                }
+                return &[];
+            }
             Logits::Last => (n - 1, 1),
             Logits::All => (0, n),
         };
@@ -284,6 +295,9 @@ impl Model {
         be.matmul(&out, &s.h, m, &mut s.lg);
         trace(be, "result_norm", None, &s.h, m * e);
         trace(be, "result_output", None, &s.lg, m * out.rows);
+        if graphable {
+            be.step_end();
+        }
         if s.logits.len() < m * out.rows {
             s.logits.resize(m * out.rows, 0.0);
         }

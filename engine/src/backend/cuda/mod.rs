@@ -279,6 +279,7 @@ impl Inner {
     }
 
     fn read_slot<T: bytemuck::Pod>(&self, gpu: &Gpu, s: Slot, out: &mut [T]) -> Result<(), CudaError> {
+        gpu.flush_step()?;
         self.slots[s as usize]
             .as_ref()
             .expect("slot written before it is read")
@@ -639,6 +640,7 @@ impl Backend for CudaBackend {
             return;
         }
         let b = src.buf.as_ref().expect("download: a buffer never sized");
+        Self::check(self.gpu.flush_step());
         Self::check(b.read_at(&self.gpu.stream, offset * 4, bytemuck::cast_slice_mut(dst)));
     }
 
@@ -1023,6 +1025,14 @@ impl Backend for CudaBackend {
             )?;
             s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, out.ptr())
         })());
+    }
+
+    fn step_begin(&self, n_tok: usize, key: u64) {
+        self.gpu.step_begin(key, n_tok == 1);
+    }
+
+    fn step_end(&self) {
+        Self::check(self.gpu.step_end());
     }
 
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {

@@ -141,7 +141,7 @@ impl CudaError {
 }
 
 /// One kernel argument (every kernel takes device pointers and scalars only).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Arg {
     /// A device pointer.
     P(u64),
@@ -272,6 +272,8 @@ pub struct Gpu {
     /// `STRATA_PROFILE_KERNELS=1`: every launch between two timing events (see [`Gpu::kernel_profile`]).
     profile: Mutex<Profile>,
     profiling: std::sync::atomic::AtomicBool,
+    /// Decode steps as CUDA graphs (see [`Gpu::step_begin`]).
+    graphs: Mutex<Graphs>,
     pub compile: CompileReport,
     pub ordinal: usize,
 }
@@ -289,7 +291,8 @@ impl Gpu {
         // One stream, and buffers whose order we keep ourselves: cudarc's per-buffer events are not needed.
         // SAFETY: every buffer of this backend is used on `stream` alone.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
+        let stream = ctx.new_stream().map_err(CudaError::driver("stream creation"))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(CudaError::driver("compute capability"))?;
@@ -336,6 +339,10 @@ impl Gpu {
             calls: AtomicU64::new(0),
             sync_launches: std::env::var_os("STRATA_SYNC_LAUNCHES").is_some_and(|v| v != "0"),
             profile: Mutex::new(Profile::default()),
+            graphs: Mutex::new(Graphs {
+                enabled: std::env::var_os("STRATA_CUDA_GRAPHS").is_none_or(|v| v != "0"),
+                ..Graphs::default()
+            }),
             profiling: std::env::var_os("STRATA_PROFILE_KERNELS")
                 .is_some_and(|v| v != "0")
                 .into(),
@@ -348,6 +355,158 @@ impl Gpu {
     ///
     /// Errors: the launch or (in sync mode) the kernel failed; a `fault` event was written.
     pub fn launch(
+        &self,
+        kernel: &'static str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<(), CudaError> {
+        {
+            let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+            let gs = &mut *gs;
+            match &mut gs.mode {
+                StepMode::Eager => {}
+                StepMode::Record { launches, .. } => launches.push(LaunchRec {
+                    kernel,
+                    grid,
+                    block,
+                    args: args.to_vec(),
+                }),
+                StepMode::Replay { key, next, diverged } if !*diverged => {
+                    let recs = &gs.graphs.get(key).expect("replaying a stored graph").launches;
+                    if recs.get(*next).is_some_and(|r| r.is(kernel, grid, block, args)) {
+                        *next += 1;
+                        return Ok(());
+                    }
+                    // The step left the recorded sequence: run what was skipped, then go on eagerly.
+                    *diverged = true;
+                    for r in &recs[..*next] {
+                        self.raw_launch(r.kernel, r.grid, r.block, &r.args)?;
+                    }
+                }
+                StepMode::Replay { .. } => {}
+            }
+        }
+        self.raw_launch(kernel, grid, block, args)
+    }
+
+    /// Marks the start of a forward step with shape `key` (tokens and logits wanted). With graphs on, a decode
+    /// step (`graphable`) is recorded the first time (run eagerly, then captured into a CUDA graph at
+    /// [`Gpu::step_end`]) and replayed after: each launch is compared with the recorded one and skipped, and the
+    /// graph runs at the step's end. A launch that differs (a grown buffer, another shape) makes the step run
+    /// eagerly from there, and the graph is recorded anew. Off with `STRATA_CUDA_GRAPHS=0`, in sync-launch and
+    /// profile modes.
+    pub fn step_begin(&self, key: u64, graphable: bool) {
+        let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let on = graphable && gs.enabled && !self.sync_launches && !self.profiling.load(Ordering::Relaxed);
+        gs.mode = match (on, gs.graphs.contains_key(&key)) {
+            (false, _) => StepMode::Eager,
+            (true, true) => StepMode::Replay {
+                key,
+                next: 0,
+                diverged: false,
+            },
+            (true, false) => StepMode::Record {
+                key,
+                launches: Vec::new(),
+            },
+        };
+    }
+
+    /// Ends the step begun by [`Gpu::step_begin`]: captures a recorded step into a graph, or launches the graph
+    /// of a replayed one.
+    ///
+    /// Errors: a launch failed (a `fault` event was written); a failed capture only turns graphs off.
+    pub fn step_end(&self) -> Result<(), CudaError> {
+        let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        match std::mem::replace(&mut gs.mode, StepMode::Eager) {
+            StepMode::Eager => Ok(()),
+            StepMode::Record { key, launches } => {
+                match self.capture(&launches) {
+                    Ok(graph) => {
+                        gs.captures += 1;
+                        gs.graphs.insert(key, Recorded { launches, graph });
+                    }
+                    Err(e) => {
+                        gs.enabled = false;
+                        events::emit(
+                            "fallback",
+                            serde_json::json!({"what": "decode_step", "from": "cuda_graph", "to": "launches",
+                                "why": e.to_string()}),
+                            &format!("CUDA graph capture failed ({e}); decode steps launch their kernels one by one"),
+                        );
+                    }
+                }
+                Ok(())
+            }
+            StepMode::Replay { key, next, diverged } => {
+                let gs = &mut *gs;
+                let rec = gs.graphs.get(&key).expect("replaying a stored graph");
+                if !diverged && next == rec.launches.len() {
+                    gs.replays += 1;
+                    return rec.graph.0.launch().map_err(CudaError::driver("CUDA graph launch"));
+                }
+                if !diverged {
+                    // The step stopped short of the recording: run the part it skipped.
+                    for r in &rec.launches[..next] {
+                        self.raw_launch(r.kernel, r.grid, r.block, &r.args)?;
+                    }
+                }
+                gs.graphs.remove(&key);
+                Ok(())
+            }
+        }
+    }
+
+    /// Runs the launches a replayed step skipped so far, so their results can be read now (a download in the
+    /// middle of a step), and finishes the step eagerly.
+    pub fn flush_step(&self) -> Result<(), CudaError> {
+        let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let gs = &mut *gs;
+        if let StepMode::Replay { key, next, diverged } = &mut gs.mode
+            && !*diverged
+        {
+            *diverged = true;
+            let recs = &gs.graphs.get(key).expect("replaying a stored graph").launches;
+            for r in &recs[..*next] {
+                self.raw_launch(r.kernel, r.grid, r.block, &r.args)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// (graphs captured, graph replays) so far.
+    pub fn graph_counts(&self) -> (u64, u64) {
+        let gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        (gs.captures, gs.replays)
+    }
+
+    /// Captures `launches` into a graph (nothing runs).
+    fn capture(&self, launches: &[LaunchRec]) -> Result<CudaGraph, CudaError> {
+        self.stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(CudaError::driver("begin graph capture"))?;
+        let launched = launches
+            .iter()
+            .try_for_each(|r| self.raw_launch(r.kernel, r.grid, r.block, &r.args));
+        let graph = self
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(CudaError::driver("end graph capture"));
+        launched?;
+        let graph = graph?.ok_or_else(|| CudaError::Launch {
+            kernel: "graph capture".into(),
+            grid: (0, 0, 0),
+            block: (0, 0, 0),
+            call: 0,
+            error: "empty graph".into(),
+        })?;
+        graph.upload().map_err(CudaError::driver("graph upload"))?;
+        Ok(CudaGraph(graph))
+    }
+
+    /// Launches a kernel now (no graph bookkeeping).
+    fn raw_launch(
         &self,
         kernel: &'static str,
         grid: (u32, u32, u32),
@@ -466,4 +625,55 @@ impl Profile {
             t.1 += ms;
         }
     }
+}
+
+/// One recorded launch of a decode step.
+#[derive(Debug, Clone)]
+struct LaunchRec {
+    kernel: &'static str,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: Vec<Arg>,
+}
+
+impl LaunchRec {
+    fn is(&self, kernel: &'static str, grid: (u32, u32, u32), block: (u32, u32, u32), args: &[Arg]) -> bool {
+        self.kernel == kernel && self.grid == grid && self.block == block && self.args == args
+    }
+}
+
+/// An instantiated CUDA graph. cudarc's graph is not `Send`; this one is only touched under [`Gpu`]'s graph
+/// mutex, which serialises every use as the CUDA documentation requires.
+struct CudaGraph(cudarc::driver::CudaGraph);
+// SAFETY: see the type's doc: all access goes through `Gpu::graphs`' mutex.
+unsafe impl Send for CudaGraph {}
+
+/// A captured step: its launches (to compare the next steps with) and its graph.
+struct Recorded {
+    launches: Vec<LaunchRec>,
+    graph: CudaGraph,
+}
+
+#[derive(Default)]
+enum StepMode {
+    #[default]
+    Eager,
+    Record {
+        key: u64,
+        launches: Vec<LaunchRec>,
+    },
+    Replay {
+        key: u64,
+        next: usize,
+        diverged: bool,
+    },
+}
+
+#[derive(Default)]
+struct Graphs {
+    enabled: bool,
+    mode: StepMode,
+    graphs: HashMap<u64, Recorded>,
+    captures: u64,
+    replays: u64,
 }

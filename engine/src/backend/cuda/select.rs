@@ -222,6 +222,16 @@ impl Backend for AnyBackend {
             be.moe(ex, logits, x, n_tok, k, normalize, out, scratch)
         )
     }
+    fn step_begin(&self, n_tok: usize, key: u64) {
+        if let AnyBackend::Cuda(c) = self {
+            c.step_begin(n_tok, key)
+        }
+    }
+    fn step_end(&self) {
+        if let AnyBackend::Cuda(c) = self {
+            c.step_end()
+        }
+    }
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
         match self {
             AnyBackend::Cpu(c) => c.set_fault_policy(faults, gemm_fallback),
