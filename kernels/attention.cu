@@ -12,14 +12,14 @@ __device__ __forceinline__ float kv_load(const u8* base, long long row_bytes, in
 }
 
 // scores[(t * n_head + h) * n_keys + (j - lo)] for lo <= j < lo + n_keys; -inf outside the query's window.
-// Grid (ceil(n_keys / 8), n_tok * n_head), block 256: one warp per key, lanes over the head's dims.
+// Grid (n_tok * n_head, ceil(n_keys / 8)), block 256: one warp per key, lanes over the head's dims.
 extern "C" __global__ void attn_scores(const float* __restrict__ q, const u8* __restrict__ k,
                                        float* __restrict__ scores, const unsigned int* __restrict__ pos,
                                        int n_head, int n_head_kv, int dk, int lo, int n_keys, float scale,
                                        int window, long long row_bytes, int head_bytes, int ty) {
-    int key = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    int key = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (key >= n_keys) return;
-    int th = blockIdx.y, t = th / n_head, h = th % n_head;
+    int th = blockIdx.x, t = th / n_head, h = th % n_head;
     int g = h / (n_head / n_head_kv);
     int p = (int)pos[t], j = lo + key;
     int first = window > 0 ? max(0, p + 1 - window) : 0;
@@ -174,4 +174,162 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
         __syncthreads();
     }
     if (threadIdx.x < dv) o[threadIdx.x] = pv[threadIdx.x];
+}
+
+// Prefill attention over an f16 cache on the tensor cores, flash-style (tiles of keys through shared memory, no
+// n_tok x n_keys score matrix), with the CPU's rounding: queries rounded to f16 (as the CPU does against an f16
+// cache), scores in f32 from f16 x f16 products (mma.m16n8k16, f32 accumulation), an exact softmax in two passes
+// over the keys (pass 1: row max and sum, the sum in f64; pass 2: p = exp(s - max) * (1 / sum) rounded to f16, as
+// the CPU rounds its probabilities against an f16 cache), then P.V on the tensor cores with f32 accumulation.
+//
+// Block: 4 warps, 64 consecutive query tokens of one head (warp w takes rows 16w..16w+15); grid
+// (ceil(n_tok / 64), n_head). dk and dv are multiples of 16, at most 128. Keys in tiles of 32.
+#define FA_KEYS 32
+#define FA_DMAX 128
+
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 pack_h2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+extern "C" __global__ void __launch_bounds__(128) attn_prefill_f16(
+    const float* __restrict__ q, const u8* __restrict__ k, const u8* __restrict__ v, float* __restrict__ out,
+    const unsigned int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, int dk, int dv, float scale,
+    int window, long long krb, int khb, long long vrb, int vhb) {
+    const int KS = FA_DMAX + 8; // padded row strides (halves) of the key and value tiles
+    __shared__ u16 ks[FA_KEYS * KS];
+    __shared__ u16 vs[FA_KEYS * KS];
+    __shared__ int lo_hi[2];
+    int h = blockIdx.y, g = h / (n_head / n_head_kv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
+    int t0 = blockIdx.x * 64;
+    int rows[2] = {t0 + warp * 16 + gid, t0 + warp * 16 + gid + 8};
+    int last[2], first[2];
+    for (int i = 0; i < 2; ++i) {
+        last[i] = rows[i] < n_tok ? (int)pos[rows[i]] : -1;
+        first[i] = window > 0 ? max(0, last[i] + 1 - window) : 0;
+    }
+    if (threadIdx.x == 0) lo_hi[0] = 0x7fffffff, lo_hi[1] = -1;
+    __syncthreads();
+    for (int i = 0; i < 2; ++i)
+        if (last[i] >= 0) atomicMin(&lo_hi[0], first[i]), atomicMax(&lo_hi[1], last[i]);
+    __syncthreads();
+    int lo = lo_hi[0], hi = lo_hi[1];
+    if (hi < 0) return;
+
+    // This warp's 16 query rows as A fragments, rounded to f16.
+    u32 qa[FA_DMAX / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < FA_DMAX / 16; ++kk) {
+        if (kk * 16 >= dk) break;
+        for (int r = 0; r < 4; ++r) {
+            int row = rows[r & 1], col = kk * 16 + t4 * 2 + (r >> 1) * 8;
+            const float* qr = q + ((long long)row * n_head + h) * dk;
+            qa[kk][r] = row < n_tok ? pack_h2(f2h(qr[col]), f2h(qr[col + 1])) : 0u;
+        }
+    }
+    float m[2] = {-STRATA_INF, -STRATA_INF};
+    double l[2] = {0.0, 0.0};
+    float o[FA_DMAX / 8][4];
+#pragma unroll
+    for (int nb = 0; nb < FA_DMAX / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
+    float inv[2];
+
+    for (int pass = 0; pass < 2; ++pass) {
+        for (int kt = lo; kt <= hi; kt += FA_KEYS) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < FA_KEYS * dk / 2; i += blockDim.x) {
+                int key = i / (dk / 2), c = i % (dk / 2), j = kt + key;
+                ((u32*)ks)[key * (KS / 2) + c] = j <= hi ? *(const u32*)(k + (long long)j * krb + (long long)g * khb + 4 * c) : 0u;
+            }
+            if (pass == 1)
+                for (int i = threadIdx.x; i < FA_KEYS * dv / 2; i += blockDim.x) {
+                    int key = i / (dv / 2), c = i % (dv / 2), j = kt + key;
+                    ((u32*)vs)[key * (KS / 2) + c] = j <= hi ? *(const u32*)(v + (long long)j * vrb + (long long)g * vhb + 4 * c) : 0u;
+                }
+            __syncthreads();
+            // S = Q K^T for this warp's 16 rows and the tile's 32 keys: 4 blocks of 8 keys.
+            float s[4][4];
+#pragma unroll
+            for (int nb = 0; nb < 4; ++nb) {
+                s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < FA_DMAX / 16; ++kk) {
+                    if (kk * 16 >= dk) break;
+                    const u16* kr = ks + (nb * 8 + gid) * KS + kk * 16 + t4 * 2;
+                    mma_16816(s[nb], qa[kk], *(const u32*)kr, *(const u32*)(kr + 8));
+                }
+            }
+            // Scale and mask: element e of block nb is row rows[e >> 1], key kt + nb * 8 + t4 * 2 + (e & 1).
+#pragma unroll
+            for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int r = e >> 1, j = kt + nb * 8 + t4 * 2 + (e & 1);
+                    bool ok = j >= first[r] && j <= last[r];
+                    s[nb][e] = ok ? scale * s[nb][e] : -STRATA_INF;
+                }
+            if (pass == 0) {
+                for (int r = 0; r < 2; ++r) {
+                    float tm = -STRATA_INF;
+                    for (int nb = 0; nb < 4; ++nb) tm = fmaxf(tm, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+                    float nm = fmaxf(m[r], tm);
+                    if (nm == -STRATA_INF) continue;
+                    double acc = m[r] == -STRATA_INF ? 0.0 : l[r] * exp((double)m[r] - (double)nm);
+                    for (int nb = 0; nb < 4; ++nb)
+                        for (int e = 0; e < 2; ++e) acc += (double)expf(s[nb][2 * r + e] - nm);
+                    l[r] = acc;
+                    m[r] = nm;
+                }
+            } else {
+                // P (f16, rounded as the CPU rounds) as A fragments over the tile's two 16-key steps.
+                u32 pa[2][4];
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        // a0: row 0, block 2kk; a1: row 1, block 2kk; a2: row 0, block 2kk+1; a3: row 1, block 2kk+1.
+                        int nb = 2 * kk + (r >> 1), rr = r & 1;
+                        float p0 = s[nb][2 * rr] == -STRATA_INF ? 0.f : expf(s[nb][2 * rr] - m[rr]) * inv[rr];
+                        float p1 = s[nb][2 * rr + 1] == -STRATA_INF ? 0.f : expf(s[nb][2 * rr + 1] - m[rr]) * inv[rr];
+                        pa[kk][r] = pack_h2(f2h(p0), f2h(p1));
+                    }
+#pragma unroll
+                for (int nb = 0; nb < FA_DMAX / 8; ++nb) {
+                    if (nb * 8 >= dv) break;
+#pragma unroll
+                    for (int kk = 0; kk < 2; ++kk) {
+                        int key = kk * 16 + t4 * 2, col = nb * 8 + gid;
+                        u32 b0 = pack_h2(vs[key * KS + col], vs[(key + 1) * KS + col]);
+                        u32 b1 = pack_h2(vs[(key + 8) * KS + col], vs[(key + 9) * KS + col]);
+                        mma_16816(o[nb], pa[kk], b0, b1);
+                    }
+                }
+            }
+        }
+        if (pass == 0) {
+            // Combine the row statistics of the four threads that share each row.
+            for (int r = 0; r < 2; ++r) {
+                float mm = m[r];
+                for (int off = 1; off < 4; off <<= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, off));
+                double part = m[r] == -STRATA_INF ? 0.0 : l[r] * exp((double)m[r] - (double)mm);
+                for (int off = 1; off < 4; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                m[r] = mm;
+                l[r] = part;
+                inv[r] = (float)(1.0 / part);
+            }
+        }
+    }
+#pragma unroll
+    for (int nb = 0; nb < FA_DMAX / 8; ++nb) {
+        if (nb * 8 >= dv) break;
+        for (int e = 0; e < 4; ++e) {
+            int row = rows[e >> 1];
+            if (row < n_tok) out[((long long)row * n_head + h) * dv + nb * 8 + t4 * 2 + (e & 1)] = o[nb][e];
+        }
+    }
 }

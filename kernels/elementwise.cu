@@ -186,3 +186,72 @@ extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* _
     }
     out[i] = (float)(normalized ? acc * (1.0 / ws) : acc);
 }
+
+// x += y, then out = rms_norm(x) * w (cpu: add, then rms_norm_row on the sum): a residual add and the next norm.
+// One block of 256 per row of n.
+extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y, float* __restrict__ out,
+                                        const float* __restrict__ w, int n, float eps) {
+    __shared__ double part[8];
+    float* row = x + (long long)blockIdx.x * n;
+    const float* yr = y + (long long)blockIdx.x * n;
+    float* dst = out + (long long)blockIdx.x * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = row[i] + yr[i];
+        row[i] = v;
+        ss += (double)v * (double)v;
+    }
+    ss = warp_sum_d(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        double s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0;
+        s = warp_sum_d(s);
+        if (threadIdx.x == 0) part[0] = s;
+    }
+    __syncthreads();
+    float scale = 1.0f / sqrtf((float)(part[0] / n) + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i] * scale * w[i];
+}
+
+// Per-head RMSNorm (when its weights are given) then RoPE of a layer's queries and keys in one launch (cpu:
+// rms_norm_row per head, then rope_token). One warp per head row: rows 0 .. n_tok * n_head - 1 are the queries,
+// the next n_tok * n_head_kv the keys. Grid ceil(rows / 8), block 256.
+extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ qw,
+                                        const float* __restrict__ kw, const unsigned int* __restrict__ pos,
+                                        int n_tok, int n_head, int n_head_kv, int head_dim, float eps, int n_rot,
+                                        float theta_scale, float freq_scale, int neox) {
+    long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    long long nq = (long long)n_tok * n_head, nk = (long long)n_tok * n_head_kv;
+    if (r >= nq + nk) return;
+    bool is_q = r < nq;
+    float* v = is_q ? q + r * head_dim : k + (r - nq) * head_dim;
+    const float* w = is_q ? qw : kw;
+    int t = is_q ? (int)(r / n_head) : (int)((r - nq) / n_head_kv);
+    if (w) {
+        double ss = 0.0;
+        for (int i = lane; i < head_dim; i += 32) ss += (double)v[i] * (double)v[i];
+        ss = warp_sum_d(ss);
+        float scale = 1.0f / sqrtf((float)(ss / head_dim) + eps);
+        for (int i = lane; i < head_dim; i += 32) v[i] = v[i] * scale * w[i];
+        __syncwarp();
+    }
+    int half = n_rot / 2;
+    for (int p = lane; p < half; p += 32) {
+        float theta = (float)pos[t];
+        for (int i = 0; i < p; ++i) theta *= theta_scale;
+        float a = freq_scale * theta;
+        float cs = cosf(a), sn = sinf(a);
+        int i0 = neox ? p : 2 * p, i1 = neox ? p + half : 2 * p + 1;
+        float x0 = v[i0], x1 = v[i1];
+        v[i0] = x0 * cs - x1 * sn;
+        v[i1] = x0 * sn + x1 * cs;
+    }
+}
+
+// dst[i] = src[i] for n4 groups of four floats, 16-byte loads and stores (the bandwidth measurement).
+extern "C" __global__ void copy_f32x4(const float4* __restrict__ src, float4* __restrict__ dst, long long n4) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}

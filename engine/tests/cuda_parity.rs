@@ -306,6 +306,59 @@ fn elementwise_ops_match_cpu() {
     cpu.scale(&mut a, 0.37);
     gpu.scale(&mut bd, 3000, 0.37);
     rows.push(Row("scale".into(), rel_err(&down(&gpu, &bd, 3000), &a), 1e-7));
+    // The fused residual add + norm, and per-head q/k-norm + RoPE, against the CPU's separate ops.
+    for &(n, w) in &[(1usize, 2048usize), (33, 576)] {
+        let (x, y, g) = (rng.vec(n * w, 2.0), rng.vec(n * w, 1.0), rng.vec(w, 1.0));
+        let (mut xa, mut ha) = (x.clone(), vec![0f32; n * w]);
+        Backend::add_rms_norm_into(&cpu, &mut xa, &y, &mut ha, n, &g, 1e-6);
+        let (mut xd, mut hd) = (up(&gpu, &x), up(&gpu, &vec![f32::NAN; n * w]));
+        gpu.add_rms_norm_into(&mut xd, &up(&gpu, &y), &mut hd, n, &g, 1e-6);
+        rows.push(Row(
+            format!("add_rms_norm_into {n}x{w}: sum"),
+            rel_err(&down(&gpu, &xd, n * w), &xa),
+            1e-7,
+        ));
+        rows.push(Row(
+            format!("add_rms_norm_into {n}x{w}: norm"),
+            rel_err(&down(&gpu, &hd, n * w), &ha),
+            1e-5,
+        ));
+    }
+    for (kind, norms) in [(RopeKind::Neox, true), (RopeKind::Normal, false)] {
+        let (nh, nkv, hd, n) = (32usize, 4usize, 128usize, 5usize);
+        let pos: Vec<u32> = (0..n as u32).map(|i| i * 97 + 3).collect();
+        let p = RopeParams {
+            kind,
+            n_rot: hd,
+            freq_base: 1e6,
+            freq_scale: 1.0,
+        };
+        let (q, k, qn, kn) = (
+            rng.vec(n * nh * hd, 2.0),
+            rng.vec(n * nkv * hd, 2.0),
+            rng.vec(hd, 1.0),
+            rng.vec(hd, 1.0),
+        );
+        let nw = if norms {
+            (Some(&qn[..]), Some(&kn[..]))
+        } else {
+            (None, None)
+        };
+        let (mut qa, mut ka) = (q.clone(), k.clone());
+        Backend::qk_norm_rope(&cpu, &mut qa, &mut ka, nh, nkv, hd, nw, 1e-6, &pos, &p);
+        let (mut qd, mut kd) = (up(&gpu, &q), up(&gpu, &k));
+        gpu.qk_norm_rope(&mut qd, &mut kd, nh, nkv, hd, nw, 1e-6, &pos, &p);
+        rows.push(Row(
+            format!("qk_norm_rope {kind:?} norms={norms}: q"),
+            rel_err(&down(&gpu, &qd, q.len()), &qa),
+            1e-5,
+        ));
+        rows.push(Row(
+            format!("qk_norm_rope {kind:?} norms={norms}: k"),
+            rel_err(&down(&gpu, &kd, k.len()), &ka),
+            1e-5,
+        ));
+    }
     let mut cd = up(&gpu, &vec![f32::NAN; 1000]);
     gpu.copy(&bd, 1500, &mut cd, 1000);
     rows.push(Row("copy".into(), rel_err(&down(&gpu, &cd, 1000), &a[1500..2500]), 0.0));

@@ -249,11 +249,54 @@ pub trait Backend: Send + Sync {
     /// Rotates each head of each token in place: `x` is `[positions.len()][n_head][head_dim]`.
     fn rope(&self, x: &mut Self::Buf, n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams);
 
+    /// A layer's queries and keys before attention: per-head RMSNorm with `q_norm`/`k_norm` when given, then
+    /// RoPE, as [`Backend::rms_norm`] and [`Backend::rope`] on each (which is the default). `q` is
+    /// `[n_tok][n_head][head_dim]`, `k` `[n_tok][n_head_kv][head_dim]`, `n_tok = positions.len()`. A backend may
+    /// do it in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        let n = positions.len();
+        if let Some(w) = norms.0 {
+            self.rms_norm(q, n * n_head, w, eps);
+        }
+        if let Some(w) = norms.1 {
+            self.rms_norm(k, n * n_head_kv, w, eps);
+        }
+        self.rope(q, n_head, head_dim, positions, p);
+        self.rope(k, n_head_kv, head_dim, positions, p);
+    }
+
     /// Multiplies the first `len` values by `s`.
     fn scale(&self, x: &mut Self::Buf, len: usize, s: f32);
 
     /// `x[..len] += y[..len]`.
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize);
+
+    /// `x += y` then `out = rms_norm(x)` over `rows` rows of width `w.len()` (a residual add and the next
+    /// norm), as [`Backend::add`] then [`Backend::rms_norm_into`] (the default).
+    fn add_rms_norm_into(
+        &self,
+        x: &mut Self::Buf,
+        y: &Self::Buf,
+        out: &mut Self::Buf,
+        rows: usize,
+        w: &[f32],
+        eps: f32,
+    ) {
+        self.add(x, y, rows * w.len());
+        self.rms_norm_into(x, out, rows, w, eps);
+    }
 
     /// Writes the keys and values of tokens at `positions` into `kv`: `k` is `[n_tok][n_head_kv * head_dim]`,
     /// `v` `[n_tok][n_head_kv * head_dim_v]`.
@@ -293,6 +336,13 @@ pub trait Backend: Send + Sync {
 
     /// Ends the step begun by [`Backend::step_begin`] (a GPU backend launches the step's graph here).
     fn step_end(&self) {}
+
+    /// Runs a whole decode step from a graph verified on earlier steps, when the backend has one for `key` and
+    /// nothing it depends on changed since: `ids` and `positions` become its inputs and its logits land where the
+    /// forward pass leaves them. Returns false (nothing done) otherwise; the caller then runs the forward pass.
+    fn replay_step(&self, _key: u64, _ids: &[u32], _positions: &[u32]) -> bool {
+        false
+    }
 
     /// Hands the backend the injected faults and the `--gemm-fallback` policy. Returns whether the backend
     /// applies them itself (a GPU with a library GEMM and our own kernel behind it); otherwise the session

@@ -165,13 +165,6 @@ impl Model {
             be.reserve(buf, len);
         }
 
-        // One step for the backend (a GPU replays decode steps as a graph); tracing reads tensors mid-step.
-        let graphable = !*TRACE_TENSORS;
-        if graphable {
-            be.step_begin(n, (n as u64) << 2 | logits as u64);
-        }
-
-        // Embeddings: one dequantized row of token_embd per token.
         let embd = self.m(&w.token_embd);
         for &id in tokens {
             assert!(
@@ -179,14 +172,35 @@ impl Model {
                 "forward: token id {id} outside the vocabulary"
             );
         }
+
+        // One step for the backend (a GPU replays decode steps as a graph); tracing reads tensors mid-step.
+        let graphable = !*TRACE_TENSORS;
+        let key = (n as u64) << 2 | logits as u64;
+        let out = self.m(&w.output);
+        if graphable && logits != Logits::None && be.replay_step(key, tokens, &s.pos) {
+            let len = if logits == Logits::All { n } else { 1 } * out.rows;
+            if s.logits.len() < len {
+                s.logits.resize(len, 0.0);
+            }
+            be.download(&s.lg, 0, &mut s.logits[..len]);
+            return &s.logits[..len];
+        }
+        if graphable {
+            be.step_begin(n, key);
+        }
+
+        // Embeddings: one dequantized row of token_embd per token.
         be.get_rows(&embd, tokens, &mut s.x);
         if let Some(sc) = w.config.embd_scale {
             be.scale(&mut s.x, n * e, sc);
         }
 
         trace(be, "inp_embd", None, &s.x, n * e);
+        // Each layer's attn_norm is computed with the residual add that ends the layer before it.
+        if let Some(l0) = w.layers.first() {
+            be.rms_norm_into(&s.x, &mut s.h, n, &l0.attn_norm, hp.rms_eps);
+        }
         for (il, layer) in w.layers.iter().enumerate() {
-            be.rms_norm_into(&s.x, &mut s.h, n, &layer.attn_norm, hp.rms_eps);
             trace(be, "attn_norm", Some(il), &s.h, n * e);
 
             be.matmul_many(
@@ -198,14 +212,17 @@ impl Model {
             trace(be, "Qcur", Some(il), &s.q, n * nh * dk);
             trace(be, "Kcur", Some(il), &s.k, n * nkv * dk);
             trace(be, "Vcur", Some(il), &s.v, n * nkv * dv);
-            if let Some(qn) = &layer.q_norm {
-                be.rms_norm(&mut s.q, n * nh, qn, hp.rms_eps);
-            }
-            if let Some(kn) = &layer.k_norm {
-                be.rms_norm(&mut s.k, n * nkv, kn, hp.rms_eps);
-            }
-            be.rope(&mut s.q, nh, dk, &s.pos, &layer.rope);
-            be.rope(&mut s.k, nkv, dk, &s.pos, &layer.rope);
+            be.qk_norm_rope(
+                &mut s.q,
+                &mut s.k,
+                nh,
+                nkv,
+                dk,
+                (layer.q_norm.as_deref(), layer.k_norm.as_deref()),
+                hp.rms_eps,
+                &s.pos,
+                &layer.rope,
+            );
             let cache = &mut kv.layers[il];
             be.store_kv(cache, &s.k, &s.v, &s.pos);
             let scale = if w.config.attn_scale_on_q {
@@ -229,9 +246,7 @@ impl Model {
             if let Some(pn) = &layer.post_attn_norm {
                 be.rms_norm(&mut s.o, n, pn, hp.rms_eps);
             }
-            be.add(&mut s.x, &s.o, n * e);
-
-            be.rms_norm_into(&s.x, &mut s.h, n, &layer.ffn_norm, hp.rms_eps);
+            be.add_rms_norm_into(&mut s.x, &s.o, &mut s.h, n, &layer.ffn_norm, hp.rms_eps);
             trace(be, "ffn_norm", Some(il), &s.h, n * e);
             match &layer.ffn {
                 Ffn::Dense { gate, up, down } => {
@@ -275,7 +290,10 @@ impl Model {
             if let Some(pn) = &layer.post_ffn_norm {
                 be.rms_norm(&mut s.o, n, pn, hp.rms_eps);
             }
-            be.add(&mut s.x, &s.o, n * e);
+            match w.layers.get(il + 1) {
+                Some(next) => be.add_rms_norm_into(&mut s.x, &s.o, &mut s.h, n, &next.attn_norm, hp.rms_eps),
+                None => be.add(&mut s.x, &s.o, n * e),
+            }
         }
 
         let (first, m) = match logits {
@@ -290,7 +308,6 @@ impl Model {
         };
         be.copy(&s.x, first * e, &mut s.o, m * e);
         be.rms_norm_into(&s.o, &mut s.h, m, &w.output_norm, hp.rms_eps);
-        let out = self.m(&w.output);
         be.reserve(&mut s.lg, m * out.rows);
         be.matmul(&out, &s.h, m, &mut s.lg);
         trace(be, "result_norm", None, &s.h, m * e);

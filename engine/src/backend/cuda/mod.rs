@@ -884,10 +884,38 @@ impl Backend for CudaBackend {
                     ],
                 );
             }
+            let tensor_cores =
+                kty == GgmlType::F16 && vty == GgmlType::F16 && [dk, dv].iter().all(|&d| d % 16 == 0 && d <= 128);
+            if tensor_cores {
+                return g.launch(
+                    "attn_prefill_f16",
+                    (n_tok.div_ceil(64) as u32, p.n_head as u32, 1),
+                    (128, 1, 1),
+                    &[
+                        Arg::P(q.ptr()),
+                        Arg::P(kp),
+                        Arg::P(vp),
+                        Arg::P(out.ptr()),
+                        Arg::P(pp),
+                        Arg::I(n_tok as i32),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dk as i32),
+                        Arg::I(dv as i32),
+                        Arg::F(p.scale),
+                        Arg::I(p.window.unwrap_or(0) as i32),
+                        Arg::L(krb as i64),
+                        Arg::I(khb as i32),
+                        Arg::L(vrb as i64),
+                        Arg::I(vhb as i32),
+                    ],
+                );
+            }
+            // Other caches (int8) and head widths: scores, softmax, then P.V, through a score matrix.
             let sp = s.slot(g, Slot::Scores, rows * n_keys * 4)?;
             g.launch(
                 "attn_scores",
-                (n_keys.div_ceil(8) as u32, rows as u32, 1),
+                (rows as u32, n_keys.div_ceil(8) as u32, 1),
                 (256, 1, 1),
                 &[
                     Arg::P(q.ptr()),
@@ -1035,6 +1063,109 @@ impl Backend for CudaBackend {
         Self::check(self.gpu.step_end());
     }
 
+    fn replay_step(&self, key: u64, ids: &[u32], positions: &[u32]) -> bool {
+        if !self.gpu.can_replay(key) {
+            return false;
+        }
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        // The recorded step read its token ids from the Idx slot and its positions from the Pos slot; both are
+        // still the buffers it was recorded with (no allocation since), and neither write allocates.
+        Self::check((|| {
+            s.upload(g, Slot::Idx, bytemuck::cast_slice(ids))?;
+            s.pos.clear();
+            s.upload(g, Slot::Pos, bytemuck::cast_slice(positions))?;
+            s.pos.extend_from_slice(positions);
+            g.replay_verified(key)
+        })());
+        true
+    }
+
+    fn add_rms_norm_into(&self, x: &mut DevVec, y: &DevVec, out: &mut DevVec, rows: usize, w: &[f32], eps: f32) {
+        let n = w.len();
+        assert!(
+            x.capacity() >= rows * n && y.capacity() >= rows * n && out.capacity() >= rows * n,
+            "add_rms_norm_into: shapes"
+        );
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            let wp = s.weights.device_ptr(&g.stream, f32_bytes(w))?;
+            g.launch(
+                "add_rms_norm",
+                (rows as u32, 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(x.ptr()),
+                    Arg::P(y.ptr()),
+                    Arg::P(out.ptr()),
+                    Arg::P(wp),
+                    Arg::I(n as i32),
+                    Arg::F(eps),
+                ],
+            )
+        })());
+    }
+
+    fn qk_norm_rope(
+        &self,
+        q: &mut DevVec,
+        k: &mut DevVec,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        let n_tok = positions.len();
+        assert!(
+            q.capacity() >= n_tok * n_head * head_dim && k.capacity() >= n_tok * n_head_kv * head_dim,
+            "qk_norm_rope: shapes"
+        );
+        assert!(p.n_rot <= head_dim && p.n_rot.is_multiple_of(2), "qk_norm_rope: n_rot");
+        for w in [norms.0, norms.1].into_iter().flatten() {
+            assert_eq!(w.len(), head_dim, "qk_norm_rope: norm width");
+        }
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+        Self::check((|| {
+            let qw = match norms.0 {
+                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
+                None => 0,
+            };
+            let kw = match norms.1 {
+                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
+                None => 0,
+            };
+            let pp = s.positions(g, positions)?;
+            let rows = n_tok * (n_head + n_head_kv);
+            g.launch(
+                "qk_norm_rope",
+                (rows.div_ceil(8) as u32, 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(q.ptr()),
+                    Arg::P(k.ptr()),
+                    Arg::P(qw),
+                    Arg::P(kw),
+                    Arg::P(pp),
+                    Arg::I(n_tok as i32),
+                    Arg::I(n_head as i32),
+                    Arg::I(n_head_kv as i32),
+                    Arg::I(head_dim as i32),
+                    Arg::F(eps),
+                    Arg::I(p.n_rot as i32),
+                    Arg::F(theta_scale),
+                    Arg::F(p.freq_scale),
+                    Arg::I((p.kind == RopeKind::Neox) as i32),
+                ],
+            )
+        })());
+    }
+
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
         let mut s = self.lock();
         s.fault_gemm_above = faults.prefill_gemm_max_rows;
@@ -1065,8 +1196,8 @@ impl CudaBackend {
 /// The device's two ceilings, measured (METHOD.md: datasheet rates are leads): copy bandwidth and dense f16
 /// matrix rate. Benchmarks divide by them to give each figure beside its bound.
 impl CudaBackend {
-    /// Device-memory bandwidth in GB/s (1e9 bytes): the best of 5 copies of 1 GiB with `copy_f32`, counting bytes
-    /// read plus bytes written, timed by CUDA events.
+    /// Device-memory bandwidth in GB/s (1e9 bytes): the best of 6 copies of 1 GiB with 16-byte loads and stores
+    /// (`copy_f32x4`), counting bytes read plus bytes written, timed by CUDA events.
     ///
     /// Errors: allocation or launch failure.
     pub fn measure_copy_gb_s(&self) -> Result<f64, CudaError> {
@@ -1095,10 +1226,10 @@ impl CudaBackend {
         for _ in 0..6 {
             let ms = self.time_ms(|| {
                 g.launch(
-                    "copy_f32",
-                    grid1(n, 256),
+                    "copy_f32x4",
+                    (132 * 16, 1, 1),
                     (256, 1, 1),
-                    &[Arg::P(a.ptr), Arg::P(b.ptr), Arg::L(n as i64)],
+                    &[Arg::P(a.ptr), Arg::P(b.ptr), Arg::L((n / 4) as i64)],
                 )
             })?;
             best = best.max(2.0 * (n * 4) as f64 / (ms * 1e-3) / 1e9);

@@ -94,9 +94,13 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_store_q8_0",
     "gather_rows",
     "copy_f32",
+    "copy_f32x4",
+    "add_rms_norm",
+    "qk_norm_rope",
     "moe_route",
     "moe_combine",
     "attn_decode",
+    "attn_prefill_f16",
     "attn_scores",
     "attn_softmax",
     "attn_pv",
@@ -425,7 +429,14 @@ impl Gpu {
                 match self.capture(&launches) {
                     Ok(graph) => {
                         gs.captures += 1;
-                        gs.graphs.insert(key, Recorded { launches, graph });
+                        gs.graphs.insert(
+                            key,
+                            Recorded {
+                                launches,
+                                graph,
+                                verified_at: None,
+                            },
+                        );
                     }
                     Err(e) => {
                         gs.enabled = false;
@@ -441,9 +452,10 @@ impl Gpu {
             }
             StepMode::Replay { key, next, diverged } => {
                 let gs = &mut *gs;
-                let rec = gs.graphs.get(&key).expect("replaying a stored graph");
+                let rec = gs.graphs.get_mut(&key).expect("replaying a stored graph");
                 if !diverged && next == rec.launches.len() {
                     gs.replays += 1;
+                    rec.verified_at = Some(super::store::allocations());
                     return rec.graph.0.launch().map_err(CudaError::driver("CUDA graph launch"));
                 }
                 if !diverged {
@@ -473,6 +485,35 @@ impl Gpu {
             }
         }
         Ok(())
+    }
+
+    /// Whether the graph of `key` was verified and no device buffer was allocated since (see
+    /// [`Gpu::replay_verified`]).
+    pub fn can_replay(&self, key: u64) -> bool {
+        let gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        matches!(gs.mode, StepMode::Eager)
+            && gs.enabled
+            && !self.sync_launches
+            && !self.profiling.load(Ordering::Relaxed)
+            && gs
+                .graphs
+                .get(&key)
+                .is_some_and(|r| r.verified_at == Some(super::store::allocations()))
+    }
+
+    /// Launches the verified graph of `key` as a whole step (its inputs written by the caller first).
+    ///
+    /// Errors: the launch failed.
+    pub fn replay_verified(&self, key: u64) -> Result<(), CudaError> {
+        let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        gs.replays += 1;
+        gs.graphs
+            .get(&key)
+            .expect("checked by can_replay")
+            .graph
+            .0
+            .launch()
+            .map_err(CudaError::driver("CUDA graph launch"))
     }
 
     /// (graphs captured, graph replays) so far.
@@ -652,6 +693,9 @@ unsafe impl Send for CudaGraph {}
 struct Recorded {
     launches: Vec<LaunchRec>,
     graph: CudaGraph,
+    /// The device allocation count ([`super::store::allocations`]) when a replay matched the recording launch
+    /// for launch: while it is unchanged, every buffer the graph uses is the one it was recorded with.
+    verified_at: Option<u64>,
 }
 
 #[derive(Default)]

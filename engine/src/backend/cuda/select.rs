@@ -232,6 +232,36 @@ impl Backend for AnyBackend {
             c.step_end()
         }
     }
+    fn replay_step(&self, key: u64, ids: &[u32], positions: &[u32]) -> bool {
+        match self {
+            AnyBackend::Cuda(c) => c.replay_step(key, ids, positions),
+            AnyBackend::Cpu(_) => false,
+        }
+    }
+    fn add_rms_norm_into(&self, x: &mut AnyBuf, y: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
+        dispatch!(self, be, [x, out], [y], be.add_rms_norm_into(x, y, out, rows, w, eps))
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        q: &mut AnyBuf,
+        k: &mut AnyBuf,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        dispatch!(
+            self,
+            be,
+            [q, k],
+            [],
+            be.qk_norm_rope(q, k, n_head, n_head_kv, head_dim, norms, eps, positions, p)
+        )
+    }
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
         match self {
             AnyBackend::Cpu(c) => c.set_fault_policy(faults, gemm_fallback),

@@ -12,6 +12,14 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::runtime::CudaError;
 
+/// Device allocations made by this process (every [`DevBuf`]): a decode graph stays valid while it is unchanged.
+static ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Device allocations so far.
+pub fn allocations() -> u64 {
+    ALLOCATIONS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A device buffer of bytes and its address.
 pub struct DevBuf {
     buf: CudaSlice<u8>,
@@ -25,6 +33,7 @@ impl DevBuf {
     /// Errors: the allocation failed (the message gives the free memory).
     pub fn alloc(stream: &Arc<CudaStream>, bytes: usize) -> Result<DevBuf, CudaError> {
         let n = bytes.max(1);
+        ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: the buffer is written before it is read by every user of this type.
         let buf = unsafe { stream.alloc::<u8>(n) }.map_err(|source| CudaError::Alloc {
             bytes: n,
