@@ -16,7 +16,7 @@
 //
 // dq_f16_T: dequantizes `rows` rows into f16, [rows][cols], for the prefill GEMM. One thread per chunk.
 #define STRATA_MMV(name, dq)                                                                                   \
-    __device__ __forceinline__ float mmv_dot_##name(const u8* __restrict__ row, const float* __restrict__ xt,  \
+    __device__ __forceinline__ float mmv_dot32_##name(const u8* __restrict__ row, const float* __restrict__ xt,  \
                                                     int cols, int lane) {                                     \
         float acc = 0.f, v[32];                                                                               \
         for (int c = lane; c < cols / 32; c += 32) {                                                          \
@@ -48,7 +48,7 @@
         } else {                                                                                              \
             return;                                                                                           \
         }                                                                                                     \
-        float acc = mmv_dot_##name(w + (long long)r * row_bytes, x + (long long)t * cols, cols, lane);        \
+        float acc = MMV_DOT_##name(w + (long long)r * row_bytes, x + (long long)t * cols, cols, lane);        \
         if (lane == 0) y[(long long)t * rows + r] = acc;                                                      \
     }                                                                                                         \
     extern "C" __global__ void mmv_moe_##name(const u8* __restrict__ wa, const u8* __restrict__ wb,          \
@@ -59,7 +59,7 @@
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         if (r >= rows) return;                                                                                \
         const u8* w = (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes;                    \
-        float acc = mmv_dot_##name(w, x + (long long)(s / x_div) * cols, cols, lane);                         \
+        float acc = MMV_DOT_##name(w, x + (long long)(s / x_div) * cols, cols, lane);                         \
         if (lane == 0) (blockIdx.z ? yb : ya)[(long long)s * rows + r] = acc;                                 \
     }                                                                                                         \
     extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, const u32* __restrict__ ids,         \
@@ -82,33 +82,85 @@
         for (int l = 0; l < 32; ++l) o[l] = f2h(v[l]);                                                        \
     }
 
+// Row dot products for the types the large models use, reading whole 16-byte groups of codes: Q4_K by quarter
+// super-blocks (64 values: one pair of sub-blocks, whose codes share 32 bytes), Q6_K likewise (64 values from 16
+// bytes of low bits twice and 16 of high bits). Each lane takes quarters lane, lane + 32, ...
+__device__ __forceinline__ float mmv_dot_fast_q4_k(const u8* __restrict__ row, const float* __restrict__ xt,
+                                                   int cols, int lane) {
+    float acc = 0.f;
+    for (int qi = lane; qi < cols / 64; qi += 32) {
+        const u8* b = row + 144 * (qi >> 2);
+        int j = qi & 3;
+        float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+        int sc0, m0, sc1, m1;
+        scale_min_k4(2 * j, b + 4, &sc0, &m0);
+        scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
+        const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
+        uint4 qa = q4[0], qb = q4[1];
+        u32 words[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        const float4* xa = (const float4*)(xt + 256 * (qi >> 2) + 64 * j);
+        const float4* xb = xa + 8;
+        float s0 = 0.f, s1 = 0.f, sx0 = 0.f, sx1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) {
+            float4 a = xa[w], c = xb[w];
+            u32 q = words[w];
+            s0 += (float)(q & 0xF) * a.x + (float)((q >> 8) & 0xF) * a.y + (float)((q >> 16) & 0xF) * a.z +
+                  (float)((q >> 24) & 0xF) * a.w;
+            s1 += (float)((q >> 4) & 0xF) * c.x + (float)((q >> 12) & 0xF) * c.y + (float)((q >> 20) & 0xF) * c.z +
+                  (float)(q >> 28) * c.w;
+            sx0 += a.x + a.y + a.z + a.w;
+            sx1 += c.x + c.y + c.z + c.w;
+        }
+        acc += d * sc0 * s0 - dmin * m0 * sx0 + d * sc1 * s1 - dmin * m1 * sx1;
+    }
+    return warp_sum(acc);
+}
+
+__device__ __forceinline__ float mmv_dot_fast_q6_k(const u8* __restrict__ row, const float* __restrict__ xt,
+                                                   int cols, int lane) {
+    float acc = 0.f;
+    for (int qi = lane; qi < cols / 64; qi += 32) {
+        const u8* b = row + 210 * (qi >> 2);
+        int n = (qi >> 1) & 1, lg = qi & 1;
+        float d = h2f(ld16(b + 208));
+        const u8* ql = b + 64 * n + 16 * lg;
+        const u8* qh = b + 128 + 32 * n + 16 * lg;
+        const i8* sc = (const i8*)(b + 192) + 8 * n + lg;
+        const float* x = xt + 256 * (qi >> 2) + 128 * n + 16 * lg;
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int l = 0; l < 16; ++l) {
+            int lo = ql[l], lo2 = ql[l + 32], h = qh[l];
+            s[0] += (float)((int)((lo & 0xF) | ((h & 3) << 4)) - 32) * x[l];
+            s[1] += (float)((int)((lo2 & 0xF) | (((h >> 2) & 3) << 4)) - 32) * x[l + 32];
+            s[2] += (float)((int)((lo >> 4) | (((h >> 4) & 3) << 4)) - 32) * x[l + 64];
+            s[3] += (float)((int)((lo2 >> 4) | (((h >> 6) & 3) << 4)) - 32) * x[l + 96];
+        }
+        acc += d * ((float)sc[0] * s[0] + (float)sc[2] * s[1] + (float)sc[4] * s[2] + (float)sc[6] * s[3]);
+    }
+    return warp_sum(acc);
+}
+
+// Which row dot each type's kernels use: the fast ones above, else the generic 32-value chunk loop.
+#define MMV_DOT_f32 mmv_dot32_f32
+#define MMV_DOT_f16 mmv_dot32_f16
+#define MMV_DOT_bf16 mmv_dot32_bf16
+#define MMV_DOT_q4_0 mmv_dot32_q4_0
+#define MMV_DOT_q4_1 mmv_dot32_q4_1
+#define MMV_DOT_q5_0 mmv_dot32_q5_0
+#define MMV_DOT_q5_1 mmv_dot32_q5_1
+#define MMV_DOT_q8_0 mmv_dot32_q8_0
+#define MMV_DOT_q2_k mmv_dot32_q2_k
+#define MMV_DOT_q3_k mmv_dot32_q3_k
+#define MMV_DOT_q4_k mmv_dot_fast_q4_k
+#define MMV_DOT_q5_k mmv_dot32_q5_k
+#define MMV_DOT_q6_k mmv_dot_fast_q6_k
+
 STRATA_FOR_EACH_QTYPE(STRATA_MMV)
 
 // f32 -> f16 bits, n values (the GEMM's activations).
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(x[i]);
-}
-
-// Our own GEMM for when the library's fails (seed 000): out[t][r] = sum_c W16[r][c] * X16[t][c] over f16
-// operands with f32 accumulation, 16x16 output tiles through shared memory. Grid (ceil(rows/16),
-// ceil(n_tok/16)), block (16, 16).
-extern "C" __global__ void gemm_f16_tiled(const u16* __restrict__ w, const u16* __restrict__ x,
-                                          float* __restrict__ out, int rows, int cols, int n_tok) {
-    __shared__ float ws[16][17];
-    __shared__ float xs[16][17];
-    int tr = threadIdx.y, tc = threadIdx.x;
-    int r = blockIdx.x * 16 + tr;    // this thread loads W row r
-    int t = blockIdx.y * 16 + tr;    // and X row t
-    int orow = blockIdx.x * 16 + tc; // and computes out[ot][orow]
-    int ot = blockIdx.y * 16 + tr;
-    float acc = 0.f;
-    for (int k0 = 0; k0 < cols; k0 += 16) {
-        ws[tr][tc] = (r < rows && k0 + tc < cols) ? h2f(w[(long long)r * cols + k0 + tc]) : 0.f;
-        xs[tr][tc] = (t < n_tok && k0 + tc < cols) ? h2f(x[(long long)t * cols + k0 + tc]) : 0.f;
-        __syncthreads();
-        for (int k = 0; k < 16; ++k) acc += ws[tc][k] * xs[tr][k];
-        __syncthreads();
-    }
-    if (orow < rows && ot < n_tok) out[(long long)ot * rows + orow] = acc;
 }

@@ -16,8 +16,9 @@
 //! parity test (engine/tests/cuda_parity.rs) states each op's tolerance.
 //!
 //! Prefill GEMM: weights dequantized to f16, activations converted to f16, cuBLAS `GemmEx` with f32 accumulation.
-//! When the library fails, the backend falls back for good to our own kernel (`gemm_f16_tiled`) after one
-//! `fallback` event (seed 000). `STRATA_FAULT=prefill_gemm:m>N` (given through [`Backend::set_fault_policy`])
+//! When the library fails, the backend falls back for good to our own tensor-core kernel (`gemm_*`,
+//! kernels/gemm.cu: quantized tiles dequantized in shared memory, mma.sync) after one `fallback` event (seed
+//! 000). A MoE layer's experts always run on that kernel, every expert in one launch per matrix. `STRATA_FAULT=prefill_gemm:m>N` (given through [`Backend::set_fault_policy`])
 //! makes the library "fail" for batches over N tokens, to exercise that path on real hardware; with
 //! `--gemm-fallback off` the failure is a `fault` and the op panics, as the original crashed.
 //!
@@ -99,8 +100,9 @@ enum Slot {
     MoeUp,
     MoeDown,
     MoeRows,
+    Tiles,
 }
-const SLOTS: usize = 13;
+const SLOTS: usize = 14;
 
 /// An f32 activation buffer on the device: the CUDA backend's [`Backend::Buf`].
 #[derive(Default)]
@@ -180,7 +182,7 @@ impl CudaBackend {
         if blas.is_none() {
             events::emit(
                 "fallback",
-                serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_f16_tiled", "why": "cuBLAS not found or not initialised"}),
+                serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_tensor_core", "why": "cuBLAS not found or not initialised"}),
                 "cuBLAS is not available; the prefill GEMM uses our own kernel",
             );
         }
@@ -332,34 +334,39 @@ impl Inner {
         if n_tok <= MMV_MAX_TOKENS {
             return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);
         }
-        let wf = self.slot(gpu, Slot::WF16, rows * cols * 2)?;
-        let xf = self.slot(gpu, Slot::XF16, n_tok * cols * 2)?;
-        let chunks = rows * cols / 32;
-        gpu.launch(
-            typed("dq_f16_", w.ty),
-            grid1(chunks, 256),
-            (256, 1, 1),
-            &[
-                Arg::P(wp),
-                Arg::P(wf),
-                Arg::I(rows as i32),
-                Arg::I(cols as i32),
-                Arg::L(w.row_bytes as i64),
-            ],
-        )?;
-        gpu.launch(
-            "f32_to_f16",
-            grid1(n_tok * cols, 256),
-            (256, 1, 1),
-            &[Arg::P(xp), Arg::P(xf), Arg::L((n_tok * cols) as i64)],
-        )?;
         if !self.blas_failed {
-            let r = match self.fault_gemm_above {
-                Some(m) if n_tok > m => Err(format!(
+            let fault = match self.fault_gemm_above {
+                Some(m) if n_tok > m => Some(format!(
                     "injected failure ({}={OP_PREFILL_GEMM}:m>{m})",
                     crate::runtime::fault::ENV_FAULT
                 )),
-                _ => self.gemm_blas(wf, xf, yp, rows, cols, n_tok),
+                _ => None,
+            };
+            let r = match fault {
+                Some(why) => Err(why),
+                None => {
+                    let wf = self.slot(gpu, Slot::WF16, rows * cols * 2)?;
+                    let xf = self.slot(gpu, Slot::XF16, n_tok * cols * 2)?;
+                    gpu.launch(
+                        typed("dq_f16_", w.ty),
+                        grid1(rows * cols / 32, 256),
+                        (256, 1, 1),
+                        &[
+                            Arg::P(wp),
+                            Arg::P(wf),
+                            Arg::I(rows as i32),
+                            Arg::I(cols as i32),
+                            Arg::L(w.row_bytes as i64),
+                        ],
+                    )?;
+                    gpu.launch(
+                        "f32_to_f16",
+                        grid1(n_tok * cols, 256),
+                        (256, 1, 1),
+                        &[Arg::P(xp), Arg::P(xf), Arg::L((n_tok * cols) as i64)],
+                    )?;
+                    gpu.timed("cublasGemmEx", || self.gemm_blas(wf, xf, yp, rows, cols, n_tok))
+                }
             };
             match r {
                 Ok(()) => return Ok(()),
@@ -367,7 +374,7 @@ impl Inner {
                     self.blas_failed = true;
                     events::emit(
                         "fallback",
-                        serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_f16_tiled",
+                        serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_tensor_core",
                             "why": why, "m": n_tok, "n": rows, "k": cols}),
                         &format!(
                             "prefill gemm: cublasGemmEx failed ({why}) at {n_tok} tokens; using our own GEMM kernel from now on"
@@ -391,17 +398,41 @@ impl Inner {
                 }
             }
         }
+        let tiles: Vec<[i32; 3]> = (0..n_tok)
+            .step_by(64)
+            .map(|r| [0, r as i32, (n_tok - r).min(64) as i32])
+            .collect();
+        self.gemm_own(gpu, w, wp, 0, xp, yp, &tiles)
+    }
+
+    /// Our tensor-core GEMM (`gemm_T`, kernels/gemm.cu) over row tiles of up to 64: `tiles` lists (expert, first
+    /// row, rows); expert e's matrix starts `e * expert_stride` bytes after `wp`. `y[r][n] = W_e[n] · x[r]` with
+    /// `x` `[..][k]` and `y` `[..][n]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_own(
+        &mut self,
+        gpu: &Gpu,
+        w: &QMat<'_>,
+        wp: u64,
+        expert_stride: usize,
+        xp: u64,
+        yp: u64,
+        tiles: &[[i32; 3]],
+    ) -> Result<(), CudaError> {
+        let tp = self.upload(gpu, Slot::Tiles, bytemuck::cast_slice(tiles))?;
         gpu.launch(
-            "gemm_f16_tiled",
-            (rows.div_ceil(16) as u32, n_tok.div_ceil(16) as u32, 1),
-            (16, 16, 1),
+            typed("gemm_", w.ty),
+            (w.rows.div_ceil(128) as u32, tiles.len() as u32, 1),
+            (256, 1, 1),
             &[
-                Arg::P(wf),
-                Arg::P(xf),
+                Arg::P(wp),
+                Arg::L(expert_stride as i64),
+                Arg::L(w.row_bytes as i64),
+                Arg::P(xp),
                 Arg::P(yp),
-                Arg::I(rows as i32),
-                Arg::I(cols as i32),
-                Arg::I(n_tok as i32),
+                Arg::P(tp),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
             ],
         )
     }
@@ -551,36 +582,36 @@ impl Inner {
                     Arg::I(n_embd as i32),
                 ],
             )?;
+            // One launch per matrix for every expert: tiles of up to 64 grouped rows, each naming its expert.
+            let mut tiles: Vec<[i32; 3]> = Vec::new();
             let mut first = 0;
             while first < slots {
-                let e = ids_h[order[first] as usize] as usize;
-                let m = order[first..]
-                    .iter()
-                    .take_while(|&&s| ids_h[s as usize] as usize == e)
-                    .count();
-                let gate = ex.gate.rows_slice(e * nff, nff);
-                let upm = ex.up.rows_slice(e * nff, nff);
-                let down = ex.down.rows_slice(e * n_embd, n_embd);
-                let at = |base: u64, w: &QMat<'_>, rows: usize| base + (e * rows * w.row_bytes) as u64;
-                let xs = xg + (first * n_embd * 4) as u64;
-                let (gs, us) = (gp + (first * nff * 4) as u64, up + (first * nff * 4) as u64);
-                self.matmul_dev(gpu, &gate, at(gw, &gate, nff), xs, m, gs)?;
-                self.matmul_dev(gpu, &upm, at(uw, &upm, nff), xs, m, us)?;
-                gpu.launch(
-                    "glu",
-                    grid1(m * nff, 256),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(gs),
-                        Arg::P(us),
-                        Arg::L((m * nff) as i64),
-                        Arg::I(glu_code(ex.act)),
-                    ],
-                )?;
-                let dd = dp + (first * n_embd * 4) as u64;
-                self.matmul_dev(gpu, &down, at(dw, &down, n_embd), gs, m, dd)?;
+                let e = ids_h[order[first] as usize];
+                let m = order[first..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
+                tiles.extend(
+                    (0..m)
+                        .step_by(64)
+                        .map(|off| [e as i32, (first + off) as i32, (m - off).min(64) as i32]),
+                );
                 first += m;
             }
+            let gate = ex.gate.rows_slice(0, nff);
+            let upm = ex.up.rows_slice(0, nff);
+            let down = ex.down.rows_slice(0, n_embd);
+            self.gemm_own(gpu, &gate, gw, nff * gate.row_bytes, xg, gp, &tiles)?;
+            self.gemm_own(gpu, &upm, uw, nff * upm.row_bytes, xg, up, &tiles)?;
+            gpu.launch(
+                "glu",
+                grid1(slots * nff, 256),
+                (256, 1, 1),
+                &[
+                    Arg::P(gp),
+                    Arg::P(up),
+                    Arg::L((slots * nff) as i64),
+                    Arg::I(glu_code(ex.act)),
+                ],
+            )?;
+            self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gp, dp, &tiles)?;
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
         };
         gpu.launch(

@@ -27,6 +27,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("matvec.cu", include_str!("../../../../kernels/matvec.cu")),
     ("elementwise.cu", include_str!("../../../../kernels/elementwise.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
+    ("gemm.cu", include_str!("../../../../kernels/gemm.cu")),
 ];
 
 /// Every kernel the backend launches (each must exist in the compiled module).
@@ -83,8 +84,20 @@ pub const KERNEL_NAMES: &[&str] = &[
     "dq_f16_q4_k",
     "dq_f16_q5_k",
     "dq_f16_q6_k",
+    "gemm_f32",
+    "gemm_f16",
+    "gemm_bf16",
+    "gemm_q4_0",
+    "gemm_q4_1",
+    "gemm_q5_0",
+    "gemm_q5_1",
+    "gemm_q8_0",
+    "gemm_q2_k",
+    "gemm_q3_k",
+    "gemm_q4_k",
+    "gemm_q5_k",
+    "gemm_q6_k",
     "f32_to_f16",
-    "gemm_f16_tiled",
     "rms_norm",
     "rope",
     "scale_f32",
@@ -610,6 +623,24 @@ impl Gpu {
                 error,
             }
         })
+    }
+
+    /// Runs `f` (work queued on the stream outside [`Gpu::launch`], such as a cuBLAS call) between two timing
+    /// events under `name` when profiling.
+    pub fn timed<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        if !self.profiling.load(Ordering::Relaxed) {
+            return f();
+        }
+        let start = self.timing_event();
+        let r = f();
+        if let (Some(start), Some(end)) = (start, self.timing_event()) {
+            self.profile
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pending
+                .push((name, start, end));
+        }
+        r
     }
 
     /// A timing event recorded on the stream now (profile mode); `None` if the driver refused one.

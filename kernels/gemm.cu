@@ -1,0 +1,76 @@
+// Our own tensor-core GEMM over quantized weights, for prefill: y[r][n] = sum_k W[n][k] * x[r][k], weights
+// dequantized to f16 tile by tile in shared memory (no f16 copy of the matrix), activations converted to f16 as
+// they are loaded, f32 accumulation on mma.m16n8k16. The same kernel serves a dense matrix (one "expert") and a
+// MoE layer's experts grouped by expert (each tile of rows names its expert), so one launch runs every expert.
+//
+// Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of x and y, rows <= 64). Block: 256 threads (8 warps)
+// computing 64 rows x 128 outputs, warp w taking rows 16 (w & 3).. and outputs 64 (w >> 2)..; K in steps of 32
+// (one quant chunk per weight row). Grid (ceil(N / 128), tiles). K must be a multiple of 32.
+#define GM_M 64
+#define GM_N 128
+#define GM_K 32
+#define GM_PAD 40 // row stride of the shared tiles in halves (32 + 8: no bank conflicts on fragment loads)
+
+#define STRATA_GEMM(name, dq)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256)                                                          \
+        gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
+                    const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ tiles, int N,   \
+                    int K) {                                                                                   \
+        __shared__ u16 xs[GM_M * GM_PAD];                                                                      \
+        __shared__ u16 ws[GM_N * GM_PAD];                                                                      \
+        int tile = blockIdx.y, n0 = blockIdx.x * GM_N;                                                         \
+        int expert = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];                    \
+        const u8* we = w + (long long)expert * expert_stride;                                                  \
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;                  \
+        int wm = (warp & 3) * 16, wn = (warp >> 2) * 64;                                                       \
+        float acc[8][4];                                                                                       \
+        for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;                       \
+        for (int k0 = 0; k0 < K; k0 += GM_K) {                                                                 \
+            __syncthreads();                                                                                   \
+            if (threadIdx.x < GM_N) {                                                                          \
+                /* One weight row's 32-value chunk, dequantized to f16. */                                     \
+                int n = n0 + threadIdx.x;                                                                      \
+                float v[32];                                                                                   \
+                if (n < N) {                                                                                   \
+                    dq(we + (long long)n * row_bytes, k0 / 32, v);                                             \
+                } else {                                                                                       \
+                    for (int i = 0; i < 32; ++i) v[i] = 0.f;                                                   \
+                }                                                                                              \
+                u32* dst = (u32*)(ws + threadIdx.x * GM_PAD);                                                  \
+                for (int i = 0; i < 16; ++i) dst[i] = (u32)f2h(v[2 * i]) | ((u32)f2h(v[2 * i + 1]) << 16);     \
+            } else {                                                                                           \
+                /* Half a row of x per thread: 64 rows x 32 values. */                                         \
+                int t = threadIdx.x - GM_N, m = t >> 1, half = t & 1;                                          \
+                u32* dst = (u32*)(xs + m * GM_PAD + 16 * half);                                                \
+                if (m < rows) {                                                                                \
+                    const float4* src = (const float4*)(x + (long long)(r0 + m) * K + k0 + 16 * half);         \
+                    for (int i = 0; i < 4; ++i) {                                                              \
+                        float4 a = src[i];                                                                     \
+                        dst[2 * i] = (u32)f2h(a.x) | ((u32)f2h(a.y) << 16);                                    \
+                        dst[2 * i + 1] = (u32)f2h(a.z) | ((u32)f2h(a.w) << 16);                                \
+                    }                                                                                          \
+                } else {                                                                                       \
+                    for (int i = 0; i < 8; ++i) dst[i] = 0u;                                                   \
+                }                                                                                              \
+            }                                                                                                  \
+            __syncthreads();                                                                                   \
+            for (int kk = 0; kk < GM_K; kk += 16) {                                                            \
+                u32 a[4];                                                                                      \
+                a[0] = *(const u32*)(xs + (wm + gid) * GM_PAD + kk + t4 * 2);                                  \
+                a[1] = *(const u32*)(xs + (wm + gid + 8) * GM_PAD + kk + t4 * 2);                              \
+                a[2] = *(const u32*)(xs + (wm + gid) * GM_PAD + kk + 8 + t4 * 2);                              \
+                a[3] = *(const u32*)(xs + (wm + gid + 8) * GM_PAD + kk + 8 + t4 * 2);                          \
+                for (int nb = 0; nb < 8; ++nb) {                                                               \
+                    const u16* wr = ws + (wn + nb * 8 + gid) * GM_PAD + kk + t4 * 2;                           \
+                    mma_16816(acc[nb], a, *(const u32*)wr, *(const u32*)(wr + 8));                             \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int nb = 0; nb < 8; ++nb)                                                                         \
+            for (int e = 0; e < 4; ++e) {                                                                      \
+                int m = wm + gid + 8 * (e >> 1), n = n0 + wn + nb * 8 + t4 * 2 + (e & 1);                      \
+                if (m < rows && n < N) y[(long long)(r0 + m) * N + n] = acc[nb][e];                            \
+            }                                                                                                  \
+    }
+
+STRATA_FOR_EACH_QTYPE(STRATA_GEMM)
