@@ -4,12 +4,31 @@
 // MoE layer's experts grouped by expert (each tile of rows names its expert), so one launch runs every expert.
 //
 // Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of x and y, rows <= 64). Block: 256 threads (8 warps)
-// computing 64 rows x 128 outputs, warp w taking rows 16 (w & 3).. and outputs 64 (w >> 2)..; K in steps of 32
-// (one quant chunk per weight row). Grid (ceil(N / 128), tiles). K must be a multiple of 32.
+// computing 64 rows x 128 outputs, warp w taking rows 16 (w & 3).. and outputs 64 (w >> 2)..; K in steps of 64:
+// each thread dequantizes one 32-value chunk of one weight row and converts 16 activations per step. Grid
+// (ceil(N / 128), tiles). K must be a multiple of 32 (a last half step is zero-filled).
 #define GM_M 64
 #define GM_N 128
-#define GM_K 32
-#define GM_PAD 40 // row stride of the shared tiles in halves (32 + 8: no bank conflicts on fragment loads)
+#define GM_K 64
+#define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
+
+// Q4_K chunk with 16-byte code loads (the generic dequantizer reads bytes), for the tiles of the GEMM.
+__device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
+    const u8* b = row + 144 * (c >> 3);
+    int s = c & 7;
+    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    int sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    float d1 = d * sc, m1 = dmin * m;
+    const uint4* q4 = (const uint4*)(b + 16 + 32 * (s >> 1));
+    uint4 qa = q4[0], qb = q4[1];
+    u32 words[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    int sh = 4 * (s & 1);
+#pragma unroll
+    for (int w = 0; w < 8; ++w)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[4 * w + k] = d1 * (float)((words[w] >> (8 * k + sh)) & 0xF) - m1;
+}
 
 #define STRATA_GEMM(name, dq)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
@@ -27,23 +46,24 @@
         for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;                       \
         for (int k0 = 0; k0 < K; k0 += GM_K) {                                                                 \
             __syncthreads();                                                                                   \
-            if (threadIdx.x < GM_N) {                                                                          \
-                /* One weight row's 32-value chunk, dequantized to f16. */                                     \
-                int n = n0 + threadIdx.x;                                                                      \
+            {                                                                                                  \
+                /* Weight row threadIdx.x / 2, chunk k0 / 32 + threadIdx.x % 2, dequantized to f16. */        \
+                int wr = threadIdx.x >> 1, ch = threadIdx.x & 1, n = n0 + wr, c = k0 / 32 + ch;              \
                 float v[32];                                                                                   \
-                if (n < N) {                                                                                   \
-                    dq(we + (long long)n * row_bytes, k0 / 32, v);                                             \
+                if (n < N && 32 * c < K) {                                                                     \
+                    dq(we + (long long)n * row_bytes, c, v);                                                   \
                 } else {                                                                                       \
                     for (int i = 0; i < 32; ++i) v[i] = 0.f;                                                   \
                 }                                                                                              \
-                u32* dst = (u32*)(ws + threadIdx.x * GM_PAD);                                                  \
+                u32* dst = (u32*)(ws + wr * GM_PAD + 32 * ch);                                                 \
                 for (int i = 0; i < 16; ++i) dst[i] = (u32)f2h(v[2 * i]) | ((u32)f2h(v[2 * i + 1]) << 16);     \
-            } else {                                                                                           \
-                /* Half a row of x per thread: 64 rows x 32 values. */                                         \
-                int t = threadIdx.x - GM_N, m = t >> 1, half = t & 1;                                          \
-                u32* dst = (u32*)(xs + m * GM_PAD + 16 * half);                                                \
-                if (m < rows) {                                                                                \
-                    const float4* src = (const float4*)(x + (long long)(r0 + m) * K + k0 + 16 * half);         \
+            }                                                                                                  \
+            {                                                                                                  \
+                /* A quarter row of x per thread: 64 rows x 64 values. */                                      \
+                int m = threadIdx.x >> 2, qq = threadIdx.x & 3, k = k0 + 16 * qq;                              \
+                u32* dst = (u32*)(xs + m * GM_PAD + 16 * qq);                                                  \
+                if (m < rows && k < K) {                                                                       \
+                    const float4* src = (const float4*)(x + (long long)(r0 + m) * K + k);                      \
                     for (int i = 0; i < 4; ++i) {                                                              \
                         float4 a = src[i];                                                                     \
                         dst[2 * i] = (u32)f2h(a.x) | ((u32)f2h(a.y) << 16);                                    \
@@ -73,4 +93,19 @@
             }                                                                                                  \
     }
 
-STRATA_FOR_EACH_QTYPE(STRATA_GEMM)
+// The dequantizer each type's GEMM uses: the vector one where there is one, else the generic chunk.
+#define GEMM_DQ_f32 dq32_f32
+#define GEMM_DQ_f16 dq32_f16
+#define GEMM_DQ_bf16 dq32_bf16
+#define GEMM_DQ_q4_0 dq32_q4_0
+#define GEMM_DQ_q4_1 dq32_q4_1
+#define GEMM_DQ_q5_0 dq32_q5_0
+#define GEMM_DQ_q5_1 dq32_q5_1
+#define GEMM_DQ_q8_0 dq32_q8_0
+#define GEMM_DQ_q2_k dq32_q2_k
+#define GEMM_DQ_q3_k dq32_q3_k
+#define GEMM_DQ_q4_k dq32_vec_q4_k
+#define GEMM_DQ_q5_k dq32_q5_k
+#define GEMM_DQ_q6_k dq32_q6_k
+#define STRATA_GEMM_OF(name, dq) STRATA_GEMM(name, GEMM_DQ_##name)
+STRATA_FOR_EACH_QTYPE(STRATA_GEMM_OF)

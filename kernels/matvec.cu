@@ -82,37 +82,29 @@
         for (int l = 0; l < 32; ++l) o[l] = f2h(v[l]);                                                        \
     }
 
-// Row dot products for the types the large models use, reading whole 16-byte groups of codes: Q4_K by quarter
-// super-blocks (64 values: one pair of sub-blocks, whose codes share 32 bytes), Q6_K likewise (64 values from 16
-// bytes of low bits twice and 16 of high bits). Each lane takes quarters lane, lane + 32, ...
+// Row dot products for the types the large models use, one super-block (256 values) per warp step with lanes
+// on consecutive bytes of codes, so both the codes and the activations are read coalesced (lane l takes 4 code
+// bytes and the two groups of 4 activations they multiply). Q4_K: code byte i of a super-block holds value
+// 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble. Q6_K: low-bit byte i of half n holds
+// part 0 / 1 (i < 32 / i >= 32) in its low nibble and part 2 / 3 in its high nibble, high bits in qh.
 __device__ __forceinline__ float mmv_dot_fast_q4_k(const u8* __restrict__ row, const float* __restrict__ xt,
                                                    int cols, int lane) {
     float acc = 0.f;
-    for (int qi = lane; qi < cols / 64; qi += 32) {
-        const u8* b = row + 144 * (qi >> 2);
-        int j = qi & 3;
+    int j = lane >> 3, o = 4 * (lane & 7);
+    for (int sb = 0; sb < cols / 256; ++sb) {
+        const u8* b = row + 144 * sb;
         float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
         int sc0, m0, sc1, m1;
         scale_min_k4(2 * j, b + 4, &sc0, &m0);
         scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
-        const uint4* q4 = (const uint4*)(b + 16 + 32 * j);
-        uint4 qa = q4[0], qb = q4[1];
-        u32 words[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-        const float4* xa = (const float4*)(xt + 256 * (qi >> 2) + 64 * j);
-        const float4* xb = xa + 8;
-        float s0 = 0.f, s1 = 0.f, sx0 = 0.f, sx1 = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) {
-            float4 a = xa[w], c = xb[w];
-            u32 q = words[w];
-            s0 += (float)(q & 0xF) * a.x + (float)((q >> 8) & 0xF) * a.y + (float)((q >> 16) & 0xF) * a.z +
-                  (float)((q >> 24) & 0xF) * a.w;
-            s1 += (float)((q >> 4) & 0xF) * c.x + (float)((q >> 12) & 0xF) * c.y + (float)((q >> 20) & 0xF) * c.z +
-                  (float)(q >> 28) * c.w;
-            sx0 += a.x + a.y + a.z + a.w;
-            sx1 += c.x + c.y + c.z + c.w;
-        }
-        acc += d * sc0 * s0 - dmin * m0 * sx0 + d * sc1 * s1 - dmin * m1 * sx1;
+        u32 q = *(const u32*)(b + 16 + 32 * j + o);
+        const float* x = xt + 256 * sb + 64 * j + o;
+        float4 a = *(const float4*)x, c = *(const float4*)(x + 32);
+        float s0 = (float)(q & 0xF) * a.x + (float)((q >> 8) & 0xF) * a.y + (float)((q >> 16) & 0xF) * a.z +
+                   (float)((q >> 24) & 0xF) * a.w;
+        float s1 = (float)((q >> 4) & 0xF) * c.x + (float)((q >> 12) & 0xF) * c.y + (float)((q >> 20) & 0xF) * c.z +
+                   (float)(q >> 28) * c.w;
+        acc += d * sc0 * s0 - dmin * m0 * (a.x + a.y + a.z + a.w) + d * sc1 * s1 - dmin * m1 * (c.x + c.y + c.z + c.w);
     }
     return warp_sum(acc);
 }
@@ -120,24 +112,25 @@ __device__ __forceinline__ float mmv_dot_fast_q4_k(const u8* __restrict__ row, c
 __device__ __forceinline__ float mmv_dot_fast_q6_k(const u8* __restrict__ row, const float* __restrict__ xt,
                                                    int cols, int lane) {
     float acc = 0.f;
-    for (int qi = lane; qi < cols / 64; qi += 32) {
-        const u8* b = row + 210 * (qi >> 2);
-        int n = (qi >> 1) & 1, lg = qi & 1;
+    int n = lane >> 4, bi = 4 * (lane & 15); // half, byte of ql within the half (0..63)
+    int part = bi >> 5, l = bi & 31;          // part 0/1 of the low nibbles; position within the 32
+    for (int sb = 0; sb < cols / 256; ++sb) {
+        const u8* b = row + 210 * sb;
         float d = h2f(ld16(b + 208));
-        const u8* ql = b + 64 * n + 16 * lg;
-        const u8* qh = b + 128 + 32 * n + 16 * lg;
-        const i8* sc = (const i8*)(b + 192) + 8 * n + lg;
-        const float* x = xt + 256 * (qi >> 2) + 128 * n + 16 * lg;
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        const u8* ql = b + 64 * n + bi;
+        const u8* qh = b + 128 + 32 * n + l;
+        const i8* sc = (const i8*)(b + 192) + 8 * n + (l >> 4);
+        const float* x = xt + 256 * sb + 128 * n + 32 * part + l;
+        float4 a = *(const float4*)x, c = *(const float4*)(x + 64);
+        float xa[4] = {a.x, a.y, a.z, a.w}, xc[4] = {c.x, c.y, c.z, c.w};
+        float lo = 0.f, hi = 0.f;
 #pragma unroll
-        for (int l = 0; l < 16; ++l) {
-            int lo = ql[l], lo2 = ql[l + 32], h = qh[l];
-            s[0] += (float)((int)((lo & 0xF) | ((h & 3) << 4)) - 32) * x[l];
-            s[1] += (float)((int)((lo2 & 0xF) | (((h >> 2) & 3) << 4)) - 32) * x[l + 32];
-            s[2] += (float)((int)((lo >> 4) | (((h >> 4) & 3) << 4)) - 32) * x[l + 64];
-            s[3] += (float)((int)((lo2 >> 4) | (((h >> 6) & 3) << 4)) - 32) * x[l + 96];
+        for (int i = 0; i < 4; ++i) {
+            int bl = ql[i], h = qh[i];
+            lo += (float)((int)((bl & 0xF) | (((h >> (2 * part)) & 3) << 4)) - 32) * xa[i];
+            hi += (float)((int)((bl >> 4) | (((h >> (2 * part + 4)) & 3) << 4)) - 32) * xc[i];
         }
-        acc += d * ((float)sc[0] * s[0] + (float)sc[2] * s[1] + (float)sc[4] * s[2] + (float)sc[6] * s[3]);
+        acc += d * ((float)sc[2 * part] * lo + (float)sc[2 * part + 4] * hi);
     }
     return warp_sum(acc);
 }
