@@ -120,15 +120,21 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     int n = p + 1 - first;
     float* sc = scores + (long long)th * n_ctx;
     const float* qv = q + (long long)th * dk;
-    for (int j = warp; j < n; j += 8) {
-        float acc = 0.f;
+    // Four keys per warp and step (keys j, j + 8, j + 16, j + 24), their loads in flight together.
+    for (int j = warp; j < n; j += 32) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
         for (int d = lane; d < dk; d += 32) {
             float a = qv[d];
             if (kty == 0) a = round_f16(a);
-            acc += a * kv_load(k, krb, khb, kty, first + j, g, d);
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (j + 8 * u < n) acc[u] += a * kv_load(k, krb, khb, kty, first + j + 8 * u, g, d);
         }
-        acc = warp_sum(acc);
-        if (lane == 0) sc[j] = scale * acc;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float t = warp_sum(acc[u]);
+            if (lane == 0 && j + 8 * u < n) sc[j + 8 * u] = scale * t;
+        }
     }
     __syncthreads();
     float m = -STRATA_INF;
@@ -161,11 +167,16 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     int groups = max(1, (int)blockDim.x / per);
     int grp = threadIdx.x / per, d = threadIdx.x % per;
     float acc = 0.f;
-    if (grp < groups && d < dv)
-        for (int j = grp; j < n; j += groups) {
-            float w = sc[j];
-            if (w != 0.f) acc += w * kv_load(v, vrb, vhb, vty, first + j, g, d);
-        }
+    if (grp < groups && d < dv) {
+        // Four independent sums, so four value loads are in flight at once.
+        float a4[4] = {0.f, 0.f, 0.f, 0.f};
+        int j = grp;
+        for (; j + 3 * groups < n; j += 4 * groups)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) a4[u] += sc[j + u * groups] * kv_load(v, vrb, vhb, vty, first + j + u * groups, g, d);
+        for (; j < n; j += groups) a4[0] += sc[j] * kv_load(v, vrb, vhb, vty, first + j, g, d);
+        acc = (a4[0] + a4[1]) + (a4[2] + a4[3]);
+    }
     float* o = out + (long long)th * dv;
     for (int gi = 0; gi < groups; ++gi) {
         if (grp == gi && d < dv) {
@@ -182,32 +193,41 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
 // over the keys (pass 1: row max and sum, the sum in f64; pass 2: p = exp(s - max) * (1 / sum) rounded to f16, as
 // the CPU rounds its probabilities against an f16 cache), then P.V on the tensor cores with f32 accumulation.
 //
-// Block: 4 warps, 64 consecutive query tokens of one head (warp w takes rows 16w..16w+15); grid
-// (ceil(n_tok / 64), n_head). dk and dv are multiples of 16, at most 128. Keys in tiles of 32.
-#define FA_KEYS 32
+// A block serves one KV head and 16 * tgroups consecutive tokens for every query head of its GQA group, so each
+// key and value tile is read once for all of them: warp w takes head (kv head * group + w % group) and tokens
+// 16 (w / group).. of the block. Block 32 * group * tgroups threads (at most 256); grid
+// (ceil(n_tok / (16 * tgroups)), n_head_kv). dk and dv are multiples of 16, at most 128. Keys in tiles of 64.
+#define FA_KEYS 64
 #define FA_DMAX 128
 
-extern "C" __global__ void __launch_bounds__(128) attn_prefill_f16(
+extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
     const float* __restrict__ q, const u8* __restrict__ k, const u8* __restrict__ v, float* __restrict__ out,
     const unsigned int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, int dk, int dv, float scale,
-    int window, long long krb, int khb, long long vrb, int vhb) {
+    int window, long long krb, int khb, long long vrb, int vhb, int tgroups) {
     const int KS = FA_DMAX + 8; // padded row strides (halves) of the key and value tiles
-    __shared__ u16 ks[FA_KEYS * KS];
-    __shared__ u16 vs[FA_KEYS * KS];
+    __shared__ __align__(16) u16 ks[FA_KEYS * KS];
+    __shared__ __align__(16) u16 vs[FA_KEYS * KS];
     __shared__ int lo_hi[2];
-    int h = blockIdx.y, g = h / (n_head / n_head_kv);
+    int group = n_head / n_head_kv, g = blockIdx.y;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-    int t0 = blockIdx.x * 64;
-    int rows[2] = {t0 + warp * 16 + gid, t0 + warp * 16 + gid + 8};
+    int h = g * group + warp % group;
+    int t0 = blockIdx.x * 16 * tgroups + 16 * (warp / group);
+    int rows[2] = {t0 + gid, t0 + gid + 8};
     int last[2], first[2];
     for (int i = 0; i < 2; ++i) {
         last[i] = rows[i] < n_tok ? (int)pos[rows[i]] : -1;
         first[i] = window > 0 ? max(0, last[i] + 1 - window) : 0;
     }
+    // The warp's own key range (a tile outside it is skipped by this warp) and the block's.
+    int wlo = last[0] >= 0 ? first[0] : 0x7fffffff, whi = max(last[0], last[1]);
+    if (last[1] >= 0) wlo = min(wlo, first[1]);
+    for (int off = 16; off > 0; off >>= 1) {
+        wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, off));
+        whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, off));
+    }
     if (threadIdx.x == 0) lo_hi[0] = 0x7fffffff, lo_hi[1] = -1;
     __syncthreads();
-    for (int i = 0; i < 2; ++i)
-        if (last[i] >= 0) atomicMin(&lo_hi[0], first[i]), atomicMax(&lo_hi[1], last[i]);
+    if (lane == 0 && whi >= 0) atomicMin(&lo_hi[0], wlo), atomicMax(&lo_hi[1], whi);
     __syncthreads();
     int lo = lo_hi[0], hi = lo_hi[1];
     if (hi < 0) return;
@@ -228,25 +248,31 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_f16(
     float o[FA_DMAX / 8][4];
 #pragma unroll
     for (int nb = 0; nb < FA_DMAX / 8; ++nb) o[nb][0] = o[nb][1] = o[nb][2] = o[nb][3] = 0.f;
-    float inv[2];
+    float inv[2] = {0.f, 0.f};
 
     for (int pass = 0; pass < 2; ++pass) {
         for (int kt = lo; kt <= hi; kt += FA_KEYS) {
             __syncthreads();
-            for (int i = threadIdx.x; i < FA_KEYS * dk / 2; i += blockDim.x) {
-                int key = i / (dk / 2), c = i % (dk / 2), j = kt + key;
-                ((u32*)ks)[key * (KS / 2) + c] = j <= hi ? *(const u32*)(k + (long long)j * krb + (long long)g * khb + 4 * c) : 0u;
+            // 16-byte loads: 8 halves per thread and step.
+            for (int i = threadIdx.x; i < FA_KEYS * dk / 8; i += blockDim.x) {
+                int key = i / (dk / 8), c = i % (dk / 8), j = kt + key;
+                uint4 val = make_uint4(0, 0, 0, 0);
+                if (j <= hi) val = *(const uint4*)(k + (long long)j * krb + (long long)g * khb + 16 * c);
+                *(uint4*)(ks + key * KS + 8 * c) = val;
             }
             if (pass == 1)
-                for (int i = threadIdx.x; i < FA_KEYS * dv / 2; i += blockDim.x) {
-                    int key = i / (dv / 2), c = i % (dv / 2), j = kt + key;
-                    ((u32*)vs)[key * (KS / 2) + c] = j <= hi ? *(const u32*)(v + (long long)j * vrb + (long long)g * vhb + 4 * c) : 0u;
+                for (int i = threadIdx.x; i < FA_KEYS * dv / 8; i += blockDim.x) {
+                    int key = i / (dv / 8), c = i % (dv / 8), j = kt + key;
+                    uint4 val = make_uint4(0, 0, 0, 0);
+                    if (j <= hi) val = *(const uint4*)(v + (long long)j * vrb + (long long)g * vhb + 16 * c);
+                    *(uint4*)(vs + key * KS + 8 * c) = val;
                 }
             __syncthreads();
-            // S = Q K^T for this warp's 16 rows and the tile's 32 keys: 4 blocks of 8 keys.
-            float s[4][4];
+            if (kt > whi || kt + FA_KEYS <= wlo) continue; // every row of this warp masks the whole tile
+            // S = Q K^T for this warp's 16 rows and the tile's 64 keys: 8 blocks of 8 keys.
+            float s[FA_KEYS / 8][4];
 #pragma unroll
-            for (int nb = 0; nb < 4; ++nb) {
+            for (int nb = 0; nb < FA_KEYS / 8; ++nb) {
                 s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
                 for (int kk = 0; kk < FA_DMAX / 16; ++kk) {
@@ -257,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_f16(
             }
             // Scale and mask: element e of block nb is row rows[e >> 1], key kt + nb * 8 + t4 * 2 + (e & 1).
 #pragma unroll
-            for (int nb = 0; nb < 4; ++nb)
+            for (int nb = 0; nb < FA_KEYS / 8; ++nb)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     int r = e >> 1, j = kt + nb * 8 + t4 * 2 + (e & 1);
@@ -267,37 +293,37 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_f16(
             if (pass == 0) {
                 for (int r = 0; r < 2; ++r) {
                     float tm = -STRATA_INF;
-                    for (int nb = 0; nb < 4; ++nb) tm = fmaxf(tm, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+#pragma unroll
+                    for (int nb = 0; nb < FA_KEYS / 8; ++nb) tm = fmaxf(tm, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
                     float nm = fmaxf(m[r], tm);
                     if (nm == -STRATA_INF) continue;
                     double acc = m[r] == -STRATA_INF ? 0.0 : l[r] * exp((double)m[r] - (double)nm);
-                    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+                    for (int nb = 0; nb < FA_KEYS / 8; ++nb)
                         for (int e = 0; e < 2; ++e) acc += (double)expf(s[nb][2 * r + e] - nm);
                     l[r] = acc;
                     m[r] = nm;
                 }
             } else {
-                // P (f16, rounded as the CPU rounds) as A fragments over the tile's two 16-key steps.
-                u32 pa[2][4];
+                // P (f16, rounded as the CPU rounds) as A fragments over the tile's 16-key steps.
 #pragma unroll
-                for (int kk = 0; kk < 2; ++kk)
+                for (int kk = 0; kk < FA_KEYS / 16; ++kk) {
+                    u32 pa[4];
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         // a0: row 0, block 2kk; a1: row 1, block 2kk; a2: row 0, block 2kk+1; a3: row 1, block 2kk+1.
                         int nb = 2 * kk + (r >> 1), rr = r & 1;
                         float p0 = s[nb][2 * rr] == -STRATA_INF ? 0.f : expf(s[nb][2 * rr] - m[rr]) * inv[rr];
                         float p1 = s[nb][2 * rr + 1] == -STRATA_INF ? 0.f : expf(s[nb][2 * rr + 1] - m[rr]) * inv[rr];
-                        pa[kk][r] = pack_h2(f2h(p0), f2h(p1));
+                        pa[r] = pack_h2(f2h(p0), f2h(p1));
                     }
 #pragma unroll
-                for (int nb = 0; nb < FA_DMAX / 8; ++nb) {
-                    if (nb * 8 >= dv) break;
-#pragma unroll
-                    for (int kk = 0; kk < 2; ++kk) {
+                    for (int nb = 0; nb < FA_DMAX / 8; ++nb) {
+                        if (nb * 8 >= dv) break;
                         int key = kk * 16 + t4 * 2, col = nb * 8 + gid;
                         u32 b0 = pack_h2(vs[key * KS + col], vs[(key + 1) * KS + col]);
                         u32 b1 = pack_h2(vs[(key + 8) * KS + col], vs[(key + 9) * KS + col]);
-                        mma_16816(o[nb], pa[kk], b0, b1);
+                        mma_16816(o[nb], pa, b0, b1);
                     }
                 }
             }
@@ -311,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_f16(
                 for (int off = 1; off < 4; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
                 m[r] = mm;
                 l[r] = part;
-                inv[r] = (float)(1.0 / part);
+                inv[r] = part > 0.0 ? (float)(1.0 / part) : 0.f;
             }
         }
     }

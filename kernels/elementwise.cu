@@ -80,6 +80,22 @@ extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u8* __res
     row[c] = f2h(src[i]);
 }
 
+// Keys and values of n_tok tokens into their f16 caches in one launch (rows of wk and wv values at cell pos[t]).
+extern "C" __global__ void kv_store2_f16(const float* __restrict__ sk, u16* __restrict__ dk,
+                                         const float* __restrict__ sv, u16* __restrict__ dv,
+                                         const unsigned int* __restrict__ pos, int n_tok, int wk, int wv) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long nk = (long long)n_tok * wk;
+    if (i < nk) {
+        int t = (int)(i / wk), c = (int)(i % wk);
+        dk[(long long)pos[t] * wk + c] = f2h(sk[i]);
+    } else if (i < nk + (long long)n_tok * wv) {
+        long long j = i - nk;
+        int t = (int)(j / wv), c = (int)(j % wv);
+        dv[(long long)pos[t] * wv + c] = f2h(sv[j]);
+    }
+}
+
 // The same as Q8_0 blocks (ggml's quantize_row_q8_0_ref, the CPU's quantize_q8_0): d = amax / 127, codes
 // round(x / d) (half away from zero) clamped to [-128, 127], d stored as f16. One warp per block of 32 values,
 // lane l quantizing value l: block b of row t is at pos[t] * row_bytes + 34 * b. Grid: n_tok * width / 32 warps.

@@ -3,11 +3,11 @@
 // they are loaded, f32 accumulation on mma.m16n8k16. The same kernel serves a dense matrix (one "expert") and a
 // MoE layer's experts grouped by expert (each tile of rows names its expert), so one launch runs every expert.
 //
-// Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of x and y, rows <= 64). Block: 256 threads (8 warps)
-// computing 64 rows x 128 outputs, warp w taking rows 16 (w & 3).. and outputs 64 (w >> 2)..; K in steps of 64:
-// each thread dequantizes one 32-value chunk of one weight row and converts 16 activations per step. Grid
+// Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of x and y, rows <= 128). Block: 256 threads (8
+// warps) computing 128 rows x 128 outputs, warp w taking rows 32 (w & 3).. and outputs 64 (w >> 2)..; K in steps
+// of 64: each thread dequantizes one 32-value chunk of one weight row and converts 32 activations per step. Grid
 // (ceil(N / 128), tiles). K must be a multiple of 32 (a last half step is zero-filled).
-#define GM_M 64
+#define GM_M 128
 #define GM_N 128
 #define GM_K 64
 #define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
@@ -41,9 +41,10 @@ __device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
         int expert = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];                    \
         const u8* we = w + (long long)expert * expert_stride;                                                  \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;                  \
-        int wm = (warp & 3) * 16, wn = (warp >> 2) * 64;                                                       \
-        float acc[8][4];                                                                                       \
-        for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;                       \
+        int wm = (warp & 3) * 32, wn = (warp >> 2) * 64;                                                       \
+        float acc[2][8][4];                                                                                    \
+        for (int i = 0; i < 16; ++i) acc[i >> 3][i & 7][0] = acc[i >> 3][i & 7][1] = acc[i >> 3][i & 7][2] =   \
+            acc[i >> 3][i & 7][3] = 0.f;                                                                       \
         for (int k0 = 0; k0 < K; k0 += GM_K) {                                                                 \
             __syncthreads();                                                                                   \
             {                                                                                                  \
@@ -59,38 +60,47 @@ __device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
                 for (int i = 0; i < 16; ++i) dst[i] = (u32)f2h(v[2 * i]) | ((u32)f2h(v[2 * i + 1]) << 16);     \
             }                                                                                                  \
             {                                                                                                  \
-                /* A quarter row of x per thread: 64 rows x 64 values. */                                      \
-                int m = threadIdx.x >> 2, qq = threadIdx.x & 3, k = k0 + 16 * qq;                              \
-                u32* dst = (u32*)(xs + m * GM_PAD + 16 * qq);                                                  \
-                if (m < rows && k < K) {                                                                       \
-                    const float4* src = (const float4*)(x + (long long)(r0 + m) * K + k);                      \
-                    for (int i = 0; i < 4; ++i) {                                                              \
-                        float4 a = src[i];                                                                     \
-                        dst[2 * i] = (u32)f2h(a.x) | ((u32)f2h(a.y) << 16);                                    \
-                        dst[2 * i + 1] = (u32)f2h(a.z) | ((u32)f2h(a.w) << 16);                                \
+                /* Half a row of x per thread: 128 rows x 64 values, in two 16-value pieces. */               \
+                int m = threadIdx.x >> 1;                                                                      \
+                for (int pc = 0; pc < 2; ++pc) {                                                               \
+                    int qq = 2 * (threadIdx.x & 1) + pc, k = k0 + 16 * qq;                                     \
+                    u32* dst = (u32*)(xs + m * GM_PAD + 16 * qq);                                              \
+                    if (m < rows && k < K) {                                                                   \
+                        const float4* src = (const float4*)(x + (long long)(r0 + m) * K + k);                  \
+                        for (int i = 0; i < 4; ++i) {                                                          \
+                            float4 a = src[i];                                                                 \
+                            dst[2 * i] = (u32)f2h(a.x) | ((u32)f2h(a.y) << 16);                                \
+                            dst[2 * i + 1] = (u32)f2h(a.z) | ((u32)f2h(a.w) << 16);                            \
+                        }                                                                                      \
+                    } else {                                                                                   \
+                        for (int i = 0; i < 8; ++i) dst[i] = 0u;                                               \
                     }                                                                                          \
-                } else {                                                                                       \
-                    for (int i = 0; i < 8; ++i) dst[i] = 0u;                                                   \
                 }                                                                                              \
             }                                                                                                  \
             __syncthreads();                                                                                   \
             for (int kk = 0; kk < GM_K; kk += 16) {                                                            \
-                u32 a[4];                                                                                      \
-                a[0] = *(const u32*)(xs + (wm + gid) * GM_PAD + kk + t4 * 2);                                  \
-                a[1] = *(const u32*)(xs + (wm + gid + 8) * GM_PAD + kk + t4 * 2);                              \
-                a[2] = *(const u32*)(xs + (wm + gid) * GM_PAD + kk + 8 + t4 * 2);                              \
-                a[3] = *(const u32*)(xs + (wm + gid + 8) * GM_PAD + kk + 8 + t4 * 2);                          \
+                u32 a[2][4];                                                                                   \
+                for (int mb = 0; mb < 2; ++mb) {                                                               \
+                    const u16* xr = xs + (wm + 16 * mb + gid) * GM_PAD + kk + t4 * 2;                          \
+                    a[mb][0] = *(const u32*)xr;                                                                \
+                    a[mb][1] = *(const u32*)(xr + 8 * GM_PAD);                                                 \
+                    a[mb][2] = *(const u32*)(xr + 8);                                                          \
+                    a[mb][3] = *(const u32*)(xr + 8 * GM_PAD + 8);                                             \
+                }                                                                                              \
                 for (int nb = 0; nb < 8; ++nb) {                                                               \
                     const u16* wr = ws + (wn + nb * 8 + gid) * GM_PAD + kk + t4 * 2;                           \
-                    mma_16816(acc[nb], a, *(const u32*)wr, *(const u32*)(wr + 8));                             \
+                    u32 b0 = *(const u32*)wr, b1 = *(const u32*)(wr + 8);                                      \
+                    mma_16816(acc[0][nb], a[0], b0, b1);                                                       \
+                    mma_16816(acc[1][nb], a[1], b0, b1);                                                       \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
-        for (int nb = 0; nb < 8; ++nb)                                                                         \
-            for (int e = 0; e < 4; ++e) {                                                                      \
-                int m = wm + gid + 8 * (e >> 1), n = n0 + wn + nb * 8 + t4 * 2 + (e & 1);                      \
-                if (m < rows && n < N) y[(long long)(r0 + m) * N + n] = acc[nb][e];                            \
-            }                                                                                                  \
+        for (int mb = 0; mb < 2; ++mb)                                                                         \
+            for (int nb = 0; nb < 8; ++nb)                                                                     \
+                for (int e = 0; e < 4; ++e) {                                                                  \
+                    int m = wm + 16 * mb + gid + 8 * (e >> 1), n = n0 + wn + nb * 8 + t4 * 2 + (e & 1);        \
+                    if (m < rows && n < N) y[(long long)(r0 + m) * N + n] = acc[mb][nb][e];                    \
+                }                                                                                              \
     }
 
 // The dequantizer each type's GEMM uses: the vector one where there is one, else the generic chunk.

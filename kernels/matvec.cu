@@ -135,9 +135,35 @@ __device__ __forceinline__ float mmv_dot_fast_q6_k(const u8* __restrict__ row, c
     return warp_sum(acc);
 }
 
+// f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.
+__device__ __forceinline__ float mmv_dot_fast_f32(const u8* __restrict__ row, const float* __restrict__ xt,
+                                                  int cols, int lane) {
+    const float4* w4 = (const float4*)row;
+    const float4* x4 = (const float4*)xt;
+    float acc = 0.f;
+    for (int i = lane; i < cols / 4; i += 32) {
+        float4 a = w4[i], b = x4[i];
+        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+    return warp_sum(acc);
+}
+__device__ __forceinline__ float mmv_dot_fast_f16(const u8* __restrict__ row, const float* __restrict__ xt,
+                                                  int cols, int lane) {
+    const uint2* w2 = (const uint2*)row;
+    const float4* x4 = (const float4*)xt;
+    float acc = 0.f;
+    for (int i = lane; i < cols / 4; i += 32) {
+        uint2 a = w2[i];
+        float4 b = x4[i];
+        acc += h2f((u16)(a.x & 0xFFFF)) * b.x + h2f((u16)(a.x >> 16)) * b.y + h2f((u16)(a.y & 0xFFFF)) * b.z +
+               h2f((u16)(a.y >> 16)) * b.w;
+    }
+    return warp_sum(acc);
+}
+
 // Which row dot each type's kernels use: the fast ones above, else the generic 32-value chunk loop.
-#define MMV_DOT_f32 mmv_dot32_f32
-#define MMV_DOT_f16 mmv_dot32_f16
+#define MMV_DOT_f32 mmv_dot_fast_f32
+#define MMV_DOT_f16 mmv_dot_fast_f16
 #define MMV_DOT_bf16 mmv_dot32_bf16
 #define MMV_DOT_q4_0 mmv_dot32_q4_0
 #define MMV_DOT_q4_1 mmv_dot32_q4_1

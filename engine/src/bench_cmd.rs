@@ -102,6 +102,9 @@ struct GpuInfo {
     resident_weight_mib: f64,
     /// Per test: kernels by device time in one profiled pass.
     profiles: Vec<(String, f64, Vec<KernelTime>)>,
+    /// Decode steps captured as CUDA graphs, and graph replays, during the timed tests.
+    graphs_captured: u64,
+    graph_replays: u64,
 }
 
 /// One test's timings.
@@ -381,6 +384,7 @@ fn gpu_info(model: &Model, session: &mut Session<'_, AnyBackend>, args: &BenchAr
             .collect()
     };
     cuda(session).synchronize()?;
+    let (graphs_captured, graph_replays) = cuda(session).gpu().graph_counts();
     let _ = cuda(session).gpu().kernel_profile();
     cuda(session).gpu().set_profiling(true);
     for &n in &args.prompt_tokens {
@@ -415,6 +419,8 @@ fn gpu_info(model: &Model, session: &mut Session<'_, AnyBackend>, args: &BenchAr
         mem_total_mib: total as f64 / 1048576.0,
         resident_weight_mib: cuda.resident_weight_bytes() as f64 / 1048576.0,
         profiles,
+        graphs_captured,
+        graph_replays,
     })
 }
 
@@ -548,6 +554,10 @@ fn markdown(r: &BenchReport) -> String {
         s += &format!(
             "- device memory in use after the tests: {:.0} MiB of {:.0} MiB (weights {:.0} MiB)\n",
             g.mem_used_mib, g.mem_total_mib, g.resident_weight_mib
+        );
+        s += &format!(
+            "- decode steps as CUDA graphs in the timed tests: {} captured, {} replays (the profiled passes run without)\n",
+            g.graphs_captured, g.graph_replays
         );
     }
     s += &format!("- peak RSS: {:.1} MiB\n", r.peak_rss_mib);

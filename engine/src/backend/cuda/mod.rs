@@ -399,13 +399,13 @@ impl Inner {
             }
         }
         let tiles: Vec<[i32; 3]> = (0..n_tok)
-            .step_by(64)
-            .map(|r| [0, r as i32, (n_tok - r).min(64) as i32])
+            .step_by(128)
+            .map(|r| [0, r as i32, (n_tok - r).min(128) as i32])
             .collect();
         self.gemm_own(gpu, w, wp, 0, xp, yp, &tiles)
     }
 
-    /// Our tensor-core GEMM (`gemm_T`, kernels/gemm.cu) over row tiles of up to 64: `tiles` lists (expert, first
+    /// Our tensor-core GEMM (`gemm_T`, kernels/gemm.cu) over row tiles of up to 128: `tiles` lists (expert, first
     /// row, rows); expert e's matrix starts `e * expert_stride` bytes after `wp`. `y[r][n] = W_e[n] · x[r]` with
     /// `x` `[..][k]` and `y` `[..][n]`.
     #[allow(clippy::too_many_arguments)]
@@ -582,7 +582,7 @@ impl Inner {
                     Arg::I(n_embd as i32),
                 ],
             )?;
-            // One launch per matrix for every expert: tiles of up to 64 grouped rows, each naming its expert.
+            // One launch per matrix for every expert: tiles of up to 128 grouped rows, each naming its expert.
             let mut tiles: Vec<[i32; 3]> = Vec::new();
             let mut first = 0;
             while first < slots {
@@ -590,8 +590,8 @@ impl Inner {
                 let m = order[first..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
                 tiles.extend(
                     (0..m)
-                        .step_by(64)
-                        .map(|off| [e as i32, (first + off) as i32, (m - off).min(64) as i32]),
+                        .step_by(128)
+                        .map(|off| [e as i32, (first + off) as i32, (m - off).min(128) as i32]),
                 );
                 first += m;
             }
@@ -833,6 +833,31 @@ impl Backend for CudaBackend {
         let mut s = self.lock();
         Self::check((|| {
             let pp = s.positions(g, positions)?;
+            if kv.k.ty() == GgmlType::F16 && kv.v.ty() == GgmlType::F16 {
+                // Keys and values in one launch.
+                let (wk, wv) = (kv.k.width(), kv.v.width());
+                assert!(
+                    k.capacity() >= n_tok * wk && v.capacity() >= n_tok * wv,
+                    "store_kv: shapes"
+                );
+                let (kd, _) = s.kv_twin(g, &kv.k)?;
+                let (vd, _) = s.kv_twin(g, &kv.v)?;
+                return g.launch(
+                    "kv_store2_f16",
+                    grid1(n_tok * (wk + wv), 256),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(k.ptr()),
+                        Arg::P(kd),
+                        Arg::P(v.ptr()),
+                        Arg::P(vd),
+                        Arg::P(pp),
+                        Arg::I(n_tok as i32),
+                        Arg::I(wk as i32),
+                        Arg::I(wv as i32),
+                    ],
+                );
+            }
             for (rows, data) in [(&kv.k, k), (&kv.v, v)] {
                 let width = rows.width();
                 assert!(data.capacity() >= n_tok * width, "store_kv: shapes");
@@ -915,13 +940,18 @@ impl Backend for CudaBackend {
                     ],
                 );
             }
-            let tensor_cores =
-                kty == GgmlType::F16 && vty == GgmlType::F16 && [dk, dv].iter().all(|&d| d % 16 == 0 && d <= 128);
+            let group = p.n_head / p.n_head_kv;
+            let tensor_cores = kty == GgmlType::F16
+                && vty == GgmlType::F16
+                && group <= 8
+                && [dk, dv].iter().all(|&d| d % 16 == 0 && d <= 128);
             if tensor_cores {
+                // A block: one KV head, 16-token groups for every query head of its GQA group (8 warps at most).
+                let tgroups = (8 / group).max(1);
                 return g.launch(
                     "attn_prefill_f16",
-                    (n_tok.div_ceil(64) as u32, p.n_head as u32, 1),
-                    (128, 1, 1),
+                    (n_tok.div_ceil(16 * tgroups) as u32, p.n_head_kv as u32, 1),
+                    ((32 * group * tgroups) as u32, 1, 1),
                     &[
                         Arg::P(q.ptr()),
                         Arg::P(kp),
@@ -939,6 +969,7 @@ impl Backend for CudaBackend {
                         Arg::I(khb as i32),
                         Arg::L(vrb as i64),
                         Arg::I(vhb as i32),
+                        Arg::I(tgroups as i32),
                     ],
                 );
             }

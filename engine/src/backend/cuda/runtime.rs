@@ -104,6 +104,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "add_f32",
     "glu",
     "kv_store_f16",
+    "kv_store2_f16",
     "kv_store_q8_0",
     "gather_rows",
     "copy_f32",
