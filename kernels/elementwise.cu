@@ -1,10 +1,10 @@
 // Element-wise and per-row ops. Each mirrors the CPU backend's function named beside it
 // (engine/src/backend/cpu/mod.rs), including its summation precision.
 
-// RMSNorm (cpu: rms_norm_row): the mean of squares in f64, out = x * scale * w (out may be x). One block of 256
-// per row of n.
+// RMSNorm (cpu: rms_norm_row): the mean of squares in f64, out = x * scale * w (out may be x). One block per row
+// of n (up to 1024 threads, a multiple of 32).
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int n, float eps) {
-    __shared__ double part[8];
+    __shared__ double part[32];
     const float* row = x + (long long)blockIdx.x * n;
     float* dst = out + (long long)blockIdx.x * n;
     double ss = 0.0;
@@ -121,14 +121,6 @@ extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u8* __re
     if (lane == 0) *(u16*)blk = f2h(d);
 }
 
-// Gathers rows: out[i] = x[idx[i]], rows of `width` floats (MoE dispatch: tokens grouped by expert).
-extern "C" __global__ void gather_rows(const float* __restrict__ x, const unsigned int* __restrict__ idx,
-                                       float* __restrict__ out, int n, int width) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)n * width) return;
-    int r = (int)(i / width), c = (int)(i % width);
-    out[i] = x[(long long)idx[r] * width + c];
-}
 
 // dst[i] = src[i], n values.
 extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __restrict__ dst, long long n) {
@@ -204,10 +196,10 @@ extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* _
 }
 
 // x += y, then out = rms_norm(x) * w (cpu: add, then rms_norm_row on the sum): a residual add and the next norm.
-// One block of 256 per row of n.
+// One block per row of n (up to 1024 threads, a multiple of 32).
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y, float* __restrict__ out,
                                         const float* __restrict__ w, int n, float eps) {
-    __shared__ double part[8];
+    __shared__ double part[32];
     float* row = x + (long long)blockIdx.x * n;
     const float* yr = y + (long long)blockIdx.x * n;
     float* dst = out + (long long)blockIdx.x * n;

@@ -3,7 +3,8 @@
 // they are loaded, f32 accumulation on mma.m16n8k16. The same kernel serves a dense matrix (one "expert") and a
 // MoE layer's experts grouped by expert (each tile of rows names its expert), so one launch runs every expert.
 //
-// Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of x and y, rows <= 128). Block: 256 threads (8
+// Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of y, rows <= 128); row r of the work reads row
+// xrows[r] of x (the tokens routed to the expert), or row r without xrows. Block: 256 threads (8
 // warps) computing 128 rows x 128 outputs, warp w taking rows 32 (w & 3).. and outputs 64 (w >> 2)..; K in steps
 // of 64: each thread dequantizes one 32-value chunk of one weight row and converts 32 activations per step. Grid
 // (ceil(N / 128), tiles). K must be a multiple of 32 (a last half step is zero-filled).
@@ -12,29 +13,11 @@
 #define GM_K 64
 #define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
 
-// Q4_K chunk with 16-byte code loads (the generic dequantizer reads bytes), for the tiles of the GEMM.
-__device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
-    const u8* b = row + 144 * (c >> 3);
-    int s = c & 7;
-    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-    int sc, m;
-    scale_min_k4(s, b + 4, &sc, &m);
-    float d1 = d * sc, m1 = dmin * m;
-    const uint4* q4 = (const uint4*)(b + 16 + 32 * (s >> 1));
-    uint4 qa = q4[0], qb = q4[1];
-    u32 words[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-    int sh = 4 * (s & 1);
-#pragma unroll
-    for (int w = 0; w < 8; ++w)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) v[4 * w + k] = d1 * (float)((words[w] >> (8 * k + sh)) & 0xF) - m1;
-}
-
 #define STRATA_GEMM(name, dq)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
         gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
-                    const float* __restrict__ x, float* __restrict__ y, const int* __restrict__ tiles, int N,   \
-                    int K) {                                                                                   \
+                    const float* __restrict__ x, const unsigned int* __restrict__ xrows,                       \
+                    float* __restrict__ y, const int* __restrict__ tiles, int N, int K) {                      \
         __shared__ u16 xs[GM_M * GM_PAD];                                                                      \
         __shared__ u16 ws[GM_N * GM_PAD];                                                                      \
         int tile = blockIdx.y, n0 = blockIdx.x * GM_N;                                                         \
@@ -66,7 +49,8 @@ __device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
                     int qq = 2 * (threadIdx.x & 1) + pc, k = k0 + 16 * qq;                                     \
                     u32* dst = (u32*)(xs + m * GM_PAD + 16 * qq);                                              \
                     if (m < rows && k < K) {                                                                   \
-                        const float4* src = (const float4*)(x + (long long)(r0 + m) * K + k);                  \
+                        long long xr = xrows ? (long long)xrows[r0 + m] : (long long)(r0 + m);                 \
+                        const float4* src = (const float4*)(x + xr * K + k);                                   \
                         for (int i = 0; i < 4; ++i) {                                                          \
                             float4 a = src[i];                                                                 \
                             dst[2 * i] = (u32)f2h(a.x) | ((u32)f2h(a.y) << 16);                                \
@@ -103,19 +87,5 @@ __device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
                 }                                                                                              \
     }
 
-// The dequantizer each type's GEMM uses: the vector one where there is one, else the generic chunk.
-#define GEMM_DQ_f32 dq32_f32
-#define GEMM_DQ_f16 dq32_f16
-#define GEMM_DQ_bf16 dq32_bf16
-#define GEMM_DQ_q4_0 dq32_q4_0
-#define GEMM_DQ_q4_1 dq32_q4_1
-#define GEMM_DQ_q5_0 dq32_q5_0
-#define GEMM_DQ_q5_1 dq32_q5_1
-#define GEMM_DQ_q8_0 dq32_q8_0
-#define GEMM_DQ_q2_k dq32_q2_k
-#define GEMM_DQ_q3_k dq32_q3_k
-#define GEMM_DQ_q4_k dq32_vec_q4_k
-#define GEMM_DQ_q5_k dq32_q5_k
-#define GEMM_DQ_q6_k dq32_q6_k
-#define STRATA_GEMM_OF(name, dq) STRATA_GEMM(name, GEMM_DQ_##name)
+#define STRATA_GEMM_OF(name, dq) STRATA_GEMM(name, DQ_FAST_##name)
 STRATA_FOR_EACH_QTYPE(STRATA_GEMM_OF)

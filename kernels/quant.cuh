@@ -140,6 +140,40 @@ __device__ __forceinline__ void dq32_q6_k(const u8* row, int c, float* v) {
     }
 }
 
+// Q4_K chunk with 16-byte code loads (the generic dequantizer reads bytes).
+__device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
+    const u8* b = row + 144 * (c >> 3);
+    int s = c & 7;
+    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    int sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    float d1 = d * sc, m1 = dmin * m;
+    const uint4* q4 = (const uint4*)(b + 16 + 32 * (s >> 1));
+    uint4 qa = q4[0], qb = q4[1];
+    u32 words[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+    int sh = 4 * (s & 1);
+#pragma unroll
+    for (int w = 0; w < 8; ++w)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[4 * w + k] = d1 * (float)((words[w] >> (8 * k + sh)) & 0xF) - m1;
+}
+
+
+// The chunk dequantizer the kernels use per type: the vector one where there is one, else the generic one.
+#define DQ_FAST_f32 dq32_f32
+#define DQ_FAST_f16 dq32_f16
+#define DQ_FAST_bf16 dq32_bf16
+#define DQ_FAST_q4_0 dq32_q4_0
+#define DQ_FAST_q4_1 dq32_q4_1
+#define DQ_FAST_q5_0 dq32_q5_0
+#define DQ_FAST_q5_1 dq32_q5_1
+#define DQ_FAST_q8_0 dq32_q8_0
+#define DQ_FAST_q2_k dq32_q2_k
+#define DQ_FAST_q3_k dq32_q3_k
+#define DQ_FAST_q4_k dq32_vec_q4_k
+#define DQ_FAST_q5_k dq32_q5_k
+#define DQ_FAST_q6_k dq32_q6_k
+
 // One instantiation per type: the kernels below are generated for each (name, dequantizer) pair.
 #define STRATA_FOR_EACH_QTYPE(X) \
     X(f32, dq32_f32)             \

@@ -95,14 +95,13 @@ enum Slot {
     Idx,
     MoeIds,
     MoeW,
-    MoeX,
     MoeGate,
     MoeUp,
     MoeDown,
     MoeRows,
     Tiles,
 }
-const SLOTS: usize = 14;
+const SLOTS: usize = 13;
 
 /// An f32 activation buffer on the device: the CUDA backend's [`Backend::Buf`].
 #[derive(Default)]
@@ -159,6 +158,11 @@ fn grid1(n: usize, block: u32) -> (u32, u32, u32) {
 
 fn f32_bytes(x: &[f32]) -> &[u8] {
     bytemuck::cast_slice(x)
+}
+
+/// Threads of a norm block over rows of `n`: two values each, whole warps, 32 to 1024.
+fn norm_threads(n: usize) -> u32 {
+    (n.div_ceil(2).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
 fn glu_code(act: GluKind) -> i32 {
@@ -402,7 +406,7 @@ impl Inner {
             .step_by(128)
             .map(|r| [0, r as i32, (n_tok - r).min(128) as i32])
             .collect();
-        self.gemm_own(gpu, w, wp, 0, xp, yp, &tiles)
+        self.gemm_own(gpu, w, wp, 0, xp, 0, yp, &tiles)
     }
 
     /// Our tensor-core GEMM (`gemm_T`, kernels/gemm.cu) over row tiles of up to 128: `tiles` lists (expert, first
@@ -416,6 +420,7 @@ impl Inner {
         wp: u64,
         expert_stride: usize,
         xp: u64,
+        xrows: u64,
         yp: u64,
         tiles: &[[i32; 3]],
     ) -> Result<(), CudaError> {
@@ -429,6 +434,7 @@ impl Inner {
                 Arg::L(expert_stride as i64),
                 Arg::L(w.row_bytes as i64),
                 Arg::P(xp),
+                Arg::P(xrows),
                 Arg::P(yp),
                 Arg::P(tp),
                 Arg::I(w.rows as i32),
@@ -567,21 +573,9 @@ impl Inner {
             for (row, &s) in order.iter().enumerate() {
                 row_of_slot[s as usize] = row as u32;
             }
+            // Row r of the grouped work reads token tok_of_row[r] of x directly (no gathered copy).
             let tok_of_row: Vec<u32> = order.iter().map(|&s| s / k as u32).collect();
             let ip = self.upload(gpu, Slot::Idx, bytemuck::cast_slice(&tok_of_row))?;
-            let xg = self.slot(gpu, Slot::MoeX, slots * n_embd * 4)?;
-            gpu.launch(
-                "gather_rows",
-                grid1(slots * n_embd, 256),
-                (256, 1, 1),
-                &[
-                    Arg::P(xp),
-                    Arg::P(ip),
-                    Arg::P(xg),
-                    Arg::I(slots as i32),
-                    Arg::I(n_embd as i32),
-                ],
-            )?;
             // One launch per matrix for every expert: tiles of up to 128 grouped rows, each naming its expert.
             let mut tiles: Vec<[i32; 3]> = Vec::new();
             let mut first = 0;
@@ -598,8 +592,8 @@ impl Inner {
             let gate = ex.gate.rows_slice(0, nff);
             let upm = ex.up.rows_slice(0, nff);
             let down = ex.down.rows_slice(0, n_embd);
-            self.gemm_own(gpu, &gate, gw, nff * gate.row_bytes, xg, gp, &tiles)?;
-            self.gemm_own(gpu, &upm, uw, nff * upm.row_bytes, xg, up, &tiles)?;
+            self.gemm_own(gpu, &gate, gw, nff * gate.row_bytes, xp, ip, gp, &tiles)?;
+            self.gemm_own(gpu, &upm, uw, nff * upm.row_bytes, xp, ip, up, &tiles)?;
             gpu.launch(
                 "glu",
                 grid1(slots * nff, 256),
@@ -611,7 +605,7 @@ impl Inner {
                     Arg::I(glu_code(ex.act)),
                 ],
             )?;
-            self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gp, dp, &tiles)?;
+            self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gp, 0, dp, &tiles)?;
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
         };
         gpu.launch(
@@ -1156,7 +1150,7 @@ impl Backend for CudaBackend {
             g.launch(
                 "add_rms_norm",
                 (rows as u32, 1, 1),
-                (256, 1, 1),
+                (norm_threads(n), 1, 1),
                 &[
                     Arg::P(x.ptr()),
                     Arg::P(y.ptr()),
@@ -1248,7 +1242,7 @@ impl CudaBackend {
             g.launch(
                 "rms_norm",
                 (rows as u32, 1, 1),
-                (256, 1, 1),
+                (norm_threads(n), 1, 1),
                 &[Arg::P(xp), Arg::P(op), Arg::P(wp), Arg::I(n as i32), Arg::F(eps)],
             )
         })());

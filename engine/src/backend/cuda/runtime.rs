@@ -106,7 +106,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_store_f16",
     "kv_store2_f16",
     "kv_store_q8_0",
-    "gather_rows",
     "copy_f32",
     "copy_f32x4",
     "add_rms_norm",
