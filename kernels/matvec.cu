@@ -15,6 +15,17 @@
 // get_rows_T: out[t] = row ids[t] of W dequantized (embeddings). One thread per 32-value chunk.
 //
 // dq_f16_T: dequantizes `rows` rows into f16, [rows][cols], for the prefill GEMM. One thread per chunk.
+// The block's activation row, copied once into shared memory when it fits (its 8 warps all read it, a row
+// each): returns where to read it. Every thread of the block must call it (it synchronises).
+#define MMV_X_MAX 8192
+__device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt, int cols) {
+    __shared__ float4 xs[MMV_X_MAX / 4];
+    if (cols > MMV_X_MAX) return xt;
+    for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) xs[i] = ((const float4*)xt)[i];
+    __syncthreads();
+    return (const float*)xs;
+}
+
 #define STRATA_MMV(name, dq)                                                                                   \
     __device__ __forceinline__ float mmv_dot32_##name(const u8* __restrict__ row, const float* __restrict__ xt,  \
                                                     int cols, int lane) {                                     \
@@ -36,6 +47,7 @@
                                           long long row_bytes) {                                              \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, t = blockIdx.y;                                                          \
+        const float* xt = mmv_stage_x(x + (long long)t * cols, cols);                                          \
         const u8* w;                                                                                          \
         float* y;                                                                                             \
         int rows;                                                                                             \
@@ -48,7 +60,7 @@
         } else {                                                                                              \
             return;                                                                                           \
         }                                                                                                     \
-        float acc = MMV_DOT_##name(w + (long long)r * row_bytes, x + (long long)t * cols, cols, lane);        \
+        float acc = MMV_DOT_##name(w + (long long)r * row_bytes, xt, cols, lane);                             \
         if (lane == 0) y[(long long)t * rows + r] = acc;                                                      \
     }                                                                                                         \
     extern "C" __global__ void mmv_moe_##name(const u8* __restrict__ wa, const u8* __restrict__ wb,          \
@@ -57,9 +69,10 @@
                                               int rows, int cols, long long row_bytes) {                      \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
+        const float* xt = mmv_stage_x(x + (long long)(s / x_div) * cols, cols);                                \
         if (r >= rows) return;                                                                                \
         const u8* w = (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes;                    \
-        float acc = MMV_DOT_##name(w, x + (long long)(s / x_div) * cols, cols, lane);                         \
+        float acc = MMV_DOT_##name(w, xt, cols, lane);                                                        \
         if (lane == 0) (blockIdx.z ? yb : ya)[(long long)s * rows + r] = acc;                                 \
     }                                                                                                         \
     extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, const u32* __restrict__ ids,         \
@@ -87,54 +100,24 @@
 // bytes and the two groups of 4 activations they multiply). Q4_K: code byte i of a super-block holds value
 // 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble. Q6_K: low-bit byte i of half n holds
 // part 0 / 1 (i < 32 / i >= 32) in its low nibble and part 2 / 3 in its high nibble, high bits in qh.
-// scale_min_k4 over the 12 scale bytes held as three words (registers, not memory).
-__device__ __forceinline__ void scale_min_k4_w(int j, u32 w0, u32 w1, u32 w2, int* sc, int* m) {
-    u32 w[3] = {w0, w1, w2};
-#define SMK_BYTE(k) ((int)((w[(k) >> 2] >> (8 * ((k) & 3))) & 0xFF))
-    if (j < 4) {
-        *sc = SMK_BYTE(j) & 63;
-        *m = SMK_BYTE(j + 4) & 63;
-    } else {
-        *sc = (SMK_BYTE(j + 4) & 0xF) | ((SMK_BYTE(j - 4) >> 6) << 4);
-        *m = (SMK_BYTE(j + 4) >> 4) | ((SMK_BYTE(j) >> 6) << 4);
-    }
-#undef SMK_BYTE
-}
-
 __device__ __forceinline__ float mmv_dot_fast_q4_k(const u8* __restrict__ row, const float* __restrict__ xt,
                                                    int cols, int lane) {
     float acc = 0.f;
-    int j = lane >> 3, o = 4 * (lane & 7), nsb = cols / 256;
-    // Four super-blocks per step: all their loads are issued before any is used.
-    for (int sb0 = 0; sb0 < nsb; sb0 += 4) {
-        u32 hd[4][4], q[4];
-        float4 a[4], c[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            if (sb0 + u >= nsb) break;
-            const u32* b = (const u32*)(row + 144 * (sb0 + u));
-            hd[u][0] = b[0], hd[u][1] = b[1], hd[u][2] = b[2], hd[u][3] = b[3];
-            q[u] = b[4 + 8 * j + (o >> 2)];
-            const float* x = xt + 256 * (sb0 + u) + 64 * j + o;
-            a[u] = *(const float4*)x;
-            c[u] = *(const float4*)(x + 32);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            if (sb0 + u >= nsb) break;
-            float d = h2f((u16)(hd[u][0] & 0xFFFF)), dmin = h2f((u16)(hd[u][0] >> 16));
-            int sc0, m0, sc1, m1;
-            scale_min_k4_w(2 * j, hd[u][1], hd[u][2], hd[u][3], &sc0, &m0);
-            scale_min_k4_w(2 * j + 1, hd[u][1], hd[u][2], hd[u][3], &sc1, &m1);
-            u32 w = q[u];
-            float4 x0 = a[u], x1 = c[u];
-            float s0 = (float)(w & 0xF) * x0.x + (float)((w >> 8) & 0xF) * x0.y + (float)((w >> 16) & 0xF) * x0.z +
-                       (float)((w >> 24) & 0xF) * x0.w;
-            float s1 = (float)((w >> 4) & 0xF) * x1.x + (float)((w >> 12) & 0xF) * x1.y +
-                       (float)((w >> 20) & 0xF) * x1.z + (float)(w >> 28) * x1.w;
-            acc += d * sc0 * s0 - dmin * m0 * (x0.x + x0.y + x0.z + x0.w) + d * sc1 * s1 -
-                   dmin * m1 * (x1.x + x1.y + x1.z + x1.w);
-        }
+    int j = lane >> 3, o = 4 * (lane & 7);
+    for (int sb = 0; sb < cols / 256; ++sb) {
+        const u8* b = row + 144 * sb;
+        float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+        int sc0, m0, sc1, m1;
+        scale_min_k4(2 * j, b + 4, &sc0, &m0);
+        scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
+        u32 q = *(const u32*)(b + 16 + 32 * j + o);
+        const float* x = xt + 256 * sb + 64 * j + o;
+        float4 a = *(const float4*)x, c = *(const float4*)(x + 32);
+        float s0 = (float)(q & 0xF) * a.x + (float)((q >> 8) & 0xF) * a.y + (float)((q >> 16) & 0xF) * a.z +
+                   (float)((q >> 24) & 0xF) * a.w;
+        float s1 = (float)((q >> 4) & 0xF) * c.x + (float)((q >> 12) & 0xF) * c.y + (float)((q >> 20) & 0xF) * c.z +
+                   (float)(q >> 28) * c.w;
+        acc += d * sc0 * s0 - dmin * m0 * (a.x + a.y + a.z + a.w) + d * sc1 * s1 - dmin * m1 * (c.x + c.y + c.z + c.w);
     }
     return warp_sum(acc);
 }
@@ -144,37 +127,23 @@ __device__ __forceinline__ float mmv_dot_fast_q6_k(const u8* __restrict__ row, c
     float acc = 0.f;
     int n = lane >> 4, bi = 4 * (lane & 15); // half, byte of ql within the half (0..63)
     int part = bi >> 5, l = bi & 31;          // part 0/1 of the low nibbles; position within the 32
-    int nsb = cols / 256;
-    for (int sb0 = 0; sb0 < nsb; sb0 += 4) {
-        u8 ql[4][4], qh[4][4];
-        float d[4], s_lo[4], s_hi[4];
-        float4 a[4], c[4];
+    for (int sb = 0; sb < cols / 256; ++sb) {
+        const u8* b = row + 210 * sb;
+        float d = h2f(ld16(b + 208));
+        const u8* ql = b + 64 * n + bi;
+        const u8* qh = b + 128 + 32 * n + l;
+        const i8* sc = (const i8*)(b + 192) + 8 * n + (l >> 4);
+        const float* x = xt + 256 * sb + 128 * n + 32 * part + l;
+        float4 a = *(const float4*)x, c = *(const float4*)(x + 64);
+        float xa[4] = {a.x, a.y, a.z, a.w}, xc[4] = {c.x, c.y, c.z, c.w};
+        float lo = 0.f, hi = 0.f;
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            if (sb0 + u >= nsb) break;
-            const u8* b = row + 210 * (sb0 + u);
-            d[u] = h2f(ld16(b + 208));
-            for (int i = 0; i < 4; ++i) ql[u][i] = b[64 * n + bi + i], qh[u][i] = b[128 + 32 * n + l + i];
-            const i8* sc = (const i8*)(b + 192) + 8 * n + (l >> 4);
-            s_lo[u] = (float)sc[2 * part];
-            s_hi[u] = (float)sc[2 * part + 4];
-            const float* x = xt + 256 * (sb0 + u) + 128 * n + 32 * part + l;
-            a[u] = *(const float4*)x;
-            c[u] = *(const float4*)(x + 64);
+        for (int i = 0; i < 4; ++i) {
+            int bl = ql[i], h = qh[i];
+            lo += (float)((int)((bl & 0xF) | (((h >> (2 * part)) & 3) << 4)) - 32) * xa[i];
+            hi += (float)((int)((bl >> 4) | (((h >> (2 * part + 4)) & 3) << 4)) - 32) * xc[i];
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            if (sb0 + u >= nsb) break;
-            float xa[4] = {a[u].x, a[u].y, a[u].z, a[u].w}, xc[4] = {c[u].x, c[u].y, c[u].z, c[u].w};
-            float lo = 0.f, hi = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                int bl = ql[u][i], h = qh[u][i];
-                lo += (float)((int)((bl & 0xF) | (((h >> (2 * part)) & 3) << 4)) - 32) * xa[i];
-                hi += (float)((int)((bl >> 4) | (((h >> (2 * part + 4)) & 3) << 4)) - 32) * xc[i];
-            }
-            acc += d[u] * (s_lo[u] * lo + s_hi[u] * hi);
-        }
+        acc += d * ((float)sc[2 * part] * lo + (float)sc[2 * part + 4] * hi);
     }
     return warp_sum(acc);
 }
