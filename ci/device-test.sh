@@ -6,6 +6,7 @@
 #                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
 #     bench-small  `strata bench --device cuda:0` on a SmolLM2-135M-shaped model (llama, Q4_1, Q8_0 embedding)
 #     bench-30b    the same on a Qwen3-30B-A3B-shaped qwen3moe (Q4_K, Q6_K output), generated here (about 17 GB)
+#     harness      `strata-harness run scenarios/h200.yaml` (carry/strata-harness), its report folder as one .tgz
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
 set -uo pipefail
 OUT=${OUT:-device-out}
@@ -71,6 +72,14 @@ bench-30b)
   kill $SMI 2>/dev/null
   row "  nvidia-smi memory.used peak (MiB)" "$(sort -n "$OUT/smi-30b.csv" | tail -1)"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-30b.md" | cut -d'|' -f2,3,9)
+  ;;
+harness)
+  export STRATA_MODELS_DIR=$WORK/models
+  HARNESS=${STRATA_HARNESS_BIN:-carry/strata-harness}
+  "$HARNESS" run scenarios/h200.yaml --strata "$BIN" --out "$WORK/reports" > "$OUT/harness-h200.txt" 2>&1
+  rc=$?
+  row "strata-harness run scenarios/h200.yaml" "rc=$rc $(grep -E 'PASS|FAIL' "$OUT/harness-h200.txt" | tail -1)"
+  (cd "$WORK/reports" && tar czf "$OUT/h200-report.tgz" .)
   ;;
 *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -27,6 +27,14 @@ pub enum ModelsError {
     NotInCache { path: PathBuf },
     #[error("model path {path} is not a regular file (a directory or a device?); give a .gguf file")]
     NotAFile { path: PathBuf },
+    #[error("unknown generated model `synth:{name}`; known: {known}")]
+    UnknownSynth { name: String, known: String },
+    #[error("could not generate synth:{name} into {path}: {reason}")]
+    NotGenerated {
+        name: String,
+        path: PathBuf,
+        reason: String,
+    },
 }
 
 /// The model cache folder (not created).
@@ -79,6 +87,7 @@ pub fn resolve(model: Option<&str>) -> Result<PathBuf, ModelsError> {
             }
             Ok(path)
         }
+        Some(name) if name.starts_with(SYNTH_PREFIX) => synthesized(&name[SYNTH_PREFIX.len()..]),
         Some(p) => {
             let path = PathBuf::from(p);
             match std::fs::metadata(&path) {
@@ -88,6 +97,60 @@ pub fn resolve(model: Option<&str>) -> Result<PathBuf, ModelsError> {
             }
         }
     }
+}
+
+/// Model names that the generator makes on first use (`synth:qwen3-30b-a3b`), instead of fetching: benchmark
+/// shapes on machines that reach no registry (DESIGN.md section 4).
+pub const SYNTH_PREFIX: &str = "synth:";
+
+/// The generated models `synth:NAME` knows, with what they are.
+pub const SYNTH_MODELS: &[(&str, &str)] = &[
+    (
+        "qwen3-30b-a3b",
+        "Qwen3-30B-A3B's shape (qwen3moe, 48 layers, 128 experts, top-8), Q4_K with a Q6_K output, random blocks, about 17 GB",
+    ),
+    (
+        "tiny-qwen3moe",
+        "the 4-layer, 16-expert qwen3moe of the tests, Q8_0, about 15 MiB",
+    ),
+];
+
+/// `synth:NAME`: the cached file `synth/NAME.gguf`, generated there on first use (written to a temporary name,
+/// then renamed, so an interrupted run leaves nothing half-written behind).
+fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
+    let spec = match name {
+        "qwen3-30b-a3b" => crate::model::synth::SynthSpec::qwen3_30b_a3b(),
+        "tiny-qwen3moe" => crate::model::synth::SynthSpec::tiny_qwen3moe(),
+        _ => {
+            return Err(ModelsError::UnknownSynth {
+                name: name.to_string(),
+                known: SYNTH_MODELS
+                    .iter()
+                    .map(|(n, _)| format!("synth:{n}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+    };
+    let path = cached(&format!("synth/{name}.gguf"));
+    if path.is_file() {
+        return Ok(path);
+    }
+    let fail = |reason: String| ModelsError::NotGenerated {
+        name: name.to_string(),
+        path: path.clone(),
+        reason,
+    };
+    let dir = path.parent().expect("a file in the cache");
+    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+    let tmp = path.with_extension(format!("gguf.tmp{}", std::process::id()));
+    eprintln!("strata: generating synth:{name} into {}", path.display());
+    spec.write_with(&tmp, true).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        fail(e.to_string())
+    })?;
+    std::fs::rename(&tmp, &path).map_err(|e| fail(e.to_string()))?;
+    Ok(path)
 }
 
 /// Runs `ci/fetch-models.sh WHAT` (`default` or `all`), which fills the cache; its progress goes to stderr.

@@ -177,6 +177,7 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
     let settings = runner::RunSettings {
         strata,
         model_path,
+        device: device.clone(),
         quick: opts.quick,
         out_dir: folder.clone(),
         progress: std::io::stderr().is_terminal(),

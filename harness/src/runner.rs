@@ -78,6 +78,8 @@ pub fn combos(s: &Scenario) -> Vec<Combo> {
 pub struct RunSettings {
     pub strata: PathBuf,
     pub model_path: PathBuf,
+    /// `cpu` or `cuda:N`, passed to `strata serve --device`.
+    pub device: String,
     pub quick: bool,
     /// The report folder (logs go to `logs/` inside).
     pub out_dir: PathBuf,
@@ -468,6 +470,8 @@ pub fn run_combo(
     };
     let mut full_args = args.clone();
     full_args.extend([
+        "--device".into(),
+        settings.device.clone(),
         "--model".into(),
         settings.model_path.display().to_string(),
         "--events".into(),
@@ -601,12 +605,15 @@ pub fn device_available(device: &str) -> Result<(), String> {
         return Ok(());
     }
     if let Some(n) = device.strip_prefix("cuda:") {
-        if n.parse::<u32>().is_err() {
+        let Ok(n) = n.parse::<usize>() else {
             return Err(format!("`{device}` is not a device (cuda:N)"));
+        };
+        let count = strata_engine::backend::cuda::runtime::device_count()
+            .map_err(|e| format!("{device}: no CUDA here ({e})"))?;
+        if n >= count {
+            return Err(format!("{device}: this machine has {count} CUDA device(s)"));
         }
-        return Err(format!(
-            "{device}: this engine build runs scenarios on the CPU only (no CUDA serve path yet)"
-        ));
+        return Ok(());
     }
     if let Some(p) = device.strip_prefix("sim:") {
         return Err(format!(
