@@ -23,6 +23,9 @@ pub struct PromptBuilder {
     /// Single-token words usable as unique first tokens, in vocabulary order.
     prefixes: Vec<String>,
     next_prefix: usize,
+    /// The vocabulary has no merges (every byte is a token, as in the generator's synthetic models): prefixes
+    /// are single characters and the filler is cut to the exact number of characters.
+    byte_level: bool,
 }
 
 impl PromptBuilder {
@@ -53,6 +56,23 @@ impl PromptBuilder {
                 prefixes.push(text);
             }
         }
+        let mut byte_level = false;
+        if prefixes.len() < 64 {
+            // A vocabulary without merges: one token per byte. Any printable ASCII character is then a
+            // single-token prefix, and text of n ASCII characters is n tokens.
+            let single = |t: &str| {
+                tokenizer
+                    .encode(t, true, false)
+                    .is_ok_and(|ids| ids.len() == t.len() + bos)
+            };
+            if single("ab the") {
+                let chars: Vec<String> = (b'!'..=b'~').map(|c| (c as char).to_string()).collect();
+                if chars.iter().all(|c| single(c)) {
+                    prefixes = chars;
+                    byte_level = true;
+                }
+            }
+        }
         if prefixes.len() < 64 {
             bail!(
                 "{}: the vocabulary has only {} plain single-token words to use as unique prompt prefixes",
@@ -64,6 +84,7 @@ impl PromptBuilder {
             tokenizer,
             prefixes,
             next_prefix: 0,
+            byte_level,
         })
     }
 
@@ -89,6 +110,15 @@ impl PromptBuilder {
         if n < base {
             bail!("cannot build a {n}-token prompt: the unique prefix alone is {base} tokens");
         }
+        if self.byte_level {
+            let filler: String = FILLER.iter().cycle().flat_map(|w| w.chars()).take(n - base).collect();
+            let text = format!("{prefix}{filler}");
+            let have = self.count(&text)?;
+            if have != n {
+                bail!("cannot build a prompt of exactly {n} tokens (a byte-level vocabulary gave {have})");
+            }
+            return Ok(text);
+        }
         // Filler words encode independently (the pre-tokenizer splits at spaces), so one round usually lands on
         // `n`; the count is checked each round, and words are added or dropped until it is exact.
         let mut words: Vec<&str> = Vec::new();
@@ -109,5 +139,27 @@ impl PromptBuilder {
             }
         }
         bail!("cannot build a prompt of exactly {n} tokens (reached {have})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_vocabularies_get_exact_prompts_with_unique_first_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        strata_engine::model::synth::SynthSpec::tiny_qwen3moe()
+            .write(&path)
+            .unwrap();
+        let mut b = PromptBuilder::open(&path).unwrap();
+        let mut firsts = std::collections::HashSet::new();
+        for n in [1usize, 2, 16, 37, 300] {
+            let text = b.exact(n).unwrap();
+            let ids = b.tokenizer().encode(&text, true, false).unwrap();
+            assert_eq!(ids.len(), n, "{text:?}");
+            assert!(firsts.insert(ids[0]), "first token repeated: {text:?}");
+        }
     }
 }
