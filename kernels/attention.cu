@@ -350,3 +350,100 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
         }
     }
 }
+
+// Decode attention split over the keys (flash-decoding), for long caches: the same rounding as attn_decode in four
+// steps over n_split splits of split_len cells (relative to the query's first visible cell), every launch with
+// arguments that do not depend on the position (CUDA graphs). Grid (n_head, n_tok, n_split), block 128.
+// Step 1: scores of the split into scores[th * n_ctx + j], the split's maximum into pmax[th * n_split + s].
+extern "C" __global__ void attn_split_scores(const float* __restrict__ q, const u8* __restrict__ k,
+                                             float* __restrict__ scores, float* __restrict__ pmax,
+                                             const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dk,
+                                             float scale, int window, long long krb, int khb, int kty, int n_ctx,
+                                             int split_len) {
+    __shared__ float red[4];
+    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
+    int g = h / (n_head / n_head_kv), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
+    int j0 = s * split_len, j1 = min(n, j0 + split_len);
+    float* sc = scores + (long long)th * n_ctx;
+    const float* qv = q + (long long)th * dk;
+    float m = -STRATA_INF;
+    for (int j = j0 + warp; j < j1; j += 16) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int d = lane; d < dk; d += 32) {
+            float a = qv[d];
+            if (kty == 0) a = round_f16(a);
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (j + 4 * u < j1) acc[u] += a * kv_load(k, krb, khb, kty, first + j + 4 * u, g, d);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            float v = scale * warp_sum(acc[u]);
+            if (j + 4 * u < j1) {
+                if (lane == 0) sc[j + 4 * u] = v;
+                m = fmaxf(m, v);
+            }
+        }
+    }
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) pmax[(long long)th * n_split + s] = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+}
+
+// Step 2: the maximum over splits, the split's exponentials in place and their f64 sum into psum[th * n_split + s].
+extern "C" __global__ void attn_split_exp(float* __restrict__ scores, const float* __restrict__ pmax,
+                                          double* __restrict__ psum, const unsigned int* __restrict__ pos,
+                                          int n_head, int window, int n_ctx, int split_len) {
+    __shared__ double red[4];
+    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
+    int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
+    int j0 = s * split_len, j1 = min(n, j0 + split_len);
+    float m = -STRATA_INF;
+    for (int i = 0; i < n_split; ++i) m = fmaxf(m, pmax[(long long)th * n_split + i]);
+    float* sc = scores + (long long)th * n_ctx;
+    double acc = 0.0;
+    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+        float e = expf(sc[j] - m);
+        sc[j] = e;
+        acc += (double)e;
+    }
+    acc = warp_sum_d(acc);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) psum[(long long)th * n_split + s] = (red[0] + red[1]) + (red[2] + red[3]);
+}
+
+// Step 3: probabilities (exponential times 1 / the f64 sum over splits, rounded to f16 against an f16 cache) times
+// the split's values into part[(s * rows + th) * dv + d]; sum_splits adds the splits.
+extern "C" __global__ void attn_split_pv(const float* __restrict__ scores, const double* __restrict__ psum,
+                                         const u8* __restrict__ v, float* __restrict__ part,
+                                         const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dv,
+                                         int window, long long vrb, int vhb, int vty, int n_ctx, int split_len,
+                                         int rows) {
+    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
+    int g = h / (n_head / n_head_kv);
+    int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
+    int j0 = s * split_len, j1 = min(n, j0 + split_len);
+    double tot = 0.0;
+    for (int i = 0; i < n_split; ++i) tot += psum[(long long)th * n_split + i];
+    float inv = (float)(1.0 / tot);
+    const float* sc = scores + (long long)th * n_ctx;
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+        float a4[4] = {0.f, 0.f, 0.f, 0.f};
+        int j = j0;
+        for (; j + 3 < j1; j += 4)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                float pr = sc[j + u] * inv;
+                if (vty == 0) pr = round_f16(pr);
+                a4[u] += pr * kv_load(v, vrb, vhb, vty, first + j + u, g, d);
+            }
+        for (; j < j1; ++j) {
+            float pr = sc[j] * inv;
+            if (vty == 0) pr = round_f16(pr);
+            a4[0] += pr * kv_load(v, vrb, vhb, vty, first + j, g, d);
+        }
+        part[((long long)s * rows + th) * dv + d] = (a4[0] + a4[1]) + (a4[2] + a4[3]);
+    }
+}

@@ -47,8 +47,11 @@ use store::{DevBuf, ResidentStore, WeightStore};
 
 /// Most tokens a matmul runs as matrix-vector products; larger batches use the GEMM.
 const MMV_MAX_TOKENS: usize = 4;
-/// Keys per split of the decode attention's P·V pass.
+/// Keys per split of the prefill fallback attention's P·V pass.
 const ATTN_SPLIT_KEYS: usize = 128;
+/// Cache cells per split of the decode attention: a cache of more cells splits its keys over several blocks per
+/// head (flash-decoding), a shorter one runs in one block per head.
+const DECODE_SPLIT_CELLS: usize = 512;
 
 /// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
@@ -100,8 +103,10 @@ enum Slot {
     MoeDown,
     MoeRows,
     Tiles,
+    SplitMax,
+    SplitSum,
 }
-const SLOTS: usize = 13;
+const SLOTS: usize = 15;
 
 /// An f32 activation buffer on the device: the CUDA backend's [`Backend::Buf`].
 #[derive(Default)]
@@ -903,9 +908,92 @@ impl Backend for CudaBackend {
             let (vp, vty) = s.kv_twin(g, &kv.v)?;
             let code = |t: GgmlType| if t == GgmlType::F16 { 0 } else { 1 };
             let pp = s.positions(g, positions)?;
+            let n_ctx = kv.k.bytes() / krb;
+            let n_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(64);
+            if n_tok <= MMV_MAX_TOKENS && n_split > 1 {
+                // Decode over a long cache: split over the keys (four launches, arguments independent of the
+                // position, so CUDA graphs replay them).
+                let split_len = n_ctx.div_ceil(n_split);
+                let rows = n_tok * p.n_head;
+                let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
+                let mp = s.slot(g, Slot::SplitMax, rows * n_split * 4)?;
+                let ps = s.slot(g, Slot::SplitSum, rows * n_split * 8)?;
+                let part = s.slot(g, Slot::Part, n_split * rows * dv * 4)?;
+                let grid = (p.n_head as u32, n_tok as u32, n_split as u32);
+                let window = p.window.unwrap_or(0) as i32;
+                g.launch(
+                    "attn_split_scores",
+                    grid,
+                    (128, 1, 1),
+                    &[
+                        Arg::P(q.ptr()),
+                        Arg::P(kp),
+                        Arg::P(sp),
+                        Arg::P(mp),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dk as i32),
+                        Arg::F(p.scale),
+                        Arg::I(window),
+                        Arg::L(krb as i64),
+                        Arg::I(khb as i32),
+                        Arg::I(code(kty)),
+                        Arg::I(n_ctx as i32),
+                        Arg::I(split_len as i32),
+                    ],
+                )?;
+                g.launch(
+                    "attn_split_exp",
+                    grid,
+                    (128, 1, 1),
+                    &[
+                        Arg::P(sp),
+                        Arg::P(mp),
+                        Arg::P(ps),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(window),
+                        Arg::I(n_ctx as i32),
+                        Arg::I(split_len as i32),
+                    ],
+                )?;
+                g.launch(
+                    "attn_split_pv",
+                    grid,
+                    (dv.next_multiple_of(32).min(256) as u32, 1, 1),
+                    &[
+                        Arg::P(sp),
+                        Arg::P(ps),
+                        Arg::P(vp),
+                        Arg::P(part),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dv as i32),
+                        Arg::I(window),
+                        Arg::L(vrb as i64),
+                        Arg::I(vhb as i32),
+                        Arg::I(code(vty)),
+                        Arg::I(n_ctx as i32),
+                        Arg::I(split_len as i32),
+                        Arg::I(rows as i32),
+                    ],
+                )?;
+                return g.launch(
+                    "sum_splits",
+                    grid1(rows * dv, 256),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(part),
+                        Arg::P(out.ptr()),
+                        Arg::I(n_split as i32),
+                        Arg::L((rows * dv) as i64),
+                    ],
+                );
+            }
             if n_tok <= MMV_MAX_TOKENS && dv <= 256 {
-                // Decode: one launch whose arguments do not depend on the position (CUDA graphs).
-                let n_ctx = kv.k.bytes() / krb;
+                // Decode over a short cache: one launch whose arguments do not depend on the position.
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
                 return g.launch(
                     "attn_decode",
