@@ -375,10 +375,11 @@ impl SynthSpec {
             || vec![0f32; row_len],
             |row, (r, dst)| {
                 let mut rng = SplitMix64::new(self.seed ^ name_hash ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                if random_blocks && let Some(rms) = self.row_rms(t, row.len()) {
-                    if random_block_row(t.ty, rms, &mut rng, dst) {
-                        return Ok(());
-                    }
+                if random_blocks
+                    && let Some(rms) = self.row_rms(t, row.len())
+                    && random_block_row(t.ty, rms, &mut rng, dst)
+                {
+                    return Ok(());
                 }
                 self.fill_row(t, r, row, &mut rng, &common);
                 encode_row(t.ty, row, dst).map_err(|e| SynthError::Shape(format!("tensor {}: {e}", t.name)))
