@@ -167,6 +167,11 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
             int oe = __shfl_xor_sync(0xffffffffu, be, o);
             if (ob > best || (ob == best && oe < be)) best = ob, be = oe;
         }
+        if (be >= n_expert) {
+            // Every remaining probability is NaN (a broken model): the lowest unchosen id, as the CPU takes.
+            for (be = 0; chosen[be >> 5] & (1u << (be & 31)); ++be) {}
+            best = row[be];
+        }
         chosen[be >> 5] |= 1u << (be & 31);
         sum += best;
         if (lane == 0) out_ids[i] = (u32)be, out_w[i] = best;

@@ -340,6 +340,8 @@ pub trait Backend: Send + Sync {
     /// Runs a whole decode step from a graph verified on earlier steps, when the backend has one for `key` and
     /// nothing it depends on changed since: `ids` and `positions` become its inputs and its logits land where the
     /// forward pass leaves them. Returns false (nothing done) otherwise; the caller then runs the forward pass.
+    /// The graph writes the KV cache and reads the scratch it was recorded with, so a backend that replays serves
+    /// one KV cache and one scratch (one session), as `Session` does.
     fn replay_step(&self, _key: u64, _ids: &[u32], _positions: &[u32]) -> bool {
         false
     }

@@ -660,6 +660,8 @@ impl Backend for CudaBackend {
             src.len(),
             dst.capacity()
         );
+        // Host-computed data in the middle of a step (a CPU fallback): the step must not become a graph.
+        Self::check(self.gpu.flush_step());
         if let Some(b) = dst.buf.as_mut() {
             Self::check(b.write(&self.gpu.stream, f32_bytes(src)));
         }
@@ -1166,9 +1168,10 @@ impl Backend for CudaBackend {
             "moe: shapes"
         );
         assert!(logits.capacity() >= n_tok * ex.n_expert, "moe: router logits");
-        assert!(k >= 1 && k <= ex.n_expert && ex.n_expert <= 1024, "moe: k of n_expert");
-        if ![ex.gate, ex.up, ex.down].iter().all(gpu_computes) {
-            // Experts of a type without kernels: the CPU backend, through host copies.
+        assert!(k >= 1 && k <= ex.n_expert, "moe: k of n_expert");
+        if ex.n_expert > 1024 || ![ex.gate, ex.up, ex.down].iter().all(gpu_computes) {
+            // Experts of a type without kernels, or more experts than the router kernel takes (1024): the CPU
+            // backend, through host copies.
             let mut lh = self.to_host(logits, 0, n_tok * ex.n_expert);
             let xh = self.to_host(x, 0, n_tok * n_embd);
             let mut routing = Routing::default();

@@ -486,19 +486,22 @@ impl Gpu {
         }
     }
 
-    /// Runs the launches a replayed step skipped so far, so their results can be read now (a download in the
-    /// middle of a step), and finishes the step eagerly.
+    /// Host data crosses in the middle of a step (a download, or an upload of something the host computed):
+    /// such a step is not a graph. A replayed step runs the launches it skipped so far and finishes eagerly (its
+    /// graph is dropped at the end); a recorded step stops recording, so it is never captured.
     pub fn flush_step(&self) -> Result<(), CudaError> {
         let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let gs = &mut *gs;
-        if let StepMode::Replay { key, next, diverged } = &mut gs.mode
-            && !*diverged
-        {
-            *diverged = true;
-            let recs = &gs.graphs.get(key).expect("replaying a stored graph").launches;
-            for r in &recs[..*next] {
-                self.raw_launch(r.kernel, r.grid, r.block, &r.args)?;
+        match &mut gs.mode {
+            StepMode::Replay { key, next, diverged } if !*diverged => {
+                *diverged = true;
+                let recs = &gs.graphs.get(key).expect("replaying a stored graph").launches;
+                for r in &recs[..*next] {
+                    self.raw_launch(r.kernel, r.grid, r.block, &r.args)?;
+                }
             }
+            StepMode::Record { .. } => gs.mode = StepMode::Eager,
+            _ => {}
         }
         Ok(())
     }
