@@ -170,6 +170,16 @@ fn norm_threads(n: usize) -> u32 {
     (n.div_ceil(2).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
+/// `gate[..len] = act(gate) * up` on device buffers (the `glu` kernel).
+fn glu_dev(gpu: &Gpu, gate: u64, up: u64, len: usize, act: GluKind) -> Result<(), CudaError> {
+    gpu.launch(
+        "glu",
+        grid1(len, 256),
+        (256, 1, 1),
+        &[Arg::P(gate), Arg::P(up), Arg::L(len as i64), Arg::I(glu_code(act))],
+    )
+}
+
 fn glu_code(act: GluKind) -> i32 {
     match act {
         GluKind::SwiGlu => 0,
@@ -520,17 +530,7 @@ impl Inner {
         let same = ex.gate.ty == ex.up.ty;
         let rows_map = if n_tok <= MMV_MAX_TOKENS {
             // Decode: every slot reaches its expert by id on the device.
-            let launch = |s: &Self,
-                          wa: u64,
-                          wb: u64,
-                          x: u64,
-                          ya: u64,
-                          yb: u64,
-                          div: usize,
-                          w: &QMat<'_>,
-                          rows: usize,
-                          z: u32| {
-                let _ = s;
+            let launch = |wa: u64, wb: u64, x: u64, ya: u64, yb: u64, div: usize, w: &QMat<'_>, rows: usize, z: u32| {
                 gpu.launch(
                     typed("mmv_moe_", w.ty),
                     (rows.div_ceil(8) as u32, slots as u32, z),
@@ -550,23 +550,13 @@ impl Inner {
                 )
             };
             if same {
-                launch(self, gw, uw, xp, gp, up, k, &ex.gate, nff, 2)?;
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2)?;
             } else {
-                launch(self, gw, gw, xp, gp, gp, k, &ex.gate, nff, 1)?;
-                launch(self, uw, uw, xp, up, up, k, &ex.up, nff, 1)?;
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1)?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1)?;
             }
-            gpu.launch(
-                "glu",
-                grid1(slots * nff, 256),
-                (256, 1, 1),
-                &[
-                    Arg::P(gp),
-                    Arg::P(up),
-                    Arg::L((slots * nff) as i64),
-                    Arg::I(glu_code(ex.act)),
-                ],
-            )?;
-            launch(self, dw, dw, gp, dp, dp, 1, &ex.down, n_embd, 1)?;
+            glu_dev(gpu, gp, up, slots * nff, ex.act)?;
+            launch(dw, dw, gp, dp, dp, 1, &ex.down, n_embd, 1)?;
             0
         } else {
             // Prefill: read the routing back, group the slots by expert, one GEMM per expert and matrix.
@@ -599,17 +589,7 @@ impl Inner {
             let down = ex.down.rows_slice(0, n_embd);
             self.gemm_own(gpu, &gate, gw, nff * gate.row_bytes, xp, ip, gp, &tiles)?;
             self.gemm_own(gpu, &upm, uw, nff * upm.row_bytes, xp, ip, up, &tiles)?;
-            gpu.launch(
-                "glu",
-                grid1(slots * nff, 256),
-                (256, 1, 1),
-                &[
-                    Arg::P(gp),
-                    Arg::P(up),
-                    Arg::L((slots * nff) as i64),
-                    Arg::I(glu_code(ex.act)),
-                ],
-            )?;
+            glu_dev(gpu, gp, up, slots * nff, ex.act)?;
             self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gp, 0, dp, &tiles)?;
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
         };
@@ -1138,17 +1118,7 @@ impl Backend for CudaBackend {
 
     fn glu(&self, gate: &mut DevVec, up: &DevVec, len: usize, act: GluKind) {
         assert!(gate.capacity() >= len && up.capacity() >= len, "glu: lengths");
-        Self::check(self.gpu.launch(
-            "glu",
-            grid1(len, 256),
-            (256, 1, 1),
-            &[
-                Arg::P(gate.ptr()),
-                Arg::P(up.ptr()),
-                Arg::L(len as i64),
-                Arg::I(glu_code(act)),
-            ],
-        ));
+        Self::check(glu_dev(&self.gpu, gate.ptr(), up.ptr(), len, act));
     }
 
     fn moe(
