@@ -121,6 +121,8 @@ fn stream_to_stdout(text: &str) {
 
 /// `strata generate`.
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
+    // The device first: a missing GPU is reported before the model is read.
+    let backend = open_backend(&args.engine)?;
     let l = load(&args.engine)?;
     let prompt_text = if args.chat {
         let t = l
@@ -137,7 +139,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         args.prompt.clone()
     };
     let tokens = l.tokenizer.encode(&prompt_text, true, args.chat)?;
-    let mut session = Session::new(&l.model, open_backend(&args.engine)?, session_config(&args.engine))?;
+    let mut session = Session::new(&l.model, backend, session_config(&args.engine))?;
     // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
     session.set_fault_policy(strata_engine::runtime::fault::FaultPlan::from_env()?, true);
     let opts = GenerateOptions {
@@ -155,11 +157,12 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
 
 /// `strata chat`.
 pub fn run_chat(args: EngineArgs) -> Result<()> {
+    let backend = open_backend(&args)?;
     let l = load(&args)?;
     let Some(template) = l.template.as_ref() else {
         bail!("`strata chat` needs a chat template, and this model has none (tokenizer.chat_template)");
     };
-    let mut session = Session::new(&l.model, open_backend(&args)?, session_config(&args))?;
+    let mut session = Session::new(&l.model, backend, session_config(&args))?;
     // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
     session.set_fault_policy(strata_engine::runtime::fault::FaultPlan::from_env()?, true);
     let opts = GenerateOptions {
