@@ -322,46 +322,33 @@ fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
 /// Weight bytes a decode step reads: every tensor once, the MoE expert tensors (`*_exps`) in the routed
 /// proportion `n_expert_used ÷ n_expert`, and the token embedding only when it is also the output matrix.
 fn bytes_per_token(model: &Model) -> u64 {
-    let tied = model.gguf.tensor("output.weight").is_none();
-    let share = if model.hp.n_expert > 0 {
-        model.hp.n_expert_used as f64 / model.hp.n_expert as f64
-    } else {
-        1.0
-    };
-    model
-        .gguf
-        .tensors()
-        .iter()
-        .map(|t| {
-            if t.name == "token_embd.weight" && !tied {
-                0.0
-            } else if t.name.contains("_exps") {
-                t.n_bytes as f64 * share
-            } else {
-                t.n_bytes as f64
-            }
-        })
-        .sum::<f64>() as u64
+    per_token(model, |t| Some(t.n_bytes as f64)) as u64
 }
 
 /// FLOPs a prefilled token costs in the weight matrices: 2 per multiplied weight (every matrix but the embedding
 /// lookup, the routed share of the experts). Attention's own FLOPs grow with the context and are left out.
 fn flops_per_token(model: &Model) -> f64 {
+    per_token(model, |t| {
+        (t.dims.len() >= 2).then(|| 2.0 * t.dims.iter().product::<u64>() as f64)
+    })
+}
+
+/// `Σ amount(t)` over the tensors a token reads: the MoE expert tensors (`*_exps`) in the routed proportion
+/// `n_expert_used ÷ n_expert`, the token embedding only when it is also the output matrix; `amount` may skip a
+/// tensor (`None`).
+fn per_token(model: &Model, amount: impl Fn(&strata_engine::gguf::TensorInfo) -> Option<f64>) -> f64 {
+    let tied = model.gguf.tensor("output.weight").is_none();
     let share = if model.hp.n_expert > 0 {
         model.hp.n_expert_used as f64 / model.hp.n_expert as f64
     } else {
         1.0
     };
-    let tied = model.gguf.tensor("output.weight").is_none();
     model
         .gguf
         .tensors()
         .iter()
-        .filter(|t| t.dims.len() >= 2 && (t.name != "token_embd.weight" || tied))
-        .map(|t| {
-            let n = t.dims.iter().product::<u64>() as f64;
-            2.0 * if t.name.contains("_exps") { n * share } else { n }
-        })
+        .filter(|t| t.name != "token_embd.weight" || tied)
+        .filter_map(|t| Some(amount(t)? * if t.name.contains("_exps") { share } else { 1.0 }))
         .sum()
 }
 

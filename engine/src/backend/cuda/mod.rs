@@ -180,6 +180,16 @@ fn glu_dev(gpu: &Gpu, gate: u64, up: u64, len: usize, act: GluKind) -> Result<()
     )
 }
 
+/// `out[i] = Σ_s part[s][i]` over `n_split` partial results of `n` values (split-K attention).
+fn sum_splits_dev(gpu: &Gpu, part: u64, out: u64, n_split: usize, n: usize) -> Result<(), CudaError> {
+    gpu.launch(
+        "sum_splits",
+        grid1(n, 256),
+        (256, 1, 1),
+        &[Arg::P(part), Arg::P(out), Arg::I(n_split as i32), Arg::L(n as i64)],
+    )
+}
+
 fn glu_code(act: GluKind) -> i32 {
     match act {
         GluKind::SwiGlu => 0,
@@ -962,17 +972,7 @@ impl Backend for CudaBackend {
                         Arg::I(rows as i32),
                     ],
                 )?;
-                return g.launch(
-                    "sum_splits",
-                    grid1(rows * dv, 256),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(part),
-                        Arg::P(out.ptr()),
-                        Arg::I(n_split as i32),
-                        Arg::L((rows * dv) as i64),
-                    ],
-                );
+                return sum_splits_dev(g, part, out.ptr(), n_split, rows * dv);
             }
             if n_tok <= MMV_MAX_TOKENS && dv <= 256 {
                 // Decode over a short cache: one launch whose arguments do not depend on the position.
@@ -1100,17 +1100,7 @@ impl Backend for CudaBackend {
                 ],
             )?;
             if n_split > 1 {
-                g.launch(
-                    "sum_splits",
-                    grid1(rows * dv, 256),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(target),
-                        Arg::P(out.ptr()),
-                        Arg::I(n_split as i32),
-                        Arg::L((rows * dv) as i64),
-                    ],
-                )?;
+                sum_splits_dev(g, target, out.ptr(), n_split, rows * dv)?;
             }
             Ok(())
         })());
