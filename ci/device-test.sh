@@ -7,6 +7,8 @@
 #     bench-small  `strata bench --device cuda:0` on a SmolLM2-135M-shaped model (llama, Q4_1, Q8_0 embedding)
 #     bench-30b    the same on a Qwen3-30B-A3B-shaped qwen3moe (Q4_K, Q6_K output), generated here (about 17 GB)
 #     harness      `strata-harness run scenarios/h200.yaml` (carry/strata-harness), its report folder as one .tgz
+#     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
+#                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
 set -uo pipefail
 OUT=${OUT:-device-out}
@@ -61,9 +63,18 @@ bench-small)
   row "bench smollm2-shaped" "rc=$?"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
   ;;
-bench-30b)
-  /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
+bench-30b|profile-30b)
+  [ -f "$WORK/q30.gguf" ] || /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
+  if [ $mode = profile-30b ]; then
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    "$NCU" --clock-control none --graph-profiling node --csv --page raw --launch-count ${NCU_LAUNCHES:-1700} \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size,launch__registers_per_thread \
+      "$BIN" generate --model "$WORK/q30.gguf" --device cuda:0 --prompt "hello" --max-tokens 3 \
+      > "$OUT/ncu-decode-30b.csv" 2> "$OUT/ncu-decode-30b.err"
+    row "ncu decode 30b" "rc=$? $(wc -l < "$OUT/ncu-decode-30b.csv") rows"
+    continue
+  fi
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-30b.csv" 2>/dev/null &
   SMI=$!
   "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps 3 \

@@ -149,17 +149,17 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
     float inv = (float)(1.0 / s);
     for (int e = lane; e < n_expert; e += 32) row[e] *= inv;
     __syncwarp();
-    // Top-k by repeated arg-max over the warp: each lane keeps its best unchosen expert.
-    u32 chosen[32]; // bit e % 32 of word e / 32
-    for (int i = 0; i < 32; ++i) chosen[i] = 0;
+    // Top-k by repeated arg-max over the warp: lane l owns experts l, l + 32, ... and keeps which of them are
+    // chosen as bits of one register (bit i: expert l + 32 i).
+    u32 chosen = 0;
     u32* out_ids = ids + (long long)blockIdx.x * k;
     float* out_w = wts + (long long)blockIdx.x * k;
     float sum = 0.f;
     for (int i = 0; i < k; ++i) {
         float best = -STRATA_INF;
         int be = n_expert;
-        for (int e = lane; e < n_expert; e += 32) {
-            if (chosen[e >> 5] & (1u << (e & 31))) continue;
+        for (int e = lane, b = 0; e < n_expert; e += 32, ++b) {
+            if (chosen & (1u << b)) continue;
             if (row[e] > best || (row[e] == best && e < be)) best = row[e], be = e;
         }
         for (int o = 16; o > 0; o >>= 1) {
@@ -169,10 +169,17 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
         }
         if (be >= n_expert) {
             // Every remaining probability is NaN (a broken model): the lowest unchosen id, as the CPU takes.
-            for (be = 0; chosen[be >> 5] & (1u << (be & 31)); ++be) {}
+            u32 free_lo = 0xffffffffu;
+            for (int e = lane, b = 0; e < n_expert; e += 32, ++b)
+                if (!(chosen & (1u << b))) {
+                    free_lo = (u32)e;
+                    break;
+                }
+            for (int o = 16; o > 0; o >>= 1) free_lo = min(free_lo, __shfl_xor_sync(0xffffffffu, free_lo, o));
+            be = (int)free_lo;
             best = row[be];
         }
-        chosen[be >> 5] |= 1u << (be & 31);
+        if ((be & 31) == lane) chosen |= 1u << (be >> 5);
         sum += best;
         if (lane == 0) out_ids[i] = (u32)be, out_w[i] = best;
     }

@@ -17,7 +17,7 @@
 // dq_f16_T: dequantizes `rows` rows into f16, [rows][cols], for the prefill GEMM. One thread per chunk.
 // The block's activation row, copied once into shared memory when it fits (its 8 warps all read it, a row
 // each): returns where to read it. Every thread of the block must call it (it synchronises).
-#define MMV_X_MAX 8192
+#define MMV_X_MAX 4096
 __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt, int cols) {
     __shared__ float4 xs[MMV_X_MAX / 4];
     if (cols > MMV_X_MAX) return xt;
@@ -47,7 +47,8 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                           long long row_bytes) {                                              \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, t = blockIdx.y;                                                          \
-        const float* xt = mmv_stage_x(x + (long long)t * cols, cols);                                          \
+        const float* xt = x + (long long)t * cols;                                                            \
+        if (MMV_STAGE_##name) xt = mmv_stage_x(xt, cols);                                                     \
         const u8* w;                                                                                          \
         float* y;                                                                                             \
         int rows;                                                                                             \
@@ -69,7 +70,8 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               int rows, int cols, long long row_bytes) {                      \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
-        const float* xt = mmv_stage_x(x + (long long)(s / x_div) * cols, cols);                                \
+        const float* xt = x + (long long)(s / x_div) * cols;                                                  \
+        if (MMV_STAGE_##name) xt = mmv_stage_x(xt, cols);                                                     \
         if (r >= rows) return;                                                                                \
         const u8* w = (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes;                    \
         float acc = MMV_DOT_##name(w, xt, cols, lane);                                                        \
@@ -95,55 +97,118 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         for (int l = 0; l < 32; ++l) o[l] = f2h(v[l]);                                                        \
     }
 
-// Row dot products for the types the large models use, one super-block (256 values) per warp step with lanes
-// on consecutive bytes of codes, so both the codes and the activations are read coalesced (lane l takes 4 code
-// bytes and the two groups of 4 activations they multiply). Q4_K: code byte i of a super-block holds value
-// 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble. Q6_K: low-bit byte i of half n holds
-// part 0 / 1 (i < 32 / i >= 32) in its low nibble and part 2 / 3 in its high nibble, high bits in qh.
+// Row dot products for the types the large models use, with every load of a row in flight at once (a decode
+// step is bound by how many bytes are in flight, not by arithmetic): eight lanes per super-block, four
+// super-blocks per warp step, and the steps of up to 16 super-blocks (4096 values) unrolled so their loads are
+// issued before any is used. Activations are read from global memory (L1 serves the block's warps), so these
+// types skip the shared-memory staging and its barrier (MMV_STAGE_T 0).
+//
+// Q4_K, lane l: super-block 4 u + l / 8 of the step, its 16 code bytes at 16 (l % 8) (one 16-byte load). Code
+// byte i of a super-block holds value 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble,
+// so the lane's bytes give 16 consecutive values of sub-block 2 j and 16 of sub-block 2 j + 1 (j = l % 8 / 2).
+__device__ __forceinline__ float q4k_lane(uint4 q, u32 dm, const u8* __restrict__ b, const float* __restrict__ x,
+                                          int j) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * j, b + 4, &sc0, &m0);
+    scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
+    u32 w[4] = {q.x, q.y, q.z, q.w};
+    float lo = 0.f, hi = 0.f, xl = 0.f, xh = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float4 a = *(const float4*)(x + 4 * i), c = *(const float4*)(x + 32 + 4 * i);
+        u32 v = w[i];
+        lo += (float)(v & 0xF) * a.x + (float)((v >> 8) & 0xF) * a.y + (float)((v >> 16) & 0xF) * a.z +
+              (float)((v >> 24) & 0xF) * a.w;
+        hi += (float)((v >> 4) & 0xF) * c.x + (float)((v >> 12) & 0xF) * c.y + (float)((v >> 20) & 0xF) * c.z +
+              (float)(v >> 28) * c.w;
+        xl += (a.x + a.y) + (a.z + a.w);
+        xh += (c.x + c.y) + (c.z + c.w);
+    }
+    float d = h2f((u16)(dm & 0xFFFF)), dmin = h2f((u16)(dm >> 16));
+    return d * (sc0 * lo + sc1 * hi) - dmin * (m0 * xl + m1 * xh);
+}
 __device__ __forceinline__ float mmv_dot_fast_q4_k(const u8* __restrict__ row, const float* __restrict__ xt,
                                                    int cols, int lane) {
+    int nsb = cols / 256, p = lane & 7, j = p >> 1, o = 16 * (p & 1);
     float acc = 0.f;
-    int j = lane >> 3, o = 4 * (lane & 7);
-    for (int sb = 0; sb < cols / 256; ++sb) {
-        const u8* b = row + 144 * sb;
-        float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-        int sc0, m0, sc1, m1;
-        scale_min_k4(2 * j, b + 4, &sc0, &m0);
-        scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
-        u32 q = *(const u32*)(b + 16 + 32 * j + o);
-        const float* x = xt + 256 * sb + 64 * j + o;
-        float4 a = *(const float4*)x, c = *(const float4*)(x + 32);
-        float s0 = (float)(q & 0xF) * a.x + (float)((q >> 8) & 0xF) * a.y + (float)((q >> 16) & 0xF) * a.z +
-                   (float)((q >> 24) & 0xF) * a.w;
-        float s1 = (float)((q >> 4) & 0xF) * c.x + (float)((q >> 12) & 0xF) * c.y + (float)((q >> 20) & 0xF) * c.z +
-                   (float)(q >> 28) * c.w;
-        acc += d * sc0 * s0 - dmin * m0 * (a.x + a.y + a.z + a.w) + d * sc1 * s1 - dmin * m1 * (c.x + c.y + c.z + c.w);
+    for (int sb0 = lane >> 3; sb0 < nsb; sb0 += 16) {
+        uint4 q[4];
+        u32 dm[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int sb = sb0 + 4 * u;
+            if (sb < nsb) {
+                const u8* b = row + 144 * sb;
+                dm[u] = *(const u32*)b;
+                q[u] = ((const uint4*)(b + 16))[p];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int sb = sb0 + 4 * u;
+            if (sb < nsb) acc += q4k_lane(q[u], dm[u], row + 144 * sb, xt + 256 * sb + 64 * j + o, j);
+        }
     }
     return warp_sum(acc);
 }
 
+// Q6_K, lane l: super-block 4 u + l / 8 of the step, half n = l % 8 / 4, cells l0 .. l0 + 7 (l0 = 8 (l % 4)) of
+// all four parts: low-bit bytes 64 n + l0 (parts 0 / 2 in the low / high nibble) and 64 n + 32 + l0 (parts 1 / 3),
+// high-bit bytes 128 + 32 n + l0 (two bits per part), scales 192 + 8 n + 2 part + l0 / 16. Super-blocks are 210
+// bytes, so only 2-byte alignment holds: 8 bytes come as four 2-byte loads.
+__device__ __forceinline__ uint2 ld8_a2(const u8* p) {
+    const u16* h = (const u16*)p;
+    return make_uint2((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16));
+}
+__device__ __forceinline__ float q6k_lane(uint2 l0, uint2 l1, uint2 qh, const u8* __restrict__ sc,
+                                          const float* __restrict__ x) {
+    u32 lw[2][2] = {{l0.x, l0.y}, {l1.x, l1.y}}, hw[2] = {qh.x, qh.y};
+    float acc = 0.f;
+#pragma unroll
+    for (int part = 0; part < 4; ++part) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+            float4 a = *(const float4*)(x + 32 * part + 4 * w);
+            float xa[4] = {a.x, a.y, a.z, a.w};
+            u32 lo = lw[part & 1][w] >> (4 * (part >> 1)), hb = hw[w] >> (2 * part);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                int q = (int)(((lo >> (8 * k)) & 0xF) | (((hb >> (8 * k)) & 3) << 4)) - 32;
+                s += (float)q * xa[k];
+            }
+        }
+        acc += (float)(i8)sc[2 * part] * s;
+    }
+    return acc;
+}
 __device__ __forceinline__ float mmv_dot_fast_q6_k(const u8* __restrict__ row, const float* __restrict__ xt,
                                                    int cols, int lane) {
+    int nsb = cols / 256, p = lane & 7, n = p >> 2, c0 = 8 * (p & 3);
     float acc = 0.f;
-    int n = lane >> 4, bi = 4 * (lane & 15); // half, byte of ql within the half (0..63)
-    int part = bi >> 5, l = bi & 31;          // part 0/1 of the low nibbles; position within the 32
-    for (int sb = 0; sb < cols / 256; ++sb) {
-        const u8* b = row + 210 * sb;
-        float d = h2f(ld16(b + 208));
-        const u8* ql = b + 64 * n + bi;
-        const u8* qh = b + 128 + 32 * n + l;
-        const i8* sc = (const i8*)(b + 192) + 8 * n + (l >> 4);
-        const float* x = xt + 256 * sb + 128 * n + 32 * part + l;
-        float4 a = *(const float4*)x, c = *(const float4*)(x + 64);
-        float xa[4] = {a.x, a.y, a.z, a.w}, xc[4] = {c.x, c.y, c.z, c.w};
-        float lo = 0.f, hi = 0.f;
+    for (int sb0 = lane >> 3; sb0 < nsb; sb0 += 16) {
+        uint2 l0[4], l1[4], qh[4];
+        u16 d[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            int bl = ql[i], h = qh[i];
-            lo += (float)((int)((bl & 0xF) | (((h >> (2 * part)) & 3) << 4)) - 32) * xa[i];
-            hi += (float)((int)((bl >> 4) | (((h >> (2 * part + 4)) & 3) << 4)) - 32) * xc[i];
+        for (int u = 0; u < 4; ++u) {
+            int sb = sb0 + 4 * u;
+            if (sb < nsb) {
+                const u8* b = row + 210 * sb;
+                l0[u] = ld8_a2(b + 64 * n + c0);
+                l1[u] = ld8_a2(b + 64 * n + 32 + c0);
+                qh[u] = ld8_a2(b + 128 + 32 * n + c0);
+                d[u] = *(const u16*)(b + 208);
+            }
         }
-        acc += d * ((float)sc[2 * part] * lo + (float)sc[2 * part + 4] * hi);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            int sb = sb0 + 4 * u;
+            if (sb < nsb) {
+                const u8* b = row + 210 * sb;
+                acc += h2f(d[u]) * q6k_lane(l0[u], l1[u], qh[u], b + 192 + 8 * n + (c0 >> 4),
+                                            xt + 256 * sb + 128 * n + c0);
+            }
+        }
     }
     return warp_sum(acc);
 }
@@ -174,6 +239,21 @@ __device__ __forceinline__ float mmv_dot_fast_f16(const u8* __restrict__ row, co
     return warp_sum(acc);
 }
 
+// Whether a type's kernels stage the activation row in shared memory (the fast K-quant dots read it directly).
+#define MMV_STAGE_q4_k 0
+#define MMV_STAGE_q6_k 0
+#define MMV_STAGE_f32 1
+#define MMV_STAGE_f16 1
+#define MMV_STAGE_bf16 1
+#define MMV_STAGE_q4_0 1
+#define MMV_STAGE_q4_1 1
+#define MMV_STAGE_q5_0 1
+#define MMV_STAGE_q5_1 1
+#define MMV_STAGE_q8_0 1
+#define MMV_STAGE_q2_k 1
+#define MMV_STAGE_q3_k 1
+#define MMV_STAGE_q5_k 1
+
 // Which row dot each type's kernels use: the fast ones above, else the generic 32-value chunk loop.
 #define MMV_DOT_f32 mmv_dot_fast_f32
 #define MMV_DOT_f16 mmv_dot_fast_f16
@@ -196,4 +276,28 @@ STRATA_FOR_EACH_QTYPE(STRATA_MMV_OF)
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(x[i]);
+}
+
+// y[t][r] = W[r] . x[t] for an f32 matrix of few rows (a MoE router: 128 rows of 2048): one block of 256 per row
+// and token, its eight warps splitting the row, so the matrix is read by as many SMs as it has rows instead of by
+// rows / 8. Grid (rows, n_tok), block 256.
+extern "C" __global__ void mmv_wide_f32(const float* __restrict__ w, const float* __restrict__ x,
+                                        float* __restrict__ y, int rows, int cols) {
+    __shared__ float part[8];
+    int r = blockIdx.x, t = blockIdx.y;
+    const float4* w4 = (const float4*)(w + (long long)r * cols);
+    const float4* x4 = (const float4*)(x + (long long)t * cols);
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+        float4 a = w4[i], b = x4[i];
+        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+    acc = warp_sum(acc);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.f;
+        for (int i = 0; i < 8; ++i) s += part[i];
+        y[(long long)t * rows + r] = s;
+    }
 }

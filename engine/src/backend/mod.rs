@@ -196,6 +196,11 @@ pub struct MoeScratch {
     pub down: Vec<f32>,
 }
 
+/// Cells per block of attention span in a step's key ([`Backend::step_begin`]): a decode step over a span of
+/// `b` blocks (`ceil((last position + 1) / ATTN_SPAN_BLOCK)`) may size its attention launches by `b` (the CUDA
+/// backend splits decode attention into `b` parts), so steps of another span are recorded apart.
+pub const ATTN_SPAN_BLOCK: usize = 512;
+
 /// The operations of a forward pass over activation buffers that live where the backend computes: host
 /// memory for the CPU ([`Vec<f32>`]), device memory for a GPU. The forward pass moves data between host and
 /// backend only through [`Backend::upload`] (token ids become embeddings through [`Backend::get_rows`]) and
@@ -329,7 +334,8 @@ pub trait Backend: Send + Sync {
         scratch: &mut MoeScratch,
     );
 
-    /// Brackets one forward pass of `n_tok` tokens (`key` tells shapes apart): a GPU backend records a decode
+    /// Brackets one forward pass of `n_tok` tokens (`key` tells shapes apart, and the attention span in blocks
+    /// of [`ATTN_SPAN_BLOCK`] cells: a step's launches may depend on both): a GPU backend records a decode
     /// step into a CUDA graph and replays it on later steps. No data may be read back between the two calls but
     /// through [`Backend::download`].
     fn step_begin(&self, _n_tok: usize, _key: u64) {}

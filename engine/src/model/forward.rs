@@ -175,7 +175,8 @@ impl Model {
 
         // One step for the backend (a GPU replays decode steps as a graph); tracing reads tensors mid-step.
         let graphable = !*TRACE_TENSORS;
-        let key = (n as u64) << 2 | logits as u64;
+        let span = (pos0 + n).div_ceil(crate::backend::ATTN_SPAN_BLOCK) as u64;
+        let key = span << 32 | (n as u64) << 2 | logits as u64;
         let out = self.m(&w.output);
         if graphable && logits != Logits::None && be.replay_step(key, tokens, &s.pos) {
             let len = if logits == Logits::All { n } else { 1 } * out.rows;

@@ -51,7 +51,7 @@ const MMV_MAX_TOKENS: usize = 4;
 const ATTN_SPLIT_KEYS: usize = 128;
 /// Cache cells per split of the decode attention: a cache of more cells splits its keys over several blocks per
 /// head (flash-decoding), a shorter one runs in one block per head.
-const DECODE_SPLIT_CELLS: usize = 512;
+const DECODE_SPLIT_CELLS: usize = crate::backend::ATTN_SPAN_BLOCK;
 
 /// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
@@ -327,6 +327,21 @@ impl Inner {
             p[i] = (*wp, *yp, w.rows as i32);
         }
         let total: usize = ws.iter().map(|(w, _, _)| w.rows).sum();
+        if ws.len() == 1 && w0.ty == GgmlType::F32 && total <= 1024 && w0.cols % 4 == 0 {
+            // A router: too few rows to spread a warp per row over the SMs.
+            return gpu.launch(
+                "mmv_wide_f32",
+                (total as u32, n_tok as u32, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(p[0].0),
+                    Arg::P(xp),
+                    Arg::P(p[0].1),
+                    Arg::I(total as i32),
+                    Arg::I(w0.cols as i32),
+                ],
+            );
+        }
         gpu.launch(
             typed("mmv_", w0.ty),
             (total.div_ceil(8) as u32, n_tok as u32, 1),
@@ -901,16 +916,21 @@ impl Backend for CudaBackend {
             let code = |t: GgmlType| if t == GgmlType::F16 { 0 } else { 1 };
             let pp = s.positions(g, positions)?;
             let n_ctx = kv.k.bytes() / krb;
-            let n_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(64);
+            // Decode splits by the span (the step's key holds it in blocks of DECODE_SPLIT_CELLS, so a replayed
+            // graph's split count stays right); the split buffers are sized for the whole cache, so a longer span
+            // allocates nothing and the graphs of shorter ones stay valid.
+            let max_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(64);
+            let n_split = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).min(max_split);
             if n_tok <= MMV_MAX_TOKENS && n_split > 1 {
-                // Decode over a long cache: split over the keys (four launches, arguments independent of the
-                // position, so CUDA graphs replay them).
-                let split_len = n_ctx.div_ceil(n_split);
+                // Decode over a long span: split over the keys (four launches, arguments independent of the
+                // position within the span block, so CUDA graphs replay them).
+                let split_len = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).next_multiple_of(n_split) / n_split
+                    * DECODE_SPLIT_CELLS;
                 let rows = n_tok * p.n_head;
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
-                let mp = s.slot(g, Slot::SplitMax, rows * n_split * 4)?;
-                let ps = s.slot(g, Slot::SplitSum, rows * n_split * 8)?;
-                let part = s.slot(g, Slot::Part, n_split * rows * dv * 4)?;
+                let mp = s.slot(g, Slot::SplitMax, rows * max_split * 4)?;
+                let ps = s.slot(g, Slot::SplitSum, rows * max_split * 8)?;
+                let part = s.slot(g, Slot::Part, max_split * rows * dv * 4)?;
                 let grid = (p.n_head as u32, n_tok as u32, n_split as u32);
                 let window = p.window.unwrap_or(0) as i32;
                 g.launch(
