@@ -108,6 +108,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_store_q8_0",
     "copy_f32",
     "copy_f32x4",
+    "mmv_wide_f32",
     "add_rms_norm",
     "qk_norm_rope",
     "moe_route",
@@ -757,4 +758,29 @@ struct Graphs {
     graphs: HashMap<u64, Recorded>,
     captures: u64,
     replays: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KERNEL_NAMES, KERNEL_SOURCES};
+
+    /// Every kernel a source file defines by name (not through a per-type macro) is in the launch list, so a
+    /// new kernel cannot reach a GPU run unregistered ("no such kernel in the module").
+    #[test]
+    fn every_named_kernel_is_registered() {
+        let mut defined = 0;
+        for (file, src) in KERNEL_SOURCES {
+            for part in src.split("extern \"C\" __global__ void").skip(1) {
+                let part = part.trim_start();
+                let part = part.strip_prefix("__launch_bounds__(256)").unwrap_or(part).trim_start();
+                let name: String = part.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                if part[name.len()..].starts_with("##") || name.is_empty() {
+                    continue; // generated per quant type
+                }
+                defined += 1;
+                assert!(KERNEL_NAMES.contains(&name.as_str()), "{file}: kernel {name} is not in KERNEL_NAMES");
+            }
+        }
+        assert!(defined > 20, "found only {defined} named kernels: the parser no longer matches the sources");
+    }
 }
