@@ -161,26 +161,47 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
         sc[j] = vty == 0 ? round_f16(pr) : pr;
     }
     __syncthreads();
-    // P.V: the block's threads split into groups of dv (rounded up to warps), each group taking every
-    // groups-th key; the groups' sums meet in shared memory.
-    int per = (dv + 31) & ~31;
+    // P.V: the block's threads split into groups of dv / 2 (rounded up to warps), each thread two dims, each group
+    // taking every groups-th key, eight keys in flight; the groups' sums meet in shared memory.
+    int per = ((dv + 1) / 2 + 31) & ~31;
     int groups = max(1, (int)blockDim.x / per);
-    int grp = threadIdx.x / per, d = threadIdx.x % per;
-    float acc = 0.f;
+    int grp = threadIdx.x / per, d = 2 * (threadIdx.x % per);
+    float acc0 = 0.f, acc1 = 0.f;
     if (grp < groups && d < dv) {
-        // Four independent sums, so four value loads are in flight at once.
-        float a4[4] = {0.f, 0.f, 0.f, 0.f};
-        int j = grp;
-        for (; j + 3 * groups < n; j += 4 * groups)
+        float a0[8], a1[8];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) a4[u] += sc[j + u * groups] * kv_load(v, vrb, vhb, vty, first + j + u * groups, g, d);
-        for (; j < n; j += groups) a4[0] += sc[j] * kv_load(v, vrb, vhb, vty, first + j, g, d);
-        acc = (a4[0] + a4[1]) + (a4[2] + a4[3]);
+        for (int u = 0; u < 8; ++u) a0[u] = a1[u] = 0.f;
+        bool pair = d + 1 < dv;
+        int j = grp;
+        for (; j + 7 * groups < n; j += 8 * groups)
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                int cell = first + j + u * groups;
+                float pr = sc[j + u * groups], v0, v1;
+                if (vty == 0 && pair) {
+                    u32 h = *(const u32*)(v + (long long)cell * vrb + (long long)g * vhb + 2 * d);
+                    v0 = h2f((u16)(h & 0xFFFF)), v1 = h2f((u16)(h >> 16));
+                } else {
+                    v0 = kv_load(v, vrb, vhb, vty, cell, g, d);
+                    v1 = pair ? kv_load(v, vrb, vhb, vty, cell, g, d + 1) : 0.f;
+                }
+                a0[u] += pr * v0;
+                a1[u] += pr * v1;
+            }
+        for (; j < n; j += groups) {
+            a0[0] += sc[j] * kv_load(v, vrb, vhb, vty, first + j, g, d);
+            if (pair) a1[0] += sc[j] * kv_load(v, vrb, vhb, vty, first + j, g, d + 1);
+        }
+        acc0 = ((a0[0] + a0[1]) + (a0[2] + a0[3])) + ((a0[4] + a0[5]) + (a0[6] + a0[7]));
+        acc1 = ((a1[0] + a1[1]) + (a1[2] + a1[3])) + ((a1[4] + a1[5]) + (a1[6] + a1[7]));
     }
     float* o = out + (long long)th * dv;
     for (int gi = 0; gi < groups; ++gi) {
         if (grp == gi && d < dv) {
-            if (gi == 0) pv[d] = acc; else pv[d] += acc;
+            if (gi == 0) pv[d] = acc0; else pv[d] += acc0;
+            if (d + 1 < dv) {
+                if (gi == 0) pv[d + 1] = acc1; else pv[d + 1] += acc1;
+            }
         }
         __syncthreads();
     }

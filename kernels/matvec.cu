@@ -40,6 +40,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         }                                                                                                     \
         return warp_sum(acc);                                                                                 \
     }                                                                                                         \
+    MMV_HOOKS_##name                                                                                          \
     extern "C" __global__ void mmv_##name(const u8* __restrict__ w0, const u8* __restrict__ w1,              \
                                           const u8* __restrict__ w2, const float* __restrict__ x,            \
                                           float* __restrict__ y0, float* __restrict__ y1,                    \
@@ -47,21 +48,23 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                           long long row_bytes) {                                              \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, t = blockIdx.y;                                                          \
-        const float* xt = x + (long long)t * cols;                                                            \
-        if (MMV_STAGE_##name) xt = mmv_stage_x(xt, cols);                                                     \
-        const u8* w;                                                                                          \
-        float* y;                                                                                             \
-        int rows;                                                                                             \
+        const u8* w = nullptr;                                                                                \
+        float* y = nullptr;                                                                                   \
+        int rows = 0;                                                                                         \
         if (r < r0) {                                                                                         \
             w = w0, y = y0, rows = r0;                                                                        \
         } else if ((r -= r0) < r1) {                                                                          \
             w = w1, y = y1, rows = r1;                                                                        \
         } else if ((r -= r1) < r2) {                                                                          \
             w = w2, y = y2, rows = r2;                                                                        \
-        } else {                                                                                              \
-            return;                                                                                           \
         }                                                                                                     \
-        float acc = MMV_DOT_##name(w + (long long)r * row_bytes, xt, cols, lane);                             \
+        if (w) w += (long long)r * row_bytes;                                                                 \
+        MmvPre_##name pre;                                                                                    \
+        if (w) mmv_load_##name(pre, w, cols, lane);                                                           \
+        bool perm;                                                                                            \
+        const float* xt = mmv_stage_##name(x + (long long)t * cols, cols, &perm);                             \
+        if (!w) return;                                                                                       \
+        float acc = mmv_dot_##name(pre, w, xt, perm, cols, lane);                                             \
         if (lane == 0) y[(long long)t * rows + r] = acc;                                                      \
     }                                                                                                         \
     extern "C" __global__ void mmv_moe_##name(const u8* __restrict__ wa, const u8* __restrict__ wb,          \
@@ -70,11 +73,13 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               int rows, int cols, long long row_bytes) {                      \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
-        const float* xt = x + (long long)(s / x_div) * cols;                                                  \
-        if (MMV_STAGE_##name) xt = mmv_stage_x(xt, cols);                                                     \
-        if (r >= rows) return;                                                                                \
-        const u8* w = (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes;                    \
-        float acc = MMV_DOT_##name(w, xt, cols, lane);                                                        \
+        const u8* w = r < rows ? (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes : nullptr; \
+        MmvPre_##name pre;                                                                                    \
+        if (w) mmv_load_##name(pre, w, cols, lane);                                                           \
+        bool perm;                                                                                            \
+        const float* xt = mmv_stage_##name(x + (long long)(s / x_div) * cols, cols, &perm);                   \
+        if (!w) return;                                                                                       \
+        float acc = mmv_dot_##name(pre, w, xt, perm, cols, lane);                                             \
         if (lane == 0) (blockIdx.z ? yb : ya)[(long long)s * rows + r] = acc;                                 \
     }                                                                                                         \
     extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, const u32* __restrict__ ids,         \
@@ -97,25 +102,55 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         for (int l = 0; l < 32; ++l) o[l] = f2h(v[l]);                                                        \
     }
 
-// Row dot products for the types the large models use, with every load of a row in flight at once (a decode
-// step is bound by how many bytes are in flight, not by arithmetic): eight lanes per super-block, four
-// super-blocks per warp step, and the steps of up to 16 super-blocks (4096 values) unrolled so their loads are
-// issued before any is used. Activations are read from global memory (L1 serves the block's warps), so these
-// types skip the shared-memory staging and its barrier (MMV_STAGE_T 0).
+// Row dot products for the types the large models use (Q4_K, Q6_K), built so that a decode step moves bytes at
+// close to the memory's rate: eight lanes per super-block and four super-blocks per warp step, a row's loads for up
+// to 16 super-blocks (4096 values) issued before the block's barrier (mmv_load_T, into registers), and the
+// activation row staged in shared memory permuted so that the eight lanes of a super-block read 128 consecutive
+// bytes for each of their eight float4 loads (mmv_stage_T; in natural order these hit 32 lines per warp load).
+// Rows longer than MMV_X_MAX read the activations from global memory in natural order (perm false).
 //
 // Q4_K, lane l: super-block 4 u + l / 8 of the step, its 16 code bytes at 16 (l % 8) (one 16-byte load). Code
 // byte i of a super-block holds value 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble,
 // so the lane's bytes give 16 consecutive values of sub-block 2 j and 16 of sub-block 2 j + 1 (j = l % 8 / 2).
-__device__ __forceinline__ float q4k_lane(uint4 q, u32 dm, const u8* __restrict__ b, const float* __restrict__ x,
-                                          int j) {
-    int sc0, m0, sc1, m1;
+// Staged float4 slot ((sb * 2 + hl) * 4 + i) * 8 + p holds values 256 sb + 64 (p / 2) + 16 (p % 2) + 32 hl + 4 i.
+struct MmvPre_q4_k {
+    uint4 q[4];
+    u32 dm[4];
+};
+__device__ __forceinline__ int q4k_x4(int sb, int p, int hl, int i, bool perm) {
+    return perm ? ((sb * 2 + hl) * 4 + i) * 8 + p : (256 * sb + 64 * (p >> 1) + 16 * (p & 1) + 32 * hl + 4 * i) >> 2;
+}
+__device__ __forceinline__ void mmv_load_q4_k(MmvPre_q4_k& f, const u8* __restrict__ row, int cols, int lane) {
+    int nsb = cols / 256, p = lane & 7;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        int sb = (lane >> 3) + 4 * u;
+        if (sb < nsb) {
+            const u8* b = row + 144 * sb;
+            f.dm[u] = *(const u32*)b;
+            f.q[u] = ((const uint4*)(b + 16))[p];
+        }
+    }
+}
+__device__ __forceinline__ const float* mmv_stage_q4_k(const float* __restrict__ xt, int cols, bool* perm) {
+    __shared__ float4 xs[MMV_X_MAX / 4];
+    *perm = cols <= MMV_X_MAX;
+    if (!*perm) return xt;
+    for (int t = threadIdx.x; t < cols / 4; t += blockDim.x)
+        xs[t] = ((const float4*)xt)[q4k_x4(t >> 6, t & 7, (t >> 5) & 1, (t >> 3) & 3, false)];
+    __syncthreads();
+    return (const float*)xs;
+}
+__device__ __forceinline__ float q4k_lane(uint4 q, u32 dm, const u8* __restrict__ b, const float4* __restrict__ x4,
+                                          int sb, int p, bool perm) {
+    int j = p >> 1, sc0, m0, sc1, m1;
     scale_min_k4(2 * j, b + 4, &sc0, &m0);
     scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
     u32 w[4] = {q.x, q.y, q.z, q.w};
     float lo = 0.f, hi = 0.f, xl = 0.f, xh = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        float4 a = *(const float4*)(x + 4 * i), c = *(const float4*)(x + 32 + 4 * i);
+        float4 a = x4[q4k_x4(sb, p, 0, i, perm)], c = x4[q4k_x4(sb, p, 1, i, perm)];
         u32 v = w[i];
         lo += (float)(v & 0xF) * a.x + (float)((v >> 8) & 0xF) * a.y + (float)((v >> 16) & 0xF) * a.z +
               (float)((v >> 24) & 0xF) * a.w;
@@ -127,41 +162,63 @@ __device__ __forceinline__ float q4k_lane(uint4 q, u32 dm, const u8* __restrict_
     float d = h2f((u16)(dm & 0xFFFF)), dmin = h2f((u16)(dm >> 16));
     return d * (sc0 * lo + sc1 * hi) - dmin * (m0 * xl + m1 * xh);
 }
-__device__ __forceinline__ float mmv_dot_fast_q4_k(const u8* __restrict__ row, const float* __restrict__ xt,
-                                                   int cols, int lane) {
-    int nsb = cols / 256, p = lane & 7, j = p >> 1, o = 16 * (p & 1);
+__device__ __forceinline__ float mmv_dot_q4_k(MmvPre_q4_k& f, const u8* __restrict__ row,
+                                              const float* __restrict__ xt, bool perm, int cols, int lane) {
+    int nsb = cols / 256, p = lane & 7;
+    const float4* x4 = (const float4*)xt;
     float acc = 0.f;
     for (int sb0 = lane >> 3; sb0 < nsb; sb0 += 16) {
-        uint4 q[4];
-        u32 dm[4];
+        if (sb0 >= 16) mmv_load_q4_k(f, row + 144 * (sb0 - (lane >> 3)), cols - 256 * (sb0 - (lane >> 3)), lane);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             int sb = sb0 + 4 * u;
-            if (sb < nsb) {
-                const u8* b = row + 144 * sb;
-                dm[u] = *(const u32*)b;
-                q[u] = ((const uint4*)(b + 16))[p];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int sb = sb0 + 4 * u;
-            if (sb < nsb) acc += q4k_lane(q[u], dm[u], row + 144 * sb, xt + 256 * sb + 64 * j + o, j);
+            if (sb < nsb) acc += q4k_lane(f.q[u], f.dm[u], row + 144 * sb, x4, sb, p, perm);
         }
     }
     return warp_sum(acc);
 }
 
-// Q6_K, lane l: super-block 4 u + l / 8 of the step, half n = l % 8 / 4, cells l0 .. l0 + 7 (l0 = 8 (l % 4)) of
-// all four parts: low-bit bytes 64 n + l0 (parts 0 / 2 in the low / high nibble) and 64 n + 32 + l0 (parts 1 / 3),
-// high-bit bytes 128 + 32 n + l0 (two bits per part), scales 192 + 8 n + 2 part + l0 / 16. Super-blocks are 210
-// bytes, so only 2-byte alignment holds: 8 bytes come as four 2-byte loads.
+// Q6_K, lane l: super-block 4 u + l / 8 of the step, half n = l % 8 / 4, cells c0 .. c0 + 7 (c0 = 8 (l % 4)) of
+// all four parts: low-bit bytes 64 n + c0 (parts 0 / 2 in the low / high nibble) and 64 n + 32 + c0 (parts 1 / 3),
+// high-bit bytes 128 + 32 n + c0 (two bits per part), scales 192 + 8 n + 2 part + c0 / 16. Super-blocks are 210
+// bytes, so only 2-byte alignment holds: 8 bytes come as four 2-byte loads. Staged float4 slot
+// ((sb * 4 + part) * 2 + w) * 8 + p holds values 256 sb + 128 (p / 4) + 32 part + 8 (p % 4) + 4 w.
+struct MmvPre_q6_k {
+    uint2 l0[4], l1[4], qh[4];
+    u16 d[4];
+};
+__device__ __forceinline__ int q6k_x4(int sb, int p, int part, int w, bool perm) {
+    return perm ? ((sb * 4 + part) * 2 + w) * 8 + p : (256 * sb + 128 * (p >> 2) + 32 * part + 8 * (p & 3) + 4 * w) >> 2;
+}
 __device__ __forceinline__ uint2 ld8_a2(const u8* p) {
     const u16* h = (const u16*)p;
     return make_uint2((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16));
 }
+__device__ __forceinline__ void mmv_load_q6_k(MmvPre_q6_k& f, const u8* __restrict__ row, int cols, int lane) {
+    int nsb = cols / 256, p = lane & 7, n = p >> 2, c0 = 8 * (p & 3);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        int sb = (lane >> 3) + 4 * u;
+        if (sb < nsb) {
+            const u8* b = row + 210 * sb;
+            f.l0[u] = ld8_a2(b + 64 * n + c0);
+            f.l1[u] = ld8_a2(b + 64 * n + 32 + c0);
+            f.qh[u] = ld8_a2(b + 128 + 32 * n + c0);
+            f.d[u] = *(const u16*)(b + 208);
+        }
+    }
+}
+__device__ __forceinline__ const float* mmv_stage_q6_k(const float* __restrict__ xt, int cols, bool* perm) {
+    __shared__ float4 xs6[MMV_X_MAX / 4];
+    *perm = cols <= MMV_X_MAX;
+    if (!*perm) return xt;
+    for (int t = threadIdx.x; t < cols / 4; t += blockDim.x)
+        xs6[t] = ((const float4*)xt)[q6k_x4(t >> 6, t & 7, (t >> 4) & 3, (t >> 3) & 1, false)];
+    __syncthreads();
+    return (const float*)xs6;
+}
 __device__ __forceinline__ float q6k_lane(uint2 l0, uint2 l1, uint2 qh, const u8* __restrict__ sc,
-                                          const float* __restrict__ x) {
+                                          const float4* __restrict__ x4, int sb, int p, bool perm) {
     u32 lw[2][2] = {{l0.x, l0.y}, {l1.x, l1.y}}, hw[2] = {qh.x, qh.y};
     float acc = 0.f;
 #pragma unroll
@@ -169,7 +226,7 @@ __device__ __forceinline__ float q6k_lane(uint2 l0, uint2 l1, uint2 qh, const u8
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < 2; ++w) {
-            float4 a = *(const float4*)(x + 32 * part + 4 * w);
+            float4 a = x4[q6k_x4(sb, p, part, w, perm)];
             float xa[4] = {a.x, a.y, a.z, a.w};
             u32 lo = lw[part & 1][w] >> (4 * (part >> 1)), hb = hw[w] >> (2 * part);
 #pragma unroll
@@ -182,31 +239,19 @@ __device__ __forceinline__ float q6k_lane(uint2 l0, uint2 l1, uint2 qh, const u8
     }
     return acc;
 }
-__device__ __forceinline__ float mmv_dot_fast_q6_k(const u8* __restrict__ row, const float* __restrict__ xt,
-                                                   int cols, int lane) {
+__device__ __forceinline__ float mmv_dot_q6_k(MmvPre_q6_k& f, const u8* __restrict__ row,
+                                              const float* __restrict__ xt, bool perm, int cols, int lane) {
     int nsb = cols / 256, p = lane & 7, n = p >> 2, c0 = 8 * (p & 3);
+    const float4* x4 = (const float4*)xt;
     float acc = 0.f;
     for (int sb0 = lane >> 3; sb0 < nsb; sb0 += 16) {
-        uint2 l0[4], l1[4], qh[4];
-        u16 d[4];
+        if (sb0 >= 16) mmv_load_q6_k(f, row + 210 * (sb0 - (lane >> 3)), cols - 256 * (sb0 - (lane >> 3)), lane);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             int sb = sb0 + 4 * u;
             if (sb < nsb) {
                 const u8* b = row + 210 * sb;
-                l0[u] = ld8_a2(b + 64 * n + c0);
-                l1[u] = ld8_a2(b + 64 * n + 32 + c0);
-                qh[u] = ld8_a2(b + 128 + 32 * n + c0);
-                d[u] = *(const u16*)(b + 208);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int sb = sb0 + 4 * u;
-            if (sb < nsb) {
-                const u8* b = row + 210 * sb;
-                acc += h2f(d[u]) * q6k_lane(l0[u], l1[u], qh[u], b + 192 + 8 * n + (c0 >> 4),
-                                            xt + 256 * sb + 128 * n + c0);
+                acc += h2f(f.d[u]) * q6k_lane(f.l0[u], f.l1[u], f.qh[u], b + 192 + 8 * n + (c0 >> 4), x4, sb, p, perm);
             }
         }
     }
@@ -239,35 +284,36 @@ __device__ __forceinline__ float mmv_dot_fast_f16(const u8* __restrict__ row, co
     return warp_sum(acc);
 }
 
-// Whether a type's kernels stage the activation row in shared memory (the fast K-quant dots read it directly).
-#define MMV_STAGE_q4_k 0
-#define MMV_STAGE_q6_k 0
-#define MMV_STAGE_f32 1
-#define MMV_STAGE_f16 1
-#define MMV_STAGE_bf16 1
-#define MMV_STAGE_q4_0 1
-#define MMV_STAGE_q4_1 1
-#define MMV_STAGE_q5_0 1
-#define MMV_STAGE_q5_1 1
-#define MMV_STAGE_q8_0 1
-#define MMV_STAGE_q2_k 1
-#define MMV_STAGE_q3_k 1
-#define MMV_STAGE_q5_k 1
+// The other types: no prefetch, the activation row staged in natural order, the generic 32-value chunk dot
+// (f32 and f16 with their coalesced dots above).
+#define STRATA_MMV_HOOKS(name, dot)                                                                             \
+    struct MmvPre_##name {};                                                                                    \
+    __device__ __forceinline__ void mmv_load_##name(MmvPre_##name&, const u8*, int, int) {}                     \
+    __device__ __forceinline__ const float* mmv_stage_##name(const float* __restrict__ xt, int cols, bool* perm) { \
+        *perm = false;                                                                                          \
+        return mmv_stage_x(xt, cols);                                                                           \
+    }                                                                                                           \
+    __device__ __forceinline__ float mmv_dot_##name(MmvPre_##name&, const u8* __restrict__ row,                 \
+                                                    const float* __restrict__ xt, bool, int cols, int lane) {   \
+        return dot(row, xt, cols, lane);                                                                        \
+    }
+STRATA_MMV_HOOKS(f32, mmv_dot_fast_f32)
+STRATA_MMV_HOOKS(f16, mmv_dot_fast_f16)
 
-// Which row dot each type's kernels use: the fast ones above, else the generic 32-value chunk loop.
-#define MMV_DOT_f32 mmv_dot_fast_f32
-#define MMV_DOT_f16 mmv_dot_fast_f16
-#define MMV_DOT_bf16 mmv_dot32_bf16
-#define MMV_DOT_q4_0 mmv_dot32_q4_0
-#define MMV_DOT_q4_1 mmv_dot32_q4_1
-#define MMV_DOT_q5_0 mmv_dot32_q5_0
-#define MMV_DOT_q5_1 mmv_dot32_q5_1
-#define MMV_DOT_q8_0 mmv_dot32_q8_0
-#define MMV_DOT_q2_k mmv_dot32_q2_k
-#define MMV_DOT_q3_k mmv_dot32_q3_k
-#define MMV_DOT_q4_k mmv_dot_fast_q4_k
-#define MMV_DOT_q5_k mmv_dot32_q5_k
-#define MMV_DOT_q6_k mmv_dot_fast_q6_k
+// Per type: its hooks come with its kernels (the generic chunk dot), or were defined above (the fast dots).
+#define MMV_HOOKS_f32
+#define MMV_HOOKS_f16
+#define MMV_HOOKS_q4_k
+#define MMV_HOOKS_q6_k
+#define MMV_HOOKS_bf16 STRATA_MMV_HOOKS(bf16, mmv_dot32_bf16)
+#define MMV_HOOKS_q4_0 STRATA_MMV_HOOKS(q4_0, mmv_dot32_q4_0)
+#define MMV_HOOKS_q4_1 STRATA_MMV_HOOKS(q4_1, mmv_dot32_q4_1)
+#define MMV_HOOKS_q5_0 STRATA_MMV_HOOKS(q5_0, mmv_dot32_q5_0)
+#define MMV_HOOKS_q5_1 STRATA_MMV_HOOKS(q5_1, mmv_dot32_q5_1)
+#define MMV_HOOKS_q8_0 STRATA_MMV_HOOKS(q8_0, mmv_dot32_q8_0)
+#define MMV_HOOKS_q2_k STRATA_MMV_HOOKS(q2_k, mmv_dot32_q2_k)
+#define MMV_HOOKS_q3_k STRATA_MMV_HOOKS(q3_k, mmv_dot32_q3_k)
+#define MMV_HOOKS_q5_k STRATA_MMV_HOOKS(q5_k, mmv_dot32_q5_k)
 
 #define STRATA_MMV_OF(name, dq) STRATA_MMV(name, DQ_FAST_##name)
 STRATA_FOR_EACH_QTYPE(STRATA_MMV_OF)
