@@ -136,36 +136,21 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
                                      int n_expert, int k, int normalize) {
     float* row = logits + (long long)blockIdx.x * n_expert;
     int lane = threadIdx.x;
-    // Lane l holds experts l, l + 32, ... in registers (pr[b] is expert l + 32 b; -inf past n_expert).
-    float pr[32];
     float m = -STRATA_INF;
-#pragma unroll
-    for (int b = 0; b < 32; ++b) {
-        int e = lane + 32 * b;
-        pr[b] = e < n_expert ? row[e] : -STRATA_INF;
-        m = fmaxf(m, pr[b]);
-    }
+    for (int e = lane; e < n_expert; e += 32) m = fmaxf(m, row[e]);
     m = warp_max(m);
     double s = 0.0;
-#pragma unroll
-    for (int b = 0; b < 32; ++b) {
-        if (lane + 32 * b < n_expert) {
-            pr[b] = expf(pr[b] - m);
-            s += (double)pr[b];
-        }
+    for (int e = lane; e < n_expert; e += 32) {
+        float x = expf(row[e] - m);
+        row[e] = x;
+        s += (double)x;
     }
     s = warp_sum_d(s);
     float inv = (float)(1.0 / s);
-#pragma unroll
-    for (int b = 0; b < 32; ++b) {
-        int e = lane + 32 * b;
-        if (e < n_expert) {
-            pr[b] *= inv;
-            row[e] = pr[b];
-        }
-    }
-    // Top-k by repeated arg-max over the warp, the chosen experts marked in one register per lane (bit b: expert
-    // lane + 32 b); a NaN probability is never taken while a number is left.
+    for (int e = lane; e < n_expert; e += 32) row[e] *= inv;
+    __syncwarp();
+    // Top-k by repeated arg-max over the warp: lane l owns experts l, l + 32, ... and keeps which of them are
+    // chosen as bits of one register (bit i: expert l + 32 i).
     u32 chosen = 0;
     u32* out_ids = ids + (long long)blockIdx.x * k;
     float* out_w = wts + (long long)blockIdx.x * k;
@@ -173,11 +158,9 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
     for (int i = 0; i < k; ++i) {
         float best = -STRATA_INF;
         int be = n_expert;
-#pragma unroll
-        for (int b = 0; b < 32; ++b) {
-            int e = lane + 32 * b;
-            if (e < n_expert && !(chosen & (1u << b)) && (pr[b] > best || (pr[b] == best && e < be)))
-                best = pr[b], be = e;
+        for (int e = lane, b = 0; e < n_expert; e += 32, ++b) {
+            if (chosen & (1u << b)) continue;
+            if (row[e] > best || (row[e] == best && e < be)) best = row[e], be = e;
         }
         for (int o = 16; o > 0; o >>= 1) {
             float ob = __shfl_xor_sync(0xffffffffu, best, o);
@@ -187,16 +170,14 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
         if (be >= n_expert) {
             // Every remaining probability is NaN (a broken model): the lowest unchosen id, as the CPU takes.
             u32 free_lo = 0xffffffffu;
-#pragma unroll
-            for (int b = 31; b >= 0; --b)
-                if (lane + 32 * b < n_expert && !(chosen & (1u << b))) free_lo = (u32)(lane + 32 * b);
+            for (int e = lane, b = 0; e < n_expert; e += 32, ++b)
+                if (!(chosen & (1u << b))) {
+                    free_lo = (u32)e;
+                    break;
+                }
             for (int o = 16; o > 0; o >>= 1) free_lo = min(free_lo, __shfl_xor_sync(0xffffffffu, free_lo, o));
             be = (int)free_lo;
-            float v = 0.f;
-#pragma unroll
-            for (int b = 0; b < 32; ++b)
-                if (lane + 32 * b == be) v = pr[b];
-            best = __shfl_sync(0xffffffffu, v, be & 31);
+            best = row[be];
         }
         if ((be & 31) == lane) chosen |= 1u << (be >> 5);
         sum += best;

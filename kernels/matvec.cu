@@ -81,7 +81,10 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         if (!w) return;                                                                                       \
         float acc = mmv_dot_##name(pre, w, xt, perm, cols, lane);                                             \
         if (lane == 0) (blockIdx.z ? yb : ya)[(long long)s * rows + r] = acc;                                 \
-    }                                                                                                         \
+    }
+
+// Embedding rows and f16 dequantization, for every type.
+#define STRATA_ROWS(name, dq)                                                                                  \
     extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, const u32* __restrict__ ids,         \
                                                float* __restrict__ out, int n, int cols, long long row_bytes) { \
         long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                       \
@@ -102,161 +105,203 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         for (int l = 0; l < 32; ++l) o[l] = f2h(v[l]);                                                        \
     }
 
-// Row dot products for the types the large models use (Q4_K, Q6_K), built so that a decode step moves bytes at
-// close to the memory's rate: eight lanes per super-block and four super-blocks per warp step, a row's loads for up
-// to 16 super-blocks (4096 values) issued before the block's barrier (mmv_load_T, into registers), and the
-// activation row staged in shared memory permuted so that the eight lanes of a super-block read 128 consecutive
-// bytes for each of their eight float4 loads (mmv_stage_T; in natural order these hit 32 lines per warp load).
-// Rows longer than MMV_X_MAX read the activations from global memory in natural order (perm false).
-//
-// Q4_K, lane l: super-block 4 u + l / 8 of the step, its 16 code bytes at 16 (l % 8) (one 16-byte load). Code
+// Matrix-vector products for the types the large models use (Q4_K, Q6_K), built so that a decode step keeps
+// enough bytes in flight to approach the memory's rate: a warp computes MMV_R rows at once, eight lanes per
+// super-block and four super-blocks per warp step, so each batch of 8 super-blocks (2048 values) issues
+// 2 MMV_R loads per lane before any is used, and the first batch is issued before the block's barrier. The
+// activation row is staged in shared memory once per block (8 MMV_R rows), permuted so that the eight lanes of
+// a super-block read 128 consecutive bytes for each float4 load; rows longer than MMV_X_MAX read it from global
+// memory in natural order (perm false). Grid (ceil(rows / (8 MMV_R)), ...), block 256.
+#define MMV_R 4
+
+// Q4_K, lane l: super-block 4 u + l / 8 of the batch, its 16 code bytes at 16 (l % 8) (one 16-byte load). Code
 // byte i of a super-block holds value 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble,
 // so the lane's bytes give 16 consecutive values of sub-block 2 j and 16 of sub-block 2 j + 1 (j = l % 8 / 2).
 // Staged float4 slot ((sb * 2 + hl) * 4 + i) * 8 + p holds values 256 sb + 64 (p / 2) + 16 (p % 2) + 32 hl + 4 i.
-struct MmvPre_q4_k {
-    uint4 q[4];
-    u32 dm[4];
+struct MmvQ4K {
+    struct Part {
+        uint4 q;
+        u32 dm;
+    };
+    static constexpr int SB_BYTES = 144;
+    static __device__ __forceinline__ int x4(int sb, int p, int hl, int i, bool perm) {
+        return perm ? ((sb * 2 + hl) * 4 + i) * 8 + p
+                    : (256 * sb + 64 * (p >> 1) + 16 * (p & 1) + 32 * hl + 4 * i) >> 2;
+    }
+    static __device__ __forceinline__ int slot_src(int t) { return x4(t >> 6, t & 7, (t >> 5) & 1, (t >> 3) & 3, false); }
+    static __device__ __forceinline__ void load(Part& f, const u8* __restrict__ b, int p) {
+        f.dm = *(const u32*)b;
+        f.q = ((const uint4*)(b + 16))[p];
+    }
+    static __device__ __forceinline__ float dot(const Part& f, const u8* __restrict__ b, const float4* __restrict__ xs,
+                                                int sb, int p, bool perm) {
+        int j = p >> 1, sc0, m0, sc1, m1;
+        scale_min_k4(2 * j, b + 4, &sc0, &m0);
+        scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
+        u32 w[4] = {f.q.x, f.q.y, f.q.z, f.q.w};
+        float lo = 0.f, hi = 0.f, xl = 0.f, xh = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float4 a = xs[x4(sb, p, 0, i, perm)], c = xs[x4(sb, p, 1, i, perm)];
+            u32 v = w[i];
+            lo += (float)(v & 0xF) * a.x + (float)((v >> 8) & 0xF) * a.y + (float)((v >> 16) & 0xF) * a.z +
+                  (float)((v >> 24) & 0xF) * a.w;
+            hi += (float)((v >> 4) & 0xF) * c.x + (float)((v >> 12) & 0xF) * c.y + (float)((v >> 20) & 0xF) * c.z +
+                  (float)(v >> 28) * c.w;
+            xl += (a.x + a.y) + (a.z + a.w);
+            xh += (c.x + c.y) + (c.z + c.w);
+        }
+        float d = h2f((u16)(f.dm & 0xFFFF)), dmin = h2f((u16)(f.dm >> 16));
+        return d * (sc0 * lo + sc1 * hi) - dmin * (m0 * xl + m1 * xh);
+    }
 };
-__device__ __forceinline__ int q4k_x4(int sb, int p, int hl, int i, bool perm) {
-    return perm ? ((sb * 2 + hl) * 4 + i) * 8 + p : (256 * sb + 64 * (p >> 1) + 16 * (p & 1) + 32 * hl + 4 * i) >> 2;
-}
-__device__ __forceinline__ void mmv_load_q4_k(MmvPre_q4_k& f, const u8* __restrict__ row, int cols, int lane) {
-    int nsb = cols / 256, p = lane & 7;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        int sb = (lane >> 3) + 4 * u;
-        if (sb < nsb) {
-            const u8* b = row + 144 * sb;
-            f.dm[u] = *(const u32*)b;
-            f.q[u] = ((const uint4*)(b + 16))[p];
-        }
-    }
-}
-__device__ __forceinline__ const float* mmv_stage_q4_k(const float* __restrict__ xt, int cols, bool* perm) {
-    __shared__ float4 xs[MMV_X_MAX / 4];
-    *perm = cols <= MMV_X_MAX;
-    if (!*perm) return xt;
-    for (int t = threadIdx.x; t < cols / 4; t += blockDim.x)
-        xs[t] = ((const float4*)xt)[q4k_x4(t >> 6, t & 7, (t >> 5) & 1, (t >> 3) & 3, false)];
-    __syncthreads();
-    return (const float*)xs;
-}
-__device__ __forceinline__ float q4k_lane(uint4 q, u32 dm, const u8* __restrict__ b, const float4* __restrict__ x4,
-                                          int sb, int p, bool perm) {
-    int j = p >> 1, sc0, m0, sc1, m1;
-    scale_min_k4(2 * j, b + 4, &sc0, &m0);
-    scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
-    u32 w[4] = {q.x, q.y, q.z, q.w};
-    float lo = 0.f, hi = 0.f, xl = 0.f, xh = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float4 a = x4[q4k_x4(sb, p, 0, i, perm)], c = x4[q4k_x4(sb, p, 1, i, perm)];
-        u32 v = w[i];
-        lo += (float)(v & 0xF) * a.x + (float)((v >> 8) & 0xF) * a.y + (float)((v >> 16) & 0xF) * a.z +
-              (float)((v >> 24) & 0xF) * a.w;
-        hi += (float)((v >> 4) & 0xF) * c.x + (float)((v >> 12) & 0xF) * c.y + (float)((v >> 20) & 0xF) * c.z +
-              (float)(v >> 28) * c.w;
-        xl += (a.x + a.y) + (a.z + a.w);
-        xh += (c.x + c.y) + (c.z + c.w);
-    }
-    float d = h2f((u16)(dm & 0xFFFF)), dmin = h2f((u16)(dm >> 16));
-    return d * (sc0 * lo + sc1 * hi) - dmin * (m0 * xl + m1 * xh);
-}
-__device__ __forceinline__ float mmv_dot_q4_k(MmvPre_q4_k& f, const u8* __restrict__ row,
-                                              const float* __restrict__ xt, bool perm, int cols, int lane) {
-    int nsb = cols / 256, p = lane & 7;
-    const float4* x4 = (const float4*)xt;
-    float acc = 0.f;
-    for (int sb0 = lane >> 3; sb0 < nsb; sb0 += 16) {
-        if (sb0 >= 16) mmv_load_q4_k(f, row + 144 * (sb0 - (lane >> 3)), cols - 256 * (sb0 - (lane >> 3)), lane);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int sb = sb0 + 4 * u;
-            if (sb < nsb) acc += q4k_lane(f.q[u], f.dm[u], row + 144 * sb, x4, sb, p, perm);
-        }
-    }
-    return warp_sum(acc);
-}
 
-// Q6_K, lane l: super-block 4 u + l / 8 of the step, half n = l % 8 / 4, cells c0 .. c0 + 7 (c0 = 8 (l % 4)) of
+// Q6_K, lane l: super-block 4 u + l / 8 of the batch, half n = l % 8 / 4, cells c0 .. c0 + 7 (c0 = 8 (l % 4)) of
 // all four parts: low-bit bytes 64 n + c0 (parts 0 / 2 in the low / high nibble) and 64 n + 32 + c0 (parts 1 / 3),
 // high-bit bytes 128 + 32 n + c0 (two bits per part), scales 192 + 8 n + 2 part + c0 / 16. Super-blocks are 210
 // bytes, so only 2-byte alignment holds: 8 bytes come as four 2-byte loads. Staged float4 slot
 // ((sb * 4 + part) * 2 + w) * 8 + p holds values 256 sb + 128 (p / 4) + 32 part + 8 (p % 4) + 4 w.
-struct MmvPre_q6_k {
-    uint2 l0[4], l1[4], qh[4];
-    u16 d[4];
-};
-__device__ __forceinline__ int q6k_x4(int sb, int p, int part, int w, bool perm) {
-    return perm ? ((sb * 4 + part) * 2 + w) * 8 + p : (256 * sb + 128 * (p >> 2) + 32 * part + 8 * (p & 3) + 4 * w) >> 2;
-}
 __device__ __forceinline__ uint2 ld8_a2(const u8* p) {
     const u16* h = (const u16*)p;
     return make_uint2((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16));
 }
-__device__ __forceinline__ void mmv_load_q6_k(MmvPre_q6_k& f, const u8* __restrict__ row, int cols, int lane) {
-    int nsb = cols / 256, p = lane & 7, n = p >> 2, c0 = 8 * (p & 3);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        int sb = (lane >> 3) + 4 * u;
-        if (sb < nsb) {
-            const u8* b = row + 210 * sb;
-            f.l0[u] = ld8_a2(b + 64 * n + c0);
-            f.l1[u] = ld8_a2(b + 64 * n + 32 + c0);
-            f.qh[u] = ld8_a2(b + 128 + 32 * n + c0);
-            f.d[u] = *(const u16*)(b + 208);
-        }
+struct MmvQ6K {
+    struct Part {
+        uint2 l0, l1, qh;
+        u32 d;
+    };
+    static constexpr int SB_BYTES = 210;
+    static __device__ __forceinline__ int x4(int sb, int p, int part, int w, bool perm) {
+        return perm ? ((sb * 4 + part) * 2 + w) * 8 + p
+                    : (256 * sb + 128 * (p >> 2) + 32 * part + 8 * (p & 3) + 4 * w) >> 2;
     }
-}
-__device__ __forceinline__ const float* mmv_stage_q6_k(const float* __restrict__ xt, int cols, bool* perm) {
-    __shared__ float4 xs6[MMV_X_MAX / 4];
-    *perm = cols <= MMV_X_MAX;
-    if (!*perm) return xt;
-    for (int t = threadIdx.x; t < cols / 4; t += blockDim.x)
-        xs6[t] = ((const float4*)xt)[q6k_x4(t >> 6, t & 7, (t >> 4) & 3, (t >> 3) & 1, false)];
-    __syncthreads();
-    return (const float*)xs6;
-}
-__device__ __forceinline__ float q6k_lane(uint2 l0, uint2 l1, uint2 qh, const u8* __restrict__ sc,
-                                          const float4* __restrict__ x4, int sb, int p, bool perm) {
-    u32 lw[2][2] = {{l0.x, l0.y}, {l1.x, l1.y}}, hw[2] = {qh.x, qh.y};
-    float acc = 0.f;
+    static __device__ __forceinline__ int slot_src(int t) { return x4(t >> 6, t & 7, (t >> 4) & 3, (t >> 3) & 1, false); }
+    static __device__ __forceinline__ void load(Part& f, const u8* __restrict__ b, int p) {
+        int n = (p >> 2) & 1, c0 = 8 * (p & 3);
+        f.l0 = ld8_a2(b + 64 * n + c0);
+        f.l1 = ld8_a2(b + 64 * n + 32 + c0);
+        f.qh = ld8_a2(b + 128 + 32 * n + c0);
+        f.d = *(const u16*)(b + 208);
+    }
+    static __device__ __forceinline__ float dot(const Part& f, const u8* __restrict__ b, const float4* __restrict__ xs,
+                                                int sb, int p, bool perm) {
+        int n = (p >> 2) & 1, c0 = 8 * (p & 3);
+        const u8* sc = b + 192 + 8 * n + (c0 >> 4);
+        u32 lw[2][2] = {{f.l0.x, f.l0.y}, {f.l1.x, f.l1.y}}, hw[2] = {f.qh.x, f.qh.y};
+        float acc = 0.f;
 #pragma unroll
-    for (int part = 0; part < 4; ++part) {
-        float s = 0.f;
+        for (int part = 0; part < 4; ++part) {
+            float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < 2; ++w) {
-            float4 a = x4[q6k_x4(sb, p, part, w, perm)];
-            float xa[4] = {a.x, a.y, a.z, a.w};
-            u32 lo = lw[part & 1][w] >> (4 * (part >> 1)), hb = hw[w] >> (2 * part);
+            for (int w = 0; w < 2; ++w) {
+                float4 a = xs[x4(sb, p, part, w, perm)];
+                float xa[4] = {a.x, a.y, a.z, a.w};
+                u32 lo = lw[part & 1][w] >> (4 * (part >> 1)), hb = hw[w] >> (2 * part);
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                int q = (int)(((lo >> (8 * k)) & 0xF) | (((hb >> (8 * k)) & 3) << 4)) - 32;
-                s += (float)q * xa[k];
+                for (int k = 0; k < 4; ++k) {
+                    int q = (int)(((lo >> (8 * k)) & 0xF) | (((hb >> (8 * k)) & 3) << 4)) - 32;
+                    s += (float)q * xa[k];
+                }
             }
+            acc += (float)(i8)sc[2 * part] * s;
         }
-        acc += (float)(i8)sc[2 * part] * s;
+        return h2f((u16)f.d) * acc;
     }
-    return acc;
-}
-__device__ __forceinline__ float mmv_dot_q6_k(MmvPre_q6_k& f, const u8* __restrict__ row,
-                                              const float* __restrict__ xt, bool perm, int cols, int lane) {
-    int nsb = cols / 256, p = lane & 7, n = p >> 2, c0 = 8 * (p & 3);
-    const float4* x4 = (const float4*)xt;
-    float acc = 0.f;
-    for (int sb0 = lane >> 3; sb0 < nsb; sb0 += 16) {
-        if (sb0 >= 16) mmv_load_q6_k(f, row + 210 * (sb0 - (lane >> 3)), cols - 256 * (sb0 - (lane >> 3)), lane);
+};
+
+// The rows w[0..MMV_R) (null: absent) times the activation row x (global) into acc; every thread of the block
+// calls it (it stages x and synchronises).
+template <class Q>
+__device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* __restrict__ x, int cols, int lane,
+                                              float* acc) {
+    __shared__ float4 xs_fast[MMV_X_MAX / 4];
+    int nsb = cols / 256, p = lane & 7;
+    typename Q::Part f[MMV_R][2];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int sb = sb0 + 4 * u;
-            if (sb < nsb) {
-                const u8* b = row + 210 * sb;
-                acc += h2f(f.d[u]) * q6k_lane(f.l0[u], f.l1[u], f.qh[u], b + 192 + 8 * n + (c0 >> 4), x4, sb, p, perm);
-            }
+    for (int r = 0; r < MMV_R; ++r)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            int sb = (lane >> 3) + 4 * u;
+            if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
         }
+    bool perm = cols <= MMV_X_MAX;
+    const float4* xs = (const float4*)x;
+    if (perm) {
+        for (int t = threadIdx.x; t < cols / 4; t += blockDim.x) xs_fast[t] = xs[Q::slot_src(t)];
+        __syncthreads();
+        xs = xs_fast;
     }
-    return warp_sum(acc);
+    for (int base = 0; base < nsb; base += 8) {
+        if (base > 0) {
+#pragma unroll
+            for (int r = 0; r < MMV_R; ++r)
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    int sb = base + (lane >> 3) + 4 * u;
+                    if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
+                }
+        }
+#pragma unroll
+        for (int r = 0; r < MMV_R; ++r)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                int sb = base + (lane >> 3) + 4 * u;
+                if (w[r] && sb < nsb) acc[r] += Q::dot(f[r][u], w[r] + Q::SB_BYTES * sb, xs, sb, p, perm);
+            }
+    }
+#pragma unroll
+    for (int r = 0; r < MMV_R; ++r) acc[r] = warp_sum(acc[r]);
 }
+
+#define STRATA_MMV_FAST(name, Q)                                                                                \
+    extern "C" __global__ void mmv_##name(const u8* __restrict__ w0, const u8* __restrict__ w1,                \
+                                          const u8* __restrict__ w2, const float* __restrict__ x,              \
+                                          float* __restrict__ y0, float* __restrict__ y1,                      \
+                                          float* __restrict__ y2, int r0, int r1, int r2, int cols,            \
+                                          long long row_bytes) {                                                \
+        int lane = threadIdx.x & 31, t = blockIdx.y;                                                            \
+        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * MMV_R;                                             \
+        const u8* w[MMV_R];                                                                                     \
+        float* y[MMV_R];                                                                                        \
+        float acc[MMV_R];                                                                                       \
+        for (int i = 0; i < MMV_R; ++i) {                                                                       \
+            int r = first + i;                                                                                  \
+            acc[i] = 0.f;                                                                                       \
+            w[i] = nullptr;                                                                                     \
+            if (r < r0) {                                                                                       \
+                w[i] = w0 + (long long)r * row_bytes, y[i] = y0 + (long long)t * r0 + r;                        \
+            } else if ((r -= r0) < r1) {                                                                        \
+                w[i] = w1 + (long long)r * row_bytes, y[i] = y1 + (long long)t * r1 + r;                        \
+            } else if ((r -= r1) < r2) {                                                                        \
+                w[i] = w2 + (long long)r * row_bytes, y[i] = y2 + (long long)t * r2 + r;                        \
+            }                                                                                                   \
+        }                                                                                                       \
+        mmv_fast_rows<Q>(w, x + (long long)t * cols, cols, lane, acc);                                          \
+        if (lane == 0)                                                                                          \
+            for (int i = 0; i < MMV_R; ++i)                                                                     \
+                if (w[i]) *y[i] = acc[i];                                                                       \
+    }                                                                                                           \
+    extern "C" __global__ void mmv_moe_##name(const u8* __restrict__ wa, const u8* __restrict__ wb,            \
+                                              const float* __restrict__ x, float* __restrict__ ya,             \
+                                              float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
+                                              int rows, int cols, long long row_bytes) {                        \
+        int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
+        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * MMV_R;                                             \
+        const u8* base = (blockIdx.z ? wb : wa) + (long long)ids[s] * rows * row_bytes;                         \
+        const u8* w[MMV_R];                                                                                     \
+        float acc[MMV_R];                                                                                       \
+        for (int i = 0; i < MMV_R; ++i) {                                                                       \
+            acc[i] = 0.f;                                                                                       \
+            w[i] = first + i < rows ? base + (long long)(first + i) * row_bytes : nullptr;                      \
+        }                                                                                                       \
+        mmv_fast_rows<Q>(w, x + (long long)(s / x_div) * cols, cols, lane, acc);                                \
+        float* y = (blockIdx.z ? yb : ya) + (long long)s * rows;                                                \
+        if (lane == 0)                                                                                          \
+            for (int i = 0; i < MMV_R; ++i)                                                                     \
+                if (w[i]) y[first + i] = acc[i];                                                                \
+    }
+STRATA_MMV_FAST(q4_k, MmvQ4K)
+STRATA_MMV_FAST(q6_k, MmvQ6K)
 
 // f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.
 __device__ __forceinline__ float mmv_dot_fast_f32(const u8* __restrict__ row, const float* __restrict__ xt,
@@ -303,8 +348,6 @@ STRATA_MMV_HOOKS(f16, mmv_dot_fast_f16)
 // Per type: its hooks come with its kernels (the generic chunk dot), or were defined above (the fast dots).
 #define MMV_HOOKS_f32
 #define MMV_HOOKS_f16
-#define MMV_HOOKS_q4_k
-#define MMV_HOOKS_q6_k
 #define MMV_HOOKS_bf16 STRATA_MMV_HOOKS(bf16, mmv_dot32_bf16)
 #define MMV_HOOKS_q4_0 STRATA_MMV_HOOKS(q4_0, mmv_dot32_q4_0)
 #define MMV_HOOKS_q4_1 STRATA_MMV_HOOKS(q4_1, mmv_dot32_q4_1)
@@ -315,8 +358,20 @@ STRATA_MMV_HOOKS(f16, mmv_dot_fast_f16)
 #define MMV_HOOKS_q3_k STRATA_MMV_HOOKS(q3_k, mmv_dot32_q3_k)
 #define MMV_HOOKS_q5_k STRATA_MMV_HOOKS(q5_k, mmv_dot32_q5_k)
 
-#define STRATA_MMV_OF(name, dq) STRATA_MMV(name, DQ_FAST_##name)
-STRATA_FOR_EACH_QTYPE(STRATA_MMV_OF)
+#define STRATA_ROWS_OF(name, dq) STRATA_ROWS(name, DQ_FAST_##name)
+STRATA_FOR_EACH_QTYPE(STRATA_ROWS_OF)
+// The generic matrix-vector kernels, for every type but Q4_K and Q6_K (STRATA_MMV_FAST above).
+STRATA_MMV(f32, dq32_f32)
+STRATA_MMV(f16, dq32_f16)
+STRATA_MMV(bf16, dq32_bf16)
+STRATA_MMV(q4_0, dq32_q4_0)
+STRATA_MMV(q4_1, dq32_q4_1)
+STRATA_MMV(q5_0, dq32_q5_0)
+STRATA_MMV(q5_1, dq32_q5_1)
+STRATA_MMV(q8_0, dq32_q8_0)
+STRATA_MMV(q2_k, dq32_q2_k)
+STRATA_MMV(q3_k, dq32_q3_k)
+STRATA_MMV(q5_k, dq32_q5_k)
 
 // f32 -> f16 bits, n values (the GEMM's activations).
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ out, long long n) {

@@ -157,6 +157,15 @@ pub struct CudaBackend {
     cpu: CpuBackend,
 }
 
+/// Rows one block of a matrix-vector kernel computes (kernels/matvec.cu): 8 warps of one row, or of
+/// MMV_R = 4 rows for the Q4_K and Q6_K kernels.
+fn mmv_rows_per_block(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q6_K => 32,
+        _ => 8,
+    }
+}
+
 fn grid1(n: usize, block: u32) -> (u32, u32, u32) {
     ((n as u64).div_ceil(block as u64).max(1) as u32, 1, 1)
 }
@@ -344,7 +353,7 @@ impl Inner {
         }
         gpu.launch(
             typed("mmv_", w0.ty),
-            (total.div_ceil(8) as u32, n_tok as u32, 1),
+            (total.div_ceil(mmv_rows_per_block(w0.ty)) as u32, n_tok as u32, 1),
             (256, 1, 1),
             &[
                 Arg::P(p[0].0),
@@ -558,7 +567,7 @@ impl Inner {
             let launch = |wa: u64, wb: u64, x: u64, ya: u64, yb: u64, div: usize, w: &QMat<'_>, rows: usize, z: u32| {
                 gpu.launch(
                     typed("mmv_moe_", w.ty),
-                    (rows.div_ceil(8) as u32, slots as u32, z),
+                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
                     (256, 1, 1),
                     &[
                         Arg::P(wa),
