@@ -118,7 +118,14 @@ fn matmul_matches_cpu() {
     let mut rng = Rng(7);
     let mut rows_out = Vec::new();
     for &ty in TYPES {
-        for &(rows, cols, n_tok) in &[(64, 256, 1), (96, 512, 3), (128, 768, 37), (200, 1024, 130)] {
+        for &(rows, cols, n_tok) in &[
+            (64, 256, 1),
+            (96, 512, 3),
+            (128, 768, 37),
+            (200, 1024, 130),
+            (72, 2560, 2),
+            (40, 4352, 1),
+        ] {
             let Some(data) = quantized(ty, rows, cols, &mut rng) else {
                 rows_out.push(Row(format!("matmul {ty} (no quantizer; skipped)"), 0.0, 0.0));
                 continue;

@@ -933,8 +933,8 @@ impl Backend for CudaBackend {
             if n_tok <= MMV_MAX_TOKENS && n_split > 1 {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
-                let split_len = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).next_multiple_of(n_split) / n_split
-                    * DECODE_SPLIT_CELLS;
+                let split_len =
+                    (hi + 1).div_ceil(DECODE_SPLIT_CELLS).next_multiple_of(n_split) / n_split * DECODE_SPLIT_CELLS;
                 let rows = n_tok * p.n_head;
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
                 let mp = s.slot(g, Slot::SplitMax, rows * max_split * 4)?;

@@ -778,9 +778,15 @@ mod tests {
                     continue; // generated per quant type
                 }
                 defined += 1;
-                assert!(KERNEL_NAMES.contains(&name.as_str()), "{file}: kernel {name} is not in KERNEL_NAMES");
+                assert!(
+                    KERNEL_NAMES.contains(&name.as_str()),
+                    "{file}: kernel {name} is not in KERNEL_NAMES"
+                );
             }
         }
-        assert!(defined > 20, "found only {defined} named kernels: the parser no longer matches the sources");
+        assert!(
+            defined > 20,
+            "found only {defined} named kernels: the parser no longer matches the sources"
+        );
     }
 }
