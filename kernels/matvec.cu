@@ -114,6 +114,10 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
 // memory in natural order (perm false). Grid (ceil(rows / (8 MMV_R)), ...), block 256.
 #define MMV_R 4
 
+// A small unsigned integer (< 2^23) as a float without the quarter-rate integer conversion: its bits under the
+// exponent of 2^23, minus 2^23 (exact).
+__device__ __forceinline__ float small_u2f(u32 v) { return __int_as_float(0x4B000000u | v) - 8388608.f; }
+
 // Q4_K, lane l: super-block 4 u + l / 8 of the batch, its 16 code bytes at 16 (l % 8) (one 16-byte load). Code
 // byte i of a super-block holds value 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble,
 // so the lane's bytes give 16 consecutive values of sub-block 2 j and 16 of sub-block 2 j + 1 (j = l % 8 / 2).
@@ -144,10 +148,10 @@ struct MmvQ4K {
         for (int i = 0; i < 4; ++i) {
             float4 a = xs[x4(sb, p, 0, i, perm)], c = xs[x4(sb, p, 1, i, perm)];
             u32 v = w[i];
-            lo += (float)(v & 0xF) * a.x + (float)((v >> 8) & 0xF) * a.y + (float)((v >> 16) & 0xF) * a.z +
-                  (float)((v >> 24) & 0xF) * a.w;
-            hi += (float)((v >> 4) & 0xF) * c.x + (float)((v >> 12) & 0xF) * c.y + (float)((v >> 20) & 0xF) * c.z +
-                  (float)(v >> 28) * c.w;
+            lo += small_u2f(v & 0xF) * a.x + small_u2f((v >> 8) & 0xF) * a.y + small_u2f((v >> 16) & 0xF) * a.z +
+                  small_u2f((v >> 24) & 0xF) * a.w;
+            hi += small_u2f((v >> 4) & 0xF) * c.x + small_u2f((v >> 12) & 0xF) * c.y +
+                  small_u2f((v >> 20) & 0xF) * c.z + small_u2f(v >> 28) * c.w;
             xl += (a.x + a.y) + (a.z + a.w);
             xh += (c.x + c.y) + (c.z + c.w);
         }
@@ -199,8 +203,8 @@ struct MmvQ6K {
                 u32 lo = lw[part & 1][w] >> (4 * (part >> 1)), hb = hw[w] >> (2 * part);
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    int q = (int)(((lo >> (8 * k)) & 0xF) | (((hb >> (8 * k)) & 3) << 4)) - 32;
-                    s += (float)q * xa[k];
+                    float q = small_u2f(((lo >> (8 * k)) & 0xF) | (((hb >> (8 * k)) & 3) << 4)) - 32.f;
+                    s += q * xa[k];
                 }
             }
             acc += (float)(i8)sc[2 * part] * s;
@@ -211,14 +215,14 @@ struct MmvQ6K {
 
 // The rows w[0..MMV_R) (null: absent) times the activation row x (global) into acc; every thread of the block
 // calls it (it stages x and synchronises).
-template <class Q>
+template <class Q, int R>
 __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* __restrict__ x, int cols, int lane,
                                               float* acc) {
     __shared__ float4 xs_fast[MMV_X_MAX / 4];
     int nsb = cols / 256, p = lane & 7;
-    typename Q::Part f[MMV_R][2];
+    typename Q::Part f[R][2];
 #pragma unroll
-    for (int r = 0; r < MMV_R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             int sb = (lane >> 3) + 4 * u;
@@ -234,7 +238,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     for (int base = 0; base < nsb; base += 8) {
         if (base > 0) {
 #pragma unroll
-            for (int r = 0; r < MMV_R; ++r)
+            for (int r = 0; r < R; ++r)
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
                     int sb = base + (lane >> 3) + 4 * u;
@@ -242,7 +246,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                 }
         }
 #pragma unroll
-        for (int r = 0; r < MMV_R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 int sb = base + (lane >> 3) + 4 * u;
@@ -250,21 +254,21 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
             }
     }
 #pragma unroll
-    for (int r = 0; r < MMV_R; ++r) acc[r] = warp_sum(acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-#define STRATA_MMV_FAST(name, Q)                                                                                \
-    extern "C" __global__ void mmv_##name(const u8* __restrict__ w0, const u8* __restrict__ w1,                \
+#define STRATA_MMV_FAST(name, Q, pre, R)                                                                                \
+    extern "C" __global__ void pre##name(const u8* __restrict__ w0, const u8* __restrict__ w1,                \
                                           const u8* __restrict__ w2, const float* __restrict__ x,              \
                                           float* __restrict__ y0, float* __restrict__ y1,                      \
                                           float* __restrict__ y2, int r0, int r1, int r2, int cols,            \
                                           long long row_bytes) {                                                \
         int lane = threadIdx.x & 31, t = blockIdx.y;                                                            \
-        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * MMV_R;                                             \
-        const u8* w[MMV_R];                                                                                     \
-        float* y[MMV_R];                                                                                        \
-        float acc[MMV_R];                                                                                       \
-        for (int i = 0; i < MMV_R; ++i) {                                                                       \
+        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
+        const u8* w[R];                                                                                     \
+        float* y[R];                                                                                        \
+        float acc[R];                                                                                       \
+        for (int i = 0; i < R; ++i) {                                                                       \
             int r = first + i;                                                                                  \
             acc[i] = 0.f;                                                                                       \
             w[i] = nullptr;                                                                                     \
@@ -276,32 +280,40 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                 w[i] = w2 + (long long)r * row_bytes, y[i] = y2 + (long long)t * r2 + r;                        \
             }                                                                                                   \
         }                                                                                                       \
-        mmv_fast_rows<Q>(w, x + (long long)t * cols, cols, lane, acc);                                          \
+        mmv_fast_rows<Q, R>(w, x + (long long)t * cols, cols, lane, acc);                                          \
         if (lane == 0)                                                                                          \
-            for (int i = 0; i < MMV_R; ++i)                                                                     \
+            for (int i = 0; i < R; ++i)                                                                     \
                 if (w[i]) *y[i] = acc[i];                                                                       \
-    }                                                                                                           \
+    }
+
+#define STRATA_MMV_MOE_FAST(name, Q, R)                                                                          \
     extern "C" __global__ void mmv_moe_##name(const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
                                               int rows, int cols, long long row_bytes) {                        \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
-        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * MMV_R;                                             \
+        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
         const u8* base = (blockIdx.z ? wb : wa) + (long long)ids[s] * rows * row_bytes;                         \
-        const u8* w[MMV_R];                                                                                     \
-        float acc[MMV_R];                                                                                       \
-        for (int i = 0; i < MMV_R; ++i) {                                                                       \
+        const u8* w[R];                                                                                     \
+        float acc[R];                                                                                       \
+        for (int i = 0; i < R; ++i) {                                                                       \
             acc[i] = 0.f;                                                                                       \
             w[i] = first + i < rows ? base + (long long)(first + i) * row_bytes : nullptr;                      \
         }                                                                                                       \
-        mmv_fast_rows<Q>(w, x + (long long)(s / x_div) * cols, cols, lane, acc);                                \
+        mmv_fast_rows<Q, R>(w, x + (long long)(s / x_div) * cols, cols, lane, acc);                                \
         float* y = (blockIdx.z ? yb : ya) + (long long)s * rows;                                                \
         if (lane == 0)                                                                                          \
-            for (int i = 0; i < MMV_R; ++i)                                                                     \
+            for (int i = 0; i < R; ++i)                                                                     \
                 if (w[i]) y[first + i] = acc[i];                                                                \
     }
-STRATA_MMV_FAST(q4_k, MmvQ4K)
-STRATA_MMV_FAST(q6_k, MmvQ6K)
+// mmv_T: four rows per warp (large matrices: the output, the experts' stacked rows); mmv1_T: one row per warp
+// (smaller dense matrices, whose rows / 32 blocks would leave SMs idle).
+STRATA_MMV_FAST(q4_k, MmvQ4K, mmv_, MMV_R)
+STRATA_MMV_FAST(q6_k, MmvQ6K, mmv_, MMV_R)
+STRATA_MMV_FAST(q4_k, MmvQ4K, mmv1_, 1)
+STRATA_MMV_FAST(q6_k, MmvQ6K, mmv1_, 1)
+STRATA_MMV_MOE_FAST(q4_k, MmvQ4K, MMV_R)
+STRATA_MMV_MOE_FAST(q6_k, MmvQ6K, MMV_R)
 
 // f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.
 __device__ __forceinline__ float mmv_dot_fast_f32(const u8* __restrict__ row, const float* __restrict__ xt,

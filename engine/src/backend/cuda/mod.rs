@@ -351,9 +351,15 @@ impl Inner {
                 ],
             );
         }
+        // Four rows per warp only where that still gives every SM of a large GPU two blocks (264 at 132 SMs):
+        // smaller matrices take the one-row kernel, whose blocks spread over all of them.
+        let (kernel, per_block) = match mmv_rows_per_block(w0.ty) {
+            32 if total.div_ceil(32) < 264 => (typed("mmv1_", w0.ty), 8),
+            n => (typed("mmv_", w0.ty), n),
+        };
         gpu.launch(
-            typed("mmv_", w0.ty),
-            (total.div_ceil(mmv_rows_per_block(w0.ty)) as u32, n_tok as u32, 1),
+            kernel,
+            (total.div_ceil(per_block) as u32, n_tok as u32, 1),
             (256, 1, 1),
             &[
                 Arg::P(p[0].0),

@@ -109,6 +109,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "copy_f32",
     "copy_f32x4",
     "mmv_wide_f32",
+    "mmv1_q4_k",
+    "mmv1_q6_k",
     "add_rms_norm",
     "qk_norm_rope",
     "moe_route",
