@@ -124,6 +124,7 @@ fn matmul_matches_cpu() {
             (128, 768, 37),
             (200, 1024, 130),
             (72, 2560, 2),
+            (8500, 256, 1),
             (40, 4352, 1),
         ] {
             let Some(data) = quantized(ty, rows, cols, &mut rng) else {
