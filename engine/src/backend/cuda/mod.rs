@@ -336,7 +336,7 @@ impl Inner {
             p[i] = (*wp, *yp, w.rows as i32);
         }
         let total: usize = ws.iter().map(|(w, _, _)| w.rows).sum();
-        if ws.len() == 1 && w0.ty == GgmlType::F32 && total <= 1024 && w0.cols % 4 == 0 {
+        if ws.len() == 1 && w0.ty == GgmlType::F32 && total <= 1024 && w0.cols.is_multiple_of(4) {
             // A router: too few rows to spread a warp per row over the SMs.
             return gpu.launch(
                 "mmv_wide_f32",
@@ -939,8 +939,7 @@ impl Backend for CudaBackend {
             if n_tok <= MMV_MAX_TOKENS && n_split > 1 {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
-                let split_len =
-                    (hi + 1).div_ceil(DECODE_SPLIT_CELLS).next_multiple_of(n_split) / n_split * DECODE_SPLIT_CELLS;
+                let split_len = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).div_ceil(n_split) * DECODE_SPLIT_CELLS;
                 let rows = n_tok * p.n_head;
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
                 let mp = s.slot(g, Slot::SplitMax, rows * max_split * 4)?;
