@@ -936,7 +936,9 @@ impl Backend for CudaBackend {
             // allocates nothing and the graphs of shorter ones stay valid.
             let max_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(64);
             let n_split = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).min(max_split);
-            if n_tok <= MMV_MAX_TOKENS && n_split > 1 {
+            // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
+            // has position-dependent arguments, which a replayed graph must never have.)
+            if n_tok <= MMV_MAX_TOKENS && (n_split > 1 || dv > 256) {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
                 let split_len = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).div_ceil(n_split) * DECODE_SPLIT_CELLS;
