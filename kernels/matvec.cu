@@ -1,16 +1,18 @@
 // Quantized matrix-vector products, embedding lookup and dequantization to f16, one kernel of each per type.
 //
 // A row's dot product (mmv_dot_T) is one warp's: lane l takes the 32-value chunks l, l+32, ... of the row, so a
-// warp reads a row once per token. Activations stay f32 (the CPU quantizes them to int8 first: the two differ by
-// that rounding only).
+// warp reads a row once per token; Q4_K and Q6_K have kernels of their own (MmvQ4K, MmvQ6K below: four rows per
+// warp, or one in mmv1_T). Activations stay f32 (the CPU quantizes them to int8 first: the two differ by that
+// rounding only).
 //
 // mmv_T: y_m[t][r] = sum_c W_m[r][c] * x[t][c] for up to three matrices m of one type and width that read the
 // same activations (a layer's q/k/v, or gate/up): their rows are numbered one after another, r0 + r1 + r2 in
-// all; a matrix of 0 rows is absent. Grid (ceil((r0 + r1 + r2) / 8), n_tok), block 256 (8 warps, a row each).
+// all; a matrix of 0 rows is absent. Grid (ceil((r0 + r1 + r2) / rows per block), n_tok), block 256 (8 warps of
+// one row each; of MMV_R rows for mmv_q4_k and mmv_q6_k).
 //
 // mmv_moe_T: the experts of a MoE layer at decode. Slot s (token s / x_div's i-th expert) multiplies expert
 // ids[s]'s rows of the stacked tensor wa (and wb when blockIdx.z is 1: gate and up in one launch) by activation
-// row s / x_div: ya[s][r]. Grid (ceil(rows / 8), n_slots, 1 or 2), block 256.
+// row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256.
 //
 // get_rows_T: out[t] = row ids[t] of W dequantized (embeddings). One thread per 32-value chunk.
 //
