@@ -50,3 +50,13 @@ __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ u32 pack_h2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+// The GLU activation of a gate value (cpu: silu / gelu_ggml): act 0 silu, 1 ggml's GELU through f16 (its table's
+// rounding), exactly as the CPU computes them.
+__device__ __forceinline__ float glu_act(float x, int act) {
+    if (act == 0) return x / (1.0f + expf(-x));
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    float r = round_f16(x);
+    return round_f16(0.5f * r * (1.0f + tanhf(0.7978846f * r * (1.0f + 0.044715f * r * r))));
+}

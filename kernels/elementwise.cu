@@ -55,17 +55,7 @@ extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restric
 extern "C" __global__ void glu(float* __restrict__ g, const float* __restrict__ u, long long n, int act) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float x = g[i], a;
-    if (act == 0) {
-        a = x / (1.0f + expf(-x));
-    } else if (x <= -10.0f) {
-        a = 0.0f;
-    } else if (x >= 10.0f) {
-        a = x;
-    } else {
-        float r = round_f16(x);
-        a = round_f16(0.5f * r * (1.0f + tanhf(0.7978846f * r * (1.0f + 0.044715f * r * r))));
-    }
+    float a = glu_act(g[i], act);
     g[i] = a * u[i];
 }
 

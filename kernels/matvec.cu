@@ -12,7 +12,8 @@
 //
 // mmv_moe_T: the experts of a MoE layer at decode. Slot s (token s / x_div's i-th expert) multiplies expert
 // ids[s]'s rows of the stacked tensor wa (and wb when blockIdx.z is 1: gate and up in one launch) by activation
-// row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256.
+// row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256. With xu given (Q4_K rows
+// of at most MMV_X_MAX values; other types ignore it) the activation row is glu_act(x, act) * xu (the GLU fused).
 //
 // get_rows_T: out[t] = row ids[t] of W dequantized (embeddings). One thread per 32-value chunk.
 //
@@ -72,7 +73,8 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
     extern "C" __global__ void mmv_moe_##name(const u8* __restrict__ wa, const u8* __restrict__ wb,          \
                                               const float* __restrict__ x, float* __restrict__ ya,           \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div, \
-                                              int rows, int cols, long long row_bytes) {                      \
+                                              int rows, int cols, long long row_bytes,                        \
+                                              const float* __restrict__, int) {                               \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         const u8* w = r < rows ? (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes : nullptr; \
@@ -120,6 +122,75 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
 // exponent of 2^23, minus 2^23 (exact).
 __device__ __forceinline__ float small_u2f(u32 v) { return __int_as_float(0x4B000000u | v) - 8388608.f; }
 
+// Four int8 products summed into c (PTX dp4a, sm_61 and later).
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// The activation row quantized as the CPU quantizes it for K-quant weights (ggml's Q8_K, cpu: quant/activations.rs):
+// per 256 values d = amax / 127 and codes round-to-nearest-even of x * (127 / amax), the codes' sums per 16 values;
+// amax < 1e-30 gives d = 0 and codes 0, a NaN or infinite value d = NaN and codes 0. Codes are stored in the Q4_K
+// lanes' order: 16-byte slot (sb * 2 + hl) * 8 + p holds values 256 sb + 64 (p / 2) + 16 (p % 2) + 32 hl + 0..15,
+// so the eight lanes of a super-block read 128 consecutive bytes. Integer products then replace the float ones:
+// a quarter of the shared-memory bytes and a dp4a per four values.
+struct Q8kStage {
+    u32 codes[MMV_X_MAX / 4];
+    short bsum[MMV_X_MAX / 16];
+    float d[MMV_X_MAX / 256];
+};
+// Fills st from x (cols <= MMV_X_MAX, a multiple of 256), or from glu_act(x) * xu when xu is given (the GLU of a
+// MoE down projection, fused); every thread of the block calls it (it synchronises).
+__device__ __forceinline__ void stage_q8k(const float* __restrict__ x, const float* __restrict__ xu, int act, int cols,
+                                          Q8kStage& st) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int sb = warp; sb < cols / 256; sb += blockDim.x >> 5) {
+        const float4* x4 = (const float4*)(x + 256 * sb + 8 * lane);
+        float4 a = x4[0], b = x4[1];
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        if (xu) {
+            const float4* u4 = (const float4*)(xu + 256 * sb + 8 * lane);
+            float4 c = u4[0], e = u4[1];
+            float u[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = glu_act(v[k], act) * u[k];
+        }
+        float am = 0.f;
+        bool bad = false;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            bad |= !(fabsf(v[k]) <= 3.402823466e38f);
+            am = fmaxf(am, fabsf(v[k]));
+        }
+        am = warp_max(am);
+        bad = __any_sync(0xffffffffu, bad);
+        float d = 0.f, is = 0.f;
+        if (bad) {
+            d = __int_as_float(0x7fc00000);
+        } else if (am >= 1e-30f) {
+            d = am / 127.f;
+            is = 127.f / am;
+        }
+        u32 w[2] = {0, 0};
+        int sum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            int q = __float2int_rn(v[k] * is);
+            sum += q;
+            w[k >> 2] |= (u32)(q & 0xFF) << (8 * (k & 3));
+        }
+        // Values 8 lane .. 8 lane + 7: run hl = lane / 4 % 2, lane p = 2 (lane / 8) + lane / 2 % 2, bytes 8 (lane % 2)..
+        int slot = (sb * 2 + ((lane >> 2) & 1)) * 8 + 2 * (lane >> 3) + ((lane >> 1) & 1);
+        st.codes[slot * 4 + 2 * (lane & 1)] = w[0];
+        st.codes[slot * 4 + 2 * (lane & 1) + 1] = w[1];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        if (!(lane & 1)) st.bsum[sb * 16 + (lane >> 1)] = (short)sum;
+        if (lane == 0) st.d[sb] = d;
+    }
+    __syncthreads();
+}
+
 // Q4_K, lane l: super-block 4 u + l / 8 of the batch, its 16 code bytes at 16 (l % 8) (one 16-byte load). Code
 // byte i of a super-block holds value 64 (i / 32) + i % 32 in its low nibble and that + 32 in its high nibble,
 // so the lane's bytes give 16 consecutive values of sub-block 2 j and 16 of sub-block 2 j + 1 (j = l % 8 / 2).
@@ -130,6 +201,28 @@ struct MmvQ4K {
         u32 dm;
     };
     static constexpr int SB_BYTES = 144;
+    static constexpr bool Q8 = true;
+    // The lane's 32 values against Q8_K activations: integer sums per sub-block, the scales and mins after.
+    static __device__ __forceinline__ float dot_q8(const Part& f, const u8* __restrict__ b, const Q8kStage& st, int sb,
+                                                   int p) {
+        int j = p >> 1, h = p & 1, sc0, m0, sc1, m1;
+        const uint4* c4 = (const uint4*)st.codes;
+        uint4 xl = c4[(sb * 2) * 8 + p], xh = c4[(sb * 2 + 1) * 8 + p];
+        int sl = 0, sh = 0;
+        sl = dp4a((int)(f.q.x & 0x0F0F0F0Fu), (int)xl.x, sl);
+        sl = dp4a((int)(f.q.y & 0x0F0F0F0Fu), (int)xl.y, sl);
+        sl = dp4a((int)(f.q.z & 0x0F0F0F0Fu), (int)xl.z, sl);
+        sl = dp4a((int)(f.q.w & 0x0F0F0F0Fu), (int)xl.w, sl);
+        sh = dp4a((int)((f.q.x >> 4) & 0x0F0F0F0Fu), (int)xh.x, sh);
+        sh = dp4a((int)((f.q.y >> 4) & 0x0F0F0F0Fu), (int)xh.y, sh);
+        sh = dp4a((int)((f.q.z >> 4) & 0x0F0F0F0Fu), (int)xh.z, sh);
+        sh = dp4a((int)((f.q.w >> 4) & 0x0F0F0F0Fu), (int)xh.w, sh);
+        scale_min_k4(2 * j, b + 4, &sc0, &m0);
+        scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
+        int bl = st.bsum[sb * 16 + 4 * j + h], bh = st.bsum[sb * 16 + 4 * j + 2 + h];
+        float d = h2f((u16)(f.dm & 0xFFFF)), dmin = h2f((u16)(f.dm >> 16));
+        return st.d[sb] * (d * (float)(sc0 * sl + sc1 * sh) - dmin * (float)(m0 * bl + m1 * bh));
+    }
     static __device__ __forceinline__ int x4(int sb, int p, int hl, int i, bool perm) {
         return perm ? ((sb * 2 + hl) * 4 + i) * 8 + p
                     : (256 * sb + 64 * (p >> 1) + 16 * (p & 1) + 32 * hl + 4 * i) >> 2;
@@ -177,6 +270,7 @@ struct MmvQ6K {
         u32 d;
     };
     static constexpr int SB_BYTES = 210;
+    static constexpr bool Q8 = false;
     static __device__ __forceinline__ int x4(int sb, int p, int part, int w, bool perm) {
         return perm ? ((sb * 4 + part) * 2 + w) * 8 + p
                     : (256 * sb + 128 * (p >> 2) + 32 * part + 8 * (p & 3) + 4 * w) >> 2;
@@ -218,8 +312,8 @@ struct MmvQ6K {
 // The rows w[0..MMV_R) (null: absent) times the activation row x (global) into acc; every thread of the block
 // calls it (it stages x and synchronises).
 template <class Q, int R>
-__device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* __restrict__ x, int cols, int lane,
-                                              float* acc) {
+__device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* __restrict__ x,
+                                              const float* __restrict__ xu, int act, int cols, int lane, float* acc) {
     __shared__ float4 xs_fast[MMV_X_MAX / 4];
     int nsb = cols / 256, p = lane & 7;
     typename Q::Part f[R][2];
@@ -230,6 +324,33 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
             int sb = (lane >> 3) + 4 * u;
             if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
         }
+    if constexpr (Q::Q8) {
+        if (cols <= MMV_X_MAX) {
+            Q8kStage& st = *(Q8kStage*)xs_fast;
+            stage_q8k(x, xu, act, cols, st);
+            for (int base = 0; base < nsb; base += 8) {
+                if (base > 0) {
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+#pragma unroll
+                        for (int u = 0; u < 2; ++u) {
+                            int sb = base + (lane >> 3) + 4 * u;
+                            if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
+                        }
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        int sb = base + (lane >> 3) + 4 * u;
+                        if (w[r] && sb < nsb) acc[r] += Q::dot_q8(f[r][u], w[r] + Q::SB_BYTES * sb, st, sb, p);
+                    }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+            return;
+        }
+    }
     bool perm = cols <= MMV_X_MAX;
     const float4* xs = (const float4*)x;
     if (perm) {
@@ -282,7 +403,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                 w[i] = w2 + (long long)r * row_bytes, y[i] = y2 + (long long)t * r2 + r;                        \
             }                                                                                                   \
         }                                                                                                       \
-        mmv_fast_rows<Q, R>(w, x + (long long)t * cols, cols, lane, acc);                                          \
+        mmv_fast_rows<Q, R>(w, x + (long long)t * cols, nullptr, 0, cols, lane, acc);                                          \
         if (lane == 0)                                                                                          \
             for (int i = 0; i < R; ++i)                                                                     \
                 if (w[i]) *y[i] = acc[i];                                                                       \
@@ -292,7 +413,8 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     extern "C" __global__ void mmv_moe_##name(const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
-                                              int rows, int cols, long long row_bytes) {                        \
+                                              int rows, int cols, long long row_bytes,                          \
+                                              const float* __restrict__ xu, int act) {                          \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
         const u8* base = (blockIdx.z ? wb : wa) + (long long)ids[s] * rows * row_bytes;                         \
@@ -302,7 +424,8 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
             acc[i] = 0.f;                                                                                       \
             w[i] = first + i < rows ? base + (long long)(first + i) * row_bytes : nullptr;                      \
         }                                                                                                       \
-        mmv_fast_rows<Q, R>(w, x + (long long)(s / x_div) * cols, cols, lane, acc);                                \
+        mmv_fast_rows<Q, R>(w, x + (long long)(s / x_div) * cols, xu ? xu + (long long)(s / x_div) * cols : nullptr, \
+                            act, cols, lane, acc);                                \
         float* y = (blockIdx.z ? yb : ya) + (long long)s * rows;                                                \
         if (lane == 0)                                                                                          \
             for (int i = 0; i < R; ++i)                                                                     \

@@ -157,6 +157,9 @@ pub struct CudaBackend {
     cpu: CpuBackend,
 }
 
+/// Widest activation row the Q4_K/Q6_K matrix-vector kernels stage in shared memory (kernels/matvec.cu MMV_X_MAX).
+const MMV_X_MAX: usize = 4096;
+
 /// Rows one block of a matrix-vector kernel computes (kernels/matvec.cu): 8 warps of one row, or of
 /// MMV_R = 4 rows for the Q4_K and Q6_K kernels.
 fn mmv_rows_per_block(ty: GgmlType) -> usize {
@@ -570,33 +573,53 @@ impl Inner {
         let same = ex.gate.ty == ex.up.ty;
         let rows_map = if n_tok <= MMV_MAX_TOKENS {
             // Decode: every slot reaches its expert by id on the device.
-            let launch = |wa: u64, wb: u64, x: u64, ya: u64, yb: u64, div: usize, w: &QMat<'_>, rows: usize, z: u32| {
-                gpu.launch(
-                    typed("mmv_moe_", w.ty),
-                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(wa),
-                        Arg::P(wb),
-                        Arg::P(x),
-                        Arg::P(ya),
-                        Arg::P(yb),
-                        Arg::P(ids),
-                        Arg::I(div as i32),
-                        Arg::I(rows as i32),
-                        Arg::I(w.cols as i32),
-                        Arg::L(w.row_bytes as i64),
-                    ],
-                )
-            };
+            #[allow(clippy::too_many_arguments)]
+            let launch =
+                |wa: u64, wb: u64, x: u64, ya: u64, yb: u64, div: usize, w: &QMat<'_>, rows: usize, z: u32, xu: u64| {
+                    gpu.launch(
+                        typed("mmv_moe_", w.ty),
+                        (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
+                        (256, 1, 1),
+                        &[
+                            Arg::P(wa),
+                            Arg::P(wb),
+                            Arg::P(x),
+                            Arg::P(ya),
+                            Arg::P(yb),
+                            Arg::P(ids),
+                            Arg::I(div as i32),
+                            Arg::I(rows as i32),
+                            Arg::I(w.cols as i32),
+                            Arg::L(w.row_bytes as i64),
+                            Arg::P(xu),
+                            Arg::I(glu_code(ex.act)),
+                        ],
+                    )
+                };
             if same {
-                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2)?;
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0)?;
             } else {
-                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1)?;
-                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1)?;
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0)?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0)?;
             }
-            glu_dev(gpu, gp, up, slots * nff, ex.act)?;
-            launch(dw, dw, gp, dp, dp, 1, &ex.down, n_embd, 1)?;
+            // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
+            // fewer); other types and rows wider than its staging take the GLU kernel first.
+            let fused_glu = ex.down.ty == GgmlType::Q4_K && nff <= MMV_X_MAX;
+            if !fused_glu {
+                glu_dev(gpu, gp, up, slots * nff, ex.act)?;
+            }
+            launch(
+                dw,
+                dw,
+                gp,
+                dp,
+                dp,
+                1,
+                &ex.down,
+                n_embd,
+                1,
+                if fused_glu { up } else { 0 },
+            )?;
             0
         } else {
             // Prefill: read the routing back, group the slots by expert, one GEMM per expert and matrix.
