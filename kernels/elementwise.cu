@@ -121,11 +121,9 @@ extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __rest
 // The MoE router (cpu: route): per token, softmax over the n_expert logits (in place: they become the
 // probabilities; max, exp in f32, sum in f64, as softmax_row), then the k largest probabilities, ties to the
 // lower id, renormalised to sum 1 (an f32 sum in choice order) when `normalize`. ids and weights are
-// [n_tok][k]. One warp per token (grid n_tok, block 32): moe_route for n_expert <= 128, moe_route_wide for up to
-// 1024.
-template <int NB>
-__device__ __forceinline__ void moe_route_warp(float* __restrict__ logits, u32* __restrict__ ids,
-                                               float* __restrict__ wts, int n_expert, int k, int normalize) {
+// [n_tok][k]. One warp per token (grid n_tok, block 32); n_expert <= 1024.
+extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,
+                                     int n_expert, int k, int normalize) {
     float* row = logits + (long long)blockIdx.x * n_expert;
     int lane = threadIdx.x;
     float m = -STRATA_INF;
@@ -141,61 +139,43 @@ __device__ __forceinline__ void moe_route_warp(float* __restrict__ logits, u32* 
     float inv = (float)(1.0 / s);
     for (int e = lane; e < n_expert; e += 32) row[e] *= inv;
     __syncwarp();
-    // Top-k by rank: an expert's rank is the number of experts that beat it (a higher probability, or the same and
-    // a lower id; NaN counts as below every number, so a NaN is taken only when no number is left, the lowest id
-    // first, as the CPU takes). Ranks are distinct, and the experts of rank < k are the choice, in order. Lane l
-    // ranks its experts l, l + 32, ... (NB of them: n_expert <= 32 NB) against all of them, broadcast by shuffles.
-    __syncwarp();
+    // Top-k by repeated arg-max over the warp: lane l owns experts l, l + 32, ... and keeps which of them are
+    // chosen as bits of one register (bit i: expert l + 32 i).
+    u32 chosen = 0;
     u32* out_ids = ids + (long long)blockIdx.x * k;
     float* out_w = wts + (long long)blockIdx.x * k;
-    int nb = (n_expert + 31) >> 5;
-    float key[NB];
-    int rank[NB];
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        int e = lane + 32 * b;
-        float v = e < n_expert ? row[e] : -STRATA_INF;
-        key[b] = v != v ? -STRATA_INF : v;
-        rank[b] = 0;
-    }
-    for (int src = 0; src < 32; ++src) {
-#pragma unroll
-        for (int ob = 0; ob < NB; ++ob) {
-            float o = __shfl_sync(0xffffffffu, key[ob], src);
-            int oe = src + 32 * ob;
-            if (ob >= nb || oe >= n_expert) continue;
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                int e = lane + 32 * b;
-                // o beats key[b]: larger, or equal with a lower id (NaN keys are -inf: ids break their ties).
-                rank[b] += (o > key[b] || (o == key[b] && oe < e)) ? 1 : 0;
-            }
+    float sum = 0.f;
+    for (int i = 0; i < k; ++i) {
+        float best = -STRATA_INF;
+        int be = n_expert;
+        for (int e = lane, b = 0; e < n_expert; e += 32, ++b) {
+            if (chosen & (1u << b)) continue;
+            if (row[e] > best || (row[e] == best && e < be)) best = row[e], be = e;
         }
-    }
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        int e = lane + 32 * b;
-        if (e < n_expert && rank[b] < k) {
-            out_ids[rank[b]] = (u32)e;
-            out_w[rank[b]] = row[e];
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ob > best || (ob == best && oe < be)) best = ob, be = oe;
         }
+        if (be >= n_expert) {
+            // Every remaining probability is NaN (a broken model): the lowest unchosen id, as the CPU takes.
+            u32 free_lo = 0xffffffffu;
+            for (int e = lane, b = 0; e < n_expert; e += 32, ++b)
+                if (!(chosen & (1u << b))) {
+                    free_lo = (u32)e;
+                    break;
+                }
+            for (int o = 16; o > 0; o >>= 1) free_lo = min(free_lo, __shfl_xor_sync(0xffffffffu, free_lo, o));
+            be = (int)free_lo;
+            best = row[be];
+        }
+        if ((be & 31) == lane) chosen |= 1u << (be >> 5);
+        sum += best;
+        if (lane == 0) out_ids[i] = (u32)be, out_w[i] = best;
     }
     __syncwarp();
-    if (normalize && lane == 0) {
-        // The sum in choice order (f32), as the CPU renormalises.
-        float sum = 0.f;
-        for (int i = 0; i < k; ++i) sum += out_w[i];
+    if (normalize && lane == 0)
         for (int i = 0; i < k; ++i) out_w[i] /= sum;
-    }
-}
-
-extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,
-                                     int n_expert, int k, int normalize) {
-    moe_route_warp<4>(logits, ids, wts, n_expert, k, normalize);
-}
-extern "C" __global__ void moe_route_wide(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,
-                                          int n_expert, int k, int normalize) {
-    moe_route_warp<32>(logits, ids, wts, n_expert, k, normalize);
 }
 
 // The weighted sum of the experts' outputs (cpu: moe_ffn): out[t][c] = sum_i wts[t][i] * d[row(t, i)][c] in f64,
@@ -228,40 +208,6 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     double ss = 0.0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float v = row[i] + yr[i];
-        row[i] = v;
-        ss += (double)v * (double)v;
-    }
-    ss = warp_sum_d(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        double s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0;
-        s = warp_sum_d(s);
-        if (threadIdx.x == 0) part[0] = s;
-    }
-    __syncthreads();
-    float scale = 1.0f / sqrtf((float)(part[0] / n) + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i] * scale * w[i];
-}
-
-// moe_combine then add_rms_norm in one launch (cpu: moe_ffn's sum, then add and rms_norm_row): the experts' outputs
-// d[t * k + j] (decode: slot order) weighted by wts in f64 (divided by the weights' f64 sum when `normalized`),
-// added to x, then out = rms_norm(x) * w. One block per token row of n (up to 1024 threads, a multiple of 32).
-extern "C" __global__ void moe_add_rms_norm(const float* __restrict__ d, const float* __restrict__ wts,
-                                            float* __restrict__ x, float* __restrict__ out,
-                                            const float* __restrict__ w, int n, int k, int normalized, float eps) {
-    __shared__ double part[32];
-    int t = blockIdx.x;
-    float* row = x + (long long)t * n;
-    float* dst = out + (long long)t * n;
-    const float* wt = wts + (long long)t * k;
-    double ws = 0.0;
-    for (int j = 0; j < k; ++j) ws += (double)wt[j];
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        double acc = 0.0;
-        for (int j = 0; j < k; ++j) acc += (double)wt[j] * (double)d[((long long)t * k + j) * n + i];
-        float v = row[i] + (float)(normalized ? acc * (1.0 / ws) : acc);
         row[i] = v;
         ss += (double)v * (double)v;
     }

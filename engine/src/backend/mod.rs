@@ -334,29 +334,6 @@ pub trait Backend: Send + Sync {
         scratch: &mut MoeScratch,
     );
 
-    /// [`Backend::moe`] of `h` into `moe_out`, then the residual add and the next layer's norm: `x += moe_out`,
-    /// `h = rms_norm(x) * norm_w` (`h` is the MoE's input on entry and the norm's output on return; `moe_out` is
-    /// working space). The default runs [`Backend::moe`] then [`Backend::add_rms_norm_into`]; the CUDA backend sums
-    /// the experts' outputs inside the norm's kernel at decode (one launch fewer per layer), with the same rounding.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_add_rms_norm(
-        &self,
-        ex: &Experts<'_>,
-        logits: &mut Self::Buf,
-        h: &mut Self::Buf,
-        n_tok: usize,
-        k: usize,
-        normalize: bool,
-        moe_out: &mut Self::Buf,
-        x: &mut Self::Buf,
-        norm_w: &[f32],
-        eps: f32,
-        scratch: &mut MoeScratch,
-    ) {
-        self.moe(ex, logits, h, n_tok, k, normalize, moe_out, scratch);
-        self.add_rms_norm_into(x, moe_out, h, n_tok, norm_w, eps);
-    }
-
     /// Brackets one forward pass of `n_tok` tokens (`key` tells shapes apart, and the attention span in blocks
     /// of [`ATTN_SPAN_BLOCK`] cells: a step's launches may depend on both): a GPU backend records a decode
     /// step into a CUDA graph and replays it on later steps. No data may be read back between the two calls but

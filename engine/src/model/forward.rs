@@ -275,34 +275,12 @@ impl Model {
                         n_ff_exp: hp.n_ff_exp as usize,
                         act: w.config.act,
                     };
-                    let k = hp.n_expert_used as usize;
-                    let next = w
-                        .layers
-                        .get(il + 1)
-                        .filter(|_| layer.post_ffn_norm.is_none() && graphable);
-                    if let Some(next) = next {
-                        // The experts' sum, the residual add and the next layer's norm together (a GPU fuses them).
-                        be.moe_add_rms_norm(
-                            &ex,
-                            &mut s.router,
-                            &mut s.h,
-                            n,
-                            k,
-                            w.config.moe_normalize,
-                            &mut s.o,
-                            &mut s.x,
-                            &next.attn_norm,
-                            hp.rms_eps,
-                            &mut s.moe,
-                        );
-                        continue;
-                    }
                     be.moe(
                         &ex,
                         &mut s.router,
                         &s.h,
                         n,
-                        k,
+                        hp.n_expert_used as usize,
                         w.config.moe_normalize,
                         &mut s.o,
                         &mut s.moe,

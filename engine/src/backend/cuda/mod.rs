@@ -202,34 +202,6 @@ fn sum_splits_dev(gpu: &Gpu, part: u64, out: u64, n_split: usize, n: usize) -> R
     )
 }
 
-/// The router's softmax and top-k on the device (`moe_route`, or `moe_route_wide` past 128 experts): the chosen
-/// ids and weights land in the MoeIds and MoeW slots.
-fn route_dev(
-    s: &mut Inner,
-    g: &Gpu,
-    logits: u64,
-    n_expert: usize,
-    n_tok: usize,
-    k: usize,
-    normalize: bool,
-) -> Result<(), CudaError> {
-    let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
-    let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
-    g.launch(
-        if n_expert <= 128 { "moe_route" } else { "moe_route_wide" },
-        (n_tok as u32, 1, 1),
-        (32, 1, 1),
-        &[
-            Arg::P(logits),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::I(n_expert as i32),
-            Arg::I(k as i32),
-            Arg::I(normalize as i32),
-        ],
-    )
-}
-
 fn glu_code(act: GluKind) -> i32 {
     match act {
         GluKind::SwiGlu => 0,
@@ -586,7 +558,7 @@ impl Inner {
         n_tok: usize,
         k: usize,
         normalized: bool,
-        outp: Option<u64>,
+        outp: u64,
     ) -> Result<(), CudaError> {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         let slots = n_tok * k;
@@ -650,10 +622,6 @@ impl Inner {
             )?;
             0
         } else {
-            assert!(
-                outp.is_some(),
-                "moe_dispatch: only decode leaves the experts' outputs unsummed"
-            );
             // Prefill: read the routing back, group the slots by expert, one GEMM per expert and matrix.
             let mut ids_h = vec![0u32; slots];
             self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
@@ -687,10 +655,6 @@ impl Inner {
             glu_dev(gpu, gp, up, slots * nff, ex.act)?;
             self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gp, 0, dp, &tiles)?;
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
-        };
-        let Some(outp) = outp else {
-            // The caller sums them (moe_add_rms_norm).
-            return Ok(());
         };
         gpu.launch(
             "moe_combine",
@@ -1238,63 +1202,22 @@ impl Backend for CudaBackend {
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
-            route_dev(&mut s, g, logits.ptr(), ex.n_expert, n_tok, k, normalize)?;
-            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, Some(out.ptr()))
-        })());
-    }
-
-    fn moe_add_rms_norm(
-        &self,
-        ex: &Experts<'_>,
-        logits: &mut DevVec,
-        h: &mut DevVec,
-        n_tok: usize,
-        k: usize,
-        normalize: bool,
-        moe_out: &mut DevVec,
-        x: &mut DevVec,
-        norm_w: &[f32],
-        eps: f32,
-        scratch: &mut MoeScratch,
-    ) {
-        let n = ex.gate.cols;
-        let fused = n_tok <= MMV_MAX_TOKENS
-            && ex.n_expert <= 1024
-            && norm_w.len() == n
-            && [ex.gate, ex.up, ex.down].iter().all(gpu_computes);
-        if !fused {
-            self.moe(ex, logits, h, n_tok, k, normalize, moe_out, scratch);
-            return self.add_rms_norm_into(x, moe_out, h, n_tok, norm_w, eps);
-        }
-        assert!(
-            h.capacity() >= n_tok * n && x.capacity() >= n_tok * n && logits.capacity() >= n_tok * ex.n_expert,
-            "moe_add_rms_norm: shapes"
-        );
-        assert!(k >= 1 && k <= ex.n_expert, "moe_add_rms_norm: k of n_expert");
-        let g = &*self.gpu;
-        let mut s = self.lock();
-        Self::check((|| {
-            route_dev(&mut s, g, logits.ptr(), ex.n_expert, n_tok, k, normalize)?;
-            s.moe_dispatch(g, ex, h.ptr(), n_tok, k, normalize, None)?;
-            let dp = s.slots[Slot::MoeDown as usize].as_ref().expect("dispatched").ptr;
-            let wts = s.slots[Slot::MoeW as usize].as_ref().expect("routed").ptr;
-            let wp = s.weights.device_ptr(&g.stream, f32_bytes(norm_w))?;
+            let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
+            let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
             g.launch(
-                "moe_add_rms_norm",
+                "moe_route",
                 (n_tok as u32, 1, 1),
-                (norm_threads(n), 1, 1),
+                (32, 1, 1),
                 &[
-                    Arg::P(dp),
+                    Arg::P(logits.ptr()),
+                    Arg::P(ids),
                     Arg::P(wts),
-                    Arg::P(x.ptr()),
-                    Arg::P(h.ptr()),
-                    Arg::P(wp),
-                    Arg::I(n as i32),
+                    Arg::I(ex.n_expert as i32),
                     Arg::I(k as i32),
                     Arg::I(normalize as i32),
-                    Arg::F(eps),
                 ],
-            )
+            )?;
+            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, out.ptr())
         })());
     }
 

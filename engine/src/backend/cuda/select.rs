@@ -222,29 +222,6 @@ impl Backend for AnyBackend {
             be.moe(ex, logits, x, n_tok, k, normalize, out, scratch)
         )
     }
-    #[allow(clippy::too_many_arguments)]
-    fn moe_add_rms_norm(
-        &self,
-        ex: &Experts<'_>,
-        logits: &mut AnyBuf,
-        h: &mut AnyBuf,
-        n_tok: usize,
-        k: usize,
-        normalize: bool,
-        moe_out: &mut AnyBuf,
-        x: &mut AnyBuf,
-        norm_w: &[f32],
-        eps: f32,
-        scratch: &mut MoeScratch,
-    ) {
-        dispatch!(
-            self,
-            be,
-            [logits, h, moe_out, x],
-            [],
-            be.moe_add_rms_norm(ex, logits, h, n_tok, k, normalize, moe_out, x, norm_w, eps, scratch)
-        )
-    }
     fn step_begin(&self, n_tok: usize, key: u64) {
         if let AnyBackend::Cuda(c) = self {
             c.step_begin(n_tok, key)
