@@ -499,13 +499,15 @@ fn moe_ffn_matches_cpu() {
     let (cpu, gpu) = (CpuBackend, gpu());
     let mut rng = Rng(9);
     let mut rows = Vec::new();
-    for &(ty, n_tok) in &[
-        (GgmlType::Q4_K, 1usize),
-        (GgmlType::Q8_0, 1),
-        (GgmlType::Q4_K, 40),
-        (GgmlType::Q6_K, 9),
+    // (type, tokens, experts, top-k, expert width): 160 experts give the router's lanes five experts each.
+    for &(ty, n_tok, ne, k, f) in &[
+        (GgmlType::Q4_K, 1usize, 16usize, 4usize, 512usize),
+        (GgmlType::Q8_0, 1, 16, 4, 512),
+        (GgmlType::Q4_K, 40, 16, 4, 512),
+        (GgmlType::Q6_K, 9, 16, 4, 512),
+        (GgmlType::Q4_K, 3, 160, 8, 256),
     ] {
-        let (ne, k, e, f) = (16usize, 4usize, 256usize, 512usize);
+        let e = 256usize;
         let g = quantized(ty, ne * f, e, &mut rng).unwrap();
         let u = quantized(ty, ne * f, e, &mut rng).unwrap();
         let d = quantized(ty, ne * e, f, &mut rng).unwrap();
@@ -546,7 +548,7 @@ fn moe_ffn_matches_cpu() {
                 &mut MoeScratch::default(),
             );
             rows.push(Row(
-                format!("moe {ty} n_tok={n_tok} 16 experts top-4 normalize={normalize}"),
+                format!("moe {ty} n_tok={n_tok} {ne} experts top-{k} normalize={normalize}"),
                 rel_err(&down(&gpu, &bd, n_tok * e), &a),
                 2e-2,
             ));
