@@ -201,6 +201,13 @@ fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
         ),
         (json!({"messages": []}).to_string().into_bytes(), 400, "empty"),
         (
+            json!({"messages": [{"role": "wizard", "content": "Hi"}]})
+                .to_string()
+                .into_bytes(),
+            400,
+            "messages[0].role must be one of system, developer, user, assistant, tool; got `wizard`",
+        ),
+        (
             json!({"messages": msgs, "max_tokens": 0}).to_string().into_bytes(),
             400,
             "at least 1",
@@ -389,4 +396,38 @@ fn api_key_is_required_when_set_and_public_addresses_need_one() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--insecure-public"), "{err}");
+}
+
+/// A client that stops sending mid-body gets 408 within `--body-timeout-s` (its connection closed), in the API's
+/// error shape, and the server keeps serving.
+#[test]
+fn a_stalled_body_gets_408_within_the_body_timeout() {
+    use std::io::{Read, Write};
+    let s = Server::start_with(&["--body-timeout-s", "2"], &[]);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut c = std::net::TcpStream::connect(&addr).expect("connect");
+    c.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let start = std::time::Instant::now();
+    // Promises 100 bytes, sends 10, then waits.
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"messages"
+    )
+    .unwrap();
+    c.flush().unwrap();
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).expect("the server answers and closes");
+    let waited = start.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("--body-timeout-s"), "{answer}");
+    assert!(answer.contains("\"invalid_request_error\""), "OpenAI shape: {answer}");
+    assert!(
+        waited >= std::time::Duration::from_millis(1500) && waited < std::time::Duration::from_secs(15),
+        "answered after {waited:?}"
+    );
+    let (status, _) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
 }

@@ -56,6 +56,8 @@ pub enum ErrorKind {
     MethodNotAllowed,
     /// 413: a body over `--max-body-bytes`.
     TooLarge,
+    /// 408: a body that did not arrive within `--body-timeout-s`.
+    Timeout,
     /// 503 with Retry-After: the queue is full.
     Overloaded,
     /// 503 with Retry-After: the engine worker died or is restarting.
@@ -70,6 +72,7 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::Timeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::Overloaded | ErrorKind::EngineDown => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -77,7 +80,9 @@ impl ErrorKind {
     /// The error's `type` string in `api`'s vocabulary.
     fn type_name(self, api: Api) -> &'static str {
         match (api, self) {
-            (_, ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed) => "invalid_request_error",
+            (_, ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed | ErrorKind::Timeout) => {
+                "invalid_request_error"
+            }
             (_, ErrorKind::Authentication) => "authentication_error",
             (Api::OpenAi, ErrorKind::NotFound) => "invalid_request_error",
             (Api::Anthropic, ErrorKind::NotFound) => "not_found_error",

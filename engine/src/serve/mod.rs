@@ -144,6 +144,10 @@ pub struct ServeArgs {
     /// Largest request body in bytes; a larger one gets 413.
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Seconds a request body may take to arrive in full; a client that stops sending mid-body gets 408 and its
+    /// connection is closed, instead of holding it open for ever.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_timeout_s: u64,
     /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY` (else $STRATA_API_KEY).
     #[arg(long)]
     pub api_key: Option<String>,
@@ -235,17 +239,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 ""
             }
         );
-        axum::serve(listener, router(state, args.max_body_bytes))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await
-            .context("the HTTP server failed")
+        axum::serve(
+            listener,
+            router(state, args.max_body_bytes, Duration::from_secs(args.body_timeout_s)),
+        )
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("the HTTP server failed")
     })
 }
 
-/// The routes, with the body limit, the API-key check and the request counter.
-pub fn router(state: Shared, max_body_bytes: usize) -> Router {
+/// The routes, with the body limit and deadline, the API-key check and the request counter.
+pub fn router(state: Shared, max_body_bytes: usize, body_timeout: Duration) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
@@ -255,11 +262,50 @@ pub fn router(state: Shared, max_body_bytes: usize) -> Router {
         .route("/metrics", get(metrics_text))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            read_body_in_time(req, next, max_body_bytes, body_timeout)
+        }))
         .layer(middleware::from_fn_with_state(state.clone(), require_key))
         .route("/health", get(health))
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
+}
+
+/// Reads the whole request body before routing, within `deadline`: a body still incomplete then gets 408 (the
+/// connection is closed), one over `limit` bytes 413, both in the shape of the API the path belongs to.
+async fn read_body_in_time(req: Request, next: Next, limit: usize, deadline: Duration) -> Response {
+    let (parts, body) = req.into_parts();
+    let api = api_of(&parts.uri);
+    match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+                .await
+        }
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                ApiError::new(
+                    api,
+                    ErrorKind::TooLarge,
+                    "the request body is larger than --max-body-bytes",
+                )
+                .into_response()
+            } else {
+                ApiError::invalid(api, format!("cannot read the request body: {e}")).into_response()
+            }
+        }
+        Err(_) => {
+            let msg = format!(
+                "the request body did not arrive within {} s (--body-timeout-s)",
+                deadline.as_secs()
+            );
+            let mut r = ApiError::new(api, ErrorKind::Timeout, msg).into_response();
+            r.headers_mut()
+                .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            r
+        }
+    }
 }
 
 /// The API a path belongs to, for the shape of its error answers.

@@ -64,13 +64,33 @@ struct CompletionRequest {
     common: Common,
 }
 
-/// OpenAI content parts become one text (the chat templates expect strings); non-text parts are refused.
+/// The message roles of OpenAI's chat API (`developer` is its newer name for `system`).
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// OpenAI content parts become one text (the chat templates expect strings); non-text parts are refused; a
+/// `developer` message becomes a `system` one.
 ///
-/// Errors: a part that is not text.
+/// Errors: a role outside OpenAI's (`messages[i].role` named, as OpenAI and vLLM refuse it); a part that is not
+/// text.
 pub fn flatten_content(api: Api, messages: Vec<ChatMessage>) -> Result<Vec<ChatMessage>, ApiError> {
     messages
         .into_iter()
-        .map(|mut m| {
+        .enumerate()
+        .map(|(i, mut m)| {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::invalid(
+                    api,
+                    format!(
+                        "messages[{i}].role must be one of {}; got `{}`",
+                        ROLES.join(", "),
+                        m.role
+                    ),
+                ));
+            }
+            if m.role == "developer" {
+                // The chat templates in GGUF files know `system`, not OpenAI's newer name for it.
+                m.role = "system".into();
+            }
             if let ChatContent::Parts(parts) = &m.content {
                 let mut text = String::new();
                 for p in parts {
