@@ -425,6 +425,24 @@ fn a_stalled_body_gets_408_within_the_body_timeout() {
         waited >= std::time::Duration::from_millis(1500) && waited < std::time::Duration::from_secs(15),
         "answered after {waited:?}"
     );
+    // A declared length over --max-body-bytes is refused at once, not after the deadline.
+    let mut c = std::net::TcpStream::connect(&addr).expect("connect");
+    c.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let start = std::time::Instant::now();
+    write!(
+        c,
+        "POST /v1/messages HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
+    )
+    .unwrap();
+    let mut head = [0u8; 512];
+    let n = c.read(&mut head).expect("an answer");
+    let head = String::from_utf8_lossy(&head[..n]);
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(
+        start.elapsed() < std::time::Duration::from_millis(1500),
+        "{:?}",
+        start.elapsed()
+    );
     let (status, _) = s.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),

@@ -277,20 +277,30 @@ pub fn router(state: Shared, max_body_bytes: usize, body_timeout: Duration) -> R
 async fn read_body_in_time(req: Request, next: Next, limit: usize, deadline: Duration) -> Response {
     let (parts, body) = req.into_parts();
     let api = api_of(&parts.uri);
+    let too_large = || {
+        ApiError::new(
+            api,
+            ErrorKind::TooLarge,
+            "the request body is larger than --max-body-bytes",
+        )
+        .into_response()
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        // Refused before a byte of it is read.
+        return too_large();
+    }
     match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(bytes)) => {
             next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
                 .await
         }
         Ok(Err(e)) => {
-            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-            if too_large {
-                ApiError::new(
-                    api,
-                    ErrorKind::TooLarge,
-                    "the request body is larger than --max-body-bytes",
-                )
-                .into_response()
+            if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) {
+                too_large()
             } else {
                 ApiError::invalid(api, format!("cannot read the request body: {e}")).into_response()
             }
