@@ -3,6 +3,8 @@
 
 mod serve_common;
 
+use std::time::{Duration, Instant};
+
 use serde_json::{Value, json};
 use serve_common::{Server, SseReader};
 
@@ -398,23 +400,31 @@ fn api_key_is_required_when_set_and_public_addresses_need_one() {
     assert!(err.contains("--insecure-public"), "{err}");
 }
 
+/// Opens a connection to `addr` and sends a POST to `path` with these headers and body bytes, nothing more;
+/// returns the stream (read timeout 20 s) and when the request went out.
+fn send_partial(addr: &str, path: &str, content_length: usize, body: &str) -> (std::net::TcpStream, Instant) {
+    use std::io::Write;
+    let mut c = std::net::TcpStream::connect(addr).expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let start = Instant::now();
+    write!(
+        c,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n{body}"
+    )
+    .unwrap();
+    c.flush().unwrap();
+    (c, start)
+}
+
 /// A client that stops sending mid-body gets 408 within `--body-timeout-s` (its connection closed), in the API's
 /// error shape, and the server keeps serving.
 #[test]
 fn a_stalled_body_gets_408_within_the_body_timeout() {
-    use std::io::{Read, Write};
+    use std::io::Read;
     let s = Server::start_with(&["--body-timeout-s", "2"], &[]);
     let addr = s.base.trim_start_matches("http://").to_string();
-    let mut c = std::net::TcpStream::connect(&addr).expect("connect");
-    c.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
-    let start = std::time::Instant::now();
     // Promises 100 bytes, sends 10, then waits.
-    write!(
-        c,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"messages"
-    )
-    .unwrap();
-    c.flush().unwrap();
+    let (mut c, start) = send_partial(&addr, "/v1/chat/completions", 100, "{\"messages");
     let mut answer = String::new();
     c.read_to_string(&mut answer).expect("the server answers and closes");
     let waited = start.elapsed();
@@ -422,27 +432,16 @@ fn a_stalled_body_gets_408_within_the_body_timeout() {
     assert!(answer.contains("--body-timeout-s"), "{answer}");
     assert!(answer.contains("\"invalid_request_error\""), "OpenAI shape: {answer}");
     assert!(
-        waited >= std::time::Duration::from_millis(1500) && waited < std::time::Duration::from_secs(15),
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(15),
         "answered after {waited:?}"
     );
     // A declared length over --max-body-bytes is refused at once, not after the deadline.
-    let mut c = std::net::TcpStream::connect(&addr).expect("connect");
-    c.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
-    let start = std::time::Instant::now();
-    write!(
-        c,
-        "POST /v1/messages HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
-    )
-    .unwrap();
+    let (mut c, start) = send_partial(&addr, "/v1/messages", 100_000_000, "");
     let mut head = [0u8; 512];
     let n = c.read(&mut head).expect("an answer");
     let head = String::from_utf8_lossy(&head[..n]);
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
-    assert!(
-        start.elapsed() < std::time::Duration::from_millis(1500),
-        "{:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
     let (status, _) = s.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
