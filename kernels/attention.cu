@@ -17,6 +17,7 @@ extern "C" __global__ void attn_scores(const float* __restrict__ q, const u8* __
                                        float* __restrict__ scores, const unsigned int* __restrict__ pos,
                                        int n_head, int n_head_kv, int dk, int lo, int n_keys, float scale,
                                        int window, long long row_bytes, int head_bytes, int ty) {
+    pdl_enter();
     int key = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (key >= n_keys) return;
     int th = blockIdx.x, t = th / n_head, h = th % n_head;
@@ -42,6 +43,7 @@ extern "C" __global__ void attn_scores(const float* __restrict__ q, const u8* __
 // Softmax of each row of n_keys scores in place (cpu: softmax_row), then rounded to f16 when round != 0.
 // One block of 256 per row.
 extern "C" __global__ void attn_softmax(float* __restrict__ scores, int n_keys, int round) {
+    pdl_enter();
     __shared__ float smax[8];
     __shared__ double ssum[8];
     float* row = scores + (long long)blockIdx.x * n_keys;
@@ -76,6 +78,7 @@ extern "C" __global__ void attn_softmax(float* __restrict__ scores, int n_keys, 
 extern "C" __global__ void attn_pv(const float* __restrict__ probs, const u8* __restrict__ v,
                                    float* __restrict__ part, int n_rows, int n_head, int n_head_kv, int dv,
                                    int lo, int n_keys, int split_len, long long row_bytes, int head_bytes, int ty) {
+    pdl_enter();
     int th = blockIdx.x, split = blockIdx.y;
     int h = th % n_head, g = h / (n_head / n_head_kv);
     int k0 = split * split_len, k1 = min(n_keys, k0 + split_len);
@@ -93,6 +96,7 @@ extern "C" __global__ void attn_pv(const float* __restrict__ probs, const u8* __
 // out[i] = sum over splits of part[s][i], n values per split.
 extern "C" __global__ void sum_splits(const float* __restrict__ part, float* __restrict__ out, int n_split,
                                       long long n) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float s = 0.f;
@@ -109,6 +113,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
                                        float* __restrict__ out, const unsigned int* __restrict__ pos, int n_head,
                                        int n_head_kv, int dk, int dv, float scale, int window, long long krb,
                                        int khb, int kty, long long vrb, int vhb, int vty, int n_ctx) {
+    pdl_enter();
     __shared__ float red[8];
     __shared__ double redd[8];
     __shared__ float pv[256];
@@ -225,6 +230,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
     const float* __restrict__ q, const u8* __restrict__ k, const u8* __restrict__ v, float* __restrict__ out,
     const unsigned int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, int dk, int dv, float scale,
     int window, long long krb, int khb, long long vrb, int vhb, int tgroups) {
+    pdl_enter();
     const int KS = FA_DMAX + 8; // padded row strides (halves) of the key and value tiles
     __shared__ __align__(16) u16 ks[FA_KEYS * KS];
     __shared__ __align__(16) u16 vs[FA_KEYS * KS];
@@ -381,6 +387,7 @@ extern "C" __global__ void attn_split_scores(const float* __restrict__ q, const 
                                              const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dk,
                                              float scale, int window, long long krb, int khb, int kty, int n_ctx,
                                              int split_len) {
+    pdl_enter();
     __shared__ float red[4];
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
     int g = h / (n_head / n_head_kv), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -416,6 +423,7 @@ extern "C" __global__ void attn_split_scores(const float* __restrict__ q, const 
 extern "C" __global__ void attn_split_exp(float* __restrict__ scores, const float* __restrict__ pmax,
                                           double* __restrict__ psum, const unsigned int* __restrict__ pos,
                                           int n_head, int window, int n_ctx, int split_len) {
+    pdl_enter();
     __shared__ double red[4];
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
@@ -442,6 +450,7 @@ extern "C" __global__ void attn_split_pv(const float* __restrict__ scores, const
                                          const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dv,
                                          int window, long long vrb, int vhb, int vty, int n_ctx, int split_len,
                                          int rows) {
+    pdl_enter();
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
     int g = h / (n_head / n_head_kv);
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;

@@ -27,6 +27,19 @@ __device__ __forceinline__ u32 ld32(const u8* p) {
     return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
 }
 
+// Programmatic dependent launch (sm_90 and later; the host launches every kernel with the attribute there): a
+// kernel may begin while the one before it on the stream still runs. pdl_enter() waits until that kernel has
+// completed and its writes are visible, then lets the next kernel begin launching. Every kernel calls it before
+// it reads anything an earlier kernel wrote and before it writes anything; only loads of weights (never written
+// while kernels run) may come first. Calling it after a launch without the attribute, or twice, costs nothing.
+// Source: PTX ISA, griddepcontrol; CUDA programming guide, "Programmatic Dependent Launch and Synchronization".
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -4,6 +4,7 @@
 // RMSNorm (cpu: rms_norm_row): the mean of squares in f64, out = x * scale * w (out may be x). One block per row
 // of n (up to 1024 threads, a multiple of 32).
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int n, float eps) {
+    pdl_enter();
     __shared__ double part[32];
     const float* row = x + (long long)blockIdx.x * n;
     float* dst = out + (long long)blockIdx.x * n;
@@ -26,6 +27,7 @@ extern "C" __global__ void rms_norm(const float* x, float* out, const float* __r
 // One thread per (token, head, rotated pair). neox: pairs (i, i + n_rot/2), else (2i, 2i+1).
 extern "C" __global__ void rope(float* __restrict__ x, const unsigned int* __restrict__ pos, int n_tok, int n_head,
                                 int head_dim, int n_rot, float theta_scale, float freq_scale, int neox) {
+    pdl_enter();
     int half = n_rot / 2;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_tok * n_head * half) return;
@@ -42,17 +44,20 @@ extern "C" __global__ void rope(float* __restrict__ x, const unsigned int* __res
 }
 
 extern "C" __global__ void scale_f32(float* __restrict__ x, float s, long long n) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= s;
 }
 
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, long long n) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 // gate = act(gate) * up. act 0: silu (cpu: silu); 1: ggml's f16 GELU (cpu: gelu_ggml).
 extern "C" __global__ void glu(float* __restrict__ g, const float* __restrict__ u, long long n, int act) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float a = glu_act(g[i], act);
@@ -63,6 +68,7 @@ extern "C" __global__ void glu(float* __restrict__ g, const float* __restrict__ 
 extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u8* __restrict__ dst,
                                         const unsigned int* __restrict__ pos, int n_tok, int width,
                                         long long row_bytes) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_tok * width) return;
     int t = (int)(i / width), c = (int)(i % width);
@@ -74,6 +80,7 @@ extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u8* __res
 extern "C" __global__ void kv_store2_f16(const float* __restrict__ sk, u16* __restrict__ dk,
                                          const float* __restrict__ sv, u16* __restrict__ dv,
                                          const unsigned int* __restrict__ pos, int n_tok, int wk, int wv) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long nk = (long long)n_tok * wk;
     if (i < nk) {
@@ -92,6 +99,7 @@ extern "C" __global__ void kv_store2_f16(const float* __restrict__ sk, u16* __re
 extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u8* __restrict__ dst,
                                          const unsigned int* __restrict__ pos, int n_tok, int width,
                                          long long row_bytes) {
+    pdl_enter();
     int nb = width / 32;
     long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
@@ -114,6 +122,7 @@ extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u8* __re
 
 // dst[i] = src[i], n values.
 extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __restrict__ dst, long long n) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
 }
@@ -124,6 +133,7 @@ extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __rest
 // [n_tok][k]. One warp per token (grid n_tok, block 32); n_expert <= 1024.
 extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,
                                      int n_expert, int k, int normalize) {
+    pdl_enter();
     float* row = logits + (long long)blockIdx.x * n_expert;
     int lane = threadIdx.x;
     float m = -STRATA_INF;
@@ -184,6 +194,7 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
 extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* __restrict__ rows,
                                        const float* __restrict__ wts, float* __restrict__ out, int n_tok, int k,
                                        int n_embd, int normalized) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_tok * n_embd) return;
     int t = (int)(i / n_embd), c = (int)(i % n_embd);
@@ -201,6 +212,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* _
 // One block per row of n (up to 1024 threads, a multiple of 32).
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y, float* __restrict__ out,
                                         const float* __restrict__ w, int n, float eps) {
+    pdl_enter();
     __shared__ double part[32];
     float* row = x + (long long)blockIdx.x * n;
     const float* yr = y + (long long)blockIdx.x * n;
@@ -231,6 +243,7 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
                                         const float* __restrict__ kw, const unsigned int* __restrict__ pos,
                                         int n_tok, int n_head, int n_head_kv, int head_dim, float eps, int n_rot,
                                         float theta_scale, float freq_scale, int neox) {
+    pdl_enter();
     long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     long long nq = (long long)n_tok * n_head, nk = (long long)n_tok * n_head_kv;
@@ -262,6 +275,7 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
 
 // dst[i] = src[i] for n4 groups of four floats, 16-byte loads and stores (the bandwidth measurement).
 extern "C" __global__ void copy_f32x4(const float4* __restrict__ src, float4* __restrict__ dst, long long n4) {
+    pdl_enter();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x)
         dst[i] = src[i];
 }

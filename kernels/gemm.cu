@@ -21,6 +21,7 @@
         __shared__ u16 xs[GM_M * GM_PAD];                                                                      \
         __shared__ u16 ws[GM_N * GM_PAD];                                                                      \
         int tile = blockIdx.y, n0 = blockIdx.x * GM_N;                                                         \
+        pdl_enter();                                                                                           \
         int expert = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];                    \
         const u8* we = w + (long long)expert * expert_stride;                                                  \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;                  \

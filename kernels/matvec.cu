@@ -64,6 +64,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         if (w) w += (long long)r * row_bytes;                                                                 \
         MmvPre_##name pre;                                                                                    \
         if (w) mmv_load_##name(pre, w, cols, lane);                                                           \
+        pdl_enter();                                                                                          \
         bool perm;                                                                                            \
         const float* xt = mmv_stage_##name(x + (long long)t * cols, cols, &perm);                             \
         if (!w) return;                                                                                       \
@@ -77,6 +78,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               const float* __restrict__, int) {                               \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
+        pdl_enter();                                                                                          \
         const u8* w = r < rows ? (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes : nullptr; \
         MmvPre_##name pre;                                                                                    \
         if (w) mmv_load_##name(pre, w, cols, lane);                                                           \
@@ -91,6 +93,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
 #define STRATA_ROWS(name, dq)                                                                                  \
     extern "C" __global__ void get_rows_##name(const u8* __restrict__ w, const u32* __restrict__ ids,         \
                                                float* __restrict__ out, int n, int cols, long long row_bytes) { \
+        pdl_enter();                                                                                          \
         long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                       \
         int per_row = cols / 32;                                                                              \
         if (i >= (long long)n * per_row) return;                                                              \
@@ -99,6 +102,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
     }                                                                                                         \
     extern "C" __global__ void dq_f16_##name(const u8* __restrict__ w, u16* __restrict__ out, int rows,       \
                                              int cols, long long row_bytes) {                                 \
+        pdl_enter();                                                                                          \
         long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                       \
         int per_row = cols / 32;                                                                              \
         if (i >= (long long)rows * per_row) return;                                                           \
@@ -324,6 +328,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
             int sb = (lane >> 3) + 4 * u;
             if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
         }
+    pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
     if constexpr (Q::Q8) {
         if (cols <= MMV_X_MAX) {
             Q8kStage& st = *(Q8kStage*)xs_fast;
@@ -417,6 +422,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                                               const float* __restrict__ xu, int act) {                          \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
+        pdl_enter();                                                                                            \
         const u8* base = (blockIdx.z ? wb : wa) + (long long)ids[s] * rows * row_bytes;                         \
         const u8* w[R];                                                                                     \
         float acc[R];                                                                                       \
@@ -512,6 +518,7 @@ STRATA_MMV(q5_k, dq32_q5_k)
 
 // f32 -> f16 bits, n values (the GEMM's activations).
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ out, long long n) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(x[i]);
 }
@@ -525,9 +532,11 @@ extern "C" __global__ void mmv_wide_f32(const float* __restrict__ w, const float
     int r = blockIdx.x, t = blockIdx.y;
     const float4* w4 = (const float4*)(w + (long long)r * cols);
     const float4* x4 = (const float4*)(x + (long long)t * cols);
+    float4 a0 = threadIdx.x < cols / 4 ? w4[threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
+    pdl_enter(); // the weights' first load is in flight
     float acc = 0.f;
     for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-        float4 a = w4[i], b = x4[i];
+        float4 a = i == threadIdx.x ? a0 : w4[i], b = x4[i];
         acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
     }
     acc = warp_sum(acc);

@@ -292,6 +292,9 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     calls: AtomicU64,
     sync_launches: bool,
+    /// Kernels are launched with programmatic dependent launch (sm_90 and later, unless `STRATA_PDL=0`): each may
+    /// start while the one before it finishes, and waits in `pdl_enter()` (kernels/common.cuh) for its writes.
+    pdl: bool,
     /// `STRATA_PROFILE_KERNELS=1`: every launch between two timing events (see [`Gpu::kernel_profile`]).
     profile: Mutex<Profile>,
     profiling: std::sync::atomic::AtomicBool,
@@ -361,6 +364,7 @@ impl Gpu {
             funcs,
             calls: AtomicU64::new(0),
             sync_launches: std::env::var_os("STRATA_SYNC_LAUNCHES").is_some_and(|v| v != "0"),
+            pdl: major >= 9 && std::env::var_os("STRATA_PDL").is_none_or(|v| v != "0"),
             profile: Mutex::new(Profile::default()),
             graphs: Mutex::new(Graphs {
                 enabled: std::env::var_os("STRATA_CUDA_GRAPHS").is_none_or(|v| v != "0"),
@@ -584,25 +588,29 @@ impl Gpu {
             call,
             error: "no such kernel in the module".into(),
         })?;
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::P(v) => b.arg(v),
-                Arg::I(v) => b.arg(v),
-                Arg::L(v) => b.arg(v),
-                Arg::F(v) => b.arg(v),
-            };
-        }
         let profiling = self.profiling.load(Ordering::Relaxed);
         let timing = if profiling { self.timing_event() } else { None };
-        // SAFETY: each kernel's argument list is fixed by its caller in this backend, which passes pointers to
-        // buffers it sized for the launch.
-        let mut r = unsafe { b.launch(cfg) }.map(|_| ());
+        let mut r = if self.pdl && !profiling {
+            self.launch_pdl(f, grid, block, args)
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: grid,
+                block_dim: block,
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(f);
+            for a in args {
+                match a {
+                    Arg::P(v) => b.arg(v),
+                    Arg::I(v) => b.arg(v),
+                    Arg::L(v) => b.arg(v),
+                    Arg::F(v) => b.arg(v),
+                };
+            }
+            // SAFETY: each kernel's argument list is fixed by its caller in this backend, which passes pointers
+            // to buffers it sized for the launch.
+            unsafe { b.launch(cfg) }.map(|_| ())
+        };
         if let Some(start) = timing
             && let Some(end) = self.timing_event()
         {
@@ -632,6 +640,53 @@ impl Gpu {
                 error,
             }
         })
+    }
+
+    /// Launches `f` through `cuLaunchKernelEx` with programmatic stream serialization allowed: the kernel may
+    /// begin while the previous one on the stream runs (CUDA programming guide, "Programmatic Dependent Launch
+    /// and Synchronization"); it waits for that kernel's writes in `pdl_enter()`. In a captured stream the
+    /// driver turns this into a programmatic edge of the graph.
+    fn launch_pdl(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        let mut params: Vec<*mut std::ffi::c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::P(v) => v as *const u64 as *mut std::ffi::c_void,
+                Arg::I(v) => v as *const i32 as *mut std::ffi::c_void,
+                Arg::L(v) => v as *const i64 as *mut std::ffi::c_void,
+                Arg::F(v) => v as *const f32 as *mut std::ffi::c_void,
+            })
+            .collect();
+        // SAFETY: the attribute value is a plain C union; `pad` zeroes it before the one field is set.
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `params` points at the argument values, alive for the call (the driver copies them); each
+        // kernel's argument list is fixed by its caller in this backend, which sized the buffers for the launch.
+        unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result()
     }
 
     /// Runs `f` (work queued on the stream outside [`Gpu::launch`], such as a cuBLAS call) between two timing
@@ -790,5 +845,40 @@ mod tests {
             defined > 20,
             "found only {defined} named kernels: the parser no longer matches the sources"
         );
+    }
+
+    /// Every kernel, named or generated by a macro, calls `pdl_enter()` (directly, or through `mmv_fast_rows`,
+    /// which calls it after its first weight loads) before the next kernel definition: a kernel launched with
+    /// programmatic dependent launch that never waits would read its inputs before they are written.
+    #[test]
+    fn every_kernel_waits_for_the_kernel_before() {
+        let mut kernels = 0;
+        for (file, src) in KERNEL_SOURCES {
+            for part in src.split("__global__ void").skip(1) {
+                kernels += 1;
+                let head: String = part.chars().take(60).collect();
+                // The body: from its opening brace to the matching closing one.
+                let open = part.find('{').expect("a kernel body");
+                let mut depth = 0;
+                let close = part[open..]
+                    .char_indices()
+                    .find_map(|(i, c)| {
+                        depth += match c {
+                            '{' => 1,
+                            '}' => -1,
+                            _ => 0,
+                        };
+                        (depth == 0).then_some(open + i)
+                    })
+                    .expect("a closed kernel body");
+                let body = &part[open..close];
+                assert!(
+                    body.contains("pdl_enter()") || body.contains("mmv_fast_rows<"),
+                    "{file}: kernel `{}` does not call pdl_enter()",
+                    head.split('(').next().unwrap_or("").trim()
+                );
+            }
+        }
+        assert!(kernels > 30, "found only {kernels} kernels: the parser no longer matches the sources");
     }
 }
