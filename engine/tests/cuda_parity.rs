@@ -408,6 +408,7 @@ fn attention_matches_cpu() {
             (4u32, 2u32, 64u32, 600usize, None),
             (9, 3, 64, 300, Some(128usize)),
             (32, 4, 128, 1100, None),
+            (8, 2, 128, 100, None),
         ] {
             let hp = hp_for_attn(nh, nkv, hd);
             let (nh, nkv, hd) = (nh as usize, nkv as usize, hd as usize);

@@ -49,9 +49,12 @@ use store::{DevBuf, ResidentStore, WeightStore};
 const MMV_MAX_TOKENS: usize = 4;
 /// Keys per split of the prefill fallback attention's P·V pass.
 const ATTN_SPLIT_KEYS: usize = 128;
-/// Cache cells per split of the decode attention: a cache of more cells splits its keys over several blocks per
-/// head (flash-decoding), a shorter one runs in one block per head.
-const DECODE_SPLIT_CELLS: usize = crate::backend::ATTN_SPAN_BLOCK;
+/// Cache cells per split of the decode attention (flash-decoding): a span of more than one
+/// [`crate::backend::ATTN_SPAN_BLOCK`] splits its keys over blocks of this many cells per head (at most
+/// [`DECODE_MAX_SPLITS`] of them), a shorter one runs in one block per head.
+const DECODE_SPLIT_CELLS: usize = 64;
+/// Most splits of a decode attention: longer spans give each split more cells.
+const DECODE_MAX_SPLITS: usize = 256;
 
 /// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
@@ -954,17 +957,27 @@ impl Backend for CudaBackend {
             let code = |t: GgmlType| if t == GgmlType::F16 { 0 } else { 1 };
             let pp = s.positions(g, positions)?;
             let n_ctx = kv.k.bytes() / krb;
-            // Decode splits by the span (the step's key holds it in blocks of DECODE_SPLIT_CELLS, so a replayed
-            // graph's split count stays right); the split buffers are sized for the whole cache, so a longer span
+            // Decode splits by the span (the step's key holds it in blocks of ATTN_SPAN_BLOCK, so a replayed
+            // graph's split count and length stay right: both depend on the block count alone); the split buffers are sized for the whole cache, so a longer span
             // allocates nothing and the graphs of shorter ones stay valid.
-            let max_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(64);
-            let n_split = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).min(max_split);
+            let span_blocks = (hi + 1).div_ceil(crate::backend::ATTN_SPAN_BLOCK);
+            let max_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(DECODE_MAX_SPLITS);
+            let n_split = if span_blocks > 1 {
+                (span_blocks * crate::backend::ATTN_SPAN_BLOCK)
+                    .div_ceil(DECODE_SPLIT_CELLS)
+                    .min(max_split)
+            } else {
+                1
+            };
             // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
             // has position-dependent arguments, which a replayed graph must never have.)
             if n_tok <= MMV_MAX_TOKENS && (n_split > 1 || dv > 256) {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
-                let split_len = (hi + 1).div_ceil(DECODE_SPLIT_CELLS).div_ceil(n_split) * DECODE_SPLIT_CELLS;
+                let split_len = (span_blocks * crate::backend::ATTN_SPAN_BLOCK)
+                    .div_ceil(DECODE_SPLIT_CELLS)
+                    .div_ceil(n_split)
+                    * DECODE_SPLIT_CELLS;
                 let rows = n_tok * p.n_head;
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
                 let mp = s.slot(g, Slot::SplitMax, rows * max_split * 4)?;
