@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmarks of issue 6, on a machine with an NVIDIA GPU and no Rust toolchain: the release
 # `strata` binary and the cuda_parity test binary are built elsewhere and carried in carry/ (see README "CUDA").
-#   ci/device-test.sh [parity] [bench-small] [bench-30b]   (default: parity bench-small)
+#   ci/device-test.sh [parity] [bench-small] [bench-30b] [decode-30b] [harness] [profile-30b]
+#   (default: parity bench-small)
 #     parity       device list, kernel start times (cold, then cached), selftest, op parity table, end-to-end KLD,
 #                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
 #     bench-small  `strata bench --device cuda:0` on a SmolLM2-135M-shaped model (llama, Q4_1, Q8_0 embedding)
 #     bench-30b    the same on a Qwen3-30B-A3B-shaped qwen3moe (Q4_K, Q6_K output), generated here (about 17 GB)
 #     harness      `strata-harness run scenarios/h200.yaml` (carry/strata-harness), its report folder as one .tgz
+#     decode-30b   decode of the 30B shape at cache depths 0, 1024 and 8192 (`strata bench --depth`), with
+#                  programmatic dependent launch on (the default) and off (STRATA_PDL=0)
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -63,7 +66,7 @@ bench-small)
   row "bench smollm2-shaped" "rc=$?"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
   ;;
-bench-30b|profile-30b)
+bench-30b|profile-30b|decode-30b)
   [ -f "$WORK/q30.gguf" ] || /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
   if [ $mode = profile-30b ]; then
@@ -73,6 +76,15 @@ bench-30b|profile-30b)
       "$BIN" generate --model "$WORK/q30.gguf" --device cuda:0 --prompt "hello" --max-tokens 3 \
       > "$OUT/ncu-decode-30b.csv" 2> "$OUT/ncu-decode-30b.err"
     row "ncu decode 30b" "rc=$? $(wc -l < "$OUT/ncu-decode-30b.csv") rows"
+    continue
+  fi
+  if [ $mode = decode-30b ]; then
+    for pdl in 1 0; do
+      STRATA_PDL=$pdl "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps 3 \
+        --prompt-tokens 512 --gen-tokens 128 --depth 0,1024,8192 > "$OUT/decode-30b-pdl$pdl.md" 2> "$OUT/decode-30b-pdl$pdl.err"
+      row "decode qwen3-30b-a3b-shaped STRATA_PDL=$pdl" "rc=$?"
+      while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/decode-30b-pdl$pdl.md" | cut -d'|' -f2,3,9)
+    done
     continue
   fi
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/smi-30b.csv" 2>/dev/null &

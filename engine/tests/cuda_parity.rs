@@ -12,7 +12,8 @@ use strata_engine::model::{HParams, Model};
 use strata_engine::quant::{self, GgmlType};
 use strata_engine::runtime::fault::FaultPlan;
 use strata_engine::runtime::kv::{KvCache, KvType};
-use strata_engine::runtime::session::{Session, SessionConfig};
+use strata_engine::runtime::sampling::TopLogits;
+use strata_engine::runtime::session::{Session, SessionConfig, StepLogits};
 
 const NEEDS_GPU: &str = "needs a CUDA GPU: run ci/device-test.sh on the device machine";
 
@@ -621,6 +622,9 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
         .collect();
     let mut sc = Session::new(&model, CpuBackend, cfg).unwrap();
     let mut sg = Session::new(&model, gpu(), cfg).unwrap();
+    // A third session decodes the same tokens with the candidates selected on the device.
+    let mut st = Session::new(&model, gpu(), cfg).unwrap();
+    st.prefill(&tokens[..32]).unwrap();
     let a = sc.logits_all(&tokens).unwrap();
     let b = sg.logits_all(&tokens).unwrap();
     let kld_tf = mean_kld(&a, &b, vocab);
@@ -635,6 +639,11 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
         same_argmax += (arg(&pb[pb.len() - vocab..]) as u32 == next) as usize;
         pa.extend_from_slice(sc.decode(next).unwrap());
         pb.extend_from_slice(sg.decode(next).unwrap());
+        let want = TopLogits::from_logits(&pb[pb.len() - vocab..]);
+        match st.decode_top(next).unwrap() {
+            StepLogits::Top(t) => assert_eq!(t, &want, "{name}: device candidates differ from the logits' best"),
+            StepLogits::Full(_) => panic!("{name}: the CUDA backend returned logits, not candidates"),
+        }
     }
     let kld_dec = mean_kld(&pa, &pb, vocab);
     let (captures, replays) = sg.backend().gpu().graph_counts();
@@ -648,6 +657,45 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
     );
     let _ = std::fs::remove_dir_all(&dir);
     assert!(kld_tf <= 0.002 && kld_dec <= 0.002, "{name}: KLD over 0.002");
+}
+
+/// The device's selection of the best 64 logits (kernels/sampling.cu) against the host's reference, exactly: sizes
+/// around the block and candidate limits, ties, ±0, infinities and NaN; over 262,144 logits the backend declines.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn top_logits_match_the_host_selection() {
+    let g = gpu();
+    let mut rng = Rng(21);
+    let mut cases = 0;
+    for n in [1usize, 63, 64, 65, 4096, 4097, 49152, 151_936, 262_144] {
+        for pattern in 0..6 {
+            let mut x = rng.vec(n, 4.0);
+            match pattern {
+                1 => x.iter_mut().for_each(|v| *v = (*v * 2.0).round()),
+                2 => {
+                    (0..n).step_by(3).for_each(|i| x[i] = f32::NAN);
+                    (1..n).step_by(11).for_each(|i| x[i] = f32::NEG_INFINITY);
+                    x[n / 2] = -0.0;
+                }
+                3 => x[n - 1] = f32::INFINITY,
+                4 => x.iter_mut().for_each(|v| *v = f32::NAN),
+                5 => x.iter_mut().for_each(|v| *v = if *v > 0.0 { 0.0 } else { -0.0 }),
+                _ => {}
+            }
+            let d = up(&g, &x);
+            assert!(Backend::top_logits(&g, &d, n), "n={n}: the backend should select");
+            let mut got = TopLogits::default();
+            assert!(Backend::read_top_logits(&g, n, &mut got));
+            assert_eq!(got, TopLogits::from_logits(&x), "n={n} pattern {pattern}");
+            cases += 1;
+        }
+    }
+    let big = up(&g, &vec![0.0; 262_145]);
+    assert!(
+        !Backend::top_logits(&g, &big, 262_145),
+        "over 64 blocks of 4096: left to the host"
+    );
+    println!("top_logits: {cases} cases equal to the host's selection");
 }
 
 #[test]

@@ -230,6 +230,21 @@ pub trait Backend: Send + Sync {
     /// `dst[..len] = src[src_offset..src_offset + len]`.
     fn copy(&self, src: &Self::Buf, src_offset: usize, dst: &mut Self::Buf, len: usize);
 
+    /// Queues the selection of the best [`TOP_LOGITS`](crate::runtime::sampling::TOP_LOGITS) of one token's `n`
+    /// logits, `logits[..n]`, where they were computed (a decode step then returns those candidates, not the
+    /// vocabulary; [`crate::runtime::sampling::TopLogits`] says what they are). Returns false when this backend
+    /// leaves the selection to the host (the default; also a vocabulary the backend cannot select from): the
+    /// caller downloads the logits instead. The answer depends on `n` alone.
+    fn top_logits(&self, _logits: &Self::Buf, _n: usize) -> bool {
+        false
+    }
+
+    /// Reads the selection queued by the last [`Backend::top_logits`] over `n` logits into `out`, waiting for
+    /// pending work. Returns false (nothing read) where `top_logits(_, n)` returns false.
+    fn read_top_logits(&self, _n: usize, _out: &mut crate::runtime::sampling::TopLogits) -> bool {
+        false
+    }
+
     /// Embedding lookup: `out[t] = dequantize(table row ids[t])`, `out` `[ids.len()][table.cols]`
     /// (ggml's `get_rows`). Ids were checked against `table.rows` by the caller.
     fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut Self::Buf);

@@ -53,6 +53,9 @@ pub enum Logits {
     Last,
     /// Every token: `[n_tok][vocab]` (teacher forcing).
     All,
+    /// The last token's best candidates only, selected by the backend ([`Backend::top_logits`]) into
+    /// [`Scratch::top`]; a backend that does not select returns the `vocab` values as `Last` does.
+    Top,
 }
 
 /// Activation buffers of the forward pass, where backend `B` computes (device memory on a GPU), grown to the
@@ -72,6 +75,9 @@ pub struct Scratch<B: Backend> {
     lg: B::Buf,
     moe: MoeScratch,
     pub logits: Vec<f32>,
+    /// The last step's candidates when it ran with [`Logits::Top`] and the backend selected them (`logits` is
+    /// then empty).
+    pub top: crate::runtime::sampling::TopLogits,
 }
 
 impl<B: Backend> Default for Scratch<B> {
@@ -91,6 +97,7 @@ impl<B: Backend> Default for Scratch<B> {
             lg: B::Buf::default(),
             moe: MoeScratch::default(),
             logits: Vec::new(),
+            top: Default::default(),
         }
     }
 }
@@ -128,7 +135,8 @@ impl Model {
 
     /// Runs `tokens` at positions `pos0..pos0 + tokens.len()`, writing their keys and values into `kv`, and
     /// returns the requested logits (`scratch.logits`): nothing, the last token's `vocab` values, or
-    /// `[n_tok][vocab]`.
+    /// `[n_tok][vocab]`; with [`Logits::Top`], nothing when the backend selected the candidates into
+    /// `scratch.top`, else the last token's values.
     ///
     /// Panics when the tokens do not fit the cache or an id is outside the vocabulary (the session checks
     /// both and reports them as errors).
@@ -179,6 +187,9 @@ impl Model {
         let key = span << 32 | (n as u64) << 2 | logits as u64;
         let out = self.m(&w.output);
         if graphable && logits != Logits::None && be.replay_step(key, tokens, &s.pos) {
+            if logits == Logits::Top && be.read_top_logits(out.rows, &mut s.top) {
+                return &[];
+            }
             let len = if logits == Logits::All { n } else { 1 } * out.rows;
             if s.logits.len() < len {
                 s.logits.resize(len, 0.0);
@@ -304,7 +315,7 @@ impl Model {
                 }
                 return &[];
             }
-            Logits::Last => (n - 1, 1),
+            Logits::Last | Logits::Top => (n - 1, 1),
             Logits::All => (0, n),
         };
         be.copy(&s.x, first * e, &mut s.o, m * e);
@@ -313,8 +324,12 @@ impl Model {
         be.matmul(&out, &s.h, m, &mut s.lg);
         trace(be, "result_norm", None, &s.h, m * e);
         trace(be, "result_output", None, &s.lg, m * out.rows);
+        let topped = logits == Logits::Top && be.top_logits(&s.lg, out.rows);
         if graphable {
             be.step_end();
+        }
+        if topped && be.read_top_logits(out.rows, &mut s.top) {
+            return &[];
         }
         if s.logits.len() < m * out.rows {
             s.logits.resize(m * out.rows, 0.0);

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::runtime::sampling::{Sampler, StopMatcher};
-use crate::runtime::session::{PrefillStats, Session, SessionError};
+use crate::runtime::session::{PrefillStats, Session, SessionError, StepLogits};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Why generation ended.
@@ -62,14 +62,28 @@ pub enum GenerateError {
     Tokenizer(#[from] TokenizerError),
 }
 
-/// Picks the next token from logits and the token history.
+/// Picks the next token from a step's logits (or the backend's best candidates) and the token history.
 pub trait TokenSampler {
-    fn next_token(&mut self, logits: &[f32], history: &[u32]) -> u32;
+    /// The next token. `logits` is [`StepLogits::Top`] only when [`TokenSampler::top_suffices`] said so.
+    fn next_token(&mut self, logits: StepLogits<'_>, history: &[u32]) -> u32;
+
+    /// Whether the best [`crate::runtime::sampling::TOP_LOGITS`] candidates decide this sampler's token exactly
+    /// as the whole logits would: decode steps then ask the backend for those only ([`Session::decode_top`]).
+    fn top_suffices(&self) -> bool {
+        false
+    }
 }
 
 impl TokenSampler for Sampler {
-    fn next_token(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        self.sample(logits, history)
+    fn next_token(&mut self, logits: StepLogits<'_>, history: &[u32]) -> u32 {
+        match logits {
+            StepLogits::Full(l) => self.sample(l, history),
+            StepLogits::Top(t) => self.sample_top(t),
+        }
+    }
+
+    fn top_suffices(&self) -> bool {
+        self.can_use_top()
     }
 }
 
@@ -78,20 +92,27 @@ impl TokenSampler for Sampler {
 pub struct Greedy;
 
 impl TokenSampler for Greedy {
-    fn next_token(&mut self, logits: &[f32], _history: &[u32]) -> u32 {
-        argmax(logits)
+    fn next_token(&mut self, logits: StepLogits<'_>, _history: &[u32]) -> u32 {
+        match logits {
+            StepLogits::Full(l) => argmax(l),
+            StepLogits::Top(t) => t.argmax().unwrap_or(0),
+        }
+    }
+
+    fn top_suffices(&self) -> bool {
+        true
     }
 }
 
 /// Index of the largest value, the lowest index among ties (NaN never wins).
 pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<usize> = None;
     for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
+        if !v.is_nan() && best.is_none_or(|b| v > x[b]) {
+            best = Some(i);
         }
     }
-    best as u32
+    best.unwrap_or(0) as u32
 }
 
 /// Generation settings.
@@ -151,7 +172,7 @@ pub fn generate_cancellable<B: Backend>(
             stop = StopReason::Cancelled;
             break;
         }
-        let tok = sampler.next_token(session.logits(), &history);
+        let tok = sampler.next_token(session.step_logits(), &history);
         out.push(tok);
         history.push(tok);
         if tokenizer.is_eog(tok) {
@@ -182,7 +203,11 @@ pub fn generate_cancellable<B: Backend>(
             stop = StopReason::Context;
             break;
         }
-        session.decode(tok)?;
+        if sampler.top_suffices() {
+            session.decode_top(tok)?;
+        } else {
+            session.decode(tok)?;
+        }
     }
     if stop != StopReason::StopString && stop != StopReason::Cancelled {
         let rest = stops.feed(&String::from_utf8_lossy(&bytes)).text.to_string() + stops.finish();

@@ -7,6 +7,7 @@
 //! | [`Sampler::new`] | a sampler for one generation, scratch sized to the vocabulary | bad parameter |
 //! | [`Sampler::sample`] | logits + token history to a token id (never fails; fallbacks documented) | none |
 //! | [`Sampler::try_sample`] | the same, reporting a wrong logits length or no usable logit | [`SamplingError`] |
+//! | [`Sampler::try_sample_top`] | the same from a step's [`TopLogits`] (the GPU's selection), when [`Sampler::can_use_top`] | as above |
 //! | [`StopMatcher`] | stop strings over decoded pieces: text safe to print now, and whether a stop matched | none |
 //!
 //! Source: llama.cpp `src/llama-sampling.cpp` (samplers `penalties`, `top-k`, `top-p`, `min-p`, `temp`, `dist`)
@@ -172,6 +173,75 @@ fn by_logit_desc(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
     b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id))
 }
 
+/// How many candidates [`TopLogits`] holds: the largest `top_k` a step's device-side selection serves.
+pub const TOP_LOGITS: usize = 64;
+
+/// The best [`TOP_LOGITS`] logits of one step, selected where the logits were computed (a GPU backend does it on
+/// the device, so a decode step returns 64 candidates instead of the whole vocabulary). With the penalties off,
+/// these decide the sampler chain's token whenever it keeps at most `top_k <= TOP_LOGITS` tokens or is greedy
+/// ([`Sampler::try_sample_top`] gives exactly [`Sampler::try_sample`]'s token).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogits {
+    /// (id, logit), best first: the logit descending in IEEE total order (+inf first, -inf last, -0 after +0),
+    /// then the lowest id (the chain's own order, `by_logit_desc`); NaN logits are left out. At most
+    /// [`TOP_LOGITS`] entries.
+    pub entries: Vec<(u32, f32)>,
+    /// How many of the step's logits are finite (the top-k filter applies only when `top_k` is below it).
+    pub n_finite: usize,
+}
+
+impl TopLogits {
+    /// The sort key of logit `v` of token `id`: larger is better, in the order of [`TopLogits::entries`]; a NaN
+    /// has the smallest keys. The GPU kernels (kernels/sampling.cu) compute the same keys.
+    pub fn key(v: f32, id: u32) -> u64 {
+        let b = v.to_bits();
+        let o = if v.is_nan() {
+            0
+        } else if b & 0x8000_0000 != 0 {
+            !b
+        } else {
+            b | 0x8000_0000
+        };
+        (o as u64) << 32 | (u32::MAX - id) as u64
+    }
+
+    /// The entry a key stands for; `None` for a NaN logit's key (or padding).
+    pub fn from_key(key: u64) -> Option<(u32, f32)> {
+        let o = (key >> 32) as u32;
+        if o == 0 {
+            return None;
+        }
+        let bits = if o & 0x8000_0000 != 0 { o & 0x7FFF_FFFF } else { !o };
+        Some((u32::MAX - key as u32, f32::from_bits(bits)))
+    }
+
+    /// The reference selection on the host, from one step's logits.
+    pub fn from_logits(logits: &[f32]) -> TopLogits {
+        let mut keys: Vec<u64> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| TopLogits::key(v, i as u32))
+            .collect();
+        let k = TOP_LOGITS.min(keys.len());
+        if k > 0 && k < keys.len() {
+            keys.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+        }
+        keys.truncate(k);
+        keys.sort_unstable_by(|a, b| b.cmp(a));
+        TopLogits {
+            entries: keys.into_iter().filter_map(TopLogits::from_key).collect(),
+            n_finite: logits.iter().filter(|v| v.is_finite()).count(),
+        }
+    }
+
+    /// The greedy token: the largest logit that is not NaN, the lowest id among equal ones (-0 equals +0); `None`
+    /// when every logit is NaN.
+    pub fn argmax(&self) -> Option<u32> {
+        let &(_, best) = self.entries.first()?;
+        self.entries.iter().take_while(|e| e.1 == best).map(|e| e.0).min()
+    }
+}
+
 /// Samples one token per decode step with llama.cpp's default chain (see [`Sampler::sample`]).
 ///
 /// One sampler serves one generation (one sequence); it owns its random state and scratch buffers.
@@ -292,6 +362,67 @@ impl Sampler {
         Ok(self.draw())
     }
 
+    /// Whether [`Sampler::try_sample_top`] gives this sampler's token: the penalties are off, and the chain is
+    /// greedy or keeps at most `top_k <= TOP_LOGITS` tokens.
+    pub fn can_use_top(&self) -> bool {
+        let p = &self.params;
+        !p.penalties_active() && (p.temperature == 0.0 || (1..=TOP_LOGITS).contains(&p.top_k))
+    }
+
+    /// [`Sampler::try_sample`] from a step's [`TopLogits`] instead of its logits: the same token and the same
+    /// random draw, provided [`Sampler::can_use_top`] (the candidates that can survive top-k are all in `top`).
+    /// The history is not needed (no penalties).
+    ///
+    /// Errors: [`SamplingError::NoUsableLogit`] as `try_sample`; [`SamplingError::InvalidParam`] (`top_k`) when
+    /// `can_use_top` is false.
+    pub fn try_sample_top(&mut self, top: &TopLogits) -> Result<u32, SamplingError> {
+        if !self.can_use_top() {
+            return Err(SamplingError::InvalidParam {
+                name: "top_k",
+                value: self.params.top_k.to_string(),
+                expected: "between 1 and 64 with the penalties off, for a device-side selection",
+            });
+        }
+        let best = top.argmax().ok_or(SamplingError::NoUsableLogit)?;
+        let best_logit = top.entries[0].1;
+        if best_logit == f32::NEG_INFINITY {
+            return Err(SamplingError::NoUsableLogit);
+        }
+        if self.params.temperature == 0.0 || best_logit == f32::INFINITY {
+            return Ok(best);
+        }
+        // No +inf here, so the finite entries come first, best first.
+        let k = self.params.top_k;
+        self.candidates.clear();
+        let finite = top.entries.iter().filter(|e| e.1.is_finite());
+        let sorted = k < top.n_finite;
+        if sorted {
+            self.candidates
+                .extend(finite.take(k).map(|&(id, logit)| Candidate { id, logit }));
+        } else {
+            // Every finite logit survives top-k (at most k <= TOP_LOGITS of them): in id order, as the chain
+            // collects them.
+            self.candidates
+                .extend(finite.map(|&(id, logit)| Candidate { id, logit }));
+            self.candidates.sort_unstable_by_key(|c| c.id);
+        }
+        self.nucleus_and_min_p(sorted);
+        Ok(self.draw())
+    }
+
+    /// [`Sampler::try_sample_top`] with [`Sampler::sample`]'s fallback for no usable logit (the lowest id that is
+    /// not NaN, or 0).
+    ///
+    /// # Panics
+    /// If [`Sampler::can_use_top`] is false (a wiring bug).
+    pub fn sample_top(&mut self, top: &TopLogits) -> u32 {
+        match self.try_sample_top(top) {
+            Ok(id) => id,
+            Err(SamplingError::NoUsableLogit) => top.entries.iter().map(|e| e.0).min().unwrap_or(0),
+            Err(e) => panic!("Sampler::sample_top: {e}"),
+        }
+    }
+
     /// Step 1 on `self.logits`, in place.
     fn apply_penalties(&mut self, history: &[u32]) {
         if !self.params.penalties_active() {
@@ -349,7 +480,12 @@ impl Sampler {
             candidates.sort_unstable_by(by_logit_desc);
             sorted = true;
         }
+        self.nucleus_and_min_p(sorted);
+    }
 
+    /// Steps 3–4 on `self.candidates` (`sorted`: already in `by_logit_desc` order).
+    fn nucleus_and_min_p(&mut self, mut sorted: bool) {
+        let candidates = &mut self.candidates;
         let top_p = self.params.top_p;
         if top_p < 1.0 {
             if !sorted {
@@ -654,6 +790,129 @@ mod tests {
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             assert!((g - w).abs() < 1e-6, "logit {i}: got {g}, want {w} (all: {got:?})");
         }
+    }
+
+    /// The device-side path (top 64 candidates) draws exactly the full chain's tokens, step after step with one
+    /// random stream each, for every parameter set it serves: logits with ties, ±0, infinities, NaN, and fewer
+    /// finite values than `top_k`.
+    #[test]
+    fn sampling_from_the_top_candidates_gives_the_full_chains_tokens() {
+        let mut rng = Xoshiro256StarStar::from_seed(11);
+        let params = [
+            SamplingParams::greedy(),
+            SamplingParams {
+                seed: Some(3),
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                top_k: 64,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: Some(4),
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                top_k: 1,
+                seed: Some(5),
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                top_k: 20,
+                top_p: 0.5,
+                min_p: 0.2,
+                temperature: 1.7,
+                seed: Some(6),
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 0.0,
+                top_k: 0,
+                ..plain(7)
+            },
+        ];
+        let vocab = 3000;
+        for (pi, p) in params.iter().enumerate() {
+            let (mut full, mut top) = (
+                Sampler::new(p.clone(), vocab).unwrap(),
+                Sampler::new(p.clone(), vocab).unwrap(),
+            );
+            assert!(top.can_use_top(), "params {pi}");
+            for step in 0..200 {
+                let mut logits = random_logits(&mut rng, vocab);
+                match step % 8 {
+                    // Coarse values: many ties, some at the 64th place.
+                    1 => logits.iter_mut().for_each(|l| *l = (*l * 2.0).round()),
+                    2 => (0..vocab).step_by(7).for_each(|i| logits[i] = f32::NAN),
+                    3 => (0..vocab).step_by(5).for_each(|i| logits[i] = f32::NEG_INFINITY),
+                    // As many finite logits as top_k, or fewer: the survivors come back in id order.
+                    4 => {
+                        let keep = [9, 20, 40, 64, 65][step / 8 % 5];
+                        logits.iter_mut().skip(keep).for_each(|l| *l = f32::NEG_INFINITY)
+                    }
+                    5 => {
+                        logits.iter_mut().for_each(|l| *l = -(*l).abs() * 0.0);
+                        logits[17] = 0.0;
+                    }
+                    6 => logits[vocab - 3] = f32::INFINITY,
+                    7 => logits.iter_mut().for_each(|l| *l = f32::NAN),
+                    _ => {}
+                }
+                let t = TopLogits::from_logits(&logits);
+                assert!(t.entries.len() <= TOP_LOGITS);
+                assert_eq!(
+                    full.try_sample(&logits, &[]),
+                    top.try_sample_top(&t),
+                    "params {pi} step {step}: {:?}",
+                    &t.entries[..t.entries.len().min(8)]
+                );
+            }
+        }
+        // Penalties, or a top_k the candidates cannot serve, keep the full path.
+        for p in [
+            SamplingParams {
+                repeat_penalty: 1.1,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                top_k: 0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                top_k: TOP_LOGITS + 1,
+                ..SamplingParams::default()
+            },
+        ] {
+            let mut s = Sampler::new(p, 10).unwrap();
+            assert!(!s.can_use_top());
+            assert!(matches!(
+                s.try_sample_top(&TopLogits::default()),
+                Err(SamplingError::InvalidParam { .. })
+            ));
+        }
+    }
+
+    /// Keys order logits as the chain does and decode back to the same (id, logit).
+    #[test]
+    fn top_logit_keys_round_trip_in_chain_order() {
+        let vals = [f32::NEG_INFINITY, -3.5, -0.0, 0.0, 1e-30, 2.0, f32::INFINITY];
+        for w in vals.windows(2) {
+            assert!(TopLogits::key(w[0], 0) < TopLogits::key(w[1], 0), "{} < {}", w[0], w[1]);
+        }
+        assert!(
+            TopLogits::key(1.0, 5) > TopLogits::key(1.0, 6),
+            "lower id first among equal logits"
+        );
+        assert!(TopLogits::key(f32::NAN, 0) < TopLogits::key(f32::NEG_INFINITY, u32::MAX - 1));
+        for (i, &v) in vals.iter().enumerate() {
+            let got = TopLogits::from_key(TopLogits::key(v, i as u32 * 1000)).unwrap();
+            assert_eq!((got.0, got.1.to_bits()), (i as u32 * 1000, v.to_bits()));
+        }
+        assert_eq!(TopLogits::from_key(TopLogits::key(f32::NAN, 3)), None);
+        let t = TopLogits::from_logits(&[0.5, f32::NAN, 0.0, -0.0, 2.0, 2.0]);
+        assert_eq!(t.entries, vec![(4, 2.0), (5, 2.0), (0, 0.5), (2, 0.0), (3, -0.0)]);
+        assert_eq!((t.n_finite, t.argmax()), (5, Some(4)));
+        let z = TopLogits::from_logits(&[-0.0, 0.0]);
+        assert_eq!(z.argmax(), Some(0), "-0 and +0 tie: the lowest id");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use crate::backend::Backend;
 use crate::model::{Logits, Model, Scratch};
 use crate::runtime::fault::{FaultPlan, GemmFault};
 use crate::runtime::kv::{KvCache, KvError, KvType};
+use crate::runtime::sampling::TopLogits;
 
 /// Default `--max-context`, in tokens (capped by the model's training context).
 pub const DEFAULT_MAX_CONTEXT: usize = 4096;
@@ -92,6 +93,16 @@ pub struct PrefillStats {
     pub gemm_fallback: Option<GemmFault>,
 }
 
+/// One step's output for the sampler: the last token's logits, or the best of them as the backend selected them
+/// ([`Session::decode_top`]).
+#[derive(Debug, Clone, Copy)]
+pub enum StepLogits<'a> {
+    /// `vocab` values.
+    Full(&'a [f32]),
+    /// The best [`crate::runtime::sampling::TOP_LOGITS`] candidates.
+    Top(&'a TopLogits),
+}
+
 /// One sequence over a model.
 pub struct Session<'m, B: Backend> {
     model: &'m Model,
@@ -108,6 +119,8 @@ pub struct Session<'m, B: Backend> {
     /// Called after each prefill chunk with (tokens read so far, tokens to read); see
     /// [`Session::on_prefill_progress`].
     progress: Option<Box<dyn FnMut(usize, usize) + Send>>,
+    /// The last step left candidates (`scratch.top`), not logits.
+    top_last: bool,
 }
 
 impl<'m, B: Backend> Session<'m, B> {
@@ -128,6 +141,7 @@ impl<'m, B: Backend> Session<'m, B> {
             faults: FaultPlan::default(),
             gemm_fallback: true,
             progress: None,
+            top_last: false,
         })
     }
 
@@ -230,6 +244,7 @@ impl<'m, B: Backend> Session<'m, B> {
             });
         }
         self.check_tokens(prompt)?;
+        self.top_last = false;
         let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let reused = common.min(prompt.len() - 1);
         self.tokens.truncate(reused);
@@ -287,11 +302,57 @@ impl<'m, B: Backend> Session<'m, B> {
             Logits::Last,
         );
         self.tokens.push(token);
+        self.top_last = false;
         Ok(self.logits())
     }
 
+    /// [`Session::decode`] that asks the backend for the best candidates only ([`Logits::Top`]): a GPU selects
+    /// them on the device and returns 64 of them instead of the vocabulary; a backend that does not select
+    /// returns the logits. Either way, the step's output is [`Session::step_logits`].
+    ///
+    /// Errors: as [`Session::decode`].
+    pub fn decode_top(&mut self, token: u32) -> Result<StepLogits<'_>, SessionError> {
+        if self.tokens.len() >= self.n_ctx() {
+            return Err(SessionError::ContextOverflow {
+                needed: self.tokens.len() + 1,
+                n_ctx: self.n_ctx(),
+            });
+        }
+        self.check_tokens(&[token])?;
+        let pos = self.tokens.len();
+        let full = self.model.forward(
+            &self.backend,
+            &[token],
+            pos,
+            &mut self.kv,
+            &mut self.scratch,
+            Logits::Top,
+        );
+        self.top_last = full.is_empty();
+        self.tokens.push(token);
+        Ok(self.step_logits())
+    }
+
+    /// The last step's output: its candidates after a [`Session::decode_top`] the backend selected for, else the
+    /// last token's logits.
+    pub fn step_logits(&self) -> StepLogits<'_> {
+        if self.top_last {
+            StepLogits::Top(&self.scratch.top)
+        } else {
+            StepLogits::Full(self.logits())
+        }
+    }
+
     /// The logits of the last token computed (`vocab` values).
+    ///
+    /// # Panics
+    /// After a [`Session::decode_top`] whose candidates the backend selected (no logits came back: read
+    /// [`Session::step_logits`]).
     pub fn logits(&self) -> &[f32] {
+        assert!(
+            !self.top_last,
+            "Session::logits after a decode_top step: read step_logits"
+        );
         &self.scratch.logits[..self.vocab]
     }
 
@@ -311,6 +372,7 @@ impl<'m, B: Backend> Session<'m, B> {
         }
         self.check_tokens(tokens)?;
         self.tokens.clear();
+        self.top_last = false;
         let mut out = Vec::with_capacity(tokens.len() * self.vocab);
         for chunk in tokens.chunks(self.chunk) {
             let lg = self.model.forward(

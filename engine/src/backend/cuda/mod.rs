@@ -108,8 +108,14 @@ enum Slot {
     Tiles,
     SplitMax,
     SplitSum,
+    TopCand,
+    TopOut,
 }
-const SLOTS: usize = 15;
+const SLOTS: usize = 17;
+
+/// Logits a block of `top_logits_part` sorts (kernels/sampling.cu `TOP_SORT`): a vocabulary of up to
+/// `TOP_SORT * TOP_SORT / TOP_LOGITS` (262,144) tokens is selected on the device.
+const TOP_SORT: usize = 4096;
 
 /// An f32 activation buffer on the device: the CUDA backend's [`Backend::Buf`].
 #[derive(Default)]
@@ -733,6 +739,71 @@ impl Backend for CudaBackend {
             (256, 1, 1),
             &[Arg::P(src.at(src_offset)), Arg::P(dst.ptr()), Arg::L(len as i64)],
         ));
+    }
+
+    fn top_logits(&self, logits: &DevVec, n: usize) -> bool {
+        use crate::runtime::sampling::TOP_LOGITS;
+        let nb = n.div_ceil(TOP_SORT);
+        if n == 0 || nb * TOP_LOGITS > TOP_SORT {
+            return false;
+        }
+        assert!(
+            n <= logits.capacity(),
+            "top_logits: {n} logits in {}",
+            logits.capacity()
+        );
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            // Candidates (nb * TOP_LOGITS keys), then the blocks' finite counts.
+            let cand = s.slot(g, Slot::TopCand, nb * TOP_LOGITS * 8 + nb * 4)?;
+            let nfin = cand + (nb * TOP_LOGITS * 8) as u64;
+            let out = s.slot(g, Slot::TopOut, (TOP_LOGITS + 1) * 8)?;
+            g.launch(
+                "top_logits_part",
+                (nb as u32, 1, 1),
+                (1024, 1, 1),
+                &[
+                    Arg::P(logits.ptr()),
+                    Arg::I(n as i32),
+                    Arg::I(TOP_SORT as i32),
+                    Arg::P(cand),
+                    Arg::P(nfin),
+                ],
+            )?;
+            g.launch(
+                "top_logits_final",
+                (1, 1, 1),
+                (1024, 1, 1),
+                &[
+                    Arg::P(cand),
+                    Arg::I((nb * TOP_LOGITS) as i32),
+                    Arg::P(nfin),
+                    Arg::I(nb as i32),
+                    Arg::P(out),
+                ],
+            )
+        })());
+        true
+    }
+
+    fn read_top_logits(&self, n: usize, out: &mut crate::runtime::sampling::TopLogits) -> bool {
+        use crate::runtime::sampling::{TOP_LOGITS, TopLogits};
+        if n == 0 || n.div_ceil(TOP_SORT) * TOP_LOGITS > TOP_SORT {
+            return false;
+        }
+        Self::check(self.gpu.flush_step());
+        let mut keys = [0u64; TOP_LOGITS + 1];
+        let s = self.lock();
+        let buf = s.slots[Slot::TopOut as usize]
+            .as_ref()
+            .expect("read_top_logits after top_logits");
+        Self::check(buf.read_at(&self.gpu.stream, 0, bytemuck::cast_slice_mut(&mut keys)));
+        out.entries.clear();
+        out.entries
+            .extend(keys[..TOP_LOGITS].iter().filter_map(|&k| TopLogits::from_key(k)));
+        out.n_finite = keys[TOP_LOGITS] as usize;
+        true
     }
 
     fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut DevVec) {

@@ -28,10 +28,13 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../../../../kernels/elementwise.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("gemm.cu", include_str!("../../../../kernels/gemm.cu")),
+    ("sampling.cu", include_str!("../../../../kernels/sampling.cu")),
 ];
 
 /// Every kernel the backend launches (each must exist in the compiled module).
 pub const KERNEL_NAMES: &[&str] = &[
+    "top_logits_part",
+    "top_logits_final",
     "mmv_f32",
     "mmv_f16",
     "mmv_bf16",
@@ -829,7 +832,10 @@ mod tests {
         for (file, src) in KERNEL_SOURCES {
             for part in src.split("extern \"C\" __global__ void").skip(1) {
                 let part = part.trim_start();
-                let part = part.strip_prefix("__launch_bounds__(256)").unwrap_or(part).trim_start();
+                let part = match part.strip_prefix("__launch_bounds__(") {
+                    Some(rest) => rest.split_once(')').map_or(rest, |(_, r)| r).trim_start(),
+                    None => part,
+                };
                 let name: String = part.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                 if part[name.len()..].starts_with("##") || name.is_empty() {
                     continue; // generated per quant type
@@ -879,6 +885,9 @@ mod tests {
                 );
             }
         }
-        assert!(kernels > 30, "found only {kernels} kernels: the parser no longer matches the sources");
+        assert!(
+            kernels > 30,
+            "found only {kernels} kernels: the parser no longer matches the sources"
+        );
     }
 }
