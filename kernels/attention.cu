@@ -104,10 +104,103 @@ extern "C" __global__ void sum_splits(const float* __restrict__ part, float* __r
     out[i] = s;
 }
 
+// One key's score against the query staged in shared memory (qs: rounded to f16 against an f16 cache): the whole
+// head's dot product by one thread, 16-byte loads of an f16 row (eight dims each, all issued together), dims in
+// order within each group of eight; a Q8_0 row goes value by value.
+__device__ __forceinline__ float attn_key_dot(const float* __restrict__ qs, const u8* __restrict__ k, long long krb,
+                                              int khb, int kty, int cell, int g, int dk) {
+    const u8* row = k + (long long)cell * krb + (long long)g * khb;
+    float acc = 0.f;
+    if (kty == 0 && (dk & 7) == 0 && ((krb | khb) & 15) == 0) {
+        const uint4* r4 = (const uint4*)row;
+        for (int c0 = 0; c0 < dk / 8; c0 += 4) {
+            uint4 w[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (c0 + u < dk / 8) w[u] = r4[c0 + u];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (c0 + u >= dk / 8) break;
+                const float* qq = qs + 8 * (c0 + u);
+                u32 h[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    acc += qq[2 * i] * h2f((u16)(h[i] & 0xFFFF)) + qq[2 * i + 1] * h2f((u16)(h[i] >> 16));
+            }
+        }
+        return acc;
+    }
+    for (int d = 0; d < dk; ++d) acc += qs[d] * kv_load(k, krb, khb, kty, cell, g, d);
+    return acc;
+}
+
+// P.V over keys j0..j1 (relative to cell `first`) for one block: probabilities p = sc[j] * inv, rounded to f16 when
+// `round` (an f16 cache: the CPU rounds them so), times the values of head g. The block's threads split into groups
+// of dv / 2 (rounded up to warps), each thread two dims, each group taking every groups-th key, eight keys in
+// flight; the groups' sums meet in pv (shared, dv floats). Dims d_off..d_off + dv of the head (dv / 2 at most the
+// block's threads). Every thread of the block calls it (it synchronises).
+__device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool round, const u8* __restrict__ v,
+                                              long long vrb, int vhb, int vty, int first, int g, int j0, int j1,
+                                              int d_off, int dv, float* pv) {
+    int per = ((dv + 1) / 2 + 31) & ~31;
+    int groups = max(1, (int)blockDim.x / per);
+    int grp = threadIdx.x / per, d = 2 * (threadIdx.x % per);
+    float acc0 = 0.f, acc1 = 0.f;
+    if (grp < groups && d < dv) {
+        float a0[8], a1[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) a0[u] = a1[u] = 0.f;
+        bool pair = d + 1 < dv;
+        int j = j0 + grp;
+        for (; j + 7 * groups < j1; j += 8 * groups) {
+            float pr[8], v0[8], v1[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                int cell = first + j + u * groups;
+                pr[u] = sc[j + u * groups];
+                if (vty == 0 && pair) {
+                    u32 h = *(const u32*)(v + (long long)cell * vrb + (long long)g * vhb + 2 * (d_off + d));
+                    v0[u] = h2f((u16)(h & 0xFFFF)), v1[u] = h2f((u16)(h >> 16));
+                } else {
+                    v0[u] = kv_load(v, vrb, vhb, vty, cell, g, d_off + d);
+                    v1[u] = pair ? kv_load(v, vrb, vhb, vty, cell, g, d_off + d + 1) : 0.f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                float p = pr[u] * inv;
+                if (round) p = round_f16(p);
+                a0[u] += p * v0[u];
+                a1[u] += p * v1[u];
+            }
+        }
+        for (; j < j1; j += groups) {
+            float p = sc[j] * inv;
+            if (round) p = round_f16(p);
+            a0[0] += p * kv_load(v, vrb, vhb, vty, first + j, g, d_off + d);
+            if (pair) a1[0] += p * kv_load(v, vrb, vhb, vty, first + j, g, d_off + d + 1);
+        }
+        acc0 = ((a0[0] + a0[1]) + (a0[2] + a0[3])) + ((a0[4] + a0[5]) + (a0[6] + a0[7]));
+        acc1 = ((a1[0] + a1[1]) + (a1[2] + a1[3])) + ((a1[4] + a1[5]) + (a1[6] + a1[7]));
+    }
+    for (int gi = 0; gi < groups; ++gi) {
+        if (grp == gi && d < dv) {
+            if (gi == 0) pv[d] = acc0; else pv[d] += acc0;
+            if (d + 1 < dv) {
+                if (gi == 0) pv[d + 1] = acc1; else pv[d + 1] += acc1;
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // Decode attention in one launch (cpu: Backend::attention, the same rounding): block (h, t) computes query head h
 // of token t against cells first..=pos[t] (first = pos + 1 - window with a window), reading its position from the
-// device, so the launch's arguments do not change from one decode step to the next (CUDA graphs). Scores go to
-// scores[(t * n_head + h) * n_ctx ...]; out is [n_tok][n_head][dv]. Block 256 threads (8 warps).
+// device, so the launch's arguments do not change from one decode step to the next (CUDA graphs). One thread per
+// key for the scores, kept in shared memory up to ATTN_DEC_KEYS keys (else in scores[(t * n_head + h) * n_ctx
+// ...]); out is [n_tok][n_head][dv]. dk at most ATTN_DK_MAX, dv at most 256. Block 256 threads (8 warps).
+#define ATTN_DEC_KEYS 1024
+#define ATTN_DK_MAX 512
 extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __restrict__ k,
                                        const u8* __restrict__ v, float* __restrict__ scores,
                                        float* __restrict__ out, const unsigned int* __restrict__ pos, int n_head,
@@ -117,33 +210,24 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     __shared__ float red[8];
     __shared__ double redd[8];
     __shared__ float pv[256];
+    __shared__ float qs[ATTN_DK_MAX];
+    __shared__ float scs[ATTN_DEC_KEYS];
     int h = blockIdx.x, t = blockIdx.y, th = t * n_head + h;
     int g = h / (n_head / n_head_kv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = (int)pos[t];
     int first = window > 0 ? max(0, p + 1 - window) : 0;
     int n = p + 1 - first;
-    float* sc = scores + (long long)th * n_ctx;
+    float* sc = n <= ATTN_DEC_KEYS ? scs : scores + (long long)th * n_ctx;
     const float* qv = q + (long long)th * dk;
-    // Four keys per warp and step (keys j, j + 8, j + 16, j + 24), their loads in flight together.
-    for (int j = warp; j < n; j += 32) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int d = lane; d < dk; d += 32) {
-            float a = qv[d];
-            if (kty == 0) a = round_f16(a);
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (j + 8 * u < n) acc[u] += a * kv_load(k, krb, khb, kty, first + j + 8 * u, g, d);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            float t = warp_sum(acc[u]);
-            if (lane == 0 && j + 8 * u < n) sc[j + 8 * u] = scale * t;
-        }
-    }
+    for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
     __syncthreads();
     float m = -STRATA_INF;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, sc[j]);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float s = scale * attn_key_dot(qs, k, krb, khb, kty, first + j, g, dk);
+        sc[j] = s;
+        m = fmaxf(m, s);
+    }
     m = warp_max(m);
     if (lane == 0) red[warp] = m;
     __syncthreads();
@@ -160,56 +244,8 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     __syncthreads();
     double tot = 0.0;
     for (int w = 0; w < 8; ++w) tot += redd[w];
-    float inv = (float)(1.0 / tot);
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        float pr = sc[j] * inv;
-        sc[j] = vty == 0 ? round_f16(pr) : pr;
-    }
-    __syncthreads();
-    // P.V: the block's threads split into groups of dv / 2 (rounded up to warps), each thread two dims, each group
-    // taking every groups-th key, eight keys in flight; the groups' sums meet in shared memory.
-    int per = ((dv + 1) / 2 + 31) & ~31;
-    int groups = max(1, (int)blockDim.x / per);
-    int grp = threadIdx.x / per, d = 2 * (threadIdx.x % per);
-    float acc0 = 0.f, acc1 = 0.f;
-    if (grp < groups && d < dv) {
-        float a0[8], a1[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) a0[u] = a1[u] = 0.f;
-        bool pair = d + 1 < dv;
-        int j = grp;
-        for (; j + 7 * groups < n; j += 8 * groups)
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                int cell = first + j + u * groups;
-                float pr = sc[j + u * groups], v0, v1;
-                if (vty == 0 && pair) {
-                    u32 h = *(const u32*)(v + (long long)cell * vrb + (long long)g * vhb + 2 * d);
-                    v0 = h2f((u16)(h & 0xFFFF)), v1 = h2f((u16)(h >> 16));
-                } else {
-                    v0 = kv_load(v, vrb, vhb, vty, cell, g, d);
-                    v1 = pair ? kv_load(v, vrb, vhb, vty, cell, g, d + 1) : 0.f;
-                }
-                a0[u] += pr * v0;
-                a1[u] += pr * v1;
-            }
-        for (; j < n; j += groups) {
-            a0[0] += sc[j] * kv_load(v, vrb, vhb, vty, first + j, g, d);
-            if (pair) a1[0] += sc[j] * kv_load(v, vrb, vhb, vty, first + j, g, d + 1);
-        }
-        acc0 = ((a0[0] + a0[1]) + (a0[2] + a0[3])) + ((a0[4] + a0[5]) + (a0[6] + a0[7]));
-        acc1 = ((a1[0] + a1[1]) + (a1[2] + a1[3])) + ((a1[4] + a1[5]) + (a1[6] + a1[7]));
-    }
+    attn_pv_block(sc, (float)(1.0 / tot), vty == 0, v, vrb, vhb, vty, first, g, 0, n, 0, dv, pv);
     float* o = out + (long long)th * dv;
-    for (int gi = 0; gi < groups; ++gi) {
-        if (grp == gi && d < dv) {
-            if (gi == 0) pv[d] = acc0; else pv[d] += acc0;
-            if (d + 1 < dv) {
-                if (gi == 0) pv[d + 1] = acc1; else pv[d + 1] += acc1;
-            }
-        }
-        __syncthreads();
-    }
     if (threadIdx.x < dv) o[threadIdx.x] = pv[threadIdx.x];
 }
 
@@ -389,31 +425,22 @@ extern "C" __global__ void attn_split_scores(const float* __restrict__ q, const 
                                              int split_len) {
     pdl_enter();
     __shared__ float red[4];
+    __shared__ float qs[ATTN_DK_MAX];
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
     int g = h / (n_head / n_head_kv), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
     int j0 = s * split_len, j1 = min(n, j0 + split_len);
     float* sc = scores + (long long)th * n_ctx;
     const float* qv = q + (long long)th * dk;
+    for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
+    __syncthreads();
     float m = -STRATA_INF;
-    for (int j = j0 + warp; j < j1; j += 16) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int d = lane; d < dk; d += 32) {
-            float a = qv[d];
-            if (kty == 0) a = round_f16(a);
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (j + 4 * u < j1) acc[u] += a * kv_load(k, krb, khb, kty, first + j + 4 * u, g, d);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            float v = scale * warp_sum(acc[u]);
-            if (j + 4 * u < j1) {
-                if (lane == 0) sc[j + 4 * u] = v;
-                m = fmaxf(m, v);
-            }
-        }
+    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+        float v = scale * attn_key_dot(qs, k, krb, khb, kty, first + j, g, dk);
+        sc[j] = v;
+        m = fmaxf(m, v);
     }
+    m = warp_max(m);
     if (lane == 0) red[warp] = m;
     __syncthreads();
     if (threadIdx.x == 0) pmax[(long long)th * n_split + s] = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
@@ -451,29 +478,18 @@ extern "C" __global__ void attn_split_pv(const float* __restrict__ scores, const
                                          int window, long long vrb, int vhb, int vty, int n_ctx, int split_len,
                                          int rows) {
     pdl_enter();
+    __shared__ float pv[256];
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
     int g = h / (n_head / n_head_kv);
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
     int j0 = s * split_len, j1 = min(n, j0 + split_len);
     double tot = 0.0;
     for (int i = 0; i < n_split; ++i) tot += psum[(long long)th * n_split + i];
-    float inv = (float)(1.0 / tot);
     const float* sc = scores + (long long)th * n_ctx;
-    for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-        float a4[4] = {0.f, 0.f, 0.f, 0.f};
-        int j = j0;
-        for (; j + 3 < j1; j += 4)
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                float pr = sc[j + u] * inv;
-                if (vty == 0) pr = round_f16(pr);
-                a4[u] += pr * kv_load(v, vrb, vhb, vty, first + j + u, g, d);
-            }
-        for (; j < j1; ++j) {
-            float pr = sc[j] * inv;
-            if (vty == 0) pr = round_f16(pr);
-            a4[0] += pr * kv_load(v, vrb, vhb, vty, first + j, g, d);
-        }
-        part[((long long)s * rows + th) * dv + d] = (a4[0] + a4[1]) + (a4[2] + a4[3]);
+    for (int d0 = 0; d0 < dv; d0 += 256) {
+        int w = min(256, dv - d0);
+        attn_pv_block(sc, (float)(1.0 / tot), vty == 0, v, vrb, vhb, vty, first, g, j0, j1, d0, w, pv);
+        if (threadIdx.x < w) part[((long long)s * rows + th) * dv + d0 + threadIdx.x] = pv[threadIdx.x];
+        __syncthreads();
     }
 }

@@ -410,6 +410,7 @@ fn attention_matches_cpu() {
             (9, 3, 64, 300, Some(128usize)),
             (32, 4, 128, 1100, None),
             (8, 2, 128, 100, None),
+            (4, 1, 288, 200, None),
         ] {
             let hp = hp_for_attn(nh, nkv, hd);
             let (nh, nkv, hd) = (nh as usize, nkv as usize, hd as usize);
@@ -622,8 +623,10 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
         .collect();
     let mut sc = Session::new(&model, CpuBackend, cfg).unwrap();
     let mut sg = Session::new(&model, gpu(), cfg).unwrap();
-    // A third session decodes the same tokens with the candidates selected on the device.
+    // A third session decodes the same tokens with the candidates selected on the device (its cache filled the
+    // same way as sg's, so its logits are sg's bit for bit).
     let mut st = Session::new(&model, gpu(), cfg).unwrap();
+    st.logits_all(&tokens).unwrap();
     st.prefill(&tokens[..32]).unwrap();
     let a = sc.logits_all(&tokens).unwrap();
     let b = sg.logits_all(&tokens).unwrap();

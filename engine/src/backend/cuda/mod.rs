@@ -1029,8 +1029,9 @@ impl Backend for CudaBackend {
             let pp = s.positions(g, positions)?;
             let n_ctx = kv.k.bytes() / krb;
             // Decode splits by the span (the step's key holds it in blocks of ATTN_SPAN_BLOCK, so a replayed
-            // graph's split count and length stay right: both depend on the block count alone); the split buffers are sized for the whole cache, so a longer span
-            // allocates nothing and the graphs of shorter ones stay valid.
+            // graph's split count and length stay right: both depend on the block count alone); the split buffers
+            // are sized for the whole cache, so a longer span allocates nothing and the graphs of shorter ones stay
+            // valid. Both decode kernels stage the query in shared memory: heads up to ATTN_DK_MAX (512) wide.
             let span_blocks = (hi + 1).div_ceil(crate::backend::ATTN_SPAN_BLOCK);
             let max_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(DECODE_MAX_SPLITS);
             let n_split = if span_blocks > 1 {
@@ -1042,7 +1043,8 @@ impl Backend for CudaBackend {
             };
             // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
             // has position-dependent arguments, which a replayed graph must never have.)
-            if n_tok <= MMV_MAX_TOKENS && (n_split > 1 || dv > 256) {
+            let decode = n_tok <= MMV_MAX_TOKENS && dk <= 512;
+            if decode && (n_split > 1 || dv > 256) {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
                 let split_len = (span_blocks * crate::backend::ATTN_SPAN_BLOCK)
@@ -1096,7 +1098,7 @@ impl Backend for CudaBackend {
                 g.launch(
                     "attn_split_pv",
                     grid,
-                    (dv.next_multiple_of(32).min(256) as u32, 1, 1),
+                    (256, 1, 1),
                     &[
                         Arg::P(sp),
                         Arg::P(ps),
@@ -1117,7 +1119,7 @@ impl Backend for CudaBackend {
                 )?;
                 return sum_splits_dev(g, part, out.ptr(), n_split, rows * dv);
             }
-            if n_tok <= MMV_MAX_TOKENS && dv <= 256 {
+            if decode && dv <= 256 {
                 // Decode over a short cache: one launch whose arguments do not depend on the position.
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
                 return g.launch(
