@@ -104,34 +104,76 @@ extern "C" __global__ void sum_splits(const float* __restrict__ part, float* __r
     out[i] = s;
 }
 
-// One key's score against the query staged in shared memory (qs: rounded to f16 against an f16 cache): the whole
-// head's dot product by one thread, 16-byte loads of an f16 row (eight dims each, all issued together), dims in
-// order within each group of eight; a Q8_0 row goes value by value.
-__device__ __forceinline__ float attn_key_dot(const float* __restrict__ qs, const u8* __restrict__ k, long long krb,
-                                              int khb, int kty, int cell, int g, int dk) {
-    const u8* row = k + (long long)cell * krb + (long long)g * khb;
-    float acc = 0.f;
-    if (kty == 0 && (dk & 7) == 0 && ((krb | khb) & 15) == 0) {
-        const uint4* r4 = (const uint4*)row;
-        for (int c0 = 0; c0 < dk / 8; c0 += 4) {
-            uint4 w[4];
+// The scores of keys j0..j1 (cells first + j) against the query staged in shared memory (qs: rounded to f16
+// against an f16 cache), scale * q.k into sc[j], by the whole block: eight lanes per key, lane l taking the row's
+// 16-byte chunks (eight f16 dims) l, l + 8, ..., so a warp reads four rows of 128 bytes per load, and two keys per
+// lane group in flight; the eight partial sums meet in three shuffles. A Q8_0 (or unaligned) row goes value by
+// value over the same lanes. Returns the thread's largest score (-inf if none). Every thread of the block calls
+// it (warp-uniform loops: the shuffles need every lane).
+__device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs, const u8* __restrict__ k,
+                                                   long long krb, int khb, int kty, int first, int g, int dk,
+                                                   float scale, int j0, int j1, float* sc) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, l8 = lane & 7;
+    int step = (blockDim.x >> 5) * 4;
+    bool vec = kty == 0 && (dk & 7) == 0 && ((krb | khb) & 15) == 0;
+    float m = -STRATA_INF;
+    for (int base = j0 + warp * 4; base < j1; base += 2 * step) {
+        float acc[2] = {0.f, 0.f};
+        int js[2] = {base + sub, base + step + sub};
+        if (vec) {
+            uint4 w[2][4];
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (c0 + u < dk / 8) w[u] = r4[c0 + u];
+            for (int u = 0; u < 2; ++u) {
+                const uint4* r4 = (const uint4*)(k + (long long)(first + js[u]) * krb + (long long)g * khb);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                if (c0 + u >= dk / 8) break;
-                const float* qq = qs + 8 * (c0 + u);
-                u32 h[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+                for (int i = 0; i < 4; ++i) {
+                    int c = l8 + 8 * i;
+                    if (js[u] < j1 && c < dk / 8) w[u][i] = r4[c];
+                }
+            }
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    acc += qq[2 * i] * h2f((u16)(h[i] & 0xFFFF)) + qq[2 * i + 1] * h2f((u16)(h[i] >> 16));
+            for (int u = 0; u < 2; ++u)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    int c = l8 + 8 * i;
+                    if (js[u] < j1 && c < dk / 8) {
+                        const float* qq = qs + 8 * c;
+                        u32 h[4] = {w[u][i].x, w[u][i].y, w[u][i].z, w[u][i].w};
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc[u] += qq[2 * e] * h2f((u16)(h[e] & 0xFFFF)) + qq[2 * e + 1] * h2f((u16)(h[e] >> 16));
+                    }
+                }
+            for (int c = l8 + 32; c < dk / 8; c += 8) // heads over 256 dims
+#pragma unroll
+                for (int u = 0; u < 2; ++u)
+                    if (js[u] < j1) {
+                        uint4 x = ((const uint4*)(k + (long long)(first + js[u]) * krb + (long long)g * khb))[c];
+                        u32 h[4] = {x.x, x.y, x.z, x.w};
+                        for (int e = 0; e < 4; ++e)
+                            acc[u] += qs[8 * c + 2 * e] * h2f((u16)(h[e] & 0xFFFF)) +
+                                      qs[8 * c + 2 * e + 1] * h2f((u16)(h[e] >> 16));
+                    }
+        } else {
+#pragma unroll
+            for (int u = 0; u < 2; ++u)
+                if (js[u] < j1)
+                    for (int d = l8; d < dk; d += 8) acc[u] += qs[d] * kv_load(k, krb, khb, kty, first + js[u], g, d);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            float a = acc[u];
+            a += __shfl_xor_sync(0xffffffffu, a, 1);
+            a += __shfl_xor_sync(0xffffffffu, a, 2);
+            a += __shfl_xor_sync(0xffffffffu, a, 4);
+            if (js[u] < j1) {
+                float v = scale * a;
+                if (l8 == 0) sc[js[u]] = v;
+                m = fmaxf(m, v);
             }
         }
-        return acc;
     }
-    for (int d = 0; d < dk; ++d) acc += qs[d] * kv_load(k, krb, khb, kty, cell, g, d);
-    return acc;
+    return m;
 }
 
 // P.V over keys j0..j1 (relative to cell `first`) for one block: probabilities p = sc[j] * inv, rounded to f16 when
@@ -196,8 +238,8 @@ __device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool r
 
 // Decode attention in one launch (cpu: Backend::attention, the same rounding): block (h, t) computes query head h
 // of token t against cells first..=pos[t] (first = pos + 1 - window with a window), reading its position from the
-// device, so the launch's arguments do not change from one decode step to the next (CUDA graphs). One thread per
-// key for the scores, kept in shared memory up to ATTN_DEC_KEYS keys (else in scores[(t * n_head + h) * n_ctx
+// device, so the launch's arguments do not change from one decode step to the next (CUDA graphs). Scores by
+// attn_scores_block, kept in shared memory up to ATTN_DEC_KEYS keys (else in scores[(t * n_head + h) * n_ctx
 // ...]); out is [n_tok][n_head][dv]. dk at most ATTN_DK_MAX, dv at most 256. Block 256 threads (8 warps).
 #define ATTN_DEC_KEYS 1024
 #define ATTN_DK_MAX 512
@@ -222,12 +264,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     const float* qv = q + (long long)th * dk;
     for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
     __syncthreads();
-    float m = -STRATA_INF;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        float s = scale * attn_key_dot(qs, k, krb, khb, kty, first + j, g, dk);
-        sc[j] = s;
-        m = fmaxf(m, s);
-    }
+    float m = attn_scores_block(qs, k, krb, khb, kty, first, g, dk, scale, 0, n, sc);
     m = warp_max(m);
     if (lane == 0) red[warp] = m;
     __syncthreads();
@@ -434,12 +471,7 @@ extern "C" __global__ void attn_split_scores(const float* __restrict__ q, const 
     const float* qv = q + (long long)th * dk;
     for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
     __syncthreads();
-    float m = -STRATA_INF;
-    for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-        float v = scale * attn_key_dot(qs, k, krb, khb, kty, first + j, g, dk);
-        sc[j] = v;
-        m = fmaxf(m, v);
-    }
+    float m = attn_scores_block(qs, k, krb, khb, kty, first, g, dk, scale, j0, j1, sc);
     m = warp_max(m);
     if (lane == 0) red[warp] = m;
     __syncthreads();

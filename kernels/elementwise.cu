@@ -134,10 +134,18 @@ extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __rest
 extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,
                                      int n_expert, int k, int normalize) {
     pdl_enter();
-    float* row = logits + (long long)blockIdx.x * n_expert;
+    // The row lives in shared memory from its one read on (the top-k passes below would otherwise wait on global
+    // memory k times in a row); the probabilities are written back to logits too.
+    __shared__ float prob[1024];
+    float* glob = logits + (long long)blockIdx.x * n_expert;
+    float* row = prob;
     int lane = threadIdx.x;
     float m = -STRATA_INF;
-    for (int e = lane; e < n_expert; e += 32) m = fmaxf(m, row[e]);
+    for (int e = lane; e < n_expert; e += 32) {
+        float x = glob[e];
+        row[e] = x;
+        m = fmaxf(m, x);
+    }
     m = warp_max(m);
     double s = 0.0;
     for (int e = lane; e < n_expert; e += 32) {
@@ -147,7 +155,11 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
     }
     s = warp_sum_d(s);
     float inv = (float)(1.0 / s);
-    for (int e = lane; e < n_expert; e += 32) row[e] *= inv;
+    for (int e = lane; e < n_expert; e += 32) {
+        float x = row[e] * inv;
+        row[e] = x;
+        glob[e] = x;
+    }
     __syncwarp();
     // Top-k by repeated arg-max over the warp: lane l owns experts l, l + 32, ... and keeps which of them are
     // chosen as bits of one register (bit i: expert l + 32 i).

@@ -395,14 +395,22 @@ fn gpu_info(model: &Model, session: &mut Session<'_, AnyBackend>, args: &BenchAr
         let k = rows(cuda(session));
         profiles.push((format!("pp{n}"), k.iter().map(|r| r.ms).sum(), k));
     }
-    if args.gen_tokens > 0 {
+    for &depth in args.depth.iter().filter(|_| args.gen_tokens > 0) {
         session.clear();
+        if depth > 0 {
+            session.prefill(&random_tokens(depth, vocab, 9))?;
+            let _ = rows(cuda(session)); // the prefill's kernels are not the test's
+        }
         let mut token = random_tokens(1, vocab, 7)[0];
         for _ in 0..args.gen_tokens {
             token = Greedy.next_token(session.decode_top(token)?, &[]);
         }
         let k = rows(cuda(session));
-        profiles.push((format!("tg{}", args.gen_tokens), k.iter().map(|r| r.ms).sum(), k));
+        let name = match depth {
+            0 => format!("tg{}", args.gen_tokens),
+            d => format!("tg{} @ d{d}", args.gen_tokens),
+        };
+        profiles.push((name, k.iter().map(|r| r.ms).sum(), k));
     }
     let cuda = cuda(session);
     cuda.gpu().set_profiling(false);
