@@ -453,42 +453,115 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
 
 // Decode attention split over the keys (flash-decoding), for long caches: the same rounding as attn_decode in four
 // steps over n_split splits of split_len cells (relative to the query's first visible cell), every launch with
-// arguments that do not depend on the position (CUDA graphs). Grid (n_head, n_tok, n_split), block 128.
-// Step 1: scores of the split into scores[th * n_ctx + j], the split's maximum into pmax[th * n_split + s].
-extern "C" __global__ void attn_split_scores(const float* __restrict__ q, const u8* __restrict__ k,
-                                             float* __restrict__ scores, float* __restrict__ pmax,
-                                             const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dk,
-                                             float scale, int window, long long krb, int khb, int kty, int n_ctx,
-                                             int split_len) {
+// arguments that do not depend on the position (CUDA graphs). Steps 1 and 3 serve a KV head's whole GQA group in one
+// block (grid (n_head_kv, n_tok, n_split)), so each key and value row is read once for all the group's query heads:
+// heads in chunks of ATTN_GQA_CHUNK (fewer when 16 * dk would not fit the staged queries). Step 2 runs per query
+// head (grid (n_head, n_tok, n_split)). The splits' maxima and sums are reduced by the whole block.
+#define ATTN_GQA_CHUNK 16
+#define ATTN_GQA_QS 4096
+__device__ __forceinline__ int attn_gqa_chunk(int dk) { return min(ATTN_GQA_CHUNK, ATTN_GQA_QS / dk); }
+
+// Step 1, block 128: scores of the split into scores[th * n_ctx + j] and the split's maximum into
+// pmax[th * n_split + s] for every query head th of the group; eight lanes per key as attn_scores_block.
+extern "C" __global__ void __launch_bounds__(128)
+    attn_split_scores(const float* __restrict__ q, const u8* __restrict__ k, float* __restrict__ scores,
+                      float* __restrict__ pmax, const unsigned int* __restrict__ pos, int n_head, int n_head_kv,
+                      int dk, float scale, int window, long long krb, int khb, int kty, int n_ctx, int split_len) {
     pdl_enter();
-    __shared__ float red[4];
-    __shared__ float qs[ATTN_DK_MAX];
-    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
-    int g = h / (n_head / n_head_kv), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float qs[ATTN_GQA_QS];
+    __shared__ float red[4][ATTN_GQA_CHUNK];
+    int g = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z;
+    int gs = n_head / n_head_kv, hpc = attn_gqa_chunk(dk);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, l8 = lane & 7;
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
     int j0 = s * split_len, j1 = min(n, j0 + split_len);
-    float* sc = scores + (long long)th * n_ctx;
-    const float* qv = q + (long long)th * dk;
-    for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
-    __syncthreads();
-    float m = attn_scores_block(qs, k, krb, khb, kty, first, g, dk, scale, j0, j1, sc);
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) pmax[(long long)th * n_split + s] = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    int step = (blockDim.x >> 5) * 4;
+    bool vec = kty == 0 && (dk & 7) == 0 && ((krb | khb) & 15) == 0;
+    for (int hb = 0; hb < gs; hb += hpc) {
+        int nh = min(hpc, gs - hb), th0 = t * n_head + g * gs + hb;
+        __syncthreads();
+        for (int i = threadIdx.x; i < nh * dk; i += blockDim.x) {
+            float x = q[(long long)th0 * dk + i];
+            qs[i] = kty == 0 ? round_f16(x) : x;
+        }
+        __syncthreads();
+        float m[ATTN_GQA_CHUNK];
+#pragma unroll
+        for (int i = 0; i < ATTN_GQA_CHUNK; ++i) m[i] = -STRATA_INF;
+        for (int base = j0 + warp * 4; base < j1; base += step) {
+            int j = base + sub;
+            bool ok = j < j1;
+            float acc[ATTN_GQA_CHUNK];
+#pragma unroll
+            for (int i = 0; i < ATTN_GQA_CHUNK; ++i) acc[i] = 0.f;
+            const u8* row = k + (long long)(first + (ok ? j : j0)) * krb + (long long)g * khb;
+            if (vec) {
+                for (int c = l8; c < dk / 8; c += 8) {
+                    uint4 w = ((const uint4*)row)[c];
+                    float kf[8];
+                    u32 hw[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) kf[2 * e] = h2f((u16)(hw[e] & 0xFFFF)), kf[2 * e + 1] = h2f((u16)(hw[e] >> 16));
+#pragma unroll
+                    for (int i = 0; i < ATTN_GQA_CHUNK; ++i)
+                        if (i < nh) {
+                            const float* qq = qs + i * dk + 8 * c;
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) acc[i] += qq[e] * kf[e];
+                        }
+                }
+            } else {
+                for (int d = l8; d < dk; d += 8) {
+                    float kv = kv_load(k, krb, khb, kty, first + (ok ? j : j0), g, d);
+#pragma unroll
+                    for (int i = 0; i < ATTN_GQA_CHUNK; ++i)
+                        if (i < nh) acc[i] += qs[i * dk + d] * kv;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < ATTN_GQA_CHUNK; ++i) {
+                if (i >= nh) break;
+                float a = acc[i];
+                a += __shfl_xor_sync(0xffffffffu, a, 1);
+                a += __shfl_xor_sync(0xffffffffu, a, 2);
+                a += __shfl_xor_sync(0xffffffffu, a, 4);
+                if (ok) {
+                    float v = scale * a;
+                    if (l8 == 0) scores[(long long)(th0 + i) * n_ctx + j] = v;
+                    m[i] = fmaxf(m[i], v);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ATTN_GQA_CHUNK; ++i) {
+            if (i >= nh) break;
+            float v = warp_max(m[i]);
+            if (lane == 0) red[warp][i] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < nh)
+            pmax[(long long)(th0 + threadIdx.x) * n_split + s] =
+                fmaxf(fmaxf(red[0][threadIdx.x], red[1][threadIdx.x]), fmaxf(red[2][threadIdx.x], red[3][threadIdx.x]));
+    }
 }
 
-// Step 2: the maximum over splits, the split's exponentials in place and their f64 sum into psum[th * n_split + s].
-extern "C" __global__ void attn_split_exp(float* __restrict__ scores, const float* __restrict__ pmax,
-                                          double* __restrict__ psum, const unsigned int* __restrict__ pos,
-                                          int n_head, int window, int n_ctx, int split_len) {
+// Step 2, block 128: the maximum over splits, the split's exponentials in place and their f64 sum into
+// psum[th * n_split + s].
+extern "C" __global__ void __launch_bounds__(128)
+    attn_split_exp(float* __restrict__ scores, const float* __restrict__ pmax, double* __restrict__ psum,
+                   const unsigned int* __restrict__ pos, int n_head, int window, int n_ctx, int split_len) {
     pdl_enter();
     __shared__ double red[4];
+    __shared__ float redm[4];
     int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
     int j0 = s * split_len, j1 = min(n, j0 + split_len);
     float m = -STRATA_INF;
-    for (int i = 0; i < n_split; ++i) m = fmaxf(m, pmax[(long long)th * n_split + i]);
+    for (int i = threadIdx.x; i < n_split; i += blockDim.x) m = fmaxf(m, pmax[(long long)th * n_split + i]);
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) redm[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = fmaxf(fmaxf(redm[0], redm[1]), fmaxf(redm[2], redm[3]));
     float* sc = scores + (long long)th * n_ctx;
     double acc = 0.0;
     for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
@@ -502,26 +575,100 @@ extern "C" __global__ void attn_split_exp(float* __restrict__ scores, const floa
     if (threadIdx.x == 0) psum[(long long)th * n_split + s] = (red[0] + red[1]) + (red[2] + red[3]);
 }
 
-// Step 3: probabilities (exponential times 1 / the f64 sum over splits, rounded to f16 against an f16 cache) times
-// the split's values into part[(s * rows + th) * dv + d]; sum_splits adds the splits.
-extern "C" __global__ void attn_split_pv(const float* __restrict__ scores, const double* __restrict__ psum,
-                                         const u8* __restrict__ v, float* __restrict__ part,
-                                         const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dv,
-                                         int window, long long vrb, int vhb, int vty, int n_ctx, int split_len,
-                                         int rows) {
+// Step 3, block 256: for every query head th of the group, probabilities (exponential times 1 / the f64 sum over
+// splits, rounded to f16 against an f16 cache) times the split's values into part[(s * rows + th) * dv + d];
+// sum_splits adds the splits. Threads take two dims each (groups of dv / 2 rounded up to warps, each group every
+// groups-th key), every value pair read once for the chunk's heads; dims in chunks of 256.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_split_pv(const float* __restrict__ scores, const double* __restrict__ psum, const u8* __restrict__ v,
+                  float* __restrict__ part, const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dv,
+                  int window, long long vrb, int vhb, int vty, int n_ctx, int split_len, int rows) {
     pdl_enter();
-    __shared__ float pv[256];
-    int h = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z, th = t * n_head + h;
-    int g = h / (n_head / n_head_kv);
+    __shared__ float inv[ATTN_GQA_CHUNK];
+    __shared__ float pv[ATTN_GQA_CHUNK * 256];
+    __shared__ float ps[ATTN_GQA_CHUNK * 64];
+    int g = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z;
+    int gs = n_head / n_head_kv, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
     int j0 = s * split_len, j1 = min(n, j0 + split_len);
-    double tot = 0.0;
-    for (int i = 0; i < n_split; ++i) tot += psum[(long long)th * n_split + i];
-    const float* sc = scores + (long long)th * n_ctx;
-    for (int d0 = 0; d0 < dv; d0 += 256) {
-        int w = min(256, dv - d0);
-        attn_pv_block(sc, (float)(1.0 / tot), vty == 0, v, vrb, vhb, vty, first, g, j0, j1, d0, w, pv);
-        if (threadIdx.x < w) part[((long long)s * rows + th) * dv + d0 + threadIdx.x] = pv[threadIdx.x];
+    bool round = vty == 0;
+    for (int hb = 0; hb < gs; hb += ATTN_GQA_CHUNK) {
+        int nh = min(ATTN_GQA_CHUNK, gs - hb), th0 = t * n_head + g * gs + hb;
         __syncthreads();
+        for (int i = warp; i < nh; i += blockDim.x >> 5) {
+            double tot = 0.0;
+            for (int k2 = lane; k2 < n_split; k2 += 32) tot += psum[(long long)(th0 + i) * n_split + k2];
+            tot = warp_sum_d(tot);
+            if (lane == 0) inv[i] = (float)(1.0 / tot);
+        }
+        __syncthreads();
+        for (int d0 = 0; d0 < dv; d0 += 256) {
+            int w = min(256, dv - d0);
+            int per = ((w + 1) / 2 + 31) & ~31, groups = max(1, (int)blockDim.x / per);
+            int grp = threadIdx.x / per, d = 2 * (threadIdx.x % per);
+            float a0[ATTN_GQA_CHUNK], a1[ATTN_GQA_CHUNK];
+#pragma unroll
+            for (int i = 0; i < ATTN_GQA_CHUNK; ++i) a0[i] = a1[i] = 0.f;
+            bool mine = grp < groups && d < w, pair = d + 1 < w;
+            // The probabilities of 64 keys at a time, for the chunk's heads, staged in shared memory.
+            for (int c0 = j0; c0 < j1; c0 += 64) {
+                int cn = min(64, j1 - c0);
+                __syncthreads();
+                for (int i = threadIdx.x; i < nh * 64; i += blockDim.x) {
+                    int hh = i >> 6, jj = i & 63;
+                    float pr = 0.f;
+                    if (jj < cn) {
+                        pr = scores[(long long)(th0 + hh) * n_ctx + c0 + jj] * inv[hh];
+                        if (round) pr = round_f16(pr);
+                    }
+                    ps[i] = pr;
+                }
+                __syncthreads();
+                if (!mine) continue;
+                int jj = grp;
+                for (; jj < cn; jj += 4 * groups) {
+                    float v0[4], v1[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        int jk = jj + u * groups, cell = first + c0 + min(jk, cn - 1);
+                        if (vty == 0 && pair) {
+                            u32 hv = *(const u32*)(v + (long long)cell * vrb + (long long)g * vhb + 2 * (d0 + d));
+                            v0[u] = h2f((u16)(hv & 0xFFFF)), v1[u] = h2f((u16)(hv >> 16));
+                        } else {
+                            v0[u] = kv_load(v, vrb, vhb, vty, cell, g, d0 + d);
+                            v1[u] = pair ? kv_load(v, vrb, vhb, vty, cell, g, d0 + d + 1) : 0.f;
+                        }
+                        if (jk >= cn) v0[u] = v1[u] = 0.f;
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        int jk = min(jj + u * groups, 63);
+#pragma unroll
+                        for (int i = 0; i < ATTN_GQA_CHUNK; ++i)
+                            if (i < nh) {
+                                float pr = ps[i * 64 + jk];
+                                a0[i] += pr * v0[u];
+                                a1[i] += pr * v1[u];
+                            }
+                    }
+                }
+            }
+            for (int gi = 0; gi < groups; ++gi) {
+                if (grp == gi && mine)
+#pragma unroll
+                    for (int i = 0; i < ATTN_GQA_CHUNK; ++i)
+                        if (i < nh) {
+                            float* o = pv + i * 256 + d;
+                            if (gi == 0) o[0] = a0[i]; else o[0] += a0[i];
+                            if (pair) {
+                                if (gi == 0) o[1] = a1[i]; else o[1] += a1[i];
+                            }
+                        }
+                __syncthreads();
+            }
+            for (int i = threadIdx.x; i < nh * w; i += blockDim.x)
+                part[((long long)s * rows + th0 + i / w) * dv + d0 + i % w] = pv[(i / w) * 256 + i % w];
+            __syncthreads();
+        }
     }
 }

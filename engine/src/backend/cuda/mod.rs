@@ -1057,10 +1057,12 @@ impl Backend for CudaBackend {
                 let ps = s.slot(g, Slot::SplitSum, rows * max_split * 8)?;
                 let part = s.slot(g, Slot::Part, max_split * rows * dv * 4)?;
                 let grid = (p.n_head as u32, n_tok as u32, n_split as u32);
+                // Scores and P.V serve a KV head's whole GQA group per block.
+                let grid_kv = (p.n_head_kv as u32, n_tok as u32, n_split as u32);
                 let window = p.window.unwrap_or(0) as i32;
                 g.launch(
                     "attn_split_scores",
-                    grid,
+                    grid_kv,
                     (128, 1, 1),
                     &[
                         Arg::P(q.ptr()),
@@ -1097,7 +1099,7 @@ impl Backend for CudaBackend {
                 )?;
                 g.launch(
                     "attn_split_pv",
-                    grid,
+                    grid_kv,
                     (256, 1, 1),
                     &[
                         Arg::P(sp),
