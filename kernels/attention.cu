@@ -461,15 +461,15 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
 #define ATTN_GQA_QS 4096
 __device__ __forceinline__ int attn_gqa_chunk(int dk) { return min(ATTN_GQA_CHUNK, ATTN_GQA_QS / dk); }
 
-// Step 1, block 128: scores of the split into scores[th * n_ctx + j] and the split's maximum into
+// Step 1, block 256: scores of the split into scores[th * n_ctx + j] and the split's maximum into
 // pmax[th * n_split + s] for every query head th of the group; eight lanes per key as attn_scores_block.
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(256)
     attn_split_scores(const float* __restrict__ q, const u8* __restrict__ k, float* __restrict__ scores,
                       float* __restrict__ pmax, const unsigned int* __restrict__ pos, int n_head, int n_head_kv,
                       int dk, float scale, int window, long long krb, int khb, int kty, int n_ctx, int split_len) {
     pdl_enter();
     __shared__ float qs[ATTN_GQA_QS];
-    __shared__ float red[4][ATTN_GQA_CHUNK];
+    __shared__ float red[8][ATTN_GQA_CHUNK];
     int g = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z;
     int gs = n_head / n_head_kv, hpc = attn_gqa_chunk(dk);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, l8 = lane & 7;
@@ -539,9 +539,11 @@ extern "C" __global__ void __launch_bounds__(128)
             if (lane == 0) red[warp][i] = v;
         }
         __syncthreads();
-        if (threadIdx.x < nh)
-            pmax[(long long)(th0 + threadIdx.x) * n_split + s] =
-                fmaxf(fmaxf(red[0][threadIdx.x], red[1][threadIdx.x]), fmaxf(red[2][threadIdx.x], red[3][threadIdx.x]));
+        if (threadIdx.x < nh) {
+            float v = red[0][threadIdx.x];
+            for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = fmaxf(v, red[w][threadIdx.x]);
+            pmax[(long long)(th0 + threadIdx.x) * n_split + s] = v;
+        }
     }
 }
 

@@ -49,12 +49,28 @@ use store::{DevBuf, ResidentStore, WeightStore};
 const MMV_MAX_TOKENS: usize = 4;
 /// Keys per split of the prefill fallback attention's P·V pass.
 const ATTN_SPLIT_KEYS: usize = 128;
-/// Cache cells per split of the decode attention (flash-decoding): a span of more than one
-/// [`crate::backend::ATTN_SPAN_BLOCK`] splits its keys over blocks of this many cells per head (at most
-/// [`DECODE_MAX_SPLITS`] of them), a shorter one runs in one block per head.
+/// Most cache cells per split of the decode attention (flash-decoding): a span of more than one
+/// [`crate::backend::ATTN_SPAN_BLOCK`] splits its keys over blocks of at most this many cells (fewer while the KV
+/// heads times the splits would not give every SM two blocks; see [`decode_splits`]), a shorter one runs in one
+/// block per head.
 const DECODE_SPLIT_CELLS: usize = 64;
 /// Most splits of a decode attention: longer spans give each split more cells.
 const DECODE_MAX_SPLITS: usize = 256;
+
+/// (splits, cells per split) of a decode attention over `span_blocks` blocks of [`crate::backend::ATTN_SPAN_BLOCK`]
+/// cells: splits of [`DECODE_SPLIT_CELLS`], or more and shorter ones (down to 8 cells) until `n_head_kv` times the
+/// splits reach two blocks per SM, at most `max_split`. Depends on the span's block count alone (a replayed graph's
+/// launches stay right).
+fn decode_splits(span_blocks: usize, n_head_kv: usize, sms: usize, max_split: usize) -> (usize, usize) {
+    let cells = span_blocks * crate::backend::ATTN_SPAN_BLOCK;
+    let want = cells
+        .div_ceil(DECODE_SPLIT_CELLS)
+        .max((2 * sms).div_ceil(n_head_kv.max(1)))
+        .min(max_split)
+        .max(1);
+    let len = cells.div_ceil(want).next_multiple_of(8);
+    (cells.div_ceil(len), len)
+}
 
 /// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
@@ -1033,13 +1049,11 @@ impl Backend for CudaBackend {
             // are sized for the whole cache, so a longer span allocates nothing and the graphs of shorter ones stay
             // valid. Both decode kernels stage the query in shared memory: heads up to ATTN_DK_MAX (512) wide.
             let span_blocks = (hi + 1).div_ceil(crate::backend::ATTN_SPAN_BLOCK);
-            let max_split = n_ctx.div_ceil(DECODE_SPLIT_CELLS).min(DECODE_MAX_SPLITS);
-            let n_split = if span_blocks > 1 {
-                (span_blocks * crate::backend::ATTN_SPAN_BLOCK)
-                    .div_ceil(DECODE_SPLIT_CELLS)
-                    .min(max_split)
+            let max_split = DECODE_MAX_SPLITS;
+            let (n_split, split_len) = if span_blocks > 1 {
+                decode_splits(span_blocks, p.n_head_kv, g.sms, max_split)
             } else {
-                1
+                (1, n_ctx)
             };
             // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
             // has position-dependent arguments, which a replayed graph must never have.)
@@ -1047,10 +1061,6 @@ impl Backend for CudaBackend {
             if decode && (n_split > 1 || dv > 256) {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
-                let split_len = (span_blocks * crate::backend::ATTN_SPAN_BLOCK)
-                    .div_ceil(DECODE_SPLIT_CELLS)
-                    .div_ceil(n_split)
-                    * DECODE_SPLIT_CELLS;
                 let rows = n_tok * p.n_head;
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
                 let mp = s.slot(g, Slot::SplitMax, rows * max_split * 4)?;
@@ -1063,7 +1073,7 @@ impl Backend for CudaBackend {
                 g.launch(
                     "attn_split_scores",
                     grid_kv,
-                    (128, 1, 1),
+                    (256, 1, 1),
                     &[
                         Arg::P(q.ptr()),
                         Arg::P(kp),
@@ -1547,5 +1557,42 @@ impl CudaBackend {
         end.record(&self.gpu.stream)
             .map_err(CudaError::driver("event record"))?;
         Ok(start.elapsed_ms(&end).map_err(CudaError::driver("event elapsed"))? as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Splits cover the span in multiples of 8 cells, never exceed the buffers' count, keep at most
+    /// DECODE_SPLIT_CELLS per split, and give short spans enough blocks (two per SM over the KV heads).
+    #[test]
+    fn decode_splits_cover_the_span_and_fill_the_device() {
+        for sms in [1, 46, 132] {
+            for n_kv in [1, 3, 4, 8, 32] {
+                for blocks in 2..200 {
+                    let cells = blocks * crate::backend::ATTN_SPAN_BLOCK;
+                    let (n, len) = decode_splits(blocks, n_kv, sms, DECODE_MAX_SPLITS);
+                    assert!(
+                        n * len >= cells && (n - 1) * len < cells,
+                        "{blocks} blocks: {n} x {len}"
+                    );
+                    assert!(len % 8 == 0 && n <= DECODE_MAX_SPLITS, "{blocks} blocks: {n} x {len}");
+                    if cells / DECODE_SPLIT_CELLS <= DECODE_MAX_SPLITS {
+                        assert!(len <= DECODE_SPLIT_CELLS, "{blocks} blocks: {len} cells per split");
+                    }
+                    if len > 8 {
+                        // At least one block per SM (two asked, rounding to 8 cells may halve it), unless capped.
+                        let blocks_out = n * n_kv;
+                        assert!(
+                            2 * blocks_out + n_kv >= (2 * sms).min(n_kv * DECODE_MAX_SPLITS),
+                            "{blocks} blocks, {n_kv} KV heads, {sms} SMs: {n} x {len}"
+                        );
+                    }
+                }
+            }
+        }
+        assert_eq!(decode_splits(9, 4, 132, DECODE_MAX_SPLITS), (48, 24));
+        assert_eq!(decode_splits(65, 4, 132, DECODE_MAX_SPLITS), (130, 64));
     }
 }

@@ -305,6 +305,8 @@ pub struct Gpu {
     graphs: Mutex<Graphs>,
     pub compile: CompileReport,
     pub ordinal: usize,
+    /// Streaming multiprocessors (launch sizing).
+    pub sms: usize,
 }
 
 impl Gpu {
@@ -326,6 +328,9 @@ impl Gpu {
             .compute_capability()
             .map_err(CudaError::driver("compute capability"))?;
         let arch = arch_name(major, minor);
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(CudaError::driver("multiprocessor count"))? as usize;
         let start = Instant::now();
         let src = program_source();
         let key = content_hash(&src, &nvrtc_options());
@@ -378,6 +383,7 @@ impl Gpu {
                 .into(),
             compile,
             ordinal,
+            sms,
         })
     }
 
