@@ -250,15 +250,27 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 
 // Per-head RMSNorm (when its weights are given) then RoPE of a layer's queries and keys in one launch (cpu:
 // rms_norm_row per head, then rope_token). One warp per head row: rows 0 .. n_tok * n_head - 1 are the queries,
-// the next n_tok * n_head_kv the keys. Grid ceil(rows / 8), block 256.
+// the next n_tok * n_head_kv the keys. With kc given (an f16 KV cache), the rotated keys also go to the cache at
+// their positions and n_tok * n_head_kv more rows copy the value heads (vsrc, dv wide) into vc, so the keys and
+// values are stored in the same launch (cpu: store_kv). Grid ceil(rows / 8), block 256.
 extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ qw,
                                         const float* __restrict__ kw, const unsigned int* __restrict__ pos,
                                         int n_tok, int n_head, int n_head_kv, int head_dim, float eps, int n_rot,
-                                        float theta_scale, float freq_scale, int neox) {
+                                        float theta_scale, float freq_scale, int neox, u16* __restrict__ kc,
+                                        const float* __restrict__ vsrc, u16* __restrict__ vc, int dv) {
     pdl_enter();
     long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     long long nq = (long long)n_tok * n_head, nk = (long long)n_tok * n_head_kv;
+    if (kc && r >= nq + nk && r < nq + 2 * nk) {
+        // A value head, straight into the f16 cache.
+        long long j = r - nq - nk;
+        int t = (int)(j / n_head_kv), hv = (int)(j % n_head_kv);
+        const float* src = vsrc + j * dv;
+        u16* dst = vc + ((long long)pos[t] * n_head_kv + hv) * dv;
+        for (int i = lane; i < dv; i += 32) dst[i] = f2h(src[i]);
+        return;
+    }
     if (r >= nq + nk) return;
     bool is_q = r < nq;
     float* v = is_q ? q + r * head_dim : k + (r - nq) * head_dim;
@@ -282,6 +294,14 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
         float x0 = v[i0], x1 = v[i1];
         v[i0] = x0 * cs - x1 * sn;
         v[i1] = x0 * sn + x1 * cs;
+    }
+    if (kc && !is_q) {
+        // The rotated key, into the f16 cache too (its lanes' writes above are visible after the warp's sync).
+        __syncwarp();
+        long long j = r - nq;
+        int hk = (int)(j % n_head_kv);
+        u16* dst = kc + ((long long)pos[t] * n_head_kv + hk) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) dst[i] = f2h(v[i]);
     }
 }
 

@@ -379,6 +379,54 @@ fn elementwise_ops_match_cpu() {
             rel_err(&down(&gpu, &kd, k.len()), &ka),
             1e-5,
         ));
+        // The same with the keys and values stored in an f16 cache in the same launch (CPU: the two calls).
+        let v = rng.vec(n * nkv * hd, 1.0);
+        let hp = hp_for_attn(nh as u32, nkv as u32, hd as u32);
+        let (mut kc, mut kg) = (
+            KvCache::new(&hp, 600, KvType::F16).unwrap(),
+            KvCache::new(&hp, 600, KvType::F16).unwrap(),
+        );
+        let (mut qa, mut ka) = (q.clone(), k.clone());
+        cpu.qk_norm_rope_store(&mut qa, &mut ka, &v, &mut kc.layers[0], nh, hd, nw, 1e-6, &pos, &p);
+        let (mut qd, mut kd) = (up(&gpu, &q), up(&gpu, &k));
+        gpu.qk_norm_rope_store(
+            &mut qd,
+            &mut kd,
+            &up(&gpu, &v),
+            &mut kg.layers[0],
+            nh,
+            hd,
+            nw,
+            1e-6,
+            &pos,
+            &p,
+        );
+        rows.push(Row(
+            format!("qk_norm_rope_store {kind:?} norms={norms}: q"),
+            rel_err(&down(&gpu, &qd, q.len()), &qa),
+            1e-5,
+        ));
+        for (name, rc, rg) in [
+            ("k", &kc.layers[0].k, &kg.layers[0].k),
+            ("v", &kc.layers[0].v, &kg.layers[0].v),
+        ] {
+            let dev = gpu.kv_device_bytes(rg).expect("twin after store");
+            let (mut want, mut got, mut buf) = (Vec::new(), Vec::new(), vec![0f32; hd]);
+            for &c in &pos {
+                for h in 0..nkv {
+                    rc.read(c as usize, h, &mut buf);
+                    want.extend_from_slice(&buf);
+                    let at = (c as usize * nkv + h) * hd * 2;
+                    quant::dequantize(GgmlType::F16, &dev[at..at + hd * 2], &mut buf).unwrap();
+                    got.extend_from_slice(&buf);
+                }
+            }
+            rows.push(Row(
+                format!("qk_norm_rope_store {kind:?} norms={norms}: cached {name}"),
+                rel_err(&got, &want),
+                1e-3,
+            ));
+        }
     }
     let mut cd = up(&gpu, &vec![f32::NAN; 1000]);
     gpu.copy(&bd, 1500, &mut cd, 1000);

@@ -298,6 +298,27 @@ pub trait Backend: Send + Sync {
         self.rope(k, n_head_kv, head_dim, positions, p);
     }
 
+    /// [`Backend::qk_norm_rope`], then [`Backend::store_kv`] of the rotated keys and of `v` (the default); a
+    /// backend may do both in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_store(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        kv: &mut KvLayer,
+        n_head: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        let n_head_kv = kv.k.heads();
+        self.qk_norm_rope(q, k, n_head, n_head_kv, head_dim, norms, eps, positions, p);
+        self.store_kv(kv, k, v, positions);
+    }
+
     /// Multiplies the first `len` values by `s`.
     fn scale(&self, x: &mut Self::Buf, len: usize, s: f32);
 

@@ -224,19 +224,19 @@ impl Model {
             trace(be, "Qcur", Some(il), &s.q, n * nh * dk);
             trace(be, "Kcur", Some(il), &s.k, n * nkv * dk);
             trace(be, "Vcur", Some(il), &s.v, n * nkv * dv);
-            be.qk_norm_rope(
+            let cache = &mut kv.layers[il];
+            be.qk_norm_rope_store(
                 &mut s.q,
                 &mut s.k,
+                &s.v,
+                cache,
                 nh,
-                nkv,
                 dk,
                 (layer.q_norm.as_deref(), layer.k_norm.as_deref()),
                 hp.rms_eps,
                 &s.pos,
                 &layer.rope,
             );
-            let cache = &mut kv.layers[il];
-            be.store_kv(cache, &s.k, &s.v, &s.pos);
             let scale = if w.config.attn_scale_on_q {
                 be.scale(&mut s.q, n * nh * dk, w.config.attn_scale);
                 1.0

@@ -235,6 +235,82 @@ fn glu_code(act: GluKind) -> i32 {
 }
 
 impl CudaBackend {
+    /// The `qk_norm_rope` launch, with `store` (values and an f16 cache) also writing the rotated keys and the
+    /// values into the cache at `positions` (kernels/elementwise.cu `qk_norm_rope`).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_dev(
+        &self,
+        q: &mut DevVec,
+        k: &mut DevVec,
+        store: Option<(&DevVec, &mut KvLayer)>,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        let n_tok = positions.len();
+        assert!(
+            q.capacity() >= n_tok * n_head * head_dim && k.capacity() >= n_tok * n_head_kv * head_dim,
+            "qk_norm_rope: shapes"
+        );
+        assert!(p.n_rot <= head_dim && p.n_rot.is_multiple_of(2), "qk_norm_rope: n_rot");
+        for w in [norms.0, norms.1].into_iter().flatten() {
+            assert_eq!(w.len(), head_dim, "qk_norm_rope: norm width");
+        }
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+        Self::check((|| {
+            let qw = match norms.0 {
+                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
+                None => 0,
+            };
+            let kw = match norms.1 {
+                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
+                None => 0,
+            };
+            let pp = s.positions(g, positions)?;
+            let mut rows = n_tok * (n_head + n_head_kv);
+            let (mut kc, mut vp, mut vc, mut dv) = (0, 0, 0, 0);
+            if let Some((v, kv)) = store {
+                dv = kv.v.head_dim();
+                assert!(v.capacity() >= n_tok * n_head_kv * dv, "qk_norm_rope_store: values");
+                kc = s.kv_twin(g, &kv.k)?.0;
+                vc = s.kv_twin(g, &kv.v)?.0;
+                vp = v.ptr();
+                rows += n_tok * n_head_kv;
+            }
+            g.launch(
+                "qk_norm_rope",
+                (rows.div_ceil(8) as u32, 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(q.ptr()),
+                    Arg::P(k.ptr()),
+                    Arg::P(qw),
+                    Arg::P(kw),
+                    Arg::P(pp),
+                    Arg::I(n_tok as i32),
+                    Arg::I(n_head as i32),
+                    Arg::I(n_head_kv as i32),
+                    Arg::I(head_dim as i32),
+                    Arg::F(eps),
+                    Arg::I(p.n_rot as i32),
+                    Arg::F(theta_scale),
+                    Arg::F(p.freq_scale),
+                    Arg::I((p.kind == RopeKind::Neox) as i32),
+                    Arg::P(kc),
+                    Arg::P(vp),
+                    Arg::P(vc),
+                    Arg::I(dv as i32),
+                ],
+            )
+        })());
+    }
+
     /// Opens device `ordinal` with every weight resident in VRAM.
     ///
     /// Errors: CUDA unavailable, no such device, the kernels do not compile or load.
@@ -1383,51 +1459,39 @@ impl Backend for CudaBackend {
         positions: &[u32],
         p: &RopeParams,
     ) {
-        let n_tok = positions.len();
-        assert!(
-            q.capacity() >= n_tok * n_head * head_dim && k.capacity() >= n_tok * n_head_kv * head_dim,
-            "qk_norm_rope: shapes"
-        );
-        assert!(p.n_rot <= head_dim && p.n_rot.is_multiple_of(2), "qk_norm_rope: n_rot");
-        for w in [norms.0, norms.1].into_iter().flatten() {
-            assert_eq!(w.len(), head_dim, "qk_norm_rope: norm width");
+        self.qk_norm_rope_dev(q, k, None, n_head, n_head_kv, head_dim, norms, eps, positions, p);
+    }
+
+    fn qk_norm_rope_store(
+        &self,
+        q: &mut DevVec,
+        k: &mut DevVec,
+        v: &DevVec,
+        kv: &mut KvLayer,
+        n_head: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        let n_head_kv = kv.k.heads();
+        if kv.k.ty() != GgmlType::F16 || kv.v.ty() != GgmlType::F16 || kv.k.head_dim() != head_dim {
+            self.qk_norm_rope(q, k, n_head, n_head_kv, head_dim, norms, eps, positions, p);
+            return self.store_kv(kv, k, v, positions);
         }
-        let g = &*self.gpu;
-        let mut s = self.lock();
-        let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
-        Self::check((|| {
-            let qw = match norms.0 {
-                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
-                None => 0,
-            };
-            let kw = match norms.1 {
-                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
-                None => 0,
-            };
-            let pp = s.positions(g, positions)?;
-            let rows = n_tok * (n_head + n_head_kv);
-            g.launch(
-                "qk_norm_rope",
-                (rows.div_ceil(8) as u32, 1, 1),
-                (256, 1, 1),
-                &[
-                    Arg::P(q.ptr()),
-                    Arg::P(k.ptr()),
-                    Arg::P(qw),
-                    Arg::P(kw),
-                    Arg::P(pp),
-                    Arg::I(n_tok as i32),
-                    Arg::I(n_head as i32),
-                    Arg::I(n_head_kv as i32),
-                    Arg::I(head_dim as i32),
-                    Arg::F(eps),
-                    Arg::I(p.n_rot as i32),
-                    Arg::F(theta_scale),
-                    Arg::F(p.freq_scale),
-                    Arg::I((p.kind == RopeKind::Neox) as i32),
-                ],
-            )
-        })());
+        self.qk_norm_rope_dev(
+            q,
+            k,
+            Some((v, kv)),
+            n_head,
+            n_head_kv,
+            head_dim,
+            norms,
+            eps,
+            positions,
+            p,
+        );
     }
 
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
