@@ -14,7 +14,7 @@
 #define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
 
 #define STRATA_GEMM(name, dq)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                          \
         gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
                     const float* __restrict__ x, const unsigned int* __restrict__ xrows,                       \
                     float* __restrict__ y, const int* __restrict__ tiles, int N, int K) {                      \

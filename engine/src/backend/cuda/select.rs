@@ -262,10 +262,72 @@ impl Backend for AnyBackend {
             be.qk_norm_rope(q, k, n_head, n_head_kv, head_dim, norms, eps, positions, p)
         )
     }
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_store(
+        &self,
+        q: &mut AnyBuf,
+        k: &mut AnyBuf,
+        v: &AnyBuf,
+        kv: &mut KvLayer,
+        n_head: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        dispatch!(
+            self,
+            be,
+            [q, k],
+            [v],
+            be.qk_norm_rope_store(q, k, v, kv, n_head, head_dim, norms, eps, positions, p)
+        )
+    }
+    fn top_logits(&self, logits: &AnyBuf, n: usize) -> bool {
+        dispatch!(self, be, [], [logits], Backend::top_logits(be, logits, n))
+    }
+    fn read_top_logits(&self, n: usize, out: &mut crate::runtime::sampling::TopLogits) -> bool {
+        match self {
+            AnyBackend::Cpu(c) => c.read_top_logits(n, out),
+            AnyBackend::Cuda(c) => c.read_top_logits(n, out),
+        }
+    }
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
         match self {
             AnyBackend::Cpu(c) => c.set_fault_policy(faults, gemm_fallback),
             AnyBackend::Cuda(c) => c.set_fault_policy(faults, gemm_fallback),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// `AnyBackend` forwards every `Backend` method, those with a default too: a default here would silently
+    /// replace the CUDA backend's own version (a fused launch, the device's candidate selection) with the
+    /// generic one.
+    #[test]
+    fn any_backend_forwards_every_backend_method() {
+        let trait_src = include_str!("../mod.rs");
+        let start = trait_src.find("pub trait Backend").expect("the Backend trait");
+        let body = &trait_src[start..];
+        let end = body.find("\n}\n").expect("the trait's end");
+        let here = include_str!("select.rs");
+        let mut n = 0;
+        for line in body[..end].lines() {
+            let l = line.trim_start();
+            if let Some(rest) = l.strip_prefix("fn ") {
+                let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                n += 1;
+                assert!(
+                    here.contains(&format!("fn {name}(")),
+                    "AnyBackend does not forward Backend::{name}"
+                );
+            }
+        }
+        assert!(
+            n > 20,
+            "found only {n} Backend methods: the parser no longer matches the trait"
+        );
     }
 }
