@@ -311,7 +311,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
     int group = n_head / n_head_kv, g = blockIdx.y;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
     int h = g * group + warp % group;
-    int t0 = blockIdx.x * 16 * tgroups + 16 * (warp / group);
+    // The last tokens (the most keys) first: the longest blocks start in the first wave, the short ones fill in.
+    int t0 = (gridDim.x - 1 - blockIdx.x) * 16 * tgroups + 16 * (warp / group);
     int rows[2] = {t0 + gid, t0 + gid + 8};
     int last[2], first[2];
     for (int i = 0; i < 2; ++i) {

@@ -1,6 +1,6 @@
 // Our own tensor-core GEMM over quantized weights, for prefill: y[r][n] = sum_k W[n][k] * x[r][k], weights
-// dequantized to f16 tile by tile in shared memory (no f16 copy of the matrix), activations converted to f16 as
-// they are loaded, f32 accumulation on mma.m16n8k16. The same kernel serves a dense matrix (one "expert") and a
+// dequantized to f16 tile by tile in shared memory (no f16 copy of the matrix), activations given in f16 (the
+// host converts them once: f32_to_f16), f32 accumulation on mma.m16n8k16. The same kernel serves a dense matrix (one "expert") and a
 // MoE layer's experts grouped by expert (each tile of rows names its expert), so one launch runs every expert.
 //
 // Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of y, rows <= 128); row r of the work reads row
@@ -16,10 +16,10 @@
 #define STRATA_GEMM(name, dq)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
         gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
-                    const float* __restrict__ x, const unsigned int* __restrict__ xrows,                       \
+                    const u16* __restrict__ x, const unsigned int* __restrict__ xrows,                         \
                     float* __restrict__ y, const int* __restrict__ tiles, int N, int K) {                      \
-        __shared__ u16 xs[GM_M * GM_PAD];                                                                      \
-        __shared__ u16 ws[GM_N * GM_PAD];                                                                      \
+        __shared__ __align__(16) u16 xs[GM_M * GM_PAD];                                                        \
+        __shared__ __align__(16) u16 ws[GM_N * GM_PAD];                                                        \
         int tile = blockIdx.y, n0 = blockIdx.x * GM_N;                                                         \
         pdl_enter();                                                                                           \
         int expert = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];                    \
@@ -44,23 +44,13 @@
                 for (int i = 0; i < 16; ++i) dst[i] = (u32)f2h(v[2 * i]) | ((u32)f2h(v[2 * i + 1]) << 16);     \
             }                                                                                                  \
             {                                                                                                  \
-                /* Half a row of x per thread: 128 rows x 64 values, in two 16-value pieces. */               \
-                int m = threadIdx.x >> 1;                                                                      \
-                for (int pc = 0; pc < 2; ++pc) {                                                               \
-                    int qq = 2 * (threadIdx.x & 1) + pc, k = k0 + 16 * qq;                                     \
-                    u32* dst = (u32*)(xs + m * GM_PAD + 16 * qq);                                              \
-                    if (m < rows && k < K) {                                                                   \
-                        long long xr = xrows ? (long long)xrows[r0 + m] : (long long)(r0 + m);                 \
-                        const float4* src = (const float4*)(x + xr * K + k);                                   \
-                        for (int i = 0; i < 4; ++i) {                                                          \
-                            float4 a = src[i];                                                                 \
-                            dst[2 * i] = (u32)f2h(a.x) | ((u32)f2h(a.y) << 16);                                \
-                            dst[2 * i + 1] = (u32)f2h(a.z) | ((u32)f2h(a.w) << 16);                            \
-                        }                                                                                      \
-                    } else {                                                                                   \
-                        for (int i = 0; i < 8; ++i) dst[i] = 0u;                                               \
-                    }                                                                                          \
-                }                                                                                              \
+                /* Half a row of x (f16) per thread: 128 rows x 64 values, four 16-byte loads. */             \
+                int m = threadIdx.x >> 1, k = k0 + 32 * (threadIdx.x & 1);                                     \
+                uint4* dst = (uint4*)(xs + m * GM_PAD + 32 * (threadIdx.x & 1));                               \
+                long long xr = m < rows ? (xrows ? (long long)xrows[r0 + m] : (long long)(r0 + m)) : 0;        \
+                const uint4* src = (const uint4*)(x + xr * K + k);                                             \
+                for (int i = 0; i < 4; ++i)                                                                    \
+                    dst[i] = m < rows && k + 8 * i < K ? src[i] : make_uint4(0u, 0u, 0u, 0u);                  \
             }                                                                                                  \
             __syncthreads();                                                                                   \
             for (int kk = 0; kk < GM_K; kk += 16) {                                                            \
