@@ -566,12 +566,12 @@ impl Inner {
             .step_by(128)
             .map(|r| [0, r as i32, (n_tok - r).min(128) as i32])
             .collect();
-        let xf = self.to_f16(gpu, Slot::XF16, xp, n_tok * cols)?;
+        let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * cols)?;
         self.gemm_own(gpu, w, wp, 0, xf, 0, yp, &tiles)
     }
 
     /// `n` f32 values at `xp` as f16 in slot `s` (the tensor-core GEMMs' activations); returns the slot's address.
-    fn to_f16(&mut self, gpu: &Gpu, s: Slot, xp: u64, n: usize) -> Result<u64, CudaError> {
+    fn f16_copy(&mut self, gpu: &Gpu, s: Slot, xp: u64, n: usize) -> Result<u64, CudaError> {
         let xf = self.slot(gpu, s, n * 2)?;
         gpu.launch(
             "f32_to_f16",
@@ -584,7 +584,7 @@ impl Inner {
 
     /// Our tensor-core GEMM (`gemm_T`, kernels/gemm.cu) over row tiles of up to 128: `tiles` lists (expert, first
     /// row, rows); expert e's matrix starts `e * expert_stride` bytes after `wp`. `y[r][n] = W_e[n] · x[r]` with
-    /// `x` `[..][k]` in f16 ([`Inner::to_f16`]) and `y` `[..][n]` in f32.
+    /// `x` `[..][k]` in f16 ([`Inner::f16_copy`]) and `y` `[..][n]` in f32.
     #[allow(clippy::too_many_arguments)]
     fn gemm_own(
         &mut self,
@@ -765,11 +765,11 @@ impl Inner {
             let gate = ex.gate.rows_slice(0, nff);
             let upm = ex.up.rows_slice(0, nff);
             let down = ex.down.rows_slice(0, n_embd);
-            let xf = self.to_f16(gpu, Slot::XF16, xp, n_tok * n_embd)?;
+            let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * n_embd)?;
             self.gemm_own(gpu, &gate, gw, nff * gate.row_bytes, xf, ip, gp, &tiles)?;
             self.gemm_own(gpu, &upm, uw, nff * upm.row_bytes, xf, ip, up, &tiles)?;
             glu_dev(gpu, gp, up, slots * nff, ex.act)?;
-            let gf = self.to_f16(gpu, Slot::GF16, gp, slots * nff)?;
+            let gf = self.f16_copy(gpu, Slot::GF16, gp, slots * nff)?;
             self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gf, 0, dp, &tiles)?;
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
         };
