@@ -3,7 +3,8 @@
 //
 // A logit's key orders the candidates exactly as the host sampler does (by_logit_desc: the value in IEEE total
 // order, descending, then the lowest id): key = (ordered bits << 32) | (0xFFFFFFFF - id), with ordered bits of a
-// NaN 0 (below every number) and otherwise the sign-flipped bits; padding is key 0. A block keeps the best 64 of
+// NaN 0 (below every number) and otherwise the sign-flipped bits, -0 taken as +0 (greedy ties them); padding is
+// key 0. A block keeps the best 64 of
 // its 4096 keys (block_top64: warp-level bitonic sorts in registers, then a merge tree).
 //
 // top_logits_part: block b takes logits [b * chunk, (b + 1) * chunk) (chunk <= TOP_SORT) and writes its best
@@ -16,7 +17,7 @@
 #define TOP_SORT 4096
 
 __device__ __forceinline__ u64 logit_key(float v, u32 id) {
-    u32 b = __float_as_uint(v);
+    u32 b = __float_as_uint(v + 0.0f); // -0 as +0 (IEEE: -0 + +0 = +0; no fast-math in these kernels)
     u32 o = v != v ? 0u : (b & 0x80000000u) ? ~b : (b | 0x80000000u);
     return ((u64)o << 32) | (u64)(0xFFFFFFFFu - id);
 }

@@ -198,8 +198,8 @@ pub struct MoeScratch {
 
 /// Cells per block of attention span in a step's key ([`Backend::step_begin`]): a decode step over a span of
 /// `b` blocks (`ceil((last position + 1) / ATTN_SPAN_BLOCK)`) may size its attention launches by `b` (the CUDA
-/// backend runs one attention launch for `b = 1` and splits the keys over `2 b` blocks per head above), so steps of
-/// another span are recorded apart.
+/// backend runs one attention launch for `b = 1` and splits the keys by `b` above: `decode_splits` in
+/// backend/cuda), so steps of another span are recorded apart.
 pub const ATTN_SPAN_BLOCK: usize = 128;
 
 /// The operations of a forward pass over activation buffers that live where the backend computes: host

@@ -168,9 +168,10 @@ struct Candidate {
     logit: f32,
 }
 
-/// Descending logit, then ascending id, so every ordering (and therefore every draw) is deterministic.
+/// Descending logit, then ascending id, so every ordering (and therefore every draw) is deterministic. -0 and +0
+/// are one value here (adding +0 turns -0 into +0), as they are to the greedy argmax.
 fn by_logit_desc(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
-    b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id))
+    (b.logit + 0.0).total_cmp(&(a.logit + 0.0)).then(a.id.cmp(&b.id))
 }
 
 /// How many candidates [`TopLogits`] holds: the largest `top_k` a step's device-side selection serves.
@@ -182,9 +183,9 @@ pub const TOP_LOGITS: usize = 64;
 /// ([`Sampler::try_sample_top`] gives exactly [`Sampler::try_sample`]'s token).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TopLogits {
-    /// (id, logit), best first: the logit descending in IEEE total order (+inf first, -inf last, -0 after +0),
-    /// then the lowest id (the chain's own order, `by_logit_desc`); NaN logits are left out. At most
-    /// [`TOP_LOGITS`] entries.
+    /// (id, logit), best first: the logit descending in IEEE total order (+inf first, -inf last; -0 counts as
+    /// and comes back as +0), then the lowest id (the chain's own order, `by_logit_desc`); NaN logits are left
+    /// out. At most [`TOP_LOGITS`] entries.
     pub entries: Vec<(u32, f32)>,
     /// How many of the step's logits are finite (the top-k filter applies only when `top_k` is below it).
     pub n_finite: usize,
@@ -194,7 +195,7 @@ impl TopLogits {
     /// The sort key of logit `v` of token `id`: larger is better, in the order of [`TopLogits::entries`]; a NaN
     /// has the smallest keys. The GPU kernels (kernels/sampling.cu) compute the same keys.
     pub fn key(v: f32, id: u32) -> u64 {
-        let b = v.to_bits();
+        let b = (v + 0.0).to_bits(); // -0 as +0
         let o = if v.is_nan() {
             0
         } else if b & 0x8000_0000 != 0 {
@@ -234,11 +235,10 @@ impl TopLogits {
         }
     }
 
-    /// The greedy token: the largest logit that is not NaN, the lowest id among equal ones (-0 equals +0); `None`
-    /// when every logit is NaN.
+    /// The greedy token: the largest logit that is not NaN, the lowest id among equal ones (-0 equals +0, which
+    /// the keys already make one value, so it is the first entry); `None` when every logit is NaN.
     pub fn argmax(&self) -> Option<u32> {
-        let &(_, best) = self.entries.first()?;
-        self.entries.iter().take_while(|e| e.1 == best).map(|e| e.0).min()
+        self.entries.first().map(|e| e.0)
     }
 }
 
@@ -894,13 +894,18 @@ mod tests {
     /// Keys order logits as the chain does and decode back to the same (id, logit).
     #[test]
     fn top_logit_keys_round_trip_in_chain_order() {
-        let vals = [f32::NEG_INFINITY, -3.5, -0.0, 0.0, 1e-30, 2.0, f32::INFINITY];
+        let vals = [f32::NEG_INFINITY, -3.5, -1e-30, 0.0, 1e-30, 2.0, f32::INFINITY];
         for w in vals.windows(2) {
             assert!(TopLogits::key(w[0], 0) < TopLogits::key(w[1], 0), "{} < {}", w[0], w[1]);
         }
         assert!(
             TopLogits::key(1.0, 5) > TopLogits::key(1.0, 6),
             "lower id first among equal logits"
+        );
+        assert_eq!(
+            TopLogits::key(-0.0, 9),
+            TopLogits::key(0.0, 9),
+            "-0 and +0 are one value"
         );
         assert!(TopLogits::key(f32::NAN, 0) < TopLogits::key(f32::NEG_INFINITY, u32::MAX - 1));
         for (i, &v) in vals.iter().enumerate() {
@@ -909,10 +914,17 @@ mod tests {
         }
         assert_eq!(TopLogits::from_key(TopLogits::key(f32::NAN, 3)), None);
         let t = TopLogits::from_logits(&[0.5, f32::NAN, 0.0, -0.0, 2.0, 2.0]);
-        assert_eq!(t.entries, vec![(4, 2.0), (5, 2.0), (0, 0.5), (2, 0.0), (3, -0.0)]);
+        assert_eq!(t.entries, vec![(4, 2.0), (5, 2.0), (0, 0.5), (2, 0.0), (3, 0.0)]);
         assert_eq!((t.n_finite, t.argmax()), (5, Some(4)));
         let z = TopLogits::from_logits(&[-0.0, 0.0]);
         assert_eq!(z.argmax(), Some(0), "-0 and +0 tie: the lowest id");
+        // More +0 maxima than candidates and a -0 of a lower id: the -0 token is still the greedy one.
+        let mut l = vec![-1.0f32; 200];
+        l[0] = -0.0;
+        l[1..=TOP_LOGITS].iter_mut().for_each(|v| *v = 0.0);
+        let mut g = Sampler::new(SamplingParams::greedy(), l.len()).unwrap();
+        assert_eq!(g.try_sample(&l, &[]), Ok(0));
+        assert_eq!(g.try_sample_top(&TopLogits::from_logits(&l)), Ok(0));
     }
 
     #[test]

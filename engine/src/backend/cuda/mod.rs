@@ -1148,7 +1148,8 @@ impl Backend for CudaBackend {
                 (1, n_ctx)
             };
             // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
-            // has position-dependent arguments, which a replayed graph must never have.)
+            // has position-dependent arguments, which a replayed graph must never have. Heads over 512 wide, which
+            // neither decode kernel stages, take that path: correct, but their decode steps keep re-recording.)
             let decode = n_tok <= MMV_MAX_TOKENS && dk <= 512;
             if decode && (n_split > 1 || dv > 256) {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
