@@ -285,24 +285,7 @@ impl<'m, B: Backend> Session<'m, B> {
     ///
     /// Errors: the context is full; an id outside the vocabulary.
     pub fn decode(&mut self, token: u32) -> Result<&[f32], SessionError> {
-        if self.tokens.len() >= self.n_ctx() {
-            return Err(SessionError::ContextOverflow {
-                needed: self.tokens.len() + 1,
-                n_ctx: self.n_ctx(),
-            });
-        }
-        self.check_tokens(&[token])?;
-        let pos = self.tokens.len();
-        self.model.forward(
-            &self.backend,
-            &[token],
-            pos,
-            &mut self.kv,
-            &mut self.scratch,
-            Logits::Last,
-        );
-        self.tokens.push(token);
-        self.top_last = false;
+        self.step(token, Logits::Last)?;
         Ok(self.logits())
     }
 
@@ -312,6 +295,12 @@ impl<'m, B: Backend> Session<'m, B> {
     ///
     /// Errors: as [`Session::decode`].
     pub fn decode_top(&mut self, token: u32) -> Result<StepLogits<'_>, SessionError> {
+        self.step(token, Logits::Top)?;
+        Ok(self.step_logits())
+    }
+
+    /// One decode step of `token` with the output `want` asks for; records whether only candidates came back.
+    fn step(&mut self, token: u32, want: Logits) -> Result<(), SessionError> {
         if self.tokens.len() >= self.n_ctx() {
             return Err(SessionError::ContextOverflow {
                 needed: self.tokens.len() + 1,
@@ -320,17 +309,12 @@ impl<'m, B: Backend> Session<'m, B> {
         }
         self.check_tokens(&[token])?;
         let pos = self.tokens.len();
-        let full = self.model.forward(
-            &self.backend,
-            &[token],
-            pos,
-            &mut self.kv,
-            &mut self.scratch,
-            Logits::Top,
-        );
-        self.top_last = full.is_empty();
+        let full = self
+            .model
+            .forward(&self.backend, &[token], pos, &mut self.kv, &mut self.scratch, want);
+        self.top_last = want == Logits::Top && full.is_empty();
         self.tokens.push(token);
-        Ok(self.step_logits())
+        Ok(())
     }
 
     /// The last step's output: its candidates after a [`Session::decode_top`] the backend selected for, else the
