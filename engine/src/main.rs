@@ -48,7 +48,8 @@ enum Command {
         #[command(subcommand)]
         command: ModelsCommand,
     },
-    /// Generate text from a prompt on the CPU, streaming it to stdout; the summary goes to stderr.
+    /// Generate text from a prompt on the CPU or a GPU (--device), streaming it to stdout; the summary goes to
+    /// stderr.
     Generate(GenerateArgs),
     /// An interactive chat through the model's chat template (multi-turn, reusing the cached prefix).
     Chat(EngineArgs),
@@ -57,7 +58,8 @@ enum Command {
     /// The engine worker `strata serve` starts (JSON lines on stdin/stdout); not for direct use.
     #[command(hide = true)]
     Worker(strata_engine::serve::EngineFlags),
-    /// Prefill and decode tok/s and peak RSS on the CPU, beside llama.cpp's llama-bench on the same file.
+    /// Prefill and decode tok/s and peak RSS on the CPU or a GPU (--device), beside llama.cpp's llama-bench on the
+    /// same file.
     Bench(bench_cmd::BenchArgs),
     /// CUDA devices: --list-devices, --selftest [--model M --max-context N], --check-kernels.
     Device(device_cmd::DeviceArgs),

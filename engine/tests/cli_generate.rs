@@ -183,3 +183,31 @@ fn a_chat_turn_over_the_context_is_dropped_and_the_chat_goes_on() {
     assert!(stderr.contains("holds 128") && stderr.contains("dropped"), "{stderr}");
     assert_eq!(summary(&stderr).len(), 1, "the second turn is answered: {stderr}");
 }
+
+/// `strata serve` on a CUDA device it cannot open (no driver here, or no 100th GPU on a GPU machine) exits at
+/// once with one line naming the device, instead of listening with a worker that fails at every restart.
+#[test]
+fn serve_on_a_device_it_cannot_open_exits_with_one_line() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--device", "cuda:99", "--port", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("strata runs");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if start.elapsed().as_secs() > 30 {
+            let _ = child.kill();
+            panic!("strata serve --device cuda:99 still running after 30 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err).expect("stderr");
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot use --device cuda:99"), "{err}");
+    assert!(!err.contains("listening"), "{err}");
+}

@@ -199,6 +199,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let addr = bind_address(&args.host, args.port, api_key.is_some(), args.insecure_public)?;
     // A malformed fault switch is an error now, not a worker that dies at every start.
     crate::runtime::fault::FaultPlan::from_env()?;
+    // A device the worker cannot open is an error now, not a worker restarted for ever behind a 503.
+    if let crate::backend::Device::Cuda(ordinal) = args.engine.device {
+        let device = args.engine.device;
+        let count =
+            crate::backend::cuda::runtime::device_count().with_context(|| format!("cannot use --device {device}"))?;
+        if ordinal >= count {
+            return Err(crate::backend::cuda::runtime::CudaError::NoSuchDevice { ordinal, count })
+                .with_context(|| format!("cannot use --device {device}"));
+        }
+    }
     let path = crate::models::resolve(Some(&args.engine.model))?;
     let model = ModelInfo::open(&path, args.engine.max_context)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
