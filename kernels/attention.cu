@@ -11,6 +11,18 @@ __device__ __forceinline__ float kv_load(const u8* base, long long row_bytes, in
     return h2f(ld16(b)) * (float)(i8)b[2 + (d & 31)];
 }
 
+// Values d and d + 1 (0 when !pair) of head g in cell `cell`: one 4-byte load from an f16 cache.
+__device__ __forceinline__ void kv_load_pair(const u8* base, long long row_bytes, int head_bytes, int ty, int cell,
+                                             int g, int d, bool pair, float* v0, float* v1) {
+    if (ty == 0 && pair) {
+        u32 h = *(const u32*)(base + (long long)cell * row_bytes + (long long)g * head_bytes + 2 * d);
+        *v0 = h2f((u16)(h & 0xFFFF)), *v1 = h2f((u16)(h >> 16));
+    } else {
+        *v0 = kv_load(base, row_bytes, head_bytes, ty, cell, g, d);
+        *v1 = pair ? kv_load(base, row_bytes, head_bytes, ty, cell, g, d + 1) : 0.f;
+    }
+}
+
 // scores[(t * n_head + h) * n_keys + (j - lo)] for lo <= j < lo + n_keys; -inf outside the query's window.
 // Grid (n_tok * n_head, ceil(n_keys / 8)), block 256: one warp per key, lanes over the head's dims.
 extern "C" __global__ void attn_scores(const float* __restrict__ q, const u8* __restrict__ k,
@@ -200,13 +212,7 @@ __device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool r
             for (int u = 0; u < 8; ++u) {
                 int cell = first + j + u * groups;
                 pr[u] = sc[j + u * groups];
-                if (vty == 0 && pair) {
-                    u32 h = *(const u32*)(v + (long long)cell * vrb + (long long)g * vhb + 2 * (d_off + d));
-                    v0[u] = h2f((u16)(h & 0xFFFF)), v1[u] = h2f((u16)(h >> 16));
-                } else {
-                    v0[u] = kv_load(v, vrb, vhb, vty, cell, g, d_off + d);
-                    v1[u] = pair ? kv_load(v, vrb, vhb, vty, cell, g, d_off + d + 1) : 0.f;
-                }
+                kv_load_pair(v, vrb, vhb, vty, cell, g, d_off + d, pair, &v0[u], &v1[u]);
             }
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
@@ -634,13 +640,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
                     for (int u = 0; u < 4; ++u) {
                         int jk = jj + u * groups, cell = first + c0 + min(jk, cn - 1);
-                        if (vty == 0 && pair) {
-                            u32 hv = *(const u32*)(v + (long long)cell * vrb + (long long)g * vhb + 2 * (d0 + d));
-                            v0[u] = h2f((u16)(hv & 0xFFFF)), v1[u] = h2f((u16)(hv >> 16));
-                        } else {
-                            v0[u] = kv_load(v, vrb, vhb, vty, cell, g, d0 + d);
-                            v1[u] = pair ? kv_load(v, vrb, vhb, vty, cell, g, d0 + d + 1) : 0.f;
-                        }
+                        kv_load_pair(v, vrb, vhb, vty, cell, g, d0 + d, pair, &v0[u], &v1[u]);
                         if (jk >= cn) v0[u] = v1[u] = 0.f;
                     }
 #pragma unroll
