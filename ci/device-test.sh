@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmarks of issue 6, on a machine with an NVIDIA GPU and no Rust toolchain: the release
 # `strata` binary and the cuda_parity test binary are built elsewhere and carried in carry/ (see README "CUDA").
-#   ci/device-test.sh [parity] [bench-small] [bench-30b] [decode-30b] [harness] [profile-30b]
+#   ci/device-test.sh [parity] [bench-small] [bench-30b] [decode-30b] [ablate-30b] [harness] [profile-30b]
 #   (default: parity bench-small)
 #     parity       device list, kernel start times (cold, then cached), selftest, op parity table, end-to-end KLD,
 #                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
@@ -10,6 +10,8 @@
 #     harness      `strata-harness run scenarios/h200.yaml` (carry/strata-harness), its report folder as one .tgz
 #     decode-30b   decode of the 30B shape at cache depths 0, 1024 and 8192 (`strata bench --depth`), with
 #                  programmatic dependent launch on (the default) and off (STRATA_PDL=0)
+#     ablate-30b   decode (tg128) of the 30B shape with each small kernel left out in turn (STRATA_SKIP_KERNELS):
+#                  what each one costs inside the decode graph (the tokens are wrong; only the time counts)
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -66,7 +68,7 @@ bench-small)
   row "bench smollm2-shaped" "rc=$?"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
   ;;
-bench-30b|profile-30b|decode-30b)
+bench-30b|profile-30b|decode-30b|ablate-30b)
   [ -f "$WORK/q30.gguf" ] || /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
   if [ $mode = profile-30b ]; then
@@ -76,6 +78,14 @@ bench-30b|profile-30b|decode-30b)
       "$BIN" generate --model "$WORK/q30.gguf" --device cuda:0 --prompt "hello" --max-tokens 3 \
       > "$OUT/ncu-decode-30b.csv" 2> "$OUT/ncu-decode-30b.err"
     row "ncu decode 30b" "rc=$? $(wc -l < "$OUT/ncu-decode-30b.csv") rows"
+    continue
+  fi
+  if [ $mode = ablate-30b ]; then
+    for skip in ${ABLATE_KERNELS:-none add_rms_norm moe_route qk_norm_rope moe_combine mmv_wide_f32 attn_decode top_logits_part,top_logits_final}; do
+      STRATA_SKIP_KERNELS=${skip/none/} "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps 3 \
+        --prompt-tokens 16 --gen-tokens 128 > "$OUT/ablate-$skip.md" 2> "$OUT/ablate-$skip.err"
+      row "tg128 without $skip" "rc=$? $(grep -E '^\| tg' "$OUT/ablate-$skip.md" | cut -d'|' -f3)"
+    done
     continue
   fi
   if [ $mode = decode-30b ]; then

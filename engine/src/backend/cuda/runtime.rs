@@ -298,6 +298,10 @@ pub struct Gpu {
     /// Kernels are launched with programmatic dependent launch (sm_90 and later, unless `STRATA_PDL=0`): each may
     /// start while the one before it finishes, and waits in `pdl_enter()` (kernels/common.cuh) for its writes.
     pdl: bool,
+    /// `STRATA_SKIP_KERNELS=a,b`: kernels left out of the decode-step graphs (a timing diagnostic, METHOD.md's
+    /// "leave one stage out": a replayed step's time without them; the recording step runs them, so every buffer
+    /// holds values of the right kind, but replayed steps compute wrong tokens). Empty unless set.
+    skip: Vec<String>,
     /// `STRATA_PROFILE_KERNELS=1`: every launch between two timing events (see [`Gpu::kernel_profile`]).
     profile: Mutex<Profile>,
     profiling: std::sync::atomic::AtomicBool,
@@ -373,6 +377,9 @@ impl Gpu {
             calls: AtomicU64::new(0),
             sync_launches: std::env::var_os("STRATA_SYNC_LAUNCHES").is_some_and(|v| v != "0"),
             pdl: major >= 9 && std::env::var_os("STRATA_PDL").is_none_or(|v| v != "0"),
+            skip: std::env::var("STRATA_SKIP_KERNELS")
+                .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
+                .unwrap_or_default(),
             profile: Mutex::new(Profile::default()),
             graphs: Mutex::new(Graphs {
                 enabled: std::env::var_os("STRATA_CUDA_GRAPHS").is_none_or(|v| v != "0"),
@@ -564,6 +571,7 @@ impl Gpu {
             .map_err(CudaError::driver("begin graph capture"))?;
         let launched = launches
             .iter()
+            .filter(|r| !self.skip.iter().any(|k| k == r.kernel))
             .try_for_each(|r| self.raw_launch(r.kernel, r.grid, r.block, &r.args));
         let graph = self
             .stream
