@@ -116,10 +116,12 @@ extern "C" __global__ void sum_splits(const float* __restrict__ part, float* __r
     out[i] = s;
 }
 
+#define ATTN_KEYS_IN_FLIGHT 4
 // The scores of keys j0..j1 (cells first + j) against the query staged in shared memory (qs: rounded to f16
 // against an f16 cache), scale * q.k into sc[j], by the whole block: eight lanes per key, lane l taking the row's
-// 16-byte chunks (eight f16 dims) l, l + 8, ..., so a warp reads four rows of 128 bytes per load, and two keys per
-// lane group in flight; the eight partial sums meet in three shuffles. A Q8_0 (or unaligned) row goes value by
+// 16-byte chunks (eight f16 dims) l, l + 8, ..., so a warp reads four rows of 128 bytes per load, and
+// ATTN_KEYS_IN_FLIGHT keys per lane group in flight (a span of 128 keys is one round of loads); the eight partial sums
+// meet in three shuffles. A Q8_0 (or unaligned) row goes value by
 // value over the same lanes. Returns the thread's largest score (-inf if none). Every thread of the block calls
 // it (warp-uniform loops: the shuffles need every lane).
 __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs, const u8* __restrict__ k,
@@ -129,13 +131,15 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
     int step = (blockDim.x >> 5) * 4;
     bool vec = kty == 0 && (dk & 7) == 0 && ((krb | khb) & 15) == 0;
     float m = -STRATA_INF;
-    for (int base = j0 + warp * 4; base < j1; base += 2 * step) {
-        float acc[2] = {0.f, 0.f};
-        int js[2] = {base + sub, base + step + sub};
-        if (vec) {
-            uint4 w[2][4];
+    for (int base = j0 + warp * 4; base < j1; base += ATTN_KEYS_IN_FLIGHT * step) {
+        float acc[ATTN_KEYS_IN_FLIGHT];
+        int js[ATTN_KEYS_IN_FLIGHT];
 #pragma unroll
-            for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u) acc[u] = 0.f, js[u] = base + u * step + sub;
+        if (vec) {
+            uint4 w[ATTN_KEYS_IN_FLIGHT][4];
+#pragma unroll
+            for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u) {
                 const uint4* r4 = (const uint4*)(k + (long long)(first + js[u]) * krb + (long long)g * khb);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -144,7 +148,7 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
                 }
             }
 #pragma unroll
-            for (int u = 0; u < 2; ++u)
+            for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     int c = l8 + 8 * i;
@@ -158,7 +162,7 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
                 }
             for (int c = l8 + 32; c < dk / 8; c += 8) // heads over 256 dims
 #pragma unroll
-                for (int u = 0; u < 2; ++u)
+                for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u)
                     if (js[u] < j1) {
                         uint4 x = ((const uint4*)(k + (long long)(first + js[u]) * krb + (long long)g * khb))[c];
                         u32 h[4] = {x.x, x.y, x.z, x.w};
@@ -168,12 +172,12 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
                     }
         } else {
 #pragma unroll
-            for (int u = 0; u < 2; ++u)
+            for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u)
                 if (js[u] < j1)
                     for (int d = l8; d < dk; d += 8) acc[u] += qs[d] * kv_load(k, krb, khb, kty, first + js[u], g, d);
         }
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u) {
             float a = acc[u];
             a += __shfl_xor_sync(0xffffffffu, a, 1);
             a += __shfl_xor_sync(0xffffffffu, a, 2);
@@ -242,6 +246,56 @@ __device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool r
     }
 }
 
+// attn_pv_block for an f16 cache whose head rows are 16-byte aligned (dv a multiple of 8, dv / 8 at most the
+// block's threads): each thread takes eight dims (one 16-byte load per key), the block's threads split into groups
+// of dv / 8, each group taking every groups-th key with eight keys in flight, so a span of 128 keys (dv 128, 256
+// threads) is one round of loads; the groups' sums meet in shared memory (groups * dv <= 8 * blockDim.x floats).
+__device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, const u8* __restrict__ v, long long vrb,
+                                                  int vhb, int first, int g, int j0, int j1, int dv, float* pv) {
+    __shared__ float part[2048];
+    int per = dv / 8, groups = (int)blockDim.x / per;
+    int grp = threadIdx.x / per, d = 8 * (threadIdx.x % per);
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    if (grp < groups) {
+        const u8* base = v + (long long)g * vhb + 2 * d;
+        for (int j = j0 + grp; j < j1; j += 8 * groups) {
+            uint4 w[8];
+            float pr[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                int jj = j + u * groups;
+                if (jj < j1) {
+                    w[u] = *(const uint4*)(base + (long long)(first + jj) * vrb);
+                    pr[u] = round_f16(sc[jj] * inv);
+                } else {
+                    w[u] = make_uint4(0, 0, 0, 0);
+                    pr[u] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                u32 h[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[2 * e] += pr[u] * h2f((u16)(h[e] & 0xFFFF));
+                    acc[2 * e + 1] += pr[u] * h2f((u16)(h[e] >> 16));
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) part[grp * dv + d + i] = acc[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) {
+        float s = 0.f;
+        for (int gi = 0; gi < groups; ++gi) s += part[gi * dv + i];
+        pv[i] = s;
+    }
+    __syncthreads();
+}
+
 // Decode attention in one launch (cpu: Backend::attention, the same rounding): block (h, t) computes query head h
 // of token t against cells first..=pos[t] (first = pos + 1 - window with a window), reading its position from the
 // device, so the launch's arguments do not change from one decode step to the next (CUDA graphs). Scores by
@@ -287,7 +341,10 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     __syncthreads();
     double tot = 0.0;
     for (int w = 0; w < 8; ++w) tot += redd[w];
-    attn_pv_block(sc, (float)(1.0 / tot), vty == 0, v, vrb, vhb, vty, first, g, 0, n, 0, dv, pv);
+    if (vty == 0 && (dv & 7) == 0 && dv / 8 <= (int)blockDim.x && ((vrb | vhb) & 15) == 0)
+        attn_pv_block_f16(sc, (float)(1.0 / tot), v, vrb, vhb, first, g, 0, n, dv, pv);
+    else
+        attn_pv_block(sc, (float)(1.0 / tot), vty == 0, v, vrb, vhb, vty, first, g, 0, n, 0, dv, pv);
     float* o = out + (long long)th * dv;
     if (threadIdx.x < dv) o[threadIdx.x] = pv[threadIdx.x];
 }

@@ -73,3 +73,61 @@ __device__ __forceinline__ float glu_act(float x, int act) {
     float r = round_f16(x);
     return round_f16(0.5f * r * (1.0f + tanhf(0.7978846f * r * (1.0f + 0.044715f * r * r))));
 }
+
+// The MoE router's choice for one token by the whole block (cpu: route): softmax over the n_expert logits (max,
+// exp in f32, sum in f64, times the f32 reciprocal, as softmax_row), then the k largest probabilities, ties to the
+// lower id, NaN after every number (lower id first, as the CPU's pick of the lowest unchosen id), each expert's
+// place found at once by counting the experts before it (no k rounds of arg-max); renormalised to sum 1 (an f32 sum
+// in choice order) when `normalize`. Leaves ids[0..k) and w[0..k) in shared memory, and the probabilities in prob
+// (shared, n_expert <= 1024). Every thread of the block calls it (it synchronises); blockDim.x a multiple of 32,
+// at most 1024.
+__device__ __forceinline__ void moe_route_block(const float* __restrict__ logits, int n_expert, int k, int normalize,
+                                                float* prob, u32* ids, float* w) {
+    __shared__ float redf[32];
+    __shared__ double redd[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float m = -STRATA_INF;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        float x = logits[e];
+        prob[e] = x;
+        m = fmaxf(m, x);
+    }
+    m = warp_max(m);
+    if (lane == 0) redf[warp] = m;
+    __syncthreads();
+    m = redf[0];
+    for (int i = 1; i < nw; ++i) m = fmaxf(m, redf[i]);
+    double s = 0.0;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        float x = expf(prob[e] - m);
+        prob[e] = x;
+        s += (double)x;
+    }
+    s = warp_sum_d(s);
+    if (lane == 0) redd[warp] = s;
+    __syncthreads();
+    s = 0.0;
+    for (int i = 0; i < nw; ++i) s += redd[i];
+    float inv = (float)(1.0 / s);
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) prob[e] *= inv;
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        float pe = prob[e];
+        bool ne = pe != pe;
+        int rank = 0;
+        for (int j = 0; j < n_expert && rank < k; ++j) {
+            float pj = prob[j];
+            bool nj = pj != pj;
+            rank += nj ? (ne && j < e) : (ne || pj > pe || (pj == pe && j < e));
+        }
+        if (rank < k) ids[rank] = (u32)e, w[rank] = pe;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.f;
+        for (int i = 0; i < k; ++i) sum += w[i];
+        if (normalize)
+            for (int i = 0; i < k; ++i) w[i] /= sum;
+    }
+    __syncthreads();
+}

@@ -127,77 +127,21 @@ extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __rest
     if (i < n) dst[i] = src[i];
 }
 
-// The MoE router (cpu: route): per token, softmax over the n_expert logits (in place: they become the
-// probabilities; max, exp in f32, sum in f64, as softmax_row), then the k largest probabilities, ties to the
-// lower id, renormalised to sum 1 (an f32 sum in choice order) when `normalize`. ids and weights are
-// [n_tok][k]. One warp per token (grid n_tok, block 32); n_expert <= 1024.
+// The MoE router (cpu: route): moe_route_block per token; the probabilities are written back to logits, the
+// choice to ids and wts ([n_tok][k]). Grid n_tok, block 256; n_expert <= 1024.
 extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,
                                      int n_expert, int k, int normalize) {
     pdl_enter();
-    // The row lives in shared memory from its one read on (the top-k passes below would otherwise wait on global
-    // memory k times in a row); the probabilities are written back to logits too.
     __shared__ float prob[1024];
-    float* glob = logits + (long long)blockIdx.x * n_expert;
-    float* row = prob;
-    int lane = threadIdx.x;
-    float m = -STRATA_INF;
-    for (int e = lane; e < n_expert; e += 32) {
-        float x = glob[e];
-        row[e] = x;
-        m = fmaxf(m, x);
+    __shared__ u32 ids_s[1024];
+    __shared__ float w_s[1024];
+    float* row = logits + (long long)blockIdx.x * n_expert;
+    moe_route_block(row, n_expert, k, normalize, prob, ids_s, w_s);
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) row[e] = prob[e];
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        ids[(long long)blockIdx.x * k + i] = ids_s[i];
+        wts[(long long)blockIdx.x * k + i] = w_s[i];
     }
-    m = warp_max(m);
-    double s = 0.0;
-    for (int e = lane; e < n_expert; e += 32) {
-        float x = expf(row[e] - m);
-        row[e] = x;
-        s += (double)x;
-    }
-    s = warp_sum_d(s);
-    float inv = (float)(1.0 / s);
-    for (int e = lane; e < n_expert; e += 32) {
-        float x = row[e] * inv;
-        row[e] = x;
-        glob[e] = x;
-    }
-    __syncwarp();
-    // Top-k by repeated arg-max over the warp: lane l owns experts l, l + 32, ... and keeps which of them are
-    // chosen as bits of one register (bit i: expert l + 32 i).
-    u32 chosen = 0;
-    u32* out_ids = ids + (long long)blockIdx.x * k;
-    float* out_w = wts + (long long)blockIdx.x * k;
-    float sum = 0.f;
-    for (int i = 0; i < k; ++i) {
-        float best = -STRATA_INF;
-        int be = n_expert;
-        for (int e = lane, b = 0; e < n_expert; e += 32, ++b) {
-            if (chosen & (1u << b)) continue;
-            if (row[e] > best || (row[e] == best && e < be)) best = row[e], be = e;
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (ob > best || (ob == best && oe < be)) best = ob, be = oe;
-        }
-        if (be >= n_expert) {
-            // Every remaining probability is NaN (a broken model): the lowest unchosen id, as the CPU takes.
-            u32 free_lo = 0xffffffffu;
-            for (int e = lane, b = 0; e < n_expert; e += 32, ++b)
-                if (!(chosen & (1u << b))) {
-                    free_lo = (u32)e;
-                    break;
-                }
-            for (int o = 16; o > 0; o >>= 1) free_lo = min(free_lo, __shfl_xor_sync(0xffffffffu, free_lo, o));
-            be = (int)free_lo;
-            best = row[be];
-        }
-        if ((be & 31) == lane) chosen |= 1u << (be >> 5);
-        sum += best;
-        if (lane == 0) out_ids[i] = (u32)be, out_w[i] = best;
-    }
-    __syncwarp();
-    if (normalize && lane == 0)
-        for (int i = 0; i < k; ++i) out_w[i] /= sum;
 }
 
 // The weighted sum of the experts' outputs (cpu: moe_ffn): out[t][c] = sum_i wts[t][i] * d[row(t, i)][c] in f64,

@@ -541,9 +541,10 @@ fn attention_matches_cpu() {
     report(&rows);
 }
 
-/// Router and expert dispatch (`Backend::moe`), decode (experts reached by id on the device) and prefill (tokens
-/// grouped by expert): the same experts are chosen (the logits are well separated), both backends sum in f64; the
-/// matmuls differ as above: 2e-2.
+/// Router and expert dispatch (`Backend::moe`), decode (experts reached by id on the device, the gate/up launch
+/// routing for itself with Q4_K and Q6_K) and prefill (tokens grouped by expert): the same experts are chosen (the
+/// logits are well separated, or tie exactly and go to the lower id), both backends sum in f64; the matmuls differ
+/// as above: 2e-2.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn moe_ffn_matches_cpu() {
@@ -557,6 +558,7 @@ fn moe_ffn_matches_cpu() {
         (GgmlType::Q4_K, 40, 16, 4, 512),
         (GgmlType::Q6_K, 9, 16, 4, 512),
         (GgmlType::Q4_K, 3, 160, 8, 256),
+        (GgmlType::Q6_K, 2, 32, 8, 256),
     ] {
         let e = 256usize;
         let g = quantized(ty, ne * f, e, &mut rng).unwrap();
@@ -571,7 +573,11 @@ fn moe_ffn_matches_cpu() {
             act: GluKind::SwiGlu,
         };
         let x = rng.vec(n_tok * e, 1.0);
-        let logits = rng.vec(n_tok * ne, 3.0);
+        // 32 experts: whole-number logits, so many probabilities tie (the lower id wins on both backends).
+        let mut logits = rng.vec(n_tok * ne, 3.0);
+        if ne == 32 {
+            logits.iter_mut().for_each(|l| *l = l.round());
+        }
         for normalize in [true, false] {
             let mut a = vec![0f32; n_tok * e];
             let mut lc = logits.clone();

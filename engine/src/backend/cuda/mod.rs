@@ -663,7 +663,9 @@ impl Inner {
         Ok((d.buf.ptr, d.ty))
     }
 
-    /// Expert dispatch on the device once routed: `ids`/`wts` ([n_tok][k]) in their slots, `x` `[n_tok][n_embd]`.
+    /// Expert dispatch on the device: `ids`/`wts` ([n_tok][k]) in their slots, written by `moe_route` before, or
+    /// (`route`: the router logits' address) by the decode gate/up launch itself ([`moe_routes_itself`]);
+    /// `x` `[n_tok][n_embd]`.
     #[allow(clippy::too_many_arguments)]
     fn moe_dispatch(
         &mut self,
@@ -673,6 +675,7 @@ impl Inner {
         n_tok: usize,
         k: usize,
         normalized: bool,
+        route: Option<u64>,
         outp: u64,
     ) -> Result<(), CudaError> {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
@@ -689,33 +692,48 @@ impl Inner {
         let rows_map = if n_tok <= MMV_MAX_TOKENS {
             // Decode: every slot reaches its expert by id on the device.
             #[allow(clippy::too_many_arguments)]
-            let launch =
-                |wa: u64, wb: u64, x: u64, ya: u64, yb: u64, div: usize, w: &QMat<'_>, rows: usize, z: u32, xu: u64| {
-                    gpu.launch(
-                        typed("mmv_moe_", w.ty),
-                        (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
-                        (256, 1, 1),
-                        &[
-                            Arg::P(wa),
-                            Arg::P(wb),
-                            Arg::P(x),
-                            Arg::P(ya),
-                            Arg::P(yb),
-                            Arg::P(ids),
-                            Arg::I(div as i32),
-                            Arg::I(rows as i32),
-                            Arg::I(w.cols as i32),
-                            Arg::L(w.row_bytes as i64),
-                            Arg::P(xu),
-                            Arg::I(glu_code(ex.act)),
-                        ],
-                    )
-                };
+            let launch = |wa: u64,
+                          wb: u64,
+                          x: u64,
+                          ya: u64,
+                          yb: u64,
+                          div: usize,
+                          w: &QMat<'_>,
+                          rows: usize,
+                          z: u32,
+                          xu: u64,
+                          route: Option<u64>| {
+                gpu.launch(
+                    typed("mmv_moe_", w.ty),
+                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(wa),
+                        Arg::P(wb),
+                        Arg::P(x),
+                        Arg::P(ya),
+                        Arg::P(yb),
+                        Arg::P(ids),
+                        Arg::I(div as i32),
+                        Arg::I(rows as i32),
+                        Arg::I(w.cols as i32),
+                        Arg::L(w.row_bytes as i64),
+                        Arg::P(xu),
+                        Arg::I(glu_code(ex.act)),
+                        Arg::P(route.unwrap_or(0)),
+                        Arg::P(ids),
+                        Arg::P(wts),
+                        Arg::I(ex.n_expert as i32),
+                        Arg::I(normalized as i32),
+                    ],
+                )
+            };
             if same {
-                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0)?;
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, route)?;
             } else {
-                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0)?;
-                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0)?;
+                assert!(route.is_none(), "moe: only one gate/up launch routes");
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, None)?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, None)?;
             }
             // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
             // fewer); other types and rows wider than its staging take the GLU kernel first.
@@ -734,6 +752,7 @@ impl Inner {
                 n_embd,
                 1,
                 if fused_glu { up } else { 0 },
+                None,
             )?;
             0
         } else {
@@ -789,6 +808,17 @@ impl Inner {
             ],
         )
     }
+}
+
+/// A decode step's gate/up launch computes the routing itself (`mmv_moe_route`, kernels/matvec.cu) instead of a
+/// `moe_route` launch before it: few tokens, gate and up of one type with the fast kernels (Q4_K, Q6_K), top-k of
+/// at most 64 (the kernel's staging).
+fn moe_routes_itself(ex: &Experts<'_>, n_tok: usize, k: usize) -> bool {
+    n_tok <= MMV_MAX_TOKENS
+        && ex.gate.ty == ex.up.ty
+        && matches!(ex.gate.ty, GgmlType::Q4_K | GgmlType::Q6_K)
+        && k <= 64
+        && ex.n_expert <= 1024
 }
 
 /// Bytes of one head of a cache row and of a whole row, for `heads` heads of `head_dim` values of `ty`.
@@ -1395,10 +1425,13 @@ impl Backend for CudaBackend {
         Self::check((|| {
             let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
             let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
+            if moe_routes_itself(ex, n_tok, k) {
+                return s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, Some(logits.ptr()), out.ptr());
+            }
             g.launch(
                 "moe_route",
                 (n_tok as u32, 1, 1),
-                (32, 1, 1),
+                (256, 1, 1),
                 &[
                     Arg::P(logits.ptr()),
                     Arg::P(ids),
@@ -1408,7 +1441,7 @@ impl Backend for CudaBackend {
                     Arg::I(normalize as i32),
                 ],
             )?;
-            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, out.ptr())
+            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, None, out.ptr())
         })());
     }
 

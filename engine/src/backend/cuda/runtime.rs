@@ -211,8 +211,14 @@ pub fn program_source() -> String {
     s
 }
 
+/// NVRTC's options: C++17, device functions by default, and the words of `STRATA_KERNEL_DEFINES` (a tuning
+/// diagnostic: `-DMMV_MOE_MINB=3` compiles a variant of the kernels; part of the cache key like the rest).
 fn nvrtc_options() -> Vec<String> {
-    vec!["--std=c++17".into(), "-default-device".into()]
+    let mut o: Vec<String> = vec!["--std=c++17".into(), "-default-device".into()];
+    if let Ok(extra) = std::env::var("STRATA_KERNEL_DEFINES") {
+        o.extend(extra.split_whitespace().map(str::to_string));
+    }
+    o
 }
 
 /// FNV-1a 64 of the program and options: the cache key's content part.
