@@ -12,7 +12,8 @@
 #                  programmatic dependent launch on (the default) and off (STRATA_PDL=0)
 #     ablate-30b   decode (tg128) of the 30B shape with each small kernel left out in turn (STRATA_SKIP_KERNELS):
 #                  what each one costs inside the decode graph (the tokens are wrong; only the time counts); then
-#                  tg128 with each kernel variant of KERNEL_VARIANTS (';'-separated STRATA_KERNEL_DEFINES values)
+#                  tg128 with each variant of VARIANTS (';'-separated environment assignments, such as
+#                  STRATA_KERNEL_DEFINES=-DMMV_MOE_MINB=3)
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -87,10 +88,10 @@ bench-30b|profile-30b|decode-30b|ablate-30b)
         --prompt-tokens 16 --gen-tokens 128 > "$OUT/ablate-$skip.md" 2> "$OUT/ablate-$skip.err"
       row "tg128 without $skip" "rc=$? $(grep -E '^\| tg' "$OUT/ablate-$skip.md" | cut -d'|' -f3)"
     done
-    # Kernel variants compiled with other defines (STRATA_KERNEL_DEFINES), ';'-separated, e.g. "-DMMV_MOE_MINB=3".
-    IFS=';' read -ra variants <<< "${KERNEL_VARIANTS:-}"
+    # Variants: one environment assignment each, ';'-separated, e.g. "STRATA_KERNEL_DEFINES=-DMMV_MOE_MINB=3".
+    IFS=';' read -ra variants <<< "${VARIANTS:-}"
     for i in "${!variants[@]}"; do
-      STRATA_KERNEL_DEFINES="${variants[$i]}" "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off \
+      env "${variants[$i]}" "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off \
         --reps 3 --prompt-tokens 16 --gen-tokens 128 > "$OUT/variant-$i.md" 2> "$OUT/variant-$i.err"
       row "tg128 with ${variants[$i]}" "rc=$? $(grep -E '^\| tg' "$OUT/variant-$i.md" | cut -d'|' -f3)"
     done

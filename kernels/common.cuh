@@ -77,7 +77,8 @@ __device__ __forceinline__ float glu_act(float x, int act) {
 // The MoE router's choice for one token by the whole block (cpu: route): softmax over the n_expert logits (max,
 // exp in f32, sum in f64, times the f32 reciprocal, as softmax_row), then the k largest probabilities, ties to the
 // lower id, NaN after every number (lower id first, as the CPU's pick of the lowest unchosen id), each expert's
-// place found at once by counting the experts before it (no k rounds of arg-max); renormalised to sum 1 (an f32 sum
+// place found at once by counting the experts before it (no k rounds of arg-max; n_expert compares per thread);
+// renormalised to sum 1 (an f32 sum
 // in choice order) when `normalize`. Leaves ids[0..k) and w[0..k) in shared memory, and the probabilities in prob
 // (shared, n_expert <= 1024). Every thread of the block calls it (it synchronises); blockDim.x a multiple of 32,
 // at most 1024.
@@ -109,18 +110,24 @@ __device__ __forceinline__ void moe_route_block(const float* __restrict__ logits
     s = 0.0;
     for (int i = 0; i < nw; ++i) s += redd[i];
     float inv = (float)(1.0 / s);
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) prob[e] *= inv;
+    // Each expert's key orders the choice: the probability's order-preserving bits above (NaN lowest, -0 as +0),
+    // the complemented id below (ties to the lower id); an expert's place is the count of larger keys.
+    __shared__ u64 key[1024];
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        float x = prob[e] * inv;
+        prob[e] = x;
+        u32 b = __float_as_uint(x + 0.0f);
+        u32 ord = x != x ? 0u : (b & 0x80000000u ? ~b : b | 0x80000000u);
+        key[e] = (u64)ord << 32 | (u32)~e;
+    }
     __syncthreads();
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-        float pe = prob[e];
-        bool ne = pe != pe;
+        u64 ke = key[e];
         int rank = 0;
-        for (int j = 0; j < n_expert && rank < k; ++j) {
-            float pj = prob[j];
-            bool nj = pj != pj;
-            rank += nj ? (ne && j < e) : (ne || pj > pe || (pj == pe && j < e));
-        }
-        if (rank < k) ids[rank] = (u32)e, w[rank] = pe;
+        // No early exit: the loads stay independent of each other (a test on rank would wait for each in turn).
+#pragma unroll 8
+        for (int j = 0; j < n_expert; ++j) rank += key[j] > ke;
+        if (rank < k) ids[rank] = (u32)e, w[rank] = prob[e];
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -386,16 +386,21 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-// Minimum resident blocks per SM asked of the compiler (__launch_bounds__) for the fast matrix-vector kernels and
-// their MoE twins: 1 leaves the registers free; a tuning run may set others (STRATA_KERNEL_DEFINES).
-#ifndef MMV_MINB
-#define MMV_MINB 1
+// Minimum resident blocks per SM asked of the compiler (__launch_bounds__(256, n)) for the fast matrix-vector
+// kernels (MMV_MINB) and their MoE twins (MMV_MOE_MINB): unset, no bound (the compiler's choice of registers); a
+// tuning run may set them (STRATA_KERNEL_DEFINES).
+#ifdef MMV_MINB
+#define MMV_BOUNDS __launch_bounds__(256, MMV_MINB)
+#else
+#define MMV_BOUNDS
 #endif
-#ifndef MMV_MOE_MINB
-#define MMV_MOE_MINB 1
+#ifdef MMV_MOE_MINB
+#define MMV_MOE_BOUNDS __launch_bounds__(256, MMV_MOE_MINB)
+#else
+#define MMV_MOE_BOUNDS
 #endif
 #define STRATA_MMV_FAST(name, Q, pre, R)                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, MMV_MINB) pre##name(const u8* __restrict__ w0, const u8* __restrict__ w1,                \
+    extern "C" __global__ void MMV_BOUNDS pre##name(const u8* __restrict__ w0, const u8* __restrict__ w1,                \
                                           const u8* __restrict__ w2, const float* __restrict__ x,              \
                                           float* __restrict__ y0, float* __restrict__ y1,                      \
                                           float* __restrict__ y2, int r0, int r1, int r2, int cols,            \
@@ -426,7 +431,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
 // The routing of slot s's token (s / k) computed by this block (moe_route_block; n_expert <= 1024, k <= 64): the
 // gate/up launch of a decode step routes for itself, one launch fewer than moe_route before it. Returns slot s's
 // expert; the block (0, token's first slot, 0) also writes the token's ids and weights for the launches after.
-__device__ __noinline__ u32 mmv_moe_route(const float* __restrict__ logits, u32* __restrict__ ids,
+__device__ __forceinline__ u32 mmv_moe_route(const float* __restrict__ logits, u32* __restrict__ ids,
                                           float* __restrict__ wts, int n_expert, int normalize, int s, int k) {
     __shared__ float prob[1024];
     __shared__ u32 rid[64];
@@ -442,7 +447,7 @@ __device__ __noinline__ u32 mmv_moe_route(const float* __restrict__ logits, u32*
 }
 
 #define STRATA_MMV_MOE_FAST(name, Q, R)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, MMV_MOE_MINB) mmv_moe_##name(                           \
+    extern "C" __global__ void MMV_MOE_BOUNDS mmv_moe_##name(                           \
                                               const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \

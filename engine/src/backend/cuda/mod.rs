@@ -814,7 +814,8 @@ impl Inner {
 /// `moe_route` launch before it: few tokens, gate and up of one type with the fast kernels (Q4_K, Q6_K), top-k of
 /// at most 64 (the kernel's staging).
 fn moe_routes_itself(ex: &Experts<'_>, n_tok: usize, k: usize) -> bool {
-    n_tok <= MMV_MAX_TOKENS
+    std::env::var_os("STRATA_MOE_FUSED_ROUTE").is_none_or(|v| v != "0")
+        && n_tok <= MMV_MAX_TOKENS
         && ex.gate.ty == ex.up.ty
         && matches!(ex.gate.ty, GgmlType::Q4_K | GgmlType::Q6_K)
         && k <= 64
