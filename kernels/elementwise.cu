@@ -3,13 +3,10 @@
 
 // RMSNorm (cpu: rms_norm_row): the mean of squares in f64, out = x * scale * w (out may be x). One block per row
 // of n (up to 1024 threads, a multiple of 32).
-extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int n, float eps) {
-    pdl_enter();
+// The RMSNorm scale of a row from its threads' f64 sums of squares: 1 / sqrt(sum / n + eps), in every thread. Every
+// thread of the block calls it (it synchronises); blockDim.x a multiple of 32.
+__device__ __forceinline__ float rms_scale_block(double ss, int n, float eps) {
     __shared__ double part[32];
-    const float* row = x + (long long)blockIdx.x * n;
-    float* dst = out + (long long)blockIdx.x * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)row[i] * (double)row[i];
     ss = warp_sum_d(ss);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
     __syncthreads();
@@ -19,7 +16,16 @@ extern "C" __global__ void rms_norm(const float* x, float* out, const float* __r
         if (threadIdx.x == 0) part[0] = s;
     }
     __syncthreads();
-    float scale = 1.0f / sqrtf((float)(part[0] / n) + eps);
+    return 1.0f / sqrtf((float)(part[0] / n) + eps);
+}
+
+extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int n, float eps) {
+    pdl_enter();
+    const float* row = x + (long long)blockIdx.x * n;
+    float* dst = out + (long long)blockIdx.x * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += (double)row[i] * (double)row[i];
+    float scale = rms_scale_block(ss, n, eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i] * scale * w[i];
 }
 
@@ -169,7 +175,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* _
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y, float* __restrict__ out,
                                         const float* __restrict__ w, int n, float eps) {
     pdl_enter();
-    __shared__ double part[32];
     float* row = x + (long long)blockIdx.x * n;
     const float* yr = y + (long long)blockIdx.x * n;
     float* dst = out + (long long)blockIdx.x * n;
@@ -179,16 +184,36 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
         row[i] = v;
         ss += (double)v * (double)v;
     }
-    ss = warp_sum_d(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        double s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0;
-        s = warp_sum_d(s);
-        if (threadIdx.x == 0) part[0] = s;
+    float scale = rms_scale_block(ss, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i] * scale * w[i];
+}
+
+// A decode step's MoE output into the residual, then the next layer's norm, in one launch (moe_combine, then
+// add_rms_norm, with their exact arithmetic): x[t] += sum_i wts[t][i] * d[t * k + i] (f64, divided by the weights'
+// f64 sum when `normalized`, rounded to f32), then out[t] = rms_norm(x[t]) * w; without w (the last layer) the add
+// alone. One block per token of n values (up to 1024 threads, a multiple of 32).
+extern "C" __global__ void moe_combine_add_rms_norm(const float* __restrict__ d, const float* __restrict__ wts,
+                                                    float* __restrict__ x, float* __restrict__ out,
+                                                    const float* __restrict__ w, int k, int n, int normalized,
+                                                    float eps) {
+    pdl_enter();
+    int t = blockIdx.x;
+    const float* wt = wts + (long long)t * k;
+    const float* dt = d + (long long)t * k * n;
+    float* row = x + (long long)t * n;
+    double ws = 0.0;
+    for (int j = 0; j < k; ++j) ws += (double)wt[j];
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        double acc = 0.0;
+        for (int j = 0; j < k; ++j) acc += (double)wt[j] * (double)dt[(long long)j * n + i];
+        float v = row[i] + (float)(normalized ? acc * (1.0 / ws) : acc);
+        row[i] = v;
+        ss += (double)v * (double)v;
     }
-    __syncthreads();
-    float scale = 1.0f / sqrtf((float)(part[0] / n) + eps);
+    if (!w) return;
+    float scale = rms_scale_block(ss, n, eps);
+    float* dst = out + (long long)t * n;
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i] * scale * w[i];
 }
 

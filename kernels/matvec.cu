@@ -75,8 +75,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               const float* __restrict__ x, float* __restrict__ ya,           \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div, \
                                               int rows, int cols, long long row_bytes,                        \
-                                              const float* __restrict__, int, const float* __restrict__, u32*, \
-                                              float*, int, int) {                                             \
+                                              const float* __restrict__, int) {                               \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         pdl_enter();                                                                                          \
@@ -428,38 +427,17 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                 if (w[i]) *y[i] = acc[i];                                                                       \
     }
 
-// The routing of slot s's token (s / k) computed by this block (moe_route_block; n_expert <= 1024, k <= 64): the
-// gate/up launch of a decode step routes for itself, one launch fewer than moe_route before it. Returns slot s's
-// expert; the block (0, token's first slot, 0) also writes the token's ids and weights for the launches after.
-__device__ __forceinline__ u32 mmv_moe_route(const float* __restrict__ logits, u32* __restrict__ ids,
-                                          float* __restrict__ wts, int n_expert, int normalize, int s, int k) {
-    __shared__ float prob[1024];
-    __shared__ u32 rid[64];
-    __shared__ float rw[64];
-    int tok = s / k;
-    moe_route_block(logits + (long long)tok * n_expert, n_expert, k, normalize, prob, rid, rw);
-    if (blockIdx.x == 0 && blockIdx.z == 0 && s % k == 0)
-        for (int i = threadIdx.x; i < k; i += blockDim.x) {
-            ids[(long long)tok * k + i] = rid[i];
-            wts[(long long)tok * k + i] = rw[i];
-        }
-    return rid[s % k];
-}
-
 #define STRATA_MMV_MOE_FAST(name, Q, R)                                                                          \
     extern "C" __global__ void MMV_MOE_BOUNDS mmv_moe_##name(                           \
                                               const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
                                               int rows, int cols, long long row_bytes,                          \
-                                              const float* __restrict__ xu, int act,                            \
-                                              const float* __restrict__ route, u32* __restrict__ ids_out,       \
-                                              float* __restrict__ wts_out, int n_expert, int normalize) {       \
+                                              const float* __restrict__ xu, int act) {                          \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
         pdl_enter();                                                                                            \
-        u32 id = route ? mmv_moe_route(route, ids_out, wts_out, n_expert, normalize, s, x_div) : ids[s];        \
-        const u8* base = (blockIdx.z ? wb : wa) + (long long)id * rows * row_bytes;                             \
+        const u8* base = (blockIdx.z ? wb : wa) + (long long)ids[s] * rows * row_bytes;                         \
         const u8* w[R];                                                                                     \
         float acc[R];                                                                                       \
         for (int i = 0; i < R; ++i) {                                                                       \

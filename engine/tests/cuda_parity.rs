@@ -609,6 +609,56 @@ fn moe_ffn_matches_cpu() {
                 rel_err(&down(&gpu, &bd, n_tok * e), &a),
                 2e-2,
             ));
+            // The experts' sum added to a residual, then the next norm (fused at decode on the device), against
+            // the CPU's separate steps; without a norm (the last layer) the residual alone.
+            let resid = rng.vec(n_tok * e, 1.0);
+            let norm_w = rng.vec(e, 1.0);
+            for norm in [Some(&norm_w[..]), None] {
+                let (mut hc, mut xc, mut tc) = (x.clone(), resid.clone(), vec![0f32; n_tok * e]);
+                let mut lc = logits.clone();
+                cpu.moe_add_rms_norm(
+                    &ex,
+                    &mut lc,
+                    &mut hc,
+                    n_tok,
+                    k,
+                    normalize,
+                    &mut tc,
+                    &mut xc,
+                    norm,
+                    1e-6,
+                    &mut MoeScratch::default(),
+                );
+                let (mut hg, mut xg, mut tg) = (up(&gpu, &x), up(&gpu, &resid), up(&gpu, &vec![0f32; n_tok * e]));
+                let mut lg = up(&gpu, &logits);
+                gpu.moe_add_rms_norm(
+                    &ex,
+                    &mut lg,
+                    &mut hg,
+                    n_tok,
+                    k,
+                    normalize,
+                    &mut tg,
+                    &mut xg,
+                    norm,
+                    1e-6,
+                    &mut MoeScratch::default(),
+                );
+                let what = format!(
+                    "moe+add{} {ty} n_tok={n_tok} top-{k} normalize={normalize}",
+                    if norm.is_some() { "+rms_norm" } else { "" }
+                );
+                rows.push(Row(
+                    format!("{what}: residual"),
+                    rel_err(&down(&gpu, &xg, n_tok * e), &xc),
+                    2e-2,
+                ));
+                rows.push(Row(
+                    format!("{what}: h"),
+                    rel_err(&down(&gpu, &hg, n_tok * e), &hc),
+                    2e-2,
+                ));
+            }
         }
     }
     report(&rows);

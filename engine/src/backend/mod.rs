@@ -371,6 +371,29 @@ pub trait Backend: Send + Sync {
         scratch: &mut MoeScratch,
     );
 
+    /// A MoE FFN added to the residual, then the next layer's norm: [`Backend::moe`] of `h` into `tmp`, `x += tmp`,
+    /// then `h = rms_norm(x) * norm` when `norm` is given (the last layer has none: `h` is left as it was). `h`,
+    /// `tmp` and `x` are `[n_tok][n_embd]`; `tmp`'s contents are unspecified after (a backend may never write it).
+    /// The default does exactly those steps ([`moe_add_rms_norm_steps`]); a backend may sum the experts, add and
+    /// normalize in one pass, with the same arithmetic.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_add_rms_norm(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut Self::Buf,
+        h: &mut Self::Buf,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        tmp: &mut Self::Buf,
+        x: &mut Self::Buf,
+        norm: Option<&[f32]>,
+        eps: f32,
+        scratch: &mut MoeScratch,
+    ) {
+        moe_add_rms_norm_steps(self, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch);
+    }
+
     /// Brackets one forward pass of `n_tok` tokens (`key` tells shapes apart, and the attention span in blocks
     /// of [`ATTN_SPAN_BLOCK`] cells: a step's launches may depend on both): a GPU backend records a decode
     /// step into a CUDA graph and replays it on later steps. No data may be read back between the two calls but
@@ -394,5 +417,29 @@ pub trait Backend: Send + Sync {
     /// applies them by capping its prefill batch (the CPU).
     fn set_fault_policy(&self, _faults: crate::runtime::fault::FaultPlan, _gemm_fallback: bool) -> bool {
         false
+    }
+}
+
+/// [`Backend::moe_add_rms_norm`] as its separate steps: [`Backend::moe`] into `tmp`, then
+/// [`Backend::add_rms_norm_into`] (or [`Backend::add`] without a norm).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_add_rms_norm_steps<B: Backend + ?Sized>(
+    be: &B,
+    ex: &Experts<'_>,
+    logits: &mut B::Buf,
+    h: &mut B::Buf,
+    n_tok: usize,
+    k: usize,
+    normalize: bool,
+    tmp: &mut B::Buf,
+    x: &mut B::Buf,
+    norm: Option<&[f32]>,
+    eps: f32,
+    scratch: &mut MoeScratch,
+) {
+    be.moe(ex, logits, h, n_tok, k, normalize, tmp, scratch);
+    match norm {
+        Some(w) => be.add_rms_norm_into(x, tmp, h, n_tok, w, eps),
+        None => be.add(x, tmp, n_tok * ex.gate.cols),
     }
 }

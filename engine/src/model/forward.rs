@@ -286,6 +286,24 @@ impl Model {
                         n_ff_exp: hp.n_ff_exp as usize,
                         act: w.config.act,
                     };
+                    if layer.post_ffn_norm.is_none() && !*TRACE_TENSORS {
+                        // The experts' sum, the residual add and the next layer's attn_norm (a backend may fuse them).
+                        let next = w.layers.get(il + 1).map(|l| &l.attn_norm[..]);
+                        be.moe_add_rms_norm(
+                            &ex,
+                            &mut s.router,
+                            &mut s.h,
+                            n,
+                            hp.n_expert_used as usize,
+                            w.config.moe_normalize,
+                            &mut s.o,
+                            &mut s.x,
+                            next,
+                            hp.rms_eps,
+                            &mut s.moe,
+                        );
+                        continue;
+                    }
                     be.moe(
                         &ex,
                         &mut s.router,

@@ -663,9 +663,36 @@ impl Inner {
         Ok((d.buf.ptr, d.ty))
     }
 
-    /// Expert dispatch on the device: `ids`/`wts` ([n_tok][k]) in their slots, written by `moe_route` before, or
-    /// (`route`: the router logits' address) by the decode gate/up launch itself ([`moe_routes_itself`]);
-    /// `x` `[n_tok][n_embd]`.
+    /// The router's choice on the device (`moe_route`): `ids`/`wts` ([n_tok][k]) into their slots from the
+    /// logits at `logits` ([n_tok][n_expert], overwritten by the probabilities).
+    fn moe_route(
+        &mut self,
+        gpu: &Gpu,
+        logits: u64,
+        n_tok: usize,
+        n_expert: usize,
+        k: usize,
+        normalize: bool,
+    ) -> Result<(), CudaError> {
+        let ids = self.slot(gpu, Slot::MoeIds, n_tok * k * 4)?;
+        let wts = self.slot(gpu, Slot::MoeW, n_tok * k * 4)?;
+        gpu.launch(
+            "moe_route",
+            (n_tok as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(logits),
+                Arg::P(ids),
+                Arg::P(wts),
+                Arg::I(n_expert as i32),
+                Arg::I(k as i32),
+                Arg::I(normalize as i32),
+            ],
+        )
+    }
+
+    /// Expert dispatch on the device once routed ([`Inner::moe_route`]): `x` `[n_tok][n_embd]`; the weighted sum
+    /// goes where `sum` says.
     #[allow(clippy::too_many_arguments)]
     fn moe_dispatch(
         &mut self,
@@ -675,8 +702,7 @@ impl Inner {
         n_tok: usize,
         k: usize,
         normalized: bool,
-        route: Option<u64>,
-        outp: u64,
+        sum: MoeSum,
     ) -> Result<(), CudaError> {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         let slots = n_tok * k;
@@ -692,48 +718,33 @@ impl Inner {
         let rows_map = if n_tok <= MMV_MAX_TOKENS {
             // Decode: every slot reaches its expert by id on the device.
             #[allow(clippy::too_many_arguments)]
-            let launch = |wa: u64,
-                          wb: u64,
-                          x: u64,
-                          ya: u64,
-                          yb: u64,
-                          div: usize,
-                          w: &QMat<'_>,
-                          rows: usize,
-                          z: u32,
-                          xu: u64,
-                          route: Option<u64>| {
-                gpu.launch(
-                    typed("mmv_moe_", w.ty),
-                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(wa),
-                        Arg::P(wb),
-                        Arg::P(x),
-                        Arg::P(ya),
-                        Arg::P(yb),
-                        Arg::P(ids),
-                        Arg::I(div as i32),
-                        Arg::I(rows as i32),
-                        Arg::I(w.cols as i32),
-                        Arg::L(w.row_bytes as i64),
-                        Arg::P(xu),
-                        Arg::I(glu_code(ex.act)),
-                        Arg::P(route.unwrap_or(0)),
-                        Arg::P(ids),
-                        Arg::P(wts),
-                        Arg::I(ex.n_expert as i32),
-                        Arg::I(normalized as i32),
-                    ],
-                )
-            };
+            let launch =
+                |wa: u64, wb: u64, x: u64, ya: u64, yb: u64, div: usize, w: &QMat<'_>, rows: usize, z: u32, xu: u64| {
+                    gpu.launch(
+                        typed("mmv_moe_", w.ty),
+                        (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
+                        (256, 1, 1),
+                        &[
+                            Arg::P(wa),
+                            Arg::P(wb),
+                            Arg::P(x),
+                            Arg::P(ya),
+                            Arg::P(yb),
+                            Arg::P(ids),
+                            Arg::I(div as i32),
+                            Arg::I(rows as i32),
+                            Arg::I(w.cols as i32),
+                            Arg::L(w.row_bytes as i64),
+                            Arg::P(xu),
+                            Arg::I(glu_code(ex.act)),
+                        ],
+                    )
+                };
             if same {
-                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, route)?;
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0)?;
             } else {
-                assert!(route.is_none(), "moe: only one gate/up launch routes");
-                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, None)?;
-                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, None)?;
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0)?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0)?;
             }
             // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
             // fewer); other types and rows wider than its staging take the GLU kernel first.
@@ -752,7 +763,6 @@ impl Inner {
                 n_embd,
                 1,
                 if fused_glu { up } else { 0 },
-                None,
             )?;
             0
         } else {
@@ -792,6 +802,31 @@ impl Inner {
             self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gf, 0, dp, &tiles)?;
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
         };
+        let Some(outp) = (match sum {
+            MoeSum::Out(outp) => Some(outp),
+            MoeSum::AddNorm { x, h, w, eps } => {
+                assert_eq!(rows_map, 0, "moe: the fused sum serves decode steps");
+                gpu.launch(
+                    "moe_combine_add_rms_norm",
+                    (n_tok as u32, 1, 1),
+                    (norm_threads(n_embd), 1, 1),
+                    &[
+                        Arg::P(dp),
+                        Arg::P(wts),
+                        Arg::P(x),
+                        Arg::P(h),
+                        Arg::P(w),
+                        Arg::I(k as i32),
+                        Arg::I(n_embd as i32),
+                        Arg::I(normalized as i32),
+                        Arg::F(eps),
+                    ],
+                )?;
+                None
+            }
+        }) else {
+            return Ok(());
+        };
         gpu.launch(
             "moe_combine",
             grid1(n_tok * n_embd, 256),
@@ -810,16 +845,20 @@ impl Inner {
     }
 }
 
-/// A decode step's gate/up launch computes the routing itself (`mmv_moe_route`, kernels/matvec.cu) instead of a
-/// `moe_route` launch before it: few tokens, gate and up of one type with the fast kernels (Q4_K, Q6_K), top-k of
-/// at most 64 (the kernel's staging).
-fn moe_routes_itself(ex: &Experts<'_>, n_tok: usize, k: usize) -> bool {
-    std::env::var_os("STRATA_MOE_FUSED_ROUTE").is_none_or(|v| v != "0")
-        && n_tok <= MMV_MAX_TOKENS
-        && ex.gate.ty == ex.up.ty
-        && matches!(ex.gate.ty, GgmlType::Q4_K | GgmlType::Q6_K)
-        && k <= 64
-        && ex.n_expert <= 1024
+/// The experts run on the device: types with kernels, and at most 1024 experts (the router kernel's staging); else
+/// the CPU backend serves [`Backend::moe`] through host copies.
+fn moe_on_device(ex: &Experts<'_>) -> bool {
+    ex.n_expert <= 1024 && [ex.gate, ex.up, ex.down].iter().all(gpu_computes)
+}
+
+/// Where [`Inner::moe_dispatch`] puts the experts' weighted sum (device addresses).
+#[derive(Clone, Copy)]
+enum MoeSum {
+    /// Into `[n_tok][n_embd]` at this address (`moe_combine`).
+    Out(u64),
+    /// Added to the residual `x`, then `h = rms_norm(x) * w` (`w` 0: the add alone), in one launch at decode
+    /// (`moe_combine_add_rms_norm`).
+    AddNorm { x: u64, h: u64, w: u64, eps: f32 },
 }
 
 /// Bytes of one head of a cache row and of a whole row, for `heads` heads of `head_dim` values of `ty`.
@@ -1410,7 +1449,7 @@ impl Backend for CudaBackend {
         );
         assert!(logits.capacity() >= n_tok * ex.n_expert, "moe: router logits");
         assert!(k >= 1 && k <= ex.n_expert, "moe: k of n_expert");
-        if ex.n_expert > 1024 || ![ex.gate, ex.up, ex.down].iter().all(gpu_computes) {
+        if !moe_on_device(ex) {
             // Experts of a type without kernels, or more experts than the router kernel takes (1024): the CPU
             // backend, through host copies.
             let mut lh = self.to_host(logits, 0, n_tok * ex.n_expert);
@@ -1424,25 +1463,53 @@ impl Backend for CudaBackend {
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
-            let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
-            let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
-            if moe_routes_itself(ex, n_tok, k) {
-                return s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, Some(logits.ptr()), out.ptr());
-            }
-            g.launch(
-                "moe_route",
-                (n_tok as u32, 1, 1),
-                (256, 1, 1),
-                &[
-                    Arg::P(logits.ptr()),
-                    Arg::P(ids),
-                    Arg::P(wts),
-                    Arg::I(ex.n_expert as i32),
-                    Arg::I(k as i32),
-                    Arg::I(normalize as i32),
-                ],
-            )?;
-            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, None, out.ptr())
+            s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
+            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, MoeSum::Out(out.ptr()))
+        })());
+    }
+
+    fn moe_add_rms_norm(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut DevVec,
+        h: &mut DevVec,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        tmp: &mut DevVec,
+        x: &mut DevVec,
+        norm: Option<&[f32]>,
+        eps: f32,
+        scratch: &mut MoeScratch,
+    ) {
+        let n_embd = ex.gate.cols;
+        if n_tok > MMV_MAX_TOKENS || !moe_on_device(ex) {
+            return crate::backend::moe_add_rms_norm_steps(
+                self, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch,
+            );
+        }
+        assert!(
+            h.capacity() >= n_tok * n_embd && x.capacity() >= n_tok * n_embd,
+            "moe_add_rms_norm: shapes"
+        );
+        assert!(norm.is_none_or(|w| w.len() == n_embd), "moe_add_rms_norm: norm width");
+        assert!(logits.capacity() >= n_tok * ex.n_expert, "moe: router logits");
+        assert!(k >= 1 && k <= ex.n_expert, "moe: k of n_expert");
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            let w = match norm {
+                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
+                None => 0,
+            };
+            s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
+            let sum = MoeSum::AddNorm {
+                x: x.ptr(),
+                h: h.ptr(),
+                w,
+                eps,
+            };
+            s.moe_dispatch(g, ex, h.ptr(), n_tok, k, normalize, sum)
         })());
     }
 

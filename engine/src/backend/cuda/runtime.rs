@@ -115,6 +115,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mmv1_q4_k",
     "mmv1_q6_k",
     "add_rms_norm",
+    "moe_combine_add_rms_norm",
     "qk_norm_rope",
     "moe_route",
     "moe_combine",
@@ -855,6 +856,11 @@ mod tests {
                 let part = match part.strip_prefix("__launch_bounds__(") {
                     Some(rest) => rest.split_once(')').map_or(rest, |(_, r)| r).trim_start(),
                     None => part,
+                };
+                // A bounds macro (MMV_BOUNDS) before the name.
+                let part = match part.split_once(' ') {
+                    Some((w, rest)) if w.ends_with("_BOUNDS") => rest.trim_start(),
+                    _ => part,
                 };
                 let name: String = part.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                 if part[name.len()..].starts_with("##") || name.is_empty() {

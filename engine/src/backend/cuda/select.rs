@@ -222,6 +222,29 @@ impl Backend for AnyBackend {
             be.moe(ex, logits, x, n_tok, k, normalize, out, scratch)
         )
     }
+    #[allow(clippy::too_many_arguments)]
+    fn moe_add_rms_norm(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut AnyBuf,
+        h: &mut AnyBuf,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        tmp: &mut AnyBuf,
+        x: &mut AnyBuf,
+        norm: Option<&[f32]>,
+        eps: f32,
+        scratch: &mut MoeScratch,
+    ) {
+        dispatch!(
+            self,
+            be,
+            [logits, h, tmp, x],
+            [],
+            be.moe_add_rms_norm(ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch)
+        )
+    }
     fn step_begin(&self, n_tok: usize, key: u64) {
         if let AnyBackend::Cuda(c) = self {
             c.step_begin(n_tok, key)
