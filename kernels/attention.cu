@@ -301,30 +301,73 @@ __device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, co
 // device, so the launch's arguments do not change from one decode step to the next (CUDA graphs). Scores by
 // attn_scores_block, kept in shared memory up to ATTN_DEC_KEYS keys (else in scores[(t * n_head + h) * n_ctx
 // ...]); out is [n_tok][n_head][dv]. dk at most ATTN_DK_MAX, dv at most 256. Block 256 threads (8 warps).
+//
+// With kraw given (one token, f16 caches, dk and dv multiples of 8 with 16-byte aligned rows): q, kraw and vraw are
+// the layer's raw q/k/v rows, and the block first does what qk_norm_rope does with its store, for its own heads:
+// head_norm_rope of query head h and of key head g (qw, kw: the norms' weights, or null), the key and value rounded
+// to f16 as the cache holds them; the block of the group's first query head writes them into cell pos. The cell's
+// score and P.V term come from those shared copies, so no block reads the cell another block writes.
 #define ATTN_DEC_KEYS 1024
 #define ATTN_DK_MAX 512
 extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __restrict__ k,
                                        const u8* __restrict__ v, float* __restrict__ scores,
                                        float* __restrict__ out, const unsigned int* __restrict__ pos, int n_head,
                                        int n_head_kv, int dk, int dv, float scale, int window, long long krb,
-                                       int khb, int kty, long long vrb, int vhb, int vty, int n_ctx) {
+                                       int khb, int kty, long long vrb, int vhb, int vty, int n_ctx,
+                                       const float* __restrict__ kraw, const float* __restrict__ vraw,
+                                       const float* __restrict__ qw, const float* __restrict__ kw, float eps,
+                                       int n_rot, float theta_scale, float freq_scale, int neox, u16* kc, u16* vc) {
     pdl_enter();
     __shared__ float red[8];
     __shared__ double redd[8];
     __shared__ float pv[256];
     __shared__ float qs[ATTN_DK_MAX];
+    __shared__ float ks[ATTN_DK_MAX];
+    __shared__ float vs[256];
     __shared__ float scs[ATTN_DEC_KEYS];
     int h = blockIdx.x, t = blockIdx.y, th = t * n_head + h;
-    int g = h / (n_head / n_head_kv);
+    int group = n_head / n_head_kv, g = h / group;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = (int)pos[t];
     int first = window > 0 ? max(0, p + 1 - window) : 0;
     int n = p + 1 - first;
     float* sc = n <= ATTN_DEC_KEYS ? scs : scores + (long long)th * n_ctx;
     const float* qv = q + (long long)th * dk;
-    for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
+    // Keys from the cache: all n, or (fused) the n - 1 before the token's own.
+    int n_cached = n;
+    if (kraw) {
+        n_cached = n - 1;
+        for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = qv[d], ks[d] = kraw[(long long)g * dk + d];
+        __syncthreads();
+        if (warp == 0) head_norm_rope(qs, qw, dk, eps, p, n_rot, theta_scale, freq_scale, neox);
+        if (warp == 1) head_norm_rope(ks, kw, dk, eps, p, n_rot, theta_scale, freq_scale, neox);
+        __syncthreads();
+        bool writer = h % group == 0;
+        u16* kdst = (u16*)((u8*)kc + (long long)p * krb + (long long)g * khb);
+        u16* vdst = (u16*)((u8*)vc + (long long)p * vrb + (long long)g * vhb);
+        for (int d = threadIdx.x; d < dk; d += blockDim.x) {
+            u16 kh = f2h(ks[d]);
+            if (writer) kdst[d] = kh;
+            ks[d] = h2f(kh);
+            qs[d] = round_f16(qs[d]);
+        }
+        for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+            u16 vh = f2h(vraw[(long long)g * dv + d]);
+            if (writer) vdst[d] = vh;
+            vs[d] = h2f(vh);
+        }
+    } else {
+        for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
+    }
     __syncthreads();
-    float m = attn_scores_block(qs, k, krb, khb, kty, first, g, dk, scale, 0, n, sc);
+    float m = attn_scores_block(qs, k, krb, khb, kty, first, g, dk, scale, 0, n_cached, sc);
+    if (kraw && warp == 0) {
+        float a = 0.f;
+        for (int d = lane; d < dk; d += 32) a += qs[d] * ks[d];
+        a = scale * warp_sum(a);
+        if (lane == 0) sc[n - 1] = a;
+        m = fmaxf(m, a);
+    }
     m = warp_max(m);
     if (lane == 0) red[warp] = m;
     __syncthreads();
@@ -341,12 +384,14 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     __syncthreads();
     double tot = 0.0;
     for (int w = 0; w < 8; ++w) tot += redd[w];
+    float inv = (float)(1.0 / tot);
     if (vty == 0 && (dv & 7) == 0 && dv / 8 <= (int)blockDim.x && ((vrb | vhb) & 15) == 0)
-        attn_pv_block_f16(sc, (float)(1.0 / tot), v, vrb, vhb, first, g, 0, n, dv, pv);
+        attn_pv_block_f16(sc, inv, v, vrb, vhb, first, g, 0, n_cached, dv, pv);
     else
-        attn_pv_block(sc, (float)(1.0 / tot), vty == 0, v, vrb, vhb, vty, first, g, 0, n, 0, dv, pv);
+        attn_pv_block(sc, inv, vty == 0, v, vrb, vhb, vty, first, g, 0, n_cached, 0, dv, pv);
     float* o = out + (long long)th * dv;
-    if (threadIdx.x < dv) o[threadIdx.x] = pv[threadIdx.x];
+    if (threadIdx.x < dv) o[threadIdx.x] = kraw ? pv[threadIdx.x] + round_f16(sc[n - 1] * inv) * vs[threadIdx.x]
+                                                : pv[threadIdx.x];
 }
 
 // Prefill attention over an f16 cache on the tensor cores, flash-style (tiles of keys through shared memory, no

@@ -138,3 +138,32 @@ __device__ __forceinline__ void moe_route_block(const float* __restrict__ logits
     }
     __syncthreads();
 }
+
+// One head's per-head RMSNorm (when w is given) then RoPE, in place, by one warp (cpu: rms_norm_row per head, then
+// rope_token): the mean of squares in f64, v = v * scale * w; theta = pos * theta_scale^i by repeated
+// multiplication (as ggml's rope cache), pairs (i, i + n_rot / 2) with neox, else (2 i, 2 i + 1). v may be global
+// or shared memory; the warp's writes are visible to its lanes on return.
+__device__ __forceinline__ void head_norm_rope(float* v, const float* __restrict__ w, int head_dim, float eps, int pos,
+                                               int n_rot, float theta_scale, float freq_scale, int neox) {
+    int lane = threadIdx.x & 31;
+    if (w) {
+        double ss = 0.0;
+        for (int i = lane; i < head_dim; i += 32) ss += (double)v[i] * (double)v[i];
+        ss = warp_sum_d(ss);
+        float scale = 1.0f / sqrtf((float)(ss / head_dim) + eps);
+        for (int i = lane; i < head_dim; i += 32) v[i] = v[i] * scale * w[i];
+        __syncwarp();
+    }
+    int half = n_rot / 2;
+    for (int p = lane; p < half; p += 32) {
+        float theta = (float)pos;
+        for (int i = 0; i < p; ++i) theta *= theta_scale;
+        float a = freq_scale * theta;
+        float cs = cosf(a), sn = sinf(a);
+        int i0 = neox ? p : 2 * p, i1 = neox ? p + half : 2 * p + 1;
+        float x0 = v[i0], x1 = v[i1];
+        v[i0] = x0 * cs - x1 * sn;
+        v[i1] = x0 * sn + x1 * cs;
+    }
+    __syncwarp();
+}

@@ -243,30 +243,10 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
     if (r >= nq + nk) return;
     bool is_q = r < nq;
     float* v = is_q ? q + r * head_dim : k + (r - nq) * head_dim;
-    const float* w = is_q ? qw : kw;
     int t = is_q ? (int)(r / n_head) : (int)((r - nq) / n_head_kv);
-    if (w) {
-        double ss = 0.0;
-        for (int i = lane; i < head_dim; i += 32) ss += (double)v[i] * (double)v[i];
-        ss = warp_sum_d(ss);
-        float scale = 1.0f / sqrtf((float)(ss / head_dim) + eps);
-        for (int i = lane; i < head_dim; i += 32) v[i] = v[i] * scale * w[i];
-        __syncwarp();
-    }
-    int half = n_rot / 2;
-    for (int p = lane; p < half; p += 32) {
-        float theta = (float)pos[t];
-        for (int i = 0; i < p; ++i) theta *= theta_scale;
-        float a = freq_scale * theta;
-        float cs = cosf(a), sn = sinf(a);
-        int i0 = neox ? p : 2 * p, i1 = neox ? p + half : 2 * p + 1;
-        float x0 = v[i0], x1 = v[i1];
-        v[i0] = x0 * cs - x1 * sn;
-        v[i1] = x0 * sn + x1 * cs;
-    }
+    head_norm_rope(v, is_q ? qw : kw, head_dim, eps, (int)pos[t], n_rot, theta_scale, freq_scale, neox);
     if (kc && !is_q) {
-        // The rotated key, into the f16 cache too (its lanes' writes above are visible after the warp's sync).
-        __syncwarp();
+        // The rotated key, into the f16 cache too.
         long long j = r - nq;
         int hk = (int)(j % n_head_kv);
         u16* dst = kc + ((long long)pos[t] * n_head_kv + hk) * head_dim;

@@ -541,6 +541,114 @@ fn attention_matches_cpu() {
     report(&rows);
 }
 
+/// A decode step's attention from its raw projections (`Backend::rope_store_attention`: on the GPU one launch with
+/// the q/k-norm, RoPE and K/V store for one token within the first 128 cells of an f16 cache, else the separate
+/// steps) against the CPU's separate steps, after a prompt of `at` cached tokens: the output (1e-4, as attention)
+/// and the cell the step stored (1e-3, as qk_norm_rope_store).
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn rope_store_attention_matches_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = Rng(13);
+    let mut rows = Vec::new();
+    for &(nh, nkv, hd, kv_ty, window, norms, kind, at) in &[
+        (32u32, 4u32, 128u32, KvType::F16, None, true, RopeKind::Neox, 0usize),
+        (32, 4, 128, KvType::F16, None, true, RopeKind::Neox, 1),
+        (32, 4, 128, KvType::F16, None, true, RopeKind::Neox, 127),
+        (8, 2, 64, KvType::F16, Some(16usize), false, RopeKind::Normal, 40),
+        (9, 3, 64, KvType::F16, None, true, RopeKind::Normal, 77),
+        (32, 4, 128, KvType::F16, None, true, RopeKind::Neox, 128),
+        (32, 4, 128, KvType::Int8, None, true, RopeKind::Neox, 50),
+    ] {
+        let hp = hp_for_attn(nh, nkv, hd);
+        let (nh, nkv, hd) = (nh as usize, nkv as usize, hd as usize);
+        let (mut kc, mut kg) = (
+            KvCache::new(&hp, 300, kv_ty).unwrap(),
+            KvCache::new(&hp, 300, kv_ty).unwrap(),
+        );
+        if at > 0 {
+            let pos: Vec<u32> = (0..at as u32).collect();
+            let (k, v) = (rng.vec(at * nkv * hd, 2.0), rng.vec(at * nkv * hd, 1.0));
+            cpu.store_kv(&mut kc.layers[0], &k, &v, &pos);
+            gpu.store_kv(&mut kg.layers[0], &up(&gpu, &k), &up(&gpu, &v), &pos);
+        }
+        let rope = RopeParams {
+            kind,
+            n_rot: hd,
+            freq_base: 1e6,
+            freq_scale: 1.0,
+        };
+        let p = AttnParams {
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim: hd,
+            head_dim_v: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window,
+        };
+        let (q, k, v) = (rng.vec(nh * hd, 2.0), rng.vec(nkv * hd, 2.0), rng.vec(nkv * hd, 1.0));
+        let (qn, kn) = (rng.vec(hd, 1.0), rng.vec(hd, 1.0));
+        let nw = if norms {
+            (Some(&qn[..]), Some(&kn[..]))
+        } else {
+            (None, None)
+        };
+        let pos = [at as u32];
+        let (mut qa, mut ka, mut a) = (q.clone(), k.clone(), vec![0f32; nh * hd]);
+        cpu.rope_store_attention(
+            &mut qa,
+            &mut ka,
+            &v,
+            &mut kc.layers[0],
+            nw,
+            1e-6,
+            &pos,
+            &rope,
+            &p,
+            &mut a,
+        );
+        let (mut qd, mut kd, mut bd) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &vec![f32::NAN; nh * hd]));
+        gpu.rope_store_attention(
+            &mut qd,
+            &mut kd,
+            &up(&gpu, &v),
+            &mut kg.layers[0],
+            nw,
+            1e-6,
+            &pos,
+            &rope,
+            &p,
+            &mut bd,
+        );
+        let what = format!(
+            "rope_store_attention kv={kv_ty} h={nh}/{nkv} d={hd} {kind:?} norms={norms} window={window:?} at {at}"
+        );
+        rows.push(Row(
+            format!("{what}: out"),
+            rel_err(&down(&gpu, &bd, nh * hd), &a),
+            1e-4,
+        ));
+        let ty = kv_ty.ggml();
+        let hb = ty.row_bytes(hd as u64).unwrap() as usize;
+        for (name, rc, rg) in [
+            ("k", &kc.layers[0].k, &kg.layers[0].k),
+            ("v", &kc.layers[0].v, &kg.layers[0].v),
+        ] {
+            let dev = gpu.kv_device_bytes(rg).expect("twin after store");
+            let (mut want, mut got, mut buf) = (Vec::new(), Vec::new(), vec![0f32; hd]);
+            for h in 0..nkv {
+                rc.read(at, h, &mut buf);
+                want.extend_from_slice(&buf);
+                let o = (at * nkv + h) * hb;
+                quant::dequantize(ty, &dev[o..o + hb], &mut buf).unwrap();
+                got.extend_from_slice(&buf);
+            }
+            rows.push(Row(format!("{what}: cached {name}"), rel_err(&got, &want), 1e-3));
+        }
+    }
+    report(&rows);
+}
+
 /// Router and expert dispatch (`Backend::moe`), decode (experts reached by id on the device, the gate/up launch
 /// routing for itself with Q4_K and Q6_K) and prefill (tokens grouped by expert): the same experts are chosen (the
 /// logits are well separated, or tie exactly and go to the lower id), both backends sum in f64; the matmuls differ

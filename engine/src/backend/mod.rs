@@ -319,6 +319,28 @@ pub trait Backend: Send + Sync {
         self.store_kv(kv, k, v, positions);
     }
 
+    /// A layer's attention from its raw projections: [`Backend::qk_norm_rope_store`] of `q`, `k` and `v` (with
+    /// `rope` and the q/k norms), then [`Backend::attention`] of `q` over `kv` into `out` (the default, which an
+    /// override must equal); shapes as those two take them. A backend may do both in one pass (the CUDA backend
+    /// for a decode step over a short cache); `q` and `k` are then left unrotated.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_attention(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        kv: &mut KvLayer,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        rope: &RopeParams,
+        p: &AttnParams,
+        out: &mut Self::Buf,
+    ) {
+        self.qk_norm_rope_store(q, k, v, kv, p.n_head, p.head_dim, norms, eps, positions, rope);
+        self.attention(q, kv, positions, p, out);
+    }
+
     /// Multiplies the first `len` values by `s`.
     fn scale(&self, x: &mut Self::Buf, len: usize, s: f32);
 

@@ -225,33 +225,49 @@ impl Model {
             trace(be, "Kcur", Some(il), &s.k, n * nkv * dk);
             trace(be, "Vcur", Some(il), &s.v, n * nkv * dv);
             let cache = &mut kv.layers[il];
-            be.qk_norm_rope_store(
-                &mut s.q,
-                &mut s.k,
-                &s.v,
-                cache,
-                nh,
-                dk,
-                (layer.q_norm.as_deref(), layer.k_norm.as_deref()),
-                hp.rms_eps,
-                &s.pos,
-                &layer.rope,
-            );
-            let scale = if w.config.attn_scale_on_q {
-                be.scale(&mut s.q, n * nh * dk, w.config.attn_scale);
-                1.0
-            } else {
-                w.config.attn_scale
-            };
+            let norms = (layer.q_norm.as_deref(), layer.k_norm.as_deref());
             let params = AttnParams {
                 n_head: nh,
                 n_head_kv: nkv,
                 head_dim: dk,
                 head_dim_v: dv,
-                scale,
+                scale: if w.config.attn_scale_on_q {
+                    1.0
+                } else {
+                    w.config.attn_scale
+                },
                 window: layer.window,
             };
-            be.attention(&s.q, cache, &s.pos, &params, &mut s.att);
+            if w.config.attn_scale_on_q {
+                // gemma3 scales the rotated queries before attention.
+                be.qk_norm_rope_store(
+                    &mut s.q,
+                    &mut s.k,
+                    &s.v,
+                    cache,
+                    nh,
+                    dk,
+                    norms,
+                    hp.rms_eps,
+                    &s.pos,
+                    &layer.rope,
+                );
+                be.scale(&mut s.q, n * nh * dk, w.config.attn_scale);
+                be.attention(&s.q, cache, &s.pos, &params, &mut s.att);
+            } else {
+                be.rope_store_attention(
+                    &mut s.q,
+                    &mut s.k,
+                    &s.v,
+                    cache,
+                    norms,
+                    hp.rms_eps,
+                    &s.pos,
+                    &layer.rope,
+                    &params,
+                    &mut s.att,
+                );
+            }
             trace(be, "kqv_out", Some(il), &s.att, n * nh * dv);
             be.matmul(&self.m(&layer.wo), &s.att, n, &mut s.o);
             trace(be, "attn_out", Some(il), &s.o, n * e);

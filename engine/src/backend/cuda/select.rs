@@ -199,6 +199,28 @@ impl Backend for AnyBackend {
     fn attention(&self, q: &AnyBuf, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut AnyBuf) {
         dispatch!(self, be, [out], [q], Backend::attention(be, q, kv, positions, p, out))
     }
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_attention(
+        &self,
+        q: &mut AnyBuf,
+        k: &mut AnyBuf,
+        v: &AnyBuf,
+        kv: &mut KvLayer,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        rope: &RopeParams,
+        p: &AttnParams,
+        out: &mut AnyBuf,
+    ) {
+        dispatch!(
+            self,
+            be,
+            [q, k, out],
+            [v],
+            be.rope_store_attention(q, k, v, kv, norms, eps, positions, rope, p, out)
+        )
+    }
     fn glu(&self, gate: &mut AnyBuf, up: &AnyBuf, len: usize, act: GluKind) {
         dispatch!(self, be, [gate], [up], Backend::glu(be, gate, up, len, act))
     }
