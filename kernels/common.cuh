@@ -40,6 +40,14 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// A load from the L2 cache (the point of coherence), never from a multiprocessor's L1: for values an earlier grid
+// wrote, read before pdl_enter (a grid that completed before the kernel just before this one began waiting).
+__device__ __forceinline__ u32 ld_cg_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

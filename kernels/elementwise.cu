@@ -150,9 +150,46 @@ extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict
     }
 }
 
-// The weighted sum of the experts' outputs (cpu: moe_ffn): out[t][c] = sum_i wts[t][i] * d[row(t, i)][c] in f64,
-// divided by sum_i wts[t][i] (f64) when `normalized`. row(t, i) = rows[t * k + i], or t * k + i without `rows`.
-// One thread per output value.
+// Token t's weighted sum of its k expert outputs at values i0 and i1 (i1 < 0: none), as moe_ffn sums them:
+// sum_j wts[t][j] * d[row(t, j)][i] in f64, j ascending, times inv (1 / the weights' f64 sum when normalised, else
+// 1 exactly: the product is then the sum itself), rounded to f32. row(t, j) = rows[t * k + j], or t * k + j without
+// rows. The loads go out eight experts at a time for both values before any is summed (one load in flight per
+// expert in turn would wait on memory k times).
+__device__ __forceinline__ void moe_sum2(const float* __restrict__ d, const u32* __restrict__ rows,
+                                         const float* __restrict__ wts, int t, int k, int n, int i0, int i1,
+                                         double inv, float* s0, float* s1) {
+    double a0 = 0.0, a1 = 0.0;
+    for (int j0 = 0; j0 < k; j0 += 8) {
+        float v0[8], v1[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            int j = j0 + u, slot = t * k + j;
+            long long r = j < k ? (rows ? (long long)rows[slot] : (long long)slot) : 0;
+            v0[u] = j < k ? d[r * n + i0] : 0.f;
+            v1[u] = j < k && i1 >= 0 ? d[r * n + i1] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (j0 + u < k) {
+                double w = (double)wts[t * k + j0 + u];
+                a0 += w * (double)v0[u];
+                a1 += w * (double)v1[u];
+            }
+    }
+    *s0 = (float)(a0 * inv);
+    *s1 = (float)(a1 * inv);
+}
+
+// 1 / (the f64 sum of token t's k weights) when normalised, else 1.
+__device__ __forceinline__ double moe_sum_scale(const float* __restrict__ wts, int t, int k, int normalized) {
+    if (!normalized) return 1.0;
+    double ws = 0.0;
+    for (int j = 0; j < k; ++j) ws += (double)wts[t * k + j];
+    return 1.0 / ws;
+}
+
+// The weighted sum of the experts' outputs (cpu: moe_ffn): out[t][c] = moe_sum2 of (t, c). One thread per output
+// value.
 extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* __restrict__ rows,
                                        const float* __restrict__ wts, float* __restrict__ out, int n_tok, int k,
                                        int n_embd, int normalized) {
@@ -160,14 +197,9 @@ extern "C" __global__ void moe_combine(const float* __restrict__ d, const u32* _
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_tok * n_embd) return;
     int t = (int)(i / n_embd), c = (int)(i % n_embd);
-    double acc = 0.0, ws = 0.0;
-    for (int j = 0; j < k; ++j) {
-        int slot = t * k + j;
-        int r = rows ? (int)rows[slot] : slot;
-        acc += (double)wts[slot] * (double)d[(long long)r * n_embd + c];
-        ws += (double)wts[slot];
-    }
-    out[i] = (float)(normalized ? acc * (1.0 / ws) : acc);
+    float s, unused;
+    moe_sum2(d, rows, wts, t, k, n_embd, c, -1, moe_sum_scale(wts, t, k, normalized), &s, &unused);
+    out[i] = s;
 }
 
 // x += y, then out = rms_norm(x) * w (cpu: add, then rms_norm_row on the sum): a residual add and the next norm.
@@ -179,10 +211,19 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     const float* yr = y + (long long)blockIdx.x * n;
     float* dst = out + (long long)blockIdx.x * n;
     double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = row[i] + yr[i];
-        row[i] = v;
-        ss += (double)v * (double)v;
+    // Two values per thread per round, both loaded before either is stored (a store to row would otherwise hold
+    // the next round's loads back).
+    for (int i = threadIdx.x; i < n; i += 2 * blockDim.x) {
+        int i1 = i + blockDim.x < n ? i + blockDim.x : -1;
+        float a0 = row[i], b0 = yr[i], a1 = i1 >= 0 ? row[i1] : 0.f, b1 = i1 >= 0 ? yr[i1] : 0.f;
+        float v0 = a0 + b0;
+        row[i] = v0;
+        ss += (double)v0 * (double)v0;
+        if (i1 >= 0) {
+            float v1 = a1 + b1;
+            row[i1] = v1;
+            ss += (double)v1 * (double)v1;
+        }
     }
     float scale = rms_scale_block(ss, n, eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = row[i] * scale * w[i];
@@ -198,18 +239,21 @@ extern "C" __global__ void moe_combine_add_rms_norm(const float* __restrict__ d,
                                                     float eps) {
     pdl_enter();
     int t = blockIdx.x;
-    const float* wt = wts + (long long)t * k;
-    const float* dt = d + (long long)t * k * n;
     float* row = x + (long long)t * n;
-    double ws = 0.0;
-    for (int j = 0; j < k; ++j) ws += (double)wt[j];
+    double inv = moe_sum_scale(wts, t, k, normalized);
     double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        double acc = 0.0;
-        for (int j = 0; j < k; ++j) acc += (double)wt[j] * (double)dt[(long long)j * n + i];
-        float v = row[i] + (float)(normalized ? acc * (1.0 / ws) : acc);
-        row[i] = v;
-        ss += (double)v * (double)v;
+    for (int i = threadIdx.x; i < n; i += 2 * blockDim.x) {
+        int i1 = i + blockDim.x < n ? i + blockDim.x : -1;
+        float r0 = row[i], r1 = i1 >= 0 ? row[i1] : 0.f, s0, s1;
+        moe_sum2(d, nullptr, wts, t, k, n, i, i1, inv, &s0, &s1);
+        float v0 = r0 + s0;
+        row[i] = v0;
+        ss += (double)v0 * (double)v0;
+        if (i1 >= 0) {
+            float v1 = r1 + s1;
+            row[i1] = v1;
+            ss += (double)v1 * (double)v1;
+        }
     }
     if (!w) return;
     float scale = rms_scale_block(ss, n, eps);

@@ -14,6 +14,8 @@
 // ids[s]'s rows of the stacked tensor wa (and wb when blockIdx.z is 1: gate and up in one launch) by activation
 // row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256. With xu given (Q4_K rows
 // of at most MMV_X_MAX values; other types ignore it) the activation row is glu_act(x, act) * xu (the GLU fused).
+// With ids_early (Q4_K and Q6_K; the ids were written by a kernel at least two launches back, so they are in memory
+// once this grid starts: see pdl_enter) the first weight loads go out before the wait on the kernel just before.
 //
 // get_rows_T: out[t] = row ids[t] of W dequantized (embeddings). One thread per 32-value chunk.
 //
@@ -75,7 +77,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               const float* __restrict__ x, float* __restrict__ ya,           \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div, \
                                               int rows, int cols, long long row_bytes,                        \
-                                              const float* __restrict__, int) {                               \
+                                              const float* __restrict__, int, int) {                          \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         pdl_enter();                                                                                          \
@@ -433,11 +435,11 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
                                               int rows, int cols, long long row_bytes,                          \
-                                              const float* __restrict__ xu, int act) {                          \
+                                              const float* __restrict__ xu, int act, int ids_early) {           \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
-        pdl_enter();                                                                                            \
-        const u8* base = (blockIdx.z ? wb : wa) + (long long)ids[s] * rows * row_bytes;                         \
+        if (!ids_early) pdl_enter();                                                                            \
+        const u8* base = (blockIdx.z ? wb : wa) + (long long)ld_cg_u32(ids + s) * rows * row_bytes;             \
         const u8* w[R];                                                                                     \
         float acc[R];                                                                                       \
         for (int i = 0; i < R; ++i) {                                                                       \

@@ -988,33 +988,43 @@ impl Inner {
         let rows_map = if n_tok <= MMV_MAX_TOKENS {
             // Decode: every slot reaches its expert by id on the device.
             #[allow(clippy::too_many_arguments)]
-            let launch =
-                |wa: u64, wb: u64, x: u64, ya: u64, yb: u64, div: usize, w: &QMat<'_>, rows: usize, z: u32, xu: u64| {
-                    gpu.launch(
-                        typed("mmv_moe_", w.ty),
-                        (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
-                        (256, 1, 1),
-                        &[
-                            Arg::P(wa),
-                            Arg::P(wb),
-                            Arg::P(x),
-                            Arg::P(ya),
-                            Arg::P(yb),
-                            Arg::P(ids),
-                            Arg::I(div as i32),
-                            Arg::I(rows as i32),
-                            Arg::I(w.cols as i32),
-                            Arg::L(w.row_bytes as i64),
-                            Arg::P(xu),
-                            Arg::I(glu_code(ex.act)),
-                        ],
-                    )
-                };
+            let launch = |wa: u64,
+                          wb: u64,
+                          x: u64,
+                          ya: u64,
+                          yb: u64,
+                          div: usize,
+                          w: &QMat<'_>,
+                          rows: usize,
+                          z: u32,
+                          xu: u64,
+                          early: bool| {
+                gpu.launch(
+                    typed("mmv_moe_", w.ty),
+                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(wa),
+                        Arg::P(wb),
+                        Arg::P(x),
+                        Arg::P(ya),
+                        Arg::P(yb),
+                        Arg::P(ids),
+                        Arg::I(div as i32),
+                        Arg::I(rows as i32),
+                        Arg::I(w.cols as i32),
+                        Arg::L(w.row_bytes as i64),
+                        Arg::P(xu),
+                        Arg::I(glu_code(ex.act)),
+                        Arg::I(early as i32),
+                    ],
+                )
+            };
             if same {
-                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0)?;
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
             } else {
-                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0)?;
-                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0)?;
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, false)?;
             }
             // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
             // fewer); other types and rows wider than its staging take the GLU kernel first.
@@ -1033,6 +1043,9 @@ impl Inner {
                 n_embd,
                 1,
                 if fused_glu { up } else { 0 },
+                // moe_route wrote the ids two launches back at least: the down projection's first weight loads
+                // need not wait for the gate/up launch.
+                true,
             )?;
             0
         } else {
