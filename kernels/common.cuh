@@ -48,6 +48,29 @@ __device__ __forceinline__ u32 ld_cg_u32(const u32* p) {
     return v;
 }
 
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// Whether this block is the last of `blocks` to get here (the "last block" pattern of CUDA's threadFenceReduction
+// sample): every thread's earlier global writes are made visible device-wide first, the count at cnt is taken
+// atomically, and the last block resets it to 0 for the next launch and may then read what the others wrote (through
+// L2: ld_cg_*). Every thread of the block calls it (it synchronises).
+__device__ __forceinline__ bool block_is_last(u32* cnt, u32 blocks) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(cnt, 1u) == blocks - 1;
+        if (last) atomicExch(cnt, 0u);
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -97,7 +120,7 @@ __device__ __forceinline__ void moe_route_block(const float* __restrict__ logits
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float m = -STRATA_INF;
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-        float x = logits[e];
+        float x = ld_cg_f32(logits + e);
         prob[e] = x;
         m = fmaxf(m, x);
     }

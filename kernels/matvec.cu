@@ -542,8 +542,10 @@ extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restri
 // y[t][r] = W[r] . x[t] for an f32 matrix of few rows (a MoE router: 128 rows of 2048): one block of 256 per row
 // and token, its eight warps splitting the row, so the matrix is read by as many SMs as it has rows instead of by
 // rows / 8. Grid (rows, n_tok), block 256.
-extern "C" __global__ void mmv_wide_f32(const float* __restrict__ w, const float* __restrict__ x,
-                                        float* __restrict__ y, int rows, int cols) {
+// Block (r, t)'s dot product of f32 row r of w with activation row t (8 warps, 256 threads), into y[t][r] (thread 0
+// writes it).
+__device__ __forceinline__ void wide_dot_block(const float* __restrict__ w, const float* __restrict__ x,
+                                               float* __restrict__ y, int rows, int cols) {
     __shared__ float part[8];
     int r = blockIdx.x, t = blockIdx.y;
     const float4* w4 = (const float4*)(w + (long long)r * cols);
@@ -562,5 +564,30 @@ extern "C" __global__ void mmv_wide_f32(const float* __restrict__ w, const float
         float s = 0.f;
         for (int i = 0; i < 8; ++i) s += part[i];
         y[(long long)t * rows + r] = s;
+    }
+}
+
+extern "C" __global__ void mmv_wide_f32(const float* __restrict__ w, const float* __restrict__ x,
+                                        float* __restrict__ y, int rows, int cols) {
+    wide_dot_block(w, x, y, rows, cols);
+}
+
+// The MoE router's logits and choice in one launch (mmv_wide_f32, then moe_route): block (r, t) computes logit r of
+// token t into y, and the last of token t's blocks to finish (counted in cnt[t], block_is_last) routes the token
+// (moe_route_block) into ids and wts, [n_tok][k]; y keeps the logits. Grid (n_expert, n_tok), block 256;
+// n_expert <= 1024, k <= 64.
+extern "C" __global__ void router_route(const float* __restrict__ w, const float* __restrict__ x, float* y, int rows,
+                                        int cols, u32* __restrict__ cnt, u32* __restrict__ ids,
+                                        float* __restrict__ wts, int k, int normalize) {
+    __shared__ float prob[1024];
+    __shared__ u32 rid[64];
+    __shared__ float rw[64];
+    int t = blockIdx.y;
+    wide_dot_block(w, x, y, rows, cols);
+    if (!block_is_last(cnt + t, rows)) return;
+    moe_route_block(y + (long long)t * rows, rows, k, normalize, prob, rid, rw);
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        ids[(long long)t * k + i] = rid[i];
+        wts[(long long)t * k + i] = rw[i];
     }
 }

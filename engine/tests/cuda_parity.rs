@@ -717,14 +717,18 @@ fn moe_ffn_matches_cpu() {
                 rel_err(&down(&gpu, &bd, n_tok * e), &a),
                 2e-2,
             ));
-            // The experts' sum added to a residual, then the next norm (fused at decode on the device), against
-            // the CPU's separate steps; without a norm (the last layer) the residual alone.
+            // From the router (f32, as GGUFs store it: routed in its own launch on the device) to the experts'
+            // sum added to a residual and the next norm (fused at decode on the device), against the CPU's separate
+            // steps; without a norm (the last layer) the residual alone.
             let resid = rng.vec(n_tok * e, 1.0);
             let norm_w = rng.vec(e, 1.0);
+            let router_w: Vec<u8> = rng.vec(ne * e, 0.5).iter().flat_map(|v| v.to_le_bytes()).collect();
+            let router = QMat::new(GgmlType::F32, &router_w, ne, e).unwrap();
             for norm in [Some(&norm_w[..]), None] {
                 let (mut hc, mut xc, mut tc) = (x.clone(), resid.clone(), vec![0f32; n_tok * e]);
-                let mut lc = logits.clone();
+                let mut lc = vec![0f32; n_tok * ne];
                 cpu.moe_add_rms_norm(
+                    &router,
                     &ex,
                     &mut lc,
                     &mut hc,
@@ -738,8 +742,9 @@ fn moe_ffn_matches_cpu() {
                     &mut MoeScratch::default(),
                 );
                 let (mut hg, mut xg, mut tg) = (up(&gpu, &x), up(&gpu, &resid), up(&gpu, &vec![0f32; n_tok * e]));
-                let mut lg = up(&gpu, &logits);
+                let mut lg = up(&gpu, &vec![0f32; n_tok * ne]);
                 gpu.moe_add_rms_norm(
+                    &router,
                     &ex,
                     &mut lg,
                     &mut hg,

@@ -393,14 +393,16 @@ pub trait Backend: Send + Sync {
         scratch: &mut MoeScratch,
     );
 
-    /// A MoE FFN added to the residual, then the next layer's norm: [`Backend::moe`] of `h` into `tmp`, `x += tmp`,
-    /// then `h = rms_norm(x) * norm` when `norm` is given (the last layer has none: `h` is left as it was). `h`,
-    /// `tmp` and `x` are `[n_tok][n_embd]`; `tmp`'s contents are unspecified after (a backend may never write it).
-    /// The default does exactly those steps ([`moe_add_rms_norm_steps`]); a backend may sum the experts, add and
-    /// normalize in one pass, with the same arithmetic.
+    /// A MoE FFN from its router to the next layer's norm: the router's logits `logits = router · h`
+    /// (`[n_tok][n_expert]`, [`Backend::matmul`]), [`Backend::moe`] of `h` into `tmp`, `x += tmp`, then
+    /// `h = rms_norm(x) * norm` when `norm` is given (the last layer has none: `h` is left as it was). `h`, `tmp`
+    /// and `x` are `[n_tok][n_embd]`; the contents of `tmp` and `logits` are unspecified after (a backend may never
+    /// write `tmp`). The default does exactly those steps ([`moe_add_rms_norm_steps`]); a backend may route in the
+    /// router's launch and sum the experts, add and normalize in one pass, with the same arithmetic.
     #[allow(clippy::too_many_arguments)]
     fn moe_add_rms_norm(
         &self,
+        router: &QMat<'_>,
         ex: &Experts<'_>,
         logits: &mut Self::Buf,
         h: &mut Self::Buf,
@@ -413,7 +415,9 @@ pub trait Backend: Send + Sync {
         eps: f32,
         scratch: &mut MoeScratch,
     ) {
-        moe_add_rms_norm_steps(self, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch);
+        moe_add_rms_norm_steps(
+            self, router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch,
+        );
     }
 
     /// Brackets one forward pass of `n_tok` tokens (`key` tells shapes apart, and the attention span in blocks
@@ -442,11 +446,12 @@ pub trait Backend: Send + Sync {
     }
 }
 
-/// [`Backend::moe_add_rms_norm`] as its separate steps: [`Backend::moe`] into `tmp`, then
-/// [`Backend::add_rms_norm_into`] (or [`Backend::add`] without a norm).
+/// [`Backend::moe_add_rms_norm`] as its separate steps: [`Backend::matmul`] of the router, [`Backend::moe`] into
+/// `tmp`, then [`Backend::add_rms_norm_into`] (or [`Backend::add`] without a norm).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_add_rms_norm_steps<B: Backend + ?Sized>(
     be: &B,
+    router: &QMat<'_>,
     ex: &Experts<'_>,
     logits: &mut B::Buf,
     h: &mut B::Buf,
@@ -459,6 +464,7 @@ pub fn moe_add_rms_norm_steps<B: Backend + ?Sized>(
     eps: f32,
     scratch: &mut MoeScratch,
 ) {
+    be.matmul(router, h, n_tok, logits);
     be.moe(ex, logits, h, n_tok, k, normalize, tmp, scratch);
     match norm {
         Some(w) => be.add_rms_norm_into(x, tmp, h, n_tok, w, eps),

@@ -293,7 +293,7 @@ impl Model {
                     trace(be, "ffn_out", Some(il), &s.o, n * e);
                 }
                 Ffn::Moe { router, gate, up, down } => {
-                    be.matmul(&self.m(router), &s.h, n, &mut s.router);
+                    let router = self.m(router);
                     let ex = Experts {
                         gate: self.m(gate),
                         up: self.m(up),
@@ -303,9 +303,11 @@ impl Model {
                         act: w.config.act,
                     };
                     if layer.post_ffn_norm.is_none() && !*TRACE_TENSORS {
-                        // The experts' sum, the residual add and the next layer's attn_norm (a backend may fuse them).
+                        // The router, the experts' sum, the residual add and the next layer's attn_norm (a
+                        // backend may fuse them).
                         let next = w.layers.get(il + 1).map(|l| &l.attn_norm[..]);
                         be.moe_add_rms_norm(
+                            &router,
                             &ex,
                             &mut s.router,
                             &mut s.h,
@@ -320,6 +322,7 @@ impl Model {
                         );
                         continue;
                     }
+                    be.matmul(&router, &s.h, n, &mut s.router);
                     be.moe(
                         &ex,
                         &mut s.router,

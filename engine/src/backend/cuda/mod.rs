@@ -127,8 +127,13 @@ enum Slot {
     TopCand,
     TopOut,
     GF16,
+    /// Zeroed once, then kept at zero by the kernels that count their finished blocks in it (`block_is_last`).
+    Counters,
 }
-const SLOTS: usize = 18;
+const SLOTS: usize = 19;
+/// Counters in [`Slot::Counters`] (one per token of a decode step).
+const COUNTERS: usize = 64;
+const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
 
 /// Logits a block of `top_logits_part` sorts (kernels/sampling.cu `TOP_SORT`): a vocabulary of up to
 /// `TOP_SORT * TOP_SORT / TOP_LOGITS` (262,144) tokens is selected on the device.
@@ -672,6 +677,14 @@ impl Inner {
             *cur = Some(DevBuf::alloc(&gpu.stream, want)?);
         }
         Ok(cur.as_ref().expect("just set").ptr)
+    }
+
+    /// [`Slot::Counters`], zeroed when first allocated (the kernels leave it zeroed).
+    fn counters(&mut self, gpu: &Gpu) -> Result<u64, CudaError> {
+        match &self.slots[Slot::Counters as usize] {
+            Some(b) => Ok(b.ptr),
+            None => self.upload(gpu, Slot::Counters, &[0u8; COUNTERS * 4]),
+        }
     }
 
     fn upload(&mut self, gpu: &Gpu, s: Slot, data: &[u8]) -> Result<u64, CudaError> {
@@ -1590,6 +1603,7 @@ impl Backend for CudaBackend {
 
     fn moe_add_rms_norm(
         &self,
+        router: &QMat<'_>,
         ex: &Experts<'_>,
         logits: &mut DevVec,
         h: &mut DevVec,
@@ -1605,8 +1619,17 @@ impl Backend for CudaBackend {
         let n_embd = ex.gate.cols;
         if n_tok > MMV_MAX_TOKENS || !moe_on_device(ex) {
             return crate::backend::moe_add_rms_norm_steps(
-                self, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch,
+                self, router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch,
             );
+        }
+        // The router routes in its own launch (router_route) when it is the f32 matrix mmv_wide_f32 serves.
+        let routed_by_router = router.ty == GgmlType::F32
+            && router.rows == ex.n_expert
+            && router.cols == n_embd
+            && n_embd.is_multiple_of(4)
+            && k <= 64;
+        if !routed_by_router {
+            self.matmul(router, h, n_tok, logits);
         }
         assert!(
             h.capacity() >= n_tok * n_embd && x.capacity() >= n_tok * n_embd,
@@ -1622,7 +1645,31 @@ impl Backend for CudaBackend {
                 Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
                 None => 0,
             };
-            s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
+            if routed_by_router {
+                let rw = s.weights.device_ptr(&g.stream, router.data)?;
+                let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
+                let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
+                let cnt = s.counters(g)?;
+                g.launch(
+                    "router_route",
+                    (ex.n_expert as u32, n_tok as u32, 1),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(rw),
+                        Arg::P(h.ptr()),
+                        Arg::P(logits.ptr()),
+                        Arg::I(ex.n_expert as i32),
+                        Arg::I(n_embd as i32),
+                        Arg::P(cnt),
+                        Arg::P(ids),
+                        Arg::P(wts),
+                        Arg::I(k as i32),
+                        Arg::I(normalize as i32),
+                    ],
+                )?;
+            } else {
+                s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
+            }
             let sum = MoeSum::AddNorm {
                 x: x.ptr(),
                 h: h.ptr(),

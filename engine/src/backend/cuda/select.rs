@@ -247,6 +247,7 @@ impl Backend for AnyBackend {
     #[allow(clippy::too_many_arguments)]
     fn moe_add_rms_norm(
         &self,
+        router: &QMat<'_>,
         ex: &Experts<'_>,
         logits: &mut AnyBuf,
         h: &mut AnyBuf,
@@ -264,7 +265,7 @@ impl Backend for AnyBackend {
             be,
             [logits, h, tmp, x],
             [],
-            be.moe_add_rms_norm(ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch)
+            be.moe_add_rms_norm(router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch)
         )
     }
     fn step_begin(&self, n_tok: usize, key: u64) {
