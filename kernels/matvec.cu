@@ -574,11 +574,14 @@ extern "C" __global__ void mmv_wide_f32(const float* __restrict__ w, const float
 
 // The MoE router's logits and choice in one launch (mmv_wide_f32, then moe_route): block (r, t) computes logit r of
 // token t into y, and the last of token t's blocks to finish (counted in cnt[t], block_is_last) routes the token
-// (moe_route_block) into ids and wts, [n_tok][k]; y keeps the logits. Grid (n_expert, n_tok), block 256;
-// n_expert <= 1024, k <= 64.
+// (moe_route_block) into ids and wts, [n_tok][k]; y keeps the logits. That block then asks L2 for the chosen
+// experts' rows of the stacked gate, up and down tensors (ew[0..3), expert e's at e * eb[m] bytes, eb[m] long), so the
+// expert launches after it read them from L2 rather than wait on memory for every one (null ew[0]: no prefetch).
+// Grid (n_expert, n_tok), block 256; n_expert <= 1024, k <= 64.
 extern "C" __global__ void router_route(const float* __restrict__ w, const float* __restrict__ x, float* y, int rows,
                                         int cols, u32* __restrict__ cnt, u32* __restrict__ ids,
-                                        float* __restrict__ wts, int k, int normalize) {
+                                        float* __restrict__ wts, int k, int normalize, const u8* ew0,
+                                        const u8* ew1, const u8* ew2, long long eb01, long long eb2) {
     __shared__ float prob[1024];
     __shared__ u32 rid[64];
     __shared__ float rw[64];
@@ -589,5 +592,15 @@ extern "C" __global__ void router_route(const float* __restrict__ w, const float
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
         ids[(long long)t * k + i] = rid[i];
         wts[(long long)t * k + i] = rw[i];
+    }
+    if (!ew0) return;
+    // Piece p of matrix m (gate, up, down) of choice j: one thread per piece.
+    long long pieces01 = (eb01 + L2_PIECE - 1) / L2_PIECE, pieces2 = (eb2 + L2_PIECE - 1) / L2_PIECE;
+    long long per = 2 * pieces01 + pieces2;
+    for (long long i = threadIdx.x; i < per * k; i += blockDim.x) {
+        long long e = rid[i / per], q = i % per;
+        if (q < pieces01) prefetch_l2_piece(ew0 + e * eb01, eb01, q);
+        else if (q < 2 * pieces01) prefetch_l2_piece(ew1 + e * eb01, eb01, q - pieces01);
+        else prefetch_l2_piece(ew2 + e * eb2, eb2, q - 2 * pieces01);
     }
 }

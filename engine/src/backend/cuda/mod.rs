@@ -1141,6 +1141,11 @@ impl Inner {
     }
 }
 
+/// `STRATA_L2_PREFETCH=0` turns off the L2 prefetch of a decode step's chosen experts (`router_route`); a
+/// diagnostic for measuring it.
+static L2_PREFETCH: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var_os("STRATA_L2_PREFETCH").is_none_or(|v| v != "0"));
+
 /// The experts run on the device: types with kernels, and at most 1024 experts (the router kernel's staging); else
 /// the CPU backend serves [`Backend::moe`] through host copies.
 fn moe_on_device(ex: &Experts<'_>) -> bool {
@@ -1650,6 +1655,19 @@ impl Backend for CudaBackend {
                 let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
                 let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
                 let cnt = s.counters(g)?;
+                // The chosen experts' gate, up and down rows, asked of L2 by the routing block (STRATA_L2_PREFETCH=0:
+                // not asked).
+                let (gw, uw, dw) = if *L2_PREFETCH {
+                    (
+                        s.weights.device_ptr(&g.stream, ex.gate.data)?,
+                        s.weights.device_ptr(&g.stream, ex.up.data)?,
+                        s.weights.device_ptr(&g.stream, ex.down.data)?,
+                    )
+                } else {
+                    (0, 0, 0)
+                };
+                let gate_bytes = ex.n_ff_exp * ex.gate.row_bytes;
+                let down_bytes = n_embd * ex.down.row_bytes;
                 g.launch(
                     "router_route",
                     (ex.n_expert as u32, n_tok as u32, 1),
@@ -1665,6 +1683,11 @@ impl Backend for CudaBackend {
                         Arg::P(wts),
                         Arg::I(k as i32),
                         Arg::I(normalize as i32),
+                        Arg::P(gw),
+                        Arg::P(uw),
+                        Arg::P(dw),
+                        Arg::L(gate_bytes as i64),
+                        Arg::L(down_bytes as i64),
                     ],
                 )?;
             } else {
