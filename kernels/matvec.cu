@@ -77,7 +77,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               const float* __restrict__ x, float* __restrict__ ya,           \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div, \
                                               int rows, int cols, long long row_bytes,                        \
-                                              const float* __restrict__, int, int) {                          \
+                                              const float* __restrict__, int, int, const u8*, long long) {    \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         pdl_enter();                                                                                          \
@@ -387,6 +387,16 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 }
 
+// The slot's expert's rows of the next launch's stacked matrix (pf: expert e's pf_bytes at e * pf_bytes), asked of
+// L2 in one piece per block of the slot (every block of the launch that serves slot blockIdx.y takes its share), so
+// the down projection after the gate/up launch finds them there.
+__device__ __forceinline__ void moe_prefetch_next(const u8* pf, long long pf_bytes, u32 id) {
+    long long blocks = (long long)gridDim.x * gridDim.z, b = (long long)blockIdx.z * gridDim.x + blockIdx.x;
+    long long piece = ((pf_bytes + blocks - 1) / blocks + 15) & ~15LL;
+    long long off = b * piece;
+    if (off < pf_bytes) prefetch_l2_range(pf + (long long)id * pf_bytes + off, min(piece, pf_bytes - off));
+}
+
 // Minimum resident blocks per SM asked of the compiler (__launch_bounds__(256, n)) for the fast matrix-vector
 // kernels (MMV_MINB) and their MoE twins (MMV_MOE_MINB): unset, no bound (the compiler's choice of registers); a
 // tuning run may set them (STRATA_KERNEL_DEFINES).
@@ -435,11 +445,14 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
                                               int rows, int cols, long long row_bytes,                          \
-                                              const float* __restrict__ xu, int act, int ids_early) {           \
+                                              const float* __restrict__ xu, int act, int ids_early,             \
+                                              const u8* pf, long long pf_bytes) {                               \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
         if (!ids_early) pdl_enter();                                                                            \
-        const u8* base = (blockIdx.z ? wb : wa) + (long long)ld_cg_u32(ids + s) * rows * row_bytes;             \
+        u32 id = ld_cg_u32(ids + s);                                                                            \
+        if (pf && threadIdx.x == 0) moe_prefetch_next(pf, pf_bytes, id);                                        \
+        const u8* base = (blockIdx.z ? wb : wa) + (long long)id * rows * row_bytes;                             \
         const u8* w[R];                                                                                     \
         float acc[R];                                                                                       \
         for (int i = 0; i < R; ++i) {                                                                       \
@@ -574,14 +587,11 @@ extern "C" __global__ void mmv_wide_f32(const float* __restrict__ w, const float
 
 // The MoE router's logits and choice in one launch (mmv_wide_f32, then moe_route): block (r, t) computes logit r of
 // token t into y, and the last of token t's blocks to finish (counted in cnt[t], block_is_last) routes the token
-// (moe_route_block) into ids and wts, [n_tok][k]; y keeps the logits. That block then asks L2 for the chosen
-// experts' rows of the stacked gate, up and down tensors (ew[0..3), expert e's at e * eb[m] bytes, eb[m] long), so the
-// expert launches after it read them from L2 rather than wait on memory for every one (null ew[0]: no prefetch).
+// (moe_route_block) into ids and wts, [n_tok][k]; y keeps the logits.
 // Grid (n_expert, n_tok), block 256; n_expert <= 1024, k <= 64.
 extern "C" __global__ void router_route(const float* __restrict__ w, const float* __restrict__ x, float* y, int rows,
                                         int cols, u32* __restrict__ cnt, u32* __restrict__ ids,
-                                        float* __restrict__ wts, int k, int normalize, const u8* ew0,
-                                        const u8* ew1, const u8* ew2, long long eb01, long long eb2) {
+                                        float* __restrict__ wts, int k, int normalize) {
     __shared__ float prob[1024];
     __shared__ u32 rid[64];
     __shared__ float rw[64];
@@ -592,15 +602,5 @@ extern "C" __global__ void router_route(const float* __restrict__ w, const float
     for (int i = threadIdx.x; i < k; i += blockDim.x) {
         ids[(long long)t * k + i] = rid[i];
         wts[(long long)t * k + i] = rw[i];
-    }
-    if (!ew0) return;
-    // Piece p of matrix m (gate, up, down) of choice j: one thread per piece.
-    long long pieces01 = (eb01 + L2_PIECE - 1) / L2_PIECE, pieces2 = (eb2 + L2_PIECE - 1) / L2_PIECE;
-    long long per = 2 * pieces01 + pieces2;
-    for (long long i = threadIdx.x; i < per * k; i += blockDim.x) {
-        long long e = rid[i / per], q = i % per;
-        if (q < pieces01) prefetch_l2_piece(ew0 + e * eb01, eb01, q);
-        else if (q < 2 * pieces01) prefetch_l2_piece(ew1 + e * eb01, eb01, q - pieces01);
-        else prefetch_l2_piece(ew2 + e * eb2, eb2, q - 2 * pieces01);
     }
 }

@@ -1011,7 +1011,8 @@ impl Inner {
                           rows: usize,
                           z: u32,
                           xu: u64,
-                          early: bool| {
+                          early: bool,
+                          pf: (u64, usize)| {
                 gpu.launch(
                     typed("mmv_moe_", w.ty),
                     (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
@@ -1030,14 +1031,22 @@ impl Inner {
                         Arg::P(xu),
                         Arg::I(glu_code(ex.act)),
                         Arg::I(early as i32),
+                        Arg::P(pf.0),
+                        Arg::L(pf.1 as i64),
                     ],
                 )
             };
             if same {
-                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
+                // Its blocks ask L2 for their experts' down rows (STRATA_L2_PREFETCH=0: not asked).
+                let pf = if *L2_PREFETCH {
+                    (dw, n_embd * ex.down.row_bytes)
+                } else {
+                    (0, 0)
+                };
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, false, pf)?;
             } else {
-                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
-                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, false)?;
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, false, (0, 0))?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, false, (0, 0))?;
             }
             // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
             // fewer); other types and rows wider than its staging take the GLU kernel first.
@@ -1059,6 +1068,7 @@ impl Inner {
                 // moe_route wrote the ids two launches back at least: the down projection's first weight loads
                 // need not wait for the gate/up launch.
                 true,
+                (0, 0),
             )?;
             0
         } else {
@@ -1141,8 +1151,8 @@ impl Inner {
     }
 }
 
-/// `STRATA_L2_PREFETCH=0` turns off the L2 prefetch of a decode step's chosen experts (`router_route`); a
-/// diagnostic for measuring it.
+/// `STRATA_L2_PREFETCH=0` turns off the L2 prefetch of a decode step's experts' down rows by the gate/up launch
+/// (`moe_prefetch_next`, kernels/matvec.cu); a diagnostic for measuring it.
 static L2_PREFETCH: std::sync::LazyLock<bool> =
     std::sync::LazyLock::new(|| std::env::var_os("STRATA_L2_PREFETCH").is_none_or(|v| v != "0"));
 
@@ -1655,19 +1665,6 @@ impl Backend for CudaBackend {
                 let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
                 let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
                 let cnt = s.counters(g)?;
-                // The chosen experts' gate, up and down rows, asked of L2 by the routing block (STRATA_L2_PREFETCH=0:
-                // not asked).
-                let (gw, uw, dw) = if *L2_PREFETCH {
-                    (
-                        s.weights.device_ptr(&g.stream, ex.gate.data)?,
-                        s.weights.device_ptr(&g.stream, ex.up.data)?,
-                        s.weights.device_ptr(&g.stream, ex.down.data)?,
-                    )
-                } else {
-                    (0, 0, 0)
-                };
-                let gate_bytes = ex.n_ff_exp * ex.gate.row_bytes;
-                let down_bytes = n_embd * ex.down.row_bytes;
                 g.launch(
                     "router_route",
                     (ex.n_expert as u32, n_tok as u32, 1),
@@ -1683,11 +1680,6 @@ impl Backend for CudaBackend {
                         Arg::P(wts),
                         Arg::I(k as i32),
                         Arg::I(normalize as i32),
-                        Arg::P(gw),
-                        Arg::P(uw),
-                        Arg::P(dw),
-                        Arg::L(gate_bytes as i64),
-                        Arg::L(down_bytes as i64),
                     ],
                 )?;
             } else {
