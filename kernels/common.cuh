@@ -198,14 +198,3 @@ __device__ __forceinline__ void head_norm_rope(float* v, const float* __restrict
     }
     __syncwarp();
 }
-
-// Asks the L2 cache to fetch bytes [p, p + bytes) (a hint that returns at once and changes no result:
-// cp.async.bulk.prefetch.L2, sm_90 and later; nothing on older devices). p 16-byte aligned, bytes below 2^32; a last
-// partial 16 bytes are left out. A multiprocessor works its prefetches through one by one, so large ranges are split
-// over many blocks by the caller. Source: PTX ISA 8.0, cp.async.bulk.prefetch.
-__device__ __forceinline__ void prefetch_l2_range(const u8* p, long long bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    u32 n = (u32)(bytes & ~15LL);
-    if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
-#endif
-}

@@ -77,7 +77,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               const float* __restrict__ x, float* __restrict__ ya,           \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div, \
                                               int rows, int cols, long long row_bytes,                        \
-                                              const float* __restrict__, int, int, const u8*, long long) {    \
+                                              const float* __restrict__, int, int) {                          \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         pdl_enter();                                                                                          \
@@ -315,18 +315,19 @@ struct MmvQ6K {
     }
 };
 
-// The rows w[0..MMV_R) (null: absent) times the activation row x (global) into acc; every thread of the block
-// calls it (it stages x and synchronises).
-template <class Q, int R>
+// The rows w[0..R) (null: absent) times the activation row x (global) into acc, U loads of a row's super-blocks per
+// lane group in flight (batches of 4 U super-blocks); every thread of the block calls it (it stages x and
+// synchronises).
+template <class Q, int R, int U = 2>
 __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* __restrict__ x,
                                               const float* __restrict__ xu, int act, int cols, int lane, float* acc) {
     __shared__ float4 xs_fast[MMV_X_MAX / 4];
     int nsb = cols / 256, p = lane & 7;
-    typename Q::Part f[R][2];
+    typename Q::Part f[R][U];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < U; ++u) {
             int sb = (lane >> 3) + 4 * u;
             if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
         }
@@ -335,12 +336,12 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
         if (cols <= MMV_X_MAX) {
             Q8kStage& st = *(Q8kStage*)xs_fast;
             stage_q8k(x, xu, act, cols, st);
-            for (int base = 0; base < nsb; base += 8) {
+            for (int base = 0; base < nsb; base += 4 * U) {
                 if (base > 0) {
 #pragma unroll
                     for (int r = 0; r < R; ++r)
 #pragma unroll
-                        for (int u = 0; u < 2; ++u) {
+                        for (int u = 0; u < U; ++u) {
                             int sb = base + (lane >> 3) + 4 * u;
                             if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
                         }
@@ -348,7 +349,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
-                    for (int u = 0; u < 2; ++u) {
+                    for (int u = 0; u < U; ++u) {
                         int sb = base + (lane >> 3) + 4 * u;
                         if (w[r] && sb < nsb) acc[r] += Q::dot_q8(f[r][u], w[r] + Q::SB_BYTES * sb, st, sb, p);
                     }
@@ -365,12 +366,12 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
         __syncthreads();
         xs = xs_fast;
     }
-    for (int base = 0; base < nsb; base += 8) {
+    for (int base = 0; base < nsb; base += 4 * U) {
         if (base > 0) {
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int u = 0; u < 2; ++u) {
+                for (int u = 0; u < U; ++u) {
                     int sb = base + (lane >> 3) + 4 * u;
                     if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
                 }
@@ -378,23 +379,13 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int u = 0; u < 2; ++u) {
+            for (int u = 0; u < U; ++u) {
                 int sb = base + (lane >> 3) + 4 * u;
                 if (w[r] && sb < nsb) acc[r] += Q::dot(f[r][u], w[r] + Q::SB_BYTES * sb, xs, sb, p, perm);
             }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-}
-
-// The slot's expert's rows of the next launch's stacked matrix (pf: expert e's pf_bytes at e * pf_bytes), asked of
-// L2 in one piece per block of the slot (every block of the launch that serves slot blockIdx.y takes its share), so
-// the down projection after the gate/up launch finds them there.
-__device__ __forceinline__ void moe_prefetch_next(const u8* pf, long long pf_bytes, u32 id) {
-    long long blocks = (long long)gridDim.x * gridDim.z, b = (long long)blockIdx.z * gridDim.x + blockIdx.x;
-    long long piece = ((pf_bytes + blocks - 1) / blocks + 15) & ~15LL;
-    long long off = b * piece;
-    if (off < pf_bytes) prefetch_l2_range(pf + (long long)id * pf_bytes + off, min(piece, pf_bytes - off));
 }
 
 // Minimum resident blocks per SM asked of the compiler (__launch_bounds__(256, n)) for the fast matrix-vector
@@ -439,19 +430,17 @@ __device__ __forceinline__ void moe_prefetch_next(const u8* pf, long long pf_byt
                 if (w[i]) *y[i] = acc[i];                                                                       \
     }
 
-#define STRATA_MMV_MOE_FAST(name, Q, R)                                                                          \
-    extern "C" __global__ void MMV_MOE_BOUNDS mmv_moe_##name(                           \
+#define STRATA_MMV_MOE_FAST(pre, name, Q, R, U)                                                                  \
+    extern "C" __global__ void MMV_MOE_BOUNDS pre##name(                           \
                                               const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
                                               int rows, int cols, long long row_bytes,                          \
-                                              const float* __restrict__ xu, int act, int ids_early,             \
-                                              const u8* pf, long long pf_bytes) {                               \
+                                              const float* __restrict__ xu, int act, int ids_early) {           \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
         if (!ids_early) pdl_enter();                                                                            \
         u32 id = ld_cg_u32(ids + s);                                                                            \
-        if (pf && threadIdx.x == 0) moe_prefetch_next(pf, pf_bytes, id);                                        \
         const u8* base = (blockIdx.z ? wb : wa) + (long long)id * rows * row_bytes;                             \
         const u8* w[R];                                                                                     \
         float acc[R];                                                                                       \
@@ -459,7 +448,7 @@ __device__ __forceinline__ void moe_prefetch_next(const u8* pf, long long pf_byt
             acc[i] = 0.f;                                                                                       \
             w[i] = first + i < rows ? base + (long long)(first + i) * row_bytes : nullptr;                      \
         }                                                                                                       \
-        mmv_fast_rows<Q, R>(w, x + (long long)(s / x_div) * cols, xu ? xu + (long long)(s / x_div) * cols : nullptr, \
+        mmv_fast_rows<Q, R, U>(w, x + (long long)(s / x_div) * cols, xu ? xu + (long long)(s / x_div) * cols : nullptr, \
                             act, cols, lane, acc);                                \
         float* y = (blockIdx.z ? yb : ya) + (long long)s * rows;                                                \
         if (lane == 0)                                                                                          \
@@ -472,8 +461,12 @@ STRATA_MMV_FAST(q4_k, MmvQ4K, mmv_, MMV_R)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv_, MMV_R)
 STRATA_MMV_FAST(q4_k, MmvQ4K, mmv1_, 1)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv1_, 1)
-STRATA_MMV_MOE_FAST(q4_k, MmvQ4K, MMV_R)
-STRATA_MMV_MOE_FAST(q6_k, MmvQ6K, MMV_R)
+STRATA_MMV_MOE_FAST(mmv_moe_, q4_k, MmvQ4K, MMV_R, 2)
+STRATA_MMV_MOE_FAST(mmv_moe_, q6_k, MmvQ6K, MMV_R, 2)
+// Twice the rows per warp with half the loads per row in flight (the same registers): rows of at most 1024 values
+// (four super-blocks) in half the blocks, so a decode step's down projection fits one wave (mmv_moe_rows).
+STRATA_MMV_MOE_FAST(mmv_moe8_, q4_k, MmvQ4K, 2 * MMV_R, 1)
+STRATA_MMV_MOE_FAST(mmv_moe8_, q6_k, MmvQ6K, 2 * MMV_R, 1)
 
 // f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.
 __device__ __forceinline__ float mmv_dot_fast_f32(const u8* __restrict__ row, const float* __restrict__ xt,

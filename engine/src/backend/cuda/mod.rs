@@ -200,6 +200,22 @@ fn mmv_rows_per_block(ty: GgmlType) -> usize {
     }
 }
 
+/// The MoE matrix-vector kernel for `total` rows (all slots) of `w` and its rows per block: for Q4_K and Q6_K, the
+/// eight-rows-per-warp twin (`mmv_moe8_T`: one load per row and lane group in flight, 64 rows a block) where a row is
+/// one batch of at most four super-blocks (a decode step's down projection: one wave instead of two); with
+/// `STRATA_MOE_R8_WIDE=1` also for wider rows when the four-row kernel would take more than two blocks per SM (a
+/// measurement).
+fn mmv_moe_rows(w: &QMat<'_>, total: usize, sms: usize) -> (&'static str, usize) {
+    let fast = matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K);
+    let short = w.cols <= 1024;
+    let wide = std::env::var_os("STRATA_MOE_R8_WIDE").is_some_and(|v| v != "0") && total.div_ceil(32) > 2 * sms;
+    if fast && (short || wide) {
+        (typed("mmv_moe8_", w.ty), 64)
+    } else {
+        (typed("mmv_moe_", w.ty), mmv_rows_per_block(w.ty))
+    }
+}
+
 fn grid1(n: usize, block: u32) -> (u32, u32, u32) {
     ((n as u64).div_ceil(block as u64).max(1) as u32, 1, 1)
 }
@@ -1011,11 +1027,11 @@ impl Inner {
                           rows: usize,
                           z: u32,
                           xu: u64,
-                          early: bool,
-                          pf: (u64, usize)| {
+                          early: bool| {
+                let (kernel, per_block) = mmv_moe_rows(w, rows * slots * z as usize, gpu.sms);
                 gpu.launch(
-                    typed("mmv_moe_", w.ty),
-                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
+                    kernel,
+                    (rows.div_ceil(per_block) as u32, slots as u32, z),
                     (256, 1, 1),
                     &[
                         Arg::P(wa),
@@ -1031,22 +1047,14 @@ impl Inner {
                         Arg::P(xu),
                         Arg::I(glu_code(ex.act)),
                         Arg::I(early as i32),
-                        Arg::P(pf.0),
-                        Arg::L(pf.1 as i64),
                     ],
                 )
             };
             if same {
-                // Its blocks ask L2 for their experts' down rows (STRATA_L2_PREFETCH=0: not asked).
-                let pf = if *L2_PREFETCH {
-                    (dw, n_embd * ex.down.row_bytes)
-                } else {
-                    (0, 0)
-                };
-                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, false, pf)?;
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
             } else {
-                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, false, (0, 0))?;
-                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, false, (0, 0))?;
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, false)?;
             }
             // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
             // fewer); other types and rows wider than its staging take the GLU kernel first.
@@ -1068,7 +1076,6 @@ impl Inner {
                 // moe_route wrote the ids two launches back at least: the down projection's first weight loads
                 // need not wait for the gate/up launch.
                 true,
-                (0, 0),
             )?;
             0
         } else {
@@ -1150,11 +1157,6 @@ impl Inner {
         )
     }
 }
-
-/// `STRATA_L2_PREFETCH=0` turns off the L2 prefetch of a decode step's experts' down rows by the gate/up launch
-/// (`moe_prefetch_next`, kernels/matvec.cu); a diagnostic for measuring it.
-static L2_PREFETCH: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| std::env::var_os("STRATA_L2_PREFETCH").is_none_or(|v| v != "0"));
 
 /// The experts run on the device: types with kernels, and at most 1024 experts (the router kernel's staging); else
 /// the CPU backend serves [`Backend::moe`] through host copies.
