@@ -2,8 +2,9 @@
 //
 // A row's dot product (mmv_dot_T) is one warp's: lane l takes the 32-value chunks l, l+32, ... of the row, so a
 // warp reads a row once per token; Q4_K and Q6_K have kernels of their own (MmvQ4K, MmvQ6K below: four rows per
-// warp, or one in mmv1_T). Activations stay f32 (the CPU quantizes them to int8 first: the two differ by that
-// rounding only).
+// warp, or one in mmv1_T), whose activations are quantized to Q8_K in shared memory as the CPU quantizes them
+// (integer dot products, dp4a); the other types' activations stay f32 (the CPU quantizes them to int8 first: the two
+// differ by that rounding only).
 //
 // mmv_T: y_m[t][r] = sum_c W_m[r][c] * x[t][c] for up to three matrices m of one type and width that read the
 // same activations (a layer's q/k/v, or gate/up): their rows are numbered one after another, r0 + r1 + r2 in
@@ -119,9 +120,9 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
 // enough bytes in flight to approach the memory's rate: a warp computes MMV_R rows at once, eight lanes per
 // super-block and four super-blocks per warp step, so each batch of 8 super-blocks (2048 values) issues
 // 2 MMV_R loads per lane before any is used, and the first batch is issued before the block's barrier. The
-// activation row is staged in shared memory once per block (8 MMV_R rows), permuted so that the eight lanes of
-// a super-block read 128 consecutive bytes for each float4 load; rows longer than MMV_X_MAX read it from global
-// memory in natural order (perm false). Grid (ceil(rows / (8 MMV_R)), ...), block 256.
+// activation row is staged in shared memory once per block (8 MMV_R rows) as Q8_K codes (Q8kStage); rows longer
+// than MMV_X_MAX take f32 activations from global memory in natural order (perm false; the permuted f32 staging is
+// kept for a type without a Q8_K dot). Grid (ceil(rows / (8 MMV_R)), ...), block 256.
 #define MMV_R 4
 
 // A small unsigned integer (< 2^23) as a float without the quarter-rate integer conversion: its bits under the
@@ -141,13 +142,19 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 // lanes' order: 16-byte slot (sb * 2 + hl) * 8 + p holds values 256 sb + 64 (p / 2) + 16 (p % 2) + 32 hl + 0..15,
 // so the eight lanes of a super-block read 128 consecutive bytes. Integer products then replace the float ones:
 // a quarter of the shared-memory bytes and a dp4a per four values.
+// The other layout (Q6_K's lanes, NATURAL): values in order, 16 bytes of padding after every 128 (so the eight
+// lanes of a super-block, 128 values apart in two groups of four, meet fewer bank conflicts): value v's code at byte
+// q8k_natural(v).
 struct Q8kStage {
-    u32 codes[MMV_X_MAX / 4];
+    u32 codes[MMV_X_MAX / 4 + MMV_X_MAX / 32];
     short bsum[MMV_X_MAX / 16];
     float d[MMV_X_MAX / 256];
 };
+__device__ __forceinline__ int q8k_natural(int v) { return v + 16 * (v >> 7); }
 // Fills st from x (cols <= MMV_X_MAX, a multiple of 256), or from glu_act(x) * xu when xu is given (the GLU of a
-// MoE down projection, fused); every thread of the block calls it (it synchronises).
+// MoE down projection, fused), in the Q4_K lanes' order or (NATURAL) Q6_K's; every thread of the block calls it (it
+// synchronises).
+template <bool NATURAL>
 __device__ __forceinline__ void stage_q8k(const float* __restrict__ x, const float* __restrict__ xu, int act, int cols,
                                           Q8kStage& st) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -187,9 +194,10 @@ __device__ __forceinline__ void stage_q8k(const float* __restrict__ x, const flo
             w[k >> 2] |= (u32)(q & 0xFF) << (8 * (k & 3));
         }
         // Values 8 lane .. 8 lane + 7: run hl = lane / 4 % 2, lane p = 2 (lane / 8) + lane / 2 % 2, bytes 8 (lane % 2)..
-        int slot = (sb * 2 + ((lane >> 2) & 1)) * 8 + 2 * (lane >> 3) + ((lane >> 1) & 1);
-        st.codes[slot * 4 + 2 * (lane & 1)] = w[0];
-        st.codes[slot * 4 + 2 * (lane & 1) + 1] = w[1];
+        int at = NATURAL ? q8k_natural(256 * sb + 8 * lane) / 4
+                         : ((sb * 2 + ((lane >> 2) & 1)) * 8 + 2 * (lane >> 3) + ((lane >> 1) & 1)) * 4 + 2 * (lane & 1);
+        st.codes[at] = w[0];
+        st.codes[at + 1] = w[1];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         if (!(lane & 1)) st.bsum[sb * 16 + (lane >> 1)] = (short)sum;
         if (lane == 0) st.d[sb] = d;
@@ -207,7 +215,7 @@ struct MmvQ4K {
         u32 dm;
     };
     static constexpr int SB_BYTES = 144;
-    static constexpr bool Q8 = true;
+    static constexpr bool Q8 = true, NATURAL = false;
     // The lane's 32 values against Q8_K activations: integer sums per sub-block, the scales and mins after.
     static __device__ __forceinline__ float dot_q8(const Part& f, const u8* __restrict__ b, const Q8kStage& st, int sb,
                                                    int p) {
@@ -276,7 +284,36 @@ struct MmvQ6K {
         u32 d;
     };
     static constexpr int SB_BYTES = 210;
-    static constexpr bool Q8 = false;
+#ifdef MMV_Q6K_F32
+    static constexpr bool Q8 = false, NATURAL = true; // f32 activations (a measurement: STRATA_KERNEL_DEFINES)
+#else
+    static constexpr bool Q8 = true, NATURAL = true;
+#endif
+    // The lane's 32 values against Q8_K activations (the CPU's vec_dot_q8 for Q6_K): per part an integer sum of
+    // (q - 32) * a over its 8 values (two dp4a for q * a, two for the sum of a), times the part's scale; the scales
+    // of the two weights' and the activations' super-blocks after.
+    static __device__ __forceinline__ float dot_q8(const Part& f, const u8* __restrict__ b, const Q8kStage& st, int sb,
+                                                   int p) {
+        int n = (p >> 2) & 1, c0 = 8 * (p & 3);
+        const u8* sc = b + 192 + 8 * n + (c0 >> 4);
+        u32 lw[2][2] = {{f.l0.x, f.l0.y}, {f.l1.x, f.l1.y}}, hw[2] = {f.qh.x, f.qh.y};
+        const uint2* c2 = (const uint2*)st.codes;
+        int acc = 0;
+#pragma unroll
+        for (int part = 0; part < 4; ++part) {
+            uint2 a = c2[q8k_natural(256 * sb + 128 * n + 32 * part + c0) >> 3];
+            int s = 0, sa = 0;
+#pragma unroll
+            for (int w = 0; w < 2; ++w) {
+                u32 q = ((lw[part & 1][w] >> (4 * (part >> 1))) & 0x0F0F0F0Fu) | (((hw[w] >> (2 * part)) & 0x03030303u) << 4);
+                int av = (int)(w ? a.y : a.x);
+                s = dp4a((int)q, av, s);
+                sa = dp4a(0x01010101, av, sa);
+            }
+            acc += (int)(i8)sc[2 * part] * (s - 32 * sa);
+        }
+        return h2f((u16)f.d) * st.d[sb] * (float)acc;
+    }
     static __device__ __forceinline__ int x4(int sb, int p, int part, int w, bool perm) {
         return perm ? ((sb * 4 + part) * 2 + w) * 8 + p
                     : (256 * sb + 128 * (p >> 2) + 32 * part + 8 * (p & 3) + 4 * w) >> 2;
@@ -315,19 +352,18 @@ struct MmvQ6K {
     }
 };
 
-// The rows w[0..R) (null: absent) times the activation row x (global) into acc, U loads of a row's super-blocks per
-// lane group in flight (batches of 4 U super-blocks); every thread of the block calls it (it stages x and
-// synchronises).
-template <class Q, int R, int U = 2>
+// The rows w[0..R) (null: absent) times the activation row x (global) into acc; every thread of the block calls it
+// (it stages x and synchronises).
+template <class Q, int R>
 __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* __restrict__ x,
                                               const float* __restrict__ xu, int act, int cols, int lane, float* acc) {
     __shared__ float4 xs_fast[MMV_X_MAX / 4];
     int nsb = cols / 256, p = lane & 7;
-    typename Q::Part f[R][U];
+    typename Q::Part f[R][2];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < 2; ++u) {
             int sb = (lane >> 3) + 4 * u;
             if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
         }
@@ -335,13 +371,13 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     if constexpr (Q::Q8) {
         if (cols <= MMV_X_MAX) {
             Q8kStage& st = *(Q8kStage*)xs_fast;
-            stage_q8k(x, xu, act, cols, st);
-            for (int base = 0; base < nsb; base += 4 * U) {
+            stage_q8k<Q::NATURAL>(x, xu, act, cols, st);
+            for (int base = 0; base < nsb; base += 8) {
                 if (base > 0) {
 #pragma unroll
                     for (int r = 0; r < R; ++r)
 #pragma unroll
-                        for (int u = 0; u < U; ++u) {
+                        for (int u = 0; u < 2; ++u) {
                             int sb = base + (lane >> 3) + 4 * u;
                             if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
                         }
@@ -349,7 +385,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
-                    for (int u = 0; u < U; ++u) {
+                    for (int u = 0; u < 2; ++u) {
                         int sb = base + (lane >> 3) + 4 * u;
                         if (w[r] && sb < nsb) acc[r] += Q::dot_q8(f[r][u], w[r] + Q::SB_BYTES * sb, st, sb, p);
                     }
@@ -366,12 +402,12 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
         __syncthreads();
         xs = xs_fast;
     }
-    for (int base = 0; base < nsb; base += 4 * U) {
+    for (int base = 0; base < nsb; base += 8) {
         if (base > 0) {
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
+                for (int u = 0; u < 2; ++u) {
                     int sb = base + (lane >> 3) + 4 * u;
                     if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
                 }
@@ -379,7 +415,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
+            for (int u = 0; u < 2; ++u) {
                 int sb = base + (lane >> 3) + 4 * u;
                 if (w[r] && sb < nsb) acc[r] += Q::dot(f[r][u], w[r] + Q::SB_BYTES * sb, xs, sb, p, perm);
             }
@@ -430,8 +466,8 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                 if (w[i]) *y[i] = acc[i];                                                                       \
     }
 
-#define STRATA_MMV_MOE_FAST(pre, name, Q, R, U)                                                                  \
-    extern "C" __global__ void MMV_MOE_BOUNDS pre##name(                           \
+#define STRATA_MMV_MOE_FAST(name, Q, R)                                                                          \
+    extern "C" __global__ void MMV_MOE_BOUNDS mmv_moe_##name(                           \
                                               const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
@@ -448,7 +484,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
             acc[i] = 0.f;                                                                                       \
             w[i] = first + i < rows ? base + (long long)(first + i) * row_bytes : nullptr;                      \
         }                                                                                                       \
-        mmv_fast_rows<Q, R, U>(w, x + (long long)(s / x_div) * cols, xu ? xu + (long long)(s / x_div) * cols : nullptr, \
+        mmv_fast_rows<Q, R>(w, x + (long long)(s / x_div) * cols, xu ? xu + (long long)(s / x_div) * cols : nullptr, \
                             act, cols, lane, acc);                                \
         float* y = (blockIdx.z ? yb : ya) + (long long)s * rows;                                                \
         if (lane == 0)                                                                                          \
@@ -461,12 +497,8 @@ STRATA_MMV_FAST(q4_k, MmvQ4K, mmv_, MMV_R)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv_, MMV_R)
 STRATA_MMV_FAST(q4_k, MmvQ4K, mmv1_, 1)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv1_, 1)
-STRATA_MMV_MOE_FAST(mmv_moe_, q4_k, MmvQ4K, MMV_R, 2)
-STRATA_MMV_MOE_FAST(mmv_moe_, q6_k, MmvQ6K, MMV_R, 2)
-// Twice the rows per warp with half the loads per row in flight (the same registers): rows of at most 1024 values
-// (four super-blocks) in half the blocks, so a decode step's down projection fits one wave (mmv_moe_rows).
-STRATA_MMV_MOE_FAST(mmv_moe8_, q4_k, MmvQ4K, 2 * MMV_R, 1)
-STRATA_MMV_MOE_FAST(mmv_moe8_, q6_k, MmvQ6K, 2 * MMV_R, 1)
+STRATA_MMV_MOE_FAST(q4_k, MmvQ4K, MMV_R)
+STRATA_MMV_MOE_FAST(q6_k, MmvQ6K, MMV_R)
 
 // f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.
 __device__ __forceinline__ float mmv_dot_fast_f32(const u8* __restrict__ row, const float* __restrict__ xt,

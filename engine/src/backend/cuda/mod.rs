@@ -200,22 +200,6 @@ fn mmv_rows_per_block(ty: GgmlType) -> usize {
     }
 }
 
-/// The MoE matrix-vector kernel for `total` rows (all slots) of `w` and its rows per block: for Q4_K and Q6_K, the
-/// eight-rows-per-warp twin (`mmv_moe8_T`: one load per row and lane group in flight, 64 rows a block) where a row is
-/// one batch of at most four super-blocks (a decode step's down projection: one wave instead of two); with
-/// `STRATA_MOE_R8_WIDE=1` also for wider rows when the four-row kernel would take more than two blocks per SM (a
-/// measurement).
-fn mmv_moe_rows(w: &QMat<'_>, total: usize, sms: usize) -> (&'static str, usize) {
-    let fast = matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K);
-    let short = w.cols <= 1024;
-    let wide = std::env::var_os("STRATA_MOE_R8_WIDE").is_some_and(|v| v != "0") && total.div_ceil(32) > 2 * sms;
-    if fast && (short || wide) {
-        (typed("mmv_moe8_", w.ty), 64)
-    } else {
-        (typed("mmv_moe_", w.ty), mmv_rows_per_block(w.ty))
-    }
-}
-
 fn grid1(n: usize, block: u32) -> (u32, u32, u32) {
     ((n as u64).div_ceil(block as u64).max(1) as u32, 1, 1)
 }
@@ -1028,10 +1012,9 @@ impl Inner {
                           z: u32,
                           xu: u64,
                           early: bool| {
-                let (kernel, per_block) = mmv_moe_rows(w, rows * slots * z as usize, gpu.sms);
                 gpu.launch(
-                    kernel,
-                    (rows.div_ceil(per_block) as u32, slots as u32, z),
+                    typed("mmv_moe_", w.ty),
+                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
                     (256, 1, 1),
                     &[
                         Arg::P(wa),

@@ -115,8 +115,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "router_route",
     "mmv1_q4_k",
     "mmv1_q6_k",
-    "mmv_moe8_q4_k",
-    "mmv_moe8_q6_k",
     "add_rms_norm",
     "moe_combine_add_rms_norm",
     "qk_norm_rope",
