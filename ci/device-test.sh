@@ -83,7 +83,7 @@ bench-30b|profile-30b|decode-30b|ablate-30b)
     continue
   fi
   if [ $mode = ablate-30b ]; then
-    for skip in ${ABLATE_KERNELS:-none add_rms_norm moe_route qk_norm_rope moe_combine mmv_wide_f32 attn_decode top_logits_part,top_logits_final}; do
+    for skip in ${ABLATE_KERNELS:-none add_rms_norm router_route moe_combine_add_rms_norm attn_decode mmv1_q4_k mmv_moe_q4_k top_logits_part,top_logits_final}; do
       STRATA_SKIP_KERNELS=${skip/none/} "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps 3 \
         --prompt-tokens 16 --gen-tokens 128 > "$OUT/ablate-$skip.md" 2> "$OUT/ablate-$skip.err"
       row "tg128 without $skip" "rc=$? $(grep -E '^\| tg' "$OUT/ablate-$skip.md" | cut -d'|' -f3)"

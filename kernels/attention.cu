@@ -305,8 +305,9 @@ __device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, co
 // With kraw given (one token, f16 caches, dk and dv multiples of 8 with 16-byte aligned rows): q, kraw and vraw are
 // the layer's raw q/k/v rows, and the block first does what qk_norm_rope does with its store, for its own heads:
 // head_norm_rope of query head h and of key head g (qw, kw: the norms' weights, or null), the key and value rounded
-// to f16 as the cache holds them; the block of the group's first query head writes them into cell pos. The cell's
-// score and P.V term come from those shared copies, so no block reads the cell another block writes.
+// to f16 as the cache holds them; the block of the group's first query head writes them into cell pos (through kc and
+// vc, the same buffers as k and v: no block reads cell pos from them, so the loads through the restrict pointers
+// never meet the stores). The cell's score and P.V term come from those shared copies.
 #define ATTN_DEC_KEYS 1024
 #define ATTN_DK_MAX 512
 extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __restrict__ k,

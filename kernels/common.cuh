@@ -31,7 +31,10 @@ __device__ __forceinline__ u32 ld32(const u8* p) {
 // kernel may begin while the one before it on the stream still runs. pdl_enter() waits until that kernel has
 // completed and its writes are visible, then lets the next kernel begin launching. Every kernel calls it before
 // it reads anything an earlier kernel wrote and before it writes anything; only loads of weights (never written
-// while kernels run) may come first. Calling it after a launch without the attribute, or twice, costs nothing.
+// while kernels run) may come first, and values written two launches back or more read through L2 (ld_cg_*): the
+// kernel after next starts only once every block of the next one has waited here, which is after this kernel
+// completed, because every kernel waits before it lets its dependents launch (keep it so: the expert down
+// projection's ids_early read relies on it). Calling it after a launch without the attribute, or twice, costs nothing.
 // Source: PTX ISA, griddepcontrol; CUDA programming guide, "Programmatic Dependent Launch and Synchronization".
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -1,8 +1,6 @@
 // Element-wise and per-row ops. Each mirrors the CPU backend's function named beside it
 // (engine/src/backend/cpu/mod.rs), including its summation precision.
 
-// RMSNorm (cpu: rms_norm_row): the mean of squares in f64, out = x * scale * w (out may be x). One block per row
-// of n (up to 1024 threads, a multiple of 32).
 // The RMSNorm scale of a row from its threads' f64 sums of squares: 1 / sqrt(sum / n + eps), in every thread. Every
 // thread of the block calls it (it synchronises); blockDim.x a multiple of 32.
 __device__ __forceinline__ float rms_scale_block(double ss, int n, float eps) {
@@ -19,6 +17,8 @@ __device__ __forceinline__ float rms_scale_block(double ss, int n, float eps) {
     return 1.0f / sqrtf((float)(part[0] / n) + eps);
 }
 
+// RMSNorm (cpu: rms_norm_row): the mean of squares in f64, out = x * scale * w (out may be x). One block per row
+// of n (up to 1024 threads, a multiple of 32).
 extern "C" __global__ void rms_norm(const float* x, float* out, const float* __restrict__ w, int n, float eps) {
     pdl_enter();
     const float* row = x + (long long)blockIdx.x * n;

@@ -13,8 +13,9 @@
 //
 // mmv_moe_T: the experts of a MoE layer at decode. Slot s (token s / x_div's i-th expert) multiplies expert
 // ids[s]'s rows of the stacked tensor wa (and wb when blockIdx.z is 1: gate and up in one launch) by activation
-// row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256. With xu given (Q4_K rows
-// of at most MMV_X_MAX values; other types ignore it) the activation row is glu_act(x, act) * xu (the GLU fused).
+// row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256. With xu given (Q4_K and
+// Q6_K rows of at most MMV_X_MAX values; other types ignore it, and the host fuses it for Q4_K alone) the activation
+// row is glu_act(x, act) * xu (the GLU fused).
 // With ids_early (Q4_K and Q6_K; the ids were written by a kernel at least two launches back, so they are in memory
 // once this grid starts: see pdl_enter) the first weight loads go out before the wait on the kernel just before.
 //

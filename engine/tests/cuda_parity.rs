@@ -649,10 +649,10 @@ fn rope_store_attention_matches_cpu() {
     report(&rows);
 }
 
-/// Router and expert dispatch (`Backend::moe`), decode (experts reached by id on the device, the gate/up launch
-/// routing for itself with Q4_K and Q6_K) and prefill (tokens grouped by expert): the same experts are chosen (the
-/// logits are well separated, or tie exactly and go to the lower id), both backends sum in f64; the matmuls differ
-/// as above: 2e-2.
+/// Router and expert dispatch (`Backend::moe`), decode (experts reached by id on the device) and prefill (tokens
+/// grouped by expert), and at decode `Backend::moe_add_rms_norm` (the router routing in its own launch, the experts'
+/// sum with the residual add and the next norm): the same experts are chosen (the logits are well separated, or tie
+/// exactly and go to the lower id), both backends sum in f64; the matmuls differ as above: 2e-2.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn moe_ffn_matches_cpu() {

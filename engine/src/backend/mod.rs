@@ -321,8 +321,9 @@ pub trait Backend: Send + Sync {
 
     /// A layer's attention from its raw projections: [`Backend::qk_norm_rope_store`] of `q`, `k` and `v` (with
     /// `rope` and the q/k norms), then [`Backend::attention`] of `q` over `kv` into `out` (the default, which an
-    /// override must equal); shapes as those two take them. A backend may do both in one pass (the CUDA backend
-    /// for a decode step over a short cache); `q` and `k` are then left unrotated.
+    /// override must equal within rounding: the parity test states the tolerance); shapes as those two take them.
+    /// A backend may do both in one pass (the CUDA backend for a decode step over a short cache); `q` and `k` are
+    /// then left unrotated.
     #[allow(clippy::too_many_arguments)]
     fn rope_store_attention(
         &self,

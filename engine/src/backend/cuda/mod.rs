@@ -7,13 +7,15 @@
 //! the cache's only copy of the data (the host `KvCache` keeps the layout). The forward pass stays the one of
 //! `model::forward`. Weight types without a kernel (the IQ types) run on the CPU backend through host copies.
 //!
-//! MoE: the router's softmax and top-k run on the device (`moe_route`). At decode the experts are reached by id
-//! from the device (`mmv_moe_*`: no host round trip); in prefill the routing is read back once per layer to
-//! group the tokens by expert, each group running as a GEMM.
+//! MoE: the router's softmax and top-k run on the device (`moe_route`; at decode with an f32 router in the router's
+//! own launch, `router_route`). At decode the experts are reached by id from the device (`mmv_moe_*`: no host round
+//! trip) and their sum, the residual add and the next norm are one launch (`moe_combine_add_rms_norm`); in prefill
+//! the routing is read back once per layer to group the tokens by expert, each group running as a GEMM.
 //!
 //! Semantics follow the CPU backend (`backend::cpu`), including the f16 rounding of queries and probabilities
-//! against an f16 cache; quantized weights multiply f32 activations (the CPU quantizes them to int8 first). The
-//! parity test (engine/tests/cuda_parity.rs) states each op's tolerance.
+//! against an f16 cache. Q4_K and Q6_K rows of up to 4096 values multiply Q8_K activations as the CPU's do; other
+//! quantized weights multiply f32 activations (the CPU quantizes them to int8 first). The parity test
+//! (engine/tests/cuda_parity.rs) states each op's tolerance.
 //!
 //! Prefill GEMM: weights dequantized to f16, activations converted to f16, cuBLAS `GemmEx` with f32 accumulation.
 //! When the library fails, the backend falls back for good to our own tensor-core kernel (`gemm_*`,
@@ -1056,8 +1058,8 @@ impl Inner {
                 n_embd,
                 1,
                 if fused_glu { up } else { 0 },
-                // moe_route wrote the ids two launches back at least: the down projection's first weight loads
-                // need not wait for the gate/up launch.
+                // moe_route or router_route wrote the ids two launches back at least: the down projection's first
+                // weight loads need not wait for the gate/up launch (common.cuh, pdl_enter, says why that holds).
                 true,
             )?;
             0

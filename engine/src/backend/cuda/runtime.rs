@@ -574,6 +574,11 @@ impl Gpu {
 
     /// Captures `launches` into a graph (nothing runs).
     fn capture(&self, launches: &[LaunchRec]) -> Result<CudaGraph, CudaError> {
+        for k in &self.skip {
+            if !launches.iter().any(|r| r.kernel == k) {
+                eprintln!("strata: STRATA_SKIP_KERNELS: `{k}` is not launched in this decode step (nothing left out)");
+            }
+        }
         self.stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(CudaError::driver("begin graph capture"))?;
