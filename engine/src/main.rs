@@ -270,6 +270,16 @@ fn parse_type(s: &str) -> Result<GgmlType, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A reader that leaves early (`strata inspect --json | head`, `strata generate ... | head`) ends strata as it
+    // ends Unix tools, by SIGPIPE, instead of a panic in println! or generating on for nobody (Rust ignores the
+    // signal). `serve` keeps ignoring it: a client closing its connection must not end the server.
+    #[cfg(unix)]
+    if !matches!(cli.command, Command::Serve(_)) {
+        // SAFETY: setting a signal's disposition to its default before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

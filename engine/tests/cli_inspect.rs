@@ -104,6 +104,32 @@ fn json_output_carries_the_same_facts() {
     assert!(weights < json["file_bytes"].as_u64().unwrap());
 }
 
+/// A reader that leaves before strata writes (`strata inspect --json | true`) ends strata as it ends Unix tools, by
+/// SIGPIPE, never with a panic (Rust's println! panics on a closed pipe while the signal is ignored).
+#[cfg(unix)]
+#[test]
+fn a_reader_that_leaves_ends_it_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let path = model(models::DEFAULT_MODEL_FILE);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["inspect", "--json", path.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run strata");
+    drop(child.stdout.take()); // the reader leaves before strata has opened the model
+    let out = child.wait_with_output().expect("wait for strata");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "strata panicked: {err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(13),
+        "ended by SIGPIPE: {:?}, stderr {err}",
+        out.status
+    );
+}
+
 #[test]
 fn bad_input_is_one_clear_error_and_no_panic() {
     let missing = strata(&["inspect", "/nonexistent/model.gguf"]);
