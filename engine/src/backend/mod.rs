@@ -133,6 +133,14 @@ pub struct RopeParams {
     pub freq_scale: f32,
 }
 
+impl RopeParams {
+    /// The ratio between the rotation rates of successive pairs, `freq_base^(-2 / n_rot)` (ggml's `theta_scale`):
+    /// pair i turns by `pos · freq_scale · theta_scale^i` radians.
+    pub fn theta_scale(&self) -> f32 {
+        self.freq_base.powf(-2.0 / self.n_rot as f32)
+    }
+}
+
 /// Causal attention parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnParams {

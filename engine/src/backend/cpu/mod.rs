@@ -248,7 +248,7 @@ fn rms_norm_row(x: &mut [f32], w: &[f32], eps: f32) {
 /// computed by repeated multiplication as ggml's rope cache does).
 fn rope_token(x: &mut [f32], n_head: usize, head_dim: usize, pos: u32, p: &RopeParams) {
     let half = p.n_rot / 2;
-    let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+    let theta_scale = p.theta_scale();
     let mut theta = pos as f32;
     // n_rot ≤ head_dim; heads wider than 1024 are rejected at load.
     let mut cs = [(0f32, 0f32); 512];

@@ -540,16 +540,10 @@ impl CudaBackend {
         }
         let g = &*self.gpu;
         let mut s = self.lock();
-        let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+        let theta_scale = p.theta_scale();
         Self::check((|| {
-            let qw = match norms.0 {
-                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
-                None => 0,
-            };
-            let kw = match norms.1 {
-                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
-                None => 0,
-            };
+            let qw = s.norm_weights(g, norms.0)?;
+            let kw = s.norm_weights(g, norms.1)?;
             let pp = s.positions(g, positions)?;
             let mut rows = n_tok * (n_head + n_head_kv);
             let (mut kc, mut vp, mut vc, mut dv) = (0, 0, 0, 0);
@@ -679,6 +673,11 @@ impl Inner {
             *cur = Some(DevBuf::alloc(&gpu.stream, want)?);
         }
         Ok(cur.as_ref().expect("just set").ptr)
+    }
+
+    /// The device address of a norm's weights (copied on first use like every weight), or 0 for none.
+    fn norm_weights(&mut self, gpu: &Gpu, w: Option<&[f32]>) -> Result<u64, CudaError> {
+        w.map_or(Ok(0), |w| self.weights.device_ptr(&gpu.stream, f32_bytes(w)))
     }
 
     /// [`Slot::Counters`], zeroed when first allocated (the kernels leave it zeroed).
@@ -1394,7 +1393,7 @@ impl Backend for CudaBackend {
         assert!(p.n_rot <= head_dim && p.n_rot.is_multiple_of(2), "rope: n_rot");
         let g = &*self.gpu;
         let mut s = self.lock();
-        let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+        let theta_scale = p.theta_scale();
         Self::check((|| {
             let pp = s.positions(g, positions)?;
             let n = positions.len() * n_head * (p.n_rot / 2);
@@ -1541,12 +1540,8 @@ impl Backend for CudaBackend {
         let rp = {
             let g = &*self.gpu;
             let mut s = self.lock();
-            let dev = |s: &mut Inner, w: Option<&[f32]>| match w {
-                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w)),
-                None => Ok(0),
-            };
-            let qw = Self::check(dev(&mut s, norms.0));
-            let kw = Self::check(dev(&mut s, norms.1));
+            let qw = Self::check(s.norm_weights(g, norms.0));
+            let kw = Self::check(s.norm_weights(g, norms.1));
             DecodeRope {
                 kraw: k.ptr(),
                 vraw: v.ptr(),
@@ -1554,7 +1549,7 @@ impl Backend for CudaBackend {
                 kw,
                 eps,
                 n_rot: rope.n_rot,
-                theta_scale: rope.freq_base.powf(-2.0 / rope.n_rot as f32),
+                theta_scale: rope.theta_scale(),
                 freq_scale: rope.freq_scale,
                 neox: rope.kind == RopeKind::Neox,
             }
@@ -1643,10 +1638,7 @@ impl Backend for CudaBackend {
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
-            let w = match norm {
-                Some(w) => s.weights.device_ptr(&g.stream, f32_bytes(w))?,
-                None => 0,
-            };
+            let w = s.norm_weights(g, norm)?;
             if routed_by_router {
                 let rw = s.weights.device_ptr(&g.stream, router.data)?;
                 let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
