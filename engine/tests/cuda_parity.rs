@@ -11,7 +11,7 @@ use strata_engine::model::synth::{SynthArch, SynthSpec, TensorTypes};
 use strata_engine::model::{HParams, Model};
 use strata_engine::quant::{self, GgmlType};
 use strata_engine::runtime::fault::FaultPlan;
-use strata_engine::runtime::kv::{KvCache, KvType};
+use strata_engine::runtime::kv::{KvCache, KvRows, KvType};
 use strata_engine::runtime::sampling::TopLogits;
 use strata_engine::runtime::session::{Session, SessionConfig, StepLogits};
 
@@ -410,17 +410,8 @@ fn elementwise_ops_match_cpu() {
             ("k", &kc.layers[0].k, &kg.layers[0].k),
             ("v", &kc.layers[0].v, &kg.layers[0].v),
         ] {
-            let dev = gpu.kv_device_bytes(rg).expect("twin after store");
-            let (mut want, mut got, mut buf) = (Vec::new(), Vec::new(), vec![0f32; hd]);
-            for &c in &pos {
-                for h in 0..nkv {
-                    rc.read(c as usize, h, &mut buf);
-                    want.extend_from_slice(&buf);
-                    let at = (c as usize * nkv + h) * hd * 2;
-                    quant::dequantize(GgmlType::F16, &dev[at..at + hd * 2], &mut buf).unwrap();
-                    got.extend_from_slice(&buf);
-                }
-            }
+            let cells: Vec<usize> = pos.iter().map(|&c| c as usize).collect();
+            let (got, want) = cached_cells(&gpu, rc, rg, &cells, nkv, hd, GgmlType::F16);
             rows.push(Row(
                 format!("qk_norm_rope_store {kind:?} norms={norms}: cached {name}"),
                 rel_err(&got, &want),
@@ -432,6 +423,32 @@ fn elementwise_ops_match_cpu() {
     gpu.copy(&bd, 1500, &mut cd, 1000);
     rows.push(Row("copy".into(), rel_err(&down(&gpu, &cd, 1000), &a[1500..2500]), 0.0));
     report(&rows);
+}
+
+/// The cache cells `cells` of every KV head as the GPU's device twin `rg` holds them (rows of `ty`) and as the CPU's
+/// cache `rc` holds them, dequantized: `(got, want)`.
+fn cached_cells(
+    gpu: &CudaBackend,
+    rc: &KvRows,
+    rg: &KvRows,
+    cells: &[usize],
+    nkv: usize,
+    hd: usize,
+    ty: GgmlType,
+) -> (Vec<f32>, Vec<f32>) {
+    let hb = ty.row_bytes(hd as u64).unwrap() as usize;
+    let dev = gpu.kv_device_bytes(rg).expect("twin after store");
+    let (mut got, mut want, mut buf) = (Vec::new(), Vec::new(), vec![0f32; hd]);
+    for &c in cells {
+        for h in 0..nkv {
+            rc.read(c, h, &mut buf);
+            want.extend_from_slice(&buf);
+            let at = (c * nkv + h) * hb;
+            quant::dequantize(ty, &dev[at..at + hb], &mut buf).unwrap();
+            got.extend_from_slice(&buf);
+        }
+    }
+    (got, want)
 }
 
 fn hp_for_attn(nh: u32, nkv: u32, hd: u32) -> HParams {
@@ -628,21 +645,11 @@ fn rope_store_attention_matches_cpu() {
             rel_err(&down(&gpu, &bd, nh * hd), &a),
             1e-4,
         ));
-        let ty = kv_ty.ggml();
-        let hb = ty.row_bytes(hd as u64).unwrap() as usize;
         for (name, rc, rg) in [
             ("k", &kc.layers[0].k, &kg.layers[0].k),
             ("v", &kc.layers[0].v, &kg.layers[0].v),
         ] {
-            let dev = gpu.kv_device_bytes(rg).expect("twin after store");
-            let (mut want, mut got, mut buf) = (Vec::new(), Vec::new(), vec![0f32; hd]);
-            for h in 0..nkv {
-                rc.read(at, h, &mut buf);
-                want.extend_from_slice(&buf);
-                let o = (at * nkv + h) * hb;
-                quant::dequantize(ty, &dev[o..o + hb], &mut buf).unwrap();
-                got.extend_from_slice(&buf);
-            }
+            let (got, want) = cached_cells(&gpu, rc, rg, &[at], nkv, hd, kv_ty.ggml());
             rows.push(Row(format!("{what}: cached {name}"), rel_err(&got, &want), 1e-3));
         }
     }
