@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmarks of issue 6, on a machine with an NVIDIA GPU and no Rust toolchain: the release
 # `strata` binary and the cuda_parity test binary are built elsewhere and carried in carry/ (see README "CUDA").
-#   ci/device-test.sh [parity] [bench-small] [bench-30b] [decode-30b] [ablate-30b] [harness] [profile-30b]
+#   ci/device-test.sh [parity] [bench-small] [bench-30b] [decode-30b] [ablate-30b] [harness] [regs] [profile-30b]
 #   (default: parity bench-small)
 #     parity       device list, kernel start times (cold, then cached), selftest, op parity table, end-to-end KLD,
 #                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
@@ -14,6 +14,8 @@
 #                  what each one costs inside the decode graph (the tokens are wrong; only the time counts); then
 #                  tg128 with each variant of VARIANTS (';'-separated environment assignments, such as
 #                  STRATA_KERNEL_DEFINES=-DMMV_MOE_MINB=3)
+#     regs         registers, spills and shared memory per thread of REGS_KERNELS (ptxas -v on the cached PTX:
+#                  the driver's JIT compiles the same PTX with the same default optimisation)
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -114,6 +116,17 @@ bench-30b|profile-30b|decode-30b|ablate-30b)
   kill $SMI 2>/dev/null
   row "  nvidia-smi memory.used peak (MiB)" "$(sort -n "$OUT/smi-30b.csv" | tail -1)"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-30b.md" | cut -d'|' -f2,3,9)
+  ;;
+regs)
+  "$BIN" device --list-devices > /dev/null 2>&1 # compiles the kernels into the cache
+  PTX=$(find "$STRATA_KERNEL_CACHE" -name '*.ptx' | head -1)
+  PTXAS=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -1)
+  ARCH=sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+  "$PTXAS" -arch=$ARCH -v "$PTX" -o /dev/null > "$OUT/ptxas.txt" 2>&1
+  row "ptxas -v $ARCH" "rc=$? $(basename "$PTX")"
+  for k in ${REGS_KERNELS:-mmv_moe_q4_k mmv_moe_q6_k mmv_q4_k mmv1_q4_k mmv_q6_k attn_decode router_route}; do
+    row "  $k" "$(awk -v k="'$k'" '$0 ~ "entry function " k {f=1} f && /spill/ {s=$0} f && /Used/ {print $5, "regs,", s; exit}' "$OUT/ptxas.txt" | tr -s ' ')"
+  done
   ;;
 harness)
   export STRATA_MODELS_DIR=$WORK/models

@@ -213,14 +213,20 @@ __device__ __forceinline__ void stage_q8k(const float* __restrict__ x, const flo
 struct MmvQ4K {
     struct Part {
         uint4 q;
-        u32 dm;
+        u32 h; // word p % 4 of the head {d, dmin, scales[12]}: the group's lanes 0-3 hold it all (head_word)
     };
     static constexpr int SB_BYTES = 144;
+    // Word k of the super-block head, from lane k of the lane's group of eight (every lane of the group calls it
+    // with the same k): one 4-byte load per lane instead of a byte load per scale.
+    static __device__ __forceinline__ u32 head_word(const Part& f, int k) {
+        int lane = threadIdx.x & 31;
+        return __shfl_sync(0xFFu << (lane & 24), f.h, (lane & 24) | k);
+    }
     static constexpr bool Q8 = true, NATURAL = false;
     // The lane's 32 values against Q8_K activations: integer sums per sub-block, the scales and mins after.
     static __device__ __forceinline__ float dot_q8(const Part& f, const u8* __restrict__ b, const Q8kStage& st, int sb,
                                                    int p) {
-        int j = p >> 1, h = p & 1, sc0, m0, sc1, m1;
+        int j = p >> 1, h = p & 1;
         const uint4* c4 = (const uint4*)st.codes;
         uint4 xl = c4[(sb * 2) * 8 + p], xh = c4[(sb * 2 + 1) * 8 + p];
         int sl = 0, sh = 0;
@@ -232,10 +238,20 @@ struct MmvQ4K {
         sh = dp4a((int)((f.q.y >> 4) & 0x0F0F0F0Fu), (int)xh.y, sh);
         sh = dp4a((int)((f.q.z >> 4) & 0x0F0F0F0Fu), (int)xh.z, sh);
         sh = dp4a((int)((f.q.w >> 4) & 0x0F0F0F0Fu), (int)xh.w, sh);
-        scale_min_k4(2 * j, b + 4, &sc0, &m0);
-        scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
+        // Sub-blocks 2 j and 2 j + 1's 6-bit scales and mins (scale_min_k4), four bytes at a time: scales[0..4)
+        // are w1, [4..8) w2, [8..12) w3.
+        u32 w0 = head_word(f, 0), w1 = head_word(f, 1), w2 = head_word(f, 2), w3 = head_word(f, 3), scw, mw;
+        if (j < 2) {
+            scw = w1 & 0x3F3F3F3Fu;
+            mw = w2 & 0x3F3F3F3Fu;
+        } else {
+            scw = (w3 & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+            mw = ((w3 >> 4) & 0x0F0F0F0Fu) | ((w2 >> 2) & 0x30303030u);
+        }
+        int at = 16 * (j & 1);
+        int sc0 = (scw >> at) & 0xFF, sc1 = (scw >> (at + 8)) & 0xFF, m0 = (mw >> at) & 0xFF, m1 = (mw >> (at + 8)) & 0xFF;
         int bl = st.bsum[sb * 16 + 4 * j + h], bh = st.bsum[sb * 16 + 4 * j + 2 + h];
-        float d = h2f((u16)(f.dm & 0xFFFF)), dmin = h2f((u16)(f.dm >> 16));
+        float d = h2f((u16)(w0 & 0xFFFF)), dmin = h2f((u16)(w0 >> 16));
         return st.d[sb] * (d * (float)(sc0 * sl + sc1 * sh) - dmin * (float)(m0 * bl + m1 * bh));
     }
     static __device__ __forceinline__ int x4(int sb, int p, int hl, int i, bool perm) {
@@ -244,7 +260,7 @@ struct MmvQ4K {
     }
     static __device__ __forceinline__ int slot_src(int t) { return x4(t >> 6, t & 7, (t >> 5) & 1, (t >> 3) & 3, false); }
     static __device__ __forceinline__ void load(Part& f, const u8* __restrict__ b, int p) {
-        f.dm = *(const u32*)b;
+        f.h = ((const u32*)b)[p & 3];
         f.q = ((const uint4*)(b + 16))[p];
     }
     static __device__ __forceinline__ float dot(const Part& f, const u8* __restrict__ b, const float4* __restrict__ xs,
@@ -265,7 +281,8 @@ struct MmvQ4K {
             xl += (a.x + a.y) + (a.z + a.w);
             xh += (c.x + c.y) + (c.z + c.w);
         }
-        float d = h2f((u16)(f.dm & 0xFFFF)), dmin = h2f((u16)(f.dm >> 16));
+        u32 dm = *(const u32*)b;
+        float d = h2f((u16)(dm & 0xFFFF)), dmin = h2f((u16)(dm >> 16));
         return d * (sc0 * lo + sc1 * hi) - dmin * (m0 * xl + m1 * xh);
     }
 };
@@ -425,6 +442,57 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 }
 
+// The MoE experts' rows by lane groups (Q8_K activations staged, cols <= MMV_X_MAX): lane group g = lane / 8 of a
+// warp computes rows first + 4 i + g (i < RG; rows from `rows` on are absent) of the matrix at base, each whole,
+// NB super-blocks per batch, so every lane loads even when a row has fewer than four super-blocks (an expert's
+// down projection: 768 values, three) and a warp keeps RG * NB loads per lane in flight; the group's sum takes three
+// shuffles. acc[i] gets row i's product (every lane of the group). Every thread of the block calls it (it stages x
+// and synchronises).
+template <class Q, int RG, int NB>
+__device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long long row_bytes, int first, int rows,
+                                               const float* __restrict__ x, const float* __restrict__ xu, int act,
+                                               int cols, int lane, float* acc) {
+    __shared__ Q8kStage st_group;
+    int nsb = cols / 256, p = lane & 7;
+    const u8* w[RG];
+#pragma unroll
+    for (int i = 0; i < RG; ++i) {
+        int r = first + 4 * i + (lane >> 3);
+        w[i] = r < rows ? base + (long long)r * row_bytes : nullptr;
+        acc[i] = 0.f;
+    }
+    typename Q::Part f[RG][NB];
+#pragma unroll
+    for (int i = 0; i < RG; ++i)
+#pragma unroll
+        for (int u = 0; u < NB; ++u)
+            if (w[i] && u < nsb) Q::load(f[i][u], w[i] + Q::SB_BYTES * u, p);
+    pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
+    stage_q8k<Q::NATURAL>(x, xu, act, cols, st_group);
+    for (int b0 = 0; b0 < nsb; b0 += NB) {
+        if (b0 > 0) {
+#pragma unroll
+            for (int i = 0; i < RG; ++i)
+#pragma unroll
+                for (int u = 0; u < NB; ++u)
+                    if (w[i] && b0 + u < nsb) Q::load(f[i][u], w[i] + Q::SB_BYTES * (b0 + u), p);
+        }
+#pragma unroll
+        for (int i = 0; i < RG; ++i)
+#pragma unroll
+            for (int u = 0; u < NB; ++u)
+                if (w[i] && b0 + u < nsb) acc[i] += Q::dot_q8(f[i][u], w[i] + Q::SB_BYTES * (b0 + u), st_group, b0 + u, p);
+    }
+#pragma unroll
+    for (int i = 0; i < RG; ++i)
+        for (int o = 4; o > 0; o >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+}
+
+// Rows of a MoE launch per group of eight lanes (mmv_group_rows' RG) for rows of nsb super-blocks: two when a row
+// has at most four (so a launch of 2048 rows of 768 values per expert is one wave of blocks), else one. The host
+// sizes the grid by it (cuda/mod.rs, mmv_moe_rows_per_block): change both together.
+#define MMV_MOE_RG_SHORT 2
+
 // Minimum resident blocks per SM asked of the compiler (__launch_bounds__(256, n)) for the fast matrix-vector
 // kernels (MMV_MINB) and their MoE twins (MMV_MOE_MINB): unset, no bound (the compiler's choice of registers); a
 // tuning run may set them (STRATA_KERNEL_DEFINES).
@@ -475,22 +543,41 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
                                               int rows, int cols, long long row_bytes,                          \
                                               const float* __restrict__ xu, int act, int ids_early) {           \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
-        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                             \
         if (!ids_early) pdl_enter();                                                                            \
         u32 id = ld_cg_u32(ids + s);                                                                            \
         const u8* base = (blockIdx.z ? wb : wa) + (long long)id * rows * row_bytes;                             \
-        const u8* w[R];                                                                                     \
-        float acc[R];                                                                                       \
-        for (int i = 0; i < R; ++i) {                                                                       \
-            acc[i] = 0.f;                                                                                       \
-            w[i] = first + i < rows ? base + (long long)(first + i) * row_bytes : nullptr;                      \
-        }                                                                                                       \
-        mmv_fast_rows<Q, R>(w, x + (long long)(s / x_div) * cols, xu ? xu + (long long)(s / x_div) * cols : nullptr, \
-                            act, cols, lane, acc);                                \
+        const float* xs = x + (long long)(s / x_div) * cols;                                                    \
+        const float* xus = xu ? xu + (long long)(s / x_div) * cols : nullptr;                                   \
         float* y = (blockIdx.z ? yb : ya) + (long long)s * rows;                                                \
-        if (lane == 0)                                                                                          \
-            for (int i = 0; i < R; ++i)                                                                     \
-                if (w[i]) y[first + i] = acc[i];                                                                \
+        /* rows per block: 32 RG for rows of at most four super-blocks, else 32 (mmv_moe_rows_per_block) */     \
+        constexpr int RG = MMV_MOE_RG_SHORT;                                                                    \
+        bool short_rows = cols <= 1024;                                                                         \
+        int block_first = blockIdx.x * (short_rows ? 32 * RG : 32), warp = threadIdx.x >> 5;                    \
+        if (Q::Q8 && cols <= MMV_X_MAX) {                                                                       \
+            float acc[RG];                                                                                      \
+            int first = block_first + warp * (short_rows ? 4 * RG : 4), g = lane >> 3;                          \
+            if (short_rows)                                                                                     \
+                mmv_group_rows<Q, RG, 4>(base, row_bytes, first, rows, xs, xus, act, cols, lane, acc);          \
+            else                                                                                                \
+                mmv_group_rows<Q, 1, 8>(base, row_bytes, first, rows, xs, xus, act, cols, lane, acc);           \
+            for (int i = 0; i < (short_rows ? RG : 1); ++i)                                                     \
+                if ((lane & 7) == 0 && first + 4 * i + g < rows) y[first + 4 * i + g] = acc[i];                 \
+            return;                                                                                             \
+        }                                                                                                       \
+        /* f32 activations: R rows per warp, 32 per round */                                                    \
+        for (int round = 0; round < (short_rows ? RG : 1); ++round) {                                           \
+            int first = block_first + 32 * round + warp * R;                                                    \
+            const u8* w[R];                                                                                     \
+            float acc[R];                                                                                       \
+            for (int i = 0; i < R; ++i) {                                                                       \
+                acc[i] = 0.f;                                                                                   \
+                w[i] = first + i < rows ? base + (long long)(first + i) * row_bytes : nullptr;                  \
+            }                                                                                                   \
+            mmv_fast_rows<Q, R>(w, xs, xus, act, cols, lane, acc);                                              \
+            if (lane == 0)                                                                                      \
+                for (int i = 0; i < R; ++i)                                                                     \
+                    if (w[i]) y[first + i] = acc[i];                                                            \
+        }                                                                                                       \
     }
 // mmv_T: four rows per warp (large matrices: the output, the experts' stacked rows); mmv1_T: one row per warp
 // (smaller dense matrices, whose rows / 32 blocks would leave SMs idle).

@@ -666,16 +666,21 @@ fn moe_ffn_matches_cpu() {
     let (cpu, gpu) = (CpuBackend, gpu());
     let mut rng = Rng(9);
     let mut rows = Vec::new();
-    // (type, tokens, experts, top-k, expert width): 160 experts give the router's lanes five experts each.
-    for &(ty, n_tok, ne, k, f) in &[
-        (GgmlType::Q4_K, 1usize, 16usize, 4usize, 512usize),
-        (GgmlType::Q8_0, 1, 16, 4, 512),
-        (GgmlType::Q4_K, 40, 16, 4, 512),
-        (GgmlType::Q6_K, 9, 16, 4, 512),
-        (GgmlType::Q4_K, 3, 160, 8, 256),
-        (GgmlType::Q6_K, 2, 32, 8, 256),
+    // (type, tokens, experts, top-k, expert width, model width): 160 experts give the router's lanes five experts
+    // each; the decode kernels' row layouts: rows of at most four Q4_K/Q6_K super-blocks (two rows per group of
+    // eight lanes: 256 to 1,024 values), of five to sixteen (one row per group: 1,280 and 2,048, the 30B-A3B shape)
+    // and wider than the staging (4,608: f32 activations).
+    for &(ty, n_tok, ne, k, f, e) in &[
+        (GgmlType::Q4_K, 1usize, 16usize, 4usize, 512usize, 256usize),
+        (GgmlType::Q8_0, 1, 16, 4, 512, 256),
+        (GgmlType::Q4_K, 40, 16, 4, 512, 256),
+        (GgmlType::Q6_K, 9, 16, 4, 512, 256),
+        (GgmlType::Q4_K, 3, 160, 8, 256, 256),
+        (GgmlType::Q6_K, 2, 32, 8, 256, 256),
+        (GgmlType::Q4_K, 1, 8, 2, 768, 2048),
+        (GgmlType::Q6_K, 2, 8, 4, 1024, 1280),
+        (GgmlType::Q4_K, 1, 4, 2, 256, 4608),
     ] {
-        let e = 256usize;
         let g = quantized(ty, ne * f, e, &mut rng).unwrap();
         let u = quantized(ty, ne * f, e, &mut rng).unwrap();
         let d = quantized(ty, ne * e, f, &mut rng).unwrap();
@@ -720,7 +725,7 @@ fn moe_ffn_matches_cpu() {
                 &mut MoeScratch::default(),
             );
             rows.push(Row(
-                format!("moe {ty} n_tok={n_tok} {ne} experts top-{k} normalize={normalize}"),
+                format!("moe {ty} n_tok={n_tok} {ne} experts top-{k} {e}x{f} normalize={normalize}"),
                 rel_err(&down(&gpu, &bd, n_tok * e), &a),
                 2e-2,
             ));

@@ -202,6 +202,16 @@ fn mmv_rows_per_block(ty: GgmlType) -> usize {
     }
 }
 
+/// Rows one block of `mmv_moe_*` computes (kernels/matvec.cu, STRATA_MMV_MOE_FAST): for Q4_K and Q6_K, 64 when a
+/// row has at most four super-blocks (1,024 values: two rows per group of eight lanes, MMV_MOE_RG_SHORT), else 32;
+/// 8 for the other types.
+fn mmv_moe_rows_per_block(ty: GgmlType, cols: usize) -> usize {
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q6_K if cols <= 1024 => 64,
+        _ => mmv_rows_per_block(ty),
+    }
+}
+
 fn grid1(n: usize, block: u32) -> (u32, u32, u32) {
     ((n as u64).div_ceil(block as u64).max(1) as u32, 1, 1)
 }
@@ -1015,7 +1025,7 @@ impl Inner {
                           early: bool| {
                 gpu.launch(
                     typed("mmv_moe_", w.ty),
-                    (rows.div_ceil(mmv_rows_per_block(w.ty)) as u32, slots as u32, z),
+                    (rows.div_ceil(mmv_moe_rows_per_block(w.ty, w.cols)) as u32, slots as u32, z),
                     (256, 1, 1),
                     &[
                         Arg::P(wa),
