@@ -13,7 +13,7 @@
 #     ablate-30b   decode (tg128) of the 30B shape with each small kernel left out in turn (STRATA_SKIP_KERNELS):
 #                  what each one costs inside the decode graph (the tokens are wrong; only the time counts); then
 #                  tg128 with each variant of VARIANTS (';'-separated environment assignments, such as
-#                  STRATA_KERNEL_DEFINES=-DMMV_MOE_MINB=3)
+#                  STRATA_KERNEL_DEFINES=-DMMV_MINB=3)
 #     regs         registers, spills and shared memory per thread of REGS_KERNELS (ptxas -v on the cached PTX:
 #                  the driver's JIT compiles the same PTX with the same default optimisation)
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
@@ -90,7 +90,7 @@ bench-30b|profile-30b|decode-30b|ablate-30b)
         --prompt-tokens 16 --gen-tokens 128 > "$OUT/ablate-$skip.md" 2> "$OUT/ablate-$skip.err"
       row "tg128 without $skip" "rc=$? $(grep -E '^\| tg' "$OUT/ablate-$skip.md" | cut -d'|' -f3)"
     done
-    # Variants: one environment assignment each, ';'-separated, e.g. "STRATA_KERNEL_DEFINES=-DMMV_MOE_MINB=3".
+    # Variants: one environment assignment each, ';'-separated, e.g. "STRATA_KERNEL_DEFINES=-DMMV_MINB=3".
     IFS=';' read -ra variants <<< "${VARIANTS:-}"
     for i in "${!variants[@]}"; do
       env "${variants[$i]}" "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off \

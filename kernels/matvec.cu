@@ -494,18 +494,19 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
 #define MMV_MOE_RG_SHORT 2
 
 // Minimum resident blocks per SM asked of the compiler (__launch_bounds__(256, n)) for the fast matrix-vector
-// kernels (MMV_MINB) and their MoE twins (MMV_MOE_MINB): unset, no bound (the compiler's choice of registers); a
-// tuning run may set them (STRATA_KERNEL_DEFINES).
+// kernels (MMV_MINB: unset, no bound, the compiler's choice of registers) and their MoE twins (MMV_MOE_MINB: 3, so
+// that a layer's 8 experts x 1,536 gate/up rows of the 30B-A3B shape, 384 blocks, are one wave on 132 SMs: tg128
+// 410 -> 415 tok/s on the H200, reports/reference/2026-11-29-cuda-h200.md); a tuning run may set them
+// (STRATA_KERNEL_DEFINES; MMV_MOE_MINB=1 is no bound).
 #ifdef MMV_MINB
 #define MMV_BOUNDS __launch_bounds__(256, MMV_MINB)
 #else
 #define MMV_BOUNDS
 #endif
-#ifdef MMV_MOE_MINB
-#define MMV_MOE_BOUNDS __launch_bounds__(256, MMV_MOE_MINB)
-#else
-#define MMV_MOE_BOUNDS
+#ifndef MMV_MOE_MINB
+#define MMV_MOE_MINB 3
 #endif
+#define MMV_MOE_BOUNDS __launch_bounds__(256, MMV_MOE_MINB)
 #define STRATA_MMV_FAST(name, Q, pre, R)                                                                                \
     extern "C" __global__ void MMV_BOUNDS pre##name(const u8* __restrict__ w0, const u8* __restrict__ w1,                \
                                           const u8* __restrict__ w2, const float* __restrict__ x,              \

@@ -214,7 +214,7 @@ pub fn program_source() -> String {
 }
 
 /// NVRTC's options: C++17, device functions by default, and the words of `STRATA_KERNEL_DEFINES` (a tuning
-/// diagnostic: `-DMMV_MOE_MINB=3` compiles a variant of the kernels; part of the cache key like the rest).
+/// diagnostic: `-DMMV_MINB=3` compiles a variant of the kernels; part of the cache key like the rest).
 fn nvrtc_options() -> Vec<String> {
     let mut o: Vec<String> = vec!["--std=c++17".into(), "-default-device".into()];
     if let Ok(extra) = std::env::var("STRATA_KERNEL_DEFINES") {
