@@ -494,7 +494,7 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
 #define MMV_MOE_RG_SHORT 2
 
 // Minimum resident blocks per SM asked of the compiler (__launch_bounds__(256, n)) for the fast matrix-vector
-// kernels (MMV_MINB: unset, no bound, the compiler's choice of registers) and their MoE twins (MMV_MOE_MINB: 3, so
+// kernels (MMV_MINB: unset, no bound, the compiler's choice of registers) and the Q4_K MoE one (MMV_MOE_MINB: 3, so
 // that a layer's 8 experts x 1,536 gate/up rows of the 30B-A3B shape, 384 blocks, are one wave on 132 SMs: tg128
 // 410 -> 415 tok/s on the H200, reports/reference/2026-11-29-cuda-h200.md); a tuning run may set them
 // (STRATA_KERNEL_DEFINES; MMV_MOE_MINB=1 is no bound).
@@ -536,8 +536,8 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
                 if (w[i]) *y[i] = acc[i];                                                                       \
     }
 
-#define STRATA_MMV_MOE_FAST(name, Q, R)                                                                          \
-    extern "C" __global__ void MMV_MOE_BOUNDS mmv_moe_##name(                           \
+#define STRATA_MMV_MOE_FAST(name, Q, R, bounds)                                                                  \
+    extern "C" __global__ void bounds mmv_moe_##name(                                                            \
                                               const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
@@ -586,8 +586,8 @@ STRATA_MMV_FAST(q4_k, MmvQ4K, mmv_, MMV_R)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv_, MMV_R)
 STRATA_MMV_FAST(q4_k, MmvQ4K, mmv1_, 1)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv1_, 1)
-STRATA_MMV_MOE_FAST(q4_k, MmvQ4K, MMV_R)
-STRATA_MMV_MOE_FAST(q6_k, MmvQ6K, MMV_R)
+STRATA_MMV_MOE_FAST(q4_k, MmvQ4K, MMV_R, MMV_MOE_BOUNDS)
+STRATA_MMV_MOE_FAST(q6_k, MmvQ6K, MMV_R, ) // bounded to 80 registers its 56 of weights in flight spill (ptxas -v)
 
 // f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.
 __device__ __forceinline__ float mmv_dot_fast_f32(const u8* __restrict__ row, const float* __restrict__ xt,
@@ -677,11 +677,14 @@ __device__ __forceinline__ void wide_dot_block(const float* __restrict__ w, cons
     int r = blockIdx.x, t = blockIdx.y;
     const float4* w4 = (const float4*)(w + (long long)r * cols);
     const float4* x4 = (const float4*)(x + (long long)t * cols);
-    float4 a0 = threadIdx.x < cols / 4 ? w4[threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
-    pdl_enter(); // the weights' first load is in flight
+    // The row's first two float4 per thread (a row of up to 2,048 values whole) are loaded before the wait.
+    int i1 = threadIdx.x + blockDim.x;
+    float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 a0 = threadIdx.x < cols / 4 ? w4[threadIdx.x] : zero, a1 = i1 < cols / 4 ? w4[i1] : zero;
+    pdl_enter(); // the weights' first loads are in flight
     float acc = 0.f;
     for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-        float4 a = i == threadIdx.x ? a0 : w4[i], b = x4[i];
+        float4 a = i == threadIdx.x ? a0 : i == i1 ? a1 : w4[i], b = x4[i];
         acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
     }
     acc = warp_sum(acc);
