@@ -310,30 +310,6 @@ __device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, co
 // never meet the stores). The cell's score and P.V term come from those shared copies.
 #define ATTN_DEC_KEYS 1024
 #define ATTN_DK_MAX 512
-
-// Before attn_decode waits on the kernel before it: the cached cells its block will read (keys and values of KV
-// head g, cells first..pos, or ..pos - 1 when the block stores cell pos itself) are asked into L2, each cell by one
-// of the group's query-head blocks (cell j by the block of head h with j % group == h % group), in 32-byte sectors,
-// so the loads after the wait find them there instead of in memory. Those cells were written by earlier steps and
-// the position by a copy before the step's launches (pdl_enter: read through L2), so nothing here can be stale;
-// spans of the shared-memory path only (ATTN_DEC_KEYS).
-__device__ __forceinline__ void attn_prefetch_cells(const u8* k, const u8* v, const unsigned int* pos, int n_head,
-                                                    int n_head_kv, int window, long long krb, int khb, long long vrb,
-                                                    int vhb, bool own) {
-    int h = blockIdx.x, group = n_head / n_head_kv, g = h / group;
-    int p = (int)ld_cg_u32(pos + blockIdx.y);
-    int first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first - (own ? 1 : 0);
-    if (n > ATTN_DEC_KEYS) return;
-    int mine = (n - h % group + group - 1) / group; // cells j = h % group + group * i, i < mine
-    int ks = khb / 32, per = ks + vhb / 32;
-    for (int i = threadIdx.x; i < mine * per; i += blockDim.x) {
-        int cell = first + h % group + group * (i / per), s = i % per;
-        const u8* a = s < ks ? k + (long long)cell * krb + (long long)g * khb + 32 * s
-                             : v + (long long)cell * vrb + (long long)g * vhb + 32 * (s - ks);
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-    }
-}
-
 extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __restrict__ k,
                                        const u8* __restrict__ v, float* __restrict__ scores,
                                        float* __restrict__ out, const unsigned int* __restrict__ pos, int n_head,
@@ -342,7 +318,6 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
                                        const float* __restrict__ kraw, const float* __restrict__ vraw,
                                        const float* __restrict__ qw, const float* __restrict__ kw, float eps,
                                        int n_rot, float theta_scale, float freq_scale, int neox, u16* kc, u16* vc) {
-    attn_prefetch_cells(k, v, pos, n_head, n_head_kv, window, krb, khb, vrb, vhb, kraw != nullptr);
     pdl_enter();
     __shared__ float red[8];
     __shared__ double redd[8];

@@ -113,8 +113,10 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         int r = (int)(i / per_row), c = (int)(i % per_row);                                                   \
         float v[32];                                                                                          \
         dq(w + (long long)r * row_bytes, c, v);                                                               \
-        u16* o = out + (long long)r * cols + 32 * c;                                                          \
-        for (int l = 0; l < 32; ++l) o[l] = f2h(v[l]);                                                        \
+        uint4* o = (uint4*)(out + (long long)r * cols + 32 * c); /* 64-byte aligned: cols % 32 == 0 */        \
+        for (int l = 0; l < 4; ++l)                                                                           \
+            o[l] = make_uint4(pack_h2(f2h(v[8 * l]), f2h(v[8 * l + 1])), pack_h2(f2h(v[8 * l + 2]), f2h(v[8 * l + 3])), \
+                              pack_h2(f2h(v[8 * l + 4]), f2h(v[8 * l + 5])), pack_h2(f2h(v[8 * l + 6]), f2h(v[8 * l + 7]))); \
     }
 
 // Matrix-vector products for the types the large models use (Q4_K, Q6_K), built so that a decode step keeps
@@ -659,11 +661,19 @@ STRATA_MMV(q2_k, dq32_q2_k)
 STRATA_MMV(q3_k, dq32_q3_k)
 STRATA_MMV(q5_k, dq32_q5_k)
 
-// f32 -> f16 bits, n values (the GEMM's activations).
+// f32 -> f16 bits, n values (the GEMM's activations): eight per thread, two 16-byte loads and one 16-byte store
+// where both buffers are 16-byte aligned and the eight are whole. Grid ceil(n / 8 / 256), block 256.
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ out, long long n) {
     pdl_enter();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = f2h(x[i]);
+    long long i = 8 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= n) return;
+    if (i + 8 <= n && ((reinterpret_cast<u64>(x) | reinterpret_cast<u64>(out)) & 15) == 0) {
+        float4 a = *(const float4*)(x + i), b = *(const float4*)(x + i + 4);
+        *(uint4*)(out + i) = make_uint4(pack_h2(f2h(a.x), f2h(a.y)), pack_h2(f2h(a.z), f2h(a.w)),
+                                        pack_h2(f2h(b.x), f2h(b.y)), pack_h2(f2h(b.z), f2h(b.w)));
+    } else {
+        for (long long j = i; j < i + 8 && j < n; ++j) out[j] = f2h(x[j]);
+    }
 }
 
 // y[t][r] = W[r] . x[t] for an f32 matrix of few rows (a MoE router: 128 rows of 2048): one block of 256 per row
@@ -677,14 +687,11 @@ __device__ __forceinline__ void wide_dot_block(const float* __restrict__ w, cons
     int r = blockIdx.x, t = blockIdx.y;
     const float4* w4 = (const float4*)(w + (long long)r * cols);
     const float4* x4 = (const float4*)(x + (long long)t * cols);
-    // The row's first two float4 per thread (a row of up to 2,048 values whole) are loaded before the wait.
-    int i1 = threadIdx.x + blockDim.x;
-    float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    float4 a0 = threadIdx.x < cols / 4 ? w4[threadIdx.x] : zero, a1 = i1 < cols / 4 ? w4[i1] : zero;
-    pdl_enter(); // the weights' first loads are in flight
+    float4 a0 = threadIdx.x < cols / 4 ? w4[threadIdx.x] : make_float4(0.f, 0.f, 0.f, 0.f);
+    pdl_enter(); // the weights' first load is in flight
     float acc = 0.f;
     for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-        float4 a = i == threadIdx.x ? a0 : i == i1 ? a1 : w4[i], b = x4[i];
+        float4 a = i == threadIdx.x ? a0 : w4[i], b = x4[i];
         acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
     }
     acc = warp_sum(acc);

@@ -804,7 +804,6 @@ impl Inner {
                 Some(why) => Err(why),
                 None => {
                     let wf = self.slot(gpu, Slot::WF16, rows * cols * 2)?;
-                    let xf = self.slot(gpu, Slot::XF16, n_tok * cols * 2)?;
                     gpu.launch(
                         typed("dq_f16_", w.ty),
                         grid1(rows * cols / 32, 256),
@@ -817,12 +816,7 @@ impl Inner {
                             Arg::L(w.row_bytes as i64),
                         ],
                     )?;
-                    gpu.launch(
-                        "f32_to_f16",
-                        grid1(n_tok * cols, 256),
-                        (256, 1, 1),
-                        &[Arg::P(xp), Arg::P(xf), Arg::L((n_tok * cols) as i64)],
-                    )?;
+                    let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * cols)?;
                     gpu.timed("cublasGemmEx", || self.gemm_blas(wf, xf, yp, rows, cols, n_tok))
                 }
             };
@@ -869,7 +863,7 @@ impl Inner {
         let xf = self.slot(gpu, s, n * 2)?;
         gpu.launch(
             "f32_to_f16",
-            grid1(n, 256),
+            grid1(n.div_ceil(8), 256),
             (256, 1, 1),
             &[Arg::P(xp), Arg::P(xf), Arg::L(n as i64)],
         )?;
