@@ -6,14 +6,67 @@
 // Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of y, rows <= 128); row r of the work reads row
 // xrows[r] of x (the tokens routed to the expert), or row r without xrows. Block: 256 threads (8
 // warps) computing 128 rows x 128 outputs, warp w taking rows 32 (w & 3).. and outputs 64 (w >> 2)..; K in steps
-// of 64: each thread dequantizes one 32-value chunk of one weight row and converts 32 activations per step. Grid
-// (ceil(N / 128), tiles). K must be a multiple of 32 (a last half step is zero-filled).
+// of 64: each thread dequantizes one 32-value chunk of one weight row and copies 32 activations per step, both
+// fetched into registers during the step before (GemmW*, below). Grid (ceil(N / 128), tiles). K must be a multiple
+// of 32 (a last half step is zero-filled).
 #define GM_M 128
 #define GM_N 128
 #define GM_K 64
 #define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
 
-#define STRATA_GEMM(name, dq)                                                                                  \
+// A thread's 32-value weight chunk of one K step, fetched a step ahead (its loads in flight during the step's MMAs)
+// and dequantized at the next. GemmWAny keeps the address (its dequantizer loads as it converts); GemmWQ4K holds
+// the chunk's bytes: the super-block head {d, dmin, scales[12]} and the chunk's 32 code bytes, three 16-byte loads.
+template <void (*DQ)(const u8*, int, float*)>
+struct GemmWAny {
+    const u8* row;
+    int c;
+    __device__ __forceinline__ void fetch(const u8* r, int cc) { row = r, c = cc; }
+    __device__ __forceinline__ void convert(float* v) const {
+        if (row) {
+            DQ(row, c, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) v[i] = 0.f;
+        }
+    }
+};
+struct GemmWQ4K {
+    uint4 h, q0, q1;
+    int s; // sub-block c % 8, or -1: absent (zeros)
+    __device__ __forceinline__ void fetch(const u8* r, int c) {
+        s = r ? (c & 7) : -1;
+        if (!r) return;
+        const u8* b = r + 144 * (c >> 3);
+        h = *(const uint4*)b;
+        const uint4* q = (const uint4*)(b + 16 + 32 * ((c & 7) >> 1));
+        q0 = q[0], q1 = q[1];
+    }
+    // As dq32_vec_q4_k: scale_min_k4 on the head's words (scales[0..4) are h.y, [4..8) h.z, [8..12) h.w).
+    __device__ __forceinline__ void convert(float* v) const {
+        if (s < 0) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) v[i] = 0.f;
+            return;
+        }
+        int at = 8 * (s & 3);
+        u32 y = (h.y >> at) & 0xFF, z = (h.z >> at) & 0xFF, w = (h.w >> at) & 0xFF;
+        int sc = s < 4 ? (int)(y & 63) : (int)((w & 0xF) | ((y >> 6) << 4));
+        int m = s < 4 ? (int)(z & 63) : (int)((w >> 4) | ((z >> 6) << 4));
+        float d1 = h2f((u16)(h.x & 0xFFFF)) * sc, m1 = h2f((u16)(h.x >> 16)) * m;
+        u32 words[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        int sh = 4 * (s & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) v[4 * i + k] = d1 * (float)((words[i] >> (8 * k + sh)) & 0xF) - m1;
+    }
+};
+#define GEMM_W_q4_k GemmWQ4K
+
+// Per K step: the chunk fetched last step goes to shared memory, the next step's chunk and activations are
+// fetched (loads in flight during this step's MMAs), then the MMAs.
+#define STRATA_GEMM(name, W)                                                                                   \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
         gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
                     const u16* __restrict__ x, const unsigned int* __restrict__ xrows,                         \
@@ -26,32 +79,35 @@
         const u8* we = w + (long long)expert * expert_stride;                                                  \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;                  \
         int wm = (warp & 3) * 32, wn = (warp >> 2) * 64;                                                       \
+        /* Weight row threadIdx.x / 2, chunk k0 / 32 + threadIdx.x % 2; half a row of x (f16) per thread,     \
+           128 rows x 64 values, four 16-byte loads. */                                                       \
+        int wr = threadIdx.x >> 1, ch = threadIdx.x & 1, n = n0 + wr;                                          \
+        int xm = threadIdx.x >> 1;                                                                             \
+        long long xrow = xm < rows ? (xrows ? (long long)xrows[r0 + xm] : (long long)(r0 + xm)) : -1;         \
+        W wq;                                                                                                  \
+        uint4 xv[4];                                                                                           \
+        auto fetch = [&](int k0) {                                                                             \
+            int c = k0 / 32 + ch, k = k0 + 32 * ch;                                                            \
+            wq.fetch(n < N && 32 * c < K ? we + (long long)n * row_bytes : nullptr, c);                        \
+            const uint4* src = (const uint4*)(x + (xrow >= 0 ? xrow * K + k : 0));                             \
+            for (int i = 0; i < 4; ++i)                                                                        \
+                xv[i] = xrow >= 0 && k + 8 * i < K ? src[i] : make_uint4(0u, 0u, 0u, 0u);                      \
+        };                                                                                                     \
         float acc[2][8][4];                                                                                    \
         for (int i = 0; i < 16; ++i) acc[i >> 3][i & 7][0] = acc[i >> 3][i & 7][1] = acc[i >> 3][i & 7][2] =   \
             acc[i >> 3][i & 7][3] = 0.f;                                                                       \
+        fetch(0);                                                                                              \
         for (int k0 = 0; k0 < K; k0 += GM_K) {                                                                 \
             __syncthreads();                                                                                   \
             {                                                                                                  \
-                /* Weight row threadIdx.x / 2, chunk k0 / 32 + threadIdx.x % 2, dequantized to f16. */        \
-                int wr = threadIdx.x >> 1, ch = threadIdx.x & 1, n = n0 + wr, c = k0 / 32 + ch;              \
                 float v[32];                                                                                   \
-                if (n < N && 32 * c < K) {                                                                     \
-                    dq(we + (long long)n * row_bytes, c, v);                                                   \
-                } else {                                                                                       \
-                    for (int i = 0; i < 32; ++i) v[i] = 0.f;                                                   \
-                }                                                                                              \
+                wq.convert(v);                                                                                 \
                 u32* dst = (u32*)(ws + wr * GM_PAD + 32 * ch);                                                 \
                 for (int i = 0; i < 16; ++i) dst[i] = (u32)f2h(v[2 * i]) | ((u32)f2h(v[2 * i + 1]) << 16);     \
+                uint4* xd = (uint4*)(xs + xm * GM_PAD + 32 * ch);                                              \
+                for (int i = 0; i < 4; ++i) xd[i] = xv[i];                                                     \
             }                                                                                                  \
-            {                                                                                                  \
-                /* Half a row of x (f16) per thread: 128 rows x 64 values, four 16-byte loads. */             \
-                int m = threadIdx.x >> 1, k = k0 + 32 * (threadIdx.x & 1);                                     \
-                uint4* dst = (uint4*)(xs + m * GM_PAD + 32 * (threadIdx.x & 1));                               \
-                long long xr = m < rows ? (xrows ? (long long)xrows[r0 + m] : (long long)(r0 + m)) : 0;        \
-                const uint4* src = (const uint4*)(x + xr * K + k);                                             \
-                for (int i = 0; i < 4; ++i)                                                                    \
-                    dst[i] = m < rows && k + 8 * i < K ? src[i] : make_uint4(0u, 0u, 0u, 0u);                  \
-            }                                                                                                  \
+            if (k0 + GM_K < K) fetch(k0 + GM_K);                                                               \
             __syncthreads();                                                                                   \
             for (int kk = 0; kk < GM_K; kk += 16) {                                                            \
                 u32 a[2][4];                                                                                   \
@@ -63,8 +119,8 @@
                     a[mb][3] = *(const u32*)(xr + 8 * GM_PAD + 8);                                             \
                 }                                                                                              \
                 for (int nb = 0; nb < 8; ++nb) {                                                               \
-                    const u16* wr = ws + (wn + nb * 8 + gid) * GM_PAD + kk + t4 * 2;                           \
-                    u32 b0 = *(const u32*)wr, b1 = *(const u32*)(wr + 8);                                      \
+                    const u16* wt = ws + (wn + nb * 8 + gid) * GM_PAD + kk + t4 * 2;                           \
+                    u32 b0 = *(const u32*)wt, b1 = *(const u32*)(wt + 8);                                      \
                     mma_16816(acc[0][nb], a[0], b0, b1);                                                       \
                     mma_16816(acc[1][nb], a[1], b0, b1);                                                       \
                 }                                                                                              \
@@ -78,5 +134,18 @@
                 }                                                                                              \
     }
 
-#define STRATA_GEMM_OF(name, dq) STRATA_GEMM(name, DQ_FAST_##name)
+// The weight fetch per type: GEMM_W_T where defined (Q4_K), else the address and the type's chunk dequantizer.
+#define GEMM_W_f32 GemmWAny<DQ_FAST_f32>
+#define GEMM_W_f16 GemmWAny<DQ_FAST_f16>
+#define GEMM_W_bf16 GemmWAny<DQ_FAST_bf16>
+#define GEMM_W_q4_0 GemmWAny<DQ_FAST_q4_0>
+#define GEMM_W_q4_1 GemmWAny<DQ_FAST_q4_1>
+#define GEMM_W_q5_0 GemmWAny<DQ_FAST_q5_0>
+#define GEMM_W_q5_1 GemmWAny<DQ_FAST_q5_1>
+#define GEMM_W_q8_0 GemmWAny<DQ_FAST_q8_0>
+#define GEMM_W_q2_k GemmWAny<DQ_FAST_q2_k>
+#define GEMM_W_q3_k GemmWAny<DQ_FAST_q3_k>
+#define GEMM_W_q5_k GemmWAny<DQ_FAST_q5_k>
+#define GEMM_W_q6_k GemmWAny<DQ_FAST_q6_k>
+#define STRATA_GEMM_OF(name, dq) STRATA_GEMM(name, GEMM_W_##name)
 STRATA_FOR_EACH_QTYPE(STRATA_GEMM_OF)
