@@ -64,10 +64,25 @@ struct GemmWQ4K {
 };
 #define GEMM_W_q4_k GemmWQ4K
 
+// The thread's weight chunk (wq) and activations (xv) of the K step at k0.
+#define GEMM_FETCH(k0)                                                                                         \
+    {                                                                                                          \
+        int c_ = (k0) / 32 + ch, k_ = (k0) + 32 * ch;                                                          \
+        wq.fetch(n < N && 32 * c_ < K ? we + (long long)n * row_bytes : nullptr, c_);                          \
+        const uint4* src_ = (const uint4*)(x + (xrow >= 0 ? xrow * K + k_ : 0));                               \
+        _Pragma("unroll") for (int i = 0; i < 4; ++i)                                                          \
+            xv[i] = xrow >= 0 && k_ + 8 * i < K ? src_[i] : make_uint4(0u, 0u, 0u, 0u);                        \
+    }
+// Minimum resident blocks per SM asked of the compiler for the GEMM (GM_MINB; unset: 1, the compiler's choice of
+// registers); a tuning run may set it (STRATA_KERNEL_DEFINES).
+#ifndef GM_MINB
+#define GM_MINB 1
+#endif
+
 // Per K step: the chunk fetched last step goes to shared memory, the next step's chunk and activations are
 // fetched (loads in flight during this step's MMAs), then the MMAs.
 #define STRATA_GEMM(name, W)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256)                                                          \
+    extern "C" __global__ void __launch_bounds__(256, GM_MINB)                                                 \
         gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
                     const u16* __restrict__ x, const unsigned int* __restrict__ xrows,                         \
                     float* __restrict__ y, const int* __restrict__ tiles, int N, int K) {                      \
@@ -86,39 +101,32 @@ struct GemmWQ4K {
         long long xrow = xm < rows ? (xrows ? (long long)xrows[r0 + xm] : (long long)(r0 + xm)) : -1;         \
         W wq;                                                                                                  \
         uint4 xv[4];                                                                                           \
-        auto fetch = [&](int k0) {                                                                             \
-            int c = k0 / 32 + ch, k = k0 + 32 * ch;                                                            \
-            wq.fetch(n < N && 32 * c < K ? we + (long long)n * row_bytes : nullptr, c);                        \
-            const uint4* src = (const uint4*)(x + (xrow >= 0 ? xrow * K + k : 0));                             \
-            for (int i = 0; i < 4; ++i)                                                                        \
-                xv[i] = xrow >= 0 && k + 8 * i < K ? src[i] : make_uint4(0u, 0u, 0u, 0u);                      \
-        };                                                                                                     \
         float acc[2][8][4];                                                                                    \
-        for (int i = 0; i < 16; ++i) acc[i >> 3][i & 7][0] = acc[i >> 3][i & 7][1] = acc[i >> 3][i & 7][2] =   \
-            acc[i >> 3][i & 7][3] = 0.f;                                                                       \
-        fetch(0);                                                                                              \
+        _Pragma("unroll") for (int i = 0; i < 16; ++i) acc[i >> 3][i & 7][0] = acc[i >> 3][i & 7][1] =          \
+            acc[i >> 3][i & 7][2] = acc[i >> 3][i & 7][3] = 0.f;                                               \
+        GEMM_FETCH(0);                                                                                         \
         for (int k0 = 0; k0 < K; k0 += GM_K) {                                                                 \
             __syncthreads();                                                                                   \
             {                                                                                                  \
                 float v[32];                                                                                   \
                 wq.convert(v);                                                                                 \
                 u32* dst = (u32*)(ws + wr * GM_PAD + 32 * ch);                                                 \
-                for (int i = 0; i < 16; ++i) dst[i] = (u32)f2h(v[2 * i]) | ((u32)f2h(v[2 * i + 1]) << 16);     \
+                _Pragma("unroll") for (int i = 0; i < 16; ++i) dst[i] = pack_h2(f2h(v[2 * i]), f2h(v[2 * i + 1])); \
                 uint4* xd = (uint4*)(xs + xm * GM_PAD + 32 * ch);                                              \
-                for (int i = 0; i < 4; ++i) xd[i] = xv[i];                                                     \
+                _Pragma("unroll") for (int i = 0; i < 4; ++i) xd[i] = xv[i];                                   \
             }                                                                                                  \
-            if (k0 + GM_K < K) fetch(k0 + GM_K);                                                               \
+            if (k0 + GM_K < K) GEMM_FETCH(k0 + GM_K);                                                          \
             __syncthreads();                                                                                   \
-            for (int kk = 0; kk < GM_K; kk += 16) {                                                            \
+            _Pragma("unroll") for (int kk = 0; kk < GM_K; kk += 16) {                                          \
                 u32 a[2][4];                                                                                   \
-                for (int mb = 0; mb < 2; ++mb) {                                                               \
+                _Pragma("unroll") for (int mb = 0; mb < 2; ++mb) {                                             \
                     const u16* xr = xs + (wm + 16 * mb + gid) * GM_PAD + kk + t4 * 2;                          \
                     a[mb][0] = *(const u32*)xr;                                                                \
                     a[mb][1] = *(const u32*)(xr + 8 * GM_PAD);                                                 \
                     a[mb][2] = *(const u32*)(xr + 8);                                                          \
                     a[mb][3] = *(const u32*)(xr + 8 * GM_PAD + 8);                                             \
                 }                                                                                              \
-                for (int nb = 0; nb < 8; ++nb) {                                                               \
+                _Pragma("unroll") for (int nb = 0; nb < 8; ++nb) {                                             \
                     const u16* wt = ws + (wn + nb * 8 + gid) * GM_PAD + kk + t4 * 2;                           \
                     u32 b0 = *(const u32*)wt, b1 = *(const u32*)(wt + 8);                                      \
                     mma_16816(acc[0][nb], a[0], b0, b1);                                                       \
@@ -126,9 +134,9 @@ struct GemmWQ4K {
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
-        for (int mb = 0; mb < 2; ++mb)                                                                         \
-            for (int nb = 0; nb < 8; ++nb)                                                                     \
-                for (int e = 0; e < 4; ++e) {                                                                  \
+        _Pragma("unroll") for (int mb = 0; mb < 2; ++mb)                                                       \
+            _Pragma("unroll") for (int nb = 0; nb < 8; ++nb)                                                   \
+                _Pragma("unroll") for (int e = 0; e < 4; ++e) {                                                \
                     int m = wm + 16 * mb + gid + 8 * (e >> 1), n = n0 + wn + nb * 8 + t4 * 2 + (e & 1);        \
                     if (m < rows && n < N) y[(long long)(r0 + m) * N + n] = acc[mb][nb][e];                    \
                 }                                                                                              \
