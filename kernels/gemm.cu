@@ -73,10 +73,12 @@ struct GemmWQ4K {
         _Pragma("unroll") for (int i = 0; i < 4; ++i)                                                          \
             xv[i] = xrow >= 0 && k_ + 8 * i < K ? src_[i] : make_uint4(0u, 0u, 0u, 0u);                        \
     }
-// Minimum resident blocks per SM asked of the compiler for the GEMM (GM_MINB; unset: 1, the compiler's choice of
-// registers); a tuning run may set it (STRATA_KERNEL_DEFINES).
+// Minimum resident blocks per SM asked of the compiler for the GEMM (GM_MINB): 2, 128 registers (56 bytes spilled),
+// two blocks of 8 warps per SM; at 1 the compiler takes 167 registers and one block per SM: the 30B-A3B shape's
+// pp512 / pp2048 were 7,790 / 10,367 tok/s at 1 and 8,883 / 11,994 at 2 in one call on the H200
+// (reports/2026-11-30-h200-f32e642). A tuning run may set it (STRATA_KERNEL_DEFINES).
 #ifndef GM_MINB
-#define GM_MINB 1
+#define GM_MINB 2
 #endif
 
 // Per K step: the chunk fetched last step goes to shared memory, the next step's chunk and activations are

@@ -454,7 +454,7 @@ template <class Q, int RG, int NB>
 __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long long row_bytes, int first, int rows,
                                                const float* __restrict__ x, const float* __restrict__ xu, int act,
                                                int cols, int lane, float* acc) {
-    __shared__ Q8kStage st_group;
+    __shared__ __align__(16) Q8kStage st_group; // read as uint4 / uint2 by dot_q8
     int nsb = cols / 256, p = lane & 7;
     const u8* w[RG];
 #pragma unroll
@@ -569,6 +569,7 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         }                                                                                                       \
         /* f32 activations: R rows per warp, 32 per round */                                                    \
         for (int round = 0; round < (short_rows ? RG : 1); ++round) {                                           \
+            if (round > 0) __syncthreads(); /* every warp is done with the staged row before it is staged again */ \
             int first = block_first + 32 * round + warp * R;                                                    \
             const u8* w[R];                                                                                     \
             float acc[R];                                                                                       \

@@ -21,7 +21,11 @@ mod generate_cmd;
 
 /// Strata: an inference engine for Mixture-of-Experts LLMs in GGUF.
 #[derive(Parser)]
-#[command(name = "strata", version, about)]
+#[command(
+    name = "strata",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("STRATA_BUILD_REV"), ")"),
+    about
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

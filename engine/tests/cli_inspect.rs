@@ -197,3 +197,30 @@ fn a_broken_chat_template_is_reported_with_its_line() {
         "{line}"
     );
 }
+
+/// `strata --version` names the commit the binary was built from (engine/build.rs): the checkout's HEAD, with
+/// "-dirty" when tracked files differ, or "unknown" outside a git checkout.
+#[test]
+fn version_names_the_commit_it_was_built_from() {
+    let out = strata(&["--version"]);
+    assert!(out.status.success());
+    let line = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let rev = line
+        .strip_prefix(concat!("strata ", env!("CARGO_PKG_VERSION"), " ("))
+        .and_then(|r| r.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("`strata --version` printed {line:?}"));
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    match head {
+        Some(head) => assert!(
+            rev == head || rev == format!("{head}-dirty"),
+            "version names {rev}, HEAD is {head}"
+        ),
+        None => assert_eq!(rev, "unknown"),
+    }
+}

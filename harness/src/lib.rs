@@ -70,7 +70,8 @@ fn git(dir: &Path, args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// The environment fingerprint: git revision and dirty flag of `source`, build profile of `strata`, host.
+/// The environment fingerprint: git revision and dirty flag of `source`, build profile and `--version` of `strata`,
+/// host.
 pub fn fingerprint(source: &Path, strata: &Path, device: &str) -> Environment {
     let mut sys = sysinfo::System::new();
     sys.refresh_memory();
@@ -93,6 +94,13 @@ pub fn fingerprint(source: &Path, strata: &Path, device: &str) -> Environment {
         git_dirty: git(source, &["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty()),
         build_profile: profile.into(),
         strata_binary: strata.display().to_string(),
+        engine_version: Command::new(strata)
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default(),
         cpu,
         cpu_cores: sys.cpus().len(),
         ram_bytes: sys.total_memory(),
@@ -269,5 +277,27 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         folder: Some(folder),
         report: Some(report),
         summary,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fingerprint keeps the engine binary's own `--version` line (the commit it was built from), which is
+    /// what names a carried binary's build when the source tree beside it is another revision.
+    #[cfg(unix)]
+    #[test]
+    fn fingerprint_records_the_engine_version_line() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("strata");
+        std::fs::write(&fake, "#!/bin/sh\necho 'strata 9.9.9 (0123456789ab)'\n").unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let env = fingerprint(dir.path(), &fake, "cpu");
+        assert_eq!(env.engine_version, "strata 9.9.9 (0123456789ab)");
+        // A binary that cannot say: empty, shown as "unknown".
+        let env = fingerprint(dir.path(), &dir.path().join("missing"), "cpu");
+        assert_eq!(env.engine_version, "");
     }
 }

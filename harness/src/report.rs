@@ -42,6 +42,10 @@ pub struct Environment {
     /// `release` or `dev`, from the engine binary's target folder.
     pub build_profile: String,
     pub strata_binary: String,
+    /// The engine binary's `strata --version` line: its version and the commit it was built from (engine/build.rs),
+    /// which may differ from `git_rev` when the binary was built elsewhere and carried; empty in older reports.
+    #[serde(default)]
+    pub engine_version: String,
     pub cpu: String,
     pub cpu_cores: usize,
     /// Host memory, bytes.
@@ -314,6 +318,14 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
         ),
         ("build profile", e.build_profile.clone()),
         ("engine binary", format!("`{}`", e.strata_binary)),
+        (
+            "engine version",
+            if e.engine_version.is_empty() {
+                "unknown".into()
+            } else {
+                format!("`{}`", e.engine_version)
+            },
+        ),
         ("CPU", format!("{} ({} cores)", e.cpu, e.cpu_cores)),
         ("RAM", format!("{:.1} GiB", gib(e.ram_bytes))),
         ("OS", e.os.clone()),

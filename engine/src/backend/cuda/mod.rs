@@ -1019,7 +1019,11 @@ impl Inner {
                           early: bool| {
                 gpu.launch(
                     typed("mmv_moe_", w.ty),
-                    (rows.div_ceil(mmv_moe_rows_per_block(w.ty, w.cols)) as u32, slots as u32, z),
+                    (
+                        rows.div_ceil(mmv_moe_rows_per_block(w.ty, w.cols)) as u32,
+                        slots as u32,
+                        z,
+                    ),
                     (256, 1, 1),
                     &[
                         Arg::P(wa),
