@@ -538,8 +538,8 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
                 if (w[i]) *y[i] = acc[i];                                                                       \
     }
 
-#define STRATA_MMV_MOE_FAST(name, Q, R, bounds)                                                                  \
-    extern "C" __global__ void bounds mmv_moe_##name(                                                            \
+#define STRATA_MMV_MOE_FAST(name, Q, R, KERNEL_BOUNDS)                                                           \
+    extern "C" __global__ void KERNEL_BOUNDS mmv_moe_##name(                                                     \
                                               const u8* __restrict__ wa, const u8* __restrict__ wb,            \
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
