@@ -186,7 +186,7 @@ pub fn load() -> Result<&'static Loaded, Unavailable> {
             let dirs = search_dirs();
             let driver = locate(&DRIVER, &dirs).ok_or_else(|| {
                 Unavailable(
-                    "no CUDA driver on this machine (libcuda.so.1 not found on the loader path, CUDA_HOME or the usual folders); use --device cpu".into(),
+                    "no CUDA driver on this machine (libcuda.so.1 not found on the loader path, in STRATA_CUDA_LIB_DIR, CUDA_HOME, CUDA_PATH or the usual folders); use --device cpu".into(),
                 )
             })?;
             // SAFETY: the library was opened above; cudarc's check only tries to open it again.
