@@ -15,8 +15,8 @@
 #define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
 
 // A thread's 32-value weight chunk of one K step, fetched a step ahead (its loads in flight during the step's MMAs)
-// and dequantized at the next. GemmWAny keeps the address (its dequantizer loads as it converts); GemmWQ4K holds
-// the chunk's bytes: the super-block head {d, dmin, scales[12]} and the chunk's 32 code bytes, three 16-byte loads.
+// and dequantized at the next. GemmWAny keeps the address (its dequantizer loads as it converts); Q4_K's
+// (Q4kChunk, quant.cuh) holds the chunk's bytes.
 template <void (*DQ)(const u8*, int, float*)>
 struct GemmWAny {
     const u8* row;
@@ -31,38 +31,7 @@ struct GemmWAny {
         }
     }
 };
-struct GemmWQ4K {
-    uint4 h, q0, q1;
-    int s; // sub-block c % 8, or -1: absent (zeros)
-    __device__ __forceinline__ void fetch(const u8* r, int c) {
-        s = r ? (c & 7) : -1;
-        if (!r) return;
-        const u8* b = r + 144 * (c >> 3);
-        h = *(const uint4*)b;
-        const uint4* q = (const uint4*)(b + 16 + 32 * ((c & 7) >> 1));
-        q0 = q[0], q1 = q[1];
-    }
-    // As dq32_vec_q4_k: scale_min_k4 on the head's words (scales[0..4) are h.y, [4..8) h.z, [8..12) h.w).
-    __device__ __forceinline__ void convert(float* v) const {
-        if (s < 0) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) v[i] = 0.f;
-            return;
-        }
-        int at = 8 * (s & 3);
-        u32 y = (h.y >> at) & 0xFF, z = (h.z >> at) & 0xFF, w = (h.w >> at) & 0xFF;
-        int sc = s < 4 ? (int)(y & 63) : (int)((w & 0xF) | ((y >> 6) << 4));
-        int m = s < 4 ? (int)(z & 63) : (int)((w >> 4) | ((z >> 6) << 4));
-        float d1 = h2f((u16)(h.x & 0xFFFF)) * sc, m1 = h2f((u16)(h.x >> 16)) * m;
-        u32 words[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        int sh = 4 * (s & 1);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) v[4 * i + k] = d1 * (float)((words[i] >> (8 * k + sh)) & 0xF) - m1;
-    }
-};
-#define GEMM_W_q4_k GemmWQ4K
+#define GEMM_W_q4_k Q4kChunk
 
 // The thread's weight chunk (wq) and activations (xv) of the K step at k0.
 #define GEMM_FETCH(k0)                                                                                         \

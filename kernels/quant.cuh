@@ -140,24 +140,46 @@ __device__ __forceinline__ void dq32_q6_k(const u8* row, int c, float* v) {
     }
 }
 
-// Q4_K chunk with 16-byte code loads (the generic dequantizer reads bytes).
+// A Q4_K 32-value chunk (chunk c of a row: sub-block c % 8 of super-block c / 8) as its bytes: the super-block
+// head {d, dmin, scales[12]} and the chunk's 32 code bytes, three 16-byte loads (fetch), then the values (convert:
+// scale_min_k4 on the head's words, scales[0..4) in h.y, [4..8) h.z, [8..12) h.w). The two steps apart let the
+// prefill GEMM fetch a step ahead (GEMM_W_q4_k); a null row converts to zeros.
+struct Q4kChunk {
+    uint4 h, q0, q1;
+    int s; // sub-block c % 8, or -1: absent (zeros)
+    __device__ __forceinline__ void fetch(const u8* r, int c) {
+        s = r ? (c & 7) : -1;
+        if (!r) return;
+        const u8* b = r + 144 * (c >> 3);
+        h = *(const uint4*)b;
+        const uint4* q = (const uint4*)(b + 16 + 32 * ((c & 7) >> 1));
+        q0 = q[0], q1 = q[1];
+    }
+    __device__ __forceinline__ void convert(float* v) const {
+        if (s < 0) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) v[i] = 0.f;
+            return;
+        }
+        int at = 8 * (s & 3);
+        u32 y = (h.y >> at) & 0xFF, z = (h.z >> at) & 0xFF, w = (h.w >> at) & 0xFF;
+        int sc = s < 4 ? (int)(y & 63) : (int)((w & 0xF) | ((y >> 6) << 4));
+        int m = s < 4 ? (int)(z & 63) : (int)((w >> 4) | ((z >> 6) << 4));
+        float d1 = h2f((u16)(h.x & 0xFFFF)) * sc, m1 = h2f((u16)(h.x >> 16)) * m;
+        u32 words[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        int sh = 4 * (s & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) v[4 * i + k] = d1 * (float)((words[i] >> (8 * k + sh)) & 0xF) - m1;
+    }
+};
+// Q4_K chunk with 16-byte loads (the generic dequantizer reads bytes).
 __device__ __forceinline__ void dq32_vec_q4_k(const u8* row, int c, float* v) {
-    const u8* b = row + 144 * (c >> 3);
-    int s = c & 7;
-    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
-    int sc, m;
-    scale_min_k4(s, b + 4, &sc, &m);
-    float d1 = d * sc, m1 = dmin * m;
-    const uint4* q4 = (const uint4*)(b + 16 + 32 * (s >> 1));
-    uint4 qa = q4[0], qb = q4[1];
-    u32 words[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-    int sh = 4 * (s & 1);
-#pragma unroll
-    for (int w = 0; w < 8; ++w)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) v[4 * w + k] = d1 * (float)((words[w] >> (8 * k + sh)) & 0xF) - m1;
+    Q4kChunk k;
+    k.fetch(row, c);
+    k.convert(v);
 }
-
 
 // The chunk dequantizer the kernels use per type: the vector one where there is one, else the generic one.
 #define DQ_FAST_f32 dq32_f32
