@@ -65,11 +65,10 @@ struct GemmWAny {
         const u8* we = w + (long long)expert * expert_stride;                                                  \
         int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;                  \
         int wm = (warp & 3) * 32, wn = (warp >> 2) * 64;                                                       \
-        /* Weight row threadIdx.x / 2, chunk k0 / 32 + threadIdx.x % 2; half a row of x (f16) per thread,     \
-           128 rows x 64 values, four 16-byte loads. */                                                       \
-        int wr = threadIdx.x >> 1, ch = threadIdx.x & 1, n = n0 + wr;                                          \
-        int xm = threadIdx.x >> 1;                                                                             \
-        long long xrow = xm < rows ? (xrows ? (long long)xrows[r0 + xm] : (long long)(r0 + xm)) : -1;         \
+        /* Tile row tr = threadIdx.x / 2 of both tiles: weight row n0 + tr, chunk k0 / 32 + threadIdx.x % 2,  \
+           and half of x's row tr (f16; 128 rows x 64 values, four 16-byte loads). */                          \
+        int tr = threadIdx.x >> 1, ch = threadIdx.x & 1, n = n0 + tr;                                          \
+        long long xrow = tr < rows ? (xrows ? (long long)xrows[r0 + tr] : (long long)(r0 + tr)) : -1;         \
         W wq;                                                                                                  \
         uint4 xv[4];                                                                                           \
         float acc[2][8][4];                                                                                    \
@@ -81,9 +80,9 @@ struct GemmWAny {
             {                                                                                                  \
                 float v[32];                                                                                   \
                 wq.convert(v);                                                                                 \
-                u32* dst = (u32*)(ws + wr * GM_PAD + 32 * ch);                                                 \
+                u32* dst = (u32*)(ws + tr * GM_PAD + 32 * ch);                                                 \
                 _Pragma("unroll") for (int i = 0; i < 16; ++i) dst[i] = pack_h2(f2h(v[2 * i]), f2h(v[2 * i + 1])); \
-                uint4* xd = (uint4*)(xs + xm * GM_PAD + 32 * ch);                                              \
+                uint4* xd = (uint4*)(xs + tr * GM_PAD + 32 * ch);                                              \
                 _Pragma("unroll") for (int i = 0; i < 4; ++i) xd[i] = xv[i];                                   \
             }                                                                                                  \
             if (k0 + GM_K < K) GEMM_FETCH(k0 + GM_K);                                                          \
