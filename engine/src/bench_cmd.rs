@@ -31,7 +31,7 @@ use strata_engine::backend::{AnyBackend, Device};
 use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::generate::{Greedy, TokenSampler};
-use strata_engine::runtime::kv::KvType;
+use strata_engine::state::kv::KvType;
 use strata_engine::runtime::session::{Session, SessionConfig};
 
 /// llama.cpp's llama-bench on SmolLM2-135M Q4_1, `-t 2`, on the 2-core CI machine (the project's reference).
@@ -184,7 +184,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         kv: args.kv,
         prefill_chunk: args.prefill,
     };
-    let backend = AnyBackend::open(args.device).with_context(|| format!("cannot use --device {}", args.device))?;
+    let backend = AnyBackend::open(&args.device).with_context(|| format!("cannot use --device {}", args.device))?;
     let mut session = Session::new(&model, backend, config)?;
     let vocab = model.weights.output.rows as u32;
     let mut results = Vec::new();

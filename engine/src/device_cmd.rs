@@ -5,12 +5,12 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Args;
-use strata_engine::backend::Device;
-use strata_engine::backend::cuda::loader;
+use strata_engine::device::Device;
+use strata_engine::device::cuda_libs as loader;
 use strata_engine::backend::cuda::runtime::{self, Gpu};
 use strata_engine::backend::cuda::store::{Arena, DevBuf};
 use strata_engine::model::inspect::human_bytes;
-use strata_engine::runtime::kv::KvType;
+use strata_engine::state::kv::KvType;
 use strata_engine::{gguf::GgufModel, model::HParams, models};
 
 #[derive(Args)]
@@ -129,7 +129,7 @@ const RESERVE_BYTES: usize = 512 << 20;
 const ARENA_BYTES: usize = 64 << 20;
 
 fn selftest(a: &DeviceArgs) -> Result<()> {
-    let Device::Cuda(ord) = a.device else {
+    let Device::Cuda(ord) = a.device.clone() else {
         bail!("--selftest tests a CUDA device; --device cpu has nothing to test");
     };
     let t0 = Instant::now();

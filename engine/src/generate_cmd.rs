@@ -54,7 +54,7 @@ fn load(args: &EngineArgs) -> Result<Loaded> {
 /// The backend of `--device`; a CUDA device reports its start (kernels compiled or read from the cache).
 fn open_backend(args: &EngineArgs) -> Result<AnyBackend> {
     let start = Instant::now();
-    let be = AnyBackend::open(args.device).with_context(|| format!("cannot use --device {}", args.device))?;
+    let be = AnyBackend::open(&args.device).with_context(|| format!("cannot use --device {}", args.device))?;
     if let Some(c) = be.cuda() {
         let k = &c.gpu().compile;
         eprintln!(
@@ -141,7 +141,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     let tokens = l.tokenizer.encode(&prompt_text, true, args.chat)?;
     let mut session = Session::new(&l.model, backend, session_config(&args.engine))?;
     // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
-    session.set_fault_policy(strata_engine::runtime::fault::FaultPlan::from_env()?, true);
+    session.set_fault_policy(strata_engine::device::fault::FaultPlan::from_env()?, true);
     let opts = GenerateOptions {
         max_tokens: args.engine.max_tokens,
         stop: args.engine.sampling.stop.clone(),
@@ -164,7 +164,7 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
     };
     let mut session = Session::new(&l.model, backend, session_config(&args))?;
     // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
-    session.set_fault_policy(strata_engine::runtime::fault::FaultPlan::from_env()?, true);
+    session.set_fault_policy(strata_engine::device::fault::FaultPlan::from_env()?, true);
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         stop: args.sampling.stop.clone(),

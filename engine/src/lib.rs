@@ -1,11 +1,18 @@
-//! Strata's engine: GGUF models, quantization formats, tokenizers and (in later modules) the forward pass,
-//! backends, expert cache and server.
+//! Strata's engine: GGUF models, quantization formats, tokenizers, the forward pass over its backends, and the
+//! server. Modules are layered (DESIGN.md section 2); none imports a layer above it:
+//! (1) [`quant`], [`gguf`], [`tokenizer`], [`events`], [`paths`], [`switches`]; (2) [`device`]; (3) [`state`];
+//! (4) [`backend`]; (5) [`model`], [`models`]; (7) [`runtime`]; (8) [`serve`].
 
 pub mod backend;
+pub mod device;
+pub mod events;
 pub mod gguf;
 pub mod model;
 pub mod models;
+pub mod paths;
 pub mod quant;
 pub mod runtime;
 pub mod serve;
+pub mod state;
+pub mod switches;
 pub mod tokenizer;

@@ -12,7 +12,7 @@ use strata_engine::model::synth::{SynthArch, SynthSpec};
 use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
-use strata_engine::runtime::kv::KvType;
+use strata_engine::state::kv::KvType;
 use strata_engine::runtime::session;
 
 mod bench_cmd;
@@ -92,7 +92,7 @@ struct EngineArgs {
     threads: Option<usize>,
     /// Where to compute: cpu, or cuda:N.
     #[arg(long, default_value = "cpu")]
-    device: strata_engine::backend::Device,
+    device: strata_engine::device::Device,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]

@@ -37,16 +37,9 @@ pub enum ModelsError {
     },
 }
 
-/// The model cache folder (not created).
+/// The model cache folder (not created); see [`crate::paths::models_dir`].
 pub fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("STRATA_MODELS_DIR") {
-        return PathBuf::from(dir);
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(".cache"));
-    cache.join("strata").join("models")
+    crate::paths::models_dir()
 }
 
 /// Path of a cached file, whether or not it exists yet.
@@ -165,7 +158,7 @@ pub fn fetch(what: &str) -> Result<(), ModelsError> {
     let status = Command::new("bash")
         .arg(&script)
         .arg(what)
-        .env("STRATA_MODELS_DIR", models_dir())
+        .env(crate::switches::MODELS_DIR, models_dir())
         // The script's progress must not mix into our stdout, which may be JSON (`strata inspect --json`).
         .stdout(std::process::Stdio::from(std::io::stderr()))
         .status()

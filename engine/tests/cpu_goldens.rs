@@ -17,7 +17,7 @@ use strata_engine::model::synth::SynthSpec;
 use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::models;
 use strata_engine::runtime::generate::argmax;
-use strata_engine::runtime::kv::KvType;
+use strata_engine::state::kv::KvType;
 use strata_engine::runtime::session::{Session, SessionConfig};
 
 fn goldens_dir(name: &str) -> PathBuf {

@@ -11,7 +11,7 @@ use strata_engine::model::synth::SynthSpec;
 use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::models;
 use strata_engine::runtime::generate::{GenerateOptions, Greedy, StopReason, generate};
-use strata_engine::runtime::kv::KvType;
+use strata_engine::state::kv::KvType;
 use strata_engine::runtime::sampling::{Sampler, SamplingParams};
 use strata_engine::runtime::session::{Session, SessionConfig, SessionError};
 use strata_engine::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer};

@@ -7,7 +7,7 @@ use strata_engine::backend::cpu::{CpuBackend, gelu_ggml, gelu_tanh, silu};
 use strata_engine::backend::{AttnParams, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use strata_engine::model::{Arch, HParams};
 use strata_engine::quant::{self, GgmlType};
-use strata_engine::runtime::kv::{KvCache, KvType};
+use strata_engine::state::kv::{KvCache, KvType};
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -268,7 +268,7 @@ fn run_attention(
 ) -> Vec<f32> {
     let be = CpuBackend;
     let mut cache = KvCache::new(
-        &hp(p.n_head as u32, p.n_head_kv as u32, p.head_dim as u32),
+        &hp(p.n_head as u32, p.n_head_kv as u32, p.head_dim as u32).kv_shape(),
         n_tok,
         kv_ty,
     )
@@ -353,15 +353,15 @@ fn int8_kv_attention_stays_close_to_f16() {
     let err = max_rel_err(&i, &f);
     // Q8_0 keeps about 2.5 significant digits: small but nonzero error.
     assert!(err > 0.0 && err < 2e-2, "int8 vs f16: {err}");
-    let int8 = KvCache::new(&hp(8, 2, 64), 100, KvType::Int8).unwrap();
-    let f16c = KvCache::new(&hp(8, 2, 64), 100, KvType::F16).unwrap();
+    let int8 = KvCache::new(&hp(8, 2, 64).kv_shape(), 100, KvType::Int8).unwrap();
+    let f16c = KvCache::new(&hp(8, 2, 64).kv_shape(), 100, KvType::F16).unwrap();
     assert_eq!(
         int8.bytes() * 64,
         f16c.bytes() * 34,
         "int8 cache is 34 bytes per 32 values"
     );
     assert!(
-        KvCache::new(&hp(2, 1, 48), 10, KvType::Int8).is_err(),
+        KvCache::new(&hp(2, 1, 48).kv_shape(), 10, KvType::Int8).is_err(),
         "head width 48 is not whole blocks"
     );
 }

@@ -10,8 +10,8 @@ use strata_engine::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, 
 use strata_engine::model::synth::{SynthArch, SynthSpec, TensorTypes};
 use strata_engine::model::{HParams, Model};
 use strata_engine::quant::{self, GgmlType};
-use strata_engine::runtime::fault::FaultPlan;
-use strata_engine::runtime::kv::{KvCache, KvRows, KvType};
+use strata_engine::device::fault::FaultPlan;
+use strata_engine::state::kv::{KvCache, KvRows, KvType};
 use strata_engine::runtime::sampling::TopLogits;
 use strata_engine::runtime::session::{Session, SessionConfig, StepLogits};
 
@@ -390,8 +390,8 @@ fn elementwise_ops_match_cpu() {
         let v = rng.vec(n * nkv * hd, 1.0);
         let hp = hp_for_attn(nh as u32, nkv as u32, hd as u32);
         let (mut kc, mut kg) = (
-            KvCache::new(&hp, 600, KvType::F16).unwrap(),
-            KvCache::new(&hp, 600, KvType::F16).unwrap(),
+            KvCache::new(&hp.kv_shape(), 600, KvType::F16).unwrap(),
+            KvCache::new(&hp.kv_shape(), 600, KvType::F16).unwrap(),
         );
         let (mut qa, mut ka) = (q.clone(), k.clone());
         cpu.qk_norm_rope_store(&mut qa, &mut ka, &v, &mut kc.layers[0], nh, hd, nw, 1e-6, &pos, &p);
@@ -486,8 +486,8 @@ fn attention_matches_cpu() {
         ] {
             let hp = hp_for_attn(nh, nkv, hd);
             let (nh, nkv, hd) = (nh as usize, nkv as usize, hd as usize);
-            let mut kc = KvCache::new(&hp, ctx, kv_ty).unwrap();
-            let mut kg = KvCache::new(&hp, ctx, kv_ty).unwrap();
+            let mut kc = KvCache::new(&hp.kv_shape(), ctx, kv_ty).unwrap();
+            let mut kg = KvCache::new(&hp.kv_shape(), ctx, kv_ty).unwrap();
             let p = AttnParams {
                 n_head: nh,
                 n_head_kv: nkv,
@@ -587,8 +587,8 @@ fn rope_store_attention_matches_cpu() {
         let hp = hp_for_attn(nh, nkv, hd);
         let (nh, nkv, hd) = (nh as usize, nkv as usize, hd as usize);
         let (mut kc, mut kg) = (
-            KvCache::new(&hp, 300, kv_ty).unwrap(),
-            KvCache::new(&hp, 300, kv_ty).unwrap(),
+            KvCache::new(&hp.kv_shape(), 300, kv_ty).unwrap(),
+            KvCache::new(&hp.kv_shape(), 300, kv_ty).unwrap(),
         );
         if at > 0 {
             let pos: Vec<u32> = (0..at as u32).collect();

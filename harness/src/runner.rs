@@ -601,26 +601,8 @@ pub fn model_path(model: &str) -> Result<PathBuf> {
 
 /// Whether `device` can run here, and why not.
 pub fn device_available(device: &str) -> Result<(), String> {
-    if device == "cpu" {
-        return Ok(());
-    }
-    if let Some(n) = device.strip_prefix("cuda:") {
-        let Ok(n) = n.parse::<usize>() else {
-            return Err(format!("`{device}` is not a device (cuda:N)"));
-        };
-        let count = strata_engine::backend::cuda::runtime::device_count()
-            .map_err(|e| format!("{device}: no CUDA here ({e})"))?;
-        if n >= count {
-            return Err(format!("{device}: this machine has {count} CUDA device(s)"));
-        }
-        return Ok(());
-    }
-    if let Some(p) = device.strip_prefix("sim:") {
-        return Err(format!(
-            "{device}: simulated device profiles (scenarios/devices/{p}.yaml) are not implemented yet"
-        ));
-    }
-    Err(format!("`{device}` is not a device: cpu, cuda:N or sim:PROFILE"))
+    let d: strata_engine::device::Device = device.parse().map_err(|e| format!("{e}"))?;
+    d.available().map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

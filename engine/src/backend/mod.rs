@@ -10,17 +10,21 @@
 //!   computes `out[t][r] = Σ_c W[r][c] · x[t][c]` (ggml's `mul_mat(W, x)`);
 //! - per-head tensors are `[n_tok][n_head][head_dim]`, heads contiguous within a token row;
 //! - the KV cache is indexed by absolute position: cell `p` holds the keys and values of the token at
-//!   position `p` (see [`crate::runtime::kv`]).
+//!   position `p` (see [`crate::state::kv`]).
 
 pub mod cpu;
 pub mod cuda;
+pub mod top;
 
-pub use cuda::select::{AnyBackend, Device};
+pub use crate::device::Device;
+pub use cuda::select::{AnyBackend, OpenError};
+pub use top::{TOP_LOGITS, TopLogits};
 
 use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;
 use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
-use crate::runtime::kv::KvLayer;
+use crate::device::fault::FaultPlan;
+use crate::state::kv::KvLayer;
 
 /// A quantized weight matrix viewed in place (zero-copy) in a GGUF mapping: `rows` rows of `cols` weights.
 #[derive(Clone, Copy)]
@@ -238,9 +242,9 @@ pub trait Backend: Send + Sync {
     /// `dst[..len] = src[src_offset..src_offset + len]`.
     fn copy(&self, src: &Self::Buf, src_offset: usize, dst: &mut Self::Buf, len: usize);
 
-    /// Queues the selection of the best [`TOP_LOGITS`](crate::runtime::sampling::TOP_LOGITS) of one token's `n`
+    /// Queues the selection of the best [`TOP_LOGITS`] of one token's `n`
     /// logits, `logits[..n]`, where they were computed (a decode step then returns those candidates, not the
-    /// vocabulary; [`crate::runtime::sampling::TopLogits`] says what they are). Returns false when this backend
+    /// vocabulary; [`TopLogits`] says what they are). Returns false when this backend
     /// leaves the selection to the host (the default; also a vocabulary the backend cannot select from): the
     /// caller downloads the logits instead. The answer depends on `n` alone.
     fn top_logits(&self, _logits: &Self::Buf, _n: usize) -> bool {
@@ -249,7 +253,7 @@ pub trait Backend: Send + Sync {
 
     /// Reads the selection queued by the last [`Backend::top_logits`] over `n` logits into `out`, waiting for
     /// pending work. Returns false (nothing read) where `top_logits(_, n)` returns false.
-    fn read_top_logits(&self, _n: usize, _out: &mut crate::runtime::sampling::TopLogits) -> bool {
+    fn read_top_logits(&self, _n: usize, _out: &mut TopLogits) -> bool {
         false
     }
 
@@ -450,7 +454,7 @@ pub trait Backend: Send + Sync {
     /// Hands the backend the injected faults and the `--gemm-fallback` policy. Returns whether the backend
     /// applies them itself (a GPU with a library GEMM and our own kernel behind it); otherwise the session
     /// applies them by capping its prefill batch (the CPU).
-    fn set_fault_policy(&self, _faults: crate::runtime::fault::FaultPlan, _gemm_fallback: bool) -> bool {
+    fn set_fault_policy(&self, _faults: FaultPlan, _gemm_fallback: bool) -> bool {
         false
     }
 }

@@ -24,7 +24,7 @@ use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat};
 use crate::gguf::{GgufError, GgufModel};
 use crate::model::weights::{Ffn, Weights, WeightsError};
 use crate::model::{HParams, HParamsError};
-use crate::runtime::kv::KvCache;
+use crate::state::kv::KvCache;
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -77,7 +77,7 @@ pub struct Scratch<B: Backend> {
     pub logits: Vec<f32>,
     /// The last step's candidates when it ran with [`Logits::Top`] and the backend selected them (`logits` is
     /// then empty).
-    pub top: crate::runtime::sampling::TopLogits,
+    pub top: crate::backend::TopLogits,
 }
 
 impl<B: Backend> Default for Scratch<B> {
@@ -396,7 +396,7 @@ impl Model {
 /// line by line with llama.cpp's `llama-eval-callback` on the same prompt (fixtures/llamacpp/compare_tensors.py).
 /// A diagnostic for numerical divergences; it costs one relaxed load per call when off.
 static TRACE_TENSORS: std::sync::LazyLock<bool> =
-    std::sync::LazyLock::new(|| std::env::var_os("STRATA_TRACE_TENSORS").is_some_and(|v| v != "0"));
+    std::sync::LazyLock::new(|| crate::switches::flag(crate::switches::TRACE_TENSORS, false));
 
 /// Prints the first `len` values of `buf` (all tokens of the batch, row-major) when tensor tracing is on; see
 /// [`TRACE_TENSORS`]. The values are downloaded from the backend only then.

@@ -260,6 +260,16 @@ impl HParams {
         self.n_expert > 0
     }
 
+    /// The attention geometry a KV cache is sized from.
+    pub fn kv_shape(&self) -> crate::state::kv::KvShape {
+        crate::state::kv::KvShape {
+            n_layer: self.n_layer as usize,
+            n_head_kv: self.n_head_kv as usize,
+            head_dim: self.head_dim as usize,
+            head_dim_v: self.head_dim_v as usize,
+        }
+    }
+
     /// KV-cache bytes per token (one cell in every layer) when K and V are stored at `bytes_per_elem` each.
     pub fn kv_bytes_per_token(&self, bytes_per_elem: f64) -> f64 {
         let per_layer = self.n_head_kv as f64 * (self.head_dim as f64 + self.head_dim_v as f64);

@@ -34,23 +34,40 @@ pub struct GenerateStats {
     pub stop: StopReason,
 }
 
+impl StopReason {
+    /// The reason's name in events and the worker protocol (`eog`, `stop_string`, `limit`, `context`,
+    /// `cancelled`).
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::Eog => "eog",
+            StopReason::StopString => "stop_string",
+            StopReason::Limit => "limit",
+            StopReason::Context => "context",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+}
+
 impl GenerateStats {
-    /// The summary in the seeds' style, without the `strata:` prefix:
+    /// The `request` event of these numbers, for request `id`.
+    pub fn request_event(&self, id: u64) -> crate::events::Request {
+        let p = &self.prefill;
+        crate::events::Request {
+            id,
+            prompt_tokens: p.prompt_tokens,
+            reused: p.reused,
+            read: p.read,
+            prefill_ms: p.ms,
+            generated: self.generated,
+            decode_ms: self.decode_ms,
+            stop: self.stop.name().to_string(),
+        }
+    }
+
+    /// The summary in the seeds' style, without the `strata:` prefix (the `request` event's human line):
     /// `prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms (60.6 tok/s)`.
     pub fn summary(&self) -> String {
-        let p = &self.prefill;
-        let rate = |n: usize, ms: f64| if ms > 0.0 { n as f64 / ms * 1e3 } else { 0.0 };
-        format!(
-            "prompt {} tokens = {} reused + {} read in {:.0} ms ({:.1} tok/s), {} generated in {:.0} ms ({:.1} tok/s)",
-            p.prompt_tokens,
-            p.reused,
-            p.read,
-            p.ms,
-            rate(p.read, p.ms),
-            self.generated,
-            self.decode_ms,
-            rate(self.generated, self.decode_ms)
-        )
+        self.request_event(0).to_string()
     }
 }
 

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::model::{Logits, Model, Scratch};
-use crate::runtime::fault::{FaultPlan, GemmFault};
-use crate::runtime::kv::{KvCache, KvError, KvType};
+use crate::device::fault::{FaultPlan, GemmFault};
+use crate::state::kv::{KvCache, KvError, KvType};
 use crate::runtime::sampling::TopLogits;
 
 /// Default `--max-context`, in tokens (capped by the model's training context).
@@ -129,7 +129,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Errors: a zero context; an int8 cache for a head width that is not a multiple of 32.
     pub fn new(model: &'m Model, backend: B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
         let n_ctx = context_cells(config.max_context, model.hp.n_ctx_train);
-        let kv = KvCache::new(&model.hp, n_ctx, config.kv)?;
+        let kv = KvCache::new(&model.hp.kv_shape(), n_ctx, config.kv)?;
         Ok(Session {
             model,
             backend,

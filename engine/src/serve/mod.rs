@@ -31,14 +31,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use subtle::ConstantTimeEq;
 
-use crate::runtime::kv::KvType;
+use crate::state::kv::KvType;
 use crate::runtime::session;
 use api::{Api, ApiError, ErrorKind, ModelInfo};
 use metrics::Metrics;
 use supervisor::{Supervisor, SupervisorConfig};
 
 /// The environment variable read when `--api-key` is not given.
-pub const ENV_API_KEY: &str = "STRATA_API_KEY";
+pub const ENV_API_KEY: &str = crate::switches::API_KEY;
 
 /// Engine settings shared by `strata serve` and the worker it starts (passed through on the worker's command
 /// line by [`EngineFlags::to_args`]).
@@ -69,7 +69,7 @@ pub struct EngineFlags {
     pub events: Option<std::path::PathBuf>,
     /// Where the worker computes: cpu, or cuda:N (all weights resident in VRAM).
     #[arg(long, default_value = "cpu")]
-    pub device: crate::backend::Device,
+    pub device: crate::device::Device,
 }
 
 /// A two-state switch spelled `on` or `off` on the command line.
@@ -194,21 +194,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let api_key = args
         .api_key
         .clone()
-        .or_else(|| std::env::var(ENV_API_KEY).ok())
+        .or_else(|| crate::switches::text_lossy(ENV_API_KEY))
         .filter(|k| !k.is_empty());
     let addr = bind_address(&args.host, args.port, api_key.is_some(), args.insecure_public)?;
     // A malformed fault switch is an error now, not a worker that dies at every start.
-    crate::runtime::fault::FaultPlan::from_env()?;
+    crate::device::fault::FaultPlan::from_env()?;
     // A device the worker cannot open is an error now, not a worker restarted for ever behind a 503.
-    if let crate::backend::Device::Cuda(ordinal) = args.engine.device {
-        let device = args.engine.device;
-        let count =
-            crate::backend::cuda::runtime::device_count().with_context(|| format!("cannot use --device {device}"))?;
-        if ordinal >= count {
-            return Err(crate::backend::cuda::runtime::CudaError::NoSuchDevice { ordinal, count })
-                .with_context(|| format!("cannot use --device {device}"));
-        }
-    }
+    let device = &args.engine.device;
+    device.available().with_context(|| format!("cannot use --device {device}"))?;
     let path = crate::models::resolve(Some(&args.engine.model))?;
     let model = ModelInfo::open(&path, args.engine.max_context)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -4,12 +4,11 @@
 //! A request's life: the front writes `{"op":"generate","id":7,...}`; the worker answers zero or more
 //! `{"type":"text","id":7,"text":"..."}` lines, then exactly one `done` or `failed` line for id 7. The front may
 //! write `{"op":"cancel","id":7}` at any time; the worker then ends id 7 within one token, still with `done`
-//! (stop `cancelled`). `event` lines (load, request, fault) may come at any time.
+//! (stop `cancelled`). `event` lines ([`crate::events`]: load, request, fallback, fault) may come at any time.
 
 use serde::{Deserialize, Serialize};
 
-/// Version of the event schema, carried by every [`Event`] as `v`.
-pub const EVENT_SCHEMA_VERSION: u32 = 1;
+pub use crate::events::{Event, SCHEMA_VERSION as EVENT_SCHEMA_VERSION};
 
 /// A command from the front to the worker (one stdin line).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -122,37 +121,6 @@ impl Timings {
     }
 }
 
-/// A structured event: `{"event": KIND, "v": 1, "ts_ms": ..., ...fields}`. Kinds emitted today: `load` (model,
-/// n_ctx, load_ms, rss_bytes), `request` (id, prompt_tokens, reused, prefill_ms, generated, decode_ms, stop) and
-/// `fault` (error, location), the last written by the worker's panic hook before it exits.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Event {
-    pub event: String,
-    pub v: u32,
-    /// Milliseconds since the Unix epoch.
-    pub ts_ms: u64,
-    #[serde(flatten)]
-    pub fields: serde_json::Map<String, serde_json::Value>,
-}
-
-impl Event {
-    /// An event of `kind` stamped now, with `fields` (an object; anything else is dropped).
-    pub fn now(kind: &str, fields: serde_json::Value) -> Event {
-        let ts_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        Event {
-            event: kind.to_string(),
-            v: EVENT_SCHEMA_VERSION,
-            ts_ms,
-            fields: match fields {
-                serde_json::Value::Object(m) => m,
-                _ => Default::default(),
-            },
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,7 +141,10 @@ mod tests {
         let line = serde_json::to_string(&cmd).unwrap();
         assert!(line.starts_with(r#"{"op":"generate","id":7"#), "{line}");
         assert_eq!(serde_json::from_str::<Command>(&line).unwrap(), cmd);
-        let ev = Message::Event(Event::now("fault", serde_json::json!({"error": "boom"})));
+        let ev = Message::Event(Event::now(crate::events::EventKind::Fault(crate::events::Fault {
+            error: "boom".into(),
+            ..Default::default()
+        })));
         let line = serde_json::to_string(&ev).unwrap();
         assert!(
             line.contains(r#""type":"event""#) && line.contains(r#""event":"fault""#),

@@ -206,10 +206,8 @@ async fn bury(mut w: Worker, watchdog: Option<Duration>) -> (String, String, Opt
     };
     // A fault event written just before the exit may still be in the pipe.
     while let Ok(m) = w.lines.try_recv() {
-        if let Message::Event(e) = m
-            && e.event == "fault"
-        {
-            w.last_fault = Some(serde_json::Value::Object(e.fields).to_string());
+        if let Message::Event(e) = m {
+            note_event(&mut w, &e);
         }
     }
     (text, label, w.last_fault)
@@ -309,9 +307,10 @@ async fn supervise(
     }
 }
 
+/// Keeps the worker's last `fault` (its human line), to report with its death.
 fn note_event(worker: &mut Worker, e: &super::protocol::Event) {
-    if e.event == "fault" {
-        worker.last_fault = Some(serde_json::Value::Object(e.fields.clone()).to_string());
+    if let crate::events::EventKind::Fault(f) = &e.kind {
+        worker.last_fault = Some(f.to_string());
     }
 }
 

@@ -10,10 +10,11 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 use super::EngineFlags;
-use super::protocol::{Command, Event, Finish, GenerateJob, Message, Timings};
+use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
 use crate::model::Model;
-use crate::runtime::fault::{FaultPlan, OP_PREFILL_GEMM};
+use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
+use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
 use crate::runtime::generate::{GenerateError, GenerateOptions, generate_cancellable};
 use crate::runtime::sampling::{Sampler, SamplingParams};
 use crate::runtime::session::{Session, SessionConfig, SessionError};
@@ -21,7 +22,7 @@ use crate::tokenizer::Tokenizer;
 
 /// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
 /// so the failure contract can be tested on the CPU).
-pub const ENV_FAULT_AFTER_TOKENS: &str = "STRATA_WORKER_FAULT_AFTER_TOKENS";
+pub const ENV_FAULT_AFTER_TOKENS: &str = crate::switches::WORKER_FAULT_AFTER_TOKENS;
 
 /// The `--events` file, opened once at start; events are rare (per request), so a mutex is fine here.
 static EVENTS_FILE: OnceLock<Mutex<std::fs::File>> = OnceLock::new();
@@ -54,11 +55,11 @@ fn install_fault_hook() {
             (_, Some(s)) => s.clone(),
             _ => "panic".to_string(),
         };
-        let location = info.location().map(|l| l.to_string()).unwrap_or_default();
-        send(&Message::Event(Event::now(
-            "fault",
-            serde_json::json!({ "error": error, "location": location }),
-        )));
+        events::emit(EventKind::Fault(Fault {
+            error,
+            location: info.location().map(|l| l.to_string()),
+            ..Fault::default()
+        }));
         default(info);
         // A panic on a pool thread must not leave a half-alive worker behind.
         std::process::exit(101);
@@ -82,6 +83,10 @@ pub fn rss_bytes(pid: Option<u32>) -> u64 {
 ///
 /// Errors: the model cannot be loaded (the front sees the exit and reports it).
 pub fn run(flags: &EngineFlags) -> Result<()> {
+    // Every event (the backend's too) travels over the protocol and into the --events file, and its human line
+    // goes to stderr as `strata serve: ...`.
+    events::set_log_prefix("strata serve");
+    events::set_sink(|ev| send(&Message::Event(ev.clone())));
     install_fault_hook();
     let faults = FaultPlan::from_env()?;
     if let Some(path) = &flags.events {
@@ -103,30 +108,20 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
         kv: flags.kv,
         prefill_chunk: flags.prefill.0,
     };
-    // The CUDA backend's own events (`fault` with the kernel and launch shape, `fallback`) travel like the
-    // worker's: over the protocol, and into the --events file.
-    crate::backend::cuda::events::set_sink(|ev| send(&Message::Event(ev.clone())));
-    let backend = AnyBackend::open(flags.device).with_context(|| format!("cannot use --device {}", flags.device))?;
+    let backend = AnyBackend::open(&flags.device).with_context(|| format!("cannot use --device {}", flags.device))?;
     let mut session = Session::new(&model, backend, config)?;
     session.on_prefill_progress(|read, total| send(&Message::Progress { read, total }));
     session.set_fault_policy(faults, flags.gemm_fallback.is_on());
-    let load_ms = start.elapsed().as_secs_f64() * 1e3;
-    eprintln!(
-        "strata serve: worker {} loaded {} ({}, {} layers) in {load_ms:.0} ms",
-        std::process::id(),
-        path.display(),
-        model.hp.arch,
-        model.hp.n_layer
-    );
-    send(&Message::Event(Event::now(
-        "load",
-        serde_json::json!({
-            "model": path.display().to_string(),
-            "n_ctx": session.n_ctx(),
-            "load_ms": load_ms,
-            "rss_bytes": rss_bytes(None),
-        }),
-    )));
+    events::emit(EventKind::Load(events::Load {
+        model: path.display().to_string(),
+        device: flags.device.to_string(),
+        arch: model.hp.arch.to_string(),
+        n_layer: model.hp.n_layer,
+        n_ctx: session.n_ctx(),
+        load_ms: start.elapsed().as_secs_f64() * 1e3,
+        rss_bytes: rss_bytes(None),
+        pid: std::process::id(),
+    }));
 
     // The reader thread turns stdin lines into jobs and sets the cancel flag of the running one, so a cancel
     // reaches a generation in progress. Stdin closing means the front is gone.
@@ -162,7 +157,7 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
         pid: std::process::id(),
     });
 
-    let fault_after: Option<usize> = std::env::var(ENV_FAULT_AFTER_TOKENS).ok().and_then(|v| v.parse().ok());
+    let fault_after: Option<usize> = crate::switches::text_lossy(ENV_FAULT_AFTER_TOKENS).and_then(|v| v.parse().ok());
     let vocab = model.weights.output.rows;
     while let Ok(job) = jobs_rx.recv() {
         running_id.store(job.id, Ordering::SeqCst);
@@ -223,20 +218,15 @@ fn run_job(
     match result {
         Ok((_, stats)) => {
             if let Some(f) = stats.prefill.gemm_fallback {
-                eprintln!(
-                    "strata serve: {f}; falling back to our own prefill kernel in batches of at most {} rows \
-                     for the rest of this session",
-                    f.limit
-                );
-                send(&Message::Event(Event::now(
-                    "fallback",
-                    serde_json::json!({
-                        "op": OP_PREFILL_GEMM, "m": f.m, "n": f.n, "k": f.k, "max_rows": f.limit,
-                        "error": f.to_string(), "to": "strata_prefill_chunked",
-                    }),
-                )));
+                events::emit(EventKind::Fallback(Fallback {
+                    op: OP_PREFILL_GEMM.into(),
+                    from: "blas".into(),
+                    to: "prefill_chunked".into(),
+                    why: f.to_string(),
+                    shape: Some(GemmShape { m: f.m, n: f.n, k: f.k }),
+                    max_rows: Some(f.limit),
+                }));
             }
-            eprintln!("strata serve: {}", stats.summary());
             let timings = Timings {
                 prompt_n: stats.prefill.read,
                 cache_n: stats.prefill.reused,
@@ -245,18 +235,7 @@ fn run_job(
                 predicted_ms: stats.decode_ms,
             };
             let stop = Finish::from(stats.stop);
-            send(&Message::Event(Event::now(
-                "request",
-                serde_json::json!({
-                    "id": job.id,
-                    "prompt_tokens": stats.prefill.prompt_tokens,
-                    "reused": stats.prefill.reused,
-                    "prefill_ms": stats.prefill.ms,
-                    "generated": stats.generated,
-                    "decode_ms": stats.decode_ms,
-                    "stop": stop,
-                }),
-            )));
+            events::emit(EventKind::Request(stats.request_event(job.id)));
             send(&Message::Done {
                 id: job.id,
                 stop,
@@ -266,14 +245,13 @@ fn run_job(
         Err(GenerateError::Session(SessionError::GemmFault(f))) => {
             // The original engine died here (seed 000); with --gemm-fallback off so does the worker, after saying
             // which operation and shape failed.
-            eprintln!("strata serve: prefill gemm: {f}");
-            send(&Message::Event(Event::now(
-                "fault",
-                serde_json::json!({
-                    "op": OP_PREFILL_GEMM, "m": f.m, "n": f.n, "k": f.k, "error": f.to_string(),
-                    "request": job.id,
-                }),
-            )));
+            events::emit(EventKind::Fault(Fault {
+                error: f.to_string(),
+                op: Some(OP_PREFILL_GEMM.into()),
+                shape: Some(GemmShape { m: f.m, n: f.n, k: f.k }),
+                request: Some(job.id),
+                ..Fault::default()
+            }));
             std::process::exit(1);
         }
         Err(e) => {

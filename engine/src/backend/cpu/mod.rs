@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use crate::quant::activations::{ActivationFormat, QuantizedActivations};
 use crate::quant::{self, GgmlType};
-use crate::runtime::kv::KvLayer;
+use crate::state::kv::KvLayer;
 
 /// Rows per rayon task in a decode matmul.
 const DECODE_ROWS: usize = 16;

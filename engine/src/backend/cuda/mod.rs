@@ -27,8 +27,6 @@
 //! Errors: the trait has no error path, so a failed kernel panics after writing its `fault` event (the serve
 //! worker's panic hook then exits and the server restarts it, DESIGN.md section 3).
 
-pub mod events;
-pub mod loader;
 pub mod runtime;
 pub mod select;
 pub mod store;
@@ -42,8 +40,9 @@ use cudarc::cublas::sys as blas_sys;
 use super::cpu::CpuBackend;
 use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use crate::quant::{self, GgmlType};
-use crate::runtime::fault::{FaultPlan, OP_PREFILL_GEMM};
-use crate::runtime::kv::{KvLayer, KvRows};
+use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
+use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
+use crate::state::kv::{KvLayer, KvRows};
 use runtime::{Arg, CudaError, Gpu};
 use store::{DevBuf, ResidentStore, WeightStore};
 
@@ -598,17 +597,20 @@ impl CudaBackend {
     /// Errors: CUDA unavailable, no such device, the kernels do not compile or load.
     pub fn new(ordinal: usize) -> Result<CudaBackend, CudaError> {
         let gpu = Arc::new(Gpu::open(ordinal)?);
-        let blas = if loader::load()?.cublas.is_some() {
+        let blas = if crate::device::cuda_libs::load()?.cublas.is_some() {
             CudaBlas::new(gpu.stream.clone()).ok()
         } else {
             None
         };
         if blas.is_none() {
-            events::emit(
-                "fallback",
-                serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_tensor_core", "why": "cuBLAS not found or not initialised"}),
-                "cuBLAS is not available; the prefill GEMM uses our own kernel",
-            );
+            events::emit(EventKind::Fallback(Fallback {
+                op: OP_PREFILL_GEMM.into(),
+                from: "blas".into(),
+                to: "gemm_tensor_core".into(),
+                why: "cuBLAS not found or not initialised".into(),
+                shape: None,
+                max_rows: None,
+            }));
         }
         Ok(CudaBackend {
             gpu,
@@ -796,7 +798,7 @@ impl Inner {
             let fault = match self.fault_gemm_above {
                 Some(m) if n_tok > m => Some(format!(
                     "injected failure ({}={OP_PREFILL_GEMM}:m>{m})",
-                    crate::runtime::fault::ENV_FAULT
+                    crate::device::fault::ENV_FAULT
                 )),
                 _ => None,
             };
@@ -824,22 +826,23 @@ impl Inner {
                 Ok(()) => return Ok(()),
                 Err(why) if self.gemm_fallback => {
                     self.blas_failed = true;
-                    events::emit(
-                        "fallback",
-                        serde_json::json!({"what": OP_PREFILL_GEMM, "from": "cublas", "to": "gemm_tensor_core",
-                            "why": why, "m": n_tok, "n": rows, "k": cols}),
-                        &format!(
-                            "prefill gemm: cublasGemmEx failed ({why}) at {n_tok} tokens; using our own GEMM kernel from now on"
-                        ),
-                    );
+                    events::emit(EventKind::Fallback(Fallback {
+                        op: OP_PREFILL_GEMM.into(),
+                        from: "blas".into(),
+                        to: "gemm_tensor_core".into(),
+                        why: format!("cublasGemmEx: {why}"),
+                        shape: Some(GemmShape { m: n_tok, n: rows, k: cols }),
+                        max_rows: None,
+                    }));
                 }
                 Err(why) => {
-                    events::emit(
-                        "fault",
-                        serde_json::json!({"kernel": "cublasGemmEx", "op": OP_PREFILL_GEMM, "error": why,
-                            "m": n_tok, "n": rows, "k": cols}),
-                        &format!("prefill gemm: cublasGemmEx failed ({why}) at {n_tok} tokens (--gemm-fallback off)"),
-                    );
+                    events::emit(EventKind::Fault(Fault {
+                        error: format!("{why} (--gemm-fallback off)"),
+                        op: Some(OP_PREFILL_GEMM.into()),
+                        kernel: Some("cublasGemmEx".into()),
+                        shape: Some(GemmShape { m: n_tok, n: rows, k: cols }),
+                        ..Fault::default()
+                    }));
                     return Err(CudaError::Launch {
                         kernel: "cublasGemmEx".into(),
                         grid: (0, 0, 0),
@@ -1241,7 +1244,7 @@ impl Backend for CudaBackend {
     }
 
     fn top_logits(&self, logits: &DevVec, n: usize) -> bool {
-        use crate::runtime::sampling::TOP_LOGITS;
+        use crate::backend::top::TOP_LOGITS;
         let nb = n.div_ceil(TOP_SORT);
         if n == 0 || nb * TOP_LOGITS > TOP_SORT {
             return false;
@@ -1286,8 +1289,8 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn read_top_logits(&self, n: usize, out: &mut crate::runtime::sampling::TopLogits) -> bool {
-        use crate::runtime::sampling::{TOP_LOGITS, TopLogits};
+    fn read_top_logits(&self, n: usize, out: &mut crate::backend::top::TopLogits) -> bool {
+        use crate::backend::top::{TOP_LOGITS, TopLogits};
         if n == 0 || n.div_ceil(TOP_SORT) * TOP_LOGITS > TOP_SORT {
             return false;
         }

@@ -17,8 +17,9 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::events;
-use super::loader;
+use crate::events::{self, EventKind, Fallback, Fault, Launch};
+use crate::device::cuda_libs;
+use crate::switches;
 
 /// The kernel sources, in compile order: the headers, then every `.cu` file of `kernels/`.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
@@ -135,7 +136,7 @@ pub const KERNEL_NAMES: &[&str] = &[
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
     #[error(transparent)]
-    Unavailable(#[from] loader::Unavailable),
+    Unavailable(#[from] cuda_libs::Unavailable),
     #[error("CUDA {what}: {source}")]
     Driver {
         what: String,
@@ -190,16 +191,9 @@ pub struct CompileReport {
     pub path: PathBuf,
 }
 
-/// The folder of the kernel cache.
+/// The folder of the kernel cache ([`crate::paths::kernel_cache_dir`]).
 pub fn kernel_cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("STRATA_KERNEL_CACHE") {
-        return PathBuf::from(d);
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(".cache"));
-    cache.join("strata").join("kernels")
+    crate::paths::kernel_cache_dir()
 }
 
 /// The whole program NVRTC compiles: every source of [`KERNEL_SOURCES`] in order.
@@ -217,7 +211,7 @@ pub fn program_source() -> String {
 /// diagnostic: `-DMMV_MINB=3` compiles a variant of the kernels; part of the cache key like the rest).
 fn nvrtc_options() -> Vec<String> {
     let mut o: Vec<String> = vec!["--std=c++17".into(), "-default-device".into()];
-    if let Ok(extra) = std::env::var("STRATA_KERNEL_DEFINES") {
+    if let Some(extra) = switches::text_lossy(switches::KERNEL_DEFINES) {
         o.extend(extra.split_whitespace().map(str::to_string));
     }
     o
@@ -271,7 +265,7 @@ pub fn arch_name(major: i32, minor: i32) -> &'static str {
 /// The driver's version (`13000` for 13.0).
 pub fn driver_version() -> Result<i32, CudaError> {
     let mut v = 0;
-    // SAFETY: the driver library was loaded by `loader::load`; the call writes one int.
+    // SAFETY: the driver library was loaded by `cuda_libs::load`; the call writes one int.
     unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }
         .result()
         .map_err(CudaError::driver("cuDriverGetVersion"))?;
@@ -290,10 +284,7 @@ pub fn nvrtc_version() -> Option<(i32, i32)> {
 ///
 /// Errors: no driver, or the driver fails to initialise (no device, driver/library mismatch).
 pub fn device_count() -> Result<usize, CudaError> {
-    loader::load()?;
-    cudarc::driver::result::init().map_err(CudaError::driver("cuInit"))?;
-    let n = cudarc::driver::result::device::get_count().map_err(CudaError::driver("cuDeviceGetCount"))?;
-    Ok(n as usize)
+    Ok(cuda_libs::device_count()?)
 }
 
 /// An open device with the kernels loaded.
@@ -383,19 +374,17 @@ impl Gpu {
             stream,
             funcs,
             calls: AtomicU64::new(0),
-            sync_launches: std::env::var_os("STRATA_SYNC_LAUNCHES").is_some_and(|v| v != "0"),
-            pdl: major >= 9 && std::env::var_os("STRATA_PDL").is_none_or(|v| v != "0"),
-            skip: std::env::var("STRATA_SKIP_KERNELS")
+            sync_launches: switches::flag(switches::SYNC_LAUNCHES, false),
+            pdl: major >= 9 && switches::flag(switches::PDL, true),
+            skip: switches::text_lossy(switches::SKIP_KERNELS)
                 .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
                 .unwrap_or_default(),
             profile: Mutex::new(Profile::default()),
             graphs: Mutex::new(Graphs {
-                enabled: std::env::var_os("STRATA_CUDA_GRAPHS").is_none_or(|v| v != "0"),
+                enabled: switches::flag(switches::CUDA_GRAPHS, true),
                 ..Graphs::default()
             }),
-            profiling: std::env::var_os("STRATA_PROFILE_KERNELS")
-                .is_some_and(|v| v != "0")
-                .into(),
+            profiling: switches::flag(switches::PROFILE_KERNELS, false).into(),
             compile,
             ordinal,
             sms,
@@ -487,12 +476,14 @@ impl Gpu {
                     }
                     Err(e) => {
                         gs.enabled = false;
-                        events::emit(
-                            "fallback",
-                            serde_json::json!({"what": "decode_step", "from": "cuda_graph", "to": "launches",
-                                "why": e.to_string()}),
-                            &format!("CUDA graph capture failed ({e}); decode steps launch their kernels one by one"),
-                        );
+                        events::emit(EventKind::Fallback(Fallback {
+                            op: "decode_step".into(),
+                            from: "cuda_graph".into(),
+                            to: "launches".into(),
+                            why: format!("CUDA graph capture failed: {e}"),
+                            shape: None,
+                            max_rows: None,
+                        }));
                     }
                 }
                 Ok(())
@@ -655,13 +646,17 @@ impl Gpu {
         }
         r.map_err(|e| {
             let error = e.to_string();
-            events::emit(
-                "fault",
-                serde_json::json!({"kernel": kernel, "grid": [grid.0, grid.1, grid.2],
-                    "block": [block.0, block.1, block.2], "call": call, "error": error,
-                    "synced": self.sync_launches}),
-                &format!("kernel {kernel} grid {grid:?} block {block:?} launch #{call}: {error}"),
-            );
+            events::emit(EventKind::Fault(Fault {
+                error: error.clone(),
+                kernel: Some(kernel.into()),
+                launch: Some(Launch {
+                    grid: [grid.0, grid.1, grid.2],
+                    block: [block.0, block.1, block.2],
+                    call,
+                    synced: self.sync_launches,
+                }),
+                ..Fault::default()
+            }));
             CudaError::Launch {
                 kernel: kernel.into(),
                 grid,

@@ -1,46 +1,20 @@
-//! Choosing a device: `--device cpu|cuda:N`, and a backend that is either.
-
-use std::fmt;
-use std::str::FromStr;
+//! The backend of a device: `--device cpu|cuda:N`, and a backend that is either.
 
 use super::runtime::CudaError;
 use super::{CudaBackend, DevVec};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams};
-use crate::runtime::fault::FaultPlan;
-use crate::runtime::kv::KvLayer;
+use crate::device::fault::FaultPlan;
+use crate::device::{Device, DeviceError};
+use crate::state::kv::KvLayer;
 
-/// Where a session computes (`--device`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Device {
-    #[default]
-    Cpu,
-    /// CUDA device N (`cuda` alone is `cuda:0`).
-    Cuda(usize),
-}
-
-impl FromStr for Device {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Device, String> {
-        match s {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(0)),
-            _ => s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Device::Cuda)
-                .ok_or_else(|| format!("unknown device `{s}`; known: cpu, cuda, cuda:N")),
-        }
-    }
-}
-
-impl fmt::Display for Device {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(n) => write!(f, "cuda:{n}"),
-        }
-    }
+/// Why a device's backend could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
 }
 
 /// The backend of a [`Device`]: every [`Backend`] call goes to the CPU or the CUDA backend.
@@ -52,11 +26,13 @@ pub enum AnyBackend {
 impl AnyBackend {
     /// Opens `device` (the CUDA device, its kernels, cuBLAS).
     ///
-    /// Errors: CUDA is unavailable on this machine (one line saying why), no such device, kernels failed.
-    pub fn open(device: Device) -> Result<AnyBackend, CudaError> {
+    /// Errors: CUDA is unavailable on this machine (one line saying why), no such device, kernels failed; a
+    /// `sim:` device (not implemented yet).
+    pub fn open(device: &Device) -> Result<AnyBackend, OpenError> {
         Ok(match device {
             Device::Cpu => AnyBackend::Cpu(CpuBackend),
-            Device::Cuda(n) => AnyBackend::Cuda(Box::new(CudaBackend::new(n)?)),
+            Device::Cuda(n) => AnyBackend::Cuda(Box::new(CudaBackend::new(*n)?)),
+            Device::Sim(_) => return Err(device.available().expect_err("sim devices are refused").into()),
         })
     }
 
@@ -333,7 +309,7 @@ impl Backend for AnyBackend {
     fn top_logits(&self, logits: &AnyBuf, n: usize) -> bool {
         dispatch!(self, be, [], [logits], Backend::top_logits(be, logits, n))
     }
-    fn read_top_logits(&self, n: usize, out: &mut crate::runtime::sampling::TopLogits) -> bool {
+    fn read_top_logits(&self, n: usize, out: &mut crate::backend::top::TopLogits) -> bool {
         match self {
             AnyBackend::Cpu(c) => c.read_top_logits(n, out),
             AnyBackend::Cuda(c) => c.read_top_logits(n, out),

@@ -12,7 +12,6 @@ use std::str::FromStr;
 
 use half::slice::HalfFloatSliceExt;
 
-use crate::model::HParams;
 use crate::quant::{self, GgmlType};
 
 /// Storage type of the cache (`--kv f16|int8`).
@@ -61,6 +60,33 @@ pub enum KvError {
     HeadDim { head_dim: usize },
     #[error("a KV cache needs a context of at least one token")]
     Empty,
+}
+
+/// The numbers a cache is sized from (a model's attention geometry; `model::HParams::kv_shape` gives them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    /// Layers with a KV cache.
+    pub n_layer: usize,
+    /// KV heads per layer (GQA: fewer than the query heads).
+    pub n_head_kv: usize,
+    /// Values per key head.
+    pub head_dim: usize,
+    /// Values per value head.
+    pub head_dim_v: usize,
+}
+
+impl KvShape {
+    /// Bytes of one cell (one token's keys and values over every layer) in a cache of type `ty`.
+    ///
+    /// Errors: an int8 cache for a head width that is not a multiple of 32.
+    pub fn cell_bytes(&self, ty: KvType) -> Result<usize, KvError> {
+        let mut per_layer = 0;
+        for d in [self.head_dim, self.head_dim_v] {
+            let head = ty.ggml().row_bytes(d as u64).ok_or(KvError::HeadDim { head_dim: d })? as usize;
+            per_layer += head * self.n_head_kv;
+        }
+        Ok(per_layer * self.n_layer)
+    }
 }
 
 /// One layer's keys or values: `n_ctx` rows of `heads * head_dim` values.
@@ -156,21 +182,16 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A cache of `n_ctx` cells per layer for the model `hp` (zero-filled, allocated now).
+    /// A cache of `n_ctx` cells per layer of `shape` (zero-filled, allocated now).
     ///
     /// Errors: `n_ctx` is 0; an int8 cache for a head width that is not a multiple of 32.
-    pub fn new(hp: &HParams, n_ctx: usize, ty: KvType) -> Result<KvCache, KvError> {
+    pub fn new(shape: &KvShape, n_ctx: usize, ty: KvType) -> Result<KvCache, KvError> {
         if n_ctx == 0 {
             return Err(KvError::Empty);
         }
-        let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
-        for d in [dk, dv] {
-            if ty.ggml().row_bytes(d as u64).is_none() {
-                return Err(KvError::HeadDim { head_dim: d });
-            }
-        }
-        let heads = hp.n_head_kv as usize;
-        let layers = (0..hp.n_layer)
+        shape.cell_bytes(ty)?;
+        let (dk, dv, heads) = (shape.head_dim, shape.head_dim_v, shape.n_head_kv);
+        let layers = (0..shape.n_layer)
             .map(|_| KvLayer {
                 k: KvRows::new(ty.ggml(), n_ctx, heads, dk),
                 v: KvRows::new(ty.ggml(), n_ctx, heads, dv),

@@ -12,7 +12,7 @@
 //! ignored. The per-chunk check ([`FaultPlan::prefill_gemm_fails`]) is a comparison: no lock, no allocation.
 
 /// The environment variable holding the fault rules.
-pub const ENV_FAULT: &str = "STRATA_FAULT";
+pub const ENV_FAULT: &str = crate::switches::FAULT;
 
 /// The name of the operation `prefill_gemm` rules target, as fault and fallback events report it.
 pub const OP_PREFILL_GEMM: &str = "prefill_gemm";
@@ -89,12 +89,10 @@ impl FaultPlan {
     ///
     /// Errors: as [`FaultPlan::parse`]; a value that is not UTF-8.
     pub fn from_env() -> Result<FaultPlan, FaultSpecError> {
-        match std::env::var(ENV_FAULT) {
-            Ok(v) => FaultPlan::parse(&v),
-            Err(std::env::VarError::NotPresent) => Ok(FaultPlan::default()),
-            Err(std::env::VarError::NotUnicode(v)) => Err(FaultSpecError::UnknownRule {
-                rule: v.to_string_lossy().into_owned(),
-            }),
+        match crate::switches::text(ENV_FAULT) {
+            Some(Ok(v)) => FaultPlan::parse(&v),
+            None => Ok(FaultPlan::default()),
+            Some(Err(rule)) => Err(FaultSpecError::UnknownRule { rule }),
         }
     }
 

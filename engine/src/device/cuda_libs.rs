@@ -1,4 +1,4 @@
-//! Finding CUDA's shared libraries at run time (DESIGN.md section 6: cudarc with dynamic loading).
+//! Finding CUDA's shared libraries at run time, and counting the devices (DESIGN.md section 6: cudarc with dynamic loading).
 //!
 //! cudarc opens each library by name (`libcuda.so.1`, `libnvrtc.so.13`, ...) and panics when it is missing.
 //! Before cudarc's first call we open every library ourselves: by name first (the loader path:
@@ -56,8 +56,8 @@ const CUBLAS: LibSpec = LibSpec {
 /// Folders searched after the loader path, in order.
 fn search_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
-    if let Some(d) = std::env::var_os("STRATA_CUDA_LIB_DIR") {
-        dirs.push(PathBuf::from(d));
+    if let Some(d) = crate::switches::path(crate::switches::CUDA_LIB_DIR) {
+        dirs.push(d);
     }
     for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
         if let Some(root) = std::env::var_os(var) {
@@ -230,4 +230,16 @@ pub fn load_nvrtc() -> Result<Found, Unavailable> {
         )));
     }
     Ok(found)
+}
+
+/// Number of CUDA devices on this machine.
+///
+/// Errors: no driver or NVRTC ([`Unavailable`], one line saying what to install), or the driver fails to
+/// initialise (no device, driver/library mismatch), named with the failing call.
+pub fn device_count() -> Result<usize, Unavailable> {
+    load()?;
+    cudarc::driver::result::init().map_err(|e| Unavailable(format!("CUDA cuInit failed: {e}")))?;
+    let n = cudarc::driver::result::device::get_count()
+        .map_err(|e| Unavailable(format!("CUDA cuDeviceGetCount failed: {e}")))?;
+    Ok(n as usize)
 }

@@ -1,0 +1,378 @@
+//! The engine's structured events (DESIGN.md section 3): one typed enum, one variant per kind, each with a
+//! schema version and a timestamp, and the human log line rendered from the same value.
+//!
+//! Wire form, one JSON object per line (the worker protocol and `--events FILE`):
+//! `{"event": KIND, "v": 2, "ts_ms": ..., ...fields}`. Kinds:
+//!
+//! - `load`: the model is loaded (model path, device, context cells, load time, resident set);
+//! - `request`: one request's counts and times (the summary line of `strata generate`);
+//! - `fallback`: something failed and something else runs instead, for good ([`Fallback`]);
+//! - `fault`: something failed and the process cannot go on ([`Fault`]): a kernel launch, a library GEMM with
+//!   the fallback off, a panic.
+//!
+//! Producers call [`emit`]: the human line goes to stderr, the event to the process's sink, which the serve
+//! worker installs ([`set_sink`]) to forward events over its protocol and into its `--events` file. Any layer may
+//! emit (the CUDA backend does), since this module imports nothing of the engine's.
+//!
+//! Schema history: version 1 carried free-form fields, with two `fallback` shapes and four `fault` shapes;
+//! version 2 has one shape per kind.
+
+use std::fmt;
+use std::sync::{OnceLock, RwLock};
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the event schema, carried by every [`Event`] as `v`.
+pub const SCHEMA_VERSION: u32 = 2;
+
+/// One event: its kind and fields, stamped with the schema version and the time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub v: u32,
+    /// Milliseconds since the Unix epoch.
+    pub ts_ms: u64,
+    #[serde(flatten)]
+    pub kind: EventKind,
+}
+
+/// What happened, one variant per kind (the `event` field on the wire).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum EventKind {
+    Load(Load),
+    Request(Request),
+    Fallback(Fallback),
+    Fault(Fault),
+}
+
+/// `load`: a worker (or command) loaded its model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Load {
+    /// The model file.
+    pub model: String,
+    /// `cpu`, `cuda:0`, ...
+    pub device: String,
+    /// `llama`, `qwen3moe`, ...
+    pub arch: String,
+    pub n_layer: u32,
+    /// Context cells, in tokens.
+    pub n_ctx: usize,
+    pub load_ms: f64,
+    /// Resident set after loading, bytes.
+    pub rss_bytes: u64,
+    /// The worker's process id.
+    pub pid: u32,
+}
+
+/// `request`: what one request did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    pub id: u64,
+    /// Prompt tokens: reused plus read.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose cache cells were kept from an earlier request.
+    pub reused: usize,
+    /// Prompt tokens computed.
+    pub read: usize,
+    pub prefill_ms: f64,
+    /// Tokens generated (a final end-of-generation token included).
+    pub generated: usize,
+    pub decode_ms: f64,
+    /// Why it ended: `eog`, `stop_string`, `limit`, `context`, `cancelled`.
+    pub stop: String,
+}
+
+/// The shape of a matrix multiplication: `m` rows (tokens) × `k` inputs → `n` outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GemmShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// `fallback`: `op` failed on `from` and runs on `to` from now on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fallback {
+    /// The operation: `prefill_gemm`, `decode_step`.
+    pub op: String,
+    /// What failed: `blas` (a vendor library GEMM: cuBLAS, or the simulated one on the CPU), `cuda_graph`.
+    pub from: String,
+    /// What runs instead: `gemm_tensor_core` (our CUDA GEMM), `prefill_chunked` (prefill in batches of at most
+    /// `max_rows`), `launches` (kernels one by one).
+    pub to: String,
+    /// The error, as the failing layer said it.
+    pub why: String,
+    /// The failing call's shape, when it was a GEMM.
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<GemmShape>,
+    /// The largest batch that still works, in rows, when the fallback caps batches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rows: Option<usize>,
+}
+
+/// `fault`: an operation failed and the process stops (the server restarts its worker).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Fault {
+    /// The error, as the failing layer said it.
+    pub error: String,
+    /// The operation (`prefill_gemm`), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// The kernel or library call (`mmv_moe_q4_k`, `cublasGemmEx`), when one failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<String>,
+    /// The launch, when a kernel failed.
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<Launch>,
+    /// The shape, when a GEMM failed.
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<GemmShape>,
+    /// The request it happened in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<u64>,
+    /// Source location, for a panic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
+}
+
+/// A kernel launch: grid and block, the launch's number since start, and whether launches were synchronised
+/// (`STRATA_SYNC_LAUNCHES=1`: then the faulting kernel is this one, not a later one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub call: u64,
+    pub synced: bool,
+}
+
+impl Event {
+    /// `kind` stamped now with the current schema version.
+    pub fn now(kind: EventKind) -> Event {
+        let ts_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        Event {
+            v: SCHEMA_VERSION,
+            ts_ms,
+            kind,
+        }
+    }
+
+    /// The kind's name on the wire (`load`, `request`, `fallback`, `fault`).
+    pub fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+}
+
+impl EventKind {
+    /// The kind's name on the wire.
+    pub fn name(&self) -> &'static str {
+        match self {
+            EventKind::Load(_) => "load",
+            EventKind::Request(_) => "request",
+            EventKind::Fallback(_) => "fallback",
+            EventKind::Fault(_) => "fault",
+        }
+    }
+}
+
+/// Tokens per second of `n` tokens in `ms` milliseconds (0 for no time).
+fn rate(n: usize, ms: f64) -> f64 {
+    if ms > 0.0 { n as f64 / ms * 1e3 } else { 0.0 }
+}
+
+impl fmt::Display for Request {
+    /// The summary line: `prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms
+    /// (60.6 tok/s)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "prompt {} tokens = {} reused + {} read in {:.0} ms ({:.1} tok/s), {} generated in {:.0} ms ({:.1} tok/s)",
+            self.prompt_tokens,
+            self.reused,
+            self.read,
+            self.prefill_ms,
+            rate(self.read, self.prefill_ms),
+            self.generated,
+            self.decode_ms,
+            rate(self.generated, self.decode_ms)
+        )
+    }
+}
+
+impl fmt::Display for GemmShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "m={} n={} k={}", self.m, self.n, self.k)
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(op) = &self.op {
+            write!(f, "{op} ")?;
+        }
+        if let Some(k) = &self.kernel {
+            write!(f, "{k} ")?;
+        }
+        if let Some(l) = &self.launch {
+            write!(
+                f,
+                "grid {:?} block {:?} launch #{}{} ",
+                l.grid,
+                l.block,
+                l.call,
+                if l.synced { " (synchronised)" } else { "" }
+            )?;
+        }
+        if let Some(s) = &self.shape {
+            write!(f, "{s} ")?;
+        }
+        write!(f, "failed: {}", self.error)?;
+        if let Some(r) = self.request {
+            write!(f, " (request {r})")?;
+        }
+        if let Some(l) = &self.location {
+            write!(f, " at {l}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for EventKind {
+    /// The human log line of the event (without the `strata:` prefix).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EventKind::Load(l) => write!(
+                f,
+                "worker {} loaded {} ({}, {} layers) on {} in {:.0} ms",
+                l.pid, l.model, l.arch, l.n_layer, l.device, l.load_ms
+            ),
+            EventKind::Request(r) => write!(f, "{r}"),
+            EventKind::Fallback(b) => {
+                write!(f, "fallback: {} on {} failed", b.op, b.from)?;
+                if let Some(s) = &b.shape {
+                    write!(f, " at {s}")?;
+                }
+                write!(f, " ({}); {} runs on {}", b.why, b.op, b.to)?;
+                if let Some(n) = b.max_rows {
+                    write!(f, " in batches of at most {n} rows")?;
+                }
+                write!(f, " from now on")
+            }
+            EventKind::Fault(x) => write!(f, "fault: {x}"),
+        }
+    }
+}
+
+type Sink = Box<dyn Fn(&Event) + Send + Sync>;
+static SINK: OnceLock<Sink> = OnceLock::new();
+static PREFIX: RwLock<&'static str> = RwLock::new("strata");
+
+/// Installs the process's event sink (first call wins; later calls are ignored).
+pub fn set_sink(f: impl Fn(&Event) + Send + Sync + 'static) {
+    let _ = SINK.set(Box::new(f));
+}
+
+/// Sets the prefix of the human lines [`emit`] prints (`strata` by default; the serve worker's is
+/// `strata serve`).
+pub fn set_log_prefix(prefix: &'static str) {
+    *PREFIX.write().unwrap_or_else(|e| e.into_inner()) = prefix;
+}
+
+/// The prefix set by [`set_log_prefix`].
+pub fn log_prefix() -> &'static str {
+    *PREFIX.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Stamps `kind`, prints its human line on stderr and hands the event to the process's sink, if any.
+pub fn emit(kind: EventKind) {
+    let ev = Event::now(kind);
+    eprintln!("{}: {}", log_prefix(), ev.kind);
+    if let Some(sink) = SINK.get() {
+        sink(&ev);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(kind: EventKind) -> String {
+        let ev = Event::now(kind);
+        let line = serde_json::to_string(&ev).unwrap();
+        assert_eq!(serde_json::from_str::<Event>(&line).unwrap(), ev, "{line}");
+        line
+    }
+
+    #[test]
+    fn every_kind_round_trips_with_its_name_version_and_time() {
+        let line = round_trip(EventKind::Fallback(Fallback {
+            op: "prefill_gemm".into(),
+            from: "blas".into(),
+            to: "prefill_chunked".into(),
+            why: "injected".into(),
+            shape: Some(GemmShape { m: 72, n: 576, k: 576 }),
+            max_rows: Some(64),
+        }));
+        assert!(line.contains(r#""event":"fallback""#) && line.contains(r#""v":2"#), "{line}");
+        assert!(line.contains(r#""m":72"#) && line.contains(r#""max_rows":64"#), "{line}");
+        let line = round_trip(EventKind::Fault(Fault {
+            error: "boom".into(),
+            location: Some("src/x.rs:1:2".into()),
+            ..Fault::default()
+        }));
+        assert!(!line.contains("kernel") && !line.contains("grid"), "{line}");
+        round_trip(EventKind::Fault(Fault {
+            error: "unspecified launch failure".into(),
+            kernel: Some("mmv_q4_k".into()),
+            launch: Some(Launch {
+                grid: [1, 2, 3],
+                block: [128, 1, 1],
+                call: 9,
+                synced: true,
+            }),
+            ..Fault::default()
+        }));
+        let r = Request {
+            id: 1,
+            prompt_tokens: 53,
+            reused: 0,
+            read: 53,
+            prefill_ms: 634.0,
+            generated: 47,
+            decode_ms: 775.0,
+            stop: "eog".into(),
+        };
+        assert_eq!(
+            r.to_string(),
+            "prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms (60.6 tok/s)"
+        );
+        round_trip(EventKind::Request(r));
+    }
+
+    #[test]
+    fn human_lines_name_what_failed() {
+        let f = Fault {
+            error: "an illegal memory access".into(),
+            kernel: Some("attn_decode".into()),
+            launch: Some(Launch {
+                grid: [8, 1, 1],
+                block: [128, 1, 1],
+                call: 4711,
+                synced: true,
+            }),
+            ..Fault::default()
+        };
+        let line = EventKind::Fault(f).to_string();
+        assert!(line.contains("attn_decode") && line.contains("#4711"), "{line}");
+        let b = EventKind::Fallback(Fallback {
+            op: "prefill_gemm".into(),
+            from: "cublas".into(),
+            to: "gemm_tensor_core".into(),
+            why: "status 6".into(),
+            shape: None,
+            max_rows: None,
+        });
+        assert!(b.to_string().contains("gemm_tensor_core"), "{b}");
+    }
+}

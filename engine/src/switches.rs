@@ -1,0 +1,195 @@
+//! Every `STRATA_*` environment switch, read here and nowhere else.
+//!
+//! Flags are the user's everyday settings (`--device`, `--kv`, ...); switches are the few settings that must
+//! reach code no flag reaches (the kernel loader, the panic hook of a worker started by the server), diagnostics
+//! (`STRATA_SYNC_LAUNCHES`, `STRATA_TRACE_TENSORS`) and fault injection for bug replays (`STRATA_FAULT`,
+//! DESIGN.md section 1). [`SWITCHES`] lists each with its default and what it does; `strata switches` prints
+//! that table with the values this process sees.
+//!
+//! A boolean switch is on when set to anything but `0` (and off when unset, unless its default is on).
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// One switch: its variable, its default (as the user would write it; empty: unset) and what it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Switch {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub what: &'static str,
+    /// Its value is a secret: listed as `(set)`, never printed.
+    pub secret: bool,
+}
+
+const fn sw(name: &'static str, default: &'static str, what: &'static str) -> Switch {
+    Switch {
+        name,
+        default,
+        what,
+        secret: false,
+    }
+}
+
+/// The model cache folder.
+pub const MODELS_DIR: &str = "STRATA_MODELS_DIR";
+/// The compiled-kernel cache folder.
+pub const KERNEL_CACHE: &str = "STRATA_KERNEL_CACHE";
+/// A folder searched for CUDA's libraries.
+pub const CUDA_LIB_DIR: &str = "STRATA_CUDA_LIB_DIR";
+/// `strata serve`'s API key when `--api-key` is not given.
+pub const API_KEY: &str = "STRATA_API_KEY";
+/// Fault injection rules (grammar in [`crate::device::fault`]).
+pub const FAULT: &str = "STRATA_FAULT";
+/// Synchronise after every kernel launch.
+pub const SYNC_LAUNCHES: &str = "STRATA_SYNC_LAUNCHES";
+/// Programmatic dependent launch.
+pub const PDL: &str = "STRATA_PDL";
+/// CUDA graphs for decode steps.
+pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
+/// Per-launch timing.
+pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
+/// Kernels left out of decode graphs.
+pub const SKIP_KERNELS: &str = "STRATA_SKIP_KERNELS";
+/// Extra NVRTC options (kernel variants).
+pub const KERNEL_DEFINES: &str = "STRATA_KERNEL_DEFINES";
+/// One line per intermediate tensor.
+pub const TRACE_TENSORS: &str = "STRATA_TRACE_TENSORS";
+/// The serve worker panics after this many tokens of a request.
+pub const WORKER_FAULT_AFTER_TOKENS: &str = "STRATA_WORKER_FAULT_AFTER_TOKENS";
+
+/// Every switch, in the order `strata switches` lists them.
+pub const SWITCHES: &[Switch] = &[
+    sw(
+        MODELS_DIR,
+        "${XDG_CACHE_HOME:-~/.cache}/strata/models",
+        "the model cache folder (fetched and generated models)",
+    ),
+    sw(
+        KERNEL_CACHE,
+        "${XDG_CACHE_HOME:-~/.cache}/strata/kernels",
+        "the folder of compiled CUDA kernels, keyed by content hash, arch and driver",
+    ),
+    sw(
+        CUDA_LIB_DIR,
+        "",
+        "a folder searched first for libcuda, libnvrtc and libcublas (after the loader path)",
+    ),
+    Switch {
+        name: API_KEY,
+        default: "",
+        what: "strata serve's API key when --api-key is not given",
+        secret: true,
+    },
+    sw(
+        FAULT,
+        "",
+        "injected faults, e.g. prefill_gemm:m>64 (a prefill GEMM of more than 64 rows fails, seed 000)",
+    ),
+    sw(
+        SYNC_LAUNCHES,
+        "0",
+        "1: synchronise after every CUDA kernel so a fault names its kernel, grid, block and launch number",
+    ),
+    sw(
+        PDL,
+        "1",
+        "0: no programmatic dependent launch (sm_90 and later launch each kernel while the one before it ends)",
+    ),
+    sw(CUDA_GRAPHS, "1", "0: decode steps launch their kernels one by one instead of replaying a CUDA graph"),
+    sw(
+        PROFILE_KERNELS,
+        "0",
+        "1: time every kernel launch with CUDA events (strata bench prints the table)",
+    ),
+    sw(
+        SKIP_KERNELS,
+        "",
+        "a,b: leave these kernels out of decode graphs (timing diagnostic: replayed steps compute wrong tokens)",
+    ),
+    sw(
+        KERNEL_DEFINES,
+        "",
+        "extra NVRTC options compiling a kernel variant, e.g. -DMMV_MINB=3 (part of the kernel cache key)",
+    ),
+    sw(
+        TRACE_TENSORS,
+        "0",
+        "1: print one line per intermediate tensor of every forward pass (named as llama.cpp's graph nodes)",
+    ),
+    sw(
+        WORKER_FAULT_AFTER_TOKENS,
+        "",
+        "N: the serve worker panics after sending N tokens of a request (a test of the restart contract)",
+    ),
+];
+
+/// The raw value of `name` (one of [`SWITCHES`]).
+fn raw(name: &str) -> Option<OsString> {
+    debug_assert!(SWITCHES.iter().any(|s| s.name == name), "{name} is not in SWITCHES");
+    std::env::var_os(name)
+}
+
+/// A boolean switch: on when set to anything but `0`; `default` when unset.
+pub fn flag(name: &str, default: bool) -> bool {
+    raw(name).map_or(default, |v| v != "0")
+}
+
+/// A text switch; `None` when unset.
+///
+/// Errors: a value that is not UTF-8 (returned lossily converted, to be named in the caller's error).
+pub fn text(name: &str) -> Option<Result<String, String>> {
+    raw(name).map(|v| v.into_string().map_err(|v| v.to_string_lossy().into_owned()))
+}
+
+/// A text switch, `None` when unset or not UTF-8 (for switches whose bad value has no better meaning).
+pub fn text_lossy(name: &str) -> Option<String> {
+    raw(name).map(|v| v.to_string_lossy().into_owned())
+}
+
+/// A folder switch; `None` when unset or empty.
+pub fn path(name: &str) -> Option<PathBuf> {
+    raw(name).filter(|v| !v.is_empty()).map(PathBuf::from)
+}
+
+/// The commit this binary was built from (`engine/build.rs`: `git describe`, `-dirty` when tracked files
+/// differed), a build-time value rather than a switch.
+pub const BUILD_REV: &str = env!("STRATA_BUILD_REV");
+
+/// The `strata switches` table: each switch with its value in this process, its default and what it does.
+pub fn table() -> String {
+    let mut out = String::new();
+    let width = SWITCHES.iter().map(|s| s.name.len()).max().unwrap_or(0);
+    for s in SWITCHES {
+        let value = match raw(s.name) {
+            None => "(unset)".to_string(),
+            Some(_) if s.secret => "(set)".to_string(),
+            Some(v) => format!("{:?}", v.to_string_lossy()),
+        };
+        let default = if s.default.is_empty() { "unset" } else { s.default };
+        out.push_str(&format!(
+            "{:width$}  {value}\n{:width$}  default {default}: {}\n",
+            s.name, "", s.what
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_switch_is_listed_once_with_a_description() {
+        let mut names: Vec<_> = SWITCHES.iter().map(|s| s.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), SWITCHES.len());
+        for s in SWITCHES {
+            assert!(s.name.starts_with("STRATA_") && !s.what.is_empty(), "{s:?}");
+        }
+        let t = table();
+        for s in SWITCHES {
+            assert!(t.contains(s.name), "{t}");
+        }
+    }
+}
