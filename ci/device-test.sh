@@ -16,6 +16,9 @@
 #                  STRATA_KERNEL_DEFINES=-DMMV_MINB=3)
 #     regs         registers, spills and shared memory per thread of REGS_KERNELS (ptxas -v on the cached PTX:
 #                  the driver's JIT compiles the same PTX with the same default optimisation)
+#     ab-30b       before/after in one call: `strata bench` (pp512, pp2048, tg128) of the 30B shape with
+#                  $BASE_BIN (default carry/strata-base, a build of the revision to compare with) and $BIN, taking
+#                  turns ROUNDS times (default 2), then each test's best round per binary and the ratio new / base
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -72,7 +75,7 @@ bench-small)
   row "bench smollm2-shaped" "rc=$?"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
   ;;
-bench-30b|profile-30b|decode-30b|ablate-30b)
+bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b)
   [ -f "$WORK/q30.gguf" ] || /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
   if [ $mode = profile-30b ]; then
@@ -96,6 +99,25 @@ bench-30b|profile-30b|decode-30b|ablate-30b)
       env "${variants[$i]}" "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off \
         --reps 3 --prompt-tokens 16 --gen-tokens 128 > "$OUT/variant-$i.md" 2> "$OUT/variant-$i.err"
       row "tg128 with ${variants[$i]}" "rc=$? $(grep -E '^\| tg' "$OUT/variant-$i.md" | cut -d'|' -f3)"
+    done
+    continue
+  fi
+  if [ $mode = ab-30b ]; then
+    BASE=${BASE_BIN:-carry/strata-base}
+    row "ab-30b base" "$("$BASE" --version)"
+    row "ab-30b new" "$("$BIN" --version)"
+    for round in $(seq 1 ${ROUNDS:-2}); do
+      for side in base new; do
+        b=$BIN; [ $side = base ] && b=$BASE
+        "$b" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps 3 --prompt-tokens 512,2048 \
+          --gen-tokens 128 --prefill 2048 > "$OUT/ab-$side-$round.md" 2> "$OUT/ab-$side-$round.err"
+        row "  $side round $round" "rc=$? $(grep -E '^\| (pp|tg)' "$OUT/ab-$side-$round.md" | cut -d'|' -f2,3 | tr -s ' ' | tr '\n' ' ')"
+      done
+    done
+    for t in pp512 pp2048 tg128; do
+      best() { cat "$OUT"/ab-$1-*.md | awk -F'|' -v t=" $t " '$2 == t {split($3, a, " "); if (a[1] + 0 > m) m = a[1] + 0} END {print m}'; }
+      bb=$(best base); bn=$(best new)
+      row "  $t best: base / new / ratio" "$bb / $bn / $(awk -v a="$bb" -v b="$bn" 'BEGIN {printf "%.3f", b / a}')"
     done
     continue
   fi

@@ -27,11 +27,11 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use rayon::prelude::*;
 use serde::Serialize;
-use strata_engine::backend::{AnyBackend, Device};
+use strata_engine::backend::AnyBackend;
 use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::generate::{Greedy, TokenSampler};
-use strata_engine::state::kv::KvType;
+use strata_engine::runtime::engine::{Engine, EngineFlags};
 use strata_engine::runtime::session::{Session, SessionConfig};
 
 /// llama.cpp's llama-bench on SmolLM2-135M Q4_1, `-t 2`, on the 2-core CI machine (the project's reference).
@@ -45,9 +45,10 @@ const TARGET_DECODE: f64 = 0.8;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// A .gguf file, or `default` for the default model (fetched on first use).
-    #[arg(long, default_value = "default")]
-    model: String,
+    /// The engine (`--threads` also sets llama-bench's threads; `--prefill` defaults to `auto`, 512-token
+    /// batches, as llama-bench's n_ubatch).
+    #[command(flatten)]
+    engine: EngineFlags,
     /// Prompt lengths of the prefill tests, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
     prompt_tokens: Vec<usize>,
@@ -61,22 +62,10 @@ pub struct BenchArgs {
     /// Timed repetitions of each test (after one warm-up).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// Worker threads (default: all cores); llama-bench gets the same count.
-    #[arg(long)]
-    threads: Option<usize>,
-    /// KV cache type.
-    #[arg(long, value_enum, default_value = "f16")]
-    kv: KvType,
-    /// Prefill chunk in tokens (default: the whole prompt in one batch, as llama-bench's n_ubatch 512 does up to 512).
-    #[arg(long)]
-    prefill: Option<usize>,
     /// llama-bench to run beside: a path, `auto` (the build of fixtures/llamacpp/build.sh in the model cache, when
     /// present) or `off`.
     #[arg(long, default_value = "auto")]
     llama_bench: String,
-    /// Where to compute: cpu, or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: Device,
     /// Print JSON instead of Markdown.
     #[arg(long)]
     json: bool,
@@ -159,11 +148,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.reps == 0 {
         bail!("--reps must be at least 1");
     }
-    strata_engine::backend::cpu::init_threads(args.threads).context("cannot start the worker threads")?;
-    let threads = rayon::current_num_threads();
-    let path = models::resolve(Some(&args.model))?;
     let load_before = load_average();
-    let model = Model::load(&path).with_context(|| format!("cannot load model {}", path.display()))?;
+    let engine = Engine::open(&args.engine)?;
+    let threads = rayon::current_num_threads();
+    let (path, model) = (engine.path.clone(), &engine.model);
     let longest = args
         .prompt_tokens
         .iter()
@@ -171,7 +159,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(args.gen_tokens + args.depth.iter().copied().max().unwrap_or(0));
-    let max_context = longest.max(1);
+    let max_context = match args.engine.max_context {
+        Some(n) if n < longest => bail!("--max-context {n} is shorter than the longest test, {longest} tokens"),
+        Some(n) => n,
+        None => longest.max(1),
+    };
     if model.hp.n_ctx_train > 0 && max_context > model.hp.n_ctx_train as usize {
         bail!(
             "a {max_context}-token test is over {}'s training context of {} tokens",
@@ -181,11 +173,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let config = SessionConfig {
         max_context,
-        kv: args.kv,
-        prefill_chunk: args.prefill,
+        ..args.engine.session_config()
     };
-    let backend = AnyBackend::open(&args.device).with_context(|| format!("cannot use --device {}", args.device))?;
-    let mut session = Session::new(&model, backend, config)?;
+    let mut session = engine.session_with(config)?;
     let vocab = model.weights.output.rows as u32;
     let mut results = Vec::new();
     for &n in &args.prompt_tokens {
@@ -225,9 +215,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         results.push(TestResult::new(name, tok_s));
     }
     let peak_rss_mib = peak_rss_kib().map_or(f64::NAN, |k| k as f64 / 1024.0);
-    let bytes_per_token = bytes_per_token(&model);
+    let bytes_per_token = bytes_per_token(model);
     let gpu = match session.backend().cuda().is_some() {
-        true => Some(gpu_info(&model, &mut session, &args)?),
+        true => Some(gpu_info(model, &mut session, &args)?),
         false => None,
     };
     let read_bandwidth_gb_s = match &gpu {
@@ -274,7 +264,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         model_bytes: std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0),
         arch: model.hp.arch.to_string(),
         threads,
-        kv: args.kv.to_string(),
+        kv: args.engine.kv.to_string(),
         cpu: cpu_name(),
         load_before,
         load_after: load_average(),

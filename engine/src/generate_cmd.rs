@@ -1,82 +1,22 @@
-//! `strata generate` and `strata chat`: load a model, run it on the CPU backend, stream text.
+//! `strata generate` and `strata chat`: open an engine (`runtime::engine`), stream text.
 
-use std::io::{BufRead, IsTerminal, Write};
-use std::time::{Duration, Instant};
+use std::io::{BufRead, Write};
 
 use anyhow::{Context, Result, bail};
-use strata_engine::backend::AnyBackend;
-use strata_engine::model::Model;
-use strata_engine::models;
+use strata_engine::runtime::engine::Engine;
 use strata_engine::runtime::generate::{GenerateError, GenerateOptions, GenerateStats, generate};
 use strata_engine::runtime::sampling::{Sampler, SamplingParams};
-use strata_engine::runtime::session::{Session, SessionConfig, SessionError};
-use strata_engine::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer};
+use strata_engine::runtime::session::SessionError;
+use strata_engine::tokenizer::{ChatMessage, ChatRequest};
 
 use crate::{EngineArgs, GenerateArgs, SamplingArgs};
 
-struct Loaded {
-    model: Model,
-    tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
+/// Opens the engine of `args` and logs what was loaded.
+fn open(args: &EngineArgs) -> Result<Engine> {
+    let engine = Engine::open(&args.engine)?;
+    eprintln!("strata: {}", engine.loaded_line());
+    Ok(engine)
 }
-
-fn load(args: &EngineArgs) -> Result<Loaded> {
-    strata_engine::backend::cpu::init_threads(args.threads).context("cannot start the worker threads")?;
-    let path = models::resolve(Some(&args.model))?;
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let b = indicatif::ProgressBar::new_spinner();
-        b.set_message(format!("loading {}", path.display()));
-        b.enable_steady_tick(Duration::from_millis(100));
-        b
-    });
-    let start = Instant::now();
-    let model = Model::load(&path).with_context(|| format!("cannot load model {}", path.display()))?;
-    let md = model.gguf.metadata();
-    let tokenizer = Tokenizer::from_metadata(md).with_context(|| format!("{}: tokenizer", path.display()))?;
-    let template = ChatTemplate::from_metadata(md).with_context(|| format!("{}: chat template", path.display()))?;
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
-    eprintln!(
-        "strata: loaded {} ({}, {} layers) in {} ms",
-        path.display(),
-        model.hp.arch,
-        model.hp.n_layer,
-        start.elapsed().as_millis()
-    );
-    Ok(Loaded {
-        model,
-        tokenizer,
-        template,
-    })
-}
-
-/// The backend of `--device`; a CUDA device reports its start (kernels compiled or read from the cache).
-fn open_backend(args: &EngineArgs) -> Result<AnyBackend> {
-    let start = Instant::now();
-    let be = AnyBackend::open(&args.device).with_context(|| format!("cannot use --device {}", args.device))?;
-    if let Some(c) = be.cuda() {
-        let k = &c.gpu().compile;
-        eprintln!(
-            "strata: {} ready in {} ms (kernels for {} {} in {:.0} ms)",
-            args.device,
-            start.elapsed().as_millis(),
-            k.arch,
-            if k.cached { "read from the cache" } else { "compiled" },
-            k.ms
-        );
-    }
-    Ok(be)
-}
-
-fn session_config(args: &EngineArgs) -> SessionConfig {
-    SessionConfig {
-        max_context: args.max_context,
-        kv: args.kv,
-        prefill_chunk: args.prefill.0,
-    }
-}
-
 fn sampler(args: &SamplingArgs, vocab: usize) -> Result<Sampler> {
     let params = SamplingParams {
         temperature: args.temp,
@@ -121,9 +61,7 @@ fn stream_to_stdout(text: &str) {
 
 /// `strata generate`.
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
-    // The device first: a missing GPU is reported before the model is read.
-    let backend = open_backend(&args.engine)?;
-    let l = load(&args.engine)?;
+    let l = open(&args.engine)?;
     let prompt_text = if args.chat {
         let t = l
             .template
@@ -139,9 +77,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         args.prompt.clone()
     };
     let tokens = l.tokenizer.encode(&prompt_text, true, args.chat)?;
-    let mut session = Session::new(&l.model, backend, session_config(&args.engine))?;
-    // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
-    session.set_fault_policy(strata_engine::device::fault::FaultPlan::from_env()?, true);
+    let mut session = l.session()?;
     let opts = GenerateOptions {
         max_tokens: args.engine.max_tokens,
         stop: args.engine.sampling.stop.clone(),
@@ -157,14 +93,11 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
 
 /// `strata chat`.
 pub fn run_chat(args: EngineArgs) -> Result<()> {
-    let backend = open_backend(&args)?;
-    let l = load(&args)?;
+    let l = open(&args)?;
     let Some(template) = l.template.as_ref() else {
         bail!("`strata chat` needs a chat template, and this model has none (tokenizer.chat_template)");
     };
-    let mut session = Session::new(&l.model, backend, session_config(&args))?;
-    // STRATA_FAULT (fault injection, seed 000) applies here as in `strata serve`, with the fallback on.
-    session.set_fault_policy(strata_engine::device::fault::FaultPlan::from_env()?, true);
+    let mut session = l.session()?;
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         stop: args.sampling.stop.clone(),

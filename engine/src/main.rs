@@ -12,8 +12,7 @@ use strata_engine::model::synth::{SynthArch, SynthSpec};
 use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
-use strata_engine::state::kv::KvType;
-use strata_engine::runtime::session;
+use strata_engine::runtime::engine::EngineFlags;
 
 mod bench_cmd;
 mod device_cmd;
@@ -61,38 +60,24 @@ enum Command {
     Serve(strata_engine::serve::ServeArgs),
     /// The engine worker `strata serve` starts (JSON lines on stdin/stdout); not for direct use.
     #[command(hide = true)]
-    Worker(strata_engine::serve::EngineFlags),
+    Worker(strata_engine::serve::WorkerFlags),
     /// Prefill and decode tok/s and peak RSS on the CPU or a GPU (--device), beside llama.cpp's llama-bench on the
     /// same file.
     Bench(bench_cmd::BenchArgs),
     /// CUDA devices: --list-devices, --selftest [--model M --max-context N], --check-kernels.
     Device(device_cmd::DeviceArgs),
+    /// Every STRATA_* environment switch with its value here, its default and what it does.
+    Switches,
 }
 
-/// Model, cache and sampling settings shared by `generate` and `chat`.
+/// Engine, generation and sampling settings shared by `generate` and `chat`.
 #[derive(Args)]
 struct EngineArgs {
-    /// A .gguf file, or `default` for the default model (fetched on first use).
-    #[arg(long, default_value = "default")]
-    model: String,
+    #[command(flatten)]
+    engine: EngineFlags,
     /// Most tokens to generate per answer.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
-    /// KV cache type: f16, or int8 (blocks of 32 values with an f16 scale).
-    #[arg(long, value_enum, default_value = "f16")]
-    kv: KvType,
-    /// Context size in tokens (capped by the model's training context). A longer request is an error.
-    #[arg(long, default_value_t = session::DEFAULT_MAX_CONTEXT)]
-    max_context: usize,
-    /// Prefill chunk in tokens, or `auto`.
-    #[arg(long, default_value = "auto", value_parser = parse_prefill)]
-    prefill: Prefill,
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Where to compute: cpu, or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: strata_engine::device::Device,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -142,13 +127,6 @@ struct SamplingArgs {
     /// Stop when this text is generated (repeatable); it is not printed.
     #[arg(long)]
     stop: Vec<String>,
-}
-
-#[derive(Clone, Copy)]
-struct Prefill(Option<usize>);
-
-fn parse_prefill(s: &str) -> Result<Prefill, String> {
-    session::parse_prefill_chunk(s).map(Prefill)
 }
 
 #[derive(Subcommand)]
@@ -378,6 +356,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Worker(flags) => strata_engine::serve::worker::run(&flags)?,
         Command::Bench(args) => bench_cmd::run(args)?,
         Command::Device(args) => device_cmd::run(args)?,
+        Command::Switches => print!("{}", strata_engine::switches::table()),
     }
     Ok(())
 }

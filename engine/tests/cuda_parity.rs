@@ -857,11 +857,12 @@ fn end_to_end(name: &str, spec: &SynthSpec, kv: KvType) {
     let tokens: Vec<u32> = (0..300)
         .map(|_| ((rng.f() + 1.0) * 0.5 * (vocab - 1) as f32) as u32)
         .collect();
-    let mut sc = Session::new(&model, CpuBackend, cfg).unwrap();
-    let mut sg = Session::new(&model, gpu(), cfg).unwrap();
+    let mut sc = Session::new(&model, &CpuBackend, cfg).unwrap();
+    let (gpu_g, gpu_t) = (gpu(), gpu());
+    let mut sg = Session::new(&model, &gpu_g, cfg).unwrap();
     // A third session decodes the same tokens with the candidates selected on the device (its cache filled the
     // same way as sg's, so its logits are sg's bit for bit).
-    let mut st = Session::new(&model, gpu(), cfg).unwrap();
+    let mut st = Session::new(&model, &gpu_t, cfg).unwrap();
     st.logits_all(&tokens).unwrap();
     st.prefill(&tokens[..32]).unwrap();
     let a = sc.logits_all(&tokens).unwrap();
@@ -948,4 +949,35 @@ fn smollm2_shaped_kld_vs_cpu() {
 fn tiny_qwen3moe_kld_vs_cpu() {
     end_to_end("tiny-qwen3moe", &SynthSpec::tiny_qwen3moe(), KvType::F16);
     end_to_end("tiny-qwen3moe-int8kv", &SynthSpec::tiny_qwen3moe(), KvType::Int8);
+}
+
+#[path = "common/interleave.rs"]
+mod interleave;
+
+/// Two sequences through one CUDA backend, interleaved step by step (each records and replays its own decode
+/// graphs), each get the greedy tokens they get alone, and the CPU's.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn two_sequences_interleaved_give_each_its_tokens_alone() {
+    let dir = std::env::temp_dir().join(format!("strata-cuda-interleave-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    let model = Model::load(&path).unwrap();
+    let cfg = SessionConfig {
+        max_context: 512,
+        kv: KvType::F16,
+        prefill_chunk: Some(64),
+    };
+    let a: Vec<u32> = (0..7).map(|i| 300 + i * 37).collect();
+    let b: Vec<u32> = (0..150).map(|i| 500 + i * 11).collect();
+    let g = gpu();
+    interleave::assert_interleaved_equals_alone(&model, &g, cfg, &[&a, &b], 24);
+    let (captured, replays) = g.gpu().graph_counts();
+    assert!(replays > 0, "decode steps replayed no graph ({captured} captured)");
+    let on_gpu = interleave::greedy_interleaved(&model, &g, cfg, &[&a, &b], 24);
+    let on_cpu = interleave::greedy_interleaved(&model, &CpuBackend, cfg, &[&a, &b], 24);
+    let same = on_gpu.iter().flatten().zip(on_cpu.iter().flatten()).filter(|(x, y)| x == y).count();
+    println!("interleaved: {same} of 48 greedy tokens equal to the CPU's; {captured} graphs captured, {replays} replays");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -24,7 +24,7 @@ use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;
 use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
 use crate::device::fault::FaultPlan;
-use crate::state::kv::KvLayer;
+use crate::state::kv::{KvLayer, SeqSlot};
 
 /// A quantized weight matrix viewed in place (zero-copy) in a GGUF mapping: `rows` rows of `cols` weights.
 #[derive(Clone, Copy)]
@@ -213,6 +213,14 @@ pub struct MoeScratch {
 /// backend runs one attention launch for `b = 1` and splits the keys by `b` above: `decode_splits` in
 /// backend/cuda), so steps of another span are recorded apart.
 pub const ATTN_SPAN_BLOCK: usize = 128;
+
+/// The identity of a forward step for a backend that records steps (CUDA graphs): the sequence whose KV cache and
+/// scratch buffers it uses, and an opaque shape chosen by the step driver (equal shapes: the same launches).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StepKey {
+    pub slot: SeqSlot,
+    pub shape: u64,
+}
 
 /// The operations of a forward pass over activation buffers that live where the backend computes: host
 /// memory for the CPU ([`Vec<f32>`]), device memory for a GPU. The forward pass moves data between host and
@@ -433,11 +441,12 @@ pub trait Backend: Send + Sync {
         );
     }
 
-    /// Brackets one forward pass of `n_tok` tokens (`key` tells shapes apart, and the attention span in blocks
-    /// of [`ATTN_SPAN_BLOCK`] cells: a step's launches may depend on both): a GPU backend records a decode
-    /// step into a CUDA graph and replays it on later steps. No data may be read back between the two calls but
-    /// through [`Backend::download`].
-    fn step_begin(&self, _n_tok: usize, _key: u64) {}
+    /// Brackets one forward pass of `n_tok` tokens. The caller (the step driver, `runtime::session`) gives each
+    /// step a [`StepKey`]: the sequence whose buffers it uses and its shape (tokens, logits wanted, attention span in
+    /// blocks of [`ATTN_SPAN_BLOCK`] cells: a step's launches may depend on all three). A GPU backend records a
+    /// decode step into a CUDA graph and replays it on later steps of the same key. No data may be read back
+    /// between the two calls but through [`Backend::download`].
+    fn step_begin(&self, _n_tok: usize, _key: StepKey) {}
 
     /// Ends the step begun by [`Backend::step_begin`] (a GPU backend launches the step's graph here).
     fn step_end(&self) {}
@@ -445,11 +454,15 @@ pub trait Backend: Send + Sync {
     /// Runs a whole decode step from a graph verified on earlier steps, when the backend has one for `key` and
     /// nothing it depends on changed since: `ids` and `positions` become its inputs and its logits land where the
     /// forward pass leaves them. Returns false (nothing done) otherwise; the caller then runs the forward pass.
-    /// The graph writes the KV cache and reads the scratch it was recorded with, so a backend that replays serves
-    /// one KV cache and one scratch (one session), as `Session` does.
-    fn replay_step(&self, _key: u64, _ids: &[u32], _positions: &[u32]) -> bool {
+    /// The graph writes the KV cache and reads the scratch it was recorded with, which is why the key names the
+    /// sequence: each sequence (its cache and scratch) replays only its own graphs.
+    fn replay_step(&self, _key: StepKey, _ids: &[u32], _positions: &[u32]) -> bool {
         false
     }
+
+    /// Forgets what the backend keeps for sequence `slot` (a GPU's copy of its KV cache, its recorded graphs):
+    /// the sequence ended. The default keeps nothing.
+    fn release_slot(&self, _slot: SeqSlot) {}
 
     /// Hands the backend the injected faults and the `--gemm-fallback` policy. Returns whether the backend
     /// applies them itself (a GPU with a library GEMM and our own kernel behind it); otherwise the session

@@ -58,6 +58,13 @@ pub enum Logits {
     Top,
 }
 
+/// What a forward pass left for [`Model::read_logits`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardOut {
+    /// The backend queued its selection of the best logits ([`Logits::Top`]).
+    pub topped: bool,
+}
+
 /// Activation buffers of the forward pass, where backend `B` computes (device memory on a GPU), grown to the
 /// largest batch seen and reused, so decode steps allocate nothing. `logits` is on the host.
 pub struct Scratch<B: Backend> {
@@ -78,6 +85,19 @@ pub struct Scratch<B: Backend> {
     /// The last step's candidates when it ran with [`Logits::Top`] and the backend selected them (`logits` is
     /// then empty).
     pub top: crate::backend::TopLogits,
+}
+
+impl<B: Backend> Scratch<B> {
+    /// Sets the step's positions to `pos0..pos0 + n`.
+    pub fn set_positions(&mut self, pos0: usize, n: usize) {
+        self.pos.clear();
+        self.pos.extend((pos0..pos0 + n).map(|p| p as u32));
+    }
+
+    /// The step's positions, as [`Scratch::set_positions`] left them.
+    pub fn positions(&self) -> &[u32] {
+        &self.pos
+    }
 }
 
 impl<B: Backend> Default for Scratch<B> {
@@ -138,25 +158,27 @@ impl Model {
     /// `[n_tok][vocab]`; with [`Logits::Top`], nothing when the backend selected the candidates into
     /// `scratch.top`, else the last token's values.
     ///
+    /// This is the forward pass alone: the step driver (`runtime::session`) brackets it for backends that record
+    /// steps ([`Backend::step_begin`]) and reads the logits with [`Model::read_logits`].
+    ///
     /// Panics when the tokens do not fit the cache or an id is outside the vocabulary (the session checks
     /// both and reports them as errors).
-    pub fn forward<'s, B: Backend>(
+    pub fn forward<B: Backend>(
         &self,
         be: &B,
         tokens: &[u32],
         pos0: usize,
         kv: &mut KvCache,
-        s: &'s mut Scratch<B>,
+        s: &mut Scratch<B>,
         logits: Logits,
-    ) -> &'s [f32] {
+    ) -> ForwardOut {
         let hp = &self.hp;
         let w = &self.weights;
         let n = tokens.len();
         assert!(n > 0 && pos0 + n <= kv.n_ctx(), "forward: tokens beyond the cache");
         let (e, nh, nkv) = (hp.n_embd as usize, hp.n_head as usize, hp.n_head_kv as usize);
         let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
-        s.pos.clear();
-        s.pos.extend((pos0..pos0 + n).map(|p| p as u32));
+        s.set_positions(pos0, n);
         let (n_ff, nx) = (self.max_ff(), hp.n_expert as usize);
         for (buf, len) in [
             (&mut s.x, n * e),
@@ -181,26 +203,7 @@ impl Model {
             );
         }
 
-        // One step for the backend (a GPU replays decode steps as a graph); tracing reads tensors mid-step.
-        let graphable = !*TRACE_TENSORS;
-        let span = (pos0 + n).div_ceil(crate::backend::ATTN_SPAN_BLOCK) as u64;
-        let key = span << 32 | (n as u64) << 2 | logits as u64;
         let out = self.m(&w.output);
-        if graphable && logits != Logits::None && be.replay_step(key, tokens, &s.pos) {
-            if logits == Logits::Top && be.read_top_logits(out.rows, &mut s.top) {
-                return &[];
-            }
-            let len = if logits == Logits::All { n } else { 1 } * out.rows;
-            if s.logits.len() < len {
-                s.logits.resize(len, 0.0);
-            }
-            be.download(&s.lg, 0, &mut s.logits[..len]);
-            return &s.logits[..len];
-        }
-        if graphable {
-            be.step_begin(n, key);
-        }
-
         // Embeddings: one dequantized row of token_embd per token.
         be.get_rows(&embd, tokens, &mut s.x);
         if let Some(sc) = w.config.embd_scale {
@@ -346,12 +349,7 @@ impl Model {
         }
 
         let (first, m) = match logits {
-            Logits::None => {
-                if graphable {
-                    be.step_end();
-                }
-                return &[];
-            }
+            Logits::None => return ForwardOut { topped: false },
             Logits::Last | Logits::Top => (n - 1, 1),
             Logits::All => (0, n),
         };
@@ -361,18 +359,32 @@ impl Model {
         be.matmul(&out, &s.h, m, &mut s.lg);
         trace(be, "result_norm", None, &s.h, m * e);
         trace(be, "result_output", None, &s.lg, m * out.rows);
-        let topped = logits == Logits::Top && be.top_logits(&s.lg, out.rows);
-        if graphable {
-            be.step_end();
+        ForwardOut {
+            topped: logits == Logits::Top && be.top_logits(&s.lg, out.rows),
         }
-        if topped && be.read_top_logits(out.rows, &mut s.top) {
+    }
+
+    /// The logits a step of `n_tok` tokens left, as [`Model::forward`] describes them: read from the backend's
+    /// buffer into `scratch.logits`, or the candidates it selected into `scratch.top` (`topped`: the step queued
+    /// that selection; then nothing is returned when the backend has it).
+    pub fn read_logits<'s, B: Backend>(
+        &self,
+        be: &B,
+        s: &'s mut Scratch<B>,
+        logits: Logits,
+        n_tok: usize,
+        topped: bool,
+    ) -> &'s [f32] {
+        let rows = self.weights.output.rows;
+        if logits == Logits::None || (topped && be.read_top_logits(rows, &mut s.top)) {
             return &[];
         }
-        if s.logits.len() < m * out.rows {
-            s.logits.resize(m * out.rows, 0.0);
+        let len = if logits == Logits::All { n_tok } else { 1 } * rows;
+        if s.logits.len() < len {
+            s.logits.resize(len, 0.0);
         }
-        be.download(&s.lg, 0, &mut s.logits[..m * out.rows]);
-        &s.logits[..m * out.rows]
+        be.download(&s.lg, 0, &mut s.logits[..len]);
+        &s.logits[..len]
     }
 
     /// The widest FFN of any layer (dense `n_ff`; 0 for MoE layers, whose buffers the backend keeps).
@@ -395,7 +407,7 @@ impl Model {
 /// embedding), so a run can be compared
 /// line by line with llama.cpp's `llama-eval-callback` on the same prompt (fixtures/llamacpp/compare_tensors.py).
 /// A diagnostic for numerical divergences; it costs one relaxed load per call when off.
-static TRACE_TENSORS: std::sync::LazyLock<bool> =
+pub static TRACE_TENSORS: std::sync::LazyLock<bool> =
     std::sync::LazyLock::new(|| crate::switches::flag(crate::switches::TRACE_TENSORS, false));
 
 /// Prints the first `len` values of `buf` (all tokens of the batch, row-major) when tensor tracing is on; see

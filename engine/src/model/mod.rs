@@ -8,5 +8,5 @@ pub mod synth;
 pub mod upcycle;
 pub mod weights;
 
-pub use forward::{Logits, Model, ModelError, Scratch};
+pub use forward::{ForwardOut, Logits, Model, ModelError, Scratch, TRACE_TENSORS};
 pub use hparams::{Arch, HParams, HParamsError};

@@ -143,7 +143,7 @@ pub enum QuantError {
 /// `src.len() / block_bytes * block_elems` f32 values.
 ///
 /// Bit-exact with ggml's `dequantize_row_*` (`ggml-quants.c`) and with PyPI `gguf`'s `gguf.quants.dequantize`
-/// (checked against committed goldens in `engine/tests/quant_goldens.rs`).
+/// (checked against committed goldens in `engine/tests/formats/quant_goldens.rs`).
 ///
 /// Errors: [`QuantError::NotWholeBlocks`] when `src` is not whole blocks, [`QuantError::LengthMismatch`] when
 /// `dst` has a different length, [`QuantError::Unsupported`] for types without a dequantizer.

@@ -2,7 +2,7 @@
 //!
 //! Dequantize is bit-exact with ggml's `dequantize_row_*` (ggml-quants.c) and PyPI `gguf`'s
 //! `gguf.quants.dequantize`: each weight is computed with the same f32 operations in the same order (no fused
-//! multiply-add), which `engine/tests/quant_goldens.rs` checks bit for bit. The reference dot product is
+//! multiply-add), which `engine/tests/formats/quant_goldens.rs` checks bit for bit. The reference dot product is
 //! `Σ dequantize(row)[i] * x[i]` summed in f32, block by block, in 8 interleaved partial sums.
 
 use bytemuck::cast_slice;

@@ -1,5 +1,5 @@
 //! Unit tests of the quant module: SIMD against reference, error contracts, quantize round trips.
-//! (Bit-exactness against PyPI `gguf` lives in `engine/tests/quant_goldens.rs`.)
+//! (Bit-exactness against PyPI `gguf` lives in `engine/tests/formats/quant_goldens.rs`.)
 
 use super::*;
 use blocks::F16Bits;

@@ -1,5 +1,7 @@
-//! Generation at run time: turning a model's logits into tokens and text (sampling, stop strings).
+//! Run time: the engine (flags and the one composition root), sequences and their step driver, sampling and
+//! generation.
 
+pub mod engine;
 pub mod generate;
 pub mod sampling;
 pub mod session;

@@ -1,5 +1,7 @@
-//! A session: one sequence's KV cache over a loaded model, with chunked prefill, decode steps and prefix
-//! reuse across consecutive requests.
+//! A session: one sequence over a loaded model and a backend it shares with other sessions: its KV cache (its
+//! slot), scratch buffers, chunked prefill, decode steps and prefix reuse across consecutive requests. It is also
+//! the step driver: it decides each step's [`StepKey`] and whether a backend replays a recorded step (the forward
+//! pass knows nothing of graphs).
 //!
 //! Prefix reuse: a new prompt keeps the cached cells of the longest common token prefix with what the cache
 //! holds and computes only the rest ("R reused + X read"). At least the last prompt token is always read, so
@@ -7,8 +9,8 @@
 
 use std::time::Instant;
 
-use crate::backend::Backend;
-use crate::model::{Logits, Model, Scratch};
+use crate::backend::{ATTN_SPAN_BLOCK, Backend, StepKey};
+use crate::model::{Logits, Model, Scratch, TRACE_TENSORS};
 use crate::device::fault::{FaultPlan, GemmFault};
 use crate::state::kv::{KvCache, KvError, KvType};
 use crate::runtime::sampling::TopLogits;
@@ -103,10 +105,20 @@ pub enum StepLogits<'a> {
     Top(&'a TopLogits),
 }
 
-/// One sequence over a model.
+/// The key of a step of `n` tokens at positions `pos0..`: the sequence's slot, and a shape made of the tokens, the
+/// logits wanted and the attention span in blocks of [`ATTN_SPAN_BLOCK`] cells (what a step's launches depend on).
+fn step_key(slot: crate::state::kv::SeqSlot, pos0: usize, n: usize, want: Logits) -> StepKey {
+    let span = (pos0 + n).div_ceil(ATTN_SPAN_BLOCK) as u64;
+    StepKey {
+        slot,
+        shape: span << 32 | (n as u64) << 2 | want as u64,
+    }
+}
+
+/// One sequence over a model, computed on a backend it borrows (several sessions may share one).
 pub struct Session<'m, B: Backend> {
     model: &'m Model,
-    backend: B,
+    backend: &'m B,
     kv: KvCache,
     scratch: Scratch<B>,
     /// The tokens whose keys and values the cache holds, in position order.
@@ -127,7 +139,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// A session with an empty cache of `min(config.max_context, context_length)` cells.
     ///
     /// Errors: a zero context; an int8 cache for a head width that is not a multiple of 32.
-    pub fn new(model: &'m Model, backend: B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
+    pub fn new(model: &'m Model, backend: &'m B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
         let n_ctx = context_cells(config.max_context, model.hp.n_ctx_train);
         let kv = KvCache::new(&model.hp.kv_shape(), n_ctx, config.kv)?;
         Ok(Session {
@@ -192,8 +204,8 @@ impl<'m, B: Backend> Session<'m, B> {
     }
 
     /// The backend the session computes on.
-    pub fn backend(&self) -> &B {
-        &self.backend
+    pub fn backend(&self) -> &'m B {
+        self.backend
     }
 
     pub fn model(&self) -> &'m Model {
@@ -217,6 +229,32 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Forgets the cached tokens (the cells are overwritten by the next request).
     pub fn clear(&mut self) {
         self.tokens.clear();
+    }
+
+    /// One forward step of `tokens` at the next positions (the caller checked them): the step driver. A step
+    /// that wants logits is first offered to the backend as a replay of a recorded step of the same key; otherwise
+    /// the forward pass runs, bracketed by [`Backend::step_begin`] / [`Backend::step_end`] so the backend may
+    /// record it. Tensor tracing (`STRATA_TRACE_TENSORS`) reads tensors mid-step, so it records nothing.
+    fn run_step(&mut self, tokens: &[u32], want: Logits) -> &[f32] {
+        let (be, n, pos0) = (self.backend, tokens.len(), self.tokens.len());
+        let key = step_key(self.kv.slot(), pos0, n, want);
+        let graphable = !*TRACE_TENSORS;
+        if graphable && want != Logits::None {
+            self.scratch.set_positions(pos0, n);
+            if be.replay_step(key, tokens, self.scratch.positions()) {
+                return self
+                    .model
+                    .read_logits(be, &mut self.scratch, want, n, want == Logits::Top);
+            }
+        }
+        if graphable {
+            be.step_begin(n, key);
+        }
+        let out = self.model.forward(be, tokens, pos0, &mut self.kv, &mut self.scratch, want);
+        if graphable {
+            be.step_end();
+        }
+        self.model.read_logits(be, &mut self.scratch, want, n, out.topped)
     }
 
     fn check_tokens(&self, ids: &[u32]) -> Result<(), SessionError> {
@@ -257,14 +295,7 @@ impl<'m, B: Backend> Session<'m, B> {
             let chunk = &rest[done..done + rows];
             done += rows;
             let want = if done == rest.len() { Logits::Last } else { Logits::None };
-            self.model.forward(
-                &self.backend,
-                chunk,
-                self.tokens.len(),
-                &mut self.kv,
-                &mut self.scratch,
-                want,
-            );
+            self.run_step(chunk, want);
             self.tokens.extend_from_slice(chunk);
             if done < rest.len()
                 && let Some(f) = self.progress.as_mut()
@@ -308,11 +339,8 @@ impl<'m, B: Backend> Session<'m, B> {
             });
         }
         self.check_tokens(&[token])?;
-        let pos = self.tokens.len();
-        let full = self
-            .model
-            .forward(&self.backend, &[token], pos, &mut self.kv, &mut self.scratch, want);
-        self.top_last = want == Logits::Top && full.is_empty();
+        let full = self.run_step(&[token], want).is_empty();
+        self.top_last = want == Logits::Top && full;
         self.tokens.push(token);
         Ok(())
     }
@@ -359,17 +387,17 @@ impl<'m, B: Backend> Session<'m, B> {
         self.top_last = false;
         let mut out = Vec::with_capacity(tokens.len() * self.vocab);
         for chunk in tokens.chunks(self.chunk) {
-            let lg = self.model.forward(
-                &self.backend,
-                chunk,
-                self.tokens.len(),
-                &mut self.kv,
-                &mut self.scratch,
-                Logits::All,
-            );
+            let lg = self.run_step(chunk, Logits::All);
             out.extend_from_slice(lg);
             self.tokens.extend_from_slice(chunk);
         }
         Ok(out)
+    }
+}
+
+impl<B: Backend> Drop for Session<'_, B> {
+    /// The sequence ends: the backend forgets what it kept for its slot.
+    fn drop(&mut self) {
+        self.backend.release_slot(self.kv.slot());
     }
 }

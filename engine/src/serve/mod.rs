@@ -31,8 +31,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use subtle::ConstantTimeEq;
 
-use crate::state::kv::KvType;
-use crate::runtime::session;
 use api::{Api, ApiError, ErrorKind, ModelInfo};
 use metrics::Metrics;
 use supervisor::{Supervisor, SupervisorConfig};
@@ -40,87 +38,25 @@ use supervisor::{Supervisor, SupervisorConfig};
 /// The environment variable read when `--api-key` is not given.
 pub const ENV_API_KEY: &str = crate::switches::API_KEY;
 
-/// Engine settings shared by `strata serve` and the worker it starts (passed through on the worker's command
-/// line by [`EngineFlags::to_args`]).
+pub use crate::runtime::engine::{EngineFlags, OnOff, PrefillChunk};
+
+/// What `strata worker` is started with: the engine flags, and where its events go.
 #[derive(Debug, Clone, clap::Args)]
-pub struct EngineFlags {
-    /// A .gguf file, or `default` for the default model (fetched on first use).
-    #[arg(long, default_value = "default")]
-    pub model: String,
-    /// KV cache type: f16, or int8 (blocks of 32 values with an f16 scale).
-    #[arg(long, value_enum, default_value = "f16")]
-    pub kv: KvType,
-    /// Context size in tokens (capped by the model's training context). A longer prompt is refused with 400.
-    #[arg(long, default_value_t = session::DEFAULT_MAX_CONTEXT)]
-    pub max_context: usize,
-    /// Prefill chunk in tokens, or `auto`.
-    #[arg(long, default_value = "auto", value_parser = parse_prefill)]
-    pub prefill: PrefillChunk,
-    /// Engine threads (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// When a library prefill GEMM fails, switch to our own kernel path (prefill batches no larger than the
-    /// failing limit) and keep serving (`on`, as llama.cpp users expect), or let the worker die (`off`, the
-    /// original Strata's behaviour; the front answers 503 and restarts it).
-    #[arg(long, value_enum, default_value = "on")]
-    pub gemm_fallback: OnOff,
+pub struct WorkerFlags {
+    #[command(flatten)]
+    pub engine: EngineFlags,
     /// Append the worker's structured events (JSON lines, DESIGN.md section 3) to this file.
     #[arg(long)]
     pub events: Option<std::path::PathBuf>,
-    /// Where the worker computes: cpu, or cuda:N (all weights resident in VRAM).
-    #[arg(long, default_value = "cpu")]
-    pub device: crate::device::Device,
 }
 
-/// A two-state switch spelled `on` or `off` on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnOff {
-    On,
-    Off,
-}
-
-impl OnOff {
-    /// `true` for `on`.
-    pub fn is_on(self) -> bool {
-        self == OnOff::On
-    }
-}
-
-/// A `--prefill` value: tokens per prefill chunk, `None` for `auto`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefillChunk(pub Option<usize>);
-
-fn parse_prefill(s: &str) -> Result<PrefillChunk, String> {
-    session::parse_prefill_chunk(s).map(PrefillChunk)
-}
-
-impl EngineFlags {
+impl WorkerFlags {
     /// The flags as command-line arguments, for `strata worker`.
     pub fn to_args(&self) -> Vec<String> {
-        let mut a = vec![
-            "--model".to_string(),
-            self.model.clone(),
-            "--kv".into(),
-            match self.kv {
-                KvType::F16 => "f16".into(),
-                KvType::Int8 => "int8".into(),
-            },
-            "--max-context".into(),
-            self.max_context.to_string(),
-            "--prefill".into(),
-            self.prefill.0.map_or("auto".into(), |n| n.to_string()),
-        ];
-        if let Some(t) = self.threads {
-            a.extend(["--threads".into(), t.to_string()]);
-        }
-        a.extend([
-            "--gemm-fallback".into(),
-            if self.gemm_fallback.is_on() { "on" } else { "off" }.into(),
-        ]);
+        let mut a = self.engine.to_args();
         if let Some(p) = &self.events {
             a.extend(["--events".into(), p.display().to_string()]);
         }
-        a.extend(["--device".into(), self.device.to_string()]);
         a
     }
 }
@@ -130,6 +66,9 @@ impl EngineFlags {
 pub struct ServeArgs {
     #[command(flatten)]
     pub engine: EngineFlags,
+    /// Append the worker's structured events (JSON lines, DESIGN.md section 3) to this file.
+    #[arg(long)]
+    pub events: Option<std::path::PathBuf>,
     /// Address to bind. A non-loopback address needs an API key (or --insecure-public).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -203,7 +142,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let device = &args.engine.device;
     device.available().with_context(|| format!("cannot use --device {device}"))?;
     let path = crate::models::resolve(Some(&args.engine.model))?;
-    let model = ModelInfo::open(&path, args.engine.max_context)?;
+    let model = ModelInfo::open(&path, args.engine.max_context())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -219,7 +158,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         engine.model = path.display().to_string();
         let supervisor = Supervisor::start(
             SupervisorConfig {
-                engine,
+                worker: WorkerFlags {
+                    engine,
+                    events: args.events.clone(),
+                },
                 max_queue: args.max_queue,
                 watchdog: Duration::from_secs(args.watchdog_s.max(1)),
             },

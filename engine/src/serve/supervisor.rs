@@ -15,7 +15,7 @@ use tokio::process::{Child, ChildStdin};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use super::EngineFlags;
+use super::WorkerFlags;
 use super::metrics::Metrics;
 use super::protocol::{Command, Finish, GenerateJob, JobSampling, Message, Timings};
 
@@ -78,8 +78,8 @@ pub struct Supervisor {
 /// Settings of the supervision loop.
 #[derive(Debug, Clone)]
 pub struct SupervisorConfig {
-    /// The engine flags passed to `strata worker`.
-    pub engine: EngineFlags,
+    /// The flags passed to `strata worker`.
+    pub worker: WorkerFlags,
     /// Requests allowed to wait behind the running one.
     pub max_queue: usize,
     /// A worker silent this long while a request is in flight is killed.
@@ -134,7 +134,7 @@ struct Worker {
     last_fault: Option<String>,
 }
 
-fn spawn_worker(flags: &EngineFlags) -> std::io::Result<Worker> {
+fn spawn_worker(flags: &WorkerFlags) -> std::io::Result<Worker> {
     let exe = std::env::current_exe()?;
     let mut cmd = tokio::process::Command::new(exe);
     cmd.arg("worker").args(flags.to_args());
@@ -232,7 +232,7 @@ async fn supervise(
             s.pid = None;
         });
         metrics.worker_ready.set(0);
-        let mut worker = match spawn_worker(&config.engine) {
+        let mut worker = match spawn_worker(&config.worker) {
             Ok(w) => w,
             Err(e) => {
                 eprintln!("strata serve: cannot start the engine worker: {e}");

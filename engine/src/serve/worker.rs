@@ -5,19 +5,18 @@
 use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
-use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use super::EngineFlags;
+use super::WorkerFlags;
 use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
-use crate::model::Model;
-use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
+use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
 use crate::runtime::generate::{GenerateError, GenerateOptions, generate_cancellable};
 use crate::runtime::sampling::{Sampler, SamplingParams};
-use crate::runtime::session::{Session, SessionConfig, SessionError};
+use crate::runtime::engine::Engine;
+use crate::runtime::session::{Session, SessionError};
 use crate::tokenizer::Tokenizer;
 
 /// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
@@ -82,13 +81,12 @@ pub fn rss_bytes(pid: Option<u32>) -> u64 {
 /// arrival order.
 ///
 /// Errors: the model cannot be loaded (the front sees the exit and reports it).
-pub fn run(flags: &EngineFlags) -> Result<()> {
+pub fn run(flags: &WorkerFlags) -> Result<()> {
     // Every event (the backend's too) travels over the protocol and into the --events file, and its human line
     // goes to stderr as `strata serve: ...`.
     events::set_log_prefix("strata serve");
     events::set_sink(|ev| send(&Message::Event(ev.clone())));
     install_fault_hook();
-    let faults = FaultPlan::from_env()?;
     if let Some(path) = &flags.events {
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -97,28 +95,17 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
             .with_context(|| format!("cannot open the events file {}", path.display()))?;
         let _ = EVENTS_FILE.set(Mutex::new(file));
     }
-    crate::backend::cpu::init_threads(flags.threads).context("cannot start the worker threads")?;
-    let start = Instant::now();
-    let path = crate::models::resolve(Some(&flags.model))?;
-    let model = Model::load(&path).with_context(|| format!("cannot load model {}", path.display()))?;
-    let tokenizer =
-        Tokenizer::from_metadata(model.gguf.metadata()).with_context(|| format!("{}: tokenizer", path.display()))?;
-    let config = SessionConfig {
-        max_context: flags.max_context,
-        kv: flags.kv,
-        prefill_chunk: flags.prefill.0,
-    };
-    let backend = AnyBackend::open(&flags.device).with_context(|| format!("cannot use --device {}", flags.device))?;
-    let mut session = Session::new(&model, backend, config)?;
+    let engine = Engine::open(&flags.engine)?;
+    let (model, tokenizer) = (&engine.model, &engine.tokenizer);
+    let mut session = engine.session()?;
     session.on_prefill_progress(|read, total| send(&Message::Progress { read, total }));
-    session.set_fault_policy(faults, flags.gemm_fallback.is_on());
     events::emit(EventKind::Load(events::Load {
-        model: path.display().to_string(),
-        device: flags.device.to_string(),
+        model: engine.path.display().to_string(),
+        device: flags.engine.device.to_string(),
         arch: model.hp.arch.to_string(),
         n_layer: model.hp.n_layer,
         n_ctx: session.n_ctx(),
-        load_ms: start.elapsed().as_secs_f64() * 1e3,
+        load_ms: engine.load_ms,
         rss_bytes: rss_bytes(None),
         pid: std::process::id(),
     }));
@@ -162,7 +149,7 @@ pub fn run(flags: &EngineFlags) -> Result<()> {
     while let Ok(job) = jobs_rx.recv() {
         running_id.store(job.id, Ordering::SeqCst);
         cancel_flag.store(cancel_id.load(Ordering::SeqCst) == job.id, Ordering::SeqCst);
-        run_job(&mut session, &tokenizer, vocab, &job, &cancel_flag, fault_after);
+        run_job(&mut session, tokenizer, vocab, &job, &cancel_flag, fault_after);
         running_id.store(0, Ordering::SeqCst);
     }
     Ok(())

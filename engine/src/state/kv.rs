@@ -89,9 +89,32 @@ impl KvShape {
     }
 }
 
+/// A sequence slot: the identity of one KV cache (one sequence's state) for as long as it lives, unique in the
+/// process. A backend keys its device state by it (a GPU's twin of the cache, its recorded decode graphs), never
+/// by a host address, and releases it when the sequence ends ([`crate::backend::Backend::release_slot`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqSlot(pub u32);
+
+impl SeqSlot {
+    /// A slot no other cache of this process has had.
+    pub fn fresh() -> SeqSlot {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+        SeqSlot(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// Which rows of which cache: the slot, the layer, keys or values. A backend's key for its copy of the rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvRowsId {
+    pub slot: SeqSlot,
+    pub layer: u32,
+    pub values: bool,
+}
+
 /// One layer's keys or values: `n_ctx` rows of `heads * head_dim` values.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvRows {
+    id: KvRowsId,
     ty: GgmlType,
     data: Vec<u8>,
     head_dim: usize,
@@ -101,9 +124,10 @@ pub struct KvRows {
 }
 
 impl KvRows {
-    fn new(ty: GgmlType, n_ctx: usize, heads: usize, head_dim: usize) -> KvRows {
+    fn new(id: KvRowsId, ty: GgmlType, n_ctx: usize, heads: usize, head_dim: usize) -> KvRows {
         let head_bytes = ty.row_bytes(head_dim as u64).expect("head width checked") as usize;
         KvRows {
+            id,
             ty,
             data: vec![0; n_ctx * heads * head_bytes],
             head_dim,
@@ -140,6 +164,11 @@ impl KvRows {
         quant::dequantize(self.ty, bytes, out).expect("head width fixed at construction");
     }
 
+    /// Which rows these are (a backend's key for its copy of them).
+    pub fn id(&self) -> KvRowsId {
+        self.id
+    }
+
     /// The storage type ([`GgmlType::F16`] or [`GgmlType::Q8_0`]).
     pub fn ty(&self) -> GgmlType {
         self.ty
@@ -167,15 +196,18 @@ impl KvRows {
 }
 
 /// One layer of the cache.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvLayer {
     pub k: KvRows,
     pub v: KvRows,
 }
 
 /// The whole cache: one [`KvLayer`] per transformer block.
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: a cache is one sequence's state, with a slot of its own.
+#[derive(Debug)]
 pub struct KvCache {
+    slot: SeqSlot,
     ty: KvType,
     n_ctx: usize,
     pub layers: Vec<KvLayer>,
@@ -191,13 +223,24 @@ impl KvCache {
         }
         shape.cell_bytes(ty)?;
         let (dk, dv, heads) = (shape.head_dim, shape.head_dim_v, shape.n_head_kv);
+        let slot = SeqSlot::fresh();
+        let id = |layer: usize, values| KvRowsId {
+            slot,
+            layer: layer as u32,
+            values,
+        };
         let layers = (0..shape.n_layer)
-            .map(|_| KvLayer {
-                k: KvRows::new(ty.ggml(), n_ctx, heads, dk),
-                v: KvRows::new(ty.ggml(), n_ctx, heads, dv),
+            .map(|il| KvLayer {
+                k: KvRows::new(id(il, false), ty.ggml(), n_ctx, heads, dk),
+                v: KvRows::new(id(il, true), ty.ggml(), n_ctx, heads, dv),
             })
             .collect();
-        Ok(KvCache { ty, n_ctx, layers })
+        Ok(KvCache { slot, ty, n_ctx, layers })
+    }
+
+    /// The cache's sequence slot.
+    pub fn slot(&self) -> SeqSlot {
+        self.slot
     }
 
     pub fn ty(&self) -> KvType {

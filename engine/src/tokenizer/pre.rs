@@ -6,7 +6,7 @@
 //! between them, and both are kept (the `Isolated` split behaviour). The pieces are then byte-level encoded.
 //!
 //! A row is data: adding a pre-tokenizer is adding a row. [`PRE_TOKENIZERS`] says which rows are checked against
-//! llama.cpp's test vectors (`engine/tests/tokenizer_vectors.rs`); the others are transcriptions not yet checked
+//! llama.cpp's test vectors (`engine/tests/formats/tokenizer_vectors.rs`); the others are transcriptions not yet checked
 //! against any vector.
 
 /// GPT-2's word splitter: contractions, letters, digits, other symbols, each with an optional leading space.

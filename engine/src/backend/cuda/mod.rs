@@ -3,7 +3,7 @@
 //! Activations live on the device ([`DevVec`], the backend's buffer type): a forward pass uploads token ids
 //! and downloads logits, nothing else crosses PCIe. Every weight matrix is copied once, on first use, into a
 //! [`store::WeightStore`] (all resident in VRAM here; a MoE layer's stacked expert tensors are one buffer each,
-//! an expert being a row range of it), and each KV cache has a device twin keyed by its host address, which is
+//! an expert being a row range of it), and each KV cache has a device twin keyed by its sequence slot (released with it), which is
 //! the cache's only copy of the data (the host `KvCache` keeps the layout). The forward pass stays the one of
 //! `model::forward`. Weight types without a kernel (the IQ types) run on the CPU backend through host copies.
 //!
@@ -38,11 +38,11 @@ use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys as blas_sys;
 
 use super::cpu::CpuBackend;
-use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
+use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing, StepKey};
 use crate::quant::{self, GgmlType};
 use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
-use crate::state::kv::{KvLayer, KvRows};
+use crate::state::kv::{KvLayer, KvRows, KvRowsId, SeqSlot};
 use runtime::{Arg, CudaError, Gpu};
 use store::{DevBuf, ResidentStore, WeightStore};
 
@@ -170,7 +170,8 @@ struct DevKv {
 
 struct Inner {
     weights: Box<dyn WeightStore>,
-    kv: HashMap<usize, DevKv>,
+    /// Device twins of KV rows, by sequence slot, layer and K/V (released with the slot).
+    kv: HashMap<KvRowsId, DevKv>,
     slots: Vec<Option<DevBuf>>,
     /// The positions last uploaded to [`Slot::Pos`] (a decode step changes one value).
     pos: Vec<u32>,
@@ -651,7 +652,7 @@ impl CudaBackend {
     /// The bytes of the device twin of one K or V cache (tests and diagnostics); `None` before its first store.
     pub fn kv_device_bytes(&self, rows: &KvRows) -> Option<Vec<u8>> {
         let s = self.lock();
-        let d = s.kv.get(&(rows as *const KvRows as usize))?;
+        let d = s.kv.get(&rows.id())?;
         let mut out = vec![0u8; d.buf.bytes];
         d.buf.read(&self.gpu.stream, &mut out).ok()?;
         Some(out)
@@ -940,7 +941,7 @@ impl Inner {
 
     /// The device twin of one K or V cache of `width` values per row.
     fn kv_twin(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<(u64, GgmlType), CudaError> {
-        let key = rows as *const KvRows as usize;
+        let key = rows.id();
         let fresh = self
             .kv
             .get(&key)
@@ -1685,7 +1686,7 @@ impl Backend for CudaBackend {
         })());
     }
 
-    fn step_begin(&self, n_tok: usize, key: u64) {
+    fn step_begin(&self, n_tok: usize, key: StepKey) {
         self.gpu.step_begin(key, n_tok == 1);
     }
 
@@ -1693,7 +1694,12 @@ impl Backend for CudaBackend {
         Self::check(self.gpu.step_end());
     }
 
-    fn replay_step(&self, key: u64, ids: &[u32], positions: &[u32]) -> bool {
+    fn release_slot(&self, slot: SeqSlot) {
+        self.gpu.forget_slot(slot);
+        self.lock().kv.retain(|id, _| id.slot != slot);
+    }
+
+    fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
         if !self.gpu.can_replay(key) {
             return false;
         }

@@ -19,6 +19,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchCon
 
 use crate::events::{self, EventKind, Fallback, Fault, Launch};
 use crate::device::cuda_libs;
+use crate::backend::StepKey;
+use crate::state::kv::SeqSlot;
 use crate::switches;
 
 /// The kernel sources, in compile order: the headers, then every `.cu` file of `kernels/`.
@@ -436,7 +438,7 @@ impl Gpu {
     /// graph runs at the step's end. A launch that differs (a grown buffer, another shape) makes the step run
     /// eagerly from there, and the graph is recorded anew. Off with `STRATA_CUDA_GRAPHS=0`, in sync-launch and
     /// profile modes.
-    pub fn step_begin(&self, key: u64, graphable: bool) {
+    pub fn step_begin(&self, key: StepKey, graphable: bool) {
         let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let on = graphable && gs.enabled && !self.sync_launches && !self.profiling.load(Ordering::Relaxed);
         gs.mode = match (on, gs.graphs.contains_key(&key)) {
@@ -528,9 +530,15 @@ impl Gpu {
         Ok(())
     }
 
+    /// Drops the recorded decode graphs of sequence `slot` (it ended).
+    pub fn forget_slot(&self, slot: SeqSlot) {
+        let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        gs.graphs.retain(|k, _| k.slot != slot);
+    }
+
     /// Whether the graph of `key` was verified and no device buffer was allocated since (see
     /// [`Gpu::replay_verified`]).
-    pub fn can_replay(&self, key: u64) -> bool {
+    pub fn can_replay(&self, key: StepKey) -> bool {
         let gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         matches!(gs.mode, StepMode::Eager)
             && gs.enabled
@@ -545,7 +553,7 @@ impl Gpu {
     /// Launches the verified graph of `key` as a whole step (its inputs written by the caller first).
     ///
     /// Errors: the launch failed.
-    pub fn replay_verified(&self, key: u64) -> Result<(), CudaError> {
+    pub fn replay_verified(&self, key: StepKey) -> Result<(), CudaError> {
         let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         gs.replays += 1;
         gs.graphs
@@ -823,11 +831,11 @@ enum StepMode {
     #[default]
     Eager,
     Record {
-        key: u64,
+        key: StepKey,
         launches: Vec<LaunchRec>,
     },
     Replay {
-        key: u64,
+        key: StepKey,
         next: usize,
         diverged: bool,
     },
@@ -837,7 +845,7 @@ enum StepMode {
 struct Graphs {
     enabled: bool,
     mode: StepMode,
-    graphs: HashMap<u64, Recorded>,
+    graphs: HashMap<StepKey, Recorded>,
     captures: u64,
     replays: u64,
 }

@@ -6,7 +6,8 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams};
 use crate::device::fault::FaultPlan;
 use crate::device::{Device, DeviceError};
-use crate::state::kv::KvLayer;
+use crate::backend::StepKey;
+use crate::state::kv::{KvLayer, SeqSlot};
 
 /// Why a device's backend could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -244,7 +245,7 @@ impl Backend for AnyBackend {
             be.moe_add_rms_norm(router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch)
         )
     }
-    fn step_begin(&self, n_tok: usize, key: u64) {
+    fn step_begin(&self, n_tok: usize, key: StepKey) {
         if let AnyBackend::Cuda(c) = self {
             c.step_begin(n_tok, key)
         }
@@ -254,7 +255,12 @@ impl Backend for AnyBackend {
             c.step_end()
         }
     }
-    fn replay_step(&self, key: u64, ids: &[u32], positions: &[u32]) -> bool {
+    fn release_slot(&self, slot: SeqSlot) {
+        if let AnyBackend::Cuda(c) = self {
+            c.release_slot(slot)
+        }
+    }
+    fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
         match self {
             AnyBackend::Cuda(c) => c.replay_step(key, ids, positions),
             AnyBackend::Cpu(_) => false,

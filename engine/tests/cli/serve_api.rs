@@ -1,12 +1,11 @@
 //! `strata serve` on the default model through both APIs: answers, streams, usage and timings, errors in each
 //! API's shape, the queue bound and the API key.
 
-mod serve_common;
 
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use serve_common::{Server, SseReader};
+use crate::serve_common::{Server, SseReader};
 
 const SYSTEM: &str = "You are a helpful AI assistant.";
 const QUESTION: &str = "What is the capital of France?";

@@ -81,7 +81,7 @@ fn smollm2_answers_paris_through_the_chat_template() {
         })
         .unwrap();
     let ids = tok.encode(&prompt, true, true).unwrap();
-    let mut session = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    let mut session = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
     let opts = GenerateOptions {
         max_tokens: 24,
         stop: vec![],
@@ -125,7 +125,7 @@ fn the_same_seed_gives_the_same_tokens() {
             ..SamplingParams::default()
         };
         let mut sampler = Sampler::new(params, model.weights.output.rows).unwrap();
-        let mut session = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+        let mut session = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
         generate(&mut session, &tok, &ids, &opts, &mut sampler, &mut |_| {})
             .unwrap()
             .0
@@ -144,7 +144,7 @@ fn prefill_chunks_and_decode_steps_give_the_same_logits() {
     let ids = tok.encode(TEXT, true, false).unwrap();
     let ids = &ids[..40];
     let vocab = model.hp.vocab_size as usize;
-    let mut session = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    let mut session = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
     let all = session.logits_all(ids).unwrap();
     // Token by token through decode.
     session.clear();
@@ -181,8 +181,8 @@ fn identical_expert_upcycled_moe_reproduces_the_dense_logits() {
     ] {
         let ids = tok.encode(prompt, true, false).unwrap();
         let ids = &ids[..ids.len().min(64)];
-        let mut sa = Session::new(&dense, CpuBackend, config(KvType::F16)).unwrap();
-        let mut sb = Session::new(&moe, CpuBackend, config(KvType::F16)).unwrap();
+        let mut sa = Session::new(&dense, &CpuBackend, config(KvType::F16)).unwrap();
+        let mut sb = Session::new(&moe, &CpuBackend, config(KvType::F16)).unwrap();
         let (a, b) = (sa.logits_all(ids).unwrap(), sb.logits_all(ids).unwrap());
         worst = worst.max(max_rel_err(&b, &a));
         // A decode step (one token: the other matmul kernel) too.
@@ -201,11 +201,11 @@ fn int8_kv_stays_within_kld_of_f16() {
     let ids = &ids[..ids.len().min(128)];
     assert!(ids.len() >= 100);
     let vocab = model.hp.vocab_size as usize;
-    let f = Session::new(&model, CpuBackend, config(KvType::F16))
+    let f = Session::new(&model, &CpuBackend, config(KvType::F16))
         .unwrap()
         .logits_all(ids)
         .unwrap();
-    let i = Session::new(&model, CpuBackend, config(KvType::Int8))
+    let i = Session::new(&model, &CpuBackend, config(KvType::Int8))
         .unwrap()
         .logits_all(ids)
         .unwrap();
@@ -221,7 +221,7 @@ fn a_prompt_over_the_context_is_an_error_naming_both_numbers() {
         max_context: 16,
         ..config(KvType::F16)
     };
-    let mut session = Session::new(&model, CpuBackend, cfg).unwrap();
+    let mut session = Session::new(&model, &CpuBackend, cfg).unwrap();
     let ids: Vec<u32> = (100..120).collect();
     let err = session.prefill(&ids).unwrap_err();
     assert_eq!(err, SessionError::ContextOverflow { needed: 20, n_ctx: 16 });
@@ -238,7 +238,7 @@ fn a_prompt_over_the_context_is_an_error_naming_both_numbers() {
         max_context: 1 << 20,
         ..config(KvType::F16)
     };
-    assert_eq!(Session::new(&model, CpuBackend, big).unwrap().n_ctx(), 8192);
+    assert_eq!(Session::new(&model, &CpuBackend, big).unwrap().n_ctx(), 8192);
 }
 
 #[test]
@@ -249,7 +249,7 @@ fn synthetic_qwen3moe_runs_and_prefill_matches_decode() {
     let model = Model::load(&path).unwrap();
     let ids: Vec<u32> = (0..30).map(|i| 300 + i * 37 % 1500).collect();
     for kv in [KvType::F16, KvType::Int8] {
-        let mut session = Session::new(&model, CpuBackend, config(kv)).unwrap();
+        let mut session = Session::new(&model, &CpuBackend, config(kv)).unwrap();
         let all = session.logits_all(&ids).unwrap();
         assert!(all.iter().all(|v| v.is_finite()));
         session.clear();
@@ -294,7 +294,7 @@ fn prefill_reports_progress_after_each_chunk_but_the_last() {
         prefill_chunk: Some(8),
         ..config(KvType::F16)
     };
-    let mut session = Session::new(&model, CpuBackend, cfg).unwrap();
+    let mut session = Session::new(&model, &CpuBackend, cfg).unwrap();
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = seen.clone();
     session.on_prefill_progress(move |read, total| log.lock().unwrap().push((read, total)));
@@ -316,18 +316,38 @@ fn a_reused_prefix_gives_the_same_logits_bits_as_a_fresh_prefill() {
     // computed the same way whether the prompt was read whole, read after a reused prefix, or decoded.
     let model = Model::load(smollm2_path()).unwrap();
     let prompt: Vec<u32> = (300..340).collect();
-    let mut fresh = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    let mut fresh = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
     fresh.prefill(&prompt).unwrap();
     let want = fresh.logits().to_vec();
-    let mut reused = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    let mut reused = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
     reused.prefill(&prompt[..33]).unwrap();
     let stats = reused.prefill(&prompt).unwrap();
     assert_eq!((stats.reused, stats.read), (33, 7));
     assert!(reused.logits() == want.as_slice(), "logits differ after prefix reuse");
-    let mut stepped = Session::new(&model, CpuBackend, config(KvType::F16)).unwrap();
+    let mut stepped = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
     stepped.prefill(&prompt[..39]).unwrap();
     assert!(
         stepped.decode(prompt[39]).unwrap() == want.as_slice(),
         "decode differs from prefill"
     );
+}
+
+#[path = "../common/interleave.rs"]
+mod interleave;
+
+/// Two sequences through one engine (one model, one backend), interleaved step by step, each get the greedy tokens
+/// they get alone: on SmolLM2 (dense) and the synthetic qwen3moe (MoE), f16 and int8 caches.
+#[test]
+fn two_sequences_interleaved_give_each_its_tokens_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let moe = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&moe).unwrap();
+    for path in [smollm2_path(), moe] {
+        let model = Model::load(&path).unwrap();
+        let a: Vec<u32> = (0..7).map(|i| 300 + i * 37).collect();
+        let b: Vec<u32> = (0..61).map(|i| 500 + i * 11).collect();
+        for kv in [KvType::F16, KvType::Int8] {
+            interleave::assert_interleaved_equals_alone(&model, &CpuBackend, config(kv), &[&a, &b], 12);
+        }
+    }
 }

@@ -2,12 +2,11 @@
 //! with the original's message (or an error event in a stream that already answered 200, never a cut stream
 //! that looks whole), is restarted, and the next request gets 200; a closed stream cancels its generation.
 
-mod serve_common;
 
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use serve_common::{Server, SseReader, signal};
+use crate::serve_common::{Server, SseReader, signal};
 
 fn long_request(stream: bool) -> Value {
     json!({

@@ -49,7 +49,7 @@ fn session(model: &Model) -> Session<'_, CpuBackend> {
         kv: KvType::F16,
         prefill_chunk: None,
     };
-    Session::new(model, CpuBackend, cfg).unwrap()
+    Session::new(model, &CpuBackend, cfg).unwrap()
 }
 
 /// How one prompt's greedy continuation compared with llama.cpp's.

@@ -1,0 +1,9 @@
+//! The `strata` binary as users run it: generate, inspect, and `strata serve` through both APIs and its failure contract.
+//!
+//! One test binary per area (each links the engine once); each module is one former test file.
+
+mod generate;
+mod inspect;
+mod serve_api;
+mod serve_common;
+mod serve_failures;

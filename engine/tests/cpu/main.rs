@@ -1,0 +1,8 @@
+//! The CPU engine end to end: goldens from llama.cpp, real and generated models, the ops, the model generator.
+//!
+//! One test binary per area (each links the engine once); each module is one former test file.
+
+mod goldens;
+mod generator;
+mod models;
+mod ops;
