@@ -18,7 +18,8 @@
 #                  the driver's JIT compiles the same PTX with the same default optimisation)
 #     ab-30b       before/after in one call: `strata bench` (pp512, pp2048, tg128) of the 30B shape with
 #                  $BASE_BIN (default carry/strata-base, a build of the revision to compare with) and $BIN, taking
-#                  turns ROUNDS times (default 2), then each test's best round per binary and the ratio new / base
+#                  turns ROUNDS times (default 2; ORDER="new base" runs the new one first in each round), then each
+#                  test's best round per binary and the ratio new / base
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -107,7 +108,7 @@ bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b)
     row "ab-30b base" "$("$BASE" --version)"
     row "ab-30b new" "$("$BIN" --version)"
     for round in $(seq 1 ${ROUNDS:-2}); do
-      for side in base new; do
+      for side in ${ORDER:-base new}; do
         b=$BIN; [ $side = base ] && b=$BASE
         "$b" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps 3 --prompt-tokens 512,2048 \
           --gen-tokens 128 --prefill 2048 > "$OUT/ab-$side-$round.md" 2> "$OUT/ab-$side-$round.err"
