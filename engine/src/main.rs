@@ -8,8 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use strata_engine::gguf::GgufModel;
 use strata_engine::model::inspect::{ModelSummary, human_bytes};
-use strata_engine::model::synth::{SynthArch, SynthSpec};
-use strata_engine::model::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
+use strata_engine::fixtures::synth::{SynthArch, SynthSpec};
+use strata_engine::fixtures::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
 use strata_engine::runtime::engine::EngineFlags;
@@ -395,9 +395,9 @@ fn synth_spec(a: &SynthArgs) -> SynthSpec {
     );
     set!(vocab_size = vocab, n_ctx = ctx, zipf = zipf, seed = seed);
     if let Some(ty) = a.ty {
-        s.types = strata_engine::model::synth::TensorTypes {
+        s.types = strata_engine::fixtures::synth::TensorTypes {
             router: s.types.router,
-            ..strata_engine::model::synth::TensorTypes::uniform(ty)
+            ..strata_engine::fixtures::synth::TensorTypes::uniform(ty)
         };
     }
     let t = &mut s.types;
@@ -406,7 +406,7 @@ fn synth_spec(a: &SynthArgs) -> SynthSpec {
     s
 }
 
-fn set_types(t: &mut strata_engine::model::synth::TensorTypes, a: &SynthArgs) {
+fn set_types(t: &mut strata_engine::fixtures::synth::TensorTypes, a: &SynthArgs) {
     for (slot, arg) in [
         (&mut t.embd, a.type_embd),
         (&mut t.output, a.type_output),

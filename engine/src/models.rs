@@ -112,8 +112,8 @@ pub const SYNTH_MODELS: &[(&str, &str)] = &[
 /// then renamed, so an interrupted run leaves nothing half-written behind).
 fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
     let spec = match name {
-        "qwen3-30b-a3b" => crate::model::synth::SynthSpec::qwen3_30b_a3b(),
-        "tiny-qwen3moe" => crate::model::synth::SynthSpec::tiny_qwen3moe(),
+        "qwen3-30b-a3b" => crate::fixtures::synth::SynthSpec::qwen3_30b_a3b(),
+        "tiny-qwen3moe" => crate::fixtures::synth::SynthSpec::tiny_qwen3moe(),
         _ => {
             return Err(ModelsError::UnknownSynth {
                 name: name.to_string(),

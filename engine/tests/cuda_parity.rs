@@ -7,7 +7,7 @@
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::backend::cuda::{CudaBackend, DevVec};
 use strata_engine::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams};
-use strata_engine::model::synth::{SynthArch, SynthSpec, TensorTypes};
+use strata_engine::fixtures::synth::{SynthArch, SynthSpec, TensorTypes};
 use strata_engine::model::{HParams, Model};
 use strata_engine::quant::{self, GgmlType};
 use strata_engine::device::fault::FaultPlan;

@@ -150,7 +150,7 @@ mod tests {
     fn byte_level_vocabularies_get_exact_prompts_with_unique_first_tokens() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tiny.gguf");
-        strata_engine::model::synth::SynthSpec::tiny_qwen3moe()
+        strata_engine::fixtures::synth::SynthSpec::tiny_qwen3moe()
             .write(&path)
             .unwrap();
         let mut b = PromptBuilder::open(&path).unwrap();

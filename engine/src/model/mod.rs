@@ -1,11 +1,9 @@
-//! Architectures: hyper-parameters from metadata, `strata inspect`'s summary, and the model generator
-//! (synthetic and upcycled GGUFs).
+//! Architectures: hyper-parameters from metadata, the weight map, the forward pass and `strata inspect`'s summary
+//! (the model generator is [`crate::fixtures`]).
 
 pub mod forward;
 pub mod hparams;
 pub mod inspect;
-pub mod synth;
-pub mod upcycle;
 pub mod weights;
 
 pub use forward::{ForwardOut, Logits, Model, ModelError, Scratch, TRACE_TENSORS};
