@@ -25,6 +25,7 @@
 use std::fmt;
 
 use super::QuantError;
+use super::activation_codes::quantize_codes;
 use super::types::{GgmlType, QK_K};
 
 /// How the activations of one weight type are stored for [`super::dot_q8_fn`] (ggml's `vec_dot_type`).
@@ -254,65 +255,6 @@ impl QuantizedActivations {
             } else {
                 &self.s[t * n / block..(t + 1) * n / block]
             },
-        }
-    }
-}
-
-/// Quantize whole blocks of `block` values (a multiple of 32); lengths are consistent (checked by the caller).
-fn quantize_codes(x: &[f32], block: usize, group: usize, qs: &mut [i8], d: &mut [f32], sums: &mut [i16], simd: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if simd {
-        super::avx2_int8::quantize_activations(x, block, group, qs, d, sums);
-        return;
-    }
-    let _ = simd;
-    quantize_codes_plain(x, block, group, qs, d, sums);
-}
-
-/// `(d, 127 / amax)` of a block with absolute maximum `amax` (NaN when the block holds a NaN); the inverse is 0
-/// where the block quantizes to all-zero codes. Shared by the plain and AVX2 quantizers so they agree bit for bit.
-#[inline]
-pub(crate) fn block_scale(amax: f32) -> (f32, f32) {
-    if amax.is_finite() && amax >= 1e-30 {
-        (amax / 127.0, 127.0 / amax)
-    } else if amax.is_finite() {
-        (0.0, 0.0)
-    } else {
-        (amax / 127.0, 0.0)
-    }
-}
-
-/// The plain quantizer, the semantics of the AVX2 one.
-pub(crate) fn quantize_codes_plain(
-    x: &[f32],
-    block: usize,
-    group: usize,
-    qs: &mut [i8],
-    d: &mut [f32],
-    sums: &mut [i16],
-) {
-    for (((xb, qb), db), sb) in x
-        .chunks_exact(block)
-        .zip(qs.chunks_exact_mut(block))
-        .zip(d.iter_mut())
-        .zip(sums.chunks_exact_mut(block / group))
-    {
-        let amax = if xb.iter().any(|v| v.is_nan()) {
-            f32::NAN
-        } else {
-            xb.iter().fold(0f32, |m, v| m.max(v.abs()))
-        };
-        let (scale, inv) = block_scale(amax);
-        *db = scale;
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            *q = if inv == 0.0 {
-                0
-            } else {
-                (v * inv).round_ties_even() as i8
-            };
-        }
-        for (s, qg) in sb.iter_mut().zip(qb.chunks_exact(group)) {
-            *s = qg.iter().map(|&q| q as i16).sum();
         }
     }
 }

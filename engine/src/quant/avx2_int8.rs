@@ -1,4 +1,5 @@
-//! AVX2 activation quantization and integer dot products (weight codes × int8 activation codes).
+//! AVX2 integer dot products (weight codes × int8 activation codes); the activations' AVX2 quantizer is in
+//! `activation_codes`.
 //!
 //! The technique is ggml-cpu's x86 `ggml_vec_dot_*_q8_*` (arch/x86/quants.c), rewritten: unsigned weight codes
 //! (nibbles, 5- and 6-bit codes, 2- and 3-bit planes) meet the signed activation bytes in `vpmaddubsw` (u8 × i8
@@ -10,8 +11,7 @@
 //! the pairs below 2^15).
 //!
 //! The integer block sums equal the reference's (`super::int8`) exactly; the results differ only in f32
-//! summation order. The quantizer does the reference's f32 operations in the same order and matches it bit for
-//! bit.
+//! summation order.
 //!
 //! Safety: as in `avx2`: every kernel is reached through the entries at the bottom, handed out only after
 //! [`super::simd_available`]; memory is read through bounds-checked slices.
@@ -20,8 +20,8 @@ use std::arch::x86_64::*;
 
 use bytemuck::cast_slice;
 
-use super::activations::{ActivationFormat, ActivationVector, block_scale};
-use super::avx2::{f16, hsum, ld8, ld128, ld256};
+use super::activations::{ActivationFormat, ActivationVector};
+use super::avx2::{f16, hsum, ld128, ld256};
 use super::blocks::*;
 use super::iq_tables::{IQ2XS_GRID, IQ3S_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
 use super::types::QK_K;
@@ -69,22 +69,6 @@ fn bits_to_bytes32(bits: u32) -> __m256i {
     );
     let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
     _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel)
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_i32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s)))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hmax(v: __m256) -> f32 {
-    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
 }
 
 /// Two sub-block scales as i16: `lo` for bytes 0..16 of a 32-byte group, `hi` for bytes 16..32.
@@ -143,75 +127,6 @@ fn split_k<'a, B: QuantBlock>(
 #[target_feature(enable = "avx2,fma,f16c")]
 fn ld_bsums(s: &[i16; 16]) -> __m256i {
     ld256(cast_slice(s))
-}
-
-// ---- activation quantization --------------------------------------------------------------------------------
-
-/// `activations::quantize_codes_plain` in AVX2, bit for bit: blocks of `block` (a multiple of 32) values, sums
-/// per `group` (16 or 32). Lengths are consistent (checked by the caller).
-#[target_feature(enable = "avx2,fma,f16c")]
-fn k_quantize(x: &[f32], block: usize, group: usize, qs: &mut [i8], d: &mut [f32], sums: &mut [i16]) {
-    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (((xb, qb), db), sb) in x
-        .chunks_exact(block)
-        .zip(qs.chunks_exact_mut(block))
-        .zip(d.iter_mut())
-        .zip(sums.chunks_exact_mut(block / group))
-    {
-        let (mut mx, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for c in xb.chunks_exact(8) {
-            let v = ld8(c, 0);
-            mx = _mm256_max_ps(mx, _mm256_and_ps(v, abs_mask));
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-        }
-        let amax = if _mm256_movemask_ps(nan) != 0 {
-            f32::NAN
-        } else {
-            hmax(mx)
-        };
-        let (scale, inv) = block_scale(amax);
-        *db = scale;
-        if inv == 0.0 {
-            qb.fill(0);
-            sb.fill(0);
-            continue;
-        }
-        let iv = _mm256_set1_ps(inv);
-        for (k, (xc, qc)) in xb.chunks_exact(32).zip(qb.chunks_exact_mut(32)).enumerate() {
-            let code = |i: usize| {
-                let v = _mm256_mul_ps(ld8(xc, 8 * i), iv);
-                _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
-            };
-            let (v0, v1, v2, v3) = (code(0), code(1), code(2), code(3));
-            // packs interleave 128-bit lanes; the permute restores element order.
-            let packed = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
-            let packed = _mm256_permutevar8x32_epi32(packed, order);
-            // SAFETY: `qc` is 32 writable bytes (chunks_exact_mut(32)); the store is unaligned.
-            unsafe { _mm256_storeu_si256(qc.as_mut_ptr().cast(), packed) };
-            let (s01, s23) = (_mm256_add_epi32(v0, v1), _mm256_add_epi32(v2, v3));
-            if group == 16 {
-                sb[2 * k] = hsum_i32(s01) as i16;
-                sb[2 * k + 1] = hsum_i32(s23) as i16;
-            } else {
-                sb[k] = hsum_i32(_mm256_add_epi32(s01, s23)) as i16;
-            }
-        }
-    }
-}
-
-/// Entry for `activations::quantize_codes`; only valid where `simd_available()`.
-pub(super) fn quantize_activations(
-    x: &[f32],
-    block: usize,
-    group: usize,
-    qs: &mut [i8],
-    d: &mut [f32],
-    sums: &mut [i16],
-) {
-    debug_assert!(super::simd_available());
-    // SAFETY: reached only when `simd_available()` found AVX2, FMA and F16C (`QuantizedActivations::quantize`).
-    unsafe { k_quantize(x, block, group, qs, d, sums) }
 }
 
 // ---- 32-value blocks × Q8_1 -----------------------------------------------------------------------------------

@@ -66,6 +66,7 @@
 //! (differences: ggml keeps the activation scale as f16 and maps Q8_K's signed maximum to -128; see
 //! [`activations`]), so the int8 path moves our logits *toward* llama.cpp's, not away.
 
+mod activation_codes;
 pub mod activations;
 pub mod blocks;
 mod int8;
