@@ -7,8 +7,8 @@ use anyhow::{Result, bail};
 use clap::Args;
 use strata_engine::device::Device;
 use strata_engine::device::cuda_libs as loader;
-use strata_engine::backend::cuda::runtime::{self, Gpu};
-use strata_engine::backend::cuda::store::{Arena, DevBuf};
+use strata_engine::backend::cuda::buffer::{Arena, DevBuf};
+use strata_engine::backend::cuda::{Gpu, compile, context};
 use strata_engine::model::inspect::human_bytes;
 use strata_engine::state::kv::KvType;
 use strata_engine::{gguf::GgufModel, model::HParams, models};
@@ -57,10 +57,10 @@ pub fn run(a: DeviceArgs) -> Result<()> {
 
 fn check_kernels() -> Result<()> {
     let found = loader::load_nvrtc()?;
-    println!("NVRTC {} ({:?})", found.from, runtime::nvrtc_version());
+    println!("NVRTC {} ({:?})", found.from, compile::nvrtc_version());
     for arch in ["sm_90", "sm_80"] {
         let t = Instant::now();
-        runtime::compile_ptx(arch)?;
+        compile::compile_ptx(arch)?;
         println!(
             "kernels compile for {arch}: yes ({:.0} ms)",
             t.elapsed().as_secs_f64() * 1e3
@@ -70,7 +70,7 @@ fn check_kernels() -> Result<()> {
 }
 
 fn list_devices() -> Result<()> {
-    let n = match runtime::device_count() {
+    let n = match context::device_count() {
         Ok(n) => n,
         Err(e) => {
             println!("no CUDA devices: {e}");
@@ -78,8 +78,8 @@ fn list_devices() -> Result<()> {
         }
     };
     let libs = loader::load()?;
-    let drv = runtime::driver_version()?;
-    let rt = runtime::nvrtc_version().map_or("unknown".into(), |(a, b)| format!("{a}.{b}"));
+    let drv = compile::driver_version()?;
+    let rt = compile::nvrtc_version().map_or("unknown".into(), |(a, b)| format!("{a}.{b}"));
     println!(
         "driver {}.{} ({}), NVRTC {rt} ({})",
         drv / 1000,
@@ -101,7 +101,7 @@ fn list_devices() -> Result<()> {
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let (free, total) = ctx.mem_get_info()?;
         println!("device {i}: {}", ctx.name()?);
-        println!("  compute capability  {maj}.{min} ({})", runtime::arch_name(maj, min));
+        println!("  compute capability  {maj}.{min} ({})", compile::arch_name(maj, min));
         println!("  multiprocessors     {sms}");
         println!("  VRAM total / free   {} / {}", gib(total), gib(free));
         println!("  driver / runtime    {drv} / {rt}");
@@ -146,8 +146,8 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
     println!("  VRAM total / free   {} / {}", gib(total), gib(free));
     println!(
         "  driver / runtime    {} / {:?}",
-        runtime::driver_version()?,
-        runtime::nvrtc_version().unwrap_or((0, 0))
+        compile::driver_version()?,
+        compile::nvrtc_version().unwrap_or((0, 0))
     );
     println!(
         "  start               {start_ms:.0} ms (kernels {}, {:.0} ms)",

@@ -1,6 +1,6 @@
 //! The backend of a device: `--device cpu|cuda:N`, and a backend that is either.
 
-use super::runtime::CudaError;
+use super::error::CudaError;
 use super::{CudaBackend, DevVec};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams};

@@ -1,0 +1,501 @@
+//! Attention on the device: decode in one launch or split over the keys (flash-decoding), prefill on tensor cores
+//! for f16 caches, the general scores / softmax / P·V path for the rest, and the fused q/k-norm and RoPE launch
+//! (with the K/V store, and inside attn_decode at decode).
+
+use super::error::CudaError;
+use super::kv::kv_geometry;
+use super::launch::Arg;
+use super::{CudaBackend, DevVec, Gpu, MMV_MAX_TOKENS, Slot, grid1};
+use crate::backend::{AttnParams, Backend, RopeKind, RopeParams};
+use crate::quant::GgmlType;
+use crate::state::kv::KvLayer;
+
+/// Keys per split of the prefill fallback attention's P·V pass.
+const ATTN_SPLIT_KEYS: usize = 128;
+/// Most cache cells per split of the decode attention (flash-decoding): a span of more than one
+/// [`crate::backend::ATTN_SPAN_BLOCK`] splits its keys over blocks of at most this many cells (fewer while the KV
+/// heads times the splits would not give every SM two blocks; see [`decode_splits`]), a shorter one runs in one
+/// block per head.
+const DECODE_SPLIT_CELLS: usize = 64;
+/// Most splits of a decode attention: longer spans give each split more cells.
+const DECODE_MAX_SPLITS: usize = 256;
+
+/// (splits, cells per split) of a decode attention over `span_blocks` blocks of [`crate::backend::ATTN_SPAN_BLOCK`]
+/// cells: splits of [`DECODE_SPLIT_CELLS`], or more and shorter ones (down to 8 cells) until `n_head_kv` times the
+/// splits reach two blocks per SM, at most `max_split`. Depends on the span's block count alone (a replayed graph's
+/// launches stay right).
+fn decode_splits(span_blocks: usize, n_head_kv: usize, sms: usize, max_split: usize) -> (usize, usize) {
+    let cells = span_blocks * crate::backend::ATTN_SPAN_BLOCK;
+    let want = cells
+        .div_ceil(DECODE_SPLIT_CELLS)
+        .max((2 * sms).div_ceil(n_head_kv.max(1)))
+        .min(max_split)
+        .max(1);
+    let len = cells.div_ceil(want).next_multiple_of(8);
+    (cells.div_ceil(len), len)
+}
+
+/// `out[i] = Σ_s part[s][i]` over `n_split` partial results of `n` values (split-K attention).
+fn sum_splits_dev(gpu: &Gpu, part: u64, out: u64, n_split: usize, n: usize) -> Result<(), CudaError> {
+    gpu.launch(
+        "sum_splits",
+        grid1(n, 256),
+        (256, 1, 1),
+        &[Arg::P(part), Arg::P(out), Arg::I(n_split as i32), Arg::L(n as i64)],
+    )
+}
+
+/// attn_decode's fused q/k-norm, RoPE and K/V store ([`Backend::rope_store_attention`]): the raw key and value rows'
+/// addresses, the norms' weights on the device (0: none) and the RoPE parameters as `qk_norm_rope` takes them. The
+/// default (all 0) is the plain launch.
+#[derive(Clone, Copy, Default)]
+pub(super) struct DecodeRope {
+    kraw: u64,
+    vraw: u64,
+    qw: u64,
+    kw: u64,
+    eps: f32,
+    n_rot: usize,
+    theta_scale: f32,
+    freq_scale: f32,
+    neox: bool,
+}
+
+impl CudaBackend {
+    /// [`Backend::attention`], with (`rope`) attn_decode's fused q/k-norm, RoPE and K/V store of one token
+    /// ([`Backend::rope_store_attention`]: the caller checked that the step takes attn_decode).
+    pub(super) fn attention_dev(
+        &self,
+        q: &DevVec,
+        kv: &KvLayer,
+        positions: &[u32],
+        p: &AttnParams,
+        out: &mut DevVec,
+        rope: Option<DecodeRope>,
+    ) {
+        let n_tok = positions.len();
+        let (dk, dv) = (p.head_dim, p.head_dim_v);
+        let rows = n_tok * p.n_head;
+        assert!(q.capacity() >= rows * dk, "attention: q");
+        assert!(out.capacity() >= rows * dv, "attention: out");
+        let first_key = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let hi = positions.iter().map(|&x| x as usize).max().expect("at least one token");
+        let lo = positions
+            .iter()
+            .map(|&x| first_key(x as usize))
+            .min()
+            .expect("at least one token");
+        let n_keys = hi + 1 - lo;
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            let (khb, krb) = kv_geometry(kv.k.ty(), p.n_head_kv, dk);
+            let (vhb, vrb) = kv_geometry(kv.v.ty(), p.n_head_kv, dv);
+            let (kp, kty) = s.kv_twin(g, &kv.k)?;
+            let (vp, vty) = s.kv_twin(g, &kv.v)?;
+            let code = |t: GgmlType| if t == GgmlType::F16 { 0 } else { 1 };
+            let pp = s.positions(g, positions)?;
+            let n_ctx = kv.k.bytes() / krb;
+            // Decode splits by the span (the step's key holds it in blocks of ATTN_SPAN_BLOCK, so a replayed
+            // graph's split count and length stay right: both depend on the block count alone); the split buffers
+            // are sized for the whole cache, so a longer span allocates nothing and the graphs of shorter ones stay
+            // valid. Both decode kernels stage the query in shared memory: heads up to ATTN_DK_MAX (512) wide.
+            let span_blocks = (hi + 1).div_ceil(crate::backend::ATTN_SPAN_BLOCK);
+            let max_split = DECODE_MAX_SPLITS;
+            let (n_split, split_len) = if span_blocks > 1 {
+                decode_splits(span_blocks, p.n_head_kv, g.sms, max_split)
+            } else {
+                (1, n_ctx)
+            };
+            // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
+            // has position-dependent arguments, which a replayed graph must never have. Heads over 512 wide, which
+            // neither decode kernel stages, take that path: correct, but their decode steps keep re-recording.)
+            let decode = n_tok <= MMV_MAX_TOKENS && dk <= 512;
+            assert!(
+                rope.is_none() || (decode && n_split == 1 && dv <= 256),
+                "attention: the fused RoPE serves attn_decode alone"
+            );
+            if decode && (n_split > 1 || dv > 256) {
+                // Decode over a long span: split over the keys (four launches, arguments independent of the
+                // position within the span block, so CUDA graphs replay them).
+                let rows = n_tok * p.n_head;
+                let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
+                let mp = s.slot(g, Slot::SplitMax, rows * max_split * 4)?;
+                let ps = s.slot(g, Slot::SplitSum, rows * max_split * 8)?;
+                let part = s.slot(g, Slot::Part, max_split * rows * dv * 4)?;
+                let grid = (p.n_head as u32, n_tok as u32, n_split as u32);
+                // Scores and P.V serve a KV head's whole GQA group per block.
+                let grid_kv = (p.n_head_kv as u32, n_tok as u32, n_split as u32);
+                let window = p.window.unwrap_or(0) as i32;
+                g.launch(
+                    "attn_split_scores",
+                    grid_kv,
+                    (256, 1, 1),
+                    &[
+                        Arg::P(q.ptr()),
+                        Arg::P(kp),
+                        Arg::P(sp),
+                        Arg::P(mp),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dk as i32),
+                        Arg::F(p.scale),
+                        Arg::I(window),
+                        Arg::L(krb as i64),
+                        Arg::I(khb as i32),
+                        Arg::I(code(kty)),
+                        Arg::I(n_ctx as i32),
+                        Arg::I(split_len as i32),
+                    ],
+                )?;
+                g.launch(
+                    "attn_split_exp",
+                    grid,
+                    (128, 1, 1),
+                    &[
+                        Arg::P(sp),
+                        Arg::P(mp),
+                        Arg::P(ps),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(window),
+                        Arg::I(n_ctx as i32),
+                        Arg::I(split_len as i32),
+                    ],
+                )?;
+                g.launch(
+                    "attn_split_pv",
+                    grid_kv,
+                    (256, 1, 1),
+                    &[
+                        Arg::P(sp),
+                        Arg::P(ps),
+                        Arg::P(vp),
+                        Arg::P(part),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dv as i32),
+                        Arg::I(window),
+                        Arg::L(vrb as i64),
+                        Arg::I(vhb as i32),
+                        Arg::I(code(vty)),
+                        Arg::I(n_ctx as i32),
+                        Arg::I(split_len as i32),
+                        Arg::I(rows as i32),
+                    ],
+                )?;
+                return sum_splits_dev(g, part, out.ptr(), n_split, rows * dv);
+            }
+            if decode && dv <= 256 {
+                // Decode over a short cache: one launch whose arguments do not depend on the position.
+                let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
+                let r = rope.unwrap_or_default();
+                return g.launch(
+                    "attn_decode",
+                    (p.n_head as u32, n_tok as u32, 1),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(q.ptr()),
+                        Arg::P(kp),
+                        Arg::P(vp),
+                        Arg::P(sp),
+                        Arg::P(out.ptr()),
+                        Arg::P(pp),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dk as i32),
+                        Arg::I(dv as i32),
+                        Arg::F(p.scale),
+                        Arg::I(p.window.unwrap_or(0) as i32),
+                        Arg::L(krb as i64),
+                        Arg::I(khb as i32),
+                        Arg::I(code(kty)),
+                        Arg::L(vrb as i64),
+                        Arg::I(vhb as i32),
+                        Arg::I(code(vty)),
+                        Arg::I(n_ctx as i32),
+                        Arg::P(r.kraw),
+                        Arg::P(r.vraw),
+                        Arg::P(r.qw),
+                        Arg::P(r.kw),
+                        Arg::F(r.eps),
+                        Arg::I(r.n_rot as i32),
+                        Arg::F(r.theta_scale),
+                        Arg::F(r.freq_scale),
+                        Arg::I(r.neox as i32),
+                        Arg::P(if rope.is_some() { kp } else { 0 }),
+                        Arg::P(if rope.is_some() { vp } else { 0 }),
+                    ],
+                );
+            }
+            let group = p.n_head / p.n_head_kv;
+            let tensor_cores = kty == GgmlType::F16
+                && vty == GgmlType::F16
+                && group <= 8
+                && [dk, dv].iter().all(|&d| d % 16 == 0 && d <= 128);
+            if tensor_cores {
+                // A block: one KV head, 16-token groups for every query head of its GQA group (8 warps at most).
+                let tgroups = (8 / group).max(1);
+                return g.launch(
+                    "attn_prefill_f16",
+                    (n_tok.div_ceil(16 * tgroups) as u32, p.n_head_kv as u32, 1),
+                    ((32 * group * tgroups) as u32, 1, 1),
+                    &[
+                        Arg::P(q.ptr()),
+                        Arg::P(kp),
+                        Arg::P(vp),
+                        Arg::P(out.ptr()),
+                        Arg::P(pp),
+                        Arg::I(n_tok as i32),
+                        Arg::I(p.n_head as i32),
+                        Arg::I(p.n_head_kv as i32),
+                        Arg::I(dk as i32),
+                        Arg::I(dv as i32),
+                        Arg::F(p.scale),
+                        Arg::I(p.window.unwrap_or(0) as i32),
+                        Arg::L(krb as i64),
+                        Arg::I(khb as i32),
+                        Arg::L(vrb as i64),
+                        Arg::I(vhb as i32),
+                        Arg::I(tgroups as i32),
+                    ],
+                );
+            }
+            // Other caches (int8) and head widths: scores, softmax, then P.V, through a score matrix.
+            let sp = s.slot(g, Slot::Scores, rows * n_keys * 4)?;
+            g.launch(
+                "attn_scores",
+                (rows as u32, n_keys.div_ceil(8) as u32, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(q.ptr()),
+                    Arg::P(kp),
+                    Arg::P(sp),
+                    Arg::P(pp),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(dk as i32),
+                    Arg::I(lo as i32),
+                    Arg::I(n_keys as i32),
+                    Arg::F(p.scale),
+                    Arg::I(p.window.unwrap_or(0) as i32),
+                    Arg::L(krb as i64),
+                    Arg::I(khb as i32),
+                    Arg::I(code(kty)),
+                ],
+            )?;
+            g.launch(
+                "attn_softmax",
+                (rows as u32, 1, 1),
+                (256, 1, 1),
+                &[Arg::P(sp), Arg::I(n_keys as i32), Arg::I((vty == GgmlType::F16) as i32)],
+            )?;
+            // Split-K over the keys when there are too few (token, head) rows to fill the device.
+            let n_split = if rows >= 256 {
+                1
+            } else {
+                n_keys.div_ceil(ATTN_SPLIT_KEYS)
+            };
+            let split_len = n_keys.div_ceil(n_split);
+            let target = if n_split == 1 {
+                out.ptr()
+            } else {
+                s.slot(g, Slot::Part, n_split * rows * dv * 4)?
+            };
+            let threads = dv.next_multiple_of(32).min(256) as u32;
+            g.launch(
+                "attn_pv",
+                (rows as u32, n_split as u32, 1),
+                (threads, 1, 1),
+                &[
+                    Arg::P(sp),
+                    Arg::P(vp),
+                    Arg::P(target),
+                    Arg::I(rows as i32),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(dv as i32),
+                    Arg::I(lo as i32),
+                    Arg::I(n_keys as i32),
+                    Arg::I(split_len as i32),
+                    Arg::L(vrb as i64),
+                    Arg::I(vhb as i32),
+                    Arg::I(code(vty)),
+                ],
+            )?;
+            if n_split > 1 {
+                sum_splits_dev(g, target, out.ptr(), n_split, rows * dv)?;
+            }
+            Ok(())
+        })());
+    }
+
+    /// The `qk_norm_rope` launch, with `store` (values and an f16 cache) also writing the rotated keys and the
+    /// values into the cache at `positions` (kernels/elementwise.cu `qk_norm_rope`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn qk_norm_rope_dev(
+        &self,
+        q: &mut DevVec,
+        k: &mut DevVec,
+        store: Option<(&DevVec, &mut KvLayer)>,
+        n_head: usize,
+        n_head_kv: usize,
+        head_dim: usize,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        p: &RopeParams,
+    ) {
+        let n_tok = positions.len();
+        assert!(
+            q.capacity() >= n_tok * n_head * head_dim && k.capacity() >= n_tok * n_head_kv * head_dim,
+            "qk_norm_rope: shapes"
+        );
+        assert!(p.n_rot <= head_dim && p.n_rot.is_multiple_of(2), "qk_norm_rope: n_rot");
+        for w in [norms.0, norms.1].into_iter().flatten() {
+            assert_eq!(w.len(), head_dim, "qk_norm_rope: norm width");
+        }
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        let theta_scale = p.theta_scale();
+        Self::check((|| {
+            let qw = s.norm_weights(g, norms.0)?;
+            let kw = s.norm_weights(g, norms.1)?;
+            let pp = s.positions(g, positions)?;
+            let mut rows = n_tok * (n_head + n_head_kv);
+            let (mut kc, mut vp, mut vc, mut dv) = (0, 0, 0, 0);
+            if let Some((v, kv)) = store {
+                dv = kv.v.head_dim();
+                assert!(v.capacity() >= n_tok * n_head_kv * dv, "qk_norm_rope_store: values");
+                kc = s.kv_twin(g, &kv.k)?.0;
+                vc = s.kv_twin(g, &kv.v)?.0;
+                vp = v.ptr();
+                rows += n_tok * n_head_kv;
+            }
+            g.launch(
+                "qk_norm_rope",
+                (rows.div_ceil(8) as u32, 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(q.ptr()),
+                    Arg::P(k.ptr()),
+                    Arg::P(qw),
+                    Arg::P(kw),
+                    Arg::P(pp),
+                    Arg::I(n_tok as i32),
+                    Arg::I(n_head as i32),
+                    Arg::I(n_head_kv as i32),
+                    Arg::I(head_dim as i32),
+                    Arg::F(eps),
+                    Arg::I(p.n_rot as i32),
+                    Arg::F(theta_scale),
+                    Arg::F(p.freq_scale),
+                    Arg::I((p.kind == RopeKind::Neox) as i32),
+                    Arg::P(kc),
+                    Arg::P(vp),
+                    Arg::P(vc),
+                    Arg::I(dv as i32),
+                ],
+            )
+        })());
+    }
+
+    /// [`Backend::rope_store_attention`] (the trait's method calls this).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rope_store_attention_dev(
+        &self,
+        q: &mut DevVec,
+        k: &mut DevVec,
+        v: &DevVec,
+        kv: &mut KvLayer,
+        norms: (Option<&[f32]>, Option<&[f32]>),
+        eps: f32,
+        positions: &[u32],
+        rope: &RopeParams,
+        p: &AttnParams,
+        out: &mut DevVec,
+    ) {
+        let (dk, dv) = (p.head_dim, p.head_dim_v);
+        // One launch (attn_decode with its q/k-norm, RoPE and K/V store) where a decode step takes attn_decode:
+        // one token within the first span block, f16 caches, heads it stages whole in 16-byte rows.
+        let fused = positions.len() == 1
+            && (positions[0] as usize) < crate::backend::ATTN_SPAN_BLOCK
+            && kv.k.ty() == GgmlType::F16
+            && kv.v.ty() == GgmlType::F16
+            && (kv.k.heads(), kv.k.head_dim(), kv.v.head_dim()) == (p.n_head_kv, dk, dv)
+            && dk <= 512
+            && dv <= 256
+            && dk.is_multiple_of(8)
+            && dv.is_multiple_of(8)
+            && rope.n_rot <= dk
+            && rope.n_rot.is_multiple_of(2);
+        if !fused {
+            self.qk_norm_rope_store(q, k, v, kv, p.n_head, dk, norms, eps, positions, rope);
+            return self.attention(q, kv, positions, p, out);
+        }
+        assert!(
+            k.capacity() >= p.n_head_kv * dk && v.capacity() >= p.n_head_kv * dv,
+            "rope_store_attention: k/v"
+        );
+        for w in [norms.0, norms.1].into_iter().flatten() {
+            assert_eq!(w.len(), dk, "rope_store_attention: norm width");
+        }
+        let rp = {
+            let g = &*self.gpu;
+            let mut s = self.lock();
+            let qw = Self::check(s.norm_weights(g, norms.0));
+            let kw = Self::check(s.norm_weights(g, norms.1));
+            DecodeRope {
+                kraw: k.ptr(),
+                vraw: v.ptr(),
+                qw,
+                kw,
+                eps,
+                n_rot: rope.n_rot,
+                theta_scale: rope.theta_scale(),
+                freq_scale: rope.freq_scale,
+                neox: rope.kind == RopeKind::Neox,
+            }
+        };
+        self.attention_dev(q, kv, positions, p, out, Some(rp));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Splits cover the span in multiples of 8 cells, never exceed the buffers' count, keep at most
+    /// DECODE_SPLIT_CELLS per split, and give short spans enough blocks (two per SM over the KV heads).
+    #[test]
+    fn decode_splits_cover_the_span_and_fill_the_device() {
+        for sms in [1, 46, 132] {
+            for n_kv in [1, 3, 4, 8, 32] {
+                for blocks in 2..200 {
+                    let cells = blocks * crate::backend::ATTN_SPAN_BLOCK;
+                    let (n, len) = decode_splits(blocks, n_kv, sms, DECODE_MAX_SPLITS);
+                    assert!(
+                        n * len >= cells && (n - 1) * len < cells,
+                        "{blocks} blocks: {n} x {len}"
+                    );
+                    assert!(len % 8 == 0 && n <= DECODE_MAX_SPLITS, "{blocks} blocks: {n} x {len}");
+                    if cells / DECODE_SPLIT_CELLS <= DECODE_MAX_SPLITS {
+                        assert!(len <= DECODE_SPLIT_CELLS, "{blocks} blocks: {len} cells per split");
+                    }
+                    if len > 8 {
+                        // At least one block per SM (two asked, rounding to 8 cells may halve it), unless capped.
+                        let blocks_out = n * n_kv;
+                        assert!(
+                            2 * blocks_out + n_kv >= (2 * sms).min(n_kv * DECODE_MAX_SPLITS),
+                            "{blocks} blocks, {n_kv} KV heads, {sms} SMs: {n} x {len}"
+                        );
+                    }
+                }
+            }
+        }
+        assert_eq!(decode_splits(9, 4, 132, DECODE_MAX_SPLITS), (48, 24));
+        assert_eq!(decode_splits(65, 4, 132, DECODE_MAX_SPLITS), (130, 64));
+    }
+}

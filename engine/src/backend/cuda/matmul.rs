@@ -1,0 +1,239 @@
+//! Matrix products on the device: matrix-vector kernels for a few tokens; for more, the prefill GEMM (cuBLAS on f16
+//! copies, or our tensor-core kernel once the library has failed, and always for a MoE layer's experts).
+
+use cudarc::cublas::sys as blas_sys;
+
+use super::error::CudaError;
+use super::launch::Arg;
+use super::{Gpu, Inner, MMV_MAX_TOKENS, Slot, grid1, mmv_rows_per_block, typed};
+use crate::backend::QMat;
+use crate::device::fault::OP_PREFILL_GEMM;
+use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
+use crate::quant::GgmlType;
+
+impl Inner {
+    /// Matrix-vector products of up to three matrices of one type and width over the same `n_tok` activation
+    /// rows (one launch): `ys[i][t][r] = ws[i][r] · x[t]`.
+    pub(super) fn mmv(
+        &mut self,
+        gpu: &Gpu,
+        ws: &[(&QMat<'_>, u64, u64)],
+        xp: u64,
+        n_tok: usize,
+    ) -> Result<(), CudaError> {
+        assert!((1..=3).contains(&ws.len()), "mmv: one to three matrices");
+        let w0 = ws[0].0;
+        let mut p = [(0u64, 0u64, 0i32); 3];
+        for (i, (w, wp, yp)) in ws.iter().enumerate() {
+            p[i] = (*wp, *yp, w.rows as i32);
+        }
+        let total: usize = ws.iter().map(|(w, _, _)| w.rows).sum();
+        if ws.len() == 1 && w0.ty == GgmlType::F32 && total <= 1024 && w0.cols.is_multiple_of(4) {
+            // A router: too few rows to spread a warp per row over the SMs.
+            return gpu.launch(
+                "mmv_wide_f32",
+                (total as u32, n_tok as u32, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(p[0].0),
+                    Arg::P(xp),
+                    Arg::P(p[0].1),
+                    Arg::I(total as i32),
+                    Arg::I(w0.cols as i32),
+                ],
+            );
+        }
+        // Four rows per warp only where that still gives every SM of a large GPU two blocks (264 at 132 SMs):
+        // smaller matrices take the one-row kernel, whose blocks spread over all of them.
+        let (kernel, per_block) = match mmv_rows_per_block(w0.ty) {
+            32 if total.div_ceil(32) < 264 => (typed("mmv1_", w0.ty), 8),
+            n => (typed("mmv_", w0.ty), n),
+        };
+        gpu.launch(
+            kernel,
+            (total.div_ceil(per_block) as u32, n_tok as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(p[0].0),
+                Arg::P(p[1].0),
+                Arg::P(p[2].0),
+                Arg::P(xp),
+                Arg::P(p[0].1),
+                Arg::P(p[1].1),
+                Arg::P(p[2].1),
+                Arg::I(p[0].2),
+                Arg::I(p[1].2),
+                Arg::I(p[2].2),
+                Arg::I(w0.cols as i32),
+                Arg::L(w0.row_bytes as i64),
+            ],
+        )
+    }
+
+    /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens, else the GEMM.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_dev(
+        &mut self,
+        gpu: &Gpu,
+        w: &QMat<'_>,
+        wp: u64,
+        xp: u64,
+        n_tok: usize,
+        yp: u64,
+    ) -> Result<(), CudaError> {
+        let (rows, cols) = (w.rows, w.cols);
+        if n_tok <= MMV_MAX_TOKENS {
+            return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);
+        }
+        if !self.blas_failed {
+            let fault = match self.fault_gemm_above {
+                Some(m) if n_tok > m => Some(format!(
+                    "injected failure ({}={OP_PREFILL_GEMM}:m>{m})",
+                    crate::device::fault::ENV_FAULT
+                )),
+                _ => None,
+            };
+            let r = match fault {
+                Some(why) => Err(why),
+                None => {
+                    let wf = self.slot(gpu, Slot::WF16, rows * cols * 2)?;
+                    gpu.launch(
+                        typed("dq_f16_", w.ty),
+                        grid1(rows * cols / 32, 256),
+                        (256, 1, 1),
+                        &[
+                            Arg::P(wp),
+                            Arg::P(wf),
+                            Arg::I(rows as i32),
+                            Arg::I(cols as i32),
+                            Arg::L(w.row_bytes as i64),
+                        ],
+                    )?;
+                    let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * cols)?;
+                    gpu.timed("cublasGemmEx", || self.gemm_blas(wf, xf, yp, rows, cols, n_tok))
+                }
+            };
+            match r {
+                Ok(()) => return Ok(()),
+                Err(why) if self.gemm_fallback => {
+                    self.blas_failed = true;
+                    events::emit(EventKind::Fallback(Fallback {
+                        op: OP_PREFILL_GEMM.into(),
+                        from: "blas".into(),
+                        to: "gemm_tensor_core".into(),
+                        why: format!("cublasGemmEx: {why}"),
+                        shape: Some(GemmShape { m: n_tok, n: rows, k: cols }),
+                        max_rows: None,
+                    }));
+                }
+                Err(why) => {
+                    events::emit(EventKind::Fault(Fault {
+                        error: format!("{why} (--gemm-fallback off)"),
+                        op: Some(OP_PREFILL_GEMM.into()),
+                        kernel: Some("cublasGemmEx".into()),
+                        shape: Some(GemmShape { m: n_tok, n: rows, k: cols }),
+                        ..Fault::default()
+                    }));
+                    return Err(CudaError::Launch {
+                        kernel: "cublasGemmEx".into(),
+                        grid: (0, 0, 0),
+                        block: (0, 0, 0),
+                        call: gpu.launches(),
+                        error: why,
+                    });
+                }
+            }
+        }
+        let tiles: Vec<[i32; 3]> = (0..n_tok)
+            .step_by(128)
+            .map(|r| [0, r as i32, (n_tok - r).min(128) as i32])
+            .collect();
+        let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * cols)?;
+        self.gemm_own(gpu, w, wp, 0, xf, 0, yp, &tiles)
+    }
+
+    /// `n` f32 values at `xp` as f16 in slot `s` (the tensor-core GEMMs' activations); returns the slot's address.
+    pub(super) fn f16_copy(&mut self, gpu: &Gpu, s: Slot, xp: u64, n: usize) -> Result<u64, CudaError> {
+        let xf = self.slot(gpu, s, n * 2)?;
+        gpu.launch(
+            "f32_to_f16",
+            grid1(n.div_ceil(8), 256),
+            (256, 1, 1),
+            &[Arg::P(xp), Arg::P(xf), Arg::L(n as i64)],
+        )?;
+        Ok(xf)
+    }
+
+    /// Our tensor-core GEMM (`gemm_T`, kernels/gemm.cu) over row tiles of up to 128: `tiles` lists (expert, first
+    /// row, rows); expert e's matrix starts `e * expert_stride` bytes after `wp`. `y[r][n] = W_e[n] · x[r]` with
+    /// `x` `[..][k]` in f16 ([`Inner::f16_copy`]) and `y` `[..][n]` in f32.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm_own(
+        &mut self,
+        gpu: &Gpu,
+        w: &QMat<'_>,
+        wp: u64,
+        expert_stride: usize,
+        xp: u64,
+        xrows: u64,
+        yp: u64,
+        tiles: &[[i32; 3]],
+    ) -> Result<(), CudaError> {
+        let tp = self.upload(gpu, Slot::Tiles, bytemuck::cast_slice(tiles))?;
+        gpu.launch(
+            typed("gemm_", w.ty),
+            (w.rows.div_ceil(128) as u32, tiles.len() as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(wp),
+                Arg::L(expert_stride as i64),
+                Arg::L(w.row_bytes as i64),
+                Arg::P(xp),
+                Arg::P(xrows),
+                Arg::P(yp),
+                Arg::P(tp),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+            ],
+        )
+    }
+
+    /// cuBLAS: out (column-major rows × n_tok) = Wᵀ' (W row-major is column-major cols × rows) · X.
+    pub(super) fn gemm_blas(
+        &self,
+        wf: u64,
+        xf: u64,
+        yp: u64,
+        rows: usize,
+        cols: usize,
+        n_tok: usize,
+    ) -> Result<(), String> {
+        let blas = self.blas.as_ref().ok_or("cuBLAS not loaded")?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: wf holds rows × cols f16, xf n_tok × cols f16, yp n_tok × rows f32 (sized by the caller).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                rows as i32,
+                n_tok as i32,
+                cols as i32,
+                (&alpha as *const f32).cast(),
+                wf as *const std::ffi::c_void,
+                blas_sys::cudaDataType::CUDA_R_16F,
+                cols as i32,
+                xf as *const std::ffi::c_void,
+                blas_sys::cudaDataType::CUDA_R_16F,
+                cols as i32,
+                (&beta as *const f32).cast(),
+                yp as *mut std::ffi::c_void,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                rows as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| format!("{e:?}"))
+    }
+}

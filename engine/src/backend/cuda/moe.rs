@@ -1,0 +1,346 @@
+//! Mixture-of-experts on the device: the router's softmax and top-k, the experts reached by id at decode or as
+//! grouped GEMMs in prefill, and their weighted sum (with the residual add and the next norm at decode).
+
+use super::error::CudaError;
+use super::launch::Arg;
+use super::{
+    CudaBackend, DevVec, Gpu, Inner, MMV_MAX_TOKENS, MMV_X_MAX, Slot, glu_code, glu_dev, gpu_computes, grid1,
+    mmv_moe_rows_per_block, norm_threads, typed,
+};
+use crate::backend::{Backend, Experts, MoeScratch, QMat, Routing};
+use crate::quant::GgmlType;
+
+/// The experts run on the device: types with kernels, and at most 1024 experts (the router kernel's staging); else
+/// the CPU backend serves [`Backend::moe`] through host copies.
+fn moe_on_device(ex: &Experts<'_>) -> bool {
+    ex.n_expert <= 1024 && [ex.gate, ex.up, ex.down].iter().all(gpu_computes)
+}
+
+/// Where [`Inner::moe_dispatch`] puts the experts' weighted sum (device addresses).
+#[derive(Clone, Copy)]
+enum MoeSum {
+    /// Into `[n_tok][n_embd]` at this address (`moe_combine`).
+    Out(u64),
+    /// Added to the residual `x`, then `h = rms_norm(x) * w` (`w` 0: the add alone), in one launch at decode
+    /// (`moe_combine_add_rms_norm`).
+    AddNorm { x: u64, h: u64, w: u64, eps: f32 },
+}
+
+impl CudaBackend {
+    /// [`Backend::moe`] (the trait's method calls this).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_dev(
+        &self,
+        ex: &Experts<'_>,
+        logits: &mut DevVec,
+        x: &DevVec,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        out: &mut DevVec,
+        scratch: &mut MoeScratch,
+    ) {
+        let n_embd = ex.gate.cols;
+        assert!(
+            x.capacity() >= n_tok * n_embd && out.capacity() >= n_tok * n_embd,
+            "moe: shapes"
+        );
+        assert!(logits.capacity() >= n_tok * ex.n_expert, "moe: router logits");
+        assert!(k >= 1 && k <= ex.n_expert, "moe: k of n_expert");
+        if !moe_on_device(ex) {
+            // Experts of a type without kernels, or more experts than the router kernel takes (1024): the CPU
+            // backend, through host copies.
+            let mut lh = self.to_host(logits, 0, n_tok * ex.n_expert);
+            let xh = self.to_host(x, 0, n_tok * n_embd);
+            let mut routing = Routing::default();
+            self.cpu.route(&mut lh, ex.n_expert, k, normalize, &mut routing);
+            let mut oh = vec![0.0f32; n_tok * n_embd];
+            self.cpu.moe_ffn(ex, &xh, &routing, &mut oh, scratch);
+            return Backend::upload(self, &oh, out);
+        }
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
+            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, MoeSum::Out(out.ptr()))
+        })());
+    }
+
+    /// [`Backend::moe_add_rms_norm`] (the trait's method calls this).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_add_rms_norm_dev(
+        &self,
+        router: &QMat<'_>,
+        ex: &Experts<'_>,
+        logits: &mut DevVec,
+        h: &mut DevVec,
+        n_tok: usize,
+        k: usize,
+        normalize: bool,
+        tmp: &mut DevVec,
+        x: &mut DevVec,
+        norm: Option<&[f32]>,
+        eps: f32,
+        scratch: &mut MoeScratch,
+    ) {
+        let n_embd = ex.gate.cols;
+        if n_tok > MMV_MAX_TOKENS || !moe_on_device(ex) {
+            return crate::backend::moe_add_rms_norm_steps(
+                self, router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch,
+            );
+        }
+        // The router routes in its own launch (router_route) when it is the f32 matrix mmv_wide_f32 serves.
+        let routed_by_router = router.ty == GgmlType::F32
+            && router.rows == ex.n_expert
+            && router.cols == n_embd
+            && n_embd.is_multiple_of(4)
+            && k <= 64;
+        if !routed_by_router {
+            self.matmul(router, h, n_tok, logits);
+        }
+        assert!(
+            h.capacity() >= n_tok * n_embd && x.capacity() >= n_tok * n_embd,
+            "moe_add_rms_norm: shapes"
+        );
+        assert!(norm.is_none_or(|w| w.len() == n_embd), "moe_add_rms_norm: norm width");
+        assert!(logits.capacity() >= n_tok * ex.n_expert, "moe: router logits");
+        assert!(k >= 1 && k <= ex.n_expert, "moe: k of n_expert");
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            let w = s.norm_weights(g, norm)?;
+            if routed_by_router {
+                let rw = s.weights.device_ptr(&g.stream, router.data)?;
+                let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
+                let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
+                let cnt = s.counters(g)?;
+                g.launch(
+                    "router_route",
+                    (ex.n_expert as u32, n_tok as u32, 1),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(rw),
+                        Arg::P(h.ptr()),
+                        Arg::P(logits.ptr()),
+                        Arg::I(ex.n_expert as i32),
+                        Arg::I(n_embd as i32),
+                        Arg::P(cnt),
+                        Arg::P(ids),
+                        Arg::P(wts),
+                        Arg::I(k as i32),
+                        Arg::I(normalize as i32),
+                    ],
+                )?;
+            } else {
+                s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
+            }
+            let sum = MoeSum::AddNorm {
+                x: x.ptr(),
+                h: h.ptr(),
+                w,
+                eps,
+            };
+            s.moe_dispatch(g, ex, h.ptr(), n_tok, k, normalize, sum)
+        })());
+    }
+}
+
+impl Inner {
+    /// The router's choice on the device (`moe_route`): `ids`/`wts` ([n_tok][k]) into their slots from the
+    /// logits at `logits` ([n_tok][n_expert], overwritten by the probabilities).
+    fn moe_route(
+        &mut self,
+        gpu: &Gpu,
+        logits: u64,
+        n_tok: usize,
+        n_expert: usize,
+        k: usize,
+        normalize: bool,
+    ) -> Result<(), CudaError> {
+        let ids = self.slot(gpu, Slot::MoeIds, n_tok * k * 4)?;
+        let wts = self.slot(gpu, Slot::MoeW, n_tok * k * 4)?;
+        gpu.launch(
+            "moe_route",
+            (n_tok as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(logits),
+                Arg::P(ids),
+                Arg::P(wts),
+                Arg::I(n_expert as i32),
+                Arg::I(k as i32),
+                Arg::I(normalize as i32),
+            ],
+        )
+    }
+
+    /// Expert dispatch on the device once routed ([`Inner::moe_route`]): `x` `[n_tok][n_embd]`; the weighted sum
+    /// goes where `sum` says.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_dispatch(
+        &mut self,
+        gpu: &Gpu,
+        ex: &Experts<'_>,
+        xp: u64,
+        n_tok: usize,
+        k: usize,
+        normalized: bool,
+        sum: MoeSum,
+    ) -> Result<(), CudaError> {
+        let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
+        let slots = n_tok * k;
+        let gw = self.weights.device_ptr(&gpu.stream, ex.gate.data)?;
+        let uw = self.weights.device_ptr(&gpu.stream, ex.up.data)?;
+        let dw = self.weights.device_ptr(&gpu.stream, ex.down.data)?;
+        let ids = self.slots[Slot::MoeIds as usize].as_ref().expect("routed").ptr;
+        let wts = self.slots[Slot::MoeW as usize].as_ref().expect("routed").ptr;
+        let gp = self.slot(gpu, Slot::MoeGate, slots * nff * 4)?;
+        let up = self.slot(gpu, Slot::MoeUp, slots * nff * 4)?;
+        let dp = self.slot(gpu, Slot::MoeDown, slots * n_embd * 4)?;
+        let same = ex.gate.ty == ex.up.ty;
+        let rows_map = if n_tok <= MMV_MAX_TOKENS {
+            // Decode: every slot reaches its expert by id on the device.
+            #[allow(clippy::too_many_arguments)]
+            let launch = |wa: u64,
+                          wb: u64,
+                          x: u64,
+                          ya: u64,
+                          yb: u64,
+                          div: usize,
+                          w: &QMat<'_>,
+                          rows: usize,
+                          z: u32,
+                          xu: u64,
+                          early: bool| {
+                gpu.launch(
+                    typed("mmv_moe_", w.ty),
+                    (
+                        rows.div_ceil(mmv_moe_rows_per_block(w.ty, w.cols)) as u32,
+                        slots as u32,
+                        z,
+                    ),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(wa),
+                        Arg::P(wb),
+                        Arg::P(x),
+                        Arg::P(ya),
+                        Arg::P(yb),
+                        Arg::P(ids),
+                        Arg::I(div as i32),
+                        Arg::I(rows as i32),
+                        Arg::I(w.cols as i32),
+                        Arg::L(w.row_bytes as i64),
+                        Arg::P(xu),
+                        Arg::I(glu_code(ex.act)),
+                        Arg::I(early as i32),
+                    ],
+                )
+            };
+            if same {
+                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
+            } else {
+                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
+                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, false)?;
+            }
+            // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
+            // fewer); other types and rows wider than its staging take the GLU kernel first.
+            let fused_glu = ex.down.ty == GgmlType::Q4_K && nff <= MMV_X_MAX;
+            if !fused_glu {
+                glu_dev(gpu, gp, up, slots * nff, ex.act)?;
+            }
+            launch(
+                dw,
+                dw,
+                gp,
+                dp,
+                dp,
+                1,
+                &ex.down,
+                n_embd,
+                1,
+                if fused_glu { up } else { 0 },
+                // moe_route or router_route wrote the ids two launches back at least: the down projection's first
+                // weight loads need not wait for the gate/up launch (common.cuh, pdl_enter, says why that holds).
+                true,
+            )?;
+            0
+        } else {
+            // Prefill: read the routing back, group the slots by expert, one GEMM per expert and matrix.
+            let mut ids_h = vec![0u32; slots];
+            self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
+            let mut order: Vec<u32> = (0..slots as u32).collect();
+            order.sort_by_key(|&s| (ids_h[s as usize], s));
+            let mut row_of_slot = vec![0u32; slots];
+            for (row, &s) in order.iter().enumerate() {
+                row_of_slot[s as usize] = row as u32;
+            }
+            // Row r of the grouped work reads token tok_of_row[r] of x directly (no gathered copy).
+            let tok_of_row: Vec<u32> = order.iter().map(|&s| s / k as u32).collect();
+            let ip = self.upload(gpu, Slot::Idx, bytemuck::cast_slice(&tok_of_row))?;
+            // One launch per matrix for every expert: tiles of up to 128 grouped rows, each naming its expert.
+            let mut tiles: Vec<[i32; 3]> = Vec::new();
+            let mut first = 0;
+            while first < slots {
+                let e = ids_h[order[first] as usize];
+                let m = order[first..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
+                tiles.extend(
+                    (0..m)
+                        .step_by(128)
+                        .map(|off| [e as i32, (first + off) as i32, (m - off).min(128) as i32]),
+                );
+                first += m;
+            }
+            let gate = ex.gate.rows_slice(0, nff);
+            let upm = ex.up.rows_slice(0, nff);
+            let down = ex.down.rows_slice(0, n_embd);
+            let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * n_embd)?;
+            self.gemm_own(gpu, &gate, gw, nff * gate.row_bytes, xf, ip, gp, &tiles)?;
+            self.gemm_own(gpu, &upm, uw, nff * upm.row_bytes, xf, ip, up, &tiles)?;
+            glu_dev(gpu, gp, up, slots * nff, ex.act)?;
+            let gf = self.f16_copy(gpu, Slot::GF16, gp, slots * nff)?;
+            self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gf, 0, dp, &tiles)?;
+            self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
+        };
+        let Some(outp) = (match sum {
+            MoeSum::Out(outp) => Some(outp),
+            MoeSum::AddNorm { x, h, w, eps } => {
+                assert_eq!(rows_map, 0, "moe: the fused sum serves decode steps");
+                gpu.launch(
+                    "moe_combine_add_rms_norm",
+                    (n_tok as u32, 1, 1),
+                    (norm_threads(n_embd), 1, 1),
+                    &[
+                        Arg::P(dp),
+                        Arg::P(wts),
+                        Arg::P(x),
+                        Arg::P(h),
+                        Arg::P(w),
+                        Arg::I(k as i32),
+                        Arg::I(n_embd as i32),
+                        Arg::I(normalized as i32),
+                        Arg::F(eps),
+                    ],
+                )?;
+                None
+            }
+        }) else {
+            return Ok(());
+        };
+        gpu.launch(
+            "moe_combine",
+            grid1(n_tok * n_embd, 256),
+            (256, 1, 1),
+            &[
+                Arg::P(dp),
+                Arg::P(rows_map),
+                Arg::P(wts),
+                Arg::P(outp),
+                Arg::I(n_tok as i32),
+                Arg::I(k as i32),
+                Arg::I(n_embd as i32),
+                Arg::I(normalized as i32),
+            ],
+        )
+    }
+}
