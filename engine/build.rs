@@ -14,9 +14,11 @@ fn git(args: &[&str]) -> Option<String> {
 }
 
 fn main() {
+    // `--no-optional-locks`: status must not rewrite .git/index, which would rerun this script (and rebuild the
+    // engine) on the next cargo call.
     let rev = match git(&["rev-parse", "--short=12", "HEAD"]) {
         Some(rev) => {
-            let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            let dirty = git(&["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
             format!("{rev}{}", if dirty { "-dirty" } else { "" })
         }
         None => "unknown".into(),
