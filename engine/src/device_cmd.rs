@@ -130,7 +130,7 @@ const ARENA_BYTES: usize = 64 << 20;
 
 fn selftest(a: &DeviceArgs) -> Result<()> {
     let Device::Cuda(ord) = a.device.clone() else {
-        bail!("--selftest tests a CUDA device; --device cpu has nothing to test");
+        bail!("--selftest tests a CUDA device; --device {} has nothing to test", a.device);
     };
     let t0 = Instant::now();
     let gpu = Gpu::open(ord)?;

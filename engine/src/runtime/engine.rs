@@ -33,13 +33,13 @@ pub struct EngineFlags {
     pub kv: KvType,
     /// Context size in tokens, capped by the model's training context (default 4096; `strata bench`: its longest
     /// test). A longer request is an error, never truncated.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_max_context)]
     pub max_context: Option<usize>,
     /// Prefill chunk in tokens, or `auto` (512; `strata bench` defaults to the whole prompt in one batch).
     #[arg(long, value_parser = parse_prefill)]
     pub prefill: Option<PrefillChunk>,
-    /// Engine threads (default: all cores).
-    #[arg(long)]
+    /// Engine threads, 1 to 1024 (default: all cores).
+    #[arg(long, value_parser = parse_threads)]
     pub threads: Option<usize>,
     /// When a library prefill GEMM fails, switch to our own kernel path and keep going (`on`, as llama.cpp
     /// users expect), or fail (`off`, the original Strata's behaviour: the serve worker dies, the front answers
@@ -69,6 +69,20 @@ impl OnOff {
 /// A `--prefill` value: tokens per prefill chunk, `None` for `auto`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillChunk(pub Option<usize>);
+
+fn parse_max_context(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("--max-context takes a positive token count, not `{s}`")),
+    }
+}
+
+fn parse_threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=1024).contains(&n) => Ok(n),
+        _ => Err(format!("--threads takes a thread count from 1 to 1024, not `{s}`")),
+    }
+}
 
 fn parse_prefill(s: &str) -> Result<PrefillChunk, String> {
     session::parse_prefill_chunk(s).map(PrefillChunk)
@@ -291,8 +305,10 @@ mod tests {
             let back = Cli::parse_from(std::iter::once("x".to_string()).chain(a.to_args())).flags;
             assert_eq!(format!("{a:?}"), format!("{back:?}"), "{args:?}");
         }
-        let bad = Cli::try_parse_from(["x", "--prefill", "0"]).err().unwrap().to_string();
-        assert!(bad.contains("--prefill"), "{bad}");
+        for (flag, v) in [("--prefill", "0"), ("--max-context", "0"), ("--threads", "0"), ("--threads", "100000")] {
+            let bad = Cli::try_parse_from(["x", flag, v]).err().unwrap().to_string();
+            assert!(bad.contains(flag), "{bad}");
+        }
     }
 
     #[test]

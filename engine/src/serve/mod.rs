@@ -141,6 +141,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // A device the worker cannot open is an error now, not a worker restarted for ever behind a 503.
     let device = &args.engine.device;
     device.available().with_context(|| format!("cannot use --device {device}"))?;
+    // An events file the worker cannot open is an error now, not a worker restarted for ever.
+    if let Some(path) = &args.events {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot open the events file {}", path.display()))?;
+    }
     let path = crate::models::resolve(Some(&args.engine.model))?;
     let model = ModelInfo::open(&path, args.engine.max_context())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
