@@ -18,7 +18,8 @@ fn main() {
     // engine) on the next cargo call.
     let rev = match git(&["rev-parse", "--short=12", "HEAD"]) {
         Some(rev) => {
-            let dirty = git(&["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            let dirty = git(&["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
             format!("{rev}{}", if dirty { "-dirty" } else { "" })
         }
         None => "unknown".into(),

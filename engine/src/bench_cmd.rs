@@ -30,8 +30,8 @@ use serde::Serialize;
 use strata_engine::backend::AnyBackend;
 use strata_engine::model::Model;
 use strata_engine::models;
-use strata_engine::runtime::generate::{Greedy, TokenSampler};
 use strata_engine::runtime::engine::{Engine, EngineFlags};
+use strata_engine::runtime::generate::{Greedy, TokenSampler};
 use strata_engine::runtime::session::{Session, SessionConfig};
 
 /// llama.cpp's llama-bench on SmolLM2-135M Q4_1, `-t 2`, on the 2-core CI machine (the project's reference).

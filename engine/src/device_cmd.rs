@@ -5,10 +5,10 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use clap::Args;
-use strata_engine::device::Device;
-use strata_engine::device::cuda_libs as loader;
 use strata_engine::backend::cuda::buffer::{Arena, DevBuf};
 use strata_engine::backend::cuda::{Gpu, compile, context};
+use strata_engine::device::Device;
+use strata_engine::device::cuda_libs as loader;
 use strata_engine::model::inspect::human_bytes;
 use strata_engine::state::kv::KvType;
 use strata_engine::{gguf::GgufModel, model::HParams, models};
@@ -130,7 +130,10 @@ const ARENA_BYTES: usize = 64 << 20;
 
 fn selftest(a: &DeviceArgs) -> Result<()> {
     let Device::Cuda(ord) = a.device.clone() else {
-        bail!("--selftest tests a CUDA device; --device {} has nothing to test", a.device);
+        bail!(
+            "--selftest tests a CUDA device; --device {} has nothing to test",
+            a.device
+        );
     };
     let t0 = Instant::now();
     let gpu = Gpu::open(ord)?;

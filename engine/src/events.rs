@@ -314,8 +314,14 @@ mod tests {
             shape: Some(GemmShape { m: 72, n: 576, k: 576 }),
             max_rows: Some(64),
         }));
-        assert!(line.contains(r#""event":"fallback""#) && line.contains(r#""v":2"#), "{line}");
-        assert!(line.contains(r#""m":72"#) && line.contains(r#""max_rows":64"#), "{line}");
+        assert!(
+            line.contains(r#""event":"fallback""#) && line.contains(r#""v":2"#),
+            "{line}"
+        );
+        assert!(
+            line.contains(r#""m":72"#) && line.contains(r#""max_rows":64"#),
+            "{line}"
+        );
         let line = round_trip(EventKind::Fault(Fault {
             error: "boom".into(),
             location: Some("src/x.rs:1:2".into()),

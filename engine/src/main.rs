@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use strata_engine::gguf::GgufModel;
-use strata_engine::model::inspect::{ModelSummary, human_bytes};
 use strata_engine::fixtures::synth::{SynthArch, SynthSpec};
 use strata_engine::fixtures::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
+use strata_engine::gguf::GgufModel;
+use strata_engine::model::inspect::{ModelSummary, human_bytes};
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
 use strata_engine::runtime::engine::EngineFlags;

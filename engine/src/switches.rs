@@ -95,7 +95,11 @@ pub const SWITCHES: &[Switch] = &[
         "1",
         "0: no programmatic dependent launch (sm_90 and later launch each kernel while the one before it ends)",
     ),
-    sw(CUDA_GRAPHS, "1", "0: decode steps launch their kernels one by one instead of replaying a CUDA graph"),
+    sw(
+        CUDA_GRAPHS,
+        "1",
+        "0: decode steps launch their kernels one by one instead of replaying a CUDA graph",
+    ),
     sw(
         PROFILE_KERNELS,
         "0",

@@ -7,13 +7,13 @@
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::backend::cuda::{CudaBackend, DevVec};
 use strata_engine::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams};
+use strata_engine::device::fault::FaultPlan;
 use strata_engine::fixtures::synth::{SynthArch, SynthSpec, TensorTypes};
 use strata_engine::model::{HParams, Model};
 use strata_engine::quant::{self, GgmlType};
-use strata_engine::device::fault::FaultPlan;
-use strata_engine::state::kv::{KvCache, KvRows, KvType};
 use strata_engine::runtime::sampling::TopLogits;
 use strata_engine::runtime::session::{Session, SessionConfig, StepLogits};
+use strata_engine::state::kv::{KvCache, KvRows, KvType};
 
 const NEEDS_GPU: &str = "needs a CUDA GPU: run ci/device-test.sh on the device machine";
 
@@ -977,7 +977,14 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
     assert!(replays > 0, "decode steps replayed no graph ({captured} captured)");
     let on_gpu = interleave::greedy_interleaved(&model, &g, cfg, &[&a, &b], 24);
     let on_cpu = interleave::greedy_interleaved(&model, &CpuBackend, cfg, &[&a, &b], 24);
-    let same = on_gpu.iter().flatten().zip(on_cpu.iter().flatten()).filter(|(x, y)| x == y).count();
-    println!("interleaved: {same} of 48 greedy tokens equal to the CPU's; {captured} graphs captured, {replays} replays");
+    let same = on_gpu
+        .iter()
+        .flatten()
+        .zip(on_cpu.iter().flatten())
+        .filter(|(x, y)| x == y)
+        .count();
+    println!(
+        "interleaved: {same} of 48 greedy tokens equal to the CPU's; {captured} graphs captured, {replays} replays"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -20,10 +20,10 @@ pub use crate::device::Device;
 pub use cuda::select::{AnyBackend, OpenError};
 pub use top::{TOP_LOGITS, TopLogits};
 
+use crate::device::fault::FaultPlan;
 use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;
 use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
-use crate::device::fault::FaultPlan;
 use crate::state::kv::{KvLayer, SeqSlot};
 
 /// A quantized weight matrix viewed in place (zero-copy) in a GGUF mapping: `rows` rows of `cols` weights.

@@ -58,7 +58,8 @@ impl FromStr for Device {
 fn is_profile_name(p: &str) -> bool {
     !p.is_empty()
         && !p.starts_with('.')
-        && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && p.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
 impl fmt::Display for Device {
@@ -110,7 +111,9 @@ mod tests {
             assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
         }
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
-        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "sim:", "sim:../x", "sim:a/b", "CPU"] {
+        for bad in [
+            "gpu", "cuda:", "cuda:x", "cuda:-1", "sim:", "sim:../x", "sim:a/b", "CPU",
+        ] {
             let e = bad.parse::<Device>().unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("sim:PROFILE"), "{e}");
         }
@@ -119,7 +122,10 @@ mod tests {
     #[test]
     fn cpu_is_available_and_sim_is_refused_by_name() {
         assert_eq!(Device::Cpu.available(), Ok(()));
-        let e = Device::Sim("gfx1151-strix-halo".into()).available().unwrap_err().to_string();
+        let e = Device::Sim("gfx1151-strix-halo".into())
+            .available()
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("sim:gfx1151-strix-halo") && e.contains("scenarios/devices/gfx1151-strix-halo.yaml"),
             "{e}"

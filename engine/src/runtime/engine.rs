@@ -305,7 +305,12 @@ mod tests {
             let back = Cli::parse_from(std::iter::once("x".to_string()).chain(a.to_args())).flags;
             assert_eq!(format!("{a:?}"), format!("{back:?}"), "{args:?}");
         }
-        for (flag, v) in [("--prefill", "0"), ("--max-context", "0"), ("--threads", "0"), ("--threads", "100000")] {
+        for (flag, v) in [
+            ("--prefill", "0"),
+            ("--max-context", "0"),
+            ("--threads", "0"),
+            ("--threads", "100000"),
+        ] {
             let bad = Cli::try_parse_from(["x", flag, v]).err().unwrap().to_string();
             assert!(bad.contains(flag), "{bad}");
         }
@@ -315,6 +320,9 @@ mod tests {
     fn a_sim_device_is_refused_by_name_before_the_model_is_read() {
         let flags = Cli::parse_from(["x", "--device", "sim:gfx1100-rx7900xtx", "--model", "/nonexistent.gguf"]).flags;
         let e = Engine::open(&flags).err().unwrap().to_string();
-        assert!(e.contains("--device sim:gfx1100-rx7900xtx") && e.contains("not implemented"), "{e}");
+        assert!(
+            e.contains("--device sim:gfx1100-rx7900xtx") && e.contains("not implemented"),
+            "{e}"
+        );
     }
 }

@@ -10,10 +10,10 @@
 use std::time::Instant;
 
 use crate::backend::{ATTN_SPAN_BLOCK, Backend, StepKey};
-use crate::model::{Logits, Model, Scratch, TRACE_TENSORS};
 use crate::device::fault::{FaultPlan, GemmFault};
-use crate::state::kv::{KvCache, KvError, KvType};
+use crate::model::{Logits, Model, Scratch, TRACE_TENSORS};
 use crate::runtime::sampling::TopLogits;
+use crate::state::kv::{KvCache, KvError, KvType};
 
 /// Default `--max-context`, in tokens (capped by the model's training context).
 pub const DEFAULT_MAX_CONTEXT: usize = 4096;
@@ -250,7 +250,9 @@ impl<'m, B: Backend> Session<'m, B> {
         if graphable {
             be.step_begin(n, key);
         }
-        let out = self.model.forward(be, tokens, pos0, &mut self.kv, &mut self.scratch, want);
+        let out = self
+            .model
+            .forward(be, tokens, pos0, &mut self.kv, &mut self.scratch, want);
         if graphable {
             be.step_end();
         }

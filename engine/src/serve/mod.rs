@@ -140,7 +140,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     crate::device::fault::FaultPlan::from_env()?;
     // A device the worker cannot open is an error now, not a worker restarted for ever behind a 503.
     let device = &args.engine.device;
-    device.available().with_context(|| format!("cannot use --device {device}"))?;
+    device
+        .available()
+        .with_context(|| format!("cannot use --device {device}"))?;
     // An events file the worker cannot open is an error now, not a worker restarted for ever.
     if let Some(path) = &args.events {
         std::fs::OpenOptions::new()

@@ -13,9 +13,9 @@ use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
+use crate::runtime::engine::Engine;
 use crate::runtime::generate::{GenerateError, GenerateOptions, generate_cancellable};
 use crate::runtime::sampling::{Sampler, SamplingParams};
-use crate::runtime::engine::Engine;
 use crate::runtime::session::{Session, SessionError};
 use crate::tokenizer::Tokenizer;
 

@@ -235,7 +235,12 @@ impl KvCache {
                 v: KvRows::new(id(il, true), ty.ggml(), n_ctx, heads, dv),
             })
             .collect();
-        Ok(KvCache { slot, ty, n_ctx, layers })
+        Ok(KvCache {
+            slot,
+            ty,
+            n_ctx,
+            layers,
+        })
     }
 
     /// The cache's sequence slot.

@@ -156,8 +156,8 @@ fn bad_input_is_one_clear_error_and_no_panic() {
 
 #[test]
 fn a_broken_chat_template_is_reported_with_its_line() {
-    use strata_engine::gguf::{GgufModel, GgufWriter, Value};
     use strata_engine::fixtures::synth::SynthSpec;
+    use strata_engine::gguf::{GgufModel, GgufWriter, Value};
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good.gguf");
     let spec = SynthSpec {

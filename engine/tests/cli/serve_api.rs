@@ -1,11 +1,10 @@
 //! `strata serve` on the default model through both APIs: answers, streams, usage and timings, errors in each
 //! API's shape, the queue bound and the API key.
 
-
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
 use crate::serve_common::{Server, SseReader};
+use serde_json::{Value, json};
 
 const SYSTEM: &str = "You are a helpful AI assistant.";
 const QUESTION: &str = "What is the capital of France?";

@@ -2,11 +2,10 @@
 //! with the original's message (or an error event in a stream that already answered 200, never a cut stream
 //! that looks whole), is restarted, and the next request gets 200; a closed stream cancels its generation.
 
-
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
 use crate::serve_common::{Server, SseReader, signal};
+use serde_json::{Value, json};
 
 fn long_request(stream: bool) -> Value {
     json!({

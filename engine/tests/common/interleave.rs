@@ -41,11 +41,20 @@ pub fn greedy_interleaved<B: Backend>(
 }
 
 /// Asserts that each of `prompts`, interleaved with the others on `be`, gets the tokens it gets alone.
-pub fn assert_interleaved_equals_alone<B: Backend>(model: &Model, be: &B, cfg: SessionConfig, prompts: &[&[u32]], steps: usize) {
+pub fn assert_interleaved_equals_alone<B: Backend>(
+    model: &Model,
+    be: &B,
+    cfg: SessionConfig,
+    prompts: &[&[u32]],
+    steps: usize,
+) {
     let together = greedy_interleaved(model, be, cfg, prompts, steps);
     for (i, p) in prompts.iter().enumerate() {
         let alone = greedy_alone(model, be, cfg, p, steps);
-        assert_eq!(together[i], alone, "sequence {i}: interleaved tokens differ from the same sequence alone");
+        assert_eq!(
+            together[i], alone,
+            "sequence {i}: interleaved tokens differ from the same sequence alone"
+        );
         assert_eq!(alone.len(), steps);
     }
 }

@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
-use strata_engine::gguf::GgufModel;
-use strata_engine::model::HParams;
 use strata_engine::fixtures::synth::{SynthArch, SynthSpec, TensorTypes};
 use strata_engine::fixtures::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
+use strata_engine::gguf::GgufModel;
+use strata_engine::model::HParams;
 use strata_engine::models;
 use strata_engine::quant::{self, GgmlType};
 

@@ -11,14 +11,14 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use strata_engine::backend::cpu::CpuBackend;
-use strata_engine::gguf::GgufModel;
-use strata_engine::model::Model;
 use strata_engine::fixtures::synth::SynthSpec;
 use strata_engine::fixtures::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
+use strata_engine::gguf::GgufModel;
+use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::generate::argmax;
-use strata_engine::state::kv::KvType;
 use strata_engine::runtime::session::{Session, SessionConfig};
+use strata_engine::state::kv::KvType;
 
 fn goldens_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -5,15 +5,15 @@
 use std::path::PathBuf;
 
 use strata_engine::backend::cpu::CpuBackend;
-use strata_engine::gguf::GgufModel;
-use strata_engine::model::Model;
 use strata_engine::fixtures::synth::SynthSpec;
 use strata_engine::fixtures::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
+use strata_engine::gguf::GgufModel;
+use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::generate::{GenerateOptions, Greedy, StopReason, generate};
-use strata_engine::state::kv::KvType;
 use strata_engine::runtime::sampling::{Sampler, SamplingParams};
 use strata_engine::runtime::session::{Session, SessionConfig, SessionError};
+use strata_engine::state::kv::KvType;
 use strata_engine::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer};
 
 /// The cached default model; fails (not skips) when absent, since CI fetches models first.

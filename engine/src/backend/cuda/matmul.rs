@@ -122,7 +122,11 @@ impl Inner {
                         from: "blas".into(),
                         to: "gemm_tensor_core".into(),
                         why: format!("cublasGemmEx: {why}"),
-                        shape: Some(GemmShape { m: n_tok, n: rows, k: cols }),
+                        shape: Some(GemmShape {
+                            m: n_tok,
+                            n: rows,
+                            k: cols,
+                        }),
                         max_rows: None,
                     }));
                 }
@@ -131,7 +135,11 @@ impl Inner {
                         error: format!("{why} (--gemm-fallback off)"),
                         op: Some(OP_PREFILL_GEMM.into()),
                         kernel: Some("cublasGemmEx".into()),
-                        shape: Some(GemmShape { m: n_tok, n: rows, k: cols }),
+                        shape: Some(GemmShape {
+                            m: n_tok,
+                            n: rows,
+                            k: cols,
+                        }),
                         ..Fault::default()
                     }));
                     return Err(CudaError::Launch {

@@ -57,9 +57,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 
 use super::cpu::CpuBackend;
 use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, StepKey};
-use crate::quant::{self, GgmlType};
 use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
 use crate::events::{self, EventKind, Fallback};
+use crate::quant::{self, GgmlType};
 use crate::state::kv::{KvLayer, KvRowsId, SeqSlot};
 use buffer::DevBuf;
 use compile::CompileReport;

@@ -2,11 +2,11 @@
 
 use super::error::CudaError;
 use super::{CudaBackend, DevVec};
+use crate::backend::StepKey;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams};
 use crate::device::fault::FaultPlan;
 use crate::device::{Device, DeviceError};
-use crate::backend::StepKey;
 use crate::state::kv::{KvLayer, SeqSlot};
 
 /// Why a device's backend could not be opened.
