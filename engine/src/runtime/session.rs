@@ -9,10 +9,9 @@
 
 use std::time::Instant;
 
-use crate::backend::{ATTN_SPAN_BLOCK, Backend, StepKey};
+use crate::backend::{ATTN_SPAN_BLOCK, Backend, StepKey, TopLogits};
 use crate::device::fault::{FaultPlan, GemmFault};
 use crate::model::{Logits, Model, Scratch, TRACE_TENSORS};
-use crate::runtime::sampling::TopLogits;
 use crate::state::kv::{KvCache, KvError, KvType};
 
 /// Default `--max-context`, in tokens (capped by the model's training context).

@@ -145,11 +145,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("cannot use --device {device}"))?;
     // An events file the worker cannot open is an error now, not a worker restarted for ever.
     if let Some(path) = &args.events {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .with_context(|| format!("cannot open the events file {}", path.display()))?;
+        worker::open_events_file(path)?;
     }
     let path = crate::models::resolve(Some(&args.engine.model))?;
     let model = ModelInfo::open(&path, args.engine.max_context())?;

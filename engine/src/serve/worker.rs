@@ -26,6 +26,17 @@ pub const ENV_FAULT_AFTER_TOKENS: &str = crate::switches::WORKER_FAULT_AFTER_TOK
 /// The `--events` file, opened once at start; events are rare (per request), so a mutex is fine here.
 static EVENTS_FILE: OnceLock<Mutex<std::fs::File>> = OnceLock::new();
 
+/// Opens (creating it if needed) the `--events` file for appending.
+///
+/// Errors: the file cannot be opened or created, naming it.
+pub fn open_events_file(path: &std::path::Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("cannot open the events file {}", path.display()))
+}
+
 /// Writes one protocol message as a line on stdout (events also to the `--events` file). A closed stdout means
 /// the front is gone: the worker exits.
 pub fn send(msg: &Message) {
@@ -88,12 +99,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     events::set_sink(|ev| send(&Message::Event(ev.clone())));
     install_fault_hook();
     if let Some(path) = &flags.events {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .with_context(|| format!("cannot open the events file {}", path.display()))?;
-        let _ = EVENTS_FILE.set(Mutex::new(file));
+        let _ = EVENTS_FILE.set(Mutex::new(open_events_file(path)?));
     }
     let engine = Engine::open(&flags.engine)?;
     let (model, tokenizer) = (&engine.model, &engine.tokenizer);
