@@ -47,6 +47,9 @@ parity)
   "$BIN" device --selftest 2>&1 | tee "$OUT/selftest-warm.txt"
   row "start, kernels from the cache" "$(grep -o 'start .*' "$OUT/selftest-warm.txt")"
   row "selftest" "$(tail -1 "$OUT/selftest-warm.txt")"
+  # The memory plan (memory/, the one `strata inspect` prints too) against the card's free memory.
+  "$BIN" device --selftest --model synth:qwen3-30b-a3b --max-context 32768 2>&1 | tee "$OUT/selftest-plan.txt"
+  row "memory plan, 30B shape at 32k" "$(grep -E '^  plan  ' "$OUT/selftest-plan.txt" | tr -s ' ') $(grep -o 'FITS\|DOES NOT FIT' "$OUT/selftest-plan.txt")"
   # Parity and KLD (single-threaded tests: one GPU context at a time keeps the logs readable).
   "$TESTS" --ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/parity.txt"
   row "parity tests" "$(grep -E '^test result' "$OUT/parity.txt" | tail -1)"

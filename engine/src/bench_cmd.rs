@@ -159,7 +159,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(args.gen_tokens + args.depth.iter().copied().max().unwrap_or(0));
-    let max_context = match args.engine.max_context {
+    let max_context = match args.engine.plan.max_context {
         Some(n) if n < longest => bail!("--max-context {n} is shorter than the longest test, {longest} tokens"),
         Some(n) => n,
         None => longest.max(1),
@@ -264,7 +264,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         model_bytes: std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0),
         arch: model.hp.arch.to_string(),
         threads,
-        kv: args.engine.kv.to_string(),
+        kv: args.engine.plan.kv.to_string(),
         cpu: cpu_name(),
         load_before,
         load_after: load_average(),

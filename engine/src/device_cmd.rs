@@ -9,8 +9,7 @@ use strata_engine::backend::cuda::buffer::{Arena, DevBuf};
 use strata_engine::backend::cuda::{Gpu, compile, context};
 use strata_engine::device::Device;
 use strata_engine::device::cuda_libs as loader;
-use strata_engine::model::inspect::human_bytes;
-use strata_engine::state::kv::KvType;
+use strata_engine::memory::{MemoryPlan, PlanConfig, PlanFlags, WeightBytes, gib};
 use strata_engine::{gguf::GgufModel, model::HParams, models};
 
 #[derive(Args)]
@@ -31,18 +30,9 @@ pub struct DeviceArgs {
     /// A model whose memory plan --selftest prints (`default` for the default model).
     #[arg(long)]
     model: Option<String>,
-    /// Context of the plan, in tokens.
-    #[arg(long, default_value_t = 4096)]
-    max_context: usize,
-    /// KV cache type of the plan.
-    #[arg(long, value_enum, default_value = "f16")]
-    kv: KvType,
-}
-
-const GIB: f64 = (1u64 << 30) as f64;
-
-fn gib(b: usize) -> String {
-    format!("{:.3} GiB ({b} B)", b as f64 / GIB)
+    /// KV cache, context and prefill chunk of the plan (the engine's flags).
+    #[command(flatten)]
+    plan: PlanFlags,
 }
 
 pub fn run(a: DeviceArgs) -> Result<()> {
@@ -103,7 +93,7 @@ fn list_devices() -> Result<()> {
         println!("device {i}: {}", ctx.name()?);
         println!("  compute capability  {maj}.{min} ({})", compile::arch_name(maj, min));
         println!("  multiprocessors     {sms}");
-        println!("  VRAM total / free   {} / {}", gib(total), gib(free));
+        println!("  VRAM total / free   {} / {}", gib(total as u64), gib(free as u64));
         println!("  driver / runtime    {drv} / {rt}");
         drop(ctx);
         match Gpu::open(i) {
@@ -123,8 +113,6 @@ fn list_devices() -> Result<()> {
     Ok(())
 }
 
-/// Bytes the plan reserves for the driver, cuBLAS's workspace and fragmentation.
-const RESERVE_BYTES: usize = 512 << 20;
 /// Arena of the allocation test.
 const ARENA_BYTES: usize = 64 << 20;
 
@@ -146,7 +134,7 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
     println!("device {ord}: {}", gpu.ctx.name()?);
     println!("  CUDA arch           sm_{maj}{min} (kernels for {})", gpu.compile.arch);
     println!("  multiprocessors     {sms}");
-    println!("  VRAM total / free   {} / {}", gib(total), gib(free));
+    println!("  VRAM total / free   {} / {}", gib(total as u64), gib(free as u64));
     println!(
         "  driver / runtime    {} / {:?}",
         compile::driver_version()?,
@@ -178,63 +166,38 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
     }
     println!(
         "\nselftest: arena {}, used {} after two 1 MiB allocations",
-        gib(ARENA_BYTES),
-        gib(used)
+        gib(ARENA_BYTES as u64),
+        gib(used as u64)
     );
     if !(refused_in_arena && refused_by_driver && after) {
         bail!(
             "selftest: over-allocation of {} was not refused as required (arena {refused_in_arena}, driver {refused_by_driver}, usable after {after})",
-            gib(over)
+            gib(over as u64)
         );
     }
     println!(
         "selftest: over-allocation refused as required ({} asked of the driver)",
-        gib(over)
+        gib(over as u64)
     );
     println!("strata device selftest OK");
     Ok(())
 }
 
-/// The memory plan of `model` at `--max-context`, against `free` bytes.
+/// The memory plan of `model` under the plan flags, against `free` bytes.
 fn plan(model: &str, a: &DeviceArgs, free: usize) -> Result<()> {
     let path = models::resolve(Some(model))?;
     let gguf = GgufModel::open(&path)?;
     let hp = HParams::from_metadata(gguf.metadata())?;
-    let weights: u64 = gguf.tensors().iter().map(|t| t.n_bytes).sum();
-    let per_elem = match a.kv {
-        KvType::F16 => 2.0,
-        KvType::Int8 => 34.0 / 32.0,
-    };
-    let kv = (hp.kv_bytes_per_token(per_elem) * a.max_context as f64) as u64;
-    // Prefill buffers: a 512-token chunk's activations and one f16-dequantized matrix (the largest).
-    let largest = gguf
-        .tensors()
-        .iter()
-        .map(|t| t.dims.iter().product::<u64>())
-        .max()
-        .unwrap_or(0);
-    let widest = (hp.n_embd.max(hp.n_ff).max(hp.n_ff_exp * hp.n_expert_used.max(1)) as u64).max(1);
-    let prefill = 512 * widest * 4 * 6 + largest * 2 + 512 * hp.n_embd as u64 * 2;
-    let total = weights + kv + prefill + RESERVE_BYTES as u64;
+    let config = PlanConfig::from_flags(&a.plan, hp.n_ctx_train);
+    let plan = MemoryPlan::new(&WeightBytes::of(&gguf), &hp, &config)
+        .map_err(|e| anyhow::anyhow!("{}: --kv {}: {e}", path.display(), a.plan.kv))?;
     println!(
-        "\nmemory plan  {}  --max-context {} --kv {}",
+        "\nmemory plan  {}  --max-context {} --kv {} --prefill {}",
         path.display(),
-        a.max_context,
-        a.kv
+        plan.context,
+        plan.kv,
+        config.prefill_chunk
     );
-    println!("  weights (all experts resident) {:.6} GB", weights as f64 / 1e9);
-    println!("  KV cache            {:.6} GB", kv as f64 / 1e9);
-    println!("  prefill buffers     {:.6} GB", prefill as f64 / 1e9);
-    println!("  reserve             {:.6} GB", RESERVE_BYTES as f64 / 1e9);
-    println!(
-        "  plan                {:.6} GB ({})",
-        total as f64 / 1e9,
-        human_bytes(total)
-    );
-    println!("  card free           {}", gib(free));
-    println!(
-        "  plan vs free        {}",
-        if total as usize <= free { "FITS" } else { "DOES NOT FIT" }
-    );
+    print!("{}", plan.to_text(free as u64));
     Ok(())
 }

@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use strata_engine::fixtures::synth::{SynthArch, SynthSpec};
 use strata_engine::fixtures::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::gguf::GgufModel;
+use strata_engine::memory::MemoryEstimate;
 use strata_engine::model::inspect::{ModelSummary, human_bytes};
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
@@ -297,11 +298,23 @@ fn open_model(arg: &str) -> Result<GgufModel> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Inspect { model, json } => {
-            let summary = ModelSummary::new(&open_model(&model)?);
+            let gguf = open_model(&model)?;
+            let summary = ModelSummary::new(&gguf);
+            let memory = MemoryEstimate::new(&gguf, summary.hparams.as_ref());
             if json {
-                println!("{}", serde_json::to_string_pretty(&summary)?);
+                #[derive(serde::Serialize)]
+                struct Inspected<'a> {
+                    #[serde(flatten)]
+                    summary: &'a ModelSummary,
+                    memory: &'a MemoryEstimate,
+                }
+                let out = Inspected {
+                    summary: &summary,
+                    memory: &memory,
+                };
+                println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
-                print!("{}", summary.to_text());
+                print!("{}{}", summary.to_text(), memory.to_text());
             }
         }
         Command::Fixtures {

@@ -9,7 +9,8 @@ use crate::gguf::{GgufModel, Metadata};
 use crate::quant::GgmlType;
 use crate::tokenizer::{ChatTemplate, Tokenizer};
 
-/// A model's description: architecture, hyper-parameters, tokenizer, tensors, totals and a memory estimate.
+/// A model's description: architecture, hyper-parameters, tokenizer, tensors and totals (`strata inspect` adds
+/// the memory plan's estimate, `crate::memory::MemoryEstimate`).
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelSummary {
     /// The files of the model (several for a shard set).
@@ -28,7 +29,6 @@ pub struct ModelSummary {
     pub tensors: Vec<TensorRow>,
     /// Per quant type: tensor count, elements and bytes, in type-id order.
     pub totals_by_type: Vec<TypeTotal>,
-    pub memory: MemoryEstimate,
     /// Every metadata key with a short rendering of its value (long arrays abbreviated).
     pub metadata: Vec<(String, String)>,
 }
@@ -75,24 +75,6 @@ pub struct TypeTotal {
     pub bytes: u64,
 }
 
-/// What running the model needs: the weights plus a KV cache, in bytes.
-#[derive(Debug, Clone, Serialize)]
-pub struct MemoryEstimate {
-    pub weights_bytes: u64,
-    /// KV-cache bytes per token with f16 K and V.
-    pub kv_f16_bytes_per_token: f64,
-    /// Rows: context length in tokens, weights + f16 KV cache, weights + int8 KV cache (bytes).
-    pub at_context: Vec<ContextEstimate>,
-}
-
-/// Memory at one context length.
-#[derive(Debug, Clone, Serialize)]
-pub struct ContextEstimate {
-    pub context_tokens: u64,
-    pub total_kv_f16_bytes: u64,
-    pub total_kv_int8_bytes: u64,
-}
-
 impl ModelSummary {
     /// Describes `model`.
     pub fn new(model: &GgufModel) -> ModelSummary {
@@ -120,28 +102,6 @@ impl ModelSummary {
             e.elements = e.elements.saturating_add(t.n_elements());
             e.bytes = e.bytes.saturating_add(t.n_bytes);
         }
-        let weights_bytes = model
-            .tensors()
-            .iter()
-            .fold(0u64, |sum, t| sum.saturating_add(t.n_bytes));
-        let kv_f16 = hparams.as_ref().map_or(0.0, |h| h.kv_bytes_per_token(2.0));
-        let mut contexts = vec![4096];
-        if let Ok(h) = &hparams
-            && h.n_ctx_train > 0
-            && h.n_ctx_train != 4096
-        {
-            contexts.push(h.n_ctx_train as u64);
-        }
-        let at_context = contexts
-            .into_iter()
-            .map(|n| ContextEstimate {
-                context_tokens: n,
-                // Float-to-int casts saturate, and so do these sums: a hostile header cannot overflow them.
-                total_kv_f16_bytes: weights_bytes.saturating_add((kv_f16 * n as f64) as u64),
-                // int8 K/V carry one f16 scale per 32 values: 34 bytes per 32 elements.
-                total_kv_int8_bytes: weights_bytes.saturating_add((kv_f16 / 2.0 * 34.0 / 32.0 * n as f64) as u64),
-            })
-            .collect();
         ModelSummary {
             files: model.paths().iter().map(|p| p.display().to_string()).collect(),
             file_bytes: model
@@ -160,11 +120,6 @@ impl ModelSummary {
             tokenizer: TokenizerSummary::new(md),
             tensors,
             totals_by_type: totals.into_values().collect(),
-            memory: MemoryEstimate {
-                weights_bytes,
-                kv_f16_bytes_per_token: kv_f16,
-                at_context,
-            },
             metadata: md.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         }
     }
@@ -269,19 +224,6 @@ impl ModelSummary {
                 t.tensors,
                 t.elements,
                 human_bytes(t.bytes)
-            );
-        }
-        let m = &self.memory;
-        let _ = writeln!(w, "\nmemory estimate (weights + KV cache)");
-        let _ = writeln!(w, "  weights          {}", human_bytes(m.weights_bytes));
-        let _ = writeln!(w, "  KV f16 per token {}", human_bytes(m.kv_f16_bytes_per_token as u64));
-        for c in &m.at_context {
-            let _ = writeln!(
-                w,
-                "  context {:>6}   {} with f16 KV, {} with int8 KV",
-                c.context_tokens,
-                human_bytes(c.total_kv_f16_bytes),
-                human_bytes(c.total_kv_int8_bytes)
             );
         }
         s

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 use crate::backend::{AnyBackend, OpenError};
 use crate::device::Device;
 use crate::device::fault::{FaultPlan, FaultSpecError};
+pub use crate::memory::{PlanFlags, PrefillChunk};
 use crate::model::{Model, ModelError};
 use crate::models::ModelsError;
-use crate::runtime::session::{self, Session, SessionConfig, SessionError};
-use crate::state::kv::KvType;
+use crate::runtime::session::{Session, SessionConfig, SessionError};
 use crate::tokenizer::template::TemplateError;
 use crate::tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
@@ -28,16 +28,9 @@ pub struct EngineFlags {
     /// Where to compute: cpu, or cuda:N (all weights resident in VRAM).
     #[arg(long, default_value = "cpu")]
     pub device: Device,
-    /// KV cache type: f16, or int8 (blocks of 32 values with an f16 scale).
-    #[arg(long, value_enum, default_value = "f16")]
-    pub kv: KvType,
-    /// Context size in tokens, capped by the model's training context (default 4096; `strata bench`: its longest
-    /// test). A longer request is an error, never truncated.
-    #[arg(long, value_parser = parse_max_context)]
-    pub max_context: Option<usize>,
-    /// Prefill chunk in tokens, or `auto` (512; `strata bench` defaults to the whole prompt in one batch).
-    #[arg(long, value_parser = parse_prefill)]
-    pub prefill: Option<PrefillChunk>,
+    /// KV cache, context and prefill chunk: what the memory plan is computed from.
+    #[command(flatten)]
+    pub plan: PlanFlags,
     /// Engine threads, 1 to 1024 (default: all cores).
     #[arg(long, value_parser = parse_threads)]
     pub threads: Option<usize>,
@@ -66,17 +59,6 @@ impl OnOff {
     }
 }
 
-/// A `--prefill` value: tokens per prefill chunk, `None` for `auto`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PrefillChunk(pub Option<usize>);
-
-fn parse_max_context(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!("--max-context takes a positive token count, not `{s}`")),
-    }
-}
-
 fn parse_threads(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if (1..=1024).contains(&n) => Ok(n),
@@ -84,22 +66,18 @@ fn parse_threads(s: &str) -> Result<usize, String> {
     }
 }
 
-fn parse_prefill(s: &str) -> Result<PrefillChunk, String> {
-    session::parse_prefill_chunk(s).map(PrefillChunk)
-}
-
 impl EngineFlags {
-    /// `--max-context`, or its default ([`session::DEFAULT_MAX_CONTEXT`]).
+    /// `--max-context`, or its default ([`crate::memory::DEFAULT_MAX_CONTEXT`]).
     pub fn max_context(&self) -> usize {
-        self.max_context.unwrap_or(session::DEFAULT_MAX_CONTEXT)
+        self.plan.max_context()
     }
 
     /// The session settings these flags give (the prefill chunk of `auto` when none was given).
     pub fn session_config(&self) -> SessionConfig {
         SessionConfig {
             max_context: self.max_context(),
-            kv: self.kv,
-            prefill_chunk: self.prefill.and_then(|p| p.0),
+            kv: self.plan.kv,
+            prefill_chunk: self.plan.prefill.and_then(|p| p.0),
         }
     }
 
@@ -110,15 +88,8 @@ impl EngineFlags {
             self.model.clone(),
             "--device".into(),
             self.device.to_string(),
-            "--kv".into(),
-            self.kv.to_string(),
         ];
-        if let Some(n) = self.max_context {
-            a.extend(["--max-context".into(), n.to_string()]);
-        }
-        if let Some(p) = self.prefill {
-            a.extend(["--prefill".into(), p.0.map_or("auto".into(), |n| n.to_string())]);
-        }
+        a.extend(self.plan.to_args());
         if let Some(t) = self.threads {
             a.extend(["--threads".into(), t.to_string()]);
         }

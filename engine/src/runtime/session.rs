@@ -14,32 +14,7 @@ use crate::device::fault::{FaultPlan, GemmFault};
 use crate::model::{Logits, Model, Scratch, TRACE_TENSORS};
 use crate::state::kv::{KvCache, KvError, KvType};
 
-/// Default `--max-context`, in tokens (capped by the model's training context).
-pub const DEFAULT_MAX_CONTEXT: usize = 4096;
-/// Prefill chunk used by `--prefill auto`, in tokens.
-pub const AUTO_PREFILL_CHUNK: usize = 512;
-
-/// Cells a session allocates: `max_context` capped by the model's training context (`n_ctx_train`, 0 when the
-/// metadata has none), in tokens. The server uses it to refuse an over-long prompt before queueing it.
-pub fn context_cells(max_context: usize, n_ctx_train: u32) -> usize {
-    match n_ctx_train as usize {
-        0 => max_context,
-        train => max_context.min(train),
-    }
-}
-
-/// Parses a `--prefill` value: a positive token count, or `auto` (`None`: [`AUTO_PREFILL_CHUNK`]).
-///
-/// Errors: anything else, as a one-line message naming the flag.
-pub fn parse_prefill_chunk(s: &str) -> Result<Option<usize>, String> {
-    if s == "auto" {
-        return Ok(None);
-    }
-    match s.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(Some(n)),
-        _ => Err(format!("--prefill takes a positive token count or `auto`, not `{s}`")),
-    }
-}
+pub use crate::memory::{AUTO_PREFILL_CHUNK, DEFAULT_MAX_CONTEXT, context_cells, parse_prefill_chunk};
 
 /// Why a session step failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

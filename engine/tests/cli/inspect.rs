@@ -102,6 +102,19 @@ fn json_output_carries_the_same_facts() {
         .sum();
     assert_eq!(json["memory"]["weights_bytes"].as_u64(), Some(weights));
     assert!(weights < json["file_bytes"].as_u64().unwrap());
+    // The memory plan's KV cache at 4096 tokens: 30 layers x 3 KV heads x (64 + 64) values, at 2 bytes (f16) or
+    // 34 bytes per 32 values (int8), counted by hand.
+    let at = &json["memory"]["at_context"][0];
+    assert_eq!(at["context_tokens"], 4096);
+    assert_eq!(
+        at["total_kv_f16_bytes"].as_u64(),
+        Some(weights + 30 * 3 * 128 * 2 * 4096)
+    );
+    assert_eq!(
+        at["total_kv_int8_bytes"].as_u64(),
+        Some(weights + 30 * 3 * 4 * 34 * 4096)
+    );
+    assert_eq!(json["memory"]["expert_bytes"], 0);
 }
 
 /// A reader that leaves before strata writes (`strata inspect --json | true`) ends strata as it ends Unix tools, by
@@ -223,4 +236,29 @@ fn version_names_the_commit_it_was_built_from() {
         ),
         None => assert_eq!(rev, "unknown"),
     }
+}
+
+/// A MoE's routed experts are counted apart from its dense weights: the `_exps` tensors' bytes, summed here from
+/// the tensor table the JSON carries.
+#[test]
+fn moe_expert_bytes_are_the_exps_tensors() {
+    use strata_engine::fixtures::synth::SynthSpec;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&strata(&["inspect", "--json", path.to_str().unwrap()]))).expect("valid JSON");
+    let tensors = json["tensors"].as_array().unwrap();
+    let exps: u64 = tensors
+        .iter()
+        .filter(|t| {
+            let n = t["name"].as_str().unwrap();
+            n.ends_with("_exps.weight")
+        })
+        .map(|t| t["bytes"].as_u64().unwrap())
+        .sum();
+    assert!(exps > 0);
+    assert_eq!(json["memory"]["expert_bytes"].as_u64(), Some(exps));
+    let text = stdout(&strata(&["inspect", path.to_str().unwrap()]));
+    assert!(text.contains("(routed experts "), "{text}");
 }

@@ -1,0 +1,495 @@
+//! The one memory plan (DESIGN.md section 3, "Memory plan"): what running a model needs, part by part, computed
+//! from its GGUF tensor table and hyper-parameters before anything is allocated, and compared with a device's
+//! free memory as FITS or DOES NOT FIT. `strata device --selftest --model M` prints it against the card's free
+//! memory, `strata inspect` prints its weights and KV cache at two context lengths, and the flags it is computed
+//! from ([`PlanFlags`]) are the engine's.
+//!
+//! Sizes are bytes. The KV cache is sized as [`crate::state::kv::KvCache`] allocates it (cells x
+//! [`KvShape::cell_bytes`]), so the plan and the allocation cannot disagree.
+
+use std::fmt;
+
+use crate::gguf::GgufModel;
+use crate::model::HParams;
+pub use crate::model::inspect::human_bytes;
+use crate::state::kv::{KvError, KvShape, KvType};
+
+/// Default `--max-context`, in tokens (capped by the model's training context).
+pub const DEFAULT_MAX_CONTEXT: usize = 4096;
+/// Prefill chunk used by `--prefill auto`, in tokens.
+pub const AUTO_PREFILL_CHUNK: usize = 512;
+/// Bytes the plan keeps free on a device for the driver, the BLAS library's workspace and fragmentation.
+pub const RESERVE_BYTES: u64 = 512 << 20;
+
+/// Cells a sequence's KV cache holds: `max_context` capped by the model's training context (`n_ctx_train`, 0
+/// when the metadata has none), in tokens. The server uses it to refuse an over-long prompt before queueing it.
+pub fn context_cells(max_context: usize, n_ctx_train: u32) -> usize {
+    match n_ctx_train as usize {
+        0 => max_context,
+        train => max_context.min(train),
+    }
+}
+
+/// Parses a `--prefill` value: a positive token count, or `auto` (`None`: [`AUTO_PREFILL_CHUNK`]).
+///
+/// Errors: anything else, as a one-line message naming the flag.
+pub fn parse_prefill_chunk(s: &str) -> Result<Option<usize>, String> {
+    if s == "auto" {
+        return Ok(None);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Some(n)),
+        _ => Err(format!("--prefill takes a positive token count or `auto`, not `{s}`")),
+    }
+}
+
+/// A `--prefill` value: tokens per prefill chunk, `None` for `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillChunk(pub Option<usize>);
+
+fn parse_max_context(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("--max-context takes a positive token count, not `{s}`")),
+    }
+}
+
+fn parse_prefill(s: &str) -> Result<PrefillChunk, String> {
+    parse_prefill_chunk(s).map(PrefillChunk)
+}
+
+/// The flags a memory plan is computed from, defined once: every engine command has them (inside
+/// `runtime::engine::EngineFlags`) and so does `strata device --selftest`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PlanFlags {
+    /// KV cache type: f16, or int8 (blocks of 32 values with an f16 scale).
+    #[arg(long, value_enum, default_value = "f16")]
+    pub kv: KvType,
+    /// Context size in tokens, capped by the model's training context (default 4096; `strata bench`: its longest
+    /// test). A longer request is an error, never truncated.
+    #[arg(long, value_parser = parse_max_context)]
+    pub max_context: Option<usize>,
+    /// Prefill chunk in tokens, or `auto` (512; `strata bench` defaults to the whole prompt in one batch).
+    #[arg(long, value_parser = parse_prefill)]
+    pub prefill: Option<PrefillChunk>,
+}
+
+impl PlanFlags {
+    /// `--max-context`, or its default ([`DEFAULT_MAX_CONTEXT`]).
+    pub fn max_context(&self) -> usize {
+        self.max_context.unwrap_or(DEFAULT_MAX_CONTEXT)
+    }
+
+    /// Tokens per prefill chunk (`auto`: [`AUTO_PREFILL_CHUNK`]).
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill.and_then(|p| p.0).unwrap_or(AUTO_PREFILL_CHUNK)
+    }
+
+    /// The flags as command-line arguments: parsing them back gives these flags.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec!["--kv".to_string(), self.kv.to_string()];
+        if let Some(n) = self.max_context {
+            a.extend(["--max-context".into(), n.to_string()]);
+        }
+        if let Some(p) = self.prefill {
+            a.extend(["--prefill".into(), p.0.map_or("auto".into(), |n| n.to_string())]);
+        }
+        a
+    }
+}
+
+/// The weights of a model by where they will live: dense (attention, norms, embeddings, output head, dense FFNs,
+/// routers, shared experts) and routed experts (the `ffn_{gate,up,down}_exps` tensors, which the expert store
+/// will keep in host memory). Bytes as stored in the GGUF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightBytes {
+    pub dense: u64,
+    pub experts: u64,
+    /// Elements of the largest tensor (the f16 copy a prefill GEMM may dequantize it into).
+    pub largest_elements: u64,
+}
+
+impl WeightBytes {
+    /// Sums `model`'s tensor table. Sums saturate: a hostile header cannot overflow them.
+    pub fn of(model: &GgufModel) -> WeightBytes {
+        let mut w = WeightBytes {
+            dense: 0,
+            experts: 0,
+            largest_elements: 0,
+        };
+        for t in model.tensors() {
+            if is_routed_expert(&t.name) {
+                w.experts = w.experts.saturating_add(t.n_bytes);
+            } else {
+                w.dense = w.dense.saturating_add(t.n_bytes);
+            }
+            w.largest_elements = w.largest_elements.max(t.n_elements());
+        }
+        w
+    }
+
+    /// Every weight, dense and experts.
+    pub fn total(&self) -> u64 {
+        self.dense.saturating_add(self.experts)
+    }
+}
+
+/// Whether `name` is a routed-expert tensor (`blk.N.ffn_gate_exps.weight` and friends, llama.cpp's names; the
+/// shared expert's `ffn_*_shexp` is dense).
+pub fn is_routed_expert(name: &str) -> bool {
+    name.contains("_exps.")
+}
+
+/// What a plan is computed for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanConfig {
+    /// KV cells (tokens of context; see [`context_cells`]).
+    pub context: usize,
+    pub kv: KvType,
+    /// Tokens per prefill chunk.
+    pub prefill_chunk: usize,
+    /// Bytes kept free on the device ([`RESERVE_BYTES`]).
+    pub reserve: u64,
+}
+
+impl PlanConfig {
+    /// The plan `flags` ask for on a model trained to `n_ctx_train` tokens (the context capped as a session caps
+    /// it).
+    pub fn from_flags(flags: &PlanFlags, n_ctx_train: u32) -> PlanConfig {
+        PlanConfig {
+            context: context_cells(flags.max_context(), n_ctx_train),
+            kv: flags.kv,
+            prefill_chunk: flags.prefill_chunk(),
+            reserve: RESERVE_BYTES,
+        }
+    }
+}
+
+/// One part of a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// Every weight that is not a routed expert.
+    DenseWeights,
+    /// The routed experts (all resident on the device until the expert store lands).
+    Experts,
+    KvCache,
+    /// A prefill chunk's activations and the largest matrix dequantized to f16.
+    PrefillBuffers,
+    /// Kept free for the driver, the BLAS workspace and fragmentation.
+    Reserve,
+}
+
+impl Part {
+    /// The part as the plan's table names it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Part::DenseWeights => "dense weights",
+            Part::Experts => "experts (all resident)",
+            Part::KvCache => "KV cache",
+            Part::PrefillBuffers => "prefill buffers",
+            Part::Reserve => "reserve",
+        }
+    }
+}
+
+/// Whether a plan fits in a device's free memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Verdict {
+    #[serde(rename = "FITS")]
+    Fits,
+    #[serde(rename = "DOES NOT FIT")]
+    DoesNotFit,
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Verdict::Fits => "FITS",
+            Verdict::DoesNotFit => "DOES NOT FIT",
+        })
+    }
+}
+
+/// A memory plan: the bytes of each part on the device, in the order they are allocated.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryPlan {
+    pub parts: Vec<(Part, u64)>,
+    /// KV cells planned for.
+    pub context: usize,
+    #[serde(serialize_with = "display")]
+    pub kv: KvType,
+}
+
+fn display<S: serde::Serializer, T: fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+impl MemoryPlan {
+    /// The plan of a model with `weights` and hyper-parameters `hp` under `config`.
+    ///
+    /// Errors: [`KvError::HeadDim`] when `config.kv` is int8 and the model's head width is not a multiple of 32
+    /// (the cache could not be made either).
+    pub fn new(weights: &WeightBytes, hp: &HParams, config: &PlanConfig) -> Result<MemoryPlan, KvError> {
+        let kv = kv_bytes(&hp.kv_shape(), config.kv, config.context)?;
+        // A chunk's activations: six f32 buffers of the widest row (the FFN's, or the routed experts' together),
+        // one f16 copy of the chunk's hidden states, and the largest matrix dequantized to f16 for the GEMM.
+        let chunk = config.prefill_chunk as u64;
+        let widest = (hp.n_embd.max(hp.n_ff).max(hp.n_ff_exp * hp.n_expert_used.max(1)) as u64).max(1);
+        let prefill = chunk
+            .saturating_mul(widest)
+            .saturating_mul(4 * 6)
+            .saturating_add(weights.largest_elements.saturating_mul(2))
+            .saturating_add(chunk.saturating_mul(hp.n_embd as u64).saturating_mul(2));
+        let mut parts = vec![(Part::DenseWeights, weights.dense)];
+        if weights.experts > 0 {
+            parts.push((Part::Experts, weights.experts));
+        }
+        parts.extend([
+            (Part::KvCache, kv),
+            (Part::PrefillBuffers, prefill),
+            (Part::Reserve, config.reserve),
+        ]);
+        Ok(MemoryPlan {
+            parts,
+            context: config.context,
+            kv: config.kv,
+        })
+    }
+
+    /// The bytes of `part` (0 when the plan has none).
+    pub fn bytes(&self, part: Part) -> u64 {
+        self.parts.iter().filter(|(p, _)| *p == part).map(|(_, b)| *b).sum()
+    }
+
+    /// Every part together, in bytes.
+    pub fn total(&self) -> u64 {
+        self.parts.iter().fold(0u64, |s, (_, b)| s.saturating_add(*b))
+    }
+
+    /// The plan against `free` bytes of device memory.
+    pub fn verdict(&self, free: u64) -> Verdict {
+        if self.total() <= free {
+            Verdict::Fits
+        } else {
+            Verdict::DoesNotFit
+        }
+    }
+
+    /// The plan as a table, one part a line, then the total, the device's free memory and the verdict (the
+    /// original Strata's layout: seed 000's self-test).
+    pub fn to_text(&self, free: u64) -> String {
+        let mut s = String::new();
+        for (part, bytes) in &self.parts {
+            s += &format!("  {:<22} {:>12.6} GB\n", part.label(), *bytes as f64 / 1e9);
+        }
+        s += &format!(
+            "  {:<22} {:>12.6} GB ({})\n",
+            "plan",
+            self.total() as f64 / 1e9,
+            human_bytes(self.total())
+        );
+        s += &format!("  {:<22} {}\n", "device free", gib(free));
+        s += &format!("  {:<22} {}\n", "plan vs free", self.verdict(free));
+        s
+    }
+}
+
+/// Bytes of a KV cache of `cells` cells of type `ty`: what [`crate::state::kv::KvCache::new`] allocates.
+///
+/// Errors: [`KvError::HeadDim`] for an int8 cache of a head width that is not a multiple of 32.
+pub fn kv_bytes(shape: &KvShape, ty: KvType, cells: usize) -> Result<u64, KvError> {
+    Ok((shape.cell_bytes(ty)? as u64).saturating_mul(cells as u64))
+}
+
+/// What `strata inspect` shows of the plan: the weights and the KV cache at a few context lengths.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MemoryEstimate {
+    pub weights_bytes: u64,
+    /// Of which routed experts.
+    pub expert_bytes: u64,
+    /// KV-cache bytes per token with f16 K and V (0 when the hyper-parameters cannot be read).
+    pub kv_f16_bytes_per_token: f64,
+    /// Weights + KV cache at each context length.
+    pub at_context: Vec<ContextEstimate>,
+}
+
+/// Weights + KV cache at one context length, in bytes; `None` where that cache cannot be made (an int8 cache
+/// needs head widths that are multiples of 32).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ContextEstimate {
+    pub context_tokens: u64,
+    pub total_kv_f16_bytes: Option<u64>,
+    pub total_kv_int8_bytes: Option<u64>,
+}
+
+impl MemoryEstimate {
+    /// The estimate for `model` at 4096 tokens and at its training context; `hp` is `None` when the
+    /// hyper-parameters cannot be read (an unsupported architecture is still inspectable: weights only).
+    pub fn new(model: &GgufModel, hp: Option<&HParams>) -> MemoryEstimate {
+        let weights = WeightBytes::of(model);
+        let mut contexts = vec![4096];
+        if let Some(h) = hp
+            && h.n_ctx_train > 0
+            && h.n_ctx_train != 4096
+        {
+            contexts.push(h.n_ctx_train as usize);
+        }
+        let with_kv = |ty: KvType, n: usize| match hp {
+            None => Some(weights.total()),
+            Some(h) => kv_bytes(&h.kv_shape(), ty, n)
+                .ok()
+                .map(|kv| weights.total().saturating_add(kv)),
+        };
+        MemoryEstimate {
+            weights_bytes: weights.total(),
+            expert_bytes: weights.experts,
+            kv_f16_bytes_per_token: hp.map_or(0.0, |h| h.kv_shape().cell_bytes(KvType::F16).unwrap_or(0) as f64),
+            at_context: contexts
+                .into_iter()
+                .map(|n| ContextEstimate {
+                    context_tokens: n as u64,
+                    total_kv_f16_bytes: with_kv(KvType::F16, n),
+                    total_kv_int8_bytes: with_kv(KvType::Int8, n),
+                })
+                .collect(),
+        }
+    }
+
+    /// The estimate as `strata inspect` prints it.
+    pub fn to_text(&self) -> String {
+        let or_na = |b: Option<u64>| b.map_or("n/a (head width not a multiple of 32)".into(), human_bytes);
+        let mut s = String::from("\nmemory estimate (weights + KV cache)\n");
+        s += &format!("  weights          {}", human_bytes(self.weights_bytes));
+        if self.expert_bytes > 0 {
+            s += &format!(" (routed experts {})", human_bytes(self.expert_bytes));
+        }
+        s += "\n";
+        s += &format!(
+            "  KV f16 per token {}\n",
+            human_bytes(self.kv_f16_bytes_per_token as u64)
+        );
+        for c in &self.at_context {
+            s += &format!(
+                "  context {:>6}   {} with f16 KV, {} with int8 KV\n",
+                c.context_tokens,
+                or_na(c.total_kv_f16_bytes),
+                or_na(c.total_kv_int8_bytes)
+            );
+        }
+        s
+    }
+}
+
+/// `b` bytes as GiB with three decimals and the exact count: `23.987 GiB (25756696576 B)`.
+pub fn gib(b: u64) -> String {
+    format!("{:.3} GiB ({b} B)", b as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hp(head_dim: u32) -> HParams {
+        let mut md = crate::gguf::Metadata::new();
+        use crate::gguf::Value;
+        md.insert("general.architecture", Value::String("llama".into()));
+        for (k, v) in [
+            ("block_count", 2),
+            ("embedding_length", 64 * 4),
+            ("feed_forward_length", 512),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 2),
+            ("attention.key_length", head_dim),
+            ("attention.value_length", head_dim),
+            ("context_length", 8192),
+            ("vocab_size", 100),
+        ] {
+            md.insert(format!("llama.{k}"), Value::U32(v));
+        }
+        md.insert("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5));
+        HParams::from_metadata(&md).unwrap()
+    }
+
+    const W: WeightBytes = WeightBytes {
+        dense: 1000,
+        experts: 0,
+        largest_elements: 10,
+    };
+
+    #[test]
+    fn kv_part_is_what_the_cache_allocates() {
+        let h = hp(64);
+        let cfg = PlanConfig {
+            context: 300,
+            kv: KvType::F16,
+            prefill_chunk: 8,
+            reserve: 7,
+        };
+        let plan = MemoryPlan::new(&W, &h, &cfg).unwrap();
+        let cache = crate::state::kv::KvCache::new(&h.kv_shape(), 300, KvType::F16).unwrap();
+        // 2 layers x 2 heads x (64 + 64) values x 2 bytes x 300 cells, counted by hand.
+        assert_eq!(plan.bytes(Part::KvCache), 2 * 2 * 128 * 2 * 300);
+        assert_eq!(plan.bytes(Part::KvCache), cache.bytes() as u64);
+        assert_eq!(plan.bytes(Part::Reserve), 7);
+        assert_eq!(plan.bytes(Part::Experts), 0);
+        // Prefill: 8 x 512 x 24 + 10 x 2 + 8 x 256 x 2.
+        assert_eq!(plan.bytes(Part::PrefillBuffers), 8 * 512 * 24 + 20 + 8 * 256 * 2);
+        assert_eq!(
+            plan.total(),
+            1000 + 2 * 2 * 128 * 2 * 300 + 8 * 512 * 24 + 20 + 8 * 256 * 2 + 7
+        );
+    }
+
+    #[test]
+    fn verdict_turns_at_the_total() {
+        let plan = MemoryPlan::new(&W, &hp(64), &PlanConfig::from_flags(&PlanFlags::default(), 8192)).unwrap();
+        assert_eq!(plan.context, 4096);
+        assert_eq!(plan.verdict(plan.total()), Verdict::Fits);
+        assert_eq!(plan.verdict(plan.total() - 1), Verdict::DoesNotFit);
+        let text = plan.to_text(plan.total() - 1);
+        assert!(text.contains("plan vs free           DOES NOT FIT"), "{text}");
+    }
+
+    #[test]
+    fn int8_plan_of_a_head_width_the_cache_refuses_is_an_error() {
+        let cfg = PlanConfig {
+            context: 16,
+            kv: KvType::Int8,
+            prefill_chunk: 8,
+            reserve: 0,
+        };
+        assert_eq!(
+            MemoryPlan::new(&W, &hp(48), &cfg),
+            Err(KvError::HeadDim { head_dim: 48 })
+        );
+        assert!(MemoryPlan::new(&W, &hp(64), &cfg).is_ok());
+    }
+
+    #[test]
+    fn expert_tensors_are_told_from_shared_and_dense_ones() {
+        assert!(is_routed_expert("blk.3.ffn_gate_exps.weight"));
+        assert!(is_routed_expert("blk.3.ffn_down_exps.weight"));
+        assert!(!is_routed_expert("blk.3.ffn_gate_shexp.weight"));
+        assert!(!is_routed_expert("blk.3.ffn_gate_inp.weight"));
+        assert!(!is_routed_expert("blk.3.ffn_up.weight"));
+    }
+
+    #[test]
+    fn flags_round_trip_through_their_arguments() {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            plan: PlanFlags,
+        }
+        use clap::Parser;
+        let f = P::parse_from(["x", "--kv", "int8", "--max-context", "100", "--prefill", "auto"]).plan;
+        let back = P::parse_from(std::iter::once("x".to_string()).chain(f.to_args())).plan;
+        assert_eq!(back.to_args(), f.to_args());
+        assert_eq!(
+            (back.kv, back.max_context, back.prefill),
+            (KvType::Int8, Some(100), Some(PrefillChunk(None)))
+        );
+        assert!(P::try_parse_from(["x", "--max-context", "0"]).is_err());
+    }
+}
