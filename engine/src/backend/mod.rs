@@ -19,8 +19,10 @@ pub mod top;
 pub use crate::device::Device;
 pub use cuda::select::{AnyBackend, OpenError};
 pub use top::{TOP_LOGITS, TopLogits};
+pub use crate::experts::Routing;
 
 use crate::device::fault::FaultPlan;
+use crate::experts::{ExpertGroups, ExpertShape};
 use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;
 use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
@@ -182,15 +184,28 @@ pub struct Experts<'a> {
     pub act: GluKind,
 }
 
-/// The router's choice for a batch: `ids[t * k + i]` is token t's i-th expert, `weights` its weight.
-#[derive(Debug, Default, Clone)]
-pub struct Routing {
-    pub k: usize,
-    pub ids: Vec<u32>,
-    pub weights: Vec<f32>,
-    /// The weights were renormalised to sum 1 per token. Expert dispatch then divides by their exact sum,
-    /// which removes the f32 rounding of the normalisation: identical experts give exactly one expert's output.
-    pub normalized: bool,
+impl<'a> Experts<'a> {
+    /// Where each expert's rows are in the stacked tensors.
+    pub fn shape(&self) -> ExpertShape {
+        ExpertShape {
+            n_expert: self.n_expert,
+            n_ff_exp: self.n_ff_exp,
+            n_embd: self.gate.cols,
+        }
+    }
+
+    /// Expert `e`'s gate, up and down matrices, viewed in place.
+    ///
+    /// Panics if `e >= n_expert`.
+    pub fn expert(&self, e: usize) -> [QMat<'a>; 3] {
+        let s = self.shape();
+        let (g, d) = (s.gate_rows(e), s.down_rows(e));
+        [
+            self.gate.rows_slice(g.start, g.len()),
+            self.up.rows_slice(g.start, g.len()),
+            self.down.rows_slice(d.start, d.len()),
+        ]
+    }
 }
 
 /// Reusable host buffers of the CPU's expert dispatch, grown on demand and kept between calls.
@@ -198,8 +213,8 @@ pub struct Routing {
 pub struct MoeScratch {
     /// The router's choice for the current batch.
     pub routing: Routing,
-    /// Routing slots (`t * k + i`) of the tokens sent to the current expert.
-    pub tokens: Vec<u32>,
+    /// The routing slots of the batch grouped by expert.
+    pub groups: ExpertGroups,
     /// Weighted sum of the expert outputs, `[n_tok][n_embd]`, in f64.
     pub acc: Vec<f64>,
     pub x: Vec<f32>,

@@ -498,38 +498,8 @@ impl CpuBackend {
     /// The router of [`Backend::moe`]: `logits` is `[n_tok][n_expert]` (overwritten by the probabilities);
     /// fills `out` for `n_tok` tokens.
     pub fn route(&self, logits: &mut [f32], n_expert: usize, k: usize, normalize: bool, out: &mut Routing) {
-        assert!(
-            k >= 1 && k <= n_expert && logits.len().is_multiple_of(n_expert),
-            "route: shapes"
-        );
-        let n_tok = logits.len() / n_expert;
         self.softmax(logits, n_expert);
-        out.k = k;
-        out.normalized = normalize;
-        out.ids.clear();
-        out.weights.clear();
-        for probs in logits.chunks(n_expert) {
-            let start = out.ids.len();
-            for _ in 0..k {
-                let mut best: Option<usize> = None;
-                for (e, &pr) in probs.iter().enumerate() {
-                    if out.ids[start..].contains(&(e as u32)) {
-                        continue;
-                    }
-                    if best.is_none_or(|b| pr > probs[b]) {
-                        best = Some(e);
-                    }
-                }
-                let e = best.expect("k <= n_expert");
-                out.ids.push(e as u32);
-                out.weights.push(probs[e]);
-            }
-            if normalize {
-                let sum: f32 = out.weights[start..].iter().sum();
-                out.weights[start..].iter_mut().for_each(|w| *w /= sum);
-            }
-        }
-        debug_assert_eq!(out.ids.len(), n_tok * k);
+        out.select(logits, n_expert, k, normalize);
     }
 
     /// The expert dispatch of [`Backend::moe`] for a given routing; `x` and `out` are `[n_tok][n_embd]`.
@@ -542,21 +512,15 @@ impl CpuBackend {
         s.acc.clear();
         s.acc.resize(n_tok * n_embd, 0.0);
         let batched = n_tok > 1;
-        for e in 0..ex.n_expert {
+        let mut groups = std::mem::take(&mut s.groups);
+        groups.group(routing, ex.n_expert);
+        for e in groups.hit() {
             // The routing slots (token t's i-th choice is slot t * k + i) that chose expert e, whose tokens are
             // gathered into a contiguous batch.
-            s.tokens.clear();
-            for (slot, &id) in routing.ids.iter().enumerate() {
-                if id as usize == e {
-                    s.tokens.push(slot as u32);
-                }
-            }
-            let m = s.tokens.len();
-            if m == 0 {
-                continue;
-            }
+            let slots = groups.slots(e);
+            let m = slots.len();
             s.x.resize(m * n_embd, 0.0);
-            for (i, &slot) in s.tokens.iter().enumerate() {
+            for (i, &slot) in slots.iter().enumerate() {
                 let t = slot as usize / routing.k;
                 s.x[i * n_embd..(i + 1) * n_embd].copy_from_slice(&x[t * n_embd..][..n_embd]);
             }
@@ -564,18 +528,12 @@ impl CpuBackend {
             s.up.resize(m * nff, 0.0);
             s.down.resize(m * n_embd, 0.0);
             let x_e = &s.x[..m * n_embd];
-            Self::matmul_as(
-                &ex.gate.rows_slice(e * nff, nff),
-                x_e,
-                m,
-                &mut s.gate[..m * nff],
-                batched,
-            );
-            Self::matmul_as(&ex.up.rows_slice(e * nff, nff), x_e, m, &mut s.up[..m * nff], batched);
+            let [gate, up, down] = ex.expert(e);
+            Self::matmul_as(&gate, x_e, m, &mut s.gate[..m * nff], batched);
+            Self::matmul_as(&up, x_e, m, &mut s.up[..m * nff], batched);
             self.glu(&mut s.gate[..m * nff], &s.up[..m * nff], ex.act);
-            let down = ex.down.rows_slice(e * n_embd, n_embd);
             Self::matmul_as(&down, &s.gate[..m * nff], m, &mut s.down[..m * n_embd], batched);
-            for (i, &slot) in s.tokens.iter().enumerate() {
+            for (i, &slot) in slots.iter().enumerate() {
                 let (t, w) = (slot as usize / routing.k, routing.weights[slot as usize] as f64);
                 let acc = &mut s.acc[t * n_embd..(t + 1) * n_embd];
                 for (a, d) in acc.iter_mut().zip(&s.down[i * n_embd..(i + 1) * n_embd]) {
@@ -583,6 +541,7 @@ impl CpuBackend {
                 }
             }
         }
+        s.groups = groups;
         for (t, o) in out.chunks_mut(n_embd).enumerate() {
             let inv = if routing.normalized {
                 let ws = &routing.weights[t * routing.k..(t + 1) * routing.k];
