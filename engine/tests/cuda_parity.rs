@@ -427,8 +427,17 @@ fn elementwise_ops_match_cpu() {
         }
     }
     let mut cd = up(&gpu, &vec![f32::NAN; 1000]);
-    gpu.copy(&bd, 1500, &mut cd, 1000);
+    gpu.copy(&bd, 1500, &mut cd, 0, 1000);
     rows.push(Row("copy".into(), rel_err(&down(&gpu, &cd, 1000), &a[1500..2500]), 0.0));
+    // Into an offset: values before it stay as they were.
+    gpu.copy(&bd, 0, &mut cd, 600, 400);
+    let mut want = a[1500..2100].to_vec();
+    want.extend_from_slice(&a[..400]);
+    rows.push(Row(
+        "copy at an offset".into(),
+        rel_err(&down(&gpu, &cd, 1000), &want),
+        0.0,
+    ));
     report(&rows);
 }
 
@@ -986,5 +995,24 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
     println!(
         "interleaved: {same} of 48 greedy tokens equal to the CPU's; {captured} graphs captured, {replays} replays"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One CUDA forward step carrying two sequences (two prompts; then one decode token of one and three new tokens
+/// of the other) gives each the logits of the same steps alone, within 1e-4 of the largest logit (the batched
+/// matmul kernels may sum in another order than the one-token ones), and the same greedy tokens.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
+    let dir = std::env::temp_dir().join(format!("strata-cuda-batch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    let model = Model::load(&path).unwrap();
+    let g = gpu();
+    for kv in [KvType::F16, KvType::Int8] {
+        let d = interleave::assert_batched_steps_equal_alone(&model, &g, kv, 1e-4);
+        println!("batched step, {kv} KV: largest difference from alone {d:e} of the largest logit");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

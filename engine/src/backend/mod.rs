@@ -17,16 +17,17 @@ pub mod cuda;
 pub mod top;
 
 pub use crate::device::Device;
+pub use crate::experts::Routing;
 pub use cuda::select::{AnyBackend, OpenError};
 pub use top::{TOP_LOGITS, TopLogits};
-pub use crate::experts::Routing;
 
 use crate::device::fault::FaultPlan;
 use crate::experts::{ExpertGroups, ExpertShape};
 use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;
 use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
-use crate::state::kv::{KvLayer, SeqSlot};
+use crate::state::batch::BatchLayout;
+use crate::state::kv::{KvCache, KvLayer, SeqSlot};
 
 /// A quantized weight matrix viewed in place (zero-copy) in a GGUF mapping: `rows` rows of `cols` weights.
 #[derive(Clone, Copy)]
@@ -161,6 +162,38 @@ pub struct AttnParams {
     pub window: Option<usize>,
 }
 
+/// One layer's attention as the forward pass asks for it ([`Backend::attend`]): the per-head q/k norms, RoPE,
+/// the attention itself, and (gemma3) a scale of the rotated queries before it.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnOp<'a> {
+    /// Per-head RMSNorm weights of q and k (`head_dim` each), when the architecture has them.
+    pub norms: (Option<&'a [f32]>, Option<&'a [f32]>),
+    pub eps: f32,
+    pub rope: &'a RopeParams,
+    pub params: AttnParams,
+    /// Multiplies the rotated queries before attention (then `params.scale` is 1).
+    pub q_scale: Option<f32>,
+}
+
+/// Per-run copies of a step's projections for [`Backend::attend_runs`]'s default, grown on demand and reused.
+pub struct RunBufs<B> {
+    pub q: B,
+    pub k: B,
+    pub v: B,
+    pub att: B,
+}
+
+impl<B: Default> Default for RunBufs<B> {
+    fn default() -> Self {
+        RunBufs {
+            q: B::default(),
+            k: B::default(),
+            v: B::default(),
+            att: B::default(),
+        }
+    }
+}
+
 /// Gated FFN activation: `out = act(gate) * up`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GluKind {
@@ -262,8 +295,8 @@ pub trait Backend: Send + Sync {
     /// `dst = src[offset..offset + dst.len()]`, waiting for pending work.
     fn download(&self, src: &Self::Buf, offset: usize, dst: &mut [f32]);
 
-    /// `dst[..len] = src[src_offset..src_offset + len]`.
-    fn copy(&self, src: &Self::Buf, src_offset: usize, dst: &mut Self::Buf, len: usize);
+    /// `dst[dst_offset..dst_offset + len] = src[src_offset..src_offset + len]`.
+    fn copy(&self, src: &Self::Buf, src_offset: usize, dst: &mut Self::Buf, dst_offset: usize, len: usize);
 
     /// Queues the selection of the best [`TOP_LOGITS`] of one token's `n`
     /// logits, `logits[..n]`, where they were computed (a decode step then returns those candidates, not the
@@ -298,7 +331,7 @@ pub trait Backend: Send + Sync {
 
     /// `out[..rows·w.len()] = rms_norm(x)` out of place (a layer's `h = norm(x)`); `x` is unchanged.
     fn rms_norm_into(&self, x: &Self::Buf, out: &mut Self::Buf, rows: usize, w: &[f32], eps: f32) {
-        self.copy(x, 0, out, rows * w.len());
+        self.copy(x, 0, out, 0, rows * w.len());
         self.rms_norm(out, rows, w, eps);
     }
 
@@ -375,6 +408,76 @@ pub trait Backend: Send + Sync {
     ) {
         self.qk_norm_rope_store(q, k, v, kv, p.n_head, p.head_dim, norms, eps, positions, rope);
         self.attention(q, kv, positions, p, out);
+    }
+
+    /// One layer's attention for a step of one sequence, from its raw projections, as [`AttnOp`] describes it:
+    /// with `q_scale` (gemma3), [`Backend::qk_norm_rope_store`], the scale of the rotated queries, then
+    /// [`Backend::attention`]; without, [`Backend::rope_store_attention`] (the default; shapes as those take them).
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        kv: &mut KvLayer,
+        positions: &[u32],
+        a: &AttnOp<'_>,
+        out: &mut Self::Buf,
+    ) {
+        let p = &a.params;
+        match a.q_scale {
+            Some(sc) => {
+                self.qk_norm_rope_store(q, k, v, kv, p.n_head, p.head_dim, a.norms, a.eps, positions, a.rope);
+                self.scale(q, positions.len() * p.n_head * p.head_dim, sc);
+                self.attention(q, kv, positions, p, out);
+            }
+            None => self.rope_store_attention(q, k, v, kv, a.norms, a.eps, positions, a.rope, p, out),
+        }
+    }
+
+    /// One layer's attention for a step that carries several sequences ([`BatchLayout`]): the tokens of each run
+    /// store their keys and values into, and attend over, layer `layer` of their own sequence's cache
+    /// (`kvs[run.seq]`). `q`, `k`, `v` and `out` hold every token of the step, in the layout's order, shaped as
+    /// [`Backend::attend`] takes them. The default gives a one-run step to [`Backend::attend`] as it is, and
+    /// otherwise copies each run's rows into `tmp`, attends there and copies the result back: the same arithmetic
+    /// per token as the run alone. A backend may attend over every sequence in one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_runs(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        kvs: &mut [&mut KvCache],
+        layer: usize,
+        layout: &BatchLayout,
+        a: &AttnOp<'_>,
+        out: &mut Self::Buf,
+        tmp: &mut RunBufs<Self::Buf>,
+    ) {
+        if let [run] = layout.runs() {
+            let kv = &mut kvs[run.seq].layers[layer];
+            return self.attend(q, k, v, kv, layout.positions(), a, out);
+        }
+        let p = &a.params;
+        let (wq, wk, wv, wo) = (
+            p.n_head * p.head_dim,
+            p.n_head_kv * p.head_dim,
+            p.n_head_kv * p.head_dim_v,
+            p.n_head * p.head_dim_v,
+        );
+        for run in layout.runs() {
+            let (t0, n) = (run.start, run.len);
+            for (buf, w) in [(&mut tmp.q, wq), (&mut tmp.k, wk), (&mut tmp.v, wv), (&mut tmp.att, wo)] {
+                self.reserve(buf, n * w);
+            }
+            self.copy(q, t0 * wq, &mut tmp.q, 0, n * wq);
+            self.copy(k, t0 * wk, &mut tmp.k, 0, n * wk);
+            self.copy(v, t0 * wv, &mut tmp.v, 0, n * wv);
+            let kv = &mut kvs[run.seq].layers[layer];
+            let positions = &layout.positions()[run.tokens()];
+            self.attend(&mut tmp.q, &mut tmp.k, &tmp.v, kv, positions, a, &mut tmp.att);
+            self.copy(&tmp.att, 0, out, t0 * wo, n * wo);
+        }
     }
 
     /// Multiplies the first `len` values by `s`.

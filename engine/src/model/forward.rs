@@ -20,10 +20,11 @@
 
 use std::path::Path;
 
-use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat};
+use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RunBufs};
 use crate::gguf::{GgufError, GgufModel};
 use crate::model::weights::{Ffn, Weights, WeightsError};
 use crate::model::{HParams, HParamsError};
+use crate::state::batch::BatchLayout;
 use crate::state::kv::KvCache;
 
 /// Why a model could not be loaded.
@@ -49,12 +50,14 @@ pub struct Model {
 pub enum Logits {
     /// None (a prefill chunk that is not the last).
     None,
-    /// The last token only: `vocab` values.
+    /// The last token of each sequence of the step: `[runs][vocab]` (one sequence: its last token's `vocab`
+    /// values).
     Last,
     /// Every token: `[n_tok][vocab]` (teacher forcing).
     All,
     /// The last token's best candidates only, selected by the backend ([`Backend::top_logits`]) into
-    /// [`Scratch::top`]; a backend that does not select returns the `vocab` values as `Last` does.
+    /// [`Scratch::top`]; a backend that does not select, or a step of several sequences, returns the values as
+    /// `Last` does.
     Top,
 }
 
@@ -68,7 +71,6 @@ pub struct ForwardOut {
 /// Activation buffers of the forward pass, where backend `B` computes (device memory on a GPU), grown to the
 /// largest batch seen and reused, so decode steps allocate nothing. `logits` is on the host.
 pub struct Scratch<B: Backend> {
-    pos: Vec<u32>,
     x: B::Buf,
     h: B::Buf,
     q: B::Buf,
@@ -81,29 +83,17 @@ pub struct Scratch<B: Backend> {
     router: B::Buf,
     lg: B::Buf,
     moe: MoeScratch,
+    /// Per-run copies for steps of several sequences.
+    runs: RunBufs<B::Buf>,
     pub logits: Vec<f32>,
     /// The last step's candidates when it ran with [`Logits::Top`] and the backend selected them (`logits` is
     /// then empty).
     pub top: crate::backend::TopLogits,
 }
 
-impl<B: Backend> Scratch<B> {
-    /// Sets the step's positions to `pos0..pos0 + n`.
-    pub fn set_positions(&mut self, pos0: usize, n: usize) {
-        self.pos.clear();
-        self.pos.extend((pos0..pos0 + n).map(|p| p as u32));
-    }
-
-    /// The step's positions, as [`Scratch::set_positions`] left them.
-    pub fn positions(&self) -> &[u32] {
-        &self.pos
-    }
-}
-
 impl<B: Backend> Default for Scratch<B> {
     fn default() -> Self {
         Scratch {
-            pos: Vec::new(),
             x: B::Buf::default(),
             h: B::Buf::default(),
             q: B::Buf::default(),
@@ -116,6 +106,7 @@ impl<B: Backend> Default for Scratch<B> {
             router: B::Buf::default(),
             lg: B::Buf::default(),
             moe: MoeScratch::default(),
+            runs: RunBufs::default(),
             logits: Vec::new(),
             top: Default::default(),
         }
@@ -153,32 +144,37 @@ impl Model {
         r.view(&self.gguf)
     }
 
-    /// Runs `tokens` at positions `pos0..pos0 + tokens.len()`, writing their keys and values into `kv`, and
-    /// returns the requested logits (`scratch.logits`): nothing, the last token's `vocab` values, or
-    /// `[n_tok][vocab]`; with [`Logits::Top`], nothing when the backend selected the candidates into
-    /// `scratch.top`, else the last token's values.
+    /// Runs one step: `tokens`, laid out by `layout` (each run's tokens at its positions, its keys and values
+    /// written into its sequence's cache `kvs[run.seq]`), and leaves the requested logits for
+    /// [`Model::read_logits`]: nothing, the last token of each run (`[runs][vocab]`), or `[n_tok][vocab]`; with
+    /// [`Logits::Top`] on a one-sequence step, the backend's candidates when it selects them.
     ///
     /// This is the forward pass alone: the step driver (`runtime::session`) brackets it for backends that record
     /// steps ([`Backend::step_begin`]) and reads the logits with [`Model::read_logits`].
     ///
-    /// Panics when the tokens do not fit the cache or an id is outside the vocabulary (the session checks
-    /// both and reports them as errors).
+    /// Panics when the layout does not match `tokens`, a run does not fit its cache, or an id is outside the
+    /// vocabulary (the session checks these and reports them as errors).
     pub fn forward<B: Backend>(
         &self,
         be: &B,
         tokens: &[u32],
-        pos0: usize,
-        kv: &mut KvCache,
+        layout: &BatchLayout,
+        kvs: &mut [&mut KvCache],
         s: &mut Scratch<B>,
         logits: Logits,
     ) -> ForwardOut {
         let hp = &self.hp;
         let w = &self.weights;
         let n = tokens.len();
-        assert!(n > 0 && pos0 + n <= kv.n_ctx(), "forward: tokens beyond the cache");
+        assert!(n > 0 && layout.n_tok() == n, "forward: the layout is not the tokens'");
+        for run in layout.runs() {
+            assert!(
+                run.seq < kvs.len() && run.pos0 + run.len <= kvs[run.seq].n_ctx(),
+                "forward: tokens beyond the cache"
+            );
+        }
         let (e, nh, nkv) = (hp.n_embd as usize, hp.n_head as usize, hp.n_head_kv as usize);
         let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
-        s.set_positions(pos0, n);
         let (n_ff, nx) = (self.max_ff(), hp.n_expert as usize);
         for (buf, len) in [
             (&mut s.x, n * e),
@@ -227,50 +223,26 @@ impl Model {
             trace(be, "Qcur", Some(il), &s.q, n * nh * dk);
             trace(be, "Kcur", Some(il), &s.k, n * nkv * dk);
             trace(be, "Vcur", Some(il), &s.v, n * nkv * dv);
-            let cache = &mut kv.layers[il];
-            let norms = (layer.q_norm.as_deref(), layer.k_norm.as_deref());
-            let params = AttnParams {
-                n_head: nh,
-                n_head_kv: nkv,
-                head_dim: dk,
-                head_dim_v: dv,
-                scale: if w.config.attn_scale_on_q {
-                    1.0
-                } else {
-                    w.config.attn_scale
+            let op = AttnOp {
+                norms: (layer.q_norm.as_deref(), layer.k_norm.as_deref()),
+                eps: hp.rms_eps,
+                rope: &layer.rope,
+                params: AttnParams {
+                    n_head: nh,
+                    n_head_kv: nkv,
+                    head_dim: dk,
+                    head_dim_v: dv,
+                    // gemma3 scales the rotated queries before attention.
+                    scale: if w.config.attn_scale_on_q {
+                        1.0
+                    } else {
+                        w.config.attn_scale
+                    },
+                    window: layer.window,
                 },
-                window: layer.window,
+                q_scale: w.config.attn_scale_on_q.then_some(w.config.attn_scale),
             };
-            if w.config.attn_scale_on_q {
-                // gemma3 scales the rotated queries before attention.
-                be.qk_norm_rope_store(
-                    &mut s.q,
-                    &mut s.k,
-                    &s.v,
-                    cache,
-                    nh,
-                    dk,
-                    norms,
-                    hp.rms_eps,
-                    &s.pos,
-                    &layer.rope,
-                );
-                be.scale(&mut s.q, n * nh * dk, w.config.attn_scale);
-                be.attention(&s.q, cache, &s.pos, &params, &mut s.att);
-            } else {
-                be.rope_store_attention(
-                    &mut s.q,
-                    &mut s.k,
-                    &s.v,
-                    cache,
-                    norms,
-                    hp.rms_eps,
-                    &s.pos,
-                    &layer.rope,
-                    &params,
-                    &mut s.att,
-                );
-            }
+            be.attend_runs(&mut s.q, &mut s.k, &s.v, kvs, il, layout, &op, &mut s.att, &mut s.runs);
             trace(be, "kqv_out", Some(il), &s.att, n * nh * dv);
             be.matmul(&self.m(&layer.wo), &s.att, n, &mut s.o);
             trace(be, "attn_out", Some(il), &s.o, n * e);
@@ -348,38 +320,48 @@ impl Model {
             }
         }
 
-        let (first, m) = match logits {
+        let m = match logits {
             Logits::None => return ForwardOut { topped: false },
-            Logits::Last | Logits::Top => (n - 1, 1),
-            Logits::All => (0, n),
+            Logits::Last | Logits::Top => {
+                for (i, run) in layout.runs().iter().enumerate() {
+                    be.copy(&s.x, (run.start + run.len - 1) * e, &mut s.o, i * e, e);
+                }
+                layout.runs().len()
+            }
+            Logits::All => {
+                be.copy(&s.x, 0, &mut s.o, 0, n * e);
+                n
+            }
         };
-        be.copy(&s.x, first * e, &mut s.o, m * e);
         be.rms_norm_into(&s.o, &mut s.h, m, &w.output_norm, hp.rms_eps);
         be.reserve(&mut s.lg, m * out.rows);
         be.matmul(&out, &s.h, m, &mut s.lg);
         trace(be, "result_norm", None, &s.h, m * e);
         trace(be, "result_output", None, &s.lg, m * out.rows);
         ForwardOut {
-            topped: logits == Logits::Top && be.top_logits(&s.lg, out.rows),
+            topped: logits == Logits::Top && m == 1 && be.top_logits(&s.lg, out.rows),
         }
     }
 
-    /// The logits a step of `n_tok` tokens left, as [`Model::forward`] describes them: read from the backend's
-    /// buffer into `scratch.logits`, or the candidates it selected into `scratch.top` (`topped`: the step queued
-    /// that selection; then nothing is returned when the backend has it).
+    /// The logits a step laid out by `layout` left, as [`Model::forward`] describes them: read from the
+    /// backend's buffer into `scratch.logits`, or the candidates it selected into `scratch.top` (`topped`: the
+    /// step queued that selection; then nothing is returned when the backend has it).
     pub fn read_logits<'s, B: Backend>(
         &self,
         be: &B,
         s: &'s mut Scratch<B>,
         logits: Logits,
-        n_tok: usize,
+        layout: &BatchLayout,
         topped: bool,
     ) -> &'s [f32] {
         let rows = self.weights.output.rows;
         if logits == Logits::None || (topped && be.read_top_logits(rows, &mut s.top)) {
             return &[];
         }
-        let len = if logits == Logits::All { n_tok } else { 1 } * rows;
+        let len = match logits {
+            Logits::All => layout.n_tok(),
+            _ => layout.runs().len(),
+        } * rows;
         if s.logits.len() < len {
             s.logits.resize(len, 0.0);
         }

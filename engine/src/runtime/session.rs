@@ -12,6 +12,7 @@ use std::time::Instant;
 use crate::backend::{ATTN_SPAN_BLOCK, Backend, StepKey, TopLogits};
 use crate::device::fault::{FaultPlan, GemmFault};
 use crate::model::{Logits, Model, Scratch, TRACE_TENSORS};
+use crate::state::batch::BatchLayout;
 use crate::state::kv::{KvCache, KvError, KvType};
 
 pub use crate::memory::{AUTO_PREFILL_CHUNK, DEFAULT_MAX_CONTEXT, context_cells, parse_prefill_chunk};
@@ -107,6 +108,8 @@ pub struct Session<'m, B: Backend> {
     progress: Option<Box<dyn FnMut(usize, usize) + Send>>,
     /// The last step left candidates (`scratch.top`), not logits.
     top_last: bool,
+    /// The layout of the current step (one run: this sequence).
+    layout: BatchLayout,
 }
 
 impl<'m, B: Backend> Session<'m, B> {
@@ -128,6 +131,7 @@ impl<'m, B: Backend> Session<'m, B> {
             gemm_fallback: true,
             progress: None,
             top_last: false,
+            layout: BatchLayout::default(),
         })
     }
 
@@ -213,24 +217,24 @@ impl<'m, B: Backend> Session<'m, B> {
         let (be, n, pos0) = (self.backend, tokens.len(), self.tokens.len());
         let key = step_key(self.kv.slot(), pos0, n, want);
         let graphable = !*TRACE_TENSORS;
-        if graphable && want != Logits::None {
-            self.scratch.set_positions(pos0, n);
-            if be.replay_step(key, tokens, self.scratch.positions()) {
-                return self
-                    .model
-                    .read_logits(be, &mut self.scratch, want, n, want == Logits::Top);
-            }
+        self.layout.clear();
+        self.layout.push(0, pos0, n);
+        let layout = &self.layout;
+        if graphable && want != Logits::None && be.replay_step(key, tokens, layout.positions()) {
+            return self
+                .model
+                .read_logits(be, &mut self.scratch, want, layout, want == Logits::Top);
         }
         if graphable {
             be.step_begin(n, key);
         }
         let out = self
             .model
-            .forward(be, tokens, pos0, &mut self.kv, &mut self.scratch, want);
+            .forward(be, tokens, layout, &mut [&mut self.kv], &mut self.scratch, want);
         if graphable {
             be.step_end();
         }
-        self.model.read_logits(be, &mut self.scratch, want, n, out.topped)
+        self.model.read_logits(be, &mut self.scratch, want, layout, out.topped)
     }
 
     fn check_tokens(&self, ids: &[u32]) -> Result<(), SessionError> {

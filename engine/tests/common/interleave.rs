@@ -1,11 +1,14 @@
 //! Several sequences through one engine (one model, one backend), stepped in turn, against each run alone: a
 //! shared backend must keep each sequence's state apart (its KV cache, its recorded steps), so every sequence
-//! gets exactly its own greedy tokens.
+//! gets exactly its own greedy tokens. And one forward step that carries several sequences (a batch layout of
+//! several runs) against the same steps run one sequence at a time.
 
 use strata_engine::backend::Backend;
-use strata_engine::model::Model;
+use strata_engine::model::{Logits, Model, Scratch};
 use strata_engine::runtime::generate::{Greedy, TokenSampler};
 use strata_engine::runtime::session::{Session, SessionConfig};
+use strata_engine::state::batch::BatchLayout;
+use strata_engine::state::kv::{KvCache, KvType};
 
 /// The greedy tokens of `steps` decode steps after `prompt`, one session alone on `be`.
 pub fn greedy_alone<B: Backend>(model: &Model, be: &B, cfg: SessionConfig, prompt: &[u32], steps: usize) -> Vec<u32> {
@@ -57,4 +60,93 @@ pub fn assert_interleaved_equals_alone<B: Backend>(
         );
         assert_eq!(alone.len(), steps);
     }
+}
+
+/// The logits one forward step leaves, read back: `[runs][vocab]` for [`Logits::Last`].
+fn step<B: Backend>(
+    model: &Model,
+    be: &B,
+    tokens: &[u32],
+    layout: &BatchLayout,
+    kvs: &mut [&mut KvCache],
+    s: &mut Scratch<B>,
+) -> Vec<f32> {
+    let out = model.forward(be, tokens, layout, kvs, s, Logits::Last);
+    model.read_logits(be, s, Logits::Last, layout, out.topped).to_vec()
+}
+
+/// Largest `|got - want|` over the largest `|want|`.
+fn rel_diff(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs())) / scale
+}
+
+/// One forward step that carries two sequences (both prompts as two runs), then a step with one decode token of
+/// the first and three new tokens of the second, gives each sequence the logits of the same steps run alone,
+/// within `tol` (largest difference over the largest logit) and with the same greedy token. Returns the largest
+/// difference seen.
+pub fn assert_batched_steps_equal_alone<B: Backend>(model: &Model, be: &B, kv: KvType, tol: f32) -> f32 {
+    let vocab = model.weights.output.rows;
+    let shape = model.hp.kv_shape();
+    let a: Vec<u32> = (0..7).map(|i| 300 + i * 37).collect();
+    let b: Vec<u32> = (0..61).map(|i| 500 + i * 11).collect();
+    let (a2, b2): (Vec<u32>, Vec<u32>) = (vec![901], vec![77, 1034, 1100]);
+
+    // Alone: each sequence with its own cache and scratch, one run per step.
+    let mut alone = Vec::new();
+    for (p, next) in [(&a, &a2), (&b, &b2)] {
+        let mut cache = KvCache::new(&shape, 128, kv).unwrap();
+        let mut s = Scratch::<B>::default();
+        let first = step(model, be, p, &BatchLayout::one(0, p.len()), &mut [&mut cache], &mut s);
+        let second = step(
+            model,
+            be,
+            next,
+            &BatchLayout::one(p.len(), next.len()),
+            &mut [&mut cache],
+            &mut s,
+        );
+        alone.push((first, second));
+    }
+
+    // Together: one cache per sequence, one scratch, both sequences in each step.
+    let (mut ca, mut cb) = (
+        KvCache::new(&shape, 128, kv).unwrap(),
+        KvCache::new(&shape, 128, kv).unwrap(),
+    );
+    let mut s = Scratch::<B>::default();
+    let mut layout = BatchLayout::default();
+    layout.push(0, 0, a.len());
+    layout.push(1, 0, b.len());
+    let tokens: Vec<u32> = a.iter().chain(&b).copied().collect();
+    let first = step(model, be, &tokens, &layout, &mut [&mut ca, &mut cb], &mut s);
+    // The second step lists the second sequence first: a run's sequence is named, not implied by its order.
+    let mut layout = BatchLayout::default();
+    layout.push(1, b.len(), b2.len());
+    layout.push(0, a.len(), a2.len());
+    let tokens: Vec<u32> = b2.iter().chain(&a2).copied().collect();
+    let second = step(model, be, &tokens, &layout, &mut [&mut ca, &mut cb], &mut s);
+
+    let argmax = |x: &[f32]| {
+        (0..x.len())
+            .max_by(|&i, &j| x[i].total_cmp(&x[j]).then(j.cmp(&i)))
+            .unwrap()
+    };
+    let mut worst = 0f32;
+    for (what, got, want) in [
+        ("first sequence's prompt", &first[..vocab], &alone[0].0[..]),
+        ("second sequence's prompt", &first[vocab..], &alone[1].0[..]),
+        ("first sequence's decode step", &second[vocab..], &alone[0].1[..]),
+        ("second sequence's three tokens", &second[..vocab], &alone[1].1[..]),
+    ] {
+        let d = rel_diff(got, want);
+        assert!(
+            d <= tol,
+            "{what}: batched logits differ from alone by {d:e} (tolerance {tol:e})"
+        );
+        assert_eq!(argmax(got), argmax(want), "{what}: greedy token");
+        worst = worst.max(d);
+    }
+    worst
 }

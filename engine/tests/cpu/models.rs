@@ -351,3 +351,23 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
         }
     }
 }
+
+/// One forward step carrying two sequences (two prompts; then one decode token of one and three new tokens of the
+/// other) gives each the logits it gets alone: on SmolLM2 (dense) and the synthetic qwen3moe (MoE), f16 and int8
+/// caches, bit for bit (the CPU's matmuls give a token the same bits whatever else the batch holds).
+#[test]
+fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let moe = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&moe).unwrap();
+    for path in [smollm2_path(), moe] {
+        let model = Model::load(&path).unwrap();
+        for kv in [KvType::F16, KvType::Int8] {
+            let d = interleave::assert_batched_steps_equal_alone(&model, &CpuBackend, kv, 0.0);
+            eprintln!("{} {kv}: largest difference {d:e}", path.display());
+        }
+        // Through the device-chosen backend too (what the engine opens), whose per-run buffers it unwraps.
+        let any = strata_engine::backend::AnyBackend::open(&strata_engine::device::Device::Cpu).unwrap();
+        interleave::assert_batched_steps_equal_alone(&model, &any, KvType::F16, 0.0);
+    }
+}

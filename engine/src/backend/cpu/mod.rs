@@ -577,8 +577,8 @@ impl Backend for CpuBackend {
         dst.copy_from_slice(&src[offset..offset + dst.len()]);
     }
 
-    fn copy(&self, src: &Vec<f32>, src_offset: usize, dst: &mut Vec<f32>, len: usize) {
-        dst[..len].copy_from_slice(&src[src_offset..src_offset + len]);
+    fn copy(&self, src: &Vec<f32>, src_offset: usize, dst: &mut Vec<f32>, dst_offset: usize, len: usize) {
+        dst[dst_offset..dst_offset + len].copy_from_slice(&src[src_offset..src_offset + len]);
     }
 
     fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut Vec<f32>) {

@@ -421,16 +421,20 @@ impl Backend for CudaBackend {
         Self::check(b.read_at(&self.gpu.stream, offset * 4, bytemuck::cast_slice_mut(dst)));
     }
 
-    fn copy(&self, src: &DevVec, src_offset: usize, dst: &mut DevVec, len: usize) {
+    fn copy(&self, src: &DevVec, src_offset: usize, dst: &mut DevVec, dst_offset: usize, len: usize) {
         assert!(
-            src_offset + len <= src.capacity() && len <= dst.capacity(),
+            src_offset + len <= src.capacity() && dst_offset + len <= dst.capacity(),
             "copy: out of bounds"
         );
         Self::check(self.gpu.launch(
             "copy_f32",
             grid1(len, 256),
             (256, 1, 1),
-            &[Arg::P(src.at(src_offset)), Arg::P(dst.ptr()), Arg::L(len as i64)],
+            &[
+                Arg::P(src.at(src_offset)),
+                Arg::P(dst.at(dst_offset)),
+                Arg::L(len as i64),
+            ],
         ));
     }
 

@@ -4,10 +4,11 @@ use super::error::CudaError;
 use super::{CudaBackend, DevVec};
 use crate::backend::StepKey;
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams};
+use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams, RunBufs};
 use crate::device::fault::FaultPlan;
 use crate::device::{Device, DeviceError};
-use crate::state::kv::{KvLayer, SeqSlot};
+use crate::state::batch::BatchLayout;
+use crate::state::kv::{KvCache, KvLayer, SeqSlot};
 
 /// Why a device's backend could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +84,31 @@ impl AnyBuf {
     }
 }
 
+/// Moves scratch buffers out of [`AnyBuf`]s for one backend's call and back after it: a buffer of the other
+/// backend's kind (or none) starts empty, and the backend sizes it.
+fn with_bufs<T: Default, R>(
+    bufs: &mut RunBufs<AnyBuf>,
+    take: fn(AnyBuf) -> Option<T>,
+    wrap: fn(T) -> AnyBuf,
+    call: impl FnOnce(&mut RunBufs<T>) -> R,
+) -> R {
+    let out = |b: &mut AnyBuf| take(std::mem::take(b)).unwrap_or_default();
+    let mut t = RunBufs {
+        q: out(&mut bufs.q),
+        k: out(&mut bufs.k),
+        v: out(&mut bufs.v),
+        att: out(&mut bufs.att),
+    };
+    let r = call(&mut t);
+    *bufs = RunBufs {
+        q: wrap(t.q),
+        k: wrap(t.k),
+        v: wrap(t.v),
+        att: wrap(t.att),
+    };
+    r
+}
+
 /// Runs one op on whichever backend this is, each buffer argument unwrapped to that backend's type:
 /// `dispatch!(self, be, [x, out], [y], be.op(w, x, out))` with `x`, `out` taken `&mut` and `y` `&`.
 macro_rules! dispatch {
@@ -134,8 +160,14 @@ impl Backend for AnyBackend {
     fn download(&self, src: &AnyBuf, offset: usize, dst: &mut [f32]) {
         dispatch!(self, be, [], [src], be.download(src, offset, dst))
     }
-    fn copy(&self, src: &AnyBuf, src_offset: usize, dst: &mut AnyBuf, len: usize) {
-        dispatch!(self, be, [dst], [src], Backend::copy(be, src, src_offset, dst, len))
+    fn copy(&self, src: &AnyBuf, src_offset: usize, dst: &mut AnyBuf, dst_offset: usize, len: usize) {
+        dispatch!(
+            self,
+            be,
+            [dst],
+            [src],
+            Backend::copy(be, src, src_offset, dst, dst_offset, len)
+        )
     }
     fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut AnyBuf) {
         dispatch!(self, be, [out], [], be.get_rows(table, ids, out))
@@ -197,6 +229,56 @@ impl Backend for AnyBackend {
             [v],
             be.rope_store_attention(q, k, v, kv, norms, eps, positions, rope, p, out)
         )
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q: &mut AnyBuf,
+        k: &mut AnyBuf,
+        v: &AnyBuf,
+        kv: &mut KvLayer,
+        positions: &[u32],
+        a: &AttnOp<'_>,
+        out: &mut AnyBuf,
+    ) {
+        dispatch!(self, be, [q, k, out], [v], be.attend(q, k, v, kv, positions, a, out))
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn attend_runs(
+        &self,
+        q: &mut AnyBuf,
+        k: &mut AnyBuf,
+        v: &AnyBuf,
+        kvs: &mut [&mut KvCache],
+        layer: usize,
+        layout: &BatchLayout,
+        a: &AttnOp<'_>,
+        out: &mut AnyBuf,
+        tmp: &mut RunBufs<AnyBuf>,
+    ) {
+        match self {
+            AnyBackend::Cpu(be) => {
+                let (q, k, v, out) = (q.host_mut(), k.host_mut(), v.host(), out.host_mut());
+                let take = |b| match b {
+                    AnyBuf::Host(v) => Some(v),
+                    _ => None,
+                };
+                with_bufs(tmp, take, AnyBuf::Host, |t| {
+                    be.attend_runs(q, k, v, kvs, layer, layout, a, out, t)
+                })
+            }
+            AnyBackend::Cuda(c) => {
+                let be: &CudaBackend = c;
+                let (q, k, v, out) = (q.dev_mut(), k.dev_mut(), v.dev(), out.dev_mut());
+                let take = |b| match b {
+                    AnyBuf::Dev(v) => Some(v),
+                    _ => None,
+                };
+                with_bufs(tmp, take, AnyBuf::Dev, |t| {
+                    be.attend_runs(q, k, v, kvs, layer, layout, a, out, t)
+                })
+            }
+        }
     }
     fn glu(&self, gate: &mut AnyBuf, up: &AnyBuf, len: usize, act: GluKind) {
         dispatch!(self, be, [gate], [up], Backend::glu(be, gate, up, len, act))
