@@ -23,25 +23,15 @@ const L2_SET_BYTES: usize = 512 << 10;
 const DRAM_SET_BYTES: usize = 192 << 20;
 const MIN_TRIAL: Duration = Duration::from_millis(120);
 
-const TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q6_K,
-    GgmlType::Q5_K,
-    GgmlType::Q5_1,
-    GgmlType::Q5_0,
-    GgmlType::Q4_1,
-    GgmlType::Q4_0,
-    GgmlType::Q4_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::Q3_K,
-    GgmlType::IQ3_S,
-    GgmlType::Q2_K,
-    GgmlType::IQ2_XS,
-];
+/// The weight types with a dot product (the kernel table; Q8_K is an activation type), widest first.
+fn types() -> Vec<GgmlType> {
+    let mut t: Vec<GgmlType> = quant::dot_types()
+        .into_iter()
+        .filter(|&t| t != GgmlType::Q8_K)
+        .collect();
+    t.sort_by(|a, b| b.bits_per_weight().total_cmp(&a.bits_per_weight()));
+    t
+}
 
 /// xorshift64: benchmark data without a dependency.
 struct Rng(u64);
@@ -201,7 +191,10 @@ fn main() {
     let only: Option<Vec<GgmlType>> = std::env::var("QUANT_DOT_TYPES")
         .ok()
         .map(|v| v.split(',').filter_map(GgmlType::from_name).collect());
-    for &ty in TYPES.iter().filter(|t| only.as_ref().is_none_or(|o| o.contains(t))) {
+    for ty in types()
+        .into_iter()
+        .filter(|t| only.as_ref().is_none_or(|o| o.contains(t)))
+    {
         let row_bytes = ty.row_bytes(ROW_ELEMS as u64).unwrap() as usize;
         let l2_rows = (L2_SET_BYTES / row_bytes).max(1);
         let dram_rows = if full { DRAM_SET_BYTES / row_bytes } else { l2_rows };

@@ -90,21 +90,16 @@ fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Option<Ve
     Some(data)
 }
 
-const TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-];
+/// The weight types the GPU computes with (the CUDA backend's kernel table).
+fn types() -> Vec<GgmlType> {
+    let t: Vec<GgmlType> = GgmlType::ALL
+        .iter()
+        .copied()
+        .filter(|&t| strata_engine::backend::cuda::kernel_type(t).is_some())
+        .collect();
+    assert_eq!(t.len(), 13, "{t:?}");
+    t
+}
 
 /// Matmul over types × shapes. Quantized weights: the CPU multiplies int8-quantized activations, the GPU f32 (or
 /// f16 in the GEMM), so 2e-2; float weights: the GEMM's f16 activations, 5e-3.
@@ -118,7 +113,7 @@ fn matmul_matches_cpu() {
     assert!(own.set_fault_policy(FaultPlan::parse("prefill_gemm:m>4").unwrap(), true));
     let mut rng = Rng(7);
     let mut rows_out = Vec::new();
-    for &ty in TYPES {
+    for ty in types() {
         for &(rows, cols, n_tok) in &[
             (64, 256, 1),
             (96, 512, 3),
@@ -185,7 +180,7 @@ fn matmul_many_and_get_rows_match_cpu() {
     let (cpu, gpu) = (CpuBackend, gpu());
     let mut rng = Rng(17);
     let mut rows_out = Vec::new();
-    for &ty in TYPES {
+    for ty in types() {
         let cols = 512;
         let shapes = [384usize, 128, 136];
         let datas: Vec<Vec<u8>> = shapes

@@ -22,7 +22,7 @@ use std::path::Path;
 
 use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RunBufs};
 use crate::gguf::{GgufError, GgufModel};
-use crate::model::weights::{Ffn, Weights, WeightsError};
+use crate::model::weights::{Ffn, Mixer, Weights, WeightsError};
 use crate::model::{HParams, HParamsError};
 use crate::state::batch::BatchLayout;
 use crate::state::kv::KvCache;
@@ -213,9 +213,10 @@ impl Model {
         }
         for (il, layer) in w.layers.iter().enumerate() {
             trace(be, "attn_norm", Some(il), &s.h, n * e);
-
+            // The mixer: attention (the one mixer so far).
+            let Mixer::Attention(at) = &layer.mixer;
             be.matmul_many(
-                &[self.m(&layer.wq), self.m(&layer.wk), self.m(&layer.wv)],
+                &[self.m(&at.wq), self.m(&at.wk), self.m(&at.wv)],
                 &s.h,
                 n,
                 &mut [&mut s.q, &mut s.k, &mut s.v],
@@ -224,9 +225,9 @@ impl Model {
             trace(be, "Kcur", Some(il), &s.k, n * nkv * dk);
             trace(be, "Vcur", Some(il), &s.v, n * nkv * dv);
             let op = AttnOp {
-                norms: (layer.q_norm.as_deref(), layer.k_norm.as_deref()),
+                norms: (at.q_norm.as_deref(), at.k_norm.as_deref()),
                 eps: hp.rms_eps,
-                rope: &layer.rope,
+                rope: &at.rope,
                 params: AttnParams {
                     n_head: nh,
                     n_head_kv: nkv,
@@ -238,13 +239,13 @@ impl Model {
                     } else {
                         w.config.attn_scale
                     },
-                    window: layer.window,
+                    window: at.window,
                 },
                 q_scale: w.config.attn_scale_on_q.then_some(w.config.attn_scale),
             };
             be.attend_runs(&mut s.q, &mut s.k, &s.v, kvs, il, layout, &op, &mut s.att, &mut s.runs);
             trace(be, "kqv_out", Some(il), &s.att, n * nh * dv);
-            be.matmul(&self.m(&layer.wo), &s.att, n, &mut s.o);
+            be.matmul(&self.m(&at.wo), &s.att, n, &mut s.o);
             trace(be, "attn_out", Some(il), &s.o, n * e);
             if let Some(pn) = &layer.post_attn_norm {
                 be.rms_norm(&mut s.o, n, pn, hp.rms_eps);

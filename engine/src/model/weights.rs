@@ -53,10 +53,17 @@ pub enum Ffn {
     },
 }
 
-/// One transformer block's weights and per-layer attention settings.
+/// A layer's token mixer: what mixes information across positions.
 #[derive(Debug, Clone)]
-pub struct Layer {
-    pub attn_norm: Vec<f32>,
+pub enum Mixer {
+    /// Causal self-attention over the KV cache (a recurrent mixer, linear attention, joins it with the hybrid
+    /// architectures).
+    Attention(Attention),
+}
+
+/// A self-attention mixer's weights and settings.
+#[derive(Debug, Clone)]
+pub struct Attention {
     pub wq: MatRef,
     pub wk: MatRef,
     pub wv: MatRef,
@@ -64,15 +71,24 @@ pub struct Layer {
     /// Per-head RMSNorm of q and k (qwen3, qwen3moe, gemma3).
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
-    /// Norm of the attention output before the residual add (gemma3).
+    pub rope: RopeParams,
+    /// Sliding window of this layer, in tokens (gemma3's local layers).
+    pub window: Option<usize>,
+}
+
+/// One block: a norm, the mixer, the residual add; a norm, the FFN, the residual add (each sub-block's output
+/// optionally normed before its add, as gemma3 does).
+#[derive(Debug, Clone)]
+pub struct Layer {
+    /// Norm of the mixer's input (`attn_norm`).
+    pub attn_norm: Vec<f32>,
+    pub mixer: Mixer,
+    /// Norm of the mixer's output before the residual add (gemma3's `post_attention_norm`).
     pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     pub ffn: Ffn,
     /// Norm of the FFN output before the residual add (gemma3).
     pub post_ffn_norm: Option<Vec<f32>>,
-    pub rope: RopeParams,
-    /// Sliding window of this layer, in tokens (gemma3's local layers).
-    pub window: Option<usize>,
 }
 
 /// Architecture constants the forward pass follows, derived from the arch and its metadata.
@@ -287,8 +303,7 @@ impl Weights {
             } else {
                 global_rope
             };
-            layers.push(Layer {
-                attn_norm: l.vec(&n("attn_norm"), e)?,
+            let attention = Attention {
                 wq: l.mat(&n("attn_q"), &[e, nh * dk])?,
                 wk: l.mat(&n("attn_k"), &[e, nkv * dk])?,
                 wv: l.mat(&n("attn_v"), &[e, nkv * dv])?,
@@ -303,6 +318,16 @@ impl Weights {
                 } else {
                     None
                 },
+                rope,
+                window: if swa {
+                    hp.sliding_window.map(|w| w as usize)
+                } else {
+                    None
+                },
+            };
+            layers.push(Layer {
+                attn_norm: l.vec(&n("attn_norm"), e)?,
+                mixer: Mixer::Attention(attention),
                 post_attn_norm: if is_gemma {
                     Some(l.vec(&n("post_attention_norm"), e)?)
                 } else {
@@ -312,12 +337,6 @@ impl Weights {
                 ffn,
                 post_ffn_norm: if is_gemma {
                     Some(l.vec(&n("post_ffw_norm"), e)?)
-                } else {
-                    None
-                },
-                rope,
-                window: if swa {
-                    hp.sliding_window.map(|w| w as usize)
                 } else {
                     None
                 },

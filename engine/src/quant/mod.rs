@@ -258,6 +258,27 @@ pub fn simd_available() -> bool {
     }
 }
 
+/// The types [`dequantize`] and [`vec_dot`] support, in id order: read from the kernel table, so a type added
+/// there is listed (and tested) everywhere at once.
+pub fn dot_types() -> Vec<GgmlType> {
+    GgmlType::ALL.iter().copied().filter(|&t| can_dequantize(t)).collect()
+}
+
+/// The types [`quantize`] supports, in id order (from the kernel table).
+pub fn quantize_types() -> Vec<GgmlType> {
+    GgmlType::ALL.iter().copied().filter(|&t| can_quantize(t)).collect()
+}
+
+/// The types whose [`vec_dot_q8`] multiplies int8-quantized activations (the float types and Q8_K keep f32
+/// activations), in id order (from the kernel table).
+pub fn int8_types() -> Vec<GgmlType> {
+    GgmlType::ALL
+        .iter()
+        .copied()
+        .filter(|&t| activation_format(t).is_ok_and(|a| a != ActivationFormat::F32))
+        .collect()
+}
+
 /// Whether [`quantize`] supports `ty`.
 pub fn can_quantize(ty: GgmlType) -> bool {
     kernels(ty, "quantize").is_ok_and(|k| k.quantize.is_some())

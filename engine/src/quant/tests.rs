@@ -26,27 +26,12 @@ impl Rng {
     }
 }
 
-/// Every type with a dot product.
-const DOT_TYPES: &[GgmlType] = &[
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::Q8_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ2_XS,
-];
+/// Every type with a dot product, from the kernel table; the count guards against the table losing types.
+fn dot_types() -> Vec<GgmlType> {
+    let t = super::dot_types();
+    assert_eq!(t.len(), 18, "types with a dot product: {t:?}");
+    t
+}
 
 /// Byte offsets of the f16 scale fields of each block type (`block_*` in ggml-common.h).
 fn scale_offsets(ty: GgmlType) -> &'static [usize] {
@@ -103,7 +88,7 @@ fn simd_matches_reference_within_1e5_of_abs_sum() {
         return;
     }
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    for &ty in DOT_TYPES {
+    for ty in dot_types() {
         let g = ty.geometry();
         // Row lengths with 1 block, several blocks, and (scalar types) a tail shorter than a SIMD step.
         let lens: &[usize] = if g.block_elems == 1 {
@@ -128,7 +113,7 @@ fn simd_matches_reference_within_1e5_of_abs_sum() {
 #[test]
 fn dot_fn_tolerates_inconsistent_lengths() {
     let mut rng = Rng(7);
-    for &ty in DOT_TYPES {
+    for ty in dot_types() {
         let g = ty.geometry();
         let row = random_row(&mut rng, ty, 4);
         let x: Vec<f32> = (0..4 * g.block_elems).map(|_| rng.uniform()).collect();
@@ -309,23 +294,12 @@ fn quantize_is_idempotent_on_k_types() {
 
 // ---- int8 activations ---------------------------------------------------------------------------------------
 
-/// Every weight type with an int8 path (the float types and Q8_K keep f32 activations).
-const INT8_TYPES: &[GgmlType] = &[
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::IQ4_NL,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_XS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ2_XS,
-];
+/// Every weight type with an int8 path (the float types and Q8_K keep f32 activations), from the kernel table.
+fn int8_types() -> Vec<GgmlType> {
+    let t = super::int8_types();
+    assert_eq!(t.len(), 14, "types with an int8 path: {t:?}");
+    t
+}
 
 /// The activations as quantized: `d * q` per value (or the f32 values).
 fn dequantized_activations(x: &ActivationVector<'_>) -> Vec<f64> {
@@ -453,7 +427,7 @@ fn int8_simd_matches_reference_within_1e5_of_abs_sum() {
         return;
     }
     let mut rng = Rng(0x1234_5678);
-    for &ty in DOT_TYPES {
+    for ty in dot_types() {
         let g = ty.geometry();
         let lens: &[usize] = if g.block_elems == 1 {
             &[7, 4096 + 13]
@@ -481,7 +455,7 @@ fn int8_simd_matches_reference_within_1e5_of_abs_sum() {
 fn int8_reference_equals_dot_with_quantized_activations() {
     // The integer kernels compute exactly Σ w[i] * (d q)[i]: only f32 rounding of the block terms differs.
     let mut rng = Rng(99);
-    for &ty in INT8_TYPES {
+    for ty in int8_types() {
         let g = ty.geometry();
         for n_blocks in [1, 5] {
             let row = random_row(&mut rng, ty, n_blocks);
@@ -536,7 +510,7 @@ fn int8_relative_error(ty: GgmlType, outliers: bool) -> f64 {
 #[test]
 fn int8_dot_error_against_exact_f32_activations() {
     // Bounds: about 2.5x the worst case measured (with outliers) over 64 rows; see quant/mod.rs for the table.
-    for &ty in INT8_TYPES {
+    for ty in int8_types() {
         let (gauss, spiky) = (int8_relative_error(ty, false), int8_relative_error(ty, true));
         let bound = if activation_format(ty).unwrap() == ActivationFormat::Q8_K {
             1.2e-2
@@ -551,7 +525,7 @@ fn int8_dot_error_against_exact_f32_activations() {
 #[test]
 fn int8_edge_cases() {
     let mut rng = Rng(5);
-    for &ty in INT8_TYPES {
+    for ty in int8_types() {
         let g = ty.geometry();
         let n = 2 * QK_K;
         let row = random_row(&mut rng, ty, n / g.block_elems);
