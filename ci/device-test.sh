@@ -47,9 +47,6 @@ parity)
   "$BIN" device --selftest 2>&1 | tee "$OUT/selftest-warm.txt"
   row "start, kernels from the cache" "$(grep -o 'start .*' "$OUT/selftest-warm.txt")"
   row "selftest" "$(tail -1 "$OUT/selftest-warm.txt")"
-  # The memory plan (memory/, the one `strata inspect` prints too) against the card's free memory.
-  "$BIN" device --selftest --model synth:qwen3-30b-a3b --max-context 32768 2>&1 | tee "$OUT/selftest-plan.txt"
-  row "memory plan, 30B shape at 32k" "$(grep -E '^  plan  ' "$OUT/selftest-plan.txt" | tr -s ' ') $(grep -o 'FITS\|DOES NOT FIT' "$OUT/selftest-plan.txt")"
   # Parity and KLD (single-threaded tests: one GPU context at a time keeps the logs readable).
   "$TESTS" --ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/parity.txt"
   row "parity tests" "$(grep -E '^test result' "$OUT/parity.txt" | tail -1)"
@@ -82,6 +79,9 @@ bench-small)
 bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b)
   [ -f "$WORK/q30.gguf" ] || /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
+  # The memory plan (memory/, the one `strata inspect` prints too) against the card's free memory.
+  "$BIN" device --selftest --model "$WORK/q30.gguf" --max-context 32768 > "$OUT/selftest-plan-30b.txt" 2>&1
+  row "memory plan 30B shape, 32k f16 KV" "rc=$? $(grep -E '^  plan  ' "$OUT/selftest-plan-30b.txt" | tr -s ' ') $(grep -o 'DOES NOT FIT\|FITS' "$OUT/selftest-plan-30b.txt")"
   if [ $mode = profile-30b ]; then
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     "$NCU" --clock-control none --graph-profiling node --csv --page raw --launch-count ${NCU_LAUNCHES:-1700} \
