@@ -17,6 +17,7 @@ use strata_engine::runtime::engine::EngineFlags;
 
 mod bench_cmd;
 mod device_cmd;
+mod experts_cmd;
 mod generate_cmd;
 
 /// Strata: an inference engine for Mixture-of-Experts LLMs in GGUF.
@@ -69,6 +70,11 @@ enum Command {
     Device(device_cmd::DeviceArgs),
     /// Every STRATA_* environment switch with its value here, its default and what it does.
     Switches,
+    /// Routing traces and the expert-cache simulator (hit rates beside Belady's optimum).
+    Experts {
+        #[command(subcommand)]
+        command: experts_cmd::ExpertsCommand,
+    },
 }
 
 /// Engine, generation and sampling settings shared by `generate` and `chat`.
@@ -370,6 +376,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench_cmd::run(args)?,
         Command::Device(args) => device_cmd::run(args)?,
         Command::Switches => print!("{}", strata_engine::switches::table()),
+        Command::Experts { command } => experts_cmd::run(command)?,
     }
     Ok(())
 }

@@ -2,10 +2,15 @@
 //! ([`ExpertId`], the key of the expert store and of the VRAM slot cache), where one expert's rows are in the
 //! stacked `ffn_{gate,up,down}_exps` tensors ([`ExpertShape`]), the router's choice ([`Routing`], top-k of the
 //! softmax as llama.cpp's `build_moe_ffn`), and the dispatch of a batch's tokens to the experts they chose
-//! ([`ExpertGroups`]). The expert store (arena | mmap), the slot cache and its policies, and routing traces land
-//! here (DESIGN.md section 3, "Expert cache").
+//! ([`ExpertGroups`]); the slot cache's bookkeeping and policies ([`cache`]), routing traces and their
+//! generator ([`trace`]), and the cache simulator with Belady's bound ([`simulate`]). The expert store (arena |
+//! mmap) lands here too (DESIGN.md section 3, "Expert cache").
 
 use std::ops::Range;
+
+pub mod cache;
+pub mod simulate;
+pub mod trace;
 
 /// One expert of one layer: what a slot of the VRAM expert cache holds (its gate, up and down rows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

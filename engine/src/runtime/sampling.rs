@@ -509,16 +509,9 @@ struct Xoshiro256StarStar {
 
 impl Xoshiro256StarStar {
     fn from_seed(seed: u64) -> Self {
-        let mut state = seed;
-        let mut splitmix64 = || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
+        let mut sm = crate::rng::SplitMix64::new(seed);
         Xoshiro256StarStar {
-            s: [splitmix64(), splitmix64(), splitmix64(), splitmix64()],
+            s: [sm.next_u64(), sm.next_u64(), sm.next_u64(), sm.next_u64()],
         }
     }
 

@@ -1,7 +1,8 @@
-//! The `strata` binary as users run it: generate, inspect, and `strata serve` through both APIs and its failure contract.
+//! The `strata` binary as users run it: generate, inspect, experts, and `strata serve` through both APIs and its failure contract.
 //!
 //! One test binary per area (each links the engine once); each module is one former test file.
 
+mod experts;
 mod generate;
 mod inspect;
 mod serve_api;

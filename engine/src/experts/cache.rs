@@ -1,0 +1,323 @@
+//! The expert cache's bookkeeping: which expert each of `N` slots holds, the slot table that maps (layer, expert)
+//! to a slot (the table a device keeps a copy of, so a decode step that hits decides on the device), and the
+//! eviction policy. The same code sizes nothing and moves no bytes: the CUDA backend copies experts into the slots
+//! it names, and the simulator ([`super::simulate`]) replays routing traces through it.
+//!
+//! One pool of slots serves every layer. Policies (DESIGN.md section 3, "Expert cache"):
+//! - [`Policy::Lru`]: evict the slot used longest ago.
+//! - [`Policy::Lfru`]: evict the slot of lowest decayed use count: each use adds 1, and the count halves every
+//!   `half_life` lookups, so an expert used often stays even when a burst of one-off experts passes (vLLM's LFRU
+//!   proposal; with plain LRU the layers evict each other's experts in turn).
+//! - [`Policy::Profile`]: the slots are filled once (from a routing profile) and never evicted; a miss is served
+//!   around the cache.
+
+use std::collections::BTreeSet;
+
+use super::ExpertId;
+
+/// How a full cache chooses the slot to give to a missing expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Policy {
+    /// Least recently used.
+    Lru,
+    /// Least (exponentially decayed) frequently used: recency and frequency together.
+    Lfru,
+    /// Pinned from a routing profile: no eviction.
+    Profile,
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Policy::Lru => "lru",
+            Policy::Lfru => "lfru",
+            Policy::Profile => "profile",
+        })
+    }
+}
+
+/// What [`SlotCache::access`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The expert is in `slot`.
+    Hit { slot: u32 },
+    /// The expert was not cached and now owns `slot` (its bytes must be uploaded there); `evicted` is the expert
+    /// that held the slot, if any.
+    Admitted { slot: u32, evicted: Option<ExpertId> },
+    /// Not cached, and not admitted (no slots, a pinned profile, or the caller's upload cap): the miss is served
+    /// around the cache (computed where the expert lives).
+    Bypassed,
+}
+
+/// Counts since the cache was made (or [`SlotCache::take_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CacheStats {
+    pub lookups: u64,
+    pub hits: u64,
+    /// Misses given a slot (each one expert's bytes to upload).
+    pub admitted: u64,
+    /// Misses served around the cache.
+    pub bypassed: u64,
+    /// Admissions that took a slot from another expert.
+    pub evictions: u64,
+}
+
+impl CacheStats {
+    /// Hits over lookups, 0 when nothing was looked up.
+    pub fn hit_rate(&self) -> f64 {
+        if self.lookups == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.lookups as f64
+        }
+    }
+}
+
+/// The slot-table value of an expert that no slot holds.
+pub const NO_SLOT: i32 = -1;
+
+/// `N` slots over `n_layer x n_expert` experts, with the slot table and the eviction order.
+#[derive(Debug, Clone)]
+pub struct SlotCache {
+    n_expert: usize,
+    policy: Policy,
+    /// `[layer * n_expert + expert]`: the slot holding that expert, or [`NO_SLOT`].
+    table: Vec<i32>,
+    /// The expert each slot holds.
+    owner: Vec<Option<ExpertId>>,
+    /// Per slot, its eviction key (lowest goes first); `order` holds `(key, slot)` of every occupied slot.
+    key: Vec<i64>,
+    order: BTreeSet<(i64, u32)>,
+    /// LFRU: per slot, log2 of its decayed use count at its last use (`-inf`: just admitted, no use counted).
+    log_count: Vec<f64>,
+    /// Slots never used yet, taken lowest first.
+    free: Vec<u32>,
+    /// Lookups so far: the clock of LRU and LFRU.
+    clock: u64,
+    /// LFRU: lookups for a use count to halve.
+    half_life: f64,
+    stats: CacheStats,
+}
+
+/// Fixed-point scale of LFRU keys (keys are `i64` so the order is exact and total).
+const KEY_SCALE: f64 = (1u64 << 24) as f64;
+
+impl SlotCache {
+    /// A cache of `slots` slots for a model of `n_layer` layers of `n_expert` experts each. LFRU's half-life is
+    /// the number of lookups that fill the cache once (`slots`, at least 64).
+    pub fn new(n_layer: usize, n_expert: usize, slots: usize, policy: Policy) -> SlotCache {
+        let slots = slots.min(n_layer * n_expert);
+        SlotCache {
+            n_expert,
+            policy,
+            table: vec![NO_SLOT; n_layer * n_expert],
+            owner: vec![None; slots],
+            key: vec![0; slots],
+            order: BTreeSet::new(),
+            log_count: vec![0.0; slots],
+            free: (0..slots as u32).rev().collect(),
+            clock: 0,
+            half_life: slots.max(64) as f64,
+            stats: CacheStats::default(),
+        }
+    }
+
+    /// Slots in the cache.
+    pub fn slots(&self) -> usize {
+        self.owner.len()
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The slot table, `[layer * n_expert + expert]` -> slot or [`NO_SLOT`] (what the device's copy holds).
+    pub fn table(&self) -> &[i32] {
+        &self.table
+    }
+
+    /// The slot holding `id`, without counting a lookup.
+    pub fn slot_of(&self, id: ExpertId) -> Option<u32> {
+        let s = self.table[self.index(id)];
+        (s != NO_SLOT).then_some(s as u32)
+    }
+
+    /// The expert in `slot`.
+    pub fn owner(&self, slot: u32) -> Option<ExpertId> {
+        self.owner[slot as usize]
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// The counts so far, and zero them (per request or per phase).
+    pub fn take_stats(&mut self) -> CacheStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    fn index(&self, id: ExpertId) -> usize {
+        let i = id.layer as usize * self.n_expert + id.expert as usize;
+        assert!(
+            (id.expert as usize) < self.n_expert && i < self.table.len(),
+            "expert {id:?} outside the model"
+        );
+        i
+    }
+
+    /// Looks `id` up for one use; on a miss, gives it a slot when `admit` is true and the policy allows (a free
+    /// slot first, else the policy's victim). Counts the lookup and what happened.
+    ///
+    /// Panics if `id` is outside the model.
+    pub fn access(&mut self, id: ExpertId, admit: bool) -> Access {
+        let i = self.index(id);
+        self.clock += 1;
+        self.stats.lookups += 1;
+        let s = self.table[i];
+        if s != NO_SLOT {
+            self.stats.hits += 1;
+            self.touch(s as u32);
+            return Access::Hit { slot: s as u32 };
+        }
+        if !admit || self.slots() == 0 || (self.policy == Policy::Profile && self.free.is_empty()) {
+            self.stats.bypassed += 1;
+            return Access::Bypassed;
+        }
+        let (slot, evicted) = match self.free.pop() {
+            Some(slot) => (slot, None),
+            None => {
+                let (_, slot) = self.order.pop_first().expect("a full cache has occupied slots");
+                let old = self.owner[slot as usize].take().expect("an ordered slot is occupied");
+                let oi = self.index(old);
+                self.table[oi] = NO_SLOT;
+                self.stats.evictions += 1;
+                (slot, Some(old))
+            }
+        };
+        self.owner[slot as usize] = Some(id);
+        self.table[i] = slot as i32;
+        self.log_count[slot as usize] = f64::NEG_INFINITY;
+        self.stats.admitted += 1;
+        self.touch(slot);
+        Access::Admitted { slot, evicted }
+    }
+
+    /// Puts `id` in a free slot without counting a lookup (pre-filling from a profile). Returns its slot, or
+    /// `None` when no slot is free or it is already cached.
+    pub fn pin(&mut self, id: ExpertId) -> Option<u32> {
+        let i = self.index(id);
+        if self.table[i] != NO_SLOT {
+            return None;
+        }
+        let slot = self.free.pop()?;
+        self.owner[slot as usize] = Some(id);
+        self.table[i] = slot as i32;
+        self.log_count[slot as usize] = f64::NEG_INFINITY;
+        self.touch(slot);
+        Some(slot)
+    }
+
+    /// Records a use of `slot` at the current clock and re-keys it.
+    fn touch(&mut self, slot: u32) {
+        let s = slot as usize;
+        let key = match self.policy {
+            Policy::Lru | Policy::Profile => self.clock as i64,
+            Policy::Lfru => self.lfru_key(s),
+        };
+        self.order.remove(&(self.key[s], slot));
+        self.key[s] = key;
+        self.order.insert((key, slot));
+    }
+
+    /// LFRU's key of a slot used now. With count `c` last updated at time `t`, its value at time `now` is
+    /// `c * 2^(-(now - t) / h)`, so `log2(c) + t / h` orders the slots the same way at every `now`: the key never
+    /// needs updating between uses. A use adds 1 to the decayed count.
+    fn lfru_key(&mut self, s: usize) -> i64 {
+        let now = self.clock as f64 / self.half_life;
+        // log2 of the decayed count before this use, at `now` (none for an expert just admitted).
+        let before = if self.log_count[s] == f64::NEG_INFINITY {
+            f64::NEG_INFINITY
+        } else {
+            self.key[s] as f64 / KEY_SCALE - now
+        };
+        self.log_count[s] = (1.0 + before.exp2()).log2();
+        ((self.log_count[s] + now) * KEY_SCALE) as i64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(layer: u32, expert: u32) -> ExpertId {
+        ExpertId { layer, expert }
+    }
+
+    /// Hits of a sequence of `(layer, expert)` accesses through a fresh cache.
+    fn hits(policy: Policy, slots: usize, seq: &[(u32, u32)]) -> Vec<bool> {
+        let mut c = SlotCache::new(2, 8, slots, policy);
+        seq.iter()
+            .map(|&(l, e)| matches!(c.access(id(l, e), true), Access::Hit { .. }))
+            .collect()
+    }
+
+    #[test]
+    fn lru_evicts_the_least_recently_used() {
+        // Slots 2: a b a c b -> miss miss hit miss(evicts b) miss(evicts a).
+        let seq = [(0, 1), (0, 2), (0, 1), (0, 3), (0, 2)];
+        assert_eq!(hits(Policy::Lru, 2, &seq), [false, false, true, false, false]);
+        let mut c = SlotCache::new(2, 8, 2, Policy::Lru);
+        for &(l, e) in &seq[..4] {
+            c.access(id(l, e), true);
+        }
+        assert_eq!(c.slot_of(id(0, 2)), None);
+        assert!(c.slot_of(id(0, 1)).is_some() && c.slot_of(id(0, 3)).is_some());
+        let s = c.stats();
+        assert_eq!((s.lookups, s.hits, s.admitted, s.evictions), (4, 1, 3, 1));
+    }
+
+    #[test]
+    fn the_table_names_exactly_the_cached_experts() {
+        let mut c = SlotCache::new(2, 8, 3, Policy::Lru);
+        for (l, e) in [(0, 1), (1, 1), (0, 5), (1, 7), (0, 1), (1, 2)] {
+            c.access(id(l, e), true);
+        }
+        let mut held = 0;
+        for (i, &s) in c.table().iter().enumerate() {
+            if s != NO_SLOT {
+                held += 1;
+                assert_eq!(c.owner(s as u32), Some(id((i / 8) as u32, (i % 8) as u32)));
+            }
+        }
+        assert_eq!(held, 3);
+    }
+
+    #[test]
+    fn lfru_keeps_a_frequent_expert_through_a_burst_that_lru_lets_evict_it() {
+        // Expert (0,0) used 6 times, then three one-off experts pass through 2 slots, then (0,0) again.
+        let mut seq = vec![(0, 0); 6];
+        seq.extend([(0, 1), (0, 2), (0, 3), (0, 0)]);
+        assert!(!hits(Policy::Lru, 2, &seq)[9], "LRU evicted it");
+        assert!(hits(Policy::Lfru, 2, &seq)[9], "LFRU kept it");
+    }
+
+    #[test]
+    fn a_profile_cache_never_evicts_and_bypasses_misses() {
+        let mut c = SlotCache::new(2, 8, 2, Policy::Profile);
+        assert_eq!(c.pin(id(0, 4)), Some(0));
+        assert_eq!(c.pin(id(1, 4)), Some(1));
+        assert_eq!(c.pin(id(1, 5)), None);
+        assert_eq!(c.access(id(1, 5), true), Access::Bypassed);
+        assert_eq!(c.access(id(0, 4), true), Access::Hit { slot: 0 });
+        assert_eq!(c.stats().bypassed, 1);
+    }
+
+    #[test]
+    fn no_slots_or_no_admission_bypass() {
+        let mut c = SlotCache::new(2, 8, 0, Policy::Lru);
+        assert_eq!(c.access(id(0, 0), true), Access::Bypassed);
+        let mut c = SlotCache::new(2, 8, 4, Policy::Lru);
+        assert_eq!(c.access(id(0, 0), false), Access::Bypassed);
+        assert_eq!(c.slot_of(id(0, 0)), None);
+    }
+}

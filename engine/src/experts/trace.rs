@@ -1,0 +1,447 @@
+//! Routing traces: which experts each token chose in each layer, in the order the engine looked them up, and a
+//! generator of traces with a given routing locality (random-weight models route near-uniformly, so their
+//! benchmarks need a realistic trace to mean anything; DESIGN.md section 5 has the published figures).
+//!
+//! File format (JSON Lines, one object per line): a header, then one record per (step, layer, token):
+//!
+//! ```text
+//! {"strata_routing_trace":1,"n_layer":48,"n_expert":128,"k":8}
+//! {"step":0,"layer":0,"token":0,"experts":[17,3,99,5,64,120,8,41]}
+//! ```
+//!
+//! `step` counts forward steps, `token` is the token's position in its sequence, `experts` the router's top-k in
+//! its order. Records are in lookup order: a step's layers in order, and in each layer the step's tokens.
+
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::rng::SplitMix64;
+
+/// The version this build writes and reads.
+pub const TRACE_VERSION: u32 = 1;
+
+/// A trace's first line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceHeader {
+    pub strata_routing_trace: u32,
+    pub n_layer: u32,
+    pub n_expert: u32,
+    pub k: u32,
+}
+
+/// One record: the experts one token chose in one layer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceRecord {
+    pub step: u64,
+    pub layer: u32,
+    pub token: u64,
+    pub experts: Vec<u32>,
+}
+
+/// Why a trace could not be read or written; each names the file and, for content, the line.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}:{line}: {what}")]
+    Format { path: String, line: usize, what: String },
+}
+
+/// A routing trace in memory: the header and the records, experts stored flat (`k` per record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Trace {
+    pub header: TraceHeader,
+    /// `(step, layer, token)` per record.
+    pub records: Vec<(u64, u32, u64)>,
+    /// `k` experts per record, in record order.
+    pub experts: Vec<u32>,
+}
+
+impl Trace {
+    /// An empty trace of this geometry.
+    pub fn new(n_layer: u32, n_expert: u32, k: u32) -> Trace {
+        Trace {
+            header: TraceHeader {
+                strata_routing_trace: TRACE_VERSION,
+                n_layer,
+                n_expert,
+                k,
+            },
+            records: Vec::new(),
+            experts: Vec::new(),
+        }
+    }
+
+    /// Appends a record.
+    ///
+    /// Panics if `experts` is not `k` experts of this model or `layer` is outside it (a caller bug: traces read
+    /// from files are checked by [`Trace::read`]).
+    pub fn push(&mut self, step: u64, layer: u32, token: u64, experts: &[u32]) {
+        let h = &self.header;
+        assert!(
+            layer < h.n_layer && experts.len() == h.k as usize && experts.iter().all(|&e| e < h.n_expert),
+            "trace record outside the model"
+        );
+        self.records.push((step, layer, token));
+        self.experts.extend_from_slice(experts);
+    }
+
+    /// Record `i`'s experts.
+    pub fn experts_of(&self, i: usize) -> &[u32] {
+        let k = self.header.k as usize;
+        &self.experts[i * k..(i + 1) * k]
+    }
+
+    /// Every lookup in order, as `layer * n_expert + expert` (the slot table's index).
+    pub fn lookups(&self) -> impl Iterator<Item = usize> + '_ {
+        let (n_expert, k) = (self.header.n_expert as usize, self.header.k as usize);
+        self.records.iter().enumerate().flat_map(move |(i, &(_, layer, _))| {
+            self.experts[i * k..(i + 1) * k]
+                .iter()
+                .map(move |&e| layer as usize * n_expert + e as usize)
+        })
+    }
+
+    /// Writes the trace to `path`.
+    ///
+    /// Errors: the file cannot be written.
+    pub fn write(&self, path: &Path) -> Result<(), TraceError> {
+        let io = |source| TraceError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+        let mut line = |v: &dyn erased_serde_line::Json| -> std::io::Result<()> {
+            w.write_all(v.json().as_bytes())?;
+            w.write_all(b"\n")
+        };
+        line(&self.header).map_err(io)?;
+        for (i, &(step, layer, token)) in self.records.iter().enumerate() {
+            let r = TraceRecord {
+                step,
+                layer,
+                token,
+                experts: self.experts_of(i).to_vec(),
+            };
+            line(&r).map_err(io)?;
+        }
+        drop(line);
+        w.flush().map_err(io)
+    }
+
+    /// Reads a trace from `path`, checking every record against the header.
+    ///
+    /// Errors: the file cannot be read; a line that is not a header or record (with its line number), a version
+    /// this build does not read, a record outside the model's geometry.
+    pub fn read(path: &Path) -> Result<Trace, TraceError> {
+        let p = path.display().to_string();
+        let file = std::fs::File::open(path).map_err(|source| TraceError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        let fmt = |line: usize, what: String| TraceError::Format {
+            path: p.clone(),
+            line,
+            what,
+        };
+        let mut lines = std::io::BufReader::new(file).lines();
+        let first = lines
+            .next()
+            .ok_or_else(|| fmt(1, "empty file: a routing trace starts with its header line".into()))?
+            .map_err(|source| TraceError::Io {
+                path: p.clone(),
+                source,
+            })?;
+        let header: TraceHeader = serde_json::from_str(&first).map_err(|e| {
+            fmt(
+                1,
+                format!(
+                    "not a routing trace header ({e}); expected {{\"strata_routing_trace\":1,\"n_layer\":..,\"n_expert\":..,\"k\":..}}"
+                ),
+            )
+        })?;
+        if header.strata_routing_trace != TRACE_VERSION {
+            return Err(fmt(
+                1,
+                format!(
+                    "trace version {} is not the {TRACE_VERSION} this build reads",
+                    header.strata_routing_trace
+                ),
+            ));
+        }
+        if header.n_layer == 0 || header.k == 0 || header.k > header.n_expert {
+            return Err(fmt(
+                1,
+                format!(
+                    "impossible geometry: {} layers, top-{} of {} experts",
+                    header.n_layer, header.k, header.n_expert
+                ),
+            ));
+        }
+        let mut t = Trace {
+            header,
+            records: Vec::new(),
+            experts: Vec::new(),
+        };
+        for (i, line) in lines.enumerate() {
+            let n = i + 2;
+            let line = line.map_err(|source| TraceError::Io {
+                path: p.clone(),
+                source,
+            })?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let r: TraceRecord = serde_json::from_str(&line).map_err(|e| fmt(n, e.to_string()))?;
+            if r.layer >= header.n_layer {
+                return Err(fmt(n, format!("layer {} of a {}-layer trace", r.layer, header.n_layer)));
+            }
+            if r.experts.len() != header.k as usize {
+                return Err(fmt(
+                    n,
+                    format!("{} experts where the header says top-{}", r.experts.len(), header.k),
+                ));
+            }
+            if let Some(e) = r.experts.iter().find(|&&e| e >= header.n_expert) {
+                return Err(fmt(n, format!("expert {e} of {}", header.n_expert)));
+            }
+            t.records.push((r.step, r.layer, r.token));
+            t.experts.extend_from_slice(&r.experts);
+        }
+        Ok(t)
+    }
+}
+
+/// The two line kinds through one writer.
+mod erased_serde_line {
+    pub trait Json {
+        fn json(&self) -> String;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn json(&self) -> String {
+            serde_json::to_string(self).expect("trace lines serialize")
+        }
+    }
+}
+
+/// What a trace's routing looks like, measured per layer over consecutive tokens (DESIGN.md section 5 gives
+/// these figures for Qwen3-30B-A3B with real weights).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Locality {
+    /// Of a token's experts, the fraction the previous token (same layer) also chose.
+    pub reused_next: f64,
+    /// Of a token's experts, the fraction one of the 8 previous tokens chose.
+    pub reused_within_8: f64,
+    /// Median distance, in tokens, back to an expert's previous use in its layer (over uses that had one).
+    pub median_reuse_distance: f64,
+}
+
+impl Trace {
+    /// Measures the trace's locality over one-token records (decode steps), layer by layer.
+    pub fn locality(&self) -> Locality {
+        let (n_layer, n_expert) = (self.header.n_layer as usize, self.header.n_expert as usize);
+        // Per layer: the tokens seen so far (their index in the layer's sequence) and each expert's last use.
+        let mut seq = vec![0usize; n_layer];
+        let mut last = vec![usize::MAX; n_layer * n_expert];
+        let (mut next, mut within8, mut total) = (0u64, 0u64, 0u64);
+        let mut distances = Vec::new();
+        for (i, &(_, layer, _)) in self.records.iter().enumerate() {
+            let l = layer as usize;
+            let t = seq[l];
+            seq[l] += 1;
+            for &e in self.experts_of(i) {
+                let slot = &mut last[l * n_expert + e as usize];
+                if t > 0 {
+                    total += 1;
+                    if *slot != usize::MAX {
+                        let d = t - *slot;
+                        next += (d == 1) as u64;
+                        within8 += (d <= 8) as u64;
+                        distances.push(d);
+                    }
+                }
+                *slot = t;
+            }
+        }
+        distances.sort_unstable();
+        let frac = |x: u64| if total == 0 { 0.0 } else { x as f64 / total as f64 };
+        Locality {
+            reused_next: frac(next),
+            reused_within_8: frac(within8),
+            median_reuse_distance: distances.get(distances.len() / 2).map_or(0.0, |&d| d as f64),
+        }
+    }
+}
+
+/// How [`synth_trace`] chooses experts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthRouting {
+    /// Probability that one of a token's picks repeats an expert the previous token chose (per pick).
+    pub reuse_next: f64,
+    /// Probability that a pick repeats an expert of one of the tokens 2..=8 back.
+    pub reuse_2_to_8: f64,
+    /// Zipf exponent of fresh picks over the experts (0: uniform). Expert popularity is shuffled per layer.
+    pub zipf: f64,
+}
+
+impl SynthRouting {
+    /// Locality fitted to DESIGN.md section 5's published Qwen3-30B-A3B figures (45% of a token's experts reused
+    /// at the next token, 80% within 8, median reuse distance 2) at top-8 of 128 experts; see the test
+    /// `default_synth_trace_has_the_published_locality` for what it measures.
+    pub const QWEN3_30B: SynthRouting = SynthRouting {
+        reuse_next: 0.36,
+        reuse_2_to_8: 0.42,
+        zipf: 0.0,
+    };
+
+    /// No locality: every pick uniform over the experts (how a random-weight model routes).
+    pub const RANDOM: SynthRouting = SynthRouting {
+        reuse_next: 0.0,
+        reuse_2_to_8: 0.0,
+        zipf: 0.0,
+    };
+}
+
+/// A decode trace of `tokens` one-token steps through `n_layer` layers, top-`k` of `n_expert` experts, with the
+/// locality `r` asks for; deterministic in `seed`.
+///
+/// Panics unless `1 <= k <= n_expert` and the probabilities are in `0..=1` with a sum of at most 1.
+pub fn synth_trace(n_layer: u32, n_expert: u32, k: u32, tokens: u64, r: SynthRouting, seed: u64) -> Trace {
+    assert!(k >= 1 && k <= n_expert, "top-{k} of {n_expert} experts");
+    assert!(
+        (0.0..=1.0).contains(&r.reuse_next)
+            && (0.0..=1.0).contains(&r.reuse_2_to_8)
+            && r.reuse_next + r.reuse_2_to_8 <= 1.0,
+        "reuse probabilities"
+    );
+    let mut rng = SplitMix64::new(seed);
+    let (n, kk) = (n_expert as usize, k as usize);
+    // Per layer: a popularity order (a shuffled rank per expert) for Zipf picks.
+    let ranks: Vec<Vec<u32>> = (0..n_layer)
+        .map(|_| {
+            let mut p: Vec<u32> = (0..n_expert).collect();
+            for i in (1..n).rev() {
+                p.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            p
+        })
+        .collect();
+    // Zipf CDF over ranks.
+    let weights: Vec<f64> = (1..=n).map(|i| (i as f64).powf(-r.zipf)).collect();
+    let sum: f64 = weights.iter().sum();
+    let cdf: Vec<f64> = weights
+        .iter()
+        .scan(0.0, |acc, w| {
+            *acc += w / sum;
+            Some(*acc)
+        })
+        .collect();
+    // Per layer, the last 8 tokens' experts (most recent first).
+    let mut history: Vec<std::collections::VecDeque<Vec<u32>>> = vec![Default::default(); n_layer as usize];
+    let mut trace = Trace::new(n_layer, n_expert, k);
+    let mut chosen: Vec<u32> = Vec::with_capacity(kk);
+    for t in 0..tokens {
+        for l in 0..n_layer as usize {
+            chosen.clear();
+            let h = &history[l];
+            while chosen.len() < kk {
+                let u = rng.unit();
+                let from = if u < r.reuse_next {
+                    h.front()
+                } else if u < r.reuse_next + r.reuse_2_to_8 && h.len() > 1 {
+                    h.get(1 + rng.below(h.len() as u64 - 1) as usize)
+                } else {
+                    None
+                };
+                let e = match from {
+                    Some(prev) => prev[rng.below(prev.len() as u64) as usize],
+                    None => {
+                        let u = rng.unit();
+                        let rank = cdf.partition_point(|&c| c < u).min(n - 1);
+                        ranks[l][rank]
+                    }
+                };
+                if !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            trace.push(t, l as u32, t, &chosen);
+            let h = &mut history[l];
+            h.push_front(chosen.clone());
+            h.truncate(8);
+        }
+    }
+    trace
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_round_trips_through_its_file() {
+        let t = synth_trace(3, 16, 4, 20, SynthRouting::QWEN3_30B, 7);
+        assert_eq!(t.records.len(), 60);
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        t.write(&p).unwrap();
+        assert_eq!(Trace::read(&p).unwrap(), t);
+        let first = std::fs::read_to_string(&p).unwrap();
+        assert!(first.starts_with("{\"strata_routing_trace\":1,\"n_layer\":3,\"n_expert\":16,\"k\":4}\n"));
+    }
+
+    #[test]
+    fn bad_lines_are_named_with_their_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        let head = "{\"strata_routing_trace\":1,\"n_layer\":2,\"n_expert\":8,\"k\":2}\n";
+        for (body, want) in [
+            (
+                "{\"step\":0,\"layer\":0,\"token\":0,\"experts\":[1,2]}\n{\"step\":1,\"layer\":2,\"token\":0,\"experts\":[1,2]}\n",
+                ":3: layer 2 of a 2-layer trace",
+            ),
+            (
+                "{\"step\":0,\"layer\":0,\"token\":0,\"experts\":[1]}\n",
+                ":2: 1 experts where the header says top-2",
+            ),
+            (
+                "{\"step\":0,\"layer\":0,\"token\":0,\"experts\":[1,9]}\n",
+                ":2: expert 9 of 8",
+            ),
+            (
+                "{\"step\":0,\"layer\":0,\"token\":0,\"experts\":[1,2],\"x\":1}\n",
+                ":2: unknown field `x`",
+            ),
+            ("not json\n", ":2: expected"),
+        ] {
+            std::fs::write(&p, format!("{head}{body}")).unwrap();
+            let e = Trace::read(&p).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        std::fs::write(
+            &p,
+            "{\"strata_routing_trace\":2,\"n_layer\":2,\"n_expert\":8,\"k\":2}\n",
+        )
+        .unwrap();
+        assert!(Trace::read(&p).unwrap_err().to_string().contains(":1: trace version 2"));
+        std::fs::write(&p, "").unwrap();
+        assert!(Trace::read(&p).unwrap_err().to_string().contains(":1: empty file"));
+    }
+
+    /// The default locality model, measured on a 48-layer, top-8 of 128 trace, is within a few points of the
+    /// published Qwen3-30B-A3B figures (45% at the next token, 80% within 8, median distance 2); a random trace
+    /// has the locality of chance (8/128 = 6% at the next token).
+    #[test]
+    fn default_synth_trace_has_the_published_locality() {
+        let l = synth_trace(48, 128, 8, 400, SynthRouting::QWEN3_30B, 1).locality();
+        assert!((0.43..=0.48).contains(&l.reused_next), "{l:?}");
+        assert!((0.77..=0.83).contains(&l.reused_within_8), "{l:?}");
+        assert!(l.median_reuse_distance <= 2.0, "{l:?}");
+        let r = synth_trace(48, 128, 8, 400, SynthRouting::RANDOM, 1).locality();
+        assert!((0.04..=0.08).contains(&r.reused_next), "{r:?}");
+    }
+}

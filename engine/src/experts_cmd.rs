@@ -1,0 +1,197 @@
+//! `strata experts`: routing traces and the expert-cache simulator.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use clap::{Args, Subcommand};
+use strata_engine::experts::cache::Policy;
+use strata_engine::experts::simulate::{SimConfig, belady_hits, simulate};
+use strata_engine::experts::trace::{SynthRouting, Trace, synth_trace};
+use strata_engine::memory::is_routed_expert;
+
+#[derive(Subcommand)]
+pub enum ExpertsCommand {
+    /// Replay a routing trace through the expert cache: hit rate per policy and slot count, beside Belady's
+    /// optimal hit rate, and the bytes that would cross the link.
+    Simulate(SimulateArgs),
+    /// Write a decode routing trace with a chosen locality (default: the published Qwen3-30B-A3B figures).
+    SynthTrace(SynthTraceArgs),
+}
+
+#[derive(Args)]
+pub struct SimulateArgs {
+    /// A routing trace (JSON Lines; `strata experts synth-trace` writes one).
+    trace: PathBuf,
+    /// Cache sizes in slots (one expert of one layer each), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    slots: Vec<usize>,
+    /// Policies to compare, comma-separated (`profile` pins the trace's most used experts before it starts).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "lru,lfru")]
+    policy: Vec<Policy>,
+    /// At most this many uploads per layer per step; further misses are served around the cache.
+    #[arg(long)]
+    upload_cap: Option<u32>,
+    /// A GGUF model whose per-expert bytes price the uploads (else uploads are counted, not priced).
+    #[arg(long)]
+    model: Option<String>,
+}
+
+#[derive(Args)]
+pub struct SynthTraceArgs {
+    /// Where to write the trace.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 48)]
+    layers: u32,
+    #[arg(long, default_value_t = 128)]
+    experts: u32,
+    /// Experts per token (top-k).
+    #[arg(long, default_value_t = 8)]
+    k: u32,
+    /// Decode steps (one token each).
+    #[arg(long, default_value_t = 1000)]
+    tokens: u64,
+    /// No locality: every pick uniform (how a random-weight model routes).
+    #[arg(long, conflicts_with_all = ["reuse_next", "reuse_2_to_8"])]
+    random: bool,
+    /// Probability that a pick repeats one of the previous token's experts.
+    #[arg(long)]
+    reuse_next: Option<f64>,
+    /// Probability that a pick repeats an expert of one of the tokens 2 to 8 back.
+    #[arg(long)]
+    reuse_2_to_8: Option<f64>,
+    /// Zipf exponent of the other picks over the experts (0: uniform).
+    #[arg(long, default_value_t = 0.0)]
+    zipf: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+pub fn run(cmd: ExpertsCommand) -> Result<()> {
+    match cmd {
+        ExpertsCommand::Simulate(a) => simulate_cmd(a),
+        ExpertsCommand::SynthTrace(a) => synth_cmd(a),
+    }
+}
+
+/// Bytes of one expert of one layer (its gate, up and down rows) in `model`: the routed-expert tensors' bytes over
+/// layers and experts.
+fn expert_bytes(model: &str) -> Result<u64> {
+    let path = strata_engine::models::resolve(Some(model))?;
+    let gguf = strata_engine::gguf::GgufModel::open(&path)?;
+    let hp = strata_engine::model::HParams::from_metadata(gguf.metadata())?;
+    if !hp.is_moe() {
+        bail!("{}: not a mixture-of-experts model (no expert_count)", path.display());
+    }
+    let total: u64 = gguf
+        .tensors()
+        .iter()
+        .filter(|t| is_routed_expert(&t.name))
+        .map(|t| t.n_bytes)
+        .sum();
+    Ok(total / (hp.n_layer as u64 * hp.n_expert as u64))
+}
+
+fn simulate_cmd(a: SimulateArgs) -> Result<()> {
+    let trace = Trace::read(&a.trace)?;
+    let per_expert = a.model.as_deref().map(expert_bytes).transpose()?;
+    let h = trace.header;
+    let lookups = trace.lookups().count() as u64;
+    let loc = trace.locality();
+    println!(
+        "trace {}: {} records, {lookups} lookups; {} layers, top-{} of {} experts",
+        a.trace.display(),
+        trace.records.len(),
+        h.n_layer,
+        h.k,
+        h.n_expert
+    );
+    println!(
+        "locality: {:.1}% of a token's experts reused at the next token, {:.1}% within 8, median reuse distance {}",
+        loc.reused_next * 100.0,
+        loc.reused_within_8 * 100.0,
+        loc.median_reuse_distance
+    );
+    let tokens = trace.records.len() as f64 / h.n_layer as f64;
+    println!(
+        "\n| slots | policy | hit rate | Belady | uploads | bypassed | {} |",
+        if per_expert.is_some() {
+            "MB over the link per token"
+        } else {
+            "uploads per token"
+        }
+    );
+    println!("|---:|---|---:|---:|---:|---:|---:|");
+    for &slots in &a.slots {
+        let best = belady_hits(&trace, slots) as f64 / lookups.max(1) as f64;
+        for &policy in &a.policy {
+            let s = simulate(
+                &trace,
+                &SimConfig {
+                    slots,
+                    policy,
+                    upload_cap: a.upload_cap,
+                },
+            );
+            let per_token = match per_expert {
+                Some(b) => format!("{:.1}", s.admitted as f64 * b as f64 / tokens / 1e6),
+                None => format!("{:.1}", s.admitted as f64 / tokens),
+            };
+            println!(
+                "| {slots} | {policy} | {:.1}% | {:.1}% | {} | {} | {per_token} |",
+                s.hit_rate() * 100.0,
+                best * 100.0,
+                s.admitted,
+                s.bypassed
+            );
+        }
+    }
+    Ok(())
+}
+
+fn synth_cmd(a: SynthTraceArgs) -> Result<()> {
+    if a.k == 0 || a.k > a.experts || a.layers == 0 {
+        bail!(
+            "--k {} of --experts {} over --layers {}: need 1 <= k <= experts and at least one layer",
+            a.k,
+            a.experts,
+            a.layers
+        );
+    }
+    let base = if a.random {
+        SynthRouting::RANDOM
+    } else {
+        SynthRouting::QWEN3_30B
+    };
+    let r = SynthRouting {
+        reuse_next: a.reuse_next.unwrap_or(base.reuse_next),
+        reuse_2_to_8: a.reuse_2_to_8.unwrap_or(base.reuse_2_to_8),
+        zipf: a.zipf,
+    };
+    let p_ok = |p: f64| (0.0..=1.0).contains(&p);
+    if !p_ok(r.reuse_next) || !p_ok(r.reuse_2_to_8) || r.reuse_next + r.reuse_2_to_8 > 1.0 {
+        bail!(
+            "--reuse-next {} and --reuse-2-to-8 {} must be probabilities with a sum of at most 1",
+            r.reuse_next,
+            r.reuse_2_to_8
+        );
+    }
+    if !(r.zipf.is_finite() && r.zipf >= 0.0) {
+        bail!("--zipf {} must be a finite exponent >= 0", r.zipf);
+    }
+    let trace = synth_trace(a.layers, a.experts, a.k, a.tokens, r, a.seed);
+    trace.write(&a.out)?;
+    let l = trace.locality();
+    eprintln!(
+        "strata: wrote {} ({} tokens x {} layers, top-{} of {}): {:.1}% of a token's experts reused at the next token, {:.1}% within 8, median reuse distance {}",
+        a.out.display(),
+        a.tokens,
+        a.layers,
+        a.k,
+        a.experts,
+        l.reused_next * 100.0,
+        l.reused_within_8 * 100.0,
+        l.median_reuse_distance
+    );
+    Ok(())
+}

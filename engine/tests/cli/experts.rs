@@ -1,0 +1,84 @@
+//! `strata experts synth-trace` and `strata experts simulate` as a user runs them, and on bad input.
+
+use std::process::{Command, Output};
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .expect("run strata")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A locality trace, then the simulator over it: one table row per size and policy, LRU at or under Belady, and
+/// more hits with more slots.
+#[test]
+fn synth_trace_then_simulate_prints_hit_rates_beside_belady() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.jsonl");
+    let t = trace.to_str().unwrap();
+    let out = strata(&["experts", "synth-trace", "--out", t, "--layers", "8", "--tokens", "200"]);
+    let (_, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("reused at the next token"), "{err}");
+    let out = strata(&["experts", "simulate", t, "--slots", "128,512"]);
+    let (table, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    // | slots | policy | hit rate | Belady | ...
+    let rows: Vec<Vec<String>> = table
+        .lines()
+        .filter(|l| l.starts_with("| 128 ") || l.starts_with("| 512 "))
+        .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+        .collect();
+    assert_eq!(rows.len(), 4, "{table}");
+    let pct = |s: &str| s.trim_end_matches('%').parse::<f64>().unwrap();
+    for r in &rows {
+        assert!(pct(&r[3]) <= pct(&r[4]), "a policy beat Belady: {r:?}");
+    }
+    let lru: Vec<f64> = rows.iter().filter(|r| r[2] == "lru").map(|r| pct(&r[3])).collect();
+    assert!(lru[0] < lru[1] && lru[0] > 10.0, "{table}");
+}
+
+#[test]
+fn bad_input_is_one_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = strata(&["experts", "simulate", "/nonexistent/t.jsonl", "--slots", "8"]);
+    let (_, err) = text(&missing);
+    assert_eq!(missing.status.code(), Some(1), "{err}");
+    assert!(err.contains("/nonexistent/t.jsonl"), "{err}");
+
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"strata_routing_trace\":1,\"n_layer\":2,\"n_expert\":8,\"k\":2}\n{\"step\":0,\"layer\":5,\"token\":0,\"experts\":[1,2]}\n",
+    )
+    .unwrap();
+    let out = strata(&["experts", "simulate", bad.to_str().unwrap(), "--slots", "8"]);
+    let (_, err) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("bad.jsonl:2: layer 5 of a 2-layer trace"), "{err}");
+
+    for args in [
+        &["experts", "simulate", "x", "--slots", "many"][..],
+        &["experts", "simulate", "x", "--slots", "8", "--policy", "fifo"],
+        &["experts", "synth-trace"],
+    ] {
+        let out = strata(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out).1);
+    }
+    let t = dir.path().join("t.jsonl");
+    for (flag, value) in [("--k", "0"), ("--reuse-next", "1.5"), ("--zipf", "-1")] {
+        let arg = format!("{flag}={value}");
+        let out = strata(&["experts", "synth-trace", "--out", t.to_str().unwrap(), &arg]);
+        let (_, err) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{arg}: {err}");
+        assert!(err.contains(flag), "{arg}: {err}");
+    }
+    assert!(!t.exists(), "a refused trace was written");
+}
