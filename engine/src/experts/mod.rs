@@ -3,13 +3,14 @@
 //! stacked `ffn_{gate,up,down}_exps` tensors ([`ExpertShape`]), the router's choice ([`Routing`], top-k of the
 //! softmax as llama.cpp's `build_moe_ffn`), and the dispatch of a batch's tokens to the experts they chose
 //! ([`ExpertGroups`]); the slot cache's bookkeeping and policies ([`cache`]), routing traces and their
-//! generator ([`trace`]), and the cache simulator with Belady's bound ([`simulate`]). The expert store (arena |
-//! mmap) lands here too (DESIGN.md section 3, "Expert cache").
+//! generator ([`trace`]), the cache simulator with Belady's bound ([`simulate`]), and the expert store, where
+//! every expert's bytes live on the host (arena | mmap, [`store`]) (DESIGN.md section 3, "Expert cache").
 
 use std::ops::Range;
 
 pub mod cache;
 pub mod simulate;
+pub mod store;
 pub mod trace;
 
 /// One expert of one layer: what a slot of the VRAM expert cache holds (its gate, up and down rows).

@@ -21,6 +21,7 @@
 use std::path::Path;
 
 use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RunBufs};
+use crate::experts::store::{ArenaError, ExpertStore, LayerTensors};
 use crate::gguf::{GgufError, GgufModel};
 use crate::model::weights::{Ffn, Mixer, Weights, WeightsError};
 use crate::model::{HParams, HParamsError};
@@ -38,11 +39,13 @@ pub enum ModelError {
     Weights(#[from] WeightsError),
 }
 
-/// A loaded model: the mapped file, its hyper-parameters and its weight map.
+/// A loaded model: the mapped file, its hyper-parameters, its weight map, and the store its routed experts are
+/// read from (in place from the file until [`Model::use_arena`]).
 pub struct Model {
     pub gguf: GgufModel,
     pub hp: HParams,
     pub weights: Weights,
+    pub experts: ExpertStore,
 }
 
 /// Which tokens of a batch need logits.
@@ -136,7 +139,33 @@ impl Model {
             source,
         })?;
         let weights = Weights::load(&gguf, &hp)?;
-        Ok(Model { gguf, hp, weights })
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                Ffn::Moe { gate, up, down, .. } => Some(LayerTensors {
+                    gate: gate.info.clone(),
+                    up: up.info.clone(),
+                    down: down.info.clone(),
+                }),
+                Ffn::Dense { .. } => None,
+            })
+            .collect();
+        let experts = ExpertStore::mmap(layers, hp.n_expert as usize);
+        Ok(Model {
+            gguf,
+            hp,
+            weights,
+            experts,
+        })
+    }
+
+    /// Moves the routed experts into a host arena ([`ExpertStore::make_arena`]): the forward pass then reads them
+    /// from there, with the same bytes, so every result is unchanged. `progress(copied, total)` follows the copy.
+    ///
+    /// Errors: [`ArenaError`]; the model keeps reading the experts in place.
+    pub fn use_arena(&mut self, available: Option<u64>, progress: impl FnMut(u64, u64)) -> Result<(), ArenaError> {
+        self.experts.make_arena(&self.gguf, available, progress)
     }
 
     #[inline]
@@ -270,10 +299,14 @@ impl Model {
                 }
                 Ffn::Moe { router, gate, up, down } => {
                     let router = self.m(router);
+                    let [gb, ub, db] = self.experts.layer(il, &self.gguf).expect("a MoE layer's experts");
+                    let from_store = |r: &crate::backend::MatRef, bytes| {
+                        QMat::new(r.info.ty, bytes, r.rows, r.cols).expect("expert tensors checked at load")
+                    };
                     let ex = Experts {
-                        gate: self.m(gate),
-                        up: self.m(up),
-                        down: self.m(down),
+                        gate: from_store(gate, gb),
+                        up: from_store(up, ub),
+                        down: from_store(down, db),
                         n_expert: nx,
                         n_ff_exp: hp.n_ff_exp as usize,
                         act: w.config.act,

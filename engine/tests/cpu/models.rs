@@ -371,3 +371,57 @@ fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
         interleave::assert_batched_steps_equal_alone(&model, &any, KvType::F16, 0.0);
     }
 }
+
+/// The routed experts read from a host arena give the logits they give read in place from the file, bit for
+/// bit, and the same bytes per expert; an arena larger than the memory allowed is refused with the numbers, and
+/// the model keeps reading in place.
+#[test]
+fn experts_from_the_arena_give_the_logits_of_experts_in_place() {
+    use strata_engine::experts::ExpertId;
+    use strata_engine::experts::store::{ArenaError, StoreKind};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| 100 + i * 23).collect();
+    let logits = |model: &Model| {
+        let mut s = Session::new(model, &CpuBackend, config(KvType::F16)).unwrap();
+        s.prefill(&prompt).unwrap();
+        let mut all = s.logits().to_vec();
+        all.extend_from_slice(s.decode(7).unwrap());
+        all
+    };
+    let in_place = Model::load(&path).unwrap();
+    assert_eq!(in_place.experts.kind(), StoreKind::Mmap);
+    let want = logits(&in_place);
+
+    let mut model = Model::load(&path).unwrap();
+    let need = model.experts.bytes();
+    let refused = model.use_arena(Some(need - 1), |_, _| {}).unwrap_err();
+    assert_eq!(
+        refused,
+        ArenaError::TooBig {
+            need,
+            available: need - 1
+        }
+    );
+    assert_eq!(model.experts.kind(), StoreKind::Mmap);
+    let mut seen = Vec::new();
+    model.use_arena(None, |done, total| seen.push((done, total))).unwrap();
+    assert_eq!(model.experts.kind(), StoreKind::Arena);
+    assert_eq!(seen.last(), Some(&(need, need)), "progress ends at the total");
+    let (ptr, len) = model.experts.arena_range().unwrap();
+    assert_eq!(len as u64, need);
+    for id in [ExpertId { layer: 0, expert: 0 }, ExpertId { layer: 3, expert: 15 }] {
+        let (a, b) = (
+            model.experts.expert(id, &model.gguf),
+            in_place.experts.expert(id, &in_place.gguf),
+        );
+        assert_eq!((a.gate, a.up, a.down), (b.gate, b.up, b.down));
+        let inside = |s: &[u8]| s.as_ptr() >= ptr && s.as_ptr() < ptr.wrapping_add(len);
+        assert!(
+            inside(a.gate) && inside(a.down),
+            "arena experts are read from the arena"
+        );
+    }
+    assert_eq!(logits(&model), want, "arena logits differ from in-place logits");
+}
