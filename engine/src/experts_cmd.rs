@@ -6,8 +6,7 @@ use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
 use strata_engine::experts::cache::Policy;
 use strata_engine::experts::simulate::{SimConfig, belady_hits, simulate};
-use strata_engine::experts::trace::{SynthRouting, Trace, synth_trace};
-use strata_engine::memory::is_routed_expert;
+use strata_engine::experts::trace::{MAX_LOOKUPS, SynthRouting, Trace, geometry_error, synth_trace};
 
 #[derive(Subcommand)]
 pub enum ExpertsCommand {
@@ -41,30 +40,44 @@ pub struct SynthTraceArgs {
     /// Where to write the trace.
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, default_value_t = 48)]
+    #[arg(long, default_value_t = 48, value_parser = clap::value_parser!(u32).range(1..))]
     layers: u32,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     experts: u32,
     /// Experts per token (top-k).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     k: u32,
     /// Decode steps (one token each).
     #[arg(long, default_value_t = 1000)]
     tokens: u64,
     /// No locality: every pick uniform (how a random-weight model routes).
-    #[arg(long, conflicts_with_all = ["reuse_next", "reuse_2_to_8"])]
+    #[arg(long, conflicts_with_all = ["reuse_next", "reuse_2_to_8", "zipf"])]
     random: bool,
     /// Probability that a pick repeats one of the previous token's experts.
-    #[arg(long)]
+    #[arg(long, value_parser = probability)]
     reuse_next: Option<f64>,
     /// Probability that a pick repeats an expert of one of the tokens 2 to 8 back.
-    #[arg(long)]
+    #[arg(long, value_parser = probability)]
     reuse_2_to_8: Option<f64>,
     /// Zipf exponent of the other picks over the experts (0: uniform).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = exponent)]
     zipf: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+}
+
+fn probability(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("takes a probability from 0 to 1, not `{s}`")),
+    }
+}
+
+fn exponent(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(z) if z.is_finite() && z >= 0.0 => Ok(z),
+        _ => Err(format!("takes a finite exponent >= 0, not `{s}`")),
+    }
 }
 
 pub fn run(cmd: ExpertsCommand) -> Result<()> {
@@ -74,27 +87,35 @@ pub fn run(cmd: ExpertsCommand) -> Result<()> {
     }
 }
 
-/// Bytes of one expert of one layer (its gate, up and down rows) in `model`: the routed-expert tensors' bytes over
-/// layers and experts.
-fn expert_bytes(model: &str) -> Result<u64> {
+/// Bytes of one expert of one layer (its gate, up and down rows) in `model`, whose expert layers must be the
+/// trace's: the model is loaded as the engine loads it (every tensor's shape checked), and its expert store's
+/// bytes are divided over its layers and experts.
+fn expert_bytes(model: &str, trace: &Trace) -> Result<u64> {
     let path = strata_engine::models::resolve(Some(model))?;
-    let gguf = strata_engine::gguf::GgufModel::open(&path)?;
-    let hp = strata_engine::model::HParams::from_metadata(gguf.metadata())?;
-    if !hp.is_moe() {
+    let m = strata_engine::model::Model::load(&path)?;
+    let h = trace.header;
+    if !m.hp.is_moe() {
         bail!("{}: not a mixture-of-experts model (no expert_count)", path.display());
     }
-    let total: u64 = gguf
-        .tensors()
-        .iter()
-        .filter(|t| is_routed_expert(&t.name))
-        .map(|t| t.n_bytes)
-        .sum();
-    Ok(total / (hp.n_layer as u64 * hp.n_expert as u64))
+    if (m.hp.n_layer, m.hp.n_expert) != (h.n_layer, h.n_expert) {
+        bail!(
+            "{}: {} layers of {} experts, but the trace is of {} layers of {} experts",
+            path.display(),
+            m.hp.n_layer,
+            m.hp.n_expert,
+            h.n_layer,
+            h.n_expert
+        );
+    }
+    Ok(m.experts.bytes() / (h.n_layer as u64 * h.n_expert as u64))
 }
 
 fn simulate_cmd(a: SimulateArgs) -> Result<()> {
     let trace = Trace::read(&a.trace)?;
-    let per_expert = a.model.as_deref().map(expert_bytes).transpose()?;
+    if trace.records.is_empty() {
+        bail!("{}: a header and no records: nothing to simulate", a.trace.display());
+    }
+    let per_expert = a.model.as_deref().map(|m| expert_bytes(m, &trace)).transpose()?;
     let h = trace.header;
     let lookups = trace.lookups().count() as u64;
     let loc = trace.locality();
@@ -114,7 +135,8 @@ fn simulate_cmd(a: SimulateArgs) -> Result<()> {
     );
     let tokens = trace.records.len() as f64 / h.n_layer as f64;
     println!(
-        "\n| slots | policy | hit rate | Belady | uploads | bypassed | {} |",
+        "\n| slots | policy | hit rate | Belady{} | uploads | bypassed | {} |",
+        if a.upload_cap.is_some() { " (no cap)" } else { "" },
         if per_expert.is_some() {
             "MB over the link per token"
         } else {
@@ -146,16 +168,24 @@ fn simulate_cmd(a: SimulateArgs) -> Result<()> {
             );
         }
     }
+    if a.policy.contains(&Policy::Profile) {
+        println!(
+            "\n`profile` is filled before the trace with its most used experts (an oracle profile; those uploads are counted), so its first uses hit: Belady bounds caches filled on demand, not it."
+        );
+    }
     Ok(())
 }
 
 fn synth_cmd(a: SynthTraceArgs) -> Result<()> {
-    if a.k == 0 || a.k > a.experts || a.layers == 0 {
+    if let Some(what) = geometry_error(a.layers, a.experts, a.k) {
+        bail!("--layers {} --experts {} --k {}: {what}", a.layers, a.experts, a.k);
+    }
+    if a.tokens.saturating_mul(a.layers as u64 * a.k as u64) > MAX_LOOKUPS {
         bail!(
-            "--k {} of --experts {} over --layers {}: need 1 <= k <= experts and at least one layer",
-            a.k,
-            a.experts,
-            a.layers
+            "--tokens {} x --layers {} x --k {} lookups: above the {MAX_LOOKUPS} a trace may hold",
+            a.tokens,
+            a.layers,
+            a.k
         );
     }
     let base = if a.random {
@@ -168,16 +198,12 @@ fn synth_cmd(a: SynthTraceArgs) -> Result<()> {
         reuse_2_to_8: a.reuse_2_to_8.unwrap_or(base.reuse_2_to_8),
         zipf: a.zipf,
     };
-    let p_ok = |p: f64| (0.0..=1.0).contains(&p);
-    if !p_ok(r.reuse_next) || !p_ok(r.reuse_2_to_8) || r.reuse_next + r.reuse_2_to_8 > 1.0 {
+    if r.reuse_next + r.reuse_2_to_8 > 1.0 {
         bail!(
-            "--reuse-next {} and --reuse-2-to-8 {} must be probabilities with a sum of at most 1",
+            "--reuse-next {} and --reuse-2-to-8 {} are probabilities of one pick: their sum must be at most 1",
             r.reuse_next,
             r.reuse_2_to_8
         );
-    }
-    if !(r.zipf.is_finite() && r.zipf >= 0.0) {
-        bail!("--zipf {} must be a finite exponent >= 0", r.zipf);
     }
     let trace = synth_trace(a.layers, a.experts, a.k, a.tokens, r, a.seed);
     trace.write(&a.out)?;

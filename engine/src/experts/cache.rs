@@ -202,8 +202,8 @@ impl SlotCache {
         Access::Admitted { slot, evicted }
     }
 
-    /// Puts `id` in a free slot without counting a lookup (pre-filling from a profile). Returns its slot, or
-    /// `None` when no slot is free or it is already cached.
+    /// Puts `id` in a free slot without counting a lookup (pre-filling from a profile; the upload counts as
+    /// `admitted`). Returns its slot, or `None` when no slot is free or it is already cached.
     pub fn pin(&mut self, id: ExpertId) -> Option<u32> {
         let i = self.index(id);
         if self.table[i] != NO_SLOT {
@@ -213,6 +213,7 @@ impl SlotCache {
         self.owner[slot as usize] = Some(id);
         self.table[i] = slot as i32;
         self.log_count[slot as usize] = f64::NEG_INFINITY;
+        self.stats.admitted += 1;
         self.touch(slot);
         Some(slot)
     }

@@ -22,6 +22,28 @@ use crate::rng::SplitMix64;
 /// The version this build writes and reads.
 pub const TRACE_VERSION: u32 = 1;
 
+/// The largest geometry a trace may declare: layers x experts (the slot table's entries) and top-k. Real MoEs
+/// are far below (Qwen3-30B-A3B: 48 x 128, top-8; DeepSeek-V3: 61 x 256, top-8).
+pub const MAX_EXPERTS_IN_ALL: u64 = 1 << 22;
+pub const MAX_K: u32 = 1024;
+/// The most lookups (records x k) a trace may hold in memory: 2^28, 1 GiB of expert ids.
+pub const MAX_LOOKUPS: u64 = 1 << 28;
+
+/// Checks a geometry against the limits: one line naming what is out of range, or `None`.
+pub fn geometry_error(n_layer: u32, n_expert: u32, k: u32) -> Option<String> {
+    if n_layer == 0 || n_expert == 0 || k == 0 || k > n_expert {
+        return Some(format!(
+            "impossible geometry: {n_layer} layers, top-{k} of {n_expert} experts (need at least one layer and 1 <= k <= experts)"
+        ));
+    }
+    if n_layer as u64 * n_expert as u64 > MAX_EXPERTS_IN_ALL || k > MAX_K {
+        return Some(format!(
+            "{n_layer} layers x {n_expert} experts, top-{k}: above the {MAX_EXPERTS_IN_ALL} experts and top-{MAX_K} a trace may declare"
+        ));
+    }
+    None
+}
+
 /// A trace's first line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -173,14 +195,8 @@ impl Trace {
                 ),
             ));
         }
-        if header.n_layer == 0 || header.k == 0 || header.k > header.n_expert {
-            return Err(fmt(
-                1,
-                format!(
-                    "impossible geometry: {} layers, top-{} of {} experts",
-                    header.n_layer, header.k, header.n_expert
-                ),
-            ));
+        if let Some(what) = geometry_error(header.n_layer, header.n_expert, header.k) {
+            return Err(fmt(1, what));
         }
         let mut t = Trace {
             header,
@@ -208,6 +224,26 @@ impl Trace {
             }
             if let Some(e) = r.experts.iter().find(|&&e| e >= header.n_expert) {
                 return Err(fmt(n, format!("expert {e} of {}", header.n_expert)));
+            }
+            if let Some((_, e)) = r.experts.iter().enumerate().find(|(i, e)| r.experts[..*i].contains(e)) {
+                return Err(fmt(n, format!("expert {e} chosen twice in one record")));
+            }
+            if let Some(&(s0, l0, t0)) = t.records.last()
+                && (r.step, r.layer, r.token) <= (s0, l0, t0)
+            {
+                return Err(fmt(
+                    n,
+                    format!(
+                        "record (step {}, layer {}, token {}) is not after the one before it (step {s0}, layer {l0}, token {t0}): records go in lookup order, each once",
+                        r.step, r.layer, r.token
+                    ),
+                ));
+            }
+            if (t.experts.len() as u64 + header.k as u64) > MAX_LOOKUPS {
+                return Err(fmt(
+                    n,
+                    format!("more than {MAX_LOOKUPS} lookups: too long a trace to simulate in memory"),
+                ));
             }
             t.records.push((r.step, r.layer, r.token));
             t.experts.extend_from_slice(&r.experts);
@@ -309,9 +345,15 @@ impl SynthRouting {
 /// A decode trace of `tokens` one-token steps through `n_layer` layers, top-`k` of `n_expert` experts, with the
 /// locality `r` asks for; deterministic in `seed`.
 ///
-/// Panics unless `1 <= k <= n_expert` and the probabilities are in `0..=1` with a sum of at most 1.
+/// Panics unless the geometry passes [`geometry_error`], `tokens * n_layer * k` is at most [`MAX_LOOKUPS`], the
+/// probabilities are in `0..=1` with a sum of at most 1, and `zipf` is finite and >= 0.
 pub fn synth_trace(n_layer: u32, n_expert: u32, k: u32, tokens: u64, r: SynthRouting, seed: u64) -> Trace {
-    assert!(k >= 1 && k <= n_expert, "top-{k} of {n_expert} experts");
+    assert!(geometry_error(n_layer, n_expert, k).is_none(), "trace geometry");
+    assert!(
+        tokens.saturating_mul(n_layer as u64 * k as u64) <= MAX_LOOKUPS,
+        "trace length"
+    );
+    assert!(r.zipf.is_finite() && r.zipf >= 0.0, "zipf exponent");
     assert!(
         (0.0..=1.0).contains(&r.reuse_next)
             && (0.0..=1.0).contains(&r.reuse_2_to_8)
@@ -360,9 +402,14 @@ pub fn synth_trace(n_layer: u32, n_expert: u32, k: u32, tokens: u64, r: SynthRou
                 let e = match from {
                     Some(prev) => prev[rng.below(prev.len() as u64) as usize],
                     None => {
-                        let u = rng.unit();
-                        let rank = cdf.partition_point(|&c| c < u).min(n - 1);
-                        ranks[l][rank]
+                        // A fresh pick by popularity; after 32 draws that all hit chosen experts (a steep Zipf),
+                        // the most popular expert not chosen yet.
+                        let fresh = (0..32).find_map(|_| {
+                            let u = rng.unit();
+                            let e = ranks[l][cdf.partition_point(|&c| c < u).min(n - 1)];
+                            (!chosen.contains(&e)).then_some(e)
+                        });
+                        fresh.unwrap_or_else(|| *ranks[l].iter().find(|e| !chosen.contains(e)).expect("k <= n_expert"))
                     }
                 };
                 if !chosen.contains(&e) {
@@ -417,6 +464,18 @@ mod tests {
                 ":2: unknown field `x`",
             ),
             ("not json\n", ":2: expected"),
+            (
+                "{\"step\":0,\"layer\":0,\"token\":0,\"experts\":[3,3]}\n",
+                ":2: expert 3 chosen twice",
+            ),
+            (
+                "{\"step\":1,\"layer\":0,\"token\":0,\"experts\":[1,2]}\n{\"step\":0,\"layer\":1,\"token\":0,\"experts\":[1,2]}\n",
+                ":3: record (step 0, layer 1, token 0) is not after",
+            ),
+            (
+                "{\"step\":0,\"layer\":0,\"token\":0,\"experts\":[1,2]}\n{\"step\":0,\"layer\":0,\"token\":0,\"experts\":[1,2]}\n",
+                ":3: record (step 0, layer 0, token 0) is not after",
+            ),
         ] {
             std::fs::write(&p, format!("{head}{body}")).unwrap();
             let e = Trace::read(&p).unwrap_err().to_string();
@@ -430,6 +489,18 @@ mod tests {
         assert!(Trace::read(&p).unwrap_err().to_string().contains(":1: trace version 2"));
         std::fs::write(&p, "").unwrap();
         assert!(Trace::read(&p).unwrap_err().to_string().contains(":1: empty file"));
+        // A header whose slot table alone would take gigabytes is refused before anything is allocated.
+        std::fs::write(
+            &p,
+            "{\"strata_routing_trace\":1,\"n_layer\":4294967295,\"n_expert\":16,\"k\":4}\n",
+        )
+        .unwrap();
+        assert!(
+            Trace::read(&p)
+                .unwrap_err()
+                .to_string()
+                .contains(":1: 4294967295 layers x 16 experts")
+        );
     }
 
     /// The default locality model, measured on a 48-layer, top-8 of 128 trace, is within a few points of the
@@ -443,5 +514,12 @@ mod tests {
         assert!(l.median_reuse_distance <= 2.0, "{l:?}");
         let r = synth_trace(48, 128, 8, 400, SynthRouting::RANDOM, 1).locality();
         assert!((0.04..=0.08).contains(&r.reused_next), "{r:?}");
+        // A steep Zipf still finds k distinct experts (the most popular ones), in bounded time.
+        let steep = SynthRouting {
+            zipf: 1e6,
+            ..SynthRouting::RANDOM
+        };
+        let t = synth_trace(2, 128, 8, 10, steep, 1);
+        assert!(t.locality().reused_next > 0.99);
     }
 }

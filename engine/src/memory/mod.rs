@@ -308,14 +308,14 @@ pub struct MemoryEstimate {
     pub weights_bytes: u64,
     /// Of which routed experts.
     pub expert_bytes: u64,
-    /// KV-cache bytes per token with f16 K and V (0 when the hyper-parameters cannot be read).
-    pub kv_f16_bytes_per_token: f64,
+    /// KV-cache bytes per token with f16 K and V; `None` when the hyper-parameters cannot be read.
+    pub kv_f16_bytes_per_token: Option<u64>,
     /// Weights + KV cache at each context length.
     pub at_context: Vec<ContextEstimate>,
 }
 
 /// Weights + KV cache at one context length, in bytes; `None` where that cache cannot be made (an int8 cache
-/// needs head widths that are multiples of 32).
+/// needs head widths that are multiples of 32) or sized (unreadable hyper-parameters).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ContextEstimate {
     pub context_tokens: u64,
@@ -335,16 +335,14 @@ impl MemoryEstimate {
         {
             contexts.push(h.n_ctx_train as usize);
         }
-        let with_kv = |ty: KvType, n: usize| match hp {
-            None => Some(weights.total()),
-            Some(h) => kv_bytes(&h.kv_shape(), ty, n)
-                .ok()
-                .map(|kv| weights.total().saturating_add(kv)),
+        let with_kv = |ty: KvType, n: usize| {
+            let kv = kv_bytes(&hp?.kv_shape(), ty, n).ok()?;
+            Some(weights.total().saturating_add(kv))
         };
         MemoryEstimate {
             weights_bytes: weights.total(),
             expert_bytes: weights.experts,
-            kv_f16_bytes_per_token: hp.map_or(0.0, |h| h.kv_shape().cell_bytes(KvType::F16).unwrap_or(0) as f64),
+            kv_f16_bytes_per_token: hp.and_then(|h| h.kv_shape().cell_bytes(KvType::F16).ok().map(|b| b as u64)),
             at_context: contexts
                 .into_iter()
                 .map(|n| ContextEstimate {
@@ -358,17 +356,19 @@ impl MemoryEstimate {
 
     /// The estimate as `strata inspect` prints it.
     pub fn to_text(&self) -> String {
-        let or_na = |b: Option<u64>| b.map_or("n/a (head width not a multiple of 32)".into(), human_bytes);
+        let why = if self.kv_f16_bytes_per_token.is_none() {
+            "n/a (hyper-parameters unreadable)"
+        } else {
+            "n/a (head width not a multiple of 32)"
+        };
+        let or_na = |b: Option<u64>| b.map_or(why.into(), human_bytes);
         let mut s = String::from("\nmemory estimate (weights + KV cache)\n");
         s += &format!("  weights          {}", human_bytes(self.weights_bytes));
         if self.expert_bytes > 0 {
             s += &format!(" (routed experts {})", human_bytes(self.expert_bytes));
         }
         s += "\n";
-        s += &format!(
-            "  KV f16 per token {}\n",
-            human_bytes(self.kv_f16_bytes_per_token as u64)
-        );
+        s += &format!("  KV f16 per token {}\n", or_na(self.kv_f16_bytes_per_token));
         for c in &self.at_context {
             s += &format!(
                 "  context {:>6}   {} with f16 KV, {} with int8 KV\n",

@@ -80,12 +80,13 @@ impl KvShape {
     ///
     /// Errors: an int8 cache for a head width that is not a multiple of 32.
     pub fn cell_bytes(&self, ty: KvType) -> Result<usize, KvError> {
-        let mut per_layer = 0;
+        let mut per_layer: usize = 0;
         for d in [self.head_dim, self.head_dim_v] {
             let head = ty.ggml().row_bytes(d as u64).ok_or(KvError::HeadDim { head_dim: d })? as usize;
-            per_layer += head * self.n_head_kv;
+            // Saturating: a hostile header's geometry gives usize::MAX, never a wrapped small size.
+            per_layer = per_layer.saturating_add(head.saturating_mul(self.n_head_kv));
         }
-        Ok(per_layer * self.n_layer)
+        Ok(per_layer.saturating_mul(self.n_layer))
     }
 }
 

@@ -68,17 +68,74 @@ fn bad_input_is_one_clear_error() {
         &["experts", "simulate", "x", "--slots", "many"][..],
         &["experts", "simulate", "x", "--slots", "8", "--policy", "fifo"],
         &["experts", "synth-trace"],
+        &["experts", "synth-trace", "--out", "t", "--random", "--zipf", "1"],
     ] {
         let out = strata(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out).1);
     }
     let t = dir.path().join("t.jsonl");
-    for (flag, value) in [("--k", "0"), ("--reuse-next", "1.5"), ("--zipf", "-1")] {
+    let out_t = t.to_str().unwrap();
+    for (flag, value, code) in [
+        ("--k", "0", 2),
+        ("--reuse-next", "1.5", 2),
+        ("--zipf", "-1", 2),
+        ("--zipf", "nan", 2),
+        ("--k", "9", 1),
+        ("--tokens", "18446744073709551615", 1),
+    ] {
         let arg = format!("{flag}={value}");
-        let out = strata(&["experts", "synth-trace", "--out", t.to_str().unwrap(), &arg]);
+        let out = strata(&["experts", "synth-trace", "--out", out_t, "--experts", "8", &arg]);
         let (_, err) = text(&out);
-        assert_eq!(out.status.code(), Some(1), "{arg}: {err}");
+        assert_eq!(out.status.code(), Some(code), "{arg}: {err}");
         assert!(err.contains(flag), "{arg}: {err}");
     }
+    let out = strata(&[
+        "experts",
+        "synth-trace",
+        "--out",
+        out_t,
+        "--reuse-next",
+        "0.9",
+        "--reuse-2-to-8",
+        "0.9",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
     assert!(!t.exists(), "a refused trace was written");
+
+    // A model whose experts are not the trace's prices nothing.
+    let out = strata(&[
+        "experts",
+        "synth-trace",
+        "--out",
+        out_t,
+        "--layers",
+        "2",
+        "--tokens",
+        "5",
+    ]);
+    assert!(out.status.success());
+    let out = strata(&[
+        "experts",
+        "simulate",
+        out_t,
+        "--slots",
+        "8",
+        "--model",
+        "synth:tiny-qwen3moe",
+    ]);
+    let (_, err) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("4 layers of 16 experts, but the trace is of 2 layers of 128 experts"),
+        "{err}"
+    );
+    // A header and no records.
+    std::fs::write(
+        &t,
+        "{\"strata_routing_trace\":1,\"n_layer\":2,\"n_expert\":8,\"k\":2}\n",
+    )
+    .unwrap();
+    let out = strata(&["experts", "simulate", out_t, "--slots", "8"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).1.contains("no records"));
 }

@@ -170,7 +170,7 @@ fn bad_input_is_one_clear_error_and_no_panic() {
 #[test]
 fn a_broken_chat_template_is_reported_with_its_line() {
     use strata_engine::fixtures::synth::SynthSpec;
-    use strata_engine::gguf::{GgufModel, GgufWriter, Value};
+    use strata_engine::gguf::Value;
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good.gguf");
     let spec = SynthSpec {
@@ -182,23 +182,13 @@ fn a_broken_chat_template_is_reported_with_its_line() {
     assert!(text.contains("chat template present\n"), "{text}");
 
     // The same model with a template whose second line never closes its block.
-    let model = GgufModel::open(&good).unwrap();
-    let mut md = model.metadata().clone();
-    md.insert(
-        "tokenizer.chat_template",
-        Value::String("hello\n{% for m in messages %}{{ m.content }}".into()),
-    );
     let broken = dir.path().join("broken.gguf");
-    let specs: Vec<_> = model
-        .tensors()
-        .iter()
-        .map(|t| (t.name.clone(), t.dims.clone(), t.ty))
-        .collect();
-    let writer = GgufWriter::create(&broken, md, specs).unwrap();
-    for (i, t) in model.tensors().iter().enumerate() {
-        writer.write_tensor(i, model.tensor_data(t)).unwrap();
-    }
-    writer.finish().unwrap();
+    with_metadata(&good, &broken, |md| {
+        md.insert(
+            "tokenizer.chat_template",
+            Value::String("hello\n{% for m in messages %}{{ m.content }}".into()),
+        )
+    });
     let text = stdout(&strata(&["inspect", broken.to_str().unwrap()]));
     assert!(text.contains("chat template present but broken"), "{text}");
     let line = text
@@ -261,4 +251,52 @@ fn moe_expert_bytes_are_the_exps_tensors() {
     assert_eq!(json["memory"]["expert_bytes"].as_u64(), Some(exps));
     let text = stdout(&strata(&["inspect", path.to_str().unwrap()]));
     assert!(text.contains("(routed experts "), "{text}");
+}
+
+/// A model whose hyper-parameters cannot be read (here: no KV heads) is still inspectable, and its KV estimate is
+/// `n/a` / `null`, not a cache of 0 bytes.
+#[test]
+fn unreadable_hyper_parameters_give_no_kv_estimate() {
+    use strata_engine::fixtures::synth::SynthSpec;
+    use strata_engine::gguf::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.gguf");
+    SynthSpec {
+        n_layer: 1,
+        ..SynthSpec::tiny_qwen3moe()
+    }
+    .write(&good)
+    .unwrap();
+    let bad = dir.path().join("bad.gguf");
+    with_metadata(&good, &bad, |md| {
+        md.insert("qwen3moe.attention.head_count_kv", Value::U32(0))
+    });
+    let text = stdout(&strata(&["inspect", bad.to_str().unwrap()]));
+    assert!(
+        text.contains("KV f16 per token n/a (hyper-parameters unreadable)"),
+        "{text}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&strata(&["inspect", "--json", bad.to_str().unwrap()]))).unwrap();
+    assert!(json["hparams"].is_null());
+    assert!(json["memory"]["kv_f16_bytes_per_token"].is_null());
+    assert!(json["memory"]["at_context"][0]["total_kv_f16_bytes"].is_null());
+}
+
+/// Writes `out`: the model `src` with its metadata edited by `edit`, tensors unchanged.
+fn with_metadata(src: &std::path::Path, out: &std::path::Path, edit: impl FnOnce(&mut strata_engine::gguf::Metadata)) {
+    use strata_engine::gguf::{GgufModel, GgufWriter};
+    let model = GgufModel::open(src).unwrap();
+    let mut md = model.metadata().clone();
+    edit(&mut md);
+    let specs: Vec<_> = model
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.dims.clone(), t.ty))
+        .collect();
+    let writer = GgufWriter::create(out, md, specs).unwrap();
+    for (i, t) in model.tensors().iter().enumerate() {
+        writer.write_tensor(i, model.tensor_data(t)).unwrap();
+    }
+    writer.finish().unwrap();
 }
