@@ -66,7 +66,7 @@ enum Command {
     /// Prefill and decode tok/s and peak RSS on the CPU or a GPU (--device), beside llama.cpp's llama-bench on the
     /// same file.
     Bench(bench_cmd::BenchArgs),
-    /// CUDA devices: --list-devices, --selftest [--model M --max-context N], --check-kernels.
+    /// CUDA devices: --list-devices, --selftest [--model M --max-context N --kv T --prefill N], --check-kernels.
     Device(device_cmd::DeviceArgs),
     /// Every STRATA_* environment switch with its value here, its default and what it does.
     Switches,
