@@ -88,8 +88,8 @@ pub struct SlotCache {
     /// Per slot, its eviction key (lowest goes first); `order` holds `(key, slot)` of every occupied slot.
     key: Vec<i64>,
     order: BTreeSet<(i64, u32)>,
-    /// LFRU: per slot, log2 of its decayed use count at its last use (`-inf`: just admitted, no use counted).
-    log_count: Vec<f64>,
+    /// LFRU: per slot, whether its key holds a use count (false: just admitted, its first use not counted yet).
+    counted: Vec<bool>,
     /// Slots never used yet, taken lowest first.
     free: Vec<u32>,
     /// Lookups so far: the clock of LRU and LFRU.
@@ -114,7 +114,7 @@ impl SlotCache {
             owner: vec![None; slots],
             key: vec![0; slots],
             order: BTreeSet::new(),
-            log_count: vec![0.0; slots],
+            counted: vec![false; slots],
             free: (0..slots as u32).rev().collect(),
             clock: 0,
             half_life: slots.max(64) as f64,
@@ -194,11 +194,7 @@ impl SlotCache {
                 (slot, Some(old))
             }
         };
-        self.owner[slot as usize] = Some(id);
-        self.table[i] = slot as i32;
-        self.log_count[slot as usize] = f64::NEG_INFINITY;
-        self.stats.admitted += 1;
-        self.touch(slot);
+        self.place(slot, id, i);
         Access::Admitted { slot, evicted }
     }
 
@@ -210,12 +206,17 @@ impl SlotCache {
             return None;
         }
         let slot = self.free.pop()?;
+        self.place(slot, id, i);
+        Some(slot)
+    }
+
+    /// Gives `slot` to `id` (table index `i`) and counts the upload.
+    fn place(&mut self, slot: u32, id: ExpertId, i: usize) {
         self.owner[slot as usize] = Some(id);
         self.table[i] = slot as i32;
-        self.log_count[slot as usize] = f64::NEG_INFINITY;
+        self.counted[slot as usize] = false;
         self.stats.admitted += 1;
         self.touch(slot);
-        Some(slot)
     }
 
     /// Records a use of `slot` at the current clock and re-keys it.
@@ -236,13 +237,13 @@ impl SlotCache {
     fn lfru_key(&mut self, s: usize) -> i64 {
         let now = self.clock as f64 / self.half_life;
         // log2 of the decayed count before this use, at `now` (none for an expert just admitted).
-        let before = if self.log_count[s] == f64::NEG_INFINITY {
-            f64::NEG_INFINITY
+        let before = if self.counted[s] {
+            (self.key[s] as f64 / KEY_SCALE - now).exp2()
         } else {
-            self.key[s] as f64 / KEY_SCALE - now
+            0.0
         };
-        self.log_count[s] = (1.0 + before.exp2()).log2();
-        ((self.log_count[s] + now) * KEY_SCALE) as i64
+        self.counted[s] = true;
+        (((1.0 + before).log2() + now) * KEY_SCALE) as i64
     }
 }
 

@@ -137,11 +137,11 @@ impl Trace {
             source,
         };
         let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-        let mut line = |v: &dyn erased_serde_line::Json| -> std::io::Result<()> {
-            w.write_all(v.json().as_bytes())?;
+        fn line(w: &mut impl Write, v: &impl Serialize) -> std::io::Result<()> {
+            serde_json::to_writer(&mut *w, v)?;
             w.write_all(b"\n")
-        };
-        line(&self.header).map_err(io)?;
+        }
+        line(&mut w, &self.header).map_err(io)?;
         for (i, &(step, layer, token)) in self.records.iter().enumerate() {
             let r = TraceRecord {
                 step,
@@ -149,9 +149,8 @@ impl Trace {
                 token,
                 experts: self.experts_of(i).to_vec(),
             };
-            line(&r).map_err(io)?;
+            line(&mut w, &r).map_err(io)?;
         }
-        drop(line);
         w.flush().map_err(io)
     }
 
@@ -249,18 +248,6 @@ impl Trace {
             t.experts.extend_from_slice(&r.experts);
         }
         Ok(t)
-    }
-}
-
-/// The two line kinds through one writer.
-mod erased_serde_line {
-    pub trait Json {
-        fn json(&self) -> String;
-    }
-    impl<T: serde::Serialize> Json for T {
-        fn json(&self) -> String {
-            serde_json::to_string(self).expect("trace lines serialize")
-        }
     }
 }
 

@@ -269,12 +269,6 @@ impl HParams {
             head_dim_v: self.head_dim_v as usize,
         }
     }
-
-    /// KV-cache bytes per token (one cell in every layer) when K and V are stored at `bytes_per_elem` each.
-    pub fn kv_bytes_per_token(&self, bytes_per_elem: f64) -> f64 {
-        let per_layer = self.n_head_kv as f64 * (self.head_dim as f64 + self.head_dim_v as f64);
-        self.n_layer as f64 * per_layer * bytes_per_elem
-    }
 }
 
 #[cfg(test)]
@@ -307,7 +301,7 @@ mod tests {
         assert_eq!(hp.rope_freq_base, 10_000.0);
         assert!(!hp.is_moe());
         // 30 layers × 3 heads × (64 + 64) × 2 bytes.
-        assert_eq!(hp.kv_bytes_per_token(2.0), 23_040.0);
+        assert_eq!(hp.kv_shape().cell_bytes(crate::state::kv::KvType::F16), Ok(23_040));
     }
 
     #[test]
