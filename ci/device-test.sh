@@ -2,6 +2,7 @@
 # The CUDA checks and benchmarks of issue 6, on a machine with an NVIDIA GPU and no Rust toolchain: the release
 # `strata` binary and the cuda_parity test binary are built elsewhere and carried in carry/ (see README "CUDA").
 #   ci/device-test.sh [parity] [bench-small] [bench-30b] [decode-30b] [ablate-30b] [harness] [regs] [profile-30b]
+#                     [offload-30b]
 #   (default: parity bench-small)
 #     parity       device list, kernel start times (cold, then cached), selftest, op parity table, end-to-end KLD,
 #                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
@@ -20,6 +21,10 @@
 #                  $BASE_BIN (default carry/strata-base, a build of the revision to compare with) and $BIN, taking
 #                  turns ROUNDS times (default 2; ORDER="new base" runs the new one first in each round), then each
 #                  test's best round per binary and the ratio new / base
+#     offload-30b  the 30B shape with its experts in host memory and a VRAM expert cache: `strata bench` (pp512,
+#                  pp4096, tg64) all resident, then under --vram-budget 10.7GiB (arena, then --mmap-experts) and
+#                  1.9GiB (llama.cpp's -ncmoe 20 and 48 use that much; DESIGN.md section 5), with each run's
+#                  sizing lines, hit rates and bytes uploaded per token
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -76,7 +81,7 @@ bench-small)
   row "bench smollm2-shaped" "rc=$?"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
   ;;
-bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b)
+bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b|offload-30b)
   [ -f "$WORK/q30.gguf" ] || /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
   # The memory plan (memory/, the one `strata inspect` prints too) against the card's free memory.
@@ -122,6 +127,18 @@ bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b)
       best() { cat "$OUT"/ab-$1-*.md | awk -F'|' -v t=" $t " '$2 == t {split($3, a, " "); if (a[1] + 0 > m) m = a[1] + 0} END {print m}'; }
       bb=$(best base); bn=$(best new)
       row "  $t best: base / new / ratio" "$bb / $bn / $(awk -v a="$bb" -v b="$bn" 'BEGIN {printf "%.3f", b / a}')"
+    done
+    continue
+  fi
+  if [ $mode = offload-30b ]; then
+    IFS=';' read -ra configs <<< "${OFFLOAD_CONFIGS:-resident|--prefill 4096;b10.7|--vram-budget 10.7GiB --prefill 4096;b10.7-mmap|--vram-budget 10.7GiB --prefill 4096 --mmap-experts;b1.9|--vram-budget 1.9GiB --prefill 512}"
+    for c in "${configs[@]}"; do
+      name=${c%%|*}; read -ra extra <<< "${c#*|}"
+      "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps ${OFFLOAD_REPS:-2} \
+        --prompt-tokens ${OFFLOAD_PROMPTS:-512,4096} --gen-tokens 64 "${extra[@]}" > "$OUT/offload-$name.md" 2> "$OUT/offload-$name.err"
+      row "offload $name (${c#*|})" "rc=$?"
+      while read -r l; do row "  " "$l"; done < <(grep -E 'expert cache|expert arena|in place|VRAM free' "$OUT/offload-$name.err" | cut -c1-150)
+      while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/offload-$name.md" | cut -d'|' -f2,3,4,5,6 | tr -s ' ')
     done
     continue
   fi

@@ -11,8 +11,9 @@
 // all; a matrix of 0 rows is absent. Grid (ceil((r0 + r1 + r2) / rows per block), n_tok), block 256 (8 warps of
 // one row each; of MMV_R rows for mmv_q4_k and mmv_q6_k).
 //
-// mmv_moe_T: the experts of a MoE layer at decode. Slot s (token s / x_div's i-th expert) multiplies expert
-// ids[s]'s rows of the stacked tensor wa (and wb when blockIdx.z is 1: gate and up in one launch) by activation
+// mmv_moe_T: the experts of a MoE layer at decode. Slot s (token s / x_div's i-th expert) multiplies the rows of
+// expert ids[s], which start ids[s] * expert_stride bytes into wa (and wb when blockIdx.z is 1: gate and up in one
+// launch: the stacked tensor, stride rows * row_bytes, or the expert cache's slots), by activation
 // row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256. With xu given (Q4_K and
 // Q6_K rows of at most MMV_X_MAX values; other types ignore it, and the host fuses it for Q4_K alone) the activation
 // row is glu_act(x, act) * xu (the GLU fused).
@@ -79,11 +80,11 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               const float* __restrict__ x, float* __restrict__ ya,           \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div, \
                                               int rows, int cols, long long row_bytes,                        \
-                                              const float* __restrict__, int, int) {                          \
+                                              long long expert_stride, const float* __restrict__, int, int) { \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         pdl_enter();                                                                                          \
-        const u8* w = r < rows ? (blockIdx.z ? wb : wa) + ((long long)ids[s] * rows + r) * row_bytes : nullptr; \
+        const u8* w = r < rows ? (blockIdx.z ? wb : wa) + (long long)ids[s] * expert_stride + (long long)r * row_bytes : nullptr; \
         MmvPre_##name pre;                                                                                    \
         if (w) mmv_load_##name(pre, w, cols, lane);                                                           \
         bool perm;                                                                                            \
@@ -544,11 +545,12 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
                                               const float* __restrict__ x, float* __restrict__ ya,             \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
                                               int rows, int cols, long long row_bytes,                          \
-                                              const float* __restrict__ xu, int act, int ids_early) {           \
+                                              long long expert_stride, const float* __restrict__ xu, int act,   \
+                                              int ids_early) {                                                  \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         if (!ids_early) pdl_enter();                                                                            \
         u32 id = ld_cg_u32(ids + s);                                                                            \
-        const u8* base = (blockIdx.z ? wb : wa) + (long long)id * rows * row_bytes;                             \
+        const u8* base = (blockIdx.z ? wb : wa) + (long long)id * expert_stride;                             \
         const float* xs = x + (long long)(s / x_div) * cols;                                                    \
         const float* xus = xu ? xu + (long long)(s / x_div) * cols : nullptr;                                   \
         float* y = (blockIdx.z ? yb : ya) + (long long)s * rows;                                                \

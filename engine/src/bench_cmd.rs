@@ -28,6 +28,7 @@ use clap::Args;
 use rayon::prelude::*;
 use serde::Serialize;
 use strata_engine::backend::AnyBackend;
+use strata_engine::memory::ExpertGeometry;
 use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::engine::{Engine, EngineFlags};
@@ -115,6 +116,33 @@ struct TestResult {
     llama_cpp: Option<f64>,
     /// llama-bench's reference figure for this test on the 2-core CI machine (SmolLM2 only).
     design_anchor: Option<f64>,
+    /// What the expert cache did in the test's phase (prefill for ppN, decode for tgN), over every run.
+    expert_cache: Option<CacheUse>,
+}
+
+/// The expert cache in one test.
+#[derive(Debug, Serialize)]
+struct CacheUse {
+    lookups: u64,
+    hits: u64,
+    hit_rate: f64,
+    /// Bytes uploaded from host memory per token of the test.
+    bytes_uploaded_per_token: f64,
+}
+
+/// The expert cache of a run: its size and the host-to-device rate it uploads at.
+#[derive(Debug, Serialize)]
+struct CacheInfo {
+    slots: usize,
+    staging: usize,
+    /// Every routed expert of the model.
+    experts: usize,
+    slot_bytes: usize,
+    policy: String,
+    /// `arena` (page-locked) or `mmap`.
+    store: String,
+    /// Host-to-device copy rate from the store, GB/s, measured in this run (256 MiB copies).
+    upload_gb_s: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -141,6 +169,7 @@ struct BenchReport {
     results: Vec<TestResult>,
     llama_bench: Option<String>,
     llama_bench_error: Option<String>,
+    expert_cache: Option<CacheInfo>,
 }
 
 /// Runs the benchmark and prints the report on stdout.
@@ -178,23 +207,63 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut session = engine.session_with(config)?;
     let vocab = model.weights.output.rows as u32;
     let mut results = Vec::new();
+    let cuda = engine.backend().cuda();
+    let cache_info = match cuda.and_then(|c| c.expert_cache_config().map(|k| (c, k))) {
+        Some((c, k)) => {
+            let src = model.experts.arena().unwrap_or_else(|| {
+                let l = (0..model.weights.layers.len()).find_map(|il| model.experts.layer(il, &model.gguf));
+                l.map_or(&[][..], |[g, _, _]| g)
+            });
+            let probe = &src[..src.len().min(256 << 20)];
+            Some(CacheInfo {
+                slots: k.slots,
+                staging: k.staging,
+                experts: ExpertGeometry::of(&model.gguf, &model.hp).map_or(0, |g| g.all()),
+                slot_bytes: k.slot_bytes,
+                policy: k.policy.to_string(),
+                store: if engine.arena_pinned() {
+                    "arena (page-locked)"
+                } else {
+                    "mmap"
+                }
+                .into(),
+                upload_gb_s: c.measure_upload(probe)?,
+            })
+        }
+        None => None,
+    };
+    // The cache's counts over a test's runs, in its phase, per token.
+    let take = |decode: bool, tokens: usize| -> Option<CacheUse> {
+        let st = cuda?.take_expert_cache_stats()?;
+        let p = if decode { st.decode } else { st.prefill };
+        Some(CacheUse {
+            lookups: p.cache.lookups,
+            hits: p.cache.hits,
+            hit_rate: p.cache.hit_rate(),
+            bytes_uploaded_per_token: p.bytes_uploaded as f64 / tokens.max(1) as f64,
+        })
+    };
     for &n in &args.prompt_tokens {
         if n == 0 {
             bail!("--prompt-tokens: a prompt needs at least one token");
         }
         let prompt = random_tokens(n, vocab, n as u64);
+        take(false, 1);
         let tok_s = repeat(args.reps, || {
             session.clear();
             let start = Instant::now();
             session.prefill(&prompt)?;
             Ok(n as f64 / start.elapsed().as_secs_f64())
         })?;
-        results.push(TestResult::new(format!("pp{n}"), tok_s));
+        let mut r = TestResult::new(format!("pp{n}"), tok_s);
+        r.expert_cache = take(false, n * (args.reps + 1));
+        results.push(r);
     }
     for &depth in args.depth.iter().filter(|_| args.gen_tokens > 0) {
         let first = random_tokens(1, vocab, 7)[0];
         let prompt = random_tokens(depth, vocab, 9);
         let n = args.gen_tokens;
+        take(true, 1);
         let tok_s = repeat(args.reps, || {
             session.clear();
             if depth > 0 {
@@ -212,7 +281,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         } else {
             format!("tg{n} @ d{depth}")
         };
-        results.push(TestResult::new(name, tok_s));
+        let mut r = TestResult::new(name, tok_s);
+        r.expert_cache = take(true, n * (args.reps + 1));
+        results.push(r);
     }
     let peak_rss_mib = peak_rss_kib().map_or(f64::NAN, |k| k as f64 / 1024.0);
     let bytes_per_token = bytes_per_token(model);
@@ -277,6 +348,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         results,
         llama_bench,
         llama_bench_error,
+        expert_cache: cache_info,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -300,6 +372,7 @@ impl TestResult {
             max,
             llama_cpp: None,
             design_anchor: None,
+            expert_cache: None,
         }
     }
 }
@@ -559,6 +632,19 @@ fn markdown(r: &BenchReport) -> String {
             g.graphs_captured, g.graph_replays
         );
     }
+    if let Some(c) = &r.expert_cache {
+        s += &format!(
+            "- expert cache: {} of {} experts in VRAM slots ({:.1}%, {:.2} MB each) + {} staging slots, {} eviction; experts in host memory: {}, uploaded at {:.1} GB/s (measured in this run); the cache columns count every run of a test, warm-up included\n",
+            c.slots,
+            c.experts,
+            100.0 * c.slots as f64 / c.experts.max(1) as f64,
+            c.slot_bytes as f64 / 1e6,
+            c.staging,
+            c.policy,
+            c.store,
+            c.upload_gb_s
+        );
+    }
     s += &format!("- peak RSS: {:.1} MiB\n", r.peak_rss_mib);
     match (&r.llama_bench, &r.llama_bench_error) {
         (Some(b), None) => s += &format!("- llama.cpp: `{b} -t {} -r <reps> -o json`, same tests\n", r.threads),
@@ -602,6 +688,26 @@ fn markdown(r: &BenchReport) -> String {
             fmt(t.design_anchor),
             bound
         );
+    }
+    if let Some(c) = &r.expert_cache {
+        s += "\n| test | expert cache hit rate | hits / lookups | MB uploaded per token | link bound (upload rate ÷ bytes per token) |\n";
+        s += "|---|---|---|---|---|\n";
+        for t in &r.results {
+            let Some(u) = &t.expert_cache else { continue };
+            let mb = u.bytes_uploaded_per_token / 1e6;
+            s += &format!(
+                "| {} | {:.1}% | {} / {} | {mb:.1} | {} |\n",
+                t.test,
+                100.0 * u.hit_rate,
+                u.hits,
+                u.lookups,
+                if mb > 0.0 {
+                    format!("{:.0} tok/s", c.upload_gb_s * 1e3 / mb)
+                } else {
+                    "—".into()
+                }
+            );
+        }
     }
     if let Some(g) = &r.gpu {
         for (test, total, rows) in &g.profiles {

@@ -9,7 +9,7 @@ use strata_engine::backend::cuda::buffer::{Arena, DevBuf};
 use strata_engine::backend::cuda::{Gpu, compile, context};
 use strata_engine::device::Device;
 use strata_engine::device::cuda_libs as loader;
-use strata_engine::memory::{MemoryPlan, PlanConfig, PlanFlags, WeightBytes, gib};
+use strata_engine::memory::{ExpertGeometry, MemoryPlan, PlanConfig, PlanFlags, WeightBytes, gib};
 use strata_engine::{gguf::GgufModel, model::HParams, models};
 
 #[derive(Args)]
@@ -189,15 +189,17 @@ fn plan(model: &str, a: &DeviceArgs, free: usize) -> Result<()> {
     let gguf = GgufModel::open(&path)?;
     let hp = HParams::from_metadata(gguf.metadata())?;
     let config = PlanConfig::from_flags(&a.plan, hp.n_ctx_train);
-    let plan = MemoryPlan::new(&WeightBytes::of(&gguf), &hp, &config)
+    let geometry = ExpertGeometry::of(&gguf, &hp);
+    let plan = MemoryPlan::new(&WeightBytes::of(&gguf), &hp, geometry.as_ref(), &config, free as u64)
         .map_err(|e| anyhow::anyhow!("{}: --kv {}: {e}", path.display(), a.plan.kv))?;
     println!(
-        "\nmemory plan  {}  --max-context {} --kv {} --prefill {}",
+        "\nmemory plan  {}  --max-context {} --kv {} --prefill {} --expert-cache {}",
         path.display(),
         plan.context,
         plan.kv,
-        config.prefill_chunk
+        config.prefill_chunk,
+        config.cache
     );
-    print!("{}", plan.to_text(free as u64));
+    print!("{}", plan.to_text());
     Ok(())
 }

@@ -702,6 +702,7 @@ fn moe_ffn_matches_cpu() {
             n_expert: ne,
             n_ff_exp: f,
             act: GluKind::SwiGlu,
+            layer: 0,
         };
         let x = rng.vec(n_tok * e, 1.0);
         // 32 experts: whole-number logits, so many probabilities tie (the lower id wins on both backends).
@@ -1009,5 +1010,129 @@ fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
         let d = interleave::assert_batched_steps_equal_alone(&model, &g, kv, 1e-4);
         println!("batched step, {kv} KV: largest difference from alone {d:e} of the largest logit");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A tiny qwen3moe whose prefill steps stream more experts than the staging slots hold: 32 experts, top-2 (8
+/// staging slots, so a 64-token chunk's experts go through them in several groups), Q4_K experts as the 30B
+/// shape's (the decode kernels' fast path).
+fn cache_test_spec() -> SynthSpec {
+    SynthSpec {
+        n_expert: 32,
+        n_expert_used: 2,
+        types: TensorTypes::uniform(GgmlType::Q4_K),
+        ..SynthSpec::tiny_qwen3moe()
+    }
+}
+
+/// Teacher-forced logits of 200 tokens (64-token prefill chunks), then 16 decode steps fed fixed tokens, and
+/// 3-token steps (decode kernels, several tokens): every logit of the run.
+fn cache_run(model: &Model, g: &CudaBackend, tokens: &[u32]) -> Vec<f32> {
+    let cfg = SessionConfig {
+        max_context: 512,
+        kv: KvType::F16,
+        prefill_chunk: Some(64),
+    };
+    let mut s = Session::new(model, g, cfg).unwrap();
+    let mut all = s.logits_all(&tokens[..200]).unwrap();
+    let mut s = Session::new(model, g, cfg).unwrap();
+    s.prefill(&tokens[..32]).unwrap();
+    for &t in &tokens[32..48] {
+        all.extend_from_slice(s.decode(t).unwrap());
+    }
+    for w in tokens[48..60].chunks(3) {
+        s.prefill(w).unwrap();
+        all.extend_from_slice(s.logits());
+    }
+    all
+}
+
+/// The expert cache changes where experts come from, never the result (issue 16, point 6): with 0 slots, one per
+/// layer, half and all but one, LRU and LFRU, from the mapped file and from a page-locked arena, the logits of
+/// prefill chunks, decode steps and 3-token steps are the all-resident run's bit for bit; and the cache's counts
+/// show what each size did (no hit without slots, evictions when the slots are short).
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
+    use strata_engine::backend::cuda::experts::ExpertCacheConfig;
+    use strata_engine::experts::cache::Policy;
+    use strata_engine::memory::ExpertGeometry;
+    let dir = std::env::temp_dir().join(format!("strata-cuda-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cache-moe.gguf");
+    cache_test_spec().write(&path).unwrap();
+    let mut model = Model::load(&path).unwrap();
+    let geo = ExpertGeometry::of(&model.gguf, &model.hp).unwrap();
+    assert_eq!((geo.all(), geo.staging()), (128, 8));
+    let vocab = model.weights.output.rows as u32;
+    let tokens: Vec<u32> = (0..60u32).map(|i| (i * 977 + 13) % vocab).collect();
+    let resident_gpu = gpu();
+    let want = cache_run(&model, &resident_gpu, &tokens);
+    assert!(want.iter().all(|v| v.is_finite()));
+    let mut cases = 0;
+    for arena in [false, true] {
+        if arena {
+            model.use_arena(None, |_, _| {}).unwrap();
+        }
+        for (slots, policy) in [
+            (0, Policy::Lru),
+            (4, Policy::Lru),
+            (64, Policy::Lru),
+            (64, Policy::Lfru),
+            (127, Policy::Lru),
+        ] {
+            let g = gpu();
+            let pin = model.experts.arena().map(|a| g.pin_host(a).unwrap());
+            g.configure_expert_cache(ExpertCacheConfig {
+                n_layer: model.hp.n_layer as usize,
+                n_expert: geo.n_expert,
+                slots,
+                staging: geo.staging(),
+                slot_bytes: geo.slot_bytes as usize,
+                policy,
+            })
+            .unwrap();
+            let got = cache_run(&model, &g, &tokens);
+            let st = g.expert_cache_stats().unwrap();
+            g.synchronize().unwrap();
+            drop(pin);
+            let first_diff = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+            println!(
+                "expert cache {slots} slots {policy} ({}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; first differing logit {first_diff:?}",
+                if arena { "arena, page-locked" } else { "mmap" },
+                st.prefill.cache.lookups,
+                st.prefill.cache.hits,
+                st.prefill.bytes_uploaded / 1_000_000,
+                st.decode.cache.lookups,
+                st.decode.cache.hits,
+                st.decode.cache.evictions,
+                st.decode.bytes_uploaded / 1_000_000,
+            );
+            assert_eq!(got.len(), want.len());
+            assert_eq!(
+                first_diff, None,
+                "{slots} slots {policy}: logits differ from the resident run"
+            );
+            assert!(
+                st.prefill.cache.lookups > 0 && st.decode.cache.lookups > 0,
+                "the cache was not used"
+            );
+            if slots == 0 {
+                assert_eq!(st.prefill.cache.hits + st.decode.cache.hits, 0);
+            }
+            if slots == 4 {
+                assert!(st.decode.cache.evictions > 0, "one slot per layer must evict");
+            }
+            if slots == 127 {
+                assert!(
+                    st.decode.cache.hits > st.decode.cache.lookups / 2,
+                    "127 of 128 slots mostly hit"
+                );
+            }
+            cases += 1;
+        }
+    }
+    model.experts.drop_arena();
+    println!("expert cache: {cases} configurations bit-identical to the resident run");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -215,6 +215,8 @@ pub struct Experts<'a> {
     pub n_expert: usize,
     pub n_ff_exp: usize,
     pub act: GluKind,
+    /// The layer's index in the model (the expert cache's key).
+    pub layer: usize,
 }
 
 impl<'a> Experts<'a> {

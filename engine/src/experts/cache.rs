@@ -198,6 +198,22 @@ impl SlotCache {
         Access::Admitted { slot, evicted }
     }
 
+    /// Whether a slot was never used yet (an admission now evicts nothing).
+    pub fn has_free_slot(&self) -> bool {
+        !self.free.is_empty()
+    }
+
+    /// The expert an admission would evict now: `None` when a slot is free, the cache has no slots, or the
+    /// policy never evicts. A caller that is using that expert in the same step refuses the admission
+    /// (`access(id, false)`), so a slot is never overwritten while a launch may still read it.
+    pub fn would_evict(&self) -> Option<ExpertId> {
+        if !self.free.is_empty() || self.policy == Policy::Profile {
+            return None;
+        }
+        let &(_, slot) = self.order.first()?;
+        self.owner[slot as usize]
+    }
+
     /// Puts `id` in a free slot without counting a lookup (pre-filling from a profile; the upload counts as
     /// `admitted`). Returns its slot, or `None` when no slot is free or it is already cached.
     pub fn pin(&mut self, id: ExpertId) -> Option<u32> {
@@ -312,6 +328,29 @@ mod tests {
         assert_eq!(c.access(id(1, 5), true), Access::Bypassed);
         assert_eq!(c.access(id(0, 4), true), Access::Hit { slot: 0 });
         assert_eq!(c.stats().bypassed, 1);
+    }
+
+    #[test]
+    fn would_evict_names_the_victim_the_next_admission_takes() {
+        let mut c = SlotCache::new(2, 8, 2, Policy::Lru);
+        assert_eq!(c.would_evict(), None);
+        c.access(id(0, 1), true);
+        assert!(c.has_free_slot() && c.would_evict().is_none());
+        c.access(id(1, 2), true);
+        assert!(!c.has_free_slot());
+        assert_eq!(c.would_evict(), Some(id(0, 1)));
+        c.access(id(0, 1), true);
+        assert_eq!(c.would_evict(), Some(id(1, 2)));
+        assert_eq!(
+            c.access(id(0, 3), true),
+            Access::Admitted {
+                slot: 1,
+                evicted: Some(id(1, 2))
+            }
+        );
+        let mut p = SlotCache::new(2, 8, 1, Policy::Profile);
+        p.pin(id(0, 0));
+        assert_eq!(p.would_evict(), None);
     }
 
     #[test]

@@ -51,6 +51,22 @@ impl ExpertShape {
     }
 }
 
+/// Alignment of each matrix inside a VRAM cache slot, in bytes (what a device allocation guarantees).
+pub const SLOT_ALIGN: usize = 256;
+
+/// Where one expert's gate, up and down bytes (`bytes`, in that order) go inside a cache slot: their offsets, and
+/// the bytes they span. Each matrix starts at a multiple of [`SLOT_ALIGN`]; a slot of a model is as large as the
+/// largest span of any of its layers (layers may mix quant types).
+pub fn slot_layout(bytes: [usize; 3]) -> ([usize; 3], usize) {
+    let mut at = 0;
+    let mut offsets = [0; 3];
+    for (o, b) in offsets.iter_mut().zip(bytes) {
+        *o = at;
+        at = (at + b).next_multiple_of(SLOT_ALIGN);
+    }
+    (offsets, at)
+}
+
 /// The router's choice for a batch of `n_tok` tokens: `ids[t * k + i]` is token t's i-th expert, `weights[t * k +
 /// i]` its weight. Index `t * k + i` is a *routing slot*.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -161,6 +177,16 @@ impl ExpertGroups {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slot_layout_aligns_each_matrix() {
+        assert_eq!(
+            slot_layout([884_736, 884_736, 884_736]),
+            ([0, 884_736, 1_769_472], 2_654_208)
+        );
+        assert_eq!(slot_layout([1, 300, 5]), ([0, 256, 768], 1024));
+        assert_eq!(slot_layout([0, 0, 0]), ([0, 0, 0], 0));
+    }
 
     #[test]
     fn top_k_takes_the_largest_with_ties_to_the_lower_id() {

@@ -92,9 +92,14 @@ impl ExpertStore {
             .sum()
     }
 
-    /// The arena's host memory (address and length), for a backend to page-lock; `None` for `mmap`.
-    pub fn arena_range(&self) -> Option<(*const u8, usize)> {
-        self.arena.as_ref().map(|(a, _)| (a.as_ptr(), a.len()))
+    /// The arena's host memory, for a backend to page-lock; `None` for `mmap`.
+    pub fn arena(&self) -> Option<&[u8]> {
+        self.arena.as_ref().map(|(a, _)| &a[..])
+    }
+
+    /// Frees the arena: the experts are read in place again (`mmap`).
+    pub fn drop_arena(&mut self) {
+        self.arena = None;
     }
 
     /// Copies every expert of `gguf` into an arena, calling `progress(bytes copied, bytes in all)` after each

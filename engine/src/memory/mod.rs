@@ -9,6 +9,10 @@
 
 use std::fmt;
 
+pub mod cache;
+
+pub use cache::{CacheSize, ExpertFlags, ExpertGeometry, ExpertPlacement};
+
 use crate::gguf::GgufModel;
 use crate::model::HParams;
 pub use crate::model::inspect::human_bytes;
@@ -18,8 +22,6 @@ use crate::state::kv::{KvError, KvShape, KvType};
 pub const DEFAULT_MAX_CONTEXT: usize = 4096;
 /// Prefill chunk used by `--prefill auto`, in tokens.
 pub const AUTO_PREFILL_CHUNK: usize = 512;
-/// Bytes the plan keeps free on a device for the driver, the BLAS library's workspace and fragmentation.
-pub const RESERVE_BYTES: u64 = 512 << 20;
 
 /// Cells a sequence's KV cache holds: `max_context` capped by the model's training context (`n_ctx_train`, 0
 /// when the metadata has none), in tokens. The server uses it to refuse an over-long prompt before queueing it.
@@ -72,6 +74,9 @@ pub struct PlanFlags {
     /// Prefill chunk in tokens, or `auto` (512; `strata bench` defaults to the whole prompt in one batch).
     #[arg(long, value_parser = parse_prefill)]
     pub prefill: Option<PrefillChunk>,
+    /// The expert cache's flags.
+    #[command(flatten)]
+    pub experts: ExpertFlags,
 }
 
 impl PlanFlags {
@@ -94,6 +99,7 @@ impl PlanFlags {
         if let Some(p) = self.prefill {
             a.extend(["--prefill".into(), p.0.map_or("auto".into(), |n| n.to_string())]);
         }
+        a.extend(self.experts.to_args());
         a
     }
 }
@@ -148,8 +154,12 @@ pub struct PlanConfig {
     pub kv: KvType,
     /// Tokens per prefill chunk.
     pub prefill_chunk: usize,
-    /// Bytes kept free on the device ([`RESERVE_BYTES`]).
+    /// Bytes kept free on the device (`--vram-reserve-mib`).
     pub reserve: u64,
+    /// `--expert-cache`.
+    pub cache: CacheSize,
+    /// `--vram-budget`: the most bytes the plan's parts may take, the reserve apart.
+    pub budget: Option<u64>,
 }
 
 impl PlanConfig {
@@ -160,7 +170,9 @@ impl PlanConfig {
             context: context_cells(flags.max_context(), n_ctx_train),
             kv: flags.kv,
             prefill_chunk: flags.prefill_chunk(),
-            reserve: RESERVE_BYTES,
+            reserve: flags.experts.reserve_bytes(),
+            cache: flags.experts.expert_cache,
+            budget: flags.experts.vram_budget,
         }
     }
 }
@@ -171,8 +183,12 @@ impl PlanConfig {
 pub enum Part {
     /// Every weight that is not a routed expert.
     DenseWeights,
-    /// The routed experts (all resident on the device until the expert store lands).
+    /// The routed experts, all resident on the device.
     Experts,
+    /// The expert cache's slots (the experts live in host memory).
+    ExpertCache,
+    /// Slots an expert a step needs is uploaded to when the cache does not hold it.
+    ExpertStaging,
     KvCache,
     /// A prefill chunk's activations and the largest matrix dequantized to f16.
     PrefillBuffers,
@@ -186,6 +202,8 @@ impl Part {
         match self {
             Part::DenseWeights => "dense weights",
             Part::Experts => "experts (all resident)",
+            Part::ExpertCache => "expert cache",
+            Part::ExpertStaging => "expert staging",
             Part::KvCache => "KV cache",
             Part::PrefillBuffers => "prefill buffers",
             Part::Reserve => "reserve",
@@ -211,7 +229,8 @@ impl fmt::Display for Verdict {
     }
 }
 
-/// A memory plan: the bytes of each part on the device, in the order they are allocated.
+/// A memory plan: the bytes of each part on the device, in the order they are allocated, and the device memory
+/// it was made for.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct MemoryPlan {
     pub parts: Vec<(Part, u64)>,
@@ -219,6 +238,12 @@ pub struct MemoryPlan {
     pub context: usize,
     #[serde(serialize_with = "display")]
     pub kv: KvType,
+    /// Where the routed experts go (`None`: the model has none).
+    pub experts: Option<ExpertPlacement>,
+    /// The device's free memory the plan was made against, bytes.
+    pub free: u64,
+    /// `--vram-budget`, bytes.
+    pub budget: Option<u64>,
 }
 
 fn display<S: serde::Serializer, T: fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
@@ -226,11 +251,20 @@ fn display<S: serde::Serializer, T: fmt::Display>(v: &T, s: S) -> Result<S::Ok, 
 }
 
 impl MemoryPlan {
-    /// The plan of a model with `weights` and hyper-parameters `hp` under `config`.
+    /// The plan of a model with `weights`, hyper-parameters `hp` and routed experts `experts` under `config`, on a
+    /// device with `free` bytes free (`u64::MAX` for a plan of every expert resident, as `auto` gives when they
+    /// fit). The expert cache takes what the other parts leave of the limit ([`MemoryPlan::limit`]), as
+    /// [`cache::size_cache`] says.
     ///
     /// Errors: [`KvError::HeadDim`] when `config.kv` is int8 and the model's head width is not a multiple of 32
     /// (the cache could not be made either).
-    pub fn new(weights: &WeightBytes, hp: &HParams, config: &PlanConfig) -> Result<MemoryPlan, KvError> {
+    pub fn new(
+        weights: &WeightBytes,
+        hp: &HParams,
+        experts: Option<&ExpertGeometry>,
+        config: &PlanConfig,
+        free: u64,
+    ) -> Result<MemoryPlan, KvError> {
         let kv = kv_bytes(&hp.kv_shape(), config.kv, config.context)?;
         // A chunk's activations: six f32 buffers of the widest row (the FFN's, or the routed experts' together),
         // one f16 copy of the chunk's hidden states, and the largest matrix dequantized to f16 for the GEMM.
@@ -241,20 +275,51 @@ impl MemoryPlan {
             .saturating_mul(4 * 6)
             .saturating_add(weights.largest_elements.saturating_mul(2))
             .saturating_add(chunk.saturating_mul(hp.n_embd as u64).saturating_mul(2));
-        let mut parts = vec![(Part::DenseWeights, weights.dense)];
-        if weights.experts > 0 {
-            parts.push((Part::Experts, weights.experts));
+        let mut plan = MemoryPlan {
+            parts: vec![(Part::DenseWeights, weights.dense)],
+            context: config.context,
+            kv: config.kv,
+            experts: None,
+            free,
+            budget: config.budget,
+        };
+        let others = [weights.dense, kv, prefill, config.reserve]
+            .iter()
+            .fold(0u64, |a, &b| a.saturating_add(b));
+        let room = plan.limit().saturating_sub(others);
+        match experts {
+            Some(g) if weights.experts > 0 => {
+                let placement = cache::size_cache(config.cache, g, room);
+                plan.parts.extend(match placement {
+                    ExpertPlacement::AllResident => vec![(Part::Experts, weights.experts)],
+                    ExpertPlacement::Cache {
+                        slots,
+                        staging,
+                        slot_bytes,
+                    } => vec![
+                        (Part::ExpertCache, (slots as u64).saturating_mul(slot_bytes)),
+                        (Part::ExpertStaging, (staging as u64).saturating_mul(slot_bytes)),
+                    ],
+                });
+                plan.experts = Some(placement);
+            }
+            _ if weights.experts > 0 => plan.parts.push((Part::Experts, weights.experts)),
+            _ => {}
         }
-        parts.extend([
+        plan.parts.extend([
             (Part::KvCache, kv),
             (Part::PrefillBuffers, prefill),
             (Part::Reserve, config.reserve),
         ]);
-        Ok(MemoryPlan {
-            parts,
-            context: config.context,
-            kv: config.kv,
-        })
+        Ok(plan)
+    }
+
+    /// The most the plan may take, reserve included: the device's free memory, or the budget plus the reserve when
+    /// that is less.
+    pub fn limit(&self) -> u64 {
+        let reserve = self.bytes(Part::Reserve);
+        self.budget
+            .map_or(self.free, |b| self.free.min(b.saturating_add(reserve)))
     }
 
     /// The bytes of `part` (0 when the plan has none).
@@ -267,31 +332,72 @@ impl MemoryPlan {
         self.parts.iter().fold(0u64, |s, (_, b)| s.saturating_add(*b))
     }
 
-    /// The plan against `free` bytes of device memory.
-    pub fn verdict(&self, free: u64) -> Verdict {
-        if self.total() <= free {
+    /// The plan against its limit ([`MemoryPlan::limit`]).
+    pub fn verdict(&self) -> Verdict {
+        if self.total() <= self.limit() {
             Verdict::Fits
         } else {
             Verdict::DoesNotFit
         }
     }
 
-    /// The plan as a table, one part a line, then the total, the device's free memory and the verdict (the
-    /// original Strata's layout: seed 000's self-test).
-    pub fn to_text(&self, free: u64) -> String {
+    /// The expert cache's slots (`None` when every expert is resident or the model has none).
+    pub fn cache_slots(&self) -> Option<usize> {
+        match self.experts {
+            Some(ExpertPlacement::Cache { slots, .. }) => Some(slots),
+            _ => None,
+        }
+    }
+
+    /// The plan as a table, one part a line, then the total, the device's free memory (and the budget) and the
+    /// verdict (the original Strata's layout: seed 000's self-test).
+    pub fn to_text(&self) -> String {
         let mut s = String::new();
         for (part, bytes) in &self.parts {
-            s += &format!("  {:<22} {:>12.6} GB\n", part.label(), *bytes as f64 / 1e9);
+            let label = match (part, self.experts) {
+                (Part::ExpertCache, Some(ExpertPlacement::Cache { slots, .. })) => {
+                    format!("expert cache ({slots} slots)")
+                }
+                (Part::ExpertStaging, Some(ExpertPlacement::Cache { staging, .. })) => {
+                    format!("expert staging ({staging} slots)")
+                }
+                _ => part.label().to_string(),
+            };
+            s += &format!("  {label:<26} {:>12.6} GB\n", *bytes as f64 / 1e9);
         }
         s += &format!(
-            "  {:<22} {:>12.6} GB ({})\n",
+            "  {:<26} {:>12.6} GB ({})\n",
             "plan",
             self.total() as f64 / 1e9,
             human_bytes(self.total())
         );
-        s += &format!("  {:<22} {}\n", "device free", gib(free));
-        s += &format!("  {:<22} {}\n", "plan vs free", self.verdict(free));
+        s += &format!("  {:<26} {}\n", "device free", gib(self.free));
+        if let Some(b) = self.budget {
+            s += &format!("  {:<26} {} (+ reserve)\n", "budget (--vram-budget)", gib(b));
+        }
+        s += &format!("  {:<26} {}\n", "plan vs free", self.verdict());
         s
+    }
+
+    /// What does not fit, in one line naming the parts and the numbers (for an error before any allocation).
+    pub fn shortfall(&self) -> String {
+        let parts: Vec<String> = self
+            .parts
+            .iter()
+            .filter(|(_, b)| *b > 0)
+            .map(|(p, b)| format!("{} {}", p.label(), human_bytes(*b)))
+            .collect();
+        let limit = match self.budget {
+            Some(b) if b.saturating_add(self.bytes(Part::Reserve)) < self.free => {
+                format!("--vram-budget {} + reserve", human_bytes(b))
+            }
+            _ => format!("{} free on the device", human_bytes(self.free)),
+        };
+        format!(
+            "the memory plan needs {} ({}) and the limit is {limit}",
+            human_bytes(self.total()),
+            parts.join(" + ")
+        )
     }
 }
 
@@ -425,8 +531,10 @@ mod tests {
             kv: KvType::F16,
             prefill_chunk: 8,
             reserve: 7,
+            cache: CacheSize::Auto,
+            budget: None,
         };
-        let plan = MemoryPlan::new(&W, &h, &cfg).unwrap();
+        let plan = MemoryPlan::new(&W, &h, None, &cfg, u64::MAX).unwrap();
         let cache = crate::state::kv::KvCache::new(&h.kv_shape(), 300, KvType::F16).unwrap();
         // 2 layers x 2 heads x (64 + 64) values x 2 bytes x 300 cells, counted by hand.
         assert_eq!(plan.bytes(Part::KvCache), 2 * 2 * 128 * 2 * 300);
@@ -443,12 +551,74 @@ mod tests {
 
     #[test]
     fn verdict_turns_at_the_total() {
-        let plan = MemoryPlan::new(&W, &hp(64), &PlanConfig::from_flags(&PlanFlags::default(), 8192)).unwrap();
-        assert_eq!(plan.context, 4096);
-        assert_eq!(plan.verdict(plan.total()), Verdict::Fits);
-        assert_eq!(plan.verdict(plan.total() - 1), Verdict::DoesNotFit);
-        let text = plan.to_text(plan.total() - 1);
-        assert!(text.contains("plan vs free           DOES NOT FIT"), "{text}");
+        let cfg = PlanConfig::from_flags(&PlanFlags::default(), 8192);
+        assert_eq!(cfg.reserve, 700 << 20);
+        let at = |free| MemoryPlan::new(&W, &hp(64), None, &cfg, free).unwrap();
+        let total = at(u64::MAX).total();
+        assert_eq!(at(total).context, 4096);
+        assert_eq!(at(total).verdict(), Verdict::Fits);
+        assert_eq!(at(total - 1).verdict(), Verdict::DoesNotFit);
+        let text = at(total - 1).to_text();
+        assert!(text.contains("plan vs free               DOES NOT FIT"), "{text}");
+        assert!(at(total - 1).shortfall().contains("free on the device"));
+        // A budget caps the parts, the reserve apart.
+        let budget = PlanConfig {
+            budget: Some(total - cfg.reserve - 1),
+            ..cfg
+        };
+        let p = MemoryPlan::new(&W, &hp(64), None, &budget, u64::MAX).unwrap();
+        assert_eq!(p.verdict(), Verdict::DoesNotFit);
+        assert!(p.shortfall().contains("--vram-budget"), "{}", p.shortfall());
+        assert!(p.to_text().contains("budget (--vram-budget)"));
+    }
+
+    #[test]
+    fn the_expert_cache_takes_what_the_other_parts_leave() {
+        // 2 MoE layers of 8 experts of 1,000-byte slots (top-2: 8 staging slots, one layer's worth).
+        let g = ExpertGeometry {
+            moe_layers: 2,
+            n_expert: 8,
+            k: 2,
+            slot_bytes: 1000,
+        };
+        let w = WeightBytes {
+            experts: 16 * 1000,
+            ..W
+        };
+        let cfg = PlanConfig {
+            context: 16,
+            kv: KvType::F16,
+            prefill_chunk: 8,
+            reserve: 100,
+            cache: CacheSize::Auto,
+            budget: None,
+        };
+        let resident = MemoryPlan::new(&w, &hp(64), Some(&g), &cfg, u64::MAX).unwrap();
+        assert_eq!(resident.experts, Some(ExpertPlacement::AllResident));
+        assert_eq!(resident.bytes(Part::Experts), 16_000);
+        let others = resident.total() - 16_000;
+        // 1 byte short of every expert: 8 staging slots and what is left, 7 slots (7,999 / 1,000).
+        let tight = MemoryPlan::new(&w, &hp(64), Some(&g), &cfg, others + 15_999).unwrap();
+        assert_eq!(tight.cache_slots(), Some(7));
+        assert_eq!(tight.bytes(Part::ExpertCache), 7_000);
+        assert_eq!(tight.bytes(Part::ExpertStaging), 8_000);
+        assert_eq!(tight.bytes(Part::Experts), 0);
+        assert_eq!(tight.verdict(), Verdict::Fits);
+        assert!(
+            tight.to_text().contains("expert cache (7 slots)"),
+            "{}",
+            tight.to_text()
+        );
+        // The same through a budget on a large card.
+        let budget = PlanConfig {
+            budget: Some(others + 15_999 - 100),
+            ..cfg
+        };
+        let b = MemoryPlan::new(&w, &hp(64), Some(&g), &budget, 1 << 40).unwrap();
+        assert_eq!(b.cache_slots(), Some(7));
+        // No room for the staging slots: 0 slots and a plan that does not fit.
+        let none = MemoryPlan::new(&w, &hp(64), Some(&g), &cfg, others + 10).unwrap();
+        assert_eq!((none.cache_slots(), none.verdict()), (Some(0), Verdict::DoesNotFit));
     }
 
     #[test]
@@ -458,12 +628,14 @@ mod tests {
             kv: KvType::Int8,
             prefill_chunk: 8,
             reserve: 0,
+            cache: CacheSize::Auto,
+            budget: None,
         };
         assert_eq!(
-            MemoryPlan::new(&W, &hp(48), &cfg),
+            MemoryPlan::new(&W, &hp(48), None, &cfg, u64::MAX),
             Err(KvError::HeadDim { head_dim: 48 })
         );
-        assert!(MemoryPlan::new(&W, &hp(64), &cfg).is_ok());
+        assert!(MemoryPlan::new(&W, &hp(64), None, &cfg, u64::MAX).is_ok());
     }
 
     #[test]

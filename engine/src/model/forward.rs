@@ -168,6 +168,33 @@ impl Model {
         self.experts.make_arena(&self.gguf, available, progress)
     }
 
+    /// Every weight a device keeps resident whatever the expert cache does, as the bytes the forward pass hands
+    /// the backend: the matrices (embeddings, attention, dense FFNs, routers, output head) and the norm vectors.
+    /// The routed experts are not among them.
+    pub fn dense_weight_bytes(&self) -> Vec<&[u8]> {
+        fn norm(v: &[f32]) -> &[u8] {
+            bytemuck::cast_slice(v)
+        }
+        let w = &self.weights;
+        let mut out = vec![self.m(&w.token_embd).data, self.m(&w.output).data, norm(&w.output_norm)];
+        for l in &w.layers {
+            let Mixer::Attention(at) = &l.mixer;
+            out.extend([&at.wq, &at.wk, &at.wv, &at.wo].map(|r| self.m(r).data));
+            out.extend(
+                [&at.q_norm, &at.k_norm, &l.post_attn_norm, &l.post_ffn_norm]
+                    .into_iter()
+                    .flatten()
+                    .map(|v| norm(v)),
+            );
+            out.extend([norm(&l.attn_norm), norm(&l.ffn_norm)]);
+            match &l.ffn {
+                Ffn::Dense { gate, up, down } => out.extend([gate, up, down].map(|r| self.m(r).data)),
+                Ffn::Moe { router, .. } => out.push(self.m(router).data),
+            }
+        }
+        out
+    }
+
     #[inline]
     fn m<'a>(&'a self, r: &crate::backend::MatRef) -> QMat<'a> {
         r.view(&self.gguf)
@@ -310,6 +337,7 @@ impl Model {
                         n_expert: nx,
                         n_ff_exp: hp.n_ff_exp as usize,
                         act: w.config.act,
+                        layer: il,
                     };
                     if layer.post_ffn_norm.is_none() && !*TRACE_TENSORS {
                         // The router, the experts' sum, the residual add and the next layer's attn_norm (a

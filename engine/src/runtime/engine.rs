@@ -7,9 +7,15 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::backend::cuda::CudaBackend;
+use crate::backend::cuda::experts::{ExpertCacheConfig, HostPin};
 use crate::backend::{AnyBackend, OpenError};
 use crate::device::Device;
 use crate::device::fault::{FaultPlan, FaultSpecError};
+use crate::experts::store::host_available_bytes;
+use crate::memory::{
+    CacheSize, ExpertGeometry, ExpertPlacement, MemoryPlan, Part, PlanConfig, Verdict, WeightBytes, human_bytes,
+};
 pub use crate::memory::{PlanFlags, PrefillChunk};
 use crate::model::{Model, ModelError};
 use crate::models::ModelsError;
@@ -115,11 +121,16 @@ pub enum EngineError {
     Tokenizer { path: PathBuf, source: TokenizerError },
     #[error("{path}: chat template: {source}")]
     Template { path: PathBuf, source: TemplateError },
+    /// The memory plan does not fit the device, or a part of it could not be allocated (`why` ends with the plan).
+    #[error("--device {device}: {why}")]
+    Plan { device: Device, why: String },
 }
 
 /// An open engine: the model's weights, tokenizer and chat template, and the backend of its device, shared by
 /// every sequence made from it.
 pub struct Engine {
+    /// The expert arena's page lock: first, so it is released before the model frees the arena.
+    pinned: Option<HostPin>,
     pub model: Model,
     pub tokenizer: Tokenizer,
     /// The chat template the GGUF declares, if any.
@@ -170,12 +181,18 @@ impl Engine {
         if let Some(b) = bar {
             b.finish_and_clear();
         }
-        let (model, tokenizer, template) = loaded?;
+        let (mut model, tokenizer, template) = loaded?;
+        let load_ms = start.elapsed().as_secs_f64() * 1e3;
+        let pinned = match backend.cuda() {
+            Some(c) => plan_device(c, &mut model, flags)?,
+            None => None,
+        };
         Ok(Engine {
+            pinned,
             model,
             tokenizer,
             template,
-            load_ms: start.elapsed().as_secs_f64() * 1e3,
+            load_ms,
             path,
             backend,
             flags: flags.clone(),
@@ -203,6 +220,11 @@ impl Engine {
     /// The backend every sequence of this engine computes on.
     pub fn backend(&self) -> &AnyBackend {
         &self.backend
+    }
+
+    /// Whether the routed experts are in a page-locked host arena (the expert cache uploads from it).
+    pub fn arena_pinned(&self) -> bool {
+        self.pinned.is_some()
     }
 
     /// The flags the engine was opened with.
@@ -235,6 +257,166 @@ impl Engine {
             self.model.hp.n_layer,
             self.load_ms
         )
+    }
+}
+
+impl Drop for Engine {
+    /// Drains the device's stream first: expert uploads may still read the arena the model frees.
+    fn drop(&mut self) {
+        if let Some(c) = self.backend.cuda() {
+            let _ = c.synchronize();
+        }
+    }
+}
+
+/// Sizes a CUDA device's memory from the plan (DESIGN.md section 3, "Memory plan"), logging it as the original
+/// Strata does: every expert resident when they fit, else the expert cache over the host store (the page-locked
+/// arena, or the mapped GGUF with `--mmap-experts` or when the arena cannot be made); then the dense weights are
+/// copied and the free memory left is logged. Returns the arena's page lock.
+///
+/// Errors: [`EngineError::Plan`] when the plan does not fit (before anything is allocated) or an allocation of it
+/// fails, naming the part and the numbers.
+fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Result<Option<HostPin>, EngineError> {
+    let device = flags.device.clone();
+    let fail = |why: String, plan: &MemoryPlan| EngineError::Plan {
+        device: device.clone(),
+        why: format!("{why}\nmemory plan:\n{}", plan.to_text()),
+    };
+    let (free, _) = c.gpu().mem_info().map_err(|e| EngineError::Plan {
+        device: device.clone(),
+        why: format!("cannot read the free device memory: {e}"),
+    })?;
+    let ef = &flags.plan.experts;
+    let config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
+    let geometry = ExpertGeometry::of(&model.gguf, &model.hp);
+    let weights = WeightBytes::of(&model.gguf);
+    let plan = MemoryPlan::new(&weights, &model.hp, geometry.as_ref(), &config, free as u64).map_err(|e| {
+        EngineError::Plan {
+            device: device.clone(),
+            why: format!("--kv {}: {e}", flags.plan.kv),
+        }
+    })?;
+    let budget = ef
+        .vram_budget
+        .map(|b| format!(", budget {:.2} GiB", b as f64 / GIB))
+        .unwrap_or_default();
+    let sizing = |what: String| {
+        if ef.expert_cache == CacheSize::Auto {
+            eprintln!(
+                "strata: expert cache auto: {:.2} GiB free, {} MiB reserved{budget} -> {what}",
+                free as f64 / GIB,
+                ef.vram_reserve_mib
+            );
+        }
+    };
+    let mut pinned = None;
+    match (plan.experts, geometry) {
+        (Some(ExpertPlacement::AllResident), Some(g)) => sizing(format!("all {} experts resident", g.all())),
+        (
+            Some(ExpertPlacement::Cache {
+                slots,
+                staging,
+                slot_bytes,
+            }),
+            Some(g),
+        ) => {
+            sizing(format!("{slots} slots"));
+            if plan.verdict() == Verdict::DoesNotFit {
+                return Err(fail(plan.shortfall(), &plan));
+            }
+            if ef.mmap_experts {
+                eprintln!(
+                    "strata: experts read in place from the model file ({:.2} GiB, --mmap-experts)",
+                    weights.experts as f64 / GIB
+                );
+            } else {
+                pinned = make_arena(c, model, weights.experts);
+            }
+            let bytes = c
+                .configure_expert_cache(ExpertCacheConfig {
+                    n_layer: model.hp.n_layer as usize,
+                    n_expert: g.n_expert,
+                    slots,
+                    staging,
+                    slot_bytes: slot_bytes as usize,
+                    policy: ef.expert_policy,
+                })
+                .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
+            eprintln!(
+                "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction)",
+                g.all(),
+                100.0 * slots as f64 / g.all().max(1) as f64,
+                bytes as f64 / GIB,
+                human_bytes(slot_bytes),
+                ef.expert_policy
+            );
+        }
+        _ => {}
+    }
+    if plan.verdict() == Verdict::DoesNotFit {
+        return Err(fail(plan.shortfall(), &plan));
+    }
+    c.preload(&model.dense_weight_bytes())
+        .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
+    if let Ok((left, _)) = c.gpu().mem_info() {
+        eprintln!(
+            "strata: {} MiB of VRAM free with everything loaded (each sequence's KV cache comes out of it: {} MiB at {} tokens)",
+            left >> 20,
+            plan.bytes(Part::KvCache) >> 20,
+            plan.context
+        );
+    }
+    Ok(pinned)
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Copies the experts into a host arena and page-locks it, with a progress bar on a terminal and the rate in one
+/// line. When the arena would not fit in host memory, cannot be allocated or cannot be locked, says so in one line
+/// and leaves the experts read in place (`mmap`).
+fn make_arena(c: &CudaBackend, model: &mut Model, bytes: u64) -> Option<HostPin> {
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(bytes);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("copying the experts into the arena {bar:30} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let start = Instant::now();
+    let made = model.use_arena(host_available_bytes(), |done, _| {
+        if let Some(b) = &bar {
+            b.set_position(done);
+        }
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if let Err(e) = made {
+        eprintln!("strata: expert arena: {e}; reading the experts in place from the model file instead");
+        return None;
+    }
+    let copied = start.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let arena = model.experts.arena().expect("just made");
+    match c.pin_host(arena) {
+        Ok(pin) => {
+            eprintln!(
+                "strata: expert arena: {:.2} GiB copied in {:.1} s ({:.2} GiB/s), page-locked in {:.1} s",
+                bytes as f64 / GIB,
+                copied,
+                bytes as f64 / GIB / copied.max(1e-9),
+                t.elapsed().as_secs_f64()
+            );
+            Some(pin)
+        }
+        Err(e) => {
+            model.experts.drop_arena();
+            eprintln!(
+                "strata: expert arena: cannot page-lock it ({e}); reading the experts in place from the model file instead"
+            );
+            None
+        }
     }
 }
 

@@ -409,7 +409,8 @@ fn experts_from_the_arena_give_the_logits_of_experts_in_place() {
     model.use_arena(None, |done, total| seen.push((done, total))).unwrap();
     assert_eq!(model.experts.kind(), StoreKind::Arena);
     assert_eq!(seen.last(), Some(&(need, need)), "progress ends at the total");
-    let (ptr, len) = model.experts.arena_range().unwrap();
+    let arena = model.experts.arena().unwrap();
+    let (ptr, len) = (arena.as_ptr(), arena.len());
     assert_eq!(len as u64, need);
     for id in [ExpertId { layer: 0, expert: 0 }, ExpertId { layer: 3, expert: 15 }] {
         let (a, b) = (
@@ -424,4 +425,6 @@ fn experts_from_the_arena_give_the_logits_of_experts_in_place() {
         );
     }
     assert_eq!(logits(&model), want, "arena logits differ from in-place logits");
+    model.experts.drop_arena();
+    assert_eq!(model.experts.kind(), StoreKind::Mmap);
 }

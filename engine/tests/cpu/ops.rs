@@ -402,6 +402,7 @@ fn moe_dispatch_matches_per_token_expert_loop() {
             n_expert,
             n_ff_exp: nff,
             act,
+            layer: 0,
         };
         let x = values(n_tok * e, 44);
         let mut logits = values(n_tok * n_expert, 45);

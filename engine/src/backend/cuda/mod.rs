@@ -39,6 +39,7 @@ mod ceilings;
 pub mod compile;
 pub mod context;
 pub mod error;
+pub mod experts;
 mod graph;
 mod kv;
 pub mod launch;
@@ -64,6 +65,7 @@ use crate::state::kv::{KvLayer, KvRowsId, SeqSlot};
 use buffer::DevBuf;
 use compile::CompileReport;
 use error::CudaError;
+use experts::{ExpertCacheConfig, ExpertCacheStats, ExpertPool, HostPin};
 use graph::Graphs;
 use kv::DevKv;
 use launch::{Arg, Profile};
@@ -129,8 +131,10 @@ enum Slot {
     GF16,
     /// Zeroed once, then kept at zero by the kernels that count their finished blocks in it (`block_is_last`).
     Counters,
+    /// A decode step's routing slots by expert-cache slot id.
+    MoeSlotIds,
 }
-const SLOTS: usize = 19;
+const SLOTS: usize = 20;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
 const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
@@ -170,6 +174,8 @@ struct Inner {
     fault_gemm_above: Option<usize>,
     /// `--gemm-fallback`: whether a failed library GEMM falls back to our kernel (else the op fails).
     gemm_fallback: bool,
+    /// The VRAM expert cache, when the experts do not all stay resident.
+    experts: Option<ExpertPool>,
 }
 
 /// The CUDA backend over one device (see the module docs).
@@ -288,6 +294,7 @@ impl CudaBackend {
                 blas,
                 fault_gemm_above: None,
                 gemm_fallback: true,
+                experts: None,
             }),
             cpu: CpuBackend,
         })
@@ -296,6 +303,80 @@ impl CudaBackend {
     /// The device and how its kernels were obtained.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Makes the VRAM expert cache the memory plan sized (`memory::ExpertPlacement::Cache`): from now on a MoE
+    /// layer's experts come from its slots, uploaded from the host store when missing, and are never made
+    /// resident. Returns the bytes of device memory the slots take.
+    ///
+    /// Errors: the device cannot allocate the slots.
+    pub fn configure_expert_cache(&self, config: ExpertCacheConfig) -> Result<usize, CudaError> {
+        let mut s = self.lock();
+        s.experts = None;
+        let pool = ExpertPool::new(&self.gpu.stream, config)?;
+        let bytes = pool.bytes();
+        s.experts = Some(pool);
+        Ok(bytes)
+    }
+
+    /// The expert cache's settings, if the backend has one.
+    pub fn expert_cache_config(&self) -> Option<ExpertCacheConfig> {
+        self.lock().experts.as_ref().map(|p| *p.config())
+    }
+
+    /// What the expert cache did since it was made or last taken (`None` without a cache).
+    pub fn expert_cache_stats(&self) -> Option<ExpertCacheStats> {
+        self.lock().experts.as_ref().map(|p| p.stats())
+    }
+
+    /// [`CudaBackend::expert_cache_stats`], and zero them (per request).
+    pub fn take_expert_cache_stats(&self) -> Option<ExpertCacheStats> {
+        self.lock().experts.as_mut().map(|p| p.take_stats())
+    }
+
+    /// Page-locks `bytes` (the expert arena) so uploads from it run at the link's pinned rate and overlap
+    /// compute; unlocked when the returned guard drops (drop it before the memory is freed).
+    ///
+    /// Errors: the driver refused (`cuMemHostRegister`: not enough lockable memory, or unsupported).
+    pub fn pin_host(&self, bytes: &[u8]) -> Result<HostPin, CudaError> {
+        HostPin::new(&self.gpu, bytes)
+    }
+
+    /// Copies `weights` (host views the forward pass will hand the backend) to the device now rather than on first
+    /// use, so the memory a model needs is taken, and measured, at start.
+    ///
+    /// Errors: an allocation or copy failed.
+    pub fn preload(&self, weights: &[&[u8]]) -> Result<(), CudaError> {
+        let mut s = self.lock();
+        for w in weights {
+            s.weights.device_ptr(&self.gpu.stream, w)?;
+        }
+        self.synchronize()
+    }
+
+    /// The host-to-device copy rate from `src` (the expert store's memory: page-locked or not), GB/s (1e9 bytes):
+    /// one untimed copy, then the best of three. A reading above PCIe Gen5 x16's 64 GB/s would be a probe bug
+    /// (DESIGN.md section 1, seed 000's readings), so the caller may compare it with that.
+    ///
+    /// Errors: the buffer could not be allocated or a copy failed.
+    pub fn measure_upload(&self, src: &[u8]) -> Result<f64, CudaError> {
+        if src.is_empty() {
+            return Ok(0.0);
+        }
+        let dst = DevBuf::alloc(&self.gpu.stream, src.len())?;
+        let mut best = f64::INFINITY;
+        for i in 0..4 {
+            self.synchronize()?;
+            let t = std::time::Instant::now();
+            // SAFETY: `dst` holds `src.len()` bytes; the copy is waited for before `src` can go.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, src, self.gpu.stream.cu_stream()) }
+                .map_err(CudaError::driver("host-to-device probe copy"))?;
+            self.synchronize()?;
+            if i > 0 {
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+        }
+        Ok(src.len() as f64 / best / 1e9)
     }
 
     /// Bytes of weights resident on the device.

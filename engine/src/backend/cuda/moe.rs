@@ -2,6 +2,7 @@
 //! grouped GEMMs in prefill, and their weighted sum (with the residual add and the next norm at decode).
 
 use super::error::CudaError;
+use super::experts::ExpertPool;
 use super::launch::Arg;
 use super::{
     CudaBackend, DevVec, Gpu, Inner, MMV_MAX_TOKENS, MMV_X_MAX, Slot, glu_code, glu_dev, gpu_computes, grid1,
@@ -145,6 +146,31 @@ impl CudaBackend {
     }
 }
 
+/// Where a dispatch finds its experts: each matrix's (gate, up, down) base address and the bytes from one expert
+/// (or cache slot) to the next; kernels index them by expert id, or by slot id with a cache.
+struct ExpertsAt {
+    base: [u64; 3],
+    stride: [usize; 3],
+}
+
+/// The experts of `ex`'s layer in the cache's slots.
+fn pool_at(pool: &ExpertPool, ex: &Experts<'_>) -> ExpertsAt {
+    ExpertsAt {
+        base: [0, 1, 2].map(|m| pool.base(ex, m)),
+        stride: [pool.stride(); 3],
+    }
+}
+
+/// `n` f32 values at `src` to f16 at `dst` (`f32_to_f16`).
+fn f16_rows(gpu: &Gpu, src: u64, dst: u64, n: usize) -> Result<(), CudaError> {
+    gpu.launch(
+        "f32_to_f16",
+        grid1(n.div_ceil(8), 256),
+        (256, 1, 1),
+        &[Arg::P(src), Arg::P(dst), Arg::L(n as i64)],
+    )
+}
+
 impl Inner {
     /// The router's choice on the device (`moe_route`): `ids`/`wts` ([n_tok][k]) into their slots from the
     /// logits at `logits` ([n_tok][n_expert], overwritten by the probabilities).
@@ -175,7 +201,8 @@ impl Inner {
     }
 
     /// Expert dispatch on the device once routed ([`Inner::moe_route`]): `x` `[n_tok][n_embd]`; the weighted sum
-    /// goes where `sum` says.
+    /// goes where `sum` says. The experts come from the expert cache when the backend has one, else from the
+    /// resident copies of the stacked tensors.
     #[allow(clippy::too_many_arguments)]
     fn moe_dispatch(
         &mut self,
@@ -187,21 +214,66 @@ impl Inner {
         normalized: bool,
         sum: MoeSum,
     ) -> Result<(), CudaError> {
+        let mut pool = self.experts.take();
+        let r = self.moe_dispatch_with(gpu, ex, xp, n_tok, k, normalized, sum, pool.as_mut());
+        self.experts = pool;
+        r
+    }
+
+    /// [`Inner::moe_dispatch`] with the expert cache (if any) out of `self`.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_dispatch_with(
+        &mut self,
+        gpu: &Gpu,
+        ex: &Experts<'_>,
+        xp: u64,
+        n_tok: usize,
+        k: usize,
+        normalized: bool,
+        sum: MoeSum,
+        mut pool: Option<&mut ExpertPool>,
+    ) -> Result<(), CudaError> {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         let slots = n_tok * k;
-        let gw = self.weights.device_ptr(&gpu.stream, ex.gate.data)?;
-        let uw = self.weights.device_ptr(&gpu.stream, ex.up.data)?;
-        let dw = self.weights.device_ptr(&gpu.stream, ex.down.data)?;
         let ids = self.slots[Slot::MoeIds as usize].as_ref().expect("routed").ptr;
         let wts = self.slots[Slot::MoeW as usize].as_ref().expect("routed").ptr;
         let gp = self.slot(gpu, Slot::MoeGate, slots * nff * 4)?;
         let up = self.slot(gpu, Slot::MoeUp, slots * nff * 4)?;
         let dp = self.slot(gpu, Slot::MoeDown, slots * n_embd * 4)?;
         let same = ex.gate.ty == ex.up.ty;
+        let resident = |s: &mut Self| -> Result<ExpertsAt, CudaError> {
+            Ok(ExpertsAt {
+                base: [
+                    s.weights.device_ptr(&gpu.stream, ex.gate.data)?,
+                    s.weights.device_ptr(&gpu.stream, ex.up.data)?,
+                    s.weights.device_ptr(&gpu.stream, ex.down.data)?,
+                ],
+                stride: [
+                    nff * ex.gate.row_bytes,
+                    nff * ex.up.row_bytes,
+                    n_embd * ex.down.row_bytes,
+                ],
+            })
+        };
         let rows_map = if n_tok <= MMV_MAX_TOKENS {
-            // Decode: every slot reaches its expert by id on the device.
+            // Decode: every slot reaches its expert by id on the device (by its cache slot's id with a cache).
+            let (at, ids) = match pool.as_deref_mut() {
+                None => (resident(self)?, ids),
+                Some(pool) => {
+                    let mut ids_h = vec![0u32; slots];
+                    self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
+                    pool.begin(ex);
+                    for e in ids_h.iter_mut() {
+                        *e = pool
+                            .slot(&gpu.stream, ex, *e, true)?
+                            .expect("the staging slots hold a decode step's experts");
+                    }
+                    let sp = self.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
+                    (pool_at(pool, ex), sp)
+                }
+            };
             #[allow(clippy::too_many_arguments)]
-            let launch = |wa: u64,
+            let launch = |m: usize,
                           wb: u64,
                           x: u64,
                           ya: u64,
@@ -221,7 +293,7 @@ impl Inner {
                     ),
                     (256, 1, 1),
                     &[
-                        Arg::P(wa),
+                        Arg::P(at.base[m]),
                         Arg::P(wb),
                         Arg::P(x),
                         Arg::P(ya),
@@ -231,17 +303,19 @@ impl Inner {
                         Arg::I(rows as i32),
                         Arg::I(w.cols as i32),
                         Arg::L(w.row_bytes as i64),
+                        Arg::L(at.stride[m] as i64),
                         Arg::P(xu),
                         Arg::I(glu_code(ex.act)),
                         Arg::I(early as i32),
                     ],
                 )
             };
-            if same {
-                launch(gw, uw, xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
+            // Gate and up in one launch need the same type and the same stride (the kernel takes one).
+            if same && at.stride[0] == at.stride[1] {
+                launch(0, at.base[1], xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
             } else {
-                launch(gw, gw, xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
-                launch(uw, uw, xp, up, up, k, &ex.up, nff, 1, 0, false)?;
+                launch(0, at.base[0], xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
+                launch(1, at.base[1], xp, up, up, k, &ex.up, nff, 1, 0, false)?;
             }
             // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
             // fewer); other types and rows wider than its staging take the GLU kernel first.
@@ -250,8 +324,8 @@ impl Inner {
                 glu_dev(gpu, gp, up, slots * nff, ex.act)?;
             }
             launch(
-                dw,
-                dw,
+                2,
+                at.base[2],
                 gp,
                 dp,
                 dp,
@@ -260,8 +334,9 @@ impl Inner {
                 n_embd,
                 1,
                 if fused_glu { up } else { 0 },
-                // moe_route or router_route wrote the ids two launches back at least: the down projection's first
-                // weight loads need not wait for the gate/up launch (common.cuh, pdl_enter, says why that holds).
+                // moe_route or router_route wrote the ids two launches back at least (with a cache, the host
+                // wrote them before both): the down projection's first weight loads need not wait for the
+                // gate/up launch (common.cuh, pdl_enter, says why that holds).
                 true,
             )?;
             0
@@ -278,28 +353,60 @@ impl Inner {
             // Row r of the grouped work reads token tok_of_row[r] of x directly (no gathered copy).
             let tok_of_row: Vec<u32> = order.iter().map(|&s| s / k as u32).collect();
             let ip = self.upload(gpu, Slot::Idx, bytemuck::cast_slice(&tok_of_row))?;
-            // One launch per matrix for every expert: tiles of up to 128 grouped rows, each naming its expert.
-            let mut tiles: Vec<[i32; 3]> = Vec::new();
-            let mut first = 0;
-            while first < slots {
-                let e = ids_h[order[first] as usize];
-                let m = order[first..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
-                tiles.extend(
-                    (0..m)
-                        .step_by(128)
-                        .map(|off| [e as i32, (first + off) as i32, (m - off).min(128) as i32]),
-                );
-                first += m;
-            }
+            let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * n_embd)?;
+            let gf = self.slot(gpu, Slot::GF16, slots * nff * 2)?;
+            let at = match pool.as_deref_mut() {
+                None => resident(self)?,
+                Some(pool) => {
+                    pool.begin(ex);
+                    pool_at(pool, ex)
+                }
+            };
             let gate = ex.gate.rows_slice(0, nff);
             let upm = ex.up.rows_slice(0, nff);
             let down = ex.down.rows_slice(0, n_embd);
-            let xf = self.f16_copy(gpu, Slot::XF16, xp, n_tok * n_embd)?;
-            self.gemm_own(gpu, &gate, gw, nff * gate.row_bytes, xf, ip, gp, &tiles)?;
-            self.gemm_own(gpu, &upm, uw, nff * upm.row_bytes, xf, ip, up, &tiles)?;
-            glu_dev(gpu, gp, up, slots * nff, ex.act)?;
-            let gf = self.f16_copy(gpu, Slot::GF16, gp, slots * nff)?;
-            self.gemm_own(gpu, &down, dw, n_embd * down.row_bytes, gf, 0, dp, &tiles)?;
+            // One launch per matrix for a group of experts: tiles of up to 128 grouped rows, each naming its
+            // expert (or its slot). Without a cache every expert is one group; with one, a group ends when the
+            // staging slots are full.
+            let group = |s: &mut Self, tiles: &[[i32; 3]], rows: std::ops::Range<usize>| -> Result<(), CudaError> {
+                if tiles.is_empty() {
+                    return Ok(());
+                }
+                s.gemm_own(gpu, &gate, at.base[0], at.stride[0], xf, ip, gp, tiles)?;
+                s.gemm_own(gpu, &upm, at.base[1], at.stride[1], xf, ip, up, tiles)?;
+                let (r0, n) = ((rows.start * nff) as u64, rows.len() * nff);
+                glu_dev(gpu, gp + r0 * 4, up + r0 * 4, n, ex.act)?;
+                f16_rows(gpu, gp + r0 * 4, gf + r0 * 2, n)?;
+                s.gemm_own(gpu, &down, at.base[2], at.stride[2], gf, 0, dp, tiles)
+            };
+            let mut tiles: Vec<[i32; 3]> = Vec::new();
+            let (mut first, mut group_first) = (0, 0);
+            while first < slots {
+                let e = ids_h[order[first] as usize];
+                let m = order[first..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
+                let at_slot = match pool.as_deref_mut() {
+                    None => e,
+                    Some(pool) => match pool.slot(&gpu.stream, ex, e, false)? {
+                        Some(slot) => slot,
+                        None => {
+                            // Every staging slot is in use: run the group, then stage again.
+                            group(self, &tiles, group_first..first)?;
+                            tiles.clear();
+                            group_first = first;
+                            pool.reset_staging();
+                            pool.slot(&gpu.stream, ex, e, false)?
+                                .expect("a staging slot is free after a reset")
+                        }
+                    },
+                };
+                tiles.extend(
+                    (0..m)
+                        .step_by(128)
+                        .map(|off| [at_slot as i32, (first + off) as i32, (m - off).min(128) as i32]),
+                );
+                first += m;
+            }
+            group(self, &tiles, group_first..slots)?;
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
         };
         let Some(outp) = (match sum {

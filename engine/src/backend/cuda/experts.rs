@@ -1,0 +1,303 @@
+//! The VRAM expert cache (DESIGN.md section 3, "Expert cache"): one device allocation of `slots + staging` slots,
+//! each holding one expert of one layer (gate, up and down, laid out by [`crate::experts::slot_layout`]), and the
+//! host-side slot table and policy ([`SlotCache`]) that decide which expert a slot holds.
+//!
+//! A MoE layer's step reads its routing back, then asks [`ExpertPool::slot`] for each expert it needs: a cached
+//! expert is used in place; a missing one is uploaded from the host store (the page-locked arena, or the mapped
+//! GGUF) on the compute stream, into a cache slot (admitted: decode steps evict the policy's victim unless the
+//! step itself uses it; prefill steps take free slots only, so a prompt does not flush what decode learned) or a
+//! staging slot (for this step only). Kernels then reach every expert by slot id. Uploads are ordered on the one
+//! stream, so a slot is never overwritten while a launch before may read it, and results are the bytes' results:
+//! bit-identical to the all-resident path.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::buffer::DevBuf;
+use super::error::CudaError;
+use crate::backend::Experts;
+use crate::experts::cache::{Access, CacheStats, Policy, SlotCache};
+use crate::experts::{ExpertId, slot_layout};
+
+/// What the pool is made for (sized by the memory plan: `memory::ExpertPlacement::Cache`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertCacheConfig {
+    /// Layers of the model (dense layers included: the slot table is indexed by layer).
+    pub n_layer: usize,
+    pub n_expert: usize,
+    /// Cache slots (0: every expert is staged).
+    pub slots: usize,
+    /// Staging slots (at least the distinct experts of one decode step).
+    pub staging: usize,
+    /// Bytes per slot (a multiple of [`crate::experts::SLOT_ALIGN`]).
+    pub slot_bytes: usize,
+    pub policy: Policy,
+}
+
+/// What the cache did in one phase: the slot cache's counts, and the bytes uploaded (admitted and staged
+/// experts alike).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PhaseStats {
+    #[serde(flatten)]
+    pub cache: CacheStats,
+    /// Bytes copied from host memory to the device.
+    pub bytes_uploaded: u64,
+}
+
+impl PhaseStats {
+    fn add(&mut self, c: CacheStats) {
+        let s = &mut self.cache;
+        s.lookups += c.lookups;
+        s.hits += c.hits;
+        s.admitted += c.admitted;
+        s.bypassed += c.bypassed;
+        s.evictions += c.evictions;
+    }
+}
+
+/// The cache's counts by phase since it was made, or since [`super::CudaBackend::take_expert_cache_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ExpertCacheStats {
+    pub prefill: PhaseStats,
+    pub decode: PhaseStats,
+}
+
+const UNSET: u32 = u32::MAX;
+
+/// The device slots and their bookkeeping.
+pub struct ExpertPool {
+    buf: DevBuf,
+    cache: SlotCache,
+    config: ExpertCacheConfig,
+    /// This layer-step's slot of each expert of the layer, or [`UNSET`].
+    slot_of: Vec<u32>,
+    /// The experts `slot_of` names (to clear it).
+    placed: Vec<u32>,
+    /// Staging slots taken in this layer-step (or group of a prefill step).
+    staged: usize,
+    layer: u32,
+    stats: ExpertCacheStats,
+}
+
+impl ExpertPool {
+    /// Allocates the slots.
+    ///
+    /// Errors: the device cannot allocate them.
+    pub(super) fn new(stream: &Arc<CudaStream>, config: ExpertCacheConfig) -> Result<ExpertPool, CudaError> {
+        assert!(
+            config.staging > 0 && config.n_expert > 0,
+            "an expert pool needs staging slots"
+        );
+        let bytes = (config.slots + config.staging)
+            .checked_mul(config.slot_bytes)
+            .expect("the plan sized the pool");
+        Ok(ExpertPool {
+            buf: DevBuf::alloc(stream, bytes)?,
+            cache: SlotCache::new(config.n_layer, config.n_expert, config.slots, config.policy),
+            config,
+            slot_of: vec![UNSET; config.n_expert],
+            placed: Vec::new(),
+            staged: 0,
+            layer: 0,
+            stats: ExpertCacheStats::default(),
+        })
+    }
+
+    pub(super) fn config(&self) -> &ExpertCacheConfig {
+        &self.config
+    }
+
+    /// Bytes of device memory the slots take.
+    pub(super) fn bytes(&self) -> usize {
+        self.buf.bytes
+    }
+
+    /// The device address of matrix `m` (0 gate, 1 up, 2 down) of slot 0 for `ex`'s layout: slot `s` is
+    /// `slot_bytes * s` further.
+    pub(super) fn base(&self, ex: &Experts<'_>, m: usize) -> u64 {
+        self.buf.ptr + layout(ex).0[m] as u64
+    }
+
+    /// Bytes from one slot to the next.
+    pub(super) fn stride(&self) -> usize {
+        self.config.slot_bytes
+    }
+
+    /// Starts a layer-step of `ex`'s layer: no expert has a slot for it yet.
+    pub(super) fn begin(&mut self, ex: &Experts<'_>) {
+        for &e in &self.placed {
+            self.slot_of[e as usize] = UNSET;
+        }
+        self.placed.clear();
+        self.staged = 0;
+        self.layer = ex.layer as u32;
+        let (_, span) = layout(ex);
+        assert!(
+            span <= self.config.slot_bytes && ex.n_expert == self.config.n_expert && ex.layer < self.config.n_layer,
+            "layer {}'s experts ({span} bytes) do not fit the pool's slots ({} bytes)",
+            ex.layer,
+            self.config.slot_bytes
+        );
+    }
+
+    /// Staging slots are free again: the launches that read them are queued (stream order keeps them safe).
+    pub(super) fn reset_staging(&mut self) {
+        for &e in &self.placed {
+            if self.slot_of[e as usize] as usize >= self.config.slots {
+                self.slot_of[e as usize] = UNSET;
+            }
+        }
+        self.placed.retain(|&e| self.slot_of[e as usize] != UNSET);
+        self.staged = 0;
+    }
+
+    /// The slot expert `e` of the current layer is in for this step, uploading it from `ex`'s host bytes when it
+    /// is not cached. `decode`: a miss may evict the policy's victim (unless this step uses it); else only a free
+    /// slot is taken. `Ok(None)`: it must be staged and every staging slot is taken (run what is queued, then
+    /// [`ExpertPool::reset_staging`]).
+    ///
+    /// Errors: an upload failed.
+    pub(super) fn slot(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        ex: &Experts<'_>,
+        e: u32,
+        decode: bool,
+    ) -> Result<Option<u32>, CudaError> {
+        if self.slot_of[e as usize] != UNSET {
+            return Ok(Some(self.slot_of[e as usize]));
+        }
+        let id = ExpertId {
+            layer: self.layer,
+            expert: e,
+        };
+        let cached = self.cache.slot_of(id).is_some();
+        let admit = !cached && self.can_admit(decode);
+        if !cached && !admit && self.staged == self.config.staging {
+            return Ok(None);
+        }
+        let access = self.cache.access(id, admit);
+        let slot = match access {
+            Access::Hit { slot } => slot,
+            Access::Admitted { slot, .. } => {
+                self.upload(stream, ex, e, slot)?;
+                slot
+            }
+            Access::Bypassed => {
+                let slot = (self.config.slots + self.staged) as u32;
+                self.staged += 1;
+                self.upload(stream, ex, e, slot)?;
+                slot
+            }
+        };
+        let phase = if decode {
+            &mut self.stats.decode
+        } else {
+            &mut self.stats.prefill
+        };
+        phase.add(self.cache.take_stats());
+        if !matches!(access, Access::Hit { .. }) {
+            phase.bytes_uploaded += layout_bytes(ex).iter().sum::<usize>() as u64;
+        }
+        self.slot_of[e as usize] = slot;
+        self.placed.push(e);
+        Ok(Some(slot))
+    }
+
+    /// Whether a miss now may take a cache slot: a free one always; at decode, the policy's victim unless this
+    /// layer-step uses it.
+    fn can_admit(&self, decode: bool) -> bool {
+        if self.cache.has_free_slot() {
+            return true;
+        }
+        decode
+            && self
+                .cache
+                .would_evict()
+                .is_some_and(|v| v.layer != self.layer || self.slot_of[v.expert as usize] == UNSET)
+    }
+
+    /// Copies expert `e`'s gate, up and down rows into `slot`, on the stream.
+    fn upload(&self, stream: &Arc<CudaStream>, ex: &Experts<'_>, e: u32, slot: u32) -> Result<(), CudaError> {
+        let (offsets, _) = layout(ex);
+        let bytes = layout_bytes(ex);
+        let dst = self.buf.ptr + slot as u64 * self.config.slot_bytes as u64;
+        for (m, (w, (&off, &len))) in [&ex.gate, &ex.up, &ex.down]
+            .iter()
+            .zip(offsets.iter().zip(bytes.iter()))
+            .enumerate()
+        {
+            let src = &w.data[e as usize * len..(e as usize + 1) * len];
+            // SAFETY: `dst + off` is inside the pool (slot < slots + staging, the layout fits a slot: `begin`);
+            // `src` is the expert store's host memory, which outlives the step (the model owns it and the stream
+            // is drained before a model is dropped).
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst + off as u64, src, stream.cu_stream()) }.map_err(
+                CudaError::driver(format!("uploading expert {e} of layer {} (matrix {m})", self.layer)),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The counts so far, and zero them.
+    pub(super) fn take_stats(&mut self) -> ExpertCacheStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    pub(super) fn stats(&self) -> ExpertCacheStats {
+        self.stats
+    }
+}
+
+/// One expert's gate, up and down bytes in `ex`'s stacked tensors.
+fn layout_bytes(ex: &Experts<'_>) -> [usize; 3] {
+    [&ex.gate, &ex.up, &ex.down].map(|w| w.data.len() / ex.n_expert)
+}
+
+/// The slot layout of `ex`'s experts.
+fn layout(ex: &Experts<'_>) -> ([usize; 3], usize) {
+    slot_layout(layout_bytes(ex))
+}
+
+/// Host memory page-locked for the device (`cuMemHostRegister`): the expert arena, so uploads from it are
+/// asynchronous and run at the link's pinned rate. Unlocked on drop.
+pub struct HostPin {
+    ptr: usize,
+    bytes: usize,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+impl HostPin {
+    pub(super) fn new(gpu: &super::Gpu, bytes: &[u8]) -> Result<HostPin, CudaError> {
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("binding the context"))?;
+        let flags = cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: `bytes` is a live host allocation; the guard unregisters it before its owner frees it
+        // (`runtime::Engine` drops the guard first).
+        unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(bytes.as_ptr() as *mut _, bytes.len(), flags)
+                .result()
+                .map_err(CudaError::driver(format!("cuMemHostRegister of {} bytes", bytes.len())))?;
+        }
+        Ok(HostPin {
+            ptr: bytes.as_ptr() as usize,
+            bytes: bytes.len(),
+            ctx: gpu.ctx.clone(),
+        })
+    }
+
+    /// Bytes locked.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for HostPin {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` was registered by `new` and is still allocated (see there).
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _) };
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! The expert cache's part of the plan (DESIGN.md section 3, "Expert cache" and "Memory plan"): its flags
+//! ([`ExpertFlags`]), a model's routed experts as slots see them ([`ExpertGeometry`]), and how many VRAM slots a
+//! device's memory gives ([`size_cache`]).
+//!
+//! A slot holds one expert of one layer (gate, up and down, laid out by [`crate::experts::slot_layout`]). When the
+//! experts do not all fit, the device also keeps [`ExpertGeometry::staging`] staging slots: an expert a step needs
+//! and the cache does not hold (or may not take) is uploaded there for that step.
+
+use crate::experts::cache::Policy;
+use crate::experts::slot_layout;
+use crate::gguf::GgufModel;
+use crate::model::HParams;
+
+/// Default `--vram-reserve-mib`: device memory kept free for the driver, the BLAS workspace and fragmentation (the
+/// original Strata's default).
+pub const DEFAULT_VRAM_RESERVE_MIB: u64 = 700;
+
+/// Tokens of the largest step whose experts a backend computes by id (the CUDA backend's decode kernels): such a
+/// step routes to at most this many tokens x top-k distinct experts per layer, each needing a staging slot when
+/// it is not cached. Larger steps (prefill) stream their experts through the staging slots in groups.
+pub const STAGING_TOKENS: usize = 4;
+
+/// `--expert-cache`: how many VRAM slots routed experts get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheSize {
+    /// What the memory plan leaves after the dense weights, the KV cache, prefill buffers and the reserve; every
+    /// expert stays resident when they all fit.
+    Auto,
+    /// This many slots (0: every expert a step needs is uploaded for that step alone).
+    Slots(usize),
+}
+
+impl std::fmt::Display for CacheSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CacheSize::Auto => f.write_str("auto"),
+            CacheSize::Slots(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// Most slots `--expert-cache N` takes (a model has at most 2^22 experts in all, `experts::trace`'s bound).
+pub const MAX_SLOTS: usize = 1 << 22;
+
+fn parse_cache_size(s: &str) -> Result<CacheSize, String> {
+    if s == "auto" {
+        return Ok(CacheSize::Auto);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n <= MAX_SLOTS => Ok(CacheSize::Slots(n)),
+        _ => Err(format!(
+            "--expert-cache takes `auto` or a slot count from 0 to {MAX_SLOTS}, not `{s}`"
+        )),
+    }
+}
+
+fn parse_reserve(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n <= 1 << 20 => Ok(n),
+        _ => Err(format!("--vram-reserve-mib takes MiB from 0 to 1048576, not `{s}`")),
+    }
+}
+
+/// Parses a size: a number (decimals allowed) and a unit, `B`, `KiB`, `MiB`, `GiB`, `TiB` (binary; `K`, `M`, `G`,
+/// `T` mean the same) or `KB`, `MB`, `GB`, `TB` (decimal); a bare number is bytes. `10.7GiB`, `11000MiB`, `12GB`.
+///
+/// Errors: anything else, or a size of 0 or above 1 PiB, as a one-line message naming `flag`.
+pub fn parse_size(flag: &str, s: &str) -> Result<u64, String> {
+    let bad = || format!("{flag} takes a size such as 10.7GiB, 11000MiB or 12GB, not `{s}`");
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().map_err(|_| bad())?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024.0f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(bad()),
+    };
+    let bytes = value * scale;
+    if !(bytes >= 1.0 && bytes <= (1u64 << 50) as f64) {
+        return Err(bad());
+    }
+    Ok(bytes as u64)
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    parse_size("--vram-budget", s)
+}
+
+fn parse_policy(s: &str) -> Result<Policy, String> {
+    match s {
+        "lru" => Ok(Policy::Lru),
+        "lfru" => Ok(Policy::Lfru),
+        "profile" => Err(
+            "--expert-policy profile needs a routing profile (--expert-profile), which this build \
+                          does not read yet: use lru or lfru"
+                .into(),
+        ),
+        _ => Err(format!("--expert-policy takes lru or lfru, not `{s}`")),
+    }
+}
+
+/// The expert cache's flags (part of the plan flags: every engine command and `strata device --selftest`). They
+/// apply to a GPU device; on the CPU every expert is read where the store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct ExpertFlags {
+    /// VRAM slots for routed experts, one expert of one layer each: `auto` (what the memory plan leaves; all
+    /// experts resident when they fit), a count, or 0 (each step uploads the experts it needs).
+    #[arg(long, default_value = "auto", value_parser = parse_cache_size)]
+    pub expert_cache: CacheSize,
+    /// MiB of device memory the plan keeps free (driver, BLAS workspace, fragmentation).
+    #[arg(long, default_value_t = DEFAULT_VRAM_RESERVE_MIB, value_parser = parse_reserve)]
+    pub vram_reserve_mib: u64,
+    /// The most device memory the plan may use, as 10.7GiB or 11000MiB (default: the device's free memory):
+    /// for comparisons at equal VRAM.
+    #[arg(long, value_parser = parse_budget)]
+    pub vram_budget: Option<u64>,
+    /// Read the experts in place from the GGUF (the OS page cache holds them) instead of copying them into a
+    /// page-locked host arena at load.
+    #[arg(long)]
+    pub mmap_experts: bool,
+    /// Which expert an expert cache that is full evicts: lru (least recently used) or lfru (least frequently,
+    /// with decay).
+    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    pub expert_policy: Policy,
+}
+
+impl Default for ExpertFlags {
+    fn default() -> ExpertFlags {
+        ExpertFlags {
+            expert_cache: CacheSize::Auto,
+            vram_reserve_mib: DEFAULT_VRAM_RESERVE_MIB,
+            vram_budget: None,
+            mmap_experts: false,
+            expert_policy: Policy::Lru,
+        }
+    }
+}
+
+impl ExpertFlags {
+    /// The flags as command-line arguments: parsing them back gives these flags.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            "--expert-cache".to_string(),
+            self.expert_cache.to_string(),
+            "--vram-reserve-mib".into(),
+            self.vram_reserve_mib.to_string(),
+            "--expert-policy".into(),
+            self.expert_policy.to_string(),
+        ];
+        if let Some(b) = self.vram_budget {
+            a.extend(["--vram-budget".into(), b.to_string()]);
+        }
+        if self.mmap_experts {
+            a.push("--mmap-experts".into());
+        }
+        a
+    }
+
+    /// `--vram-reserve-mib` in bytes.
+    pub fn reserve_bytes(&self) -> u64 {
+        self.vram_reserve_mib << 20
+    }
+}
+
+/// A model's routed experts as cache slots see them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertGeometry {
+    /// Layers with routed experts.
+    pub moe_layers: usize,
+    pub n_expert: usize,
+    /// Experts a token routes to (top-k).
+    pub k: usize,
+    /// Bytes of one slot: the largest [`slot_layout`] span of any layer's expert.
+    pub slot_bytes: u64,
+}
+
+impl ExpertGeometry {
+    /// The geometry of `model`'s routed experts (`ffn_{gate,up,down}_exps`, each `n_expert` equal parts), or
+    /// `None` when it has none.
+    pub fn of(model: &GgufModel, hp: &HParams) -> Option<ExpertGeometry> {
+        let n_expert = hp.n_expert as usize;
+        if n_expert == 0 {
+            return None;
+        }
+        let mut layers: std::collections::BTreeMap<&str, [usize; 3]> = Default::default();
+        for t in model.tensors() {
+            let Some((layer, m)) = ["ffn_gate_exps.", "ffn_up_exps.", "ffn_down_exps."]
+                .iter()
+                .enumerate()
+                .find_map(|(m, pat)| t.name.find(pat).map(|at| (&t.name[..at], m)))
+            else {
+                continue;
+            };
+            layers.entry(layer).or_default()[m] = (t.n_bytes / n_expert as u64) as usize;
+        }
+        let slot_bytes = layers.values().map(|b| slot_layout(*b).1).max()? as u64;
+        Some(ExpertGeometry {
+            moe_layers: layers.len(),
+            n_expert,
+            k: (hp.n_expert_used as usize).max(1),
+            slot_bytes,
+        })
+    }
+
+    /// Every routed expert of the model.
+    pub fn all(&self) -> usize {
+        self.moe_layers * self.n_expert
+    }
+
+    /// Staging slots a device keeps beside a cache that does not hold every expert ([`STAGING_TOKENS`] x top-k,
+    /// at most one layer's experts).
+    pub fn staging(&self) -> usize {
+        (STAGING_TOKENS * self.k).min(self.n_expert)
+    }
+}
+
+/// Where a plan puts the routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum ExpertPlacement {
+    /// Every expert resident on the device (uploaded on first use, kept).
+    AllResident,
+    /// A cache of `slots` slots and `staging` staging slots of `slot_bytes` each; every expert lives on the host.
+    Cache {
+        slots: usize,
+        staging: usize,
+        slot_bytes: u64,
+    },
+}
+
+/// The slots a device gets: `size` as asked, against `room`, the bytes the plan leaves for experts after
+/// everything else (dense weights, KV cache, prefill buffers; the reserve is already out of it).
+///
+/// `auto` keeps every expert resident when they fit in `room`, else takes as many slots as `room` holds beside
+/// the staging slots (0 when even those do not fit: the plan then does not fit). A count is capped at every
+/// expert; a count that covers every expert is the all-resident placement.
+pub fn size_cache(size: CacheSize, geometry: &ExpertGeometry, room: u64) -> ExpertPlacement {
+    let all = geometry.all();
+    let slot = geometry.slot_bytes.max(1);
+    let slots = match size {
+        CacheSize::Slots(n) => n.min(all),
+        CacheSize::Auto if (all as u64).saturating_mul(slot) <= room => all,
+        CacheSize::Auto => {
+            let staging = geometry.staging() as u64 * slot;
+            (room.saturating_sub(staging) / slot).min(all as u64) as usize
+        }
+    };
+    if slots >= all {
+        ExpertPlacement::AllResident
+    } else {
+        ExpertPlacement::Cache {
+            slots,
+            staging: geometry.staging(),
+            slot_bytes: geometry.slot_bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: ExpertGeometry = ExpertGeometry {
+        moe_layers: 4,
+        n_expert: 16,
+        k: 2,
+        slot_bytes: 1000,
+    };
+
+    #[test]
+    fn auto_keeps_everything_resident_when_it_fits_and_counts_slots_beside_staging_when_not() {
+        assert_eq!(G.all(), 64);
+        assert_eq!(G.staging(), 8);
+        assert_eq!(size_cache(CacheSize::Auto, &G, 64_000), ExpertPlacement::AllResident);
+        // 63,999 bytes: not all 64; 8 staging slots take 8,000, leaving 55 slots.
+        let c = |slots| ExpertPlacement::Cache {
+            slots,
+            staging: 8,
+            slot_bytes: 1000,
+        };
+        assert_eq!(size_cache(CacheSize::Auto, &G, 63_999), c(55));
+        assert_eq!(size_cache(CacheSize::Auto, &G, 8_999), c(0));
+        assert_eq!(size_cache(CacheSize::Auto, &G, 100), c(0));
+        assert_eq!(size_cache(CacheSize::Slots(10), &G, u64::MAX), c(10));
+        assert_eq!(size_cache(CacheSize::Slots(0), &G, u64::MAX), c(0));
+        assert_eq!(size_cache(CacheSize::Slots(64), &G, 0), ExpertPlacement::AllResident);
+        assert_eq!(size_cache(CacheSize::Slots(1000), &G, 0), ExpertPlacement::AllResident);
+        // Staging is at most one layer's experts.
+        let wide = ExpertGeometry {
+            k: 8,
+            n_expert: 16,
+            ..G
+        };
+        assert_eq!(wide.staging(), 16);
+    }
+
+    #[test]
+    fn sizes_parse_in_binary_and_decimal_units() {
+        let p = |s| parse_size("--vram-budget", s);
+        assert_eq!(p("10.7GiB"), Ok((10.7 * (1u64 << 30) as f64) as u64));
+        assert_eq!(p("11000MiB"), Ok(11000 << 20));
+        assert_eq!(p("12GB"), Ok(12_000_000_000));
+        assert_eq!(p("2g"), Ok(2 << 30));
+        assert_eq!(p("4096"), Ok(4096));
+        for bad in ["", "GiB", "-1GiB", "0", "1.2.3G", "5 parsecs", "2PiB", "nan"] {
+            let e = p(bad).unwrap_err();
+            assert!(e.contains("--vram-budget") && e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn flags_parse_back_and_refuse_bad_values() {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            e: ExpertFlags,
+        }
+        use clap::Parser;
+        let d = P::parse_from(["x"]).e;
+        assert_eq!(d, ExpertFlags::default());
+        let f = P::parse_from([
+            "x",
+            "--expert-cache",
+            "123",
+            "--vram-reserve-mib",
+            "512",
+            "--vram-budget",
+            "10.7GiB",
+            "--mmap-experts",
+            "--expert-policy",
+            "lfru",
+        ])
+        .e;
+        assert_eq!(f.expert_cache, CacheSize::Slots(123));
+        assert_eq!(f.reserve_bytes(), 512 << 20);
+        assert!(f.mmap_experts && f.expert_policy == Policy::Lfru);
+        let back = P::parse_from(std::iter::once("x".to_string()).chain(f.to_args())).e;
+        assert_eq!(back, f);
+        for (flag, v) in [
+            ("--expert-cache", "-1"),
+            ("--expert-cache", "lots"),
+            ("--vram-reserve-mib", "x"),
+            ("--vram-budget", "0"),
+            ("--expert-policy", "fifo"),
+            ("--expert-policy", "profile"),
+        ] {
+            let e = P::try_parse_from(["x".to_string(), format!("{flag}={v}")])
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains(flag), "{e}");
+        }
+    }
+}
