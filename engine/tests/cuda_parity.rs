@@ -1065,7 +1065,7 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
     let geo = ExpertGeometry::of(&model.gguf, &model.hp).unwrap();
     assert_eq!((geo.all(), geo.staging()), (128, 8));
     let vocab = model.weights.output.rows as u32;
-    let tokens: Vec<u32> = (0..60u32).map(|i| (i * 977 + 13) % vocab).collect();
+    let tokens: Vec<u32> = (0..200u32).map(|i| (i * 977 + 13) % vocab).collect();
     let resident_gpu = gpu();
     let want = cache_run(&model, &resident_gpu, &tokens);
     assert!(want.iter().all(|v| v.is_finite()));

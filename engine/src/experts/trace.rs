@@ -44,6 +44,60 @@ pub fn geometry_error(n_layer: u32, n_expert: u32, k: u32) -> Option<String> {
     None
 }
 
+/// A trace replayed into a router (`--routing-trace`): each layer hands out its records' experts in trace order,
+/// one record per routed token, starting over at the end. Benchmarks on random-weight models use it to route as a
+/// real model does; the logits it gives are not the model's (the router's weights are kept for other experts).
+#[derive(Debug, Clone)]
+pub struct RoutingReplay {
+    k: usize,
+    /// Per layer, its records' experts, `k` per record.
+    layers: Vec<Vec<u32>>,
+    /// Per layer, the next record.
+    next: Vec<usize>,
+}
+
+impl RoutingReplay {
+    /// The replay of `trace` into a model of `n_layer` layers of `n_expert` experts choosing `k` each.
+    ///
+    /// Errors: the geometry differs from the model's, or a layer of the model has no record (as a message naming
+    /// both).
+    pub fn new(trace: &Trace, n_layer: u32, n_expert: u32, k: u32) -> Result<RoutingReplay, String> {
+        let h = trace.header;
+        if (h.n_layer, h.n_expert, h.k) != (n_layer, n_expert, k) {
+            return Err(format!(
+                "the trace routes {} layers of {} experts, top-{}; the model has {n_layer} layers of {n_expert} experts, top-{k}",
+                h.n_layer, h.n_expert, h.k
+            ));
+        }
+        let mut layers = vec![Vec::new(); n_layer as usize];
+        for (i, &(_, layer, _)) in trace.records.iter().enumerate() {
+            layers[layer as usize].extend_from_slice(trace.experts_of(i));
+        }
+        if let Some(l) = layers.iter().position(|v| v.is_empty()) {
+            return Err(format!("the trace has no record of layer {l}"));
+        }
+        Ok(RoutingReplay {
+            k: k as usize,
+            next: vec![0; layers.len()],
+            layers,
+        })
+    }
+
+    /// The experts of the next `n_tok` tokens of `layer`, `[n_tok][k]`, written into `ids`.
+    ///
+    /// Panics if `layer` is outside the model.
+    pub fn next(&mut self, layer: usize, n_tok: usize, ids: &mut Vec<u32>) {
+        ids.clear();
+        let recs = &self.layers[layer];
+        let n = recs.len() / self.k;
+        for _ in 0..n_tok {
+            let r = self.next[layer];
+            ids.extend_from_slice(&recs[r * self.k..(r + 1) * self.k]);
+            self.next[layer] = (r + 1) % n;
+        }
+    }
+}
+
 /// A trace's first line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -415,6 +469,26 @@ pub fn synth_trace(n_layer: u32, n_expert: u32, k: u32, tokens: u64, r: SynthRou
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replay_hands_out_each_layers_records_in_order_and_wraps() {
+        let mut t = Trace::new(2, 8, 2);
+        t.push(0, 0, 0, &[1, 2]);
+        t.push(0, 1, 0, &[3, 4]);
+        t.push(1, 0, 1, &[5, 6]);
+        let mut r = RoutingReplay::new(&t, 2, 8, 2).unwrap();
+        let mut ids = Vec::new();
+        r.next(0, 3, &mut ids);
+        assert_eq!(ids, [1, 2, 5, 6, 1, 2]);
+        r.next(1, 2, &mut ids);
+        assert_eq!(ids, [3, 4, 3, 4]);
+        r.next(0, 1, &mut ids);
+        assert_eq!(ids, [5, 6]);
+        assert!(RoutingReplay::new(&t, 2, 16, 2).unwrap_err().contains("16 experts"));
+        let mut one_layer = Trace::new(2, 8, 2);
+        one_layer.push(0, 0, 0, &[1, 2]);
+        assert!(RoutingReplay::new(&one_layer, 2, 8, 2).unwrap_err().contains("layer 1"));
+    }
 
     #[test]
     fn a_trace_round_trips_through_its_file() {

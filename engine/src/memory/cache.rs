@@ -130,6 +130,11 @@ pub struct ExpertFlags {
     /// with decay).
     #[arg(long, default_value = "lru", value_parser = parse_policy)]
     pub expert_policy: Policy,
+    /// Route every MoE layer as this routing trace says (`strata experts synth-trace`) instead of by its router:
+    /// benchmarks of random-weight models with a real model's locality. The tokens are not the model's. CUDA
+    /// devices only.
+    #[arg(long)]
+    pub routing_trace: Option<std::path::PathBuf>,
 }
 
 impl Default for ExpertFlags {
@@ -140,6 +145,7 @@ impl Default for ExpertFlags {
             vram_budget: None,
             mmap_experts: false,
             expert_policy: Policy::Lru,
+            routing_trace: None,
         }
     }
 }
@@ -160,6 +166,9 @@ impl ExpertFlags {
         }
         if self.mmap_experts {
             a.push("--mmap-experts".into());
+        }
+        if let Some(t) = &self.routing_trace {
+            a.extend(["--routing-trace".into(), t.display().to_string()]);
         }
         a
     }
@@ -337,6 +346,8 @@ mod tests {
             "--mmap-experts",
             "--expert-policy",
             "lfru",
+            "--routing-trace",
+            "t.jsonl",
         ])
         .e;
         assert_eq!(f.expert_cache, CacheSize::Slots(123));

@@ -13,6 +13,7 @@ use crate::backend::{AnyBackend, OpenError};
 use crate::device::Device;
 use crate::device::fault::{FaultPlan, FaultSpecError};
 use crate::experts::store::host_available_bytes;
+use crate::experts::trace::{RoutingReplay, Trace};
 use crate::memory::{
     CacheSize, ExpertGeometry, ExpertPlacement, MemoryPlan, Part, PlanConfig, Verdict, WeightBytes, human_bytes,
 };
@@ -121,6 +122,8 @@ pub enum EngineError {
     Tokenizer { path: PathBuf, source: TokenizerError },
     #[error("{path}: chat template: {source}")]
     Template { path: PathBuf, source: TemplateError },
+    #[error("--routing-trace {path}: {why}")]
+    RoutingTrace { path: PathBuf, why: String },
     /// The memory plan does not fit the device, or a part of it could not be allocated (`why` ends with the plan).
     #[error("--device {device}: {why}")]
     Plan { device: Device, why: String },
@@ -169,6 +172,12 @@ impl Engine {
                 k.ms
             );
         }
+        if flags.plan.experts.routing_trace.is_some() && backend.cuda().is_none() {
+            return Err(EngineError::Plan {
+                device: flags.device.clone(),
+                why: "--routing-trace drives a GPU's routers: use --device cuda:N".into(),
+            });
+        }
         let path = crate::models::resolve(Some(&flags.model))?;
         let bar = std::io::stderr().is_terminal().then(|| {
             let b = indicatif::ProgressBar::new_spinner();
@@ -187,6 +196,16 @@ impl Engine {
             Some(c) => plan_device(c, &mut model, flags)?,
             None => None,
         };
+        if let Some(t) = &flags.plan.experts.routing_trace {
+            let replay = routing_replay(t, &model)?;
+            if let Some(c) = backend.cuda() {
+                c.set_routing_replay(Some(replay));
+            }
+            eprintln!(
+                "strata: routing from {} (--routing-trace): the tokens are not the model's",
+                t.display()
+            );
+        }
         Ok(Engine {
             pinned,
             model,
@@ -370,6 +389,22 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The replay of the routing trace at `path` into `model`.
+///
+/// Errors: the trace cannot be read, or routes another geometry than the model's (naming the file).
+fn routing_replay(path: &std::path::Path, model: &Model) -> Result<RoutingReplay, EngineError> {
+    let bad = |why: String| EngineError::RoutingTrace {
+        path: path.to_path_buf(),
+        why,
+    };
+    let trace = Trace::read(path).map_err(|e| bad(e.to_string()))?;
+    let hp = &model.hp;
+    if !hp.is_moe() {
+        return Err(bad("the model has no routed experts".into()));
+    }
+    RoutingReplay::new(&trace, hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)
+}
 
 /// Copies the experts into a host arena and page-locks it, with a progress bar on a terminal and the rate in one
 /// line. When the arena would not fit in host memory, cannot be allocated or cannot be locked, says so in one line

@@ -4,15 +4,21 @@
 //!
 //! A MoE layer's step reads its routing back, then asks [`ExpertPool::slot`] for each expert it needs: a cached
 //! expert is used in place; a missing one is uploaded from the host store (the page-locked arena, or the mapped
-//! GGUF) on the compute stream, into a cache slot (admitted: decode steps evict the policy's victim unless the
-//! step itself uses it; prefill steps take free slots only, so a prompt does not flush what decode learned) or a
-//! staging slot (for this step only). Kernels then reach every expert by slot id. Uploads are ordered on the one
-//! stream, so a slot is never overwritten while a launch before may read it, and results are the bytes' results:
-//! bit-identical to the all-resident path.
+//! GGUF) into a cache slot (admitted: decode steps evict the policy's victim unless the step itself uses it;
+//! prefill steps take free slots only, so a prompt does not flush what decode learned) or a staging slot (for this
+//! step only). Kernels then reach every expert by slot id, so results are the bytes' results: bit-identical to
+//! the all-resident path.
+//!
+//! Ordering. Decode uploads go on the compute stream, in order with the launches around them. Prefill uploads go
+//! on a copy stream, double-buffered: the staging slots are two halves, and while the compute stream runs the
+//! GEMMs of one group of experts (one half), the copy stream uploads the next group into the other half. Events
+//! keep it safe: a group's launches wait for its uploads ([`ExpertPool::ready`]); an upload into a half waits for
+//! the launches that last read it ([`ExpertPool::group_done`]); a layer's first upload waits for everything queued
+//! on the compute stream before it (decode steps included).
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 
 use super::buffer::DevBuf;
 use super::error::CudaError;
@@ -78,6 +84,24 @@ pub struct ExpertPool {
     staged: usize,
     layer: u32,
     stats: ExpertCacheStats,
+    /// Prefill uploads run here.
+    copy: Arc<CudaStream>,
+    /// Recorded on `copy` after a group's uploads; the compute stream waits on it.
+    ready: CudaEvent,
+    /// Per staging half: recorded on the compute stream after the launches of the last group in it.
+    done: [CudaEvent; 2],
+    /// Whether `done[h]` was recorded in this layer-step.
+    done_recorded: [bool; 2],
+    /// The staging half prefill groups fill now.
+    half: usize,
+    /// Whether the copy stream waits for `done[half]` already (in this group).
+    copy_waits: bool,
+    /// Uploads on `copy` the compute stream has not waited for.
+    pending: bool,
+    /// Whether this layer-step is a decode step's.
+    decoding: bool,
+    /// Recorded on the compute stream when a prefill layer-step begins.
+    begun: CudaEvent,
 }
 
 impl ExpertPool {
@@ -92,7 +116,18 @@ impl ExpertPool {
         let bytes = (config.slots + config.staging)
             .checked_mul(config.slot_bytes)
             .expect("the plan sized the pool");
+        let ctx = stream.context();
+        let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
         Ok(ExpertPool {
+            copy: ctx.new_stream().map_err(CudaError::driver("copy stream creation"))?,
+            ready: ev()?,
+            done: [ev()?, ev()?],
+            begun: ev()?,
+            done_recorded: [false; 2],
+            half: 0,
+            copy_waits: false,
+            pending: false,
+            decoding: false,
             buf: DevBuf::alloc(stream, bytes)?,
             cache: SlotCache::new(config.n_layer, config.n_expert, config.slots, config.policy),
             config,
@@ -124,14 +159,27 @@ impl ExpertPool {
         self.config.slot_bytes
     }
 
-    /// Starts a layer-step of `ex`'s layer: no expert has a slot for it yet.
-    pub(super) fn begin(&mut self, ex: &Experts<'_>) {
+    /// Starts a layer-step of `ex`'s layer (`decode`: a decode step's, whose uploads go on the compute stream):
+    /// no expert has a slot for it yet.
+    ///
+    /// Errors: recording or waiting on an event failed.
+    pub(super) fn begin(&mut self, stream: &Arc<CudaStream>, ex: &Experts<'_>, decode: bool) -> Result<(), CudaError> {
         for &e in &self.placed {
             self.slot_of[e as usize] = UNSET;
         }
         self.placed.clear();
         self.staged = 0;
         self.layer = ex.layer as u32;
+        self.decoding = decode;
+        self.half = 0;
+        self.done_recorded = [false; 2];
+        self.copy_waits = false;
+        if !decode {
+            // The copy stream starts after everything queued before this layer (earlier reads of any slot).
+            let e = || CudaError::driver("ordering the copy stream");
+            self.begun.record(stream).map_err(e())?;
+            self.copy.wait(&self.begun).map_err(e())?;
+        }
         let (_, span) = layout(ex);
         assert!(
             span <= self.config.slot_bytes && ex.n_expert == self.config.n_expert && ex.layer < self.config.n_layer,
@@ -139,10 +187,48 @@ impl ExpertPool {
             ex.layer,
             self.config.slot_bytes
         );
+        Ok(())
     }
 
-    /// Staging slots are free again: the launches that read them are queued (stream order keeps them safe).
-    pub(super) fn reset_staging(&mut self) {
+    /// Staging slots a group may take: all of them at decode, one half in prefill.
+    fn group_capacity(&self) -> usize {
+        if self.decoding {
+            self.config.staging
+        } else {
+            (self.config.staging / 2).max(1)
+        }
+    }
+
+    /// Makes the compute stream wait for the uploads queued on the copy stream (before launches that read them).
+    ///
+    /// Errors: recording or waiting on an event failed.
+    pub(super) fn ready(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
+        if self.pending {
+            let e = || CudaError::driver("waiting for expert uploads");
+            self.ready.record(&self.copy).map_err(e())?;
+            stream.wait(&self.ready).map_err(e())?;
+            self.pending = false;
+        }
+        Ok(())
+    }
+
+    /// Ends a prefill group whose launches are queued: the next group stages into the other half, once the
+    /// launches that last read it are done.
+    ///
+    /// Errors: recording the event failed.
+    pub(super) fn group_done(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
+        self.done[self.half]
+            .record(stream)
+            .map_err(CudaError::driver("recording a group's end"))?;
+        self.done_recorded[self.half] = true;
+        self.half = (self.half + 1) % 2;
+        self.copy_waits = false;
+        self.reset_staging();
+        Ok(())
+    }
+
+    /// Staging slots are free again: the launches that read them are queued (`group_done`'s event guards them).
+    fn reset_staging(&mut self) {
         for &e in &self.placed {
             if self.slot_of[e as usize] as usize >= self.config.slots {
                 self.slot_of[e as usize] = UNSET;
@@ -153,9 +239,9 @@ impl ExpertPool {
     }
 
     /// The slot expert `e` of the current layer is in for this step, uploading it from `ex`'s host bytes when it
-    /// is not cached. `decode`: a miss may evict the policy's victim (unless this step uses it); else only a free
-    /// slot is taken. `Ok(None)`: it must be staged and every staging slot is taken (run what is queued, then
-    /// [`ExpertPool::reset_staging`]).
+    /// is not cached. At decode a miss may evict the policy's victim (unless this step uses it); in prefill only a
+    /// free slot is taken. `Ok(None)`: it must be staged and the group's staging slots are taken (make the group's
+    /// launches wait with [`ExpertPool::ready`], queue them, then [`ExpertPool::group_done`]).
     ///
     /// Errors: an upload failed.
     pub(super) fn slot(
@@ -163,8 +249,8 @@ impl ExpertPool {
         stream: &Arc<CudaStream>,
         ex: &Experts<'_>,
         e: u32,
-        decode: bool,
     ) -> Result<Option<u32>, CudaError> {
+        let decode = self.decoding;
         if self.slot_of[e as usize] != UNSET {
             return Ok(Some(self.slot_of[e as usize]));
         }
@@ -174,7 +260,7 @@ impl ExpertPool {
         };
         let cached = self.cache.slot_of(id).is_some();
         let admit = !cached && self.can_admit(decode);
-        if !cached && !admit && self.staged == self.config.staging {
+        if !cached && !admit && self.staged == self.group_capacity() {
             return Ok(None);
         }
         let access = self.cache.access(id, admit);
@@ -185,7 +271,12 @@ impl ExpertPool {
                 slot
             }
             Access::Bypassed => {
-                let slot = (self.config.slots + self.staged) as u32;
+                let first = if self.decoding {
+                    0
+                } else {
+                    self.half * self.group_capacity()
+                };
+                let slot = (self.config.slots + first + self.staged) as u32;
                 self.staged += 1;
                 self.upload(stream, ex, e, slot)?;
                 slot
@@ -218,8 +309,22 @@ impl ExpertPool {
                 .is_some_and(|v| v.layer != self.layer || self.slot_of[v.expert as usize] == UNSET)
     }
 
-    /// Copies expert `e`'s gate, up and down rows into `slot`, on the stream.
-    fn upload(&self, stream: &Arc<CudaStream>, ex: &Experts<'_>, e: u32, slot: u32) -> Result<(), CudaError> {
+    /// Copies expert `e`'s gate, up and down rows into `slot`: on the compute stream at decode, else on the copy
+    /// stream (into a staging half once the launches that last read it are done).
+    fn upload(&mut self, stream: &Arc<CudaStream>, ex: &Experts<'_>, e: u32, slot: u32) -> Result<(), CudaError> {
+        let on = if self.decoding {
+            stream.clone()
+        } else {
+            if slot as usize >= self.config.slots && self.done_recorded[self.half] && !self.copy_waits {
+                self.copy
+                    .wait(&self.done[self.half])
+                    .map_err(CudaError::driver("ordering a staging upload"))?;
+                self.copy_waits = true;
+            }
+            self.pending = true;
+            self.copy.clone()
+        };
+        let stream = &on;
         let (offsets, _) = layout(ex);
         let bytes = layout_bytes(ex);
         let dst = self.buf.ptr + slot as u64 * self.config.slot_bytes as u64;

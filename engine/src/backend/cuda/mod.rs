@@ -60,6 +60,7 @@ use super::cpu::CpuBackend;
 use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, StepKey};
 use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
 use crate::events::{self, EventKind, Fallback};
+use crate::experts::trace::RoutingReplay;
 use crate::quant::{self, GgmlType};
 use crate::state::kv::{KvLayer, KvRowsId, SeqSlot};
 use buffer::DevBuf;
@@ -176,6 +177,8 @@ struct Inner {
     gemm_fallback: bool,
     /// The VRAM expert cache, when the experts do not all stay resident.
     experts: Option<ExpertPool>,
+    /// `--routing-trace`: the routers' choices replaced by a trace's.
+    replay: Option<RoutingReplay>,
 }
 
 /// The CUDA backend over one device (see the module docs).
@@ -295,6 +298,7 @@ impl CudaBackend {
                 fault_gemm_above: None,
                 gemm_fallback: true,
                 experts: None,
+                replay: None,
             }),
             cpu: CpuBackend,
         })
@@ -317,6 +321,12 @@ impl CudaBackend {
         let bytes = pool.bytes();
         s.experts = Some(pool);
         Ok(bytes)
+    }
+
+    /// Makes every MoE layer route as `replay` says instead of by its router (`--routing-trace`: benchmarks of
+    /// random-weight models; the logits are not the model's). Steps with it run without CUDA graphs.
+    pub fn set_routing_replay(&self, replay: Option<RoutingReplay>) {
+        self.lock().replay = replay;
     }
 
     /// The expert cache's settings, if the backend has one.

@@ -214,6 +214,14 @@ impl Inner {
         normalized: bool,
         sum: MoeSum,
     ) -> Result<(), CudaError> {
+        if let Some(replay) = self.replay.as_mut() {
+            // The trace's experts in place of the router's (the router's weights stay).
+            let mut ids = Vec::new();
+            replay.next(ex.layer, n_tok, &mut ids);
+            // Host data in the middle of a step: the step must not become a graph.
+            gpu.flush_step()?;
+            self.upload(gpu, Slot::MoeIds, bytemuck::cast_slice(&ids))?;
+        }
         let mut pool = self.experts.take();
         let r = self.moe_dispatch_with(gpu, ex, xp, n_tok, k, normalized, sum, pool.as_mut());
         self.experts = pool;
@@ -262,10 +270,10 @@ impl Inner {
                 Some(pool) => {
                     let mut ids_h = vec![0u32; slots];
                     self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
-                    pool.begin(ex);
+                    pool.begin(&gpu.stream, ex, true)?;
                     for e in ids_h.iter_mut() {
                         *e = pool
-                            .slot(&gpu.stream, ex, *e, true)?
+                            .slot(&gpu.stream, ex, *e)?
                             .expect("the staging slots hold a decode step's experts");
                     }
                     let sp = self.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
@@ -358,7 +366,7 @@ impl Inner {
             let at = match pool.as_deref_mut() {
                 None => resident(self)?,
                 Some(pool) => {
-                    pool.begin(ex);
+                    pool.begin(&gpu.stream, ex, false)?;
                     pool_at(pool, ex)
                 }
             };
@@ -386,16 +394,18 @@ impl Inner {
                 let m = order[first..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
                 let at_slot = match pool.as_deref_mut() {
                     None => e,
-                    Some(pool) => match pool.slot(&gpu.stream, ex, e, false)? {
+                    Some(pool) => match pool.slot(&gpu.stream, ex, e)? {
                         Some(slot) => slot,
                         None => {
-                            // Every staging slot is in use: run the group, then stage again.
+                            // The group's staging slots are taken: queue its launches (after its uploads), then
+                            // stage the next group into the other half while they run.
+                            pool.ready(&gpu.stream)?;
                             group(self, &tiles, group_first..first)?;
+                            pool.group_done(&gpu.stream)?;
                             tiles.clear();
                             group_first = first;
-                            pool.reset_staging();
-                            pool.slot(&gpu.stream, ex, e, false)?
-                                .expect("a staging slot is free after a reset")
+                            pool.slot(&gpu.stream, ex, e)?
+                                .expect("a staging slot is free in the other half")
                         }
                     },
                 };
@@ -406,7 +416,13 @@ impl Inner {
                 );
                 first += m;
             }
+            if let Some(pool) = pool.as_deref_mut() {
+                pool.ready(&gpu.stream)?;
+            }
             group(self, &tiles, group_first..slots)?;
+            if let Some(pool) = pool.as_deref_mut() {
+                pool.group_done(&gpu.stream)?;
+            }
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
         };
         let Some(outp) = (match sum {
