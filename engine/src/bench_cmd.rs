@@ -178,9 +178,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--reps must be at least 1");
     }
     let load_before = load_average();
-    let engine = Engine::open(&args.engine)?;
-    let threads = rayon::current_num_threads();
-    let (path, model) = (engine.path.clone(), &engine.model);
     let longest = args
         .prompt_tokens
         .iter()
@@ -193,6 +190,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(n) => n,
         None => longest.max(1),
     };
+    // The memory plan (the expert cache's size) is made for the context the tests use.
+    let mut flags = args.engine.clone();
+    flags.plan.max_context = Some(max_context);
+    let engine = Engine::open(&flags)?;
+    let threads = rayon::current_num_threads();
+    let (path, model) = (engine.path.clone(), &engine.model);
     if model.hp.n_ctx_train > 0 && max_context > model.hp.n_ctx_train as usize {
         bail!(
             "a {max_context}-token test is over {}'s training context of {} tokens",

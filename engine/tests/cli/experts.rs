@@ -139,3 +139,39 @@ fn bad_input_is_one_clear_error() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).1.contains("no records"));
 }
+
+/// The expert cache's flags on bad input: a value that cannot be one is refused at parse (exit 2, naming the
+/// flag); `--routing-trace` on the CPU is refused before the model is read, naming the flag and what it needs.
+#[test]
+fn expert_cache_flags_refuse_bad_values_by_name() {
+    for (flag, v) in [
+        ("--expert-cache", "lots"),
+        ("--expert-cache", "99999999"),
+        ("--vram-budget", "0"),
+        ("--vram-budget", "12 parsecs"),
+        ("--vram-reserve-mib", "-5"),
+        ("--expert-policy", "fifo"),
+        ("--expert-policy", "profile"),
+    ] {
+        let arg = format!("{flag}={v}");
+        let out = strata(&["generate", "--prompt", "hi", &arg]);
+        let (_, err) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{arg}: {err}");
+        assert!(err.contains(flag), "{arg}: {err}");
+    }
+    let out = strata(&[
+        "generate",
+        "--prompt",
+        "hi",
+        "--model",
+        "/nonexistent.gguf",
+        "--routing-trace",
+        "t.jsonl",
+    ]);
+    let (_, err) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--routing-trace") && err.contains("cuda:N") && !err.contains("nonexistent"),
+        "{err}"
+    );
+}
