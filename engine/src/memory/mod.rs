@@ -286,7 +286,9 @@ impl MemoryPlan {
         let others = [weights.dense, kv, prefill, config.reserve]
             .iter()
             .fold(0u64, |a, &b| a.saturating_add(b));
-        let room = plan.limit().saturating_sub(others);
+        // The limit as `limit()` computes it once the reserve is a part.
+        let limit = config.budget.map_or(free, |b| free.min(b.saturating_add(config.reserve)));
+        let room = limit.saturating_sub(others);
         match experts {
             Some(g) if weights.experts > 0 => {
                 let placement = cache::size_cache(config.cache, g, room);
@@ -609,13 +611,18 @@ mod tests {
             "{}",
             tight.to_text()
         );
-        // The same through a budget on a large card.
+        // The same through a budget on a large card: the budget excludes the reserve (a large one here, so
+        // counting it inside the budget would leave no slot).
+        let big_reserve = PlanConfig { reserve: 9_000, ..cfg };
+        let others_big = others - 100 + 9_000;
         let budget = PlanConfig {
-            budget: Some(others + 15_999 - 100),
-            ..cfg
+            budget: Some(others_big + 15_999 - 9_000),
+            ..big_reserve
         };
         let b = MemoryPlan::new(&w, &hp(64), Some(&g), &budget, 1 << 40).unwrap();
         assert_eq!(b.cache_slots(), Some(7));
+        assert_eq!(b.limit(), others_big + 15_999);
+        assert_eq!(b.verdict(), Verdict::Fits);
         // No room for the staging slots: 0 slots and a plan that does not fit.
         let none = MemoryPlan::new(&w, &hp(64), Some(&g), &cfg, others + 10).unwrap();
         assert_eq!((none.cache_slots(), none.verdict()), (Some(0), Verdict::DoesNotFit));
