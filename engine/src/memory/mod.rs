@@ -287,7 +287,9 @@ impl MemoryPlan {
             .iter()
             .fold(0u64, |a, &b| a.saturating_add(b));
         // The limit as `limit()` computes it once the reserve is a part.
-        let limit = config.budget.map_or(free, |b| free.min(b.saturating_add(config.reserve)));
+        let limit = config
+            .budget
+            .map_or(free, |b| free.min(b.saturating_add(config.reserve)));
         let room = limit.saturating_sub(others);
         match experts {
             Some(g) if weights.experts > 0 => {
