@@ -6,6 +6,8 @@
 //!
 //! - `load`: the model is loaded (model path, device, context cells, load time, resident set);
 //! - `request`: one request's counts and times (the summary line of `strata generate`);
+//! - `expert_cache`: what the VRAM expert cache did in one phase (prefill or decode) of one request
+//!   ([`ExpertCache`]);
 //! - `fallback`: something failed and something else runs instead, for good ([`Fallback`]);
 //! - `fault`: something failed and the process cannot go on ([`Fault`]): a kernel launch, a library GEMM with
 //!   the fallback off, a panic.
@@ -41,8 +43,30 @@ pub struct Event {
 pub enum EventKind {
     Load(Load),
     Request(Request),
+    ExpertCache(ExpertCache),
     Fallback(Fallback),
     Fault(Fault),
+}
+
+/// `expert_cache`: what the VRAM expert cache did in one phase of one request (DESIGN.md section 3, "Expert
+/// cache"). Counts are lookups of (layer, expert) by the layers' steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertCache {
+    /// The request (`None` outside a server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<u64>,
+    /// `prefill` or `decode`.
+    pub phase: String,
+    pub lookups: u64,
+    pub hits: u64,
+    /// Misses uploaded into a cache slot.
+    pub admitted: u64,
+    /// Misses uploaded into a staging slot for the step alone.
+    pub staged: u64,
+    /// Admissions that took a slot from another expert.
+    pub evictions: u64,
+    /// Bytes copied from host memory to the device.
+    pub bytes_uploaded: u64,
 }
 
 /// `load`: a worker (or command) loaded its model.
@@ -170,6 +194,7 @@ impl EventKind {
         match self {
             EventKind::Load(_) => "load",
             EventKind::Request(_) => "request",
+            EventKind::ExpertCache(_) => "expert_cache",
             EventKind::Fallback(_) => "fallback",
             EventKind::Fault(_) => "fault",
         }
@@ -248,6 +273,23 @@ impl fmt::Display for EventKind {
                 l.pid, l.model, l.arch, l.n_layer, l.device, l.load_ms
             ),
             EventKind::Request(r) => write!(f, "{r}"),
+            EventKind::ExpertCache(c) => write!(
+                f,
+                "{} expert cache hit rate: {:.1}% ({} hits / {} lookups), {} uploaded ({} into slots, {} staged, {} evictions), {:.1} MB",
+                c.phase,
+                if c.lookups > 0 {
+                    100.0 * c.hits as f64 / c.lookups as f64
+                } else {
+                    0.0
+                },
+                c.hits,
+                c.lookups,
+                c.admitted + c.staged,
+                c.admitted,
+                c.staged,
+                c.evictions,
+                c.bytes_uploaded as f64 / 1e6
+            ),
             EventKind::Fallback(b) => {
                 write!(f, "fallback: {} on {} failed", b.op, b.from)?;
                 if let Some(s) = &b.shape {
@@ -354,6 +396,26 @@ mod tests {
             "prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms (60.6 tok/s)"
         );
         round_trip(EventKind::Request(r));
+        let c = ExpertCache {
+            request: Some(3),
+            phase: "decode".into(),
+            lookups: 22118,
+            hits: 19579,
+            admitted: 2400,
+            staged: 139,
+            evictions: 2300,
+            bytes_uploaded: 6_728_000_000,
+        };
+        // The original's line (seed 000), then what was uploaded.
+        assert_eq!(
+            EventKind::ExpertCache(c.clone()).to_string(),
+            "decode expert cache hit rate: 88.5% (19579 hits / 22118 lookups), 2539 uploaded (2400 into slots, 139 staged, 2300 evictions), 6728.0 MB"
+        );
+        let line = round_trip(EventKind::ExpertCache(c));
+        assert!(
+            line.contains(r#""event":"expert_cache""#) && line.contains(r#""phase":"decode""#),
+            "{line}"
+        );
     }
 
     #[test]

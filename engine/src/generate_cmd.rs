@@ -88,6 +88,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     })?;
     stream_to_stdout("\n");
     print_summary(&stats);
+    l.emit_expert_cache(None);
     Ok(())
 }
 
@@ -133,6 +134,7 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
         };
         stream_to_stdout("\n");
         print_summary(&stats);
+        l.emit_expert_cache(None);
         messages.push(ChatMessage::new("assistant", answer));
     }
     Ok(())

@@ -246,6 +246,29 @@ impl Engine {
         self.pinned.is_some()
     }
 
+    /// Emits what the expert cache did since the last call (one `expert_cache` event per phase that looked an
+    /// expert up, for `request`), and zeroes its counts; nothing without a cache.
+    pub fn emit_expert_cache(&self, request: Option<u64>) {
+        let Some(st) = self.backend.cuda().and_then(|c| c.take_expert_cache_stats()) else {
+            return;
+        };
+        for (phase, p) in [("prefill", st.prefill), ("decode", st.decode)] {
+            if p.cache.lookups == 0 {
+                continue;
+            }
+            crate::events::emit(crate::events::EventKind::ExpertCache(crate::events::ExpertCache {
+                request,
+                phase: phase.into(),
+                lookups: p.cache.lookups,
+                hits: p.cache.hits,
+                admitted: p.cache.admitted,
+                staged: p.cache.bypassed,
+                evictions: p.cache.evictions,
+                bytes_uploaded: p.bytes_uploaded,
+            }));
+        }
+    }
+
     /// The flags the engine was opened with.
     pub fn flags(&self) -> &EngineFlags {
         &self.flags

@@ -35,6 +35,13 @@ pub struct Metrics {
     pub worker_ready: IntGauge,
     /// `strata_requests_cancelled_total`: requests whose client went away before the end.
     pub cancelled: IntCounter,
+    /// `strata_expert_cache_lookups_total{phase}`: (layer, expert) lookups of the VRAM expert cache, by phase
+    /// (`prefill`, `decode`).
+    pub expert_cache_lookups: IntCounterVec,
+    /// `strata_expert_cache_hits_total{phase}`.
+    pub expert_cache_hits: IntCounterVec,
+    /// `strata_expert_cache_uploaded_bytes_total{phase}`: bytes copied from host memory to the device.
+    pub expert_cache_uploaded_bytes: IntCounterVec,
 }
 
 impl Metrics {
@@ -56,7 +63,21 @@ impl Metrics {
             ]))
             .expect("valid metric")
         };
+        let by_phase =
+            |name: &str, help: &str| IntCounterVec::new(Opts::new(name, help), &["phase"]).expect("valid metric");
         let m = Metrics {
+            expert_cache_lookups: by_phase(
+                "strata_expert_cache_lookups_total",
+                "lookups of (layer, expert) in the VRAM expert cache, by phase",
+            ),
+            expert_cache_hits: by_phase(
+                "strata_expert_cache_hits_total",
+                "expert cache lookups that hit, by phase",
+            ),
+            expert_cache_uploaded_bytes: by_phase(
+                "strata_expert_cache_uploaded_bytes_total",
+                "bytes of experts copied from host memory to the device, by phase",
+            ),
             requests,
             prompt_tokens: counter("strata_prompt_tokens_total", "prompt tokens of completed requests"),
             prompt_tokens_reused: counter(
@@ -91,7 +112,10 @@ impl Metrics {
             registry,
         };
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 13] = [
+        let all: [Box<dyn prometheus::core::Collector>; 16] = [
+            Box::new(m.expert_cache_lookups.clone()),
+            Box::new(m.expert_cache_hits.clone()),
+            Box::new(m.expert_cache_uploaded_bytes.clone()),
             Box::new(m.requests.clone()),
             Box::new(m.prompt_tokens.clone()),
             Box::new(m.prompt_tokens_reused.clone()),
@@ -121,6 +145,16 @@ impl Metrics {
         self.decode_seconds.observe(t.predicted_ms / 1e3);
     }
 
+    /// Adds what the expert cache did in one phase of a request (an `expert_cache` event).
+    pub fn record_expert_cache(&self, c: &crate::events::ExpertCache) {
+        let phase = [c.phase.as_str()];
+        self.expert_cache_lookups.with_label_values(&phase).inc_by(c.lookups);
+        self.expert_cache_hits.with_label_values(&phase).inc_by(c.hits);
+        self.expert_cache_uploaded_bytes
+            .with_label_values(&phase)
+            .inc_by(c.bytes_uploaded);
+    }
+
     /// The registry in the Prometheus text exposition format (version 0.0.4).
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
@@ -134,5 +168,38 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_cache_events_add_up_by_phase() {
+        let m = Metrics::new();
+        let ev = |phase: &str, lookups, hits, bytes| crate::events::ExpertCache {
+            request: Some(1),
+            phase: phase.into(),
+            lookups,
+            hits,
+            admitted: lookups - hits,
+            staged: 0,
+            evictions: 0,
+            bytes_uploaded: bytes,
+        };
+        m.record_expert_cache(&ev("decode", 100, 90, 1000));
+        m.record_expert_cache(&ev("decode", 50, 10, 7));
+        m.record_expert_cache(&ev("prefill", 8, 0, 64));
+        let text = m.render();
+        for line in [
+            r#"strata_expert_cache_lookups_total{phase="decode"} 150"#,
+            r#"strata_expert_cache_hits_total{phase="decode"} 100"#,
+            r#"strata_expert_cache_uploaded_bytes_total{phase="decode"} 1007"#,
+            r#"strata_expert_cache_lookups_total{phase="prefill"} 8"#,
+            r#"strata_expert_cache_uploaded_bytes_total{phase="prefill"} 64"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
     }
 }

@@ -207,7 +207,7 @@ async fn bury(mut w: Worker, watchdog: Option<Duration>) -> (String, String, Opt
     // A fault event written just before the exit may still be in the pipe.
     while let Ok(m) = w.lines.try_recv() {
         if let Message::Event(e) = m {
-            note_event(&mut w, &e);
+            note_event(&mut w, &e, None);
         }
     }
     (text, label, w.last_fault)
@@ -246,7 +246,7 @@ async fn supervise(
         let ready = loop {
             match worker.lines.recv().await {
                 Some(Message::Ready { .. }) => break true,
-                Some(Message::Event(e)) => note_event(&mut worker, &e),
+                Some(Message::Event(e)) => note_event(&mut worker, &e, Some(&metrics)),
                 Some(_) => {}
                 None => break false,
             }
@@ -271,7 +271,7 @@ async fn supervise(
                     None => return,
                 },
                 msg = worker.lines.recv() => match msg {
-                    Some(Message::Event(e)) => { note_event(&mut worker, &e); continue; }
+                    Some(Message::Event(e)) => { note_event(&mut worker, &e, Some(&metrics)); continue; }
                     Some(_) => continue,
                     None => break bury(worker, None).await,
                 },
@@ -307,10 +307,17 @@ async fn supervise(
     }
 }
 
-/// Keeps the worker's last `fault` (its human line), to report with its death.
-fn note_event(worker: &mut Worker, e: &super::protocol::Event) {
-    if let crate::events::EventKind::Fault(f) = &e.kind {
-        worker.last_fault = Some(f.to_string());
+/// Keeps the worker's last `fault` (its human line), to report with its death, and counts what the expert cache
+/// did into the metrics.
+fn note_event(worker: &mut Worker, e: &super::protocol::Event, metrics: Option<&Metrics>) {
+    match &e.kind {
+        crate::events::EventKind::Fault(f) => worker.last_fault = Some(f.to_string()),
+        crate::events::EventKind::ExpertCache(c) => {
+            if let Some(m) = metrics {
+                m.record_expert_cache(c);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -405,7 +412,7 @@ async fn run_job(
                         let _ = job.events.send(JobEvent::Failed { status: 400, message });
                         return Ok(());
                     }
-                    Some(Message::Event(e)) => note_event(worker, &e),
+                    Some(Message::Event(e)) => note_event(worker, &e, Some(metrics)),
                     Some(_) => {}
                 }
             }

@@ -156,6 +156,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         running_id.store(job.id, Ordering::SeqCst);
         cancel_flag.store(cancel_id.load(Ordering::SeqCst) == job.id, Ordering::SeqCst);
         run_job(&mut session, tokenizer, vocab, &job, &cancel_flag, fault_after);
+        engine.emit_expert_cache(Some(job.id));
         running_id.store(0, Ordering::SeqCst);
     }
     Ok(())
