@@ -48,7 +48,7 @@ pub struct SynthTraceArgs {
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     k: u32,
     /// Decode steps (one token each).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     tokens: u64,
     /// No locality: every pick uniform (how a random-weight model routes).
     #[arg(long, conflicts_with_all = ["reuse_next", "reuse_2_to_8", "zipf"])]
@@ -97,14 +97,16 @@ fn expert_bytes(model: &str, trace: &Trace) -> Result<u64> {
     if !m.hp.is_moe() {
         bail!("{}: not a mixture-of-experts model (no expert_count)", path.display());
     }
-    if (m.hp.n_layer, m.hp.n_expert) != (h.n_layer, h.n_expert) {
+    if (m.hp.n_layer, m.hp.n_expert, m.hp.n_expert_used) != (h.n_layer, h.n_expert, h.k) {
         bail!(
-            "{}: {} layers of {} experts, but the trace is of {} layers of {} experts",
+            "{}: {} layers of {} experts, top-{}, but the trace is of {} layers of {} experts, top-{}",
             path.display(),
             m.hp.n_layer,
             m.hp.n_expert,
+            m.hp.n_expert_used,
             h.n_layer,
-            h.n_expert
+            h.n_expert,
+            h.k
         );
     }
     Ok(m.experts.bytes() / (h.n_layer as u64 * h.n_expert as u64))

@@ -44,6 +44,59 @@ pub fn geometry_error(n_layer: u32, n_expert: u32, k: u32) -> Option<String> {
     None
 }
 
+/// Longest line a trace may have, in bytes (a record of the most experts a token may choose, 1024, is under
+/// 8 KiB): a file with no line breaks is an error, not all of memory.
+pub const MAX_LINE_BYTES: usize = 64 << 10;
+
+/// Lines of at most [`MAX_LINE_BYTES`] (without the line break; a `\r` before it is dropped).
+struct BoundedLines<R> {
+    r: R,
+}
+
+impl<R: BufRead> Iterator for BoundedLines<R> {
+    type Item = std::io::Result<String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let mut buf = Vec::new();
+        match std::io::Read::take(self.r.by_ref(), MAX_LINE_BYTES as u64 + 1).read_until(b'\n', &mut buf) {
+            Ok(0) => None,
+            Ok(_) => {
+                if buf.last() == Some(&b'\n') {
+                    buf.pop();
+                    if buf.last() == Some(&b'\r') {
+                        buf.pop();
+                    }
+                } else if buf.len() > MAX_LINE_BYTES {
+                    return Some(Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("a line longer than {MAX_LINE_BYTES} bytes: not a routing trace"),
+                    )));
+                }
+                Some(String::from_utf8(buf).map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text: not a routing trace")
+                }))
+            }
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+/// A read error of line `n`: content errors name the line, others (a directory, a failing disk) the file.
+fn line_error(e: std::io::Error, n: usize, path: &str) -> TraceError {
+    if e.kind() == std::io::ErrorKind::InvalidData {
+        TraceError::Format {
+            path: path.to_string(),
+            line: n,
+            what: e.to_string(),
+        }
+    } else {
+        TraceError::Io {
+            path: path.to_string(),
+            source: e,
+        }
+    }
+}
+
 /// A trace replayed into a router (`--routing-trace`): each layer hands out its records' experts in trace order,
 /// one record per routed token, starting over at the end. Benchmarks on random-weight models use it to route as a
 /// real model does; the logits it gives are not the model's (the router's weights are kept for other experts).
@@ -223,14 +276,13 @@ impl Trace {
             line,
             what,
         };
-        let mut lines = std::io::BufReader::new(file).lines();
+        let mut lines = BoundedLines {
+            r: std::io::BufReader::new(file),
+        };
         let first = lines
             .next()
             .ok_or_else(|| fmt(1, "empty file: a routing trace starts with its header line".into()))?
-            .map_err(|source| TraceError::Io {
-                path: p.clone(),
-                source,
-            })?;
+            .map_err(|e| line_error(e, 1, &p))?;
         let header: TraceHeader = serde_json::from_str(&first).map_err(|e| {
             fmt(
                 1,
@@ -258,10 +310,7 @@ impl Trace {
         };
         for (i, line) in lines.enumerate() {
             let n = i + 2;
-            let line = line.map_err(|source| TraceError::Io {
-                path: p.clone(),
-                source,
-            })?;
+            let line = line.map_err(|e| line_error(e, n, &p))?;
             if line.trim().is_empty() {
                 continue;
             }
@@ -469,6 +518,26 @@ pub fn synth_trace(n_layer: u32, n_expert: u32, k: u32, tokens: u64, r: SynthRou
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_line_past_the_limit_is_an_error_naming_the_line_not_all_of_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.jsonl");
+        std::fs::write(&p, vec![b'x'; MAX_LINE_BYTES + 10]).unwrap();
+        let e = Trace::read(&p).unwrap_err().to_string();
+        assert!(e.contains(":1:") && e.contains("longer than"), "{e}");
+        let mut t = Trace::new(2, 8, 2);
+        t.push(0, 0, 0, &[1, 2]);
+        t.write(&p).unwrap();
+        let mut text = std::fs::read(&p).unwrap();
+        text.extend(vec![b' '; MAX_LINE_BYTES + 1]);
+        std::fs::write(&p, &text).unwrap();
+        let e = Trace::read(&p).unwrap_err().to_string();
+        assert!(e.contains(":3:") && e.contains("longer than"), "{e}");
+        std::fs::write(&p, [0xffu8, 0xfe, b'\n']).unwrap();
+        let e = Trace::read(&p).unwrap_err().to_string();
+        assert!(e.contains(":1:") && e.contains("UTF-8"), "{e}");
+    }
 
     #[test]
     fn a_replay_hands_out_each_layers_records_in_order_and_wraps() {

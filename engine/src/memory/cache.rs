@@ -62,11 +62,11 @@ fn parse_reserve(s: &str) -> Result<u64, String> {
 }
 
 /// Parses a size: a number (decimals allowed) and a unit, `B`, `KiB`, `MiB`, `GiB`, `TiB` (binary; `K`, `M`, `G`,
-/// `T` mean the same) or `KB`, `MB`, `GB`, `TB` (decimal); a bare number is bytes. `10.7GiB`, `11000MiB`, `12GB`.
+/// `T` mean the same) or `KB`, `MB`, `GB`, `TB` (decimal), in any case; a bare number is bytes. `10.7GiB`, `11000MiB`, `12GB`.
 ///
-/// Errors: anything else, or a size of 0 or above 1 PiB, as a one-line message naming `flag`.
+/// Errors: anything else, or a size of 0 or above 1024 TiB, as a one-line message naming `flag`.
 pub fn parse_size(flag: &str, s: &str) -> Result<u64, String> {
-    let bad = || format!("{flag} takes a size such as 10.7GiB, 11000MiB or 12GB, not `{s}`");
+    let bad = || format!("{flag} takes a size from 1 byte to 1024TiB, such as 10.7GiB, 11000MiB or 12GB, not `{s}`");
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
@@ -113,14 +113,14 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
 pub struct ExpertFlags {
     /// VRAM slots for routed experts, one expert of one layer each: `auto` (what the memory plan leaves; all
     /// experts resident when they fit), a count, or 0 (each step uploads the experts it needs).
-    #[arg(long, default_value = "auto", value_parser = parse_cache_size)]
+    #[arg(long, default_value = "auto", value_parser = parse_cache_size, allow_hyphen_values = true)]
     pub expert_cache: CacheSize,
     /// MiB of device memory the plan keeps free (driver, BLAS workspace, fragmentation).
-    #[arg(long, default_value_t = DEFAULT_VRAM_RESERVE_MIB, value_parser = parse_reserve)]
+    #[arg(long, default_value_t = DEFAULT_VRAM_RESERVE_MIB, value_parser = parse_reserve, allow_hyphen_values = true)]
     pub vram_reserve_mib: u64,
     /// The most device memory the plan may use, as 10.7GiB or 11000MiB (default: the device's free memory):
     /// for comparisons at equal VRAM.
-    #[arg(long, value_parser = parse_budget)]
+    #[arg(long, value_parser = parse_budget, allow_hyphen_values = true)]
     pub vram_budget: Option<u64>,
     /// Read the experts in place from the GGUF (the OS page cache holds them) instead of copying them into a
     /// page-locked host arena at load.
@@ -357,6 +357,7 @@ mod tests {
         assert_eq!(back, f);
         for (flag, v) in [
             ("--expert-cache", "-1"),
+            ("--vram-budget", "-1GiB"),
             ("--expert-cache", "lots"),
             ("--vram-reserve-mib", "x"),
             ("--vram-budget", "0"),

@@ -15,7 +15,8 @@ use crate::device::fault::{FaultPlan, FaultSpecError};
 use crate::experts::store::host_available_bytes;
 use crate::experts::trace::{RoutingReplay, Trace};
 use crate::memory::{
-    CacheSize, ExpertGeometry, ExpertPlacement, MemoryPlan, Part, PlanConfig, Verdict, WeightBytes, human_bytes,
+    CacheSize, ExpertFlags, ExpertGeometry, ExpertPlacement, MemoryPlan, Part, PlanConfig, Verdict, WeightBytes,
+    human_bytes,
 };
 pub use crate::memory::{PlanFlags, PrefillChunk};
 use crate::model::{Model, ModelError};
@@ -86,6 +87,34 @@ impl EngineFlags {
             kv: self.plan.kv,
             prefill_chunk: self.plan.prefill.and_then(|p| p.0),
         }
+    }
+
+    /// `--routing-trace` needs a CUDA device.
+    ///
+    /// Errors: [`EngineError::Plan`] naming the flag and the device.
+    pub fn check_routing_device(&self) -> Result<(), EngineError> {
+        if self.plan.experts.routing_trace.is_some() && !matches!(self.device, Device::Cuda(_)) {
+            return Err(EngineError::Plan {
+                device: self.device.clone(),
+                why: "--routing-trace drives a GPU's routers: use --device cuda:N".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// What `strata serve` checks before it starts a worker, so a bad `--routing-trace` is one error, not a worker
+    /// restarted for ever: the device it needs, and the trace read and matched against the model at `model`.
+    ///
+    /// Errors: as [`EngineFlags::check_routing_device`]; [`EngineError::RoutingTrace`]; the model cannot be read.
+    pub fn check_routing_trace(&self, model: &std::path::Path) -> Result<(), EngineError> {
+        self.check_routing_device()?;
+        let Some(t) = &self.plan.experts.routing_trace else {
+            return Ok(());
+        };
+        let bad = |why: String| EngineError::RoutingTrace { path: t.clone(), why };
+        let gguf = crate::gguf::GgufModel::open(model).map_err(|e| bad(e.to_string()))?;
+        let hp = crate::model::HParams::from_metadata(gguf.metadata()).map_err(|e| bad(e.to_string()))?;
+        replay_for(t, &hp).map(|_| ())
     }
 
     /// The flags as command-line arguments (for `strata worker`): parsing them back gives these flags.
@@ -172,11 +201,12 @@ impl Engine {
                 k.ms
             );
         }
-        if flags.plan.experts.routing_trace.is_some() && backend.cuda().is_none() {
-            return Err(EngineError::Plan {
-                device: flags.device.clone(),
-                why: "--routing-trace drives a GPU's routers: use --device cuda:N".into(),
-            });
+        flags.check_routing_device()?;
+        if backend.cuda().is_none() && flags.plan.experts != ExpertFlags::default() {
+            eprintln!(
+                "strata: the expert cache's flags apply to a GPU: on {} every expert is read where the model file keeps it",
+                flags.device
+            );
         }
         let path = crate::models::resolve(Some(&flags.model))?;
         let bar = std::io::stderr().is_terminal().then(|| {
@@ -417,12 +447,16 @@ const GIB: f64 = (1u64 << 30) as f64;
 ///
 /// Errors: the trace cannot be read, or routes another geometry than the model's (naming the file).
 fn routing_replay(path: &std::path::Path, model: &Model) -> Result<RoutingReplay, EngineError> {
+    replay_for(path, &model.hp)
+}
+
+/// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.
+fn replay_for(path: &std::path::Path, hp: &crate::model::HParams) -> Result<RoutingReplay, EngineError> {
     let bad = |why: String| EngineError::RoutingTrace {
         path: path.to_path_buf(),
         why,
     };
     let trace = Trace::read(path).map_err(|e| bad(e.to_string()))?;
-    let hp = &model.hp;
     if !hp.is_moe() {
         return Err(bad("the model has no routed experts".into()));
     }

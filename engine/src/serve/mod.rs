@@ -148,6 +148,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         worker::open_events_file(path)?;
     }
     let path = crate::models::resolve(Some(&args.engine.model))?;
+    // A routing trace the worker would refuse is an error now, not a worker restarted for ever.
+    args.engine.check_routing_trace(&path)?;
     let model = ModelInfo::open(&path, args.engine.max_context())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

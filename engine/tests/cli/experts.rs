@@ -126,7 +126,7 @@ fn bad_input_is_one_clear_error() {
     let (_, err) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("4 layers of 16 experts, but the trace is of 2 layers of 128 experts"),
+        err.contains("4 layers of 16 experts, top-4, but the trace is of 2 layers of 128 experts, top-8"),
         "{err}"
     );
     // A header and no records.
@@ -174,4 +174,39 @@ fn expert_cache_flags_refuse_bad_values_by_name() {
         err.contains("--routing-trace") && err.contains("cuda:N") && !err.contains("nonexistent"),
         "{err}"
     );
+}
+
+/// `strata serve --routing-trace` that the worker would refuse (on the CPU, or a trace that cannot be read) is one
+/// error at start, not a worker restarted for ever behind a 503.
+#[test]
+fn serve_refuses_a_routing_trace_it_cannot_use_before_starting_a_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("zeros.jsonl");
+    std::fs::write(&bad, vec![0u8; 100]).unwrap();
+    for (device, trace) in [("cpu", "/nonexistent.jsonl"), ("cuda:0", bad.to_str().unwrap())] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["serve", "--port", "0", "--device", device, "--routing-trace", trace])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > std::time::Duration::from_secs(60) {
+                child.kill().unwrap();
+                panic!("--device {device} --routing-trace {trace}: serve did not exit");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(1), "{device}: {err}");
+        assert!(
+            err.contains("--routing-trace") || err.contains("--device cuda:0"),
+            "{device}: {err}"
+        );
+    }
 }
