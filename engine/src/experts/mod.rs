@@ -51,6 +51,12 @@ impl ExpertShape {
     }
 }
 
+/// Tokens of the largest step whose experts a backend computes by id (the CUDA backend's decode kernels, which
+/// check it against their own limit): such a step routes to at most this many tokens x top-k distinct experts per
+/// layer, each needing a staging slot when it is not cached. Larger steps (prefill) stream their experts through
+/// the staging slots in groups.
+pub const STAGING_TOKENS: usize = 4;
+
 /// Alignment of each matrix inside a VRAM cache slot, in bytes (what a device allocation guarantees).
 pub const SLOT_ALIGN: usize = 256;
 

@@ -15,10 +15,7 @@ use crate::model::HParams;
 /// original Strata's default).
 pub const DEFAULT_VRAM_RESERVE_MIB: u64 = 700;
 
-/// Tokens of the largest step whose experts a backend computes by id (the CUDA backend's decode kernels): such a
-/// step routes to at most this many tokens x top-k distinct experts per layer, each needing a staging slot when
-/// it is not cached. Larger steps (prefill) stream their experts through the staging slots in groups.
-pub const STAGING_TOKENS: usize = 4;
+pub use crate::experts::STAGING_TOKENS;
 
 /// `--expert-cache`: how many VRAM slots routed experts get.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,17 +243,18 @@ pub enum ExpertPlacement {
 }
 
 /// The slots a device gets: `size` as asked, against `room`, the bytes the plan leaves for experts after
-/// everything else (dense weights, KV cache, prefill buffers; the reserve is already out of it).
+/// everything else (dense weights, KV cache, prefill buffers; the reserve is already out of it), for experts of
+/// `expert_bytes` in all.
 ///
-/// `auto` keeps every expert resident when they fit in `room`, else takes as many slots as `room` holds beside
+/// `auto` keeps every expert resident when their `expert_bytes` fit in `room`, else takes as many slots as `room` holds beside
 /// the staging slots (0 when even those do not fit: the plan then does not fit). A count is capped at every
 /// expert; a count that covers every expert is the all-resident placement.
-pub fn size_cache(size: CacheSize, geometry: &ExpertGeometry, room: u64) -> ExpertPlacement {
+pub fn size_cache(size: CacheSize, geometry: &ExpertGeometry, room: u64, expert_bytes: u64) -> ExpertPlacement {
     let all = geometry.all();
     let slot = geometry.slot_bytes.max(1);
     let slots = match size {
         CacheSize::Slots(n) => n.min(all),
-        CacheSize::Auto if (all as u64).saturating_mul(slot) <= room => all,
+        CacheSize::Auto if expert_bytes <= room => all,
         CacheSize::Auto => {
             let staging = geometry.staging() as u64 * slot;
             (room.saturating_sub(staging) / slot).min(all as u64) as usize
@@ -288,20 +286,35 @@ mod tests {
     fn auto_keeps_everything_resident_when_it_fits_and_counts_slots_beside_staging_when_not() {
         assert_eq!(G.all(), 64);
         assert_eq!(G.staging(), 8);
-        assert_eq!(size_cache(CacheSize::Auto, &G, 64_000), ExpertPlacement::AllResident);
+        assert_eq!(
+            size_cache(CacheSize::Auto, &G, 64_000, 64_000),
+            ExpertPlacement::AllResident
+        );
         // 63,999 bytes: not all 64; 8 staging slots take 8,000, leaving 55 slots.
         let c = |slots| ExpertPlacement::Cache {
             slots,
             staging: 8,
             slot_bytes: 1000,
         };
-        assert_eq!(size_cache(CacheSize::Auto, &G, 63_999), c(55));
-        assert_eq!(size_cache(CacheSize::Auto, &G, 8_999), c(0));
-        assert_eq!(size_cache(CacheSize::Auto, &G, 100), c(0));
-        assert_eq!(size_cache(CacheSize::Slots(10), &G, u64::MAX), c(10));
-        assert_eq!(size_cache(CacheSize::Slots(0), &G, u64::MAX), c(0));
-        assert_eq!(size_cache(CacheSize::Slots(64), &G, 0), ExpertPlacement::AllResident);
-        assert_eq!(size_cache(CacheSize::Slots(1000), &G, 0), ExpertPlacement::AllResident);
+        assert_eq!(size_cache(CacheSize::Auto, &G, 63_999, 64_000), c(55));
+        assert_eq!(size_cache(CacheSize::Auto, &G, 8_999, 64_000), c(0));
+        assert_eq!(size_cache(CacheSize::Auto, &G, 100, 64_000), c(0));
+        assert_eq!(size_cache(CacheSize::Slots(10), &G, u64::MAX, 64_000), c(10));
+        assert_eq!(size_cache(CacheSize::Slots(0), &G, u64::MAX, 64_000), c(0));
+        assert_eq!(
+            size_cache(CacheSize::Slots(64), &G, 0, 64_000),
+            ExpertPlacement::AllResident
+        );
+        assert_eq!(
+            size_cache(CacheSize::Slots(1000), &G, 0, 64_000),
+            ExpertPlacement::AllResident
+        );
+        // Mixed quant types: slots are as large as the largest layer's expert, but `auto` keeps every expert
+        // resident when their real bytes fit.
+        assert_eq!(
+            size_cache(CacheSize::Auto, &G, 50_000, 50_000),
+            ExpertPlacement::AllResident
+        );
         // Staging is at most one layer's experts.
         let wide = ExpertGeometry {
             k: 8,

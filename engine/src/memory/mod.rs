@@ -111,7 +111,8 @@ impl PlanFlags {
 pub struct WeightBytes {
     pub dense: u64,
     pub experts: u64,
-    /// Elements of the largest tensor (the f16 copy a prefill GEMM may dequantize it into).
+    /// Elements of the largest dense tensor (the f16 copy a prefill GEMM may dequantize it into; the experts'
+    /// GEMMs read their quantized blocks directly).
     pub largest_elements: u64,
 }
 
@@ -128,8 +129,8 @@ impl WeightBytes {
                 w.experts = w.experts.saturating_add(t.n_bytes);
             } else {
                 w.dense = w.dense.saturating_add(t.n_bytes);
+                w.largest_elements = w.largest_elements.max(t.n_elements());
             }
-            w.largest_elements = w.largest_elements.max(t.n_elements());
         }
         w
     }
@@ -293,7 +294,7 @@ impl MemoryPlan {
         let room = limit.saturating_sub(others);
         match experts {
             Some(g) if weights.experts > 0 => {
-                let placement = cache::size_cache(config.cache, g, room);
+                let placement = cache::size_cache(config.cache, g, room, weights.experts);
                 plan.parts.extend(match placement {
                     ExpertPlacement::AllResident => vec![(Part::Experts, weights.experts)],
                     ExpertPlacement::Cache {

@@ -221,7 +221,12 @@ impl ExpertPool {
             .record(stream)
             .map_err(CudaError::driver("recording a group's end"))?;
         self.done_recorded[self.half] = true;
-        self.half = (self.half + 1) % 2;
+        // One staging slot (a model of one expert) has one half.
+        self.half = if self.config.staging >= 2 {
+            (self.half + 1) % 2
+        } else {
+            0
+        };
         self.copy_waits = false;
         self.reset_staging();
         Ok(())
@@ -351,6 +356,22 @@ impl ExpertPool {
 
     pub(super) fn stats(&self) -> ExpertCacheStats {
         self.stats
+    }
+
+    /// Waits for the copy stream's uploads.
+    ///
+    /// Errors: an upload failed.
+    pub(super) fn synchronize(&self) -> Result<(), CudaError> {
+        self.copy
+            .synchronize()
+            .map_err(CudaError::driver("copy stream synchronize"))
+    }
+}
+
+impl Drop for ExpertPool {
+    /// Uploads still queued on the copy stream read host memory and write the slots: wait for them first.
+    fn drop(&mut self) {
+        let _ = self.copy.synchronize();
     }
 }
 

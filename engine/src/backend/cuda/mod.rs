@@ -139,6 +139,9 @@ const SLOTS: usize = 20;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
 const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
+// A decode step's distinct experts must fit the expert cache's staging slots, which the plan sizes for this many
+// tokens.
+const _: () = assert!(MMV_MAX_TOKENS <= crate::experts::STAGING_TOKENS);
 
 /// An f32 activation buffer on the device: the CUDA backend's [`Backend::Buf`].
 #[derive(Default)]
@@ -357,9 +360,11 @@ impl CudaBackend {
     ///
     /// Errors: an allocation or copy failed.
     pub fn preload(&self, weights: &[&[u8]]) -> Result<(), CudaError> {
-        let mut s = self.lock();
-        for w in weights {
-            s.weights.device_ptr(&self.gpu.stream, w)?;
+        {
+            let mut s = self.lock();
+            for w in weights {
+                s.weights.device_ptr(&self.gpu.stream, w)?;
+            }
         }
         self.synchronize()
     }
@@ -398,6 +403,9 @@ impl CudaBackend {
     ///
     /// Errors: a kernel failed.
     pub fn synchronize(&self) -> Result<(), CudaError> {
+        if let Some(p) = self.lock().experts.as_ref() {
+            p.synchronize()?;
+        }
         self.gpu
             .stream
             .synchronize()
