@@ -9,6 +9,7 @@ use strata_engine::backend::cuda::buffer::{Arena, DevBuf};
 use strata_engine::backend::cuda::{Gpu, compile, context};
 use strata_engine::device::Device;
 use strata_engine::device::cuda_libs as loader;
+use strata_engine::experts::store::host_available_bytes;
 use strata_engine::memory::{ExpertGeometry, MemoryPlan, PlanConfig, PlanFlags, WeightBytes, gib};
 use strata_engine::{gguf::GgufModel, model::HParams, models};
 
@@ -190,8 +191,12 @@ fn plan(model: &str, a: &DeviceArgs, free: usize) -> Result<()> {
     let hp = HParams::from_metadata(gguf.metadata())?;
     let config = PlanConfig::from_flags(&a.plan, hp.n_ctx_train);
     let geometry = ExpertGeometry::of(&gguf, &hp);
-    let plan = MemoryPlan::new(&WeightBytes::of(&gguf), &hp, geometry.as_ref(), &config, free as u64)
+    let weights = WeightBytes::of(&gguf);
+    let mut plan = MemoryPlan::new(&weights, &hp, geometry.as_ref(), &config, free as u64)
         .map_err(|e| anyhow::anyhow!("{}: --kv {}: {e}", path.display(), a.plan.kv))?;
+    if plan.cache_slots().is_some() && !a.plan.experts.mmap_experts {
+        plan = plan.with_host_arena(weights.experts, host_available_bytes());
+    }
     println!(
         "\nmemory plan  {}  --max-context {} --kv {} --prefill {} --expert-cache {}",
         path.display(),

@@ -245,6 +245,9 @@ pub struct MemoryPlan {
     pub free: u64,
     /// `--vram-budget`, bytes.
     pub budget: Option<u64>,
+    /// The host side, when the experts live in a host arena: its bytes and the host's available memory (`None`:
+    /// not known).
+    pub host_arena: Option<(u64, Option<u64>)>,
 }
 
 fn display<S: serde::Serializer, T: fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
@@ -283,6 +286,7 @@ impl MemoryPlan {
             experts: None,
             free,
             budget: config.budget,
+            host_arena: None,
         };
         let others = [weights.dense, kv, prefill, config.reserve]
             .iter()
@@ -317,6 +321,23 @@ impl MemoryPlan {
             (Part::Reserve, config.reserve),
         ]);
         Ok(plan)
+    }
+
+    /// The plan with its host side: an arena of `bytes` against `available` host memory (what
+    /// [`crate::experts::store::ExpertStore::make_arena`] checks).
+    pub fn with_host_arena(mut self, bytes: u64, available: Option<u64>) -> MemoryPlan {
+        self.host_arena = Some((bytes, available));
+        self
+    }
+
+    /// Whether the host arena fits the host's available memory (`None` without an arena or a reading).
+    pub fn host_verdict(&self) -> Option<Verdict> {
+        let (bytes, available) = self.host_arena?;
+        Some(if bytes <= available? {
+            Verdict::Fits
+        } else {
+            Verdict::DoesNotFit
+        })
     }
 
     /// The most the plan may take, reserve included: the device's free memory, or the budget plus the reserve when
@@ -381,6 +402,24 @@ impl MemoryPlan {
             s += &format!("  {:<26} {} (+ reserve)\n", "budget (--vram-budget)", gib(b));
         }
         s += &format!("  {:<26} {}\n", "plan vs free", self.verdict());
+        if let Some((bytes, available)) = self.host_arena {
+            s += &format!("  {:<26} {:>12.6} GB\n", "expert arena (host)", bytes as f64 / 1e9);
+            match (available, self.host_verdict()) {
+                (Some(a), Some(v)) => {
+                    s += &format!("  {:<26} {}\n", "host available", gib(a));
+                    s += &format!(
+                        "  {:<26} {v}{}\n",
+                        "arena vs host",
+                        if v == Verdict::Fits {
+                            ""
+                        } else {
+                            " (the experts are read in place instead)"
+                        }
+                    );
+                }
+                _ => s += &format!("  {:<26} not known\n", "host available"),
+            }
+        }
         s
     }
 
@@ -626,6 +665,23 @@ mod tests {
         assert_eq!(b.cache_slots(), Some(7));
         assert_eq!(b.limit(), others_big + 15_999);
         assert_eq!(b.verdict(), Verdict::Fits);
+        // The host side: the arena against the host's memory, apart from the device's verdict.
+        let host = tight.clone().with_host_arena(16_000, Some(15_999));
+        assert_eq!(
+            (host.verdict(), host.host_verdict()),
+            (Verdict::Fits, Some(Verdict::DoesNotFit))
+        );
+        assert!(
+            host.to_text()
+                .contains("arena vs host              DOES NOT FIT (the experts are read in place instead)"),
+            "{}",
+            host.to_text()
+        );
+        assert_eq!(
+            tight.clone().with_host_arena(16_000, Some(16_000)).host_verdict(),
+            Some(Verdict::Fits)
+        );
+        assert_eq!(tight.clone().with_host_arena(16_000, None).host_verdict(), None);
         // No room for the staging slots: 0 slots and a plan that does not fit.
         let none = MemoryPlan::new(&w, &hp(64), Some(&g), &cfg, others + 10).unwrap();
         assert_eq!((none.cache_slots(), none.verdict()), (Some(0), Verdict::DoesNotFit));

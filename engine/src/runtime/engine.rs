@@ -362,12 +362,15 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
     let config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
     let geometry = ExpertGeometry::of(&model.gguf, &model.hp);
     let weights = WeightBytes::of(&model.gguf);
-    let plan = MemoryPlan::new(&weights, &model.hp, geometry.as_ref(), &config, free as u64).map_err(|e| {
+    let mut plan = MemoryPlan::new(&weights, &model.hp, geometry.as_ref(), &config, free as u64).map_err(|e| {
         EngineError::Plan {
             device: device.clone(),
             why: format!("--kv {}: {e}", flags.plan.kv),
         }
     })?;
+    if plan.cache_slots().is_some() && !ef.mmap_experts {
+        plan = plan.with_host_arena(weights.experts, host_available_bytes());
+    }
     let budget = ef
         .vram_budget
         .map(|b| format!(", budget {:.2} GiB", b as f64 / GIB))
