@@ -62,6 +62,16 @@ pub struct CacheStats {
     pub evictions: u64,
 }
 
+impl std::ops::AddAssign for CacheStats {
+    fn add_assign(&mut self, c: CacheStats) {
+        self.lookups += c.lookups;
+        self.hits += c.hits;
+        self.admitted += c.admitted;
+        self.bypassed += c.bypassed;
+        self.evictions += c.evictions;
+    }
+}
+
 impl CacheStats {
     /// Hits over lookups, 0 when nothing was looked up.
     pub fn hit_rate(&self) -> f64 {

@@ -291,11 +291,7 @@ impl MemoryPlan {
         let others = [weights.dense, kv, prefill, config.reserve]
             .iter()
             .fold(0u64, |a, &b| a.saturating_add(b));
-        // The limit as `limit()` computes it once the reserve is a part.
-        let limit = config
-            .budget
-            .map_or(free, |b| free.min(b.saturating_add(config.reserve)));
-        let room = limit.saturating_sub(others);
+        let room = limit_of(free, config.budget, config.reserve).saturating_sub(others);
         match experts {
             Some(g) if weights.experts > 0 => {
                 let placement = cache::size_cache(config.cache, g, room, weights.experts);
@@ -343,9 +339,7 @@ impl MemoryPlan {
     /// The most the plan may take, reserve included: the device's free memory, or the budget plus the reserve when
     /// that is less.
     pub fn limit(&self) -> u64 {
-        let reserve = self.bytes(Part::Reserve);
-        self.budget
-            .map_or(self.free, |b| self.free.min(b.saturating_add(reserve)))
+        limit_of(self.free, self.budget, self.bytes(Part::Reserve))
     }
 
     /// The bytes of `part` (0 when the plan has none).
@@ -443,6 +437,11 @@ impl MemoryPlan {
             parts.join(" + ")
         )
     }
+}
+
+/// [`MemoryPlan::limit`] of a device with `free` bytes free, a budget and a reserve.
+fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {
+    budget.map_or(free, |b| free.min(b.saturating_add(reserve)))
 }
 
 /// Bytes of a KV cache of `cells` cells of type `ty`: what [`crate::state::kv::KvCache::new`] allocates.

@@ -227,7 +227,7 @@ impl Engine {
             None => None,
         };
         if let Some(t) = &flags.plan.experts.routing_trace {
-            let replay = routing_replay(t, &model)?;
+            let replay = replay_for(t, &model.hp)?;
             if let Some(c) = backend.cuda() {
                 c.set_routing_replay(Some(replay));
             }
@@ -384,52 +384,50 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
             );
         }
     };
-    let mut pinned = None;
     match (plan.experts, geometry) {
         (Some(ExpertPlacement::AllResident), Some(g)) => sizing(format!("all {} experts resident", g.all())),
-        (
-            Some(ExpertPlacement::Cache {
-                slots,
-                staging,
-                slot_bytes,
-            }),
-            Some(g),
-        ) => {
-            sizing(format!("{slots} slots"));
-            if plan.verdict() == Verdict::DoesNotFit {
-                return Err(fail(plan.shortfall(), &plan));
-            }
-            if ef.mmap_experts {
-                eprintln!(
-                    "strata: experts read in place from the model file ({:.2} GiB, --mmap-experts)",
-                    weights.experts as f64 / GIB
-                );
-            } else {
-                pinned = make_arena(c, model, weights.experts);
-            }
-            let bytes = c
-                .configure_expert_cache(ExpertCacheConfig {
-                    n_layer: model.hp.n_layer as usize,
-                    n_expert: g.n_expert,
-                    slots,
-                    staging,
-                    slot_bytes: slot_bytes as usize,
-                    policy: ef.expert_policy,
-                })
-                .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
-            eprintln!(
-                "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction)",
-                g.all(),
-                100.0 * slots as f64 / g.all().max(1) as f64,
-                bytes as f64 / GIB,
-                human_bytes(slot_bytes),
-                ef.expert_policy
-            );
-        }
+        (Some(ExpertPlacement::Cache { slots, .. }), Some(_)) => sizing(format!("{slots} slots")),
         _ => {}
     }
     if plan.verdict() == Verdict::DoesNotFit {
         return Err(fail(plan.shortfall(), &plan));
+    }
+    let mut pinned = None;
+    if let (
+        Some(ExpertPlacement::Cache {
+            slots,
+            staging,
+            slot_bytes,
+        }),
+        Some(g),
+    ) = (plan.experts, geometry)
+    {
+        if ef.mmap_experts {
+            eprintln!(
+                "strata: experts read in place from the model file ({:.2} GiB, --mmap-experts)",
+                weights.experts as f64 / GIB
+            );
+        } else {
+            pinned = make_arena(c, model, weights.experts);
+        }
+        let bytes = c
+            .configure_expert_cache(ExpertCacheConfig {
+                n_layer: model.hp.n_layer as usize,
+                n_expert: g.n_expert,
+                slots,
+                staging,
+                slot_bytes: slot_bytes as usize,
+                policy: ef.expert_policy,
+            })
+            .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
+        eprintln!(
+            "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction)",
+            g.all(),
+            100.0 * slots as f64 / g.all().max(1) as f64,
+            bytes as f64 / GIB,
+            human_bytes(slot_bytes),
+            ef.expert_policy
+        );
     }
     c.preload(&model.dense_weight_bytes())
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
@@ -446,14 +444,9 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// The replay of the routing trace at `path` into `model`.
+/// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.
 ///
 /// Errors: the trace cannot be read, or routes another geometry than the model's (naming the file).
-fn routing_replay(path: &std::path::Path, model: &Model) -> Result<RoutingReplay, EngineError> {
-    replay_for(path, &model.hp)
-}
-
-/// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.
 fn replay_for(path: &std::path::Path, hp: &crate::model::HParams) -> Result<RoutingReplay, EngineError> {
     let bad = |why: String| EngineError::RoutingTrace {
         path: path.to_path_buf(),

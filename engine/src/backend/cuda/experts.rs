@@ -51,17 +51,6 @@ pub struct PhaseStats {
     pub bytes_uploaded: u64,
 }
 
-impl PhaseStats {
-    fn add(&mut self, c: CacheStats) {
-        let s = &mut self.cache;
-        s.lookups += c.lookups;
-        s.hits += c.hits;
-        s.admitted += c.admitted;
-        s.bypassed += c.bypassed;
-        s.evictions += c.evictions;
-    }
-}
-
 /// The cache's counts by phase since it was made, or since [`super::CudaBackend::take_expert_cache_stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ExpertCacheStats {
@@ -255,7 +244,6 @@ impl ExpertPool {
         ex: &Experts<'_>,
         e: u32,
     ) -> Result<Option<u32>, CudaError> {
-        let decode = self.decoding;
         if self.slot_of[e as usize] != UNSET {
             return Ok(Some(self.slot_of[e as usize]));
         }
@@ -264,7 +252,7 @@ impl ExpertPool {
             expert: e,
         };
         let cached = self.cache.slot_of(id).is_some();
-        let admit = !cached && self.can_admit(decode);
+        let admit = !cached && self.can_admit();
         if !cached && !admit && self.staged == self.group_capacity() {
             return Ok(None);
         }
@@ -287,12 +275,12 @@ impl ExpertPool {
                 slot
             }
         };
-        let phase = if decode {
+        let phase = if self.decoding {
             &mut self.stats.decode
         } else {
             &mut self.stats.prefill
         };
-        phase.add(self.cache.take_stats());
+        phase.cache += self.cache.take_stats();
         if !matches!(access, Access::Hit { .. }) {
             phase.bytes_uploaded += layout_bytes(ex).iter().sum::<usize>() as u64;
         }
@@ -303,11 +291,11 @@ impl ExpertPool {
 
     /// Whether a miss now may take a cache slot: a free one always; at decode, the policy's victim unless this
     /// layer-step uses it.
-    fn can_admit(&self, decode: bool) -> bool {
+    fn can_admit(&self) -> bool {
         if self.cache.has_free_slot() {
             return true;
         }
-        decode
+        self.decoding
             && self
                 .cache
                 .would_evict()
@@ -317,9 +305,7 @@ impl ExpertPool {
     /// Copies expert `e`'s gate, up and down rows into `slot`: on the compute stream at decode, else on the copy
     /// stream (into a staging half once the launches that last read it are done).
     fn upload(&mut self, stream: &Arc<CudaStream>, ex: &Experts<'_>, e: u32, slot: u32) -> Result<(), CudaError> {
-        let on = if self.decoding {
-            stream.clone()
-        } else {
+        if !self.decoding {
             if slot as usize >= self.config.slots && self.done_recorded[self.half] && !self.copy_waits {
                 self.copy
                     .wait(&self.done[self.half])
@@ -327,9 +313,8 @@ impl ExpertPool {
                 self.copy_waits = true;
             }
             self.pending = true;
-            self.copy.clone()
-        };
-        let stream = &on;
+        }
+        let stream = if self.decoding { stream } else { &self.copy };
         let (offsets, _) = layout(ex);
         let bytes = layout_bytes(ex);
         let dst = self.buf.ptr + slot as u64 * self.config.slot_bytes as u64;

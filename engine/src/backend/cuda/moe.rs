@@ -420,7 +420,7 @@ impl Inner {
                 pool.ready(&gpu.stream)?;
             }
             group(self, &tiles, group_first..slots)?;
-            if let Some(pool) = pool.as_deref_mut() {
+            if let Some(pool) = pool {
                 pool.group_done(&gpu.stream)?;
             }
             self.upload(gpu, Slot::MoeRows, bytemuck::cast_slice(&row_of_slot))?
