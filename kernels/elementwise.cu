@@ -133,6 +133,17 @@ extern "C" __global__ void copy_f32(const float* __restrict__ src, float* __rest
     if (i < n) dst[i] = src[i];
 }
 
+// dst[idx[r]][c] = src[r][c] for r < n_rows, c < n: rows computed elsewhere (the CPU's expert misses) into their
+// places. One thread per value.
+extern "C" __global__ void scatter_rows_f32(const float* __restrict__ src, const u32* __restrict__ idx,
+                                            float* __restrict__ dst, int n_rows, int n) {
+    pdl_enter();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_rows * n) return;
+    int r = (int)(i / n), c = (int)(i % n);
+    dst[(long long)idx[r] * n + c] = src[i];
+}
+
 // The MoE router (cpu: route): moe_route_block per token; the probabilities are written back to logits, the
 // choice to ids and wts ([n_tok][k]). Grid n_tok, block 256; n_expert <= 1024.
 extern "C" __global__ void moe_route(float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ wts,

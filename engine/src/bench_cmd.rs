@@ -128,6 +128,8 @@ struct CacheUse {
     hit_rate: f64,
     /// Bytes uploaded from host memory per token of the test.
     bytes_uploaded_per_token: f64,
+    /// Expert misses the CPU computed per token of the test (`--miss-policy cpu|auto`).
+    cpu_computed_per_token: f64,
 }
 
 /// The expert cache of a run: its size and the host-to-device rate it uploads at.
@@ -143,6 +145,12 @@ struct CacheInfo {
     store: String,
     /// Host-to-device copy rate from the store, GB/s, measured in this run (256 MiB copies).
     upload_gb_s: f64,
+    /// `--miss-policy`.
+    miss_policy: String,
+    /// Expert weights the CPU computes per second at decode, GB/s, measured in this run (one layer's experts).
+    cpu_expert_gb_s: f64,
+    /// Bytes of one expert (gate, up and down) of the first MoE layer.
+    expert_bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -213,6 +221,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let cuda = engine.backend().cuda();
     let cache_info = match cuda.and_then(|c| c.expert_cache_config().map(|k| (c, k))) {
         Some((c, k)) => {
+            let first_experts = (0..model.weights.layers.len()).find_map(|il| model.layer_experts(il));
             let src = model.experts.arena().unwrap_or_else(|| {
                 let l = (0..model.weights.layers.len()).find_map(|il| model.experts.layer(il, &model.gguf));
                 l.map_or(&[][..], |[g, _, _]| g)
@@ -231,6 +240,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
                 .into(),
                 upload_gb_s: c.measure_upload(probe)?,
+                miss_policy: args.engine.plan.experts.miss_policy.to_string(),
+                cpu_expert_gb_s: first_experts.map_or(0.0, |ex| {
+                    strata_engine::runtime::engine::cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize) / 1e9
+                }),
+                expert_bytes: first_experts.map_or(0, |ex| {
+                    ((ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) / ex.n_expert) as u64
+                }),
             })
         }
         None => None,
@@ -244,6 +260,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             hits: p.cache.hits,
             hit_rate: p.cache.hit_rate(),
             bytes_uploaded_per_token: p.bytes_uploaded as f64 / tokens.max(1) as f64,
+            cpu_computed_per_token: p.cpu_computed as f64 / tokens.max(1) as f64,
         })
     };
     for &n in &args.prompt_tokens {
@@ -647,6 +664,12 @@ fn markdown(r: &BenchReport) -> String {
             c.store,
             c.upload_gb_s
         );
+        s += &format!(
+            "- expert misses at decode: --miss-policy {}; the CPU computes experts at {:.1} GB/s ({:.2} MB each; measured in this run)\n",
+            c.miss_policy,
+            c.cpu_expert_gb_s,
+            c.expert_bytes as f64 / 1e6
+        );
     }
     s += &format!("- peak RSS: {:.1} MiB\n", r.peak_rss_mib);
     match (&r.llama_bench, &r.llama_bench_error) {
@@ -693,19 +716,23 @@ fn markdown(r: &BenchReport) -> String {
         );
     }
     if let Some(c) = &r.expert_cache {
-        s += "\n| test | expert cache hit rate | hits / lookups | MB uploaded per token | link bound (upload rate ÷ bytes per token) |\n";
-        s += "|---|---|---|---|---|\n";
+        s += "\n| test | expert cache hit rate | hits / lookups | MB uploaded per token | MB computed by the CPU per token | link and CPU bound (the slower of bytes ÷ rate on each side) |\n";
+        s += "|---|---|---|---|---|---|\n";
         for t in &r.results {
             let Some(u) = &t.expert_cache else { continue };
             let mb = u.bytes_uploaded_per_token / 1e6;
+            let cpu_mb = u.cpu_computed_per_token * c.expert_bytes as f64 / 1e6;
+            // Seconds per token on each side (MB ÷ (GB/s × 1e3)); the sides run at once.
+            let side = |mb: f64, gb_s: f64| if mb > 0.0 { mb / (gb_s * 1e3) } else { 0.0 };
+            let secs = side(mb, c.upload_gb_s).max(side(cpu_mb, c.cpu_expert_gb_s));
             s += &format!(
-                "| {} | {:.1}% | {} / {} | {mb:.1} | {} |\n",
+                "| {} | {:.1}% | {} / {} | {mb:.1} | {cpu_mb:.1} | {} |\n",
                 t.test,
                 100.0 * u.hit_rate,
                 u.hits,
                 u.lookups,
-                if mb > 0.0 {
-                    format!("{:.0} tok/s", c.upload_gb_s * 1e3 / mb)
+                if secs > 0.0 && secs.is_finite() {
+                    format!("{:.0} tok/s", 1.0 / secs)
                 } else {
                     "—".into()
                 }

@@ -67,6 +67,10 @@ pub struct ExpertCache {
     pub evictions: u64,
     /// Bytes copied from host memory to the device.
     pub bytes_uploaded: u64,
+    /// Misses computed by the CPU instead of uploaded (`--miss-policy cpu|auto`; absent in events written before
+    /// it existed: 0).
+    #[serde(default)]
+    pub cpu_computed: u64,
 }
 
 /// `load`: a worker (or command) loaded its model.
@@ -273,23 +277,29 @@ impl fmt::Display for EventKind {
                 l.pid, l.model, l.arch, l.n_layer, l.device, l.load_ms
             ),
             EventKind::Request(r) => write!(f, "{r}"),
-            EventKind::ExpertCache(c) => write!(
-                f,
-                "{} expert cache hit rate: {:.1}% ({} hits / {} lookups), {} uploaded ({} into slots, {} staged, {} evictions), {:.1} MB",
-                c.phase,
-                if c.lookups > 0 {
-                    100.0 * c.hits as f64 / c.lookups as f64
-                } else {
-                    0.0
-                },
-                c.hits,
-                c.lookups,
-                c.admitted + c.staged,
-                c.admitted,
-                c.staged,
-                c.evictions,
-                c.bytes_uploaded as f64 / 1e6
-            ),
+            EventKind::ExpertCache(c) => {
+                write!(
+                    f,
+                    "{} expert cache hit rate: {:.1}% ({} hits / {} lookups), {} uploaded ({} into slots, {} staged, {} evictions), {:.1} MB",
+                    c.phase,
+                    if c.lookups > 0 {
+                        100.0 * c.hits as f64 / c.lookups as f64
+                    } else {
+                        0.0
+                    },
+                    c.hits,
+                    c.lookups,
+                    c.admitted + c.staged,
+                    c.admitted,
+                    c.staged,
+                    c.evictions,
+                    c.bytes_uploaded as f64 / 1e6
+                )?;
+                if c.cpu_computed > 0 {
+                    write!(f, "; {} computed by the CPU", c.cpu_computed)?;
+                }
+                Ok(())
+            }
             EventKind::Fallback(b) => {
                 write!(f, "fallback: {} on {} failed", b.op, b.from)?;
                 if let Some(s) = &b.shape {
@@ -405,17 +415,33 @@ mod tests {
             staged: 139,
             evictions: 2300,
             bytes_uploaded: 6_728_000_000,
+            cpu_computed: 0,
         };
         // The original's line (seed 000), then what was uploaded.
         assert_eq!(
             EventKind::ExpertCache(c.clone()).to_string(),
             "decode expert cache hit rate: 88.5% (19579 hits / 22118 lookups), 2539 uploaded (2400 into slots, 139 staged, 2300 evictions), 6728.0 MB"
         );
-        let line = round_trip(EventKind::ExpertCache(c));
+        let line = round_trip(EventKind::ExpertCache(c.clone()));
         assert!(
             line.contains(r#""event":"expert_cache""#) && line.contains(r#""phase":"decode""#),
             "{line}"
         );
+        // Misses the CPU computed are named after the uploads; an event without the field reads as none.
+        let cpu = ExpertCache {
+            cpu_computed: 1200,
+            ..c.clone()
+        };
+        assert!(
+            EventKind::ExpertCache(cpu.clone())
+                .to_string()
+                .ends_with("6728.0 MB; 1200 computed by the CPU")
+        );
+        round_trip(EventKind::ExpertCache(cpu));
+        let old = line.replace(r#","cpu_computed":0"#, "");
+        assert!(!old.contains("cpu_computed"), "{old}");
+        let back: Event = serde_json::from_str(&old).unwrap();
+        assert!(matches!(back.kind, EventKind::ExpertCache(ExpertCache { cpu_computed: 0, .. })));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! and the cache does not hold (or may not take) is uploaded there for that step.
 
 use crate::experts::cache::Policy;
+use crate::experts::miss::MissPolicy;
 use crate::experts::slot_layout;
 use crate::gguf::GgufModel;
 use crate::model::HParams;
@@ -132,6 +133,11 @@ pub struct ExpertFlags {
     /// devices only.
     #[arg(long)]
     pub routing_trace: Option<std::path::PathBuf>,
+    /// Where a decode step's expert misses are computed: upload (into a cache or staging slot; results
+    /// bit-identical to the all-resident run), cpu (every miss on the CPU while the GPU computes the hits), or
+    /// auto (a cost model splits each layer's misses by the link and CPU rates measured at start).
+    #[arg(long, default_value = "auto", value_enum)]
+    pub miss_policy: MissPolicy,
 }
 
 impl Default for ExpertFlags {
@@ -143,6 +149,7 @@ impl Default for ExpertFlags {
             mmap_experts: false,
             expert_policy: Policy::Lru,
             routing_trace: None,
+            miss_policy: MissPolicy::Auto,
         }
     }
 }
@@ -157,6 +164,8 @@ impl ExpertFlags {
             self.vram_reserve_mib.to_string(),
             "--expert-policy".into(),
             self.expert_policy.to_string(),
+            "--miss-policy".into(),
+            self.miss_policy.to_string(),
         ];
         if let Some(b) = self.vram_budget {
             a.extend(["--vram-budget".into(), b.to_string()]);
@@ -361,8 +370,11 @@ mod tests {
             "lfru",
             "--routing-trace",
             "t.jsonl",
+            "--miss-policy",
+            "cpu",
         ])
         .e;
+        assert_eq!(f.miss_policy, MissPolicy::Cpu);
         assert_eq!(f.expert_cache, CacheSize::Slots(123));
         assert_eq!(f.reserve_bytes(), 512 << 20);
         assert!(f.mmap_experts && f.expert_policy == Policy::Lfru);
@@ -376,6 +388,7 @@ mod tests {
             ("--vram-budget", "0"),
             ("--expert-policy", "fifo"),
             ("--expert-policy", "profile"),
+            ("--miss-policy", "gpu"),
         ] {
             let e = P::try_parse_from(["x".to_string(), format!("{flag}={v}")])
                 .err()

@@ -200,6 +200,27 @@ impl Model {
         r.view(&self.gguf)
     }
 
+    /// Layer `il`'s routed experts, viewed where the expert store keeps them (the arena, or the mapped file);
+    /// `None` for a layer without routed experts or out of range.
+    pub fn layer_experts(&self, il: usize) -> Option<Experts<'_>> {
+        let Ffn::Moe { gate, up, down, .. } = &self.weights.layers.get(il)?.ffn else {
+            return None;
+        };
+        let [gb, ub, db] = self.experts.layer(il, &self.gguf)?;
+        let from_store = |r: &crate::backend::MatRef, bytes| {
+            QMat::new(r.info.ty, bytes, r.rows, r.cols).expect("expert tensors checked at load")
+        };
+        Some(Experts {
+            gate: from_store(gate, gb),
+            up: from_store(up, ub),
+            down: from_store(down, db),
+            n_expert: self.hp.n_expert as usize,
+            n_ff_exp: self.hp.n_ff_exp as usize,
+            act: self.weights.config.act,
+            layer: il,
+        })
+    }
+
     /// Runs one step: `tokens`, laid out by `layout` (each run's tokens at its positions, its keys and values
     /// written into its sequence's cache `kvs[run.seq]`), and leaves the requested logits for
     /// [`Model::read_logits`]: nothing, the last token of each run (`[runs][vocab]`), or `[n_tok][vocab]`; with
@@ -324,21 +345,9 @@ impl Model {
                     be.matmul(&self.m(down), &s.gate, n, &mut s.o);
                     trace(be, "ffn_out", Some(il), &s.o, n * e);
                 }
-                Ffn::Moe { router, gate, up, down } => {
+                Ffn::Moe { router, .. } => {
                     let router = self.m(router);
-                    let [gb, ub, db] = self.experts.layer(il, &self.gguf).expect("a MoE layer's experts");
-                    let from_store = |r: &crate::backend::MatRef, bytes| {
-                        QMat::new(r.info.ty, bytes, r.rows, r.cols).expect("expert tensors checked at load")
-                    };
-                    let ex = Experts {
-                        gate: from_store(gate, gb),
-                        up: from_store(up, ub),
-                        down: from_store(down, db),
-                        n_expert: nx,
-                        n_ff_exp: hp.n_ff_exp as usize,
-                        act: w.config.act,
-                        layer: il,
-                    };
+                    let ex = self.layer_experts(il).expect("a MoE layer's experts");
                     if layer.post_ffn_norm.is_none() && !*TRACE_TENSORS {
                         // The router, the experts' sum, the residual add and the next layer's attn_norm (a
                         // backend may fuse them).

@@ -12,6 +12,7 @@ use crate::backend::cuda::experts::{ExpertCacheConfig, HostPin};
 use crate::backend::{AnyBackend, OpenError};
 use crate::device::Device;
 use crate::device::fault::{FaultPlan, FaultSpecError};
+use crate::experts::miss::{DEFAULT_CPU_FIXED_S, MissCost, MissPlan, MissPolicy};
 use crate::experts::store::host_available_bytes;
 use crate::experts::trace::{RoutingReplay, Trace};
 use crate::memory::{
@@ -292,7 +293,8 @@ impl Engine {
                 lookups: p.cache.lookups,
                 hits: p.cache.hits,
                 admitted: p.cache.admitted,
-                staged: p.cache.bypassed,
+                staged: p.cache.bypassed - p.cpu_computed,
+                cpu_computed: p.cpu_computed,
                 evictions: p.cache.evictions,
                 bytes_uploaded: p.bytes_uploaded,
             }));
@@ -431,6 +433,9 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
     }
     c.preload(&model.dense_weight_bytes())
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
+    if matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
+        c.set_miss_plan(miss_plan(c, model, ef.miss_policy, pinned.is_some()));
+    }
     if let Ok((left, _)) = c.gpu().mem_info() {
         eprintln!(
             "strata: {} MiB of VRAM free with everything loaded (each sequence's KV cache comes out of it: {} MiB at {} tokens)",
@@ -443,6 +448,91 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The fastest host-to-device link a reading may report, bytes per second (PCIe Gen5 x16, 64 GB/s): a reading
+/// above it is a probe bug (DESIGN.md section 1, seed 000's 9-19 TB/s), reported and never used.
+const LINK_PEAK_BYTES_S: f64 = 64e9;
+
+/// The miss plan of `--miss-policy` (DESIGN.md section 3, "Expert cache"), logged in one line: `auto` measures the
+/// link (a copy of one layer's gate experts from the expert store) and the CPU's expert rate (every expert of that
+/// layer computed once for one token, a step's top-k at a time, after one untimed pass), and splits each decode
+/// layer-step's misses by them ([`MissCost`]); a failed or impossible reading falls back to uploading.
+fn miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: bool) -> MissPlan {
+    let upload = MissPlan::default();
+    let plan = |cost| MissPlan { policy, cost };
+    match policy {
+        MissPolicy::Upload => {
+            eprintln!("strata: expert misses at decode are uploaded (--miss-policy upload)");
+            return upload;
+        }
+        MissPolicy::Cpu => {
+            eprintln!("strata: expert misses at decode are computed by the CPU (--miss-policy cpu)");
+            return plan(None);
+        }
+        MissPolicy::Auto => {}
+    }
+    let Some(ex) = (0..model.hp.n_layer as usize).find_map(|il| model.layer_experts(il)) else {
+        return upload;
+    };
+    // One layer's gate experts (the 30B shape: 113 MB, past the H200's 50 MB L2), at most 256 MiB.
+    let probe = &ex.gate.data[..ex.gate.data.len().min(256 << 20)];
+    let link = match c.measure_upload(probe) {
+        Ok(gb_s) if gb_s * 1e9 <= LINK_PEAK_BYTES_S => gb_s * 1e9,
+        Ok(gb_s) => {
+            eprintln!(
+                "strata: expert misses: the link probe read {gb_s:.1} GB/s, above PCIe Gen5 x16's 64 GB/s: a probe bug, not used; misses are uploaded"
+            );
+            return upload;
+        }
+        Err(e) => {
+            eprintln!("strata: expert misses: the link probe failed ({e}); misses are uploaded");
+            return upload;
+        }
+    };
+    let cpu = cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize);
+    let cost = MissCost {
+        link_bytes_s: link,
+        cpu_bytes_s: cpu,
+        cpu_fixed_s: DEFAULT_CPU_FIXED_S,
+    };
+    let bytes = [&ex.gate, &ex.up, &ex.down]
+        .iter()
+        .map(|w| (w.data.len() / ex.n_expert) as u64)
+        .sum::<u64>();
+    let k = model.hp.n_expert_used as usize;
+    eprintln!(
+        "strata: expert misses auto: link {:.1} GB/s ({}), CPU {:.1} GB/s ({} threads): of {k} misses in a decode layer-step the CPU computes {}, of 1 {}",
+        link / 1e9,
+        if pinned { "page-locked arena" } else { "model file, pageable" },
+        cpu / 1e9,
+        rayon::current_num_threads(),
+        cost.cpu_count(k, bytes),
+        cost.cpu_count(1, bytes),
+    );
+    plan(Some(cost))
+}
+
+/// Bytes of expert weights the CPU computes per second at decode ([`crate::backend::cpu::CpuBackend::expert_rows`],
+/// all threads): every expert of `ex`'s layer once for one token, `k` at a time (a step's misses), timed after an
+/// untimed pass (page faults, thread start). 0 when the pass took no measurable time.
+pub fn cpu_expert_rate(ex: &crate::backend::Experts<'_>, k: usize) -> f64 {
+    let n_embd = ex.gate.cols;
+    let x: Vec<f32> = (0..n_embd).map(|i| ((i as f32) * 0.37).sin() * 0.1).collect();
+    let mut out = vec![0f32; k * n_embd];
+    let mut scratch = crate::backend::cpu::ExpertRowsScratch::default();
+    let mut pass = || {
+        let t = Instant::now();
+        for first in (0..ex.n_expert).step_by(k) {
+            let jobs: Vec<(u32, u32)> = (first..(first + k).min(ex.n_expert)).map(|e| (e as u32, 0)).collect();
+            crate::backend::cpu::CpuBackend.expert_rows(ex, &x, &jobs, &mut out[..jobs.len() * n_embd], &mut scratch);
+        }
+        t.elapsed().as_secs_f64()
+    };
+    pass();
+    let secs = pass();
+    let bytes = (ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) as f64;
+    if secs > 0.0 { bytes / secs } else { 0.0 }
+}
 
 /// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.
 ///

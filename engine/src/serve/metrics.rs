@@ -42,6 +42,8 @@ pub struct Metrics {
     pub expert_cache_hits: IntCounterVec,
     /// `strata_expert_cache_uploaded_bytes_total{phase}`: bytes copied from host memory to the device.
     pub expert_cache_uploaded_bytes: IntCounterVec,
+    /// `strata_expert_cache_cpu_computed_total{phase}`: misses the CPU computed instead of uploading them.
+    pub expert_cache_cpu_computed: IntCounterVec,
 }
 
 impl Metrics {
@@ -78,6 +80,10 @@ impl Metrics {
                 "strata_expert_cache_uploaded_bytes_total",
                 "bytes of experts copied from host memory to the device, by phase",
             ),
+            expert_cache_cpu_computed: by_phase(
+                "strata_expert_cache_cpu_computed_total",
+                "expert cache misses computed by the CPU instead of uploaded, by phase",
+            ),
             requests,
             prompt_tokens: counter("strata_prompt_tokens_total", "prompt tokens of completed requests"),
             prompt_tokens_reused: counter(
@@ -112,8 +118,9 @@ impl Metrics {
             registry,
         };
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 16] = [
+        let all: [Box<dyn prometheus::core::Collector>; 17] = [
             Box::new(m.expert_cache_lookups.clone()),
+            Box::new(m.expert_cache_cpu_computed.clone()),
             Box::new(m.expert_cache_hits.clone()),
             Box::new(m.expert_cache_uploaded_bytes.clone()),
             Box::new(m.requests.clone()),
@@ -153,6 +160,9 @@ impl Metrics {
         self.expert_cache_uploaded_bytes
             .with_label_values(&phase)
             .inc_by(c.bytes_uploaded);
+        self.expert_cache_cpu_computed
+            .with_label_values(&phase)
+            .inc_by(c.cpu_computed);
     }
 
     /// The registry in the Prometheus text exposition format (version 0.0.4).
@@ -187,6 +197,7 @@ mod tests {
             staged: 0,
             evictions: 0,
             bytes_uploaded: bytes,
+            cpu_computed: lookups / 10,
         };
         m.record_expert_cache(&ev("decode", 100, 90, 1000));
         m.record_expert_cache(&ev("decode", 50, 10, 7));
@@ -198,6 +209,7 @@ mod tests {
             r#"strata_expert_cache_uploaded_bytes_total{phase="decode"} 1007"#,
             r#"strata_expert_cache_lookups_total{phase="prefill"} 8"#,
             r#"strata_expert_cache_uploaded_bytes_total{phase="prefill"} 64"#,
+            r#"strata_expert_cache_cpu_computed_total{phase="decode"} 15"#,
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }

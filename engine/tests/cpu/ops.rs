@@ -3,7 +3,7 @@
 //! expert dispatch.
 
 use half::f16;
-use strata_engine::backend::cpu::{CpuBackend, gelu_ggml, gelu_tanh, silu};
+use strata_engine::backend::cpu::{CpuBackend, ExpertRowsScratch, gelu_ggml, gelu_tanh, silu};
 use strata_engine::backend::{AttnParams, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use strata_engine::model::{Arch, HParams};
 use strata_engine::quant::{self, GgmlType};
@@ -429,6 +429,54 @@ fn moe_dispatch_matches_per_token_expert_loop() {
             }
         }
         assert!(max_rel_err(&out, &want) < 1e-5, "{act:?}");
+    }
+}
+
+/// The CPU's computation of the experts a GPU cache misses (`expert_rows`, several experts and tokens at once)
+/// gives each (expert, token) exactly what a one-token MoE step through that expert alone gives, bit for bit: for
+/// int8-activation types (Q4_K with Q8_K activations, Q8_0) and a float type (F16, f32 activations), with jobs
+/// that repeat an expert and a token.
+#[test]
+fn expert_rows_equal_one_token_steps_bit_for_bit() {
+    let be = CpuBackend;
+    let (n_expert, nff, e, n_tok) = (5, 256, 256, 3);
+    for ty in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F16] {
+        let (gb, _) = quantized(ty, n_expert * nff, e, 51);
+        let (ub, _) = quantized(ty, n_expert * nff, e, 52);
+        let (db, _) = quantized(ty, n_expert * e, nff, 53);
+        let ex = Experts {
+            gate: QMat::new(ty, &gb, n_expert * nff, e).unwrap(),
+            up: QMat::new(ty, &ub, n_expert * nff, e).unwrap(),
+            down: QMat::new(ty, &db, n_expert * e, nff).unwrap(),
+            n_expert,
+            n_ff_exp: nff,
+            act: GluKind::SwiGlu,
+            layer: 0,
+        };
+        let x = values(n_tok * e, 54);
+        let jobs: Vec<(u32, u32)> = vec![(4, 0), (0, 2), (4, 1), (2, 2), (4, 0)];
+        let mut got = vec![f32::NAN; jobs.len() * e];
+        let mut scratch = ExpertRowsScratch::default();
+        be.expert_rows(&ex, &x, &jobs, &mut got, &mut scratch);
+        // Twice with the same scratch: nothing left over from the first call.
+        let mut again = vec![0f32; jobs.len() * e];
+        be.expert_rows(&ex, &x, &jobs, &mut again, &mut scratch);
+        assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{ty}: not repeatable");
+        for (j, &(ex_id, t)) in jobs.iter().enumerate() {
+            let routing = Routing {
+                k: 1,
+                ids: vec![ex_id],
+                weights: vec![1.0],
+                normalized: false,
+            };
+            let xt = &x[t as usize * e..(t as usize + 1) * e];
+            let mut want = vec![0f32; e];
+            be.moe_ffn(&ex, xt, &routing, &mut want, &mut MoeScratch::default());
+            assert!(want.iter().any(|v| *v != 0.0));
+            let row = &got[j * e..(j + 1) * e];
+            let diff = row.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(diff, None, "{ty}: job {j} (expert {ex_id}, token {t})");
+        }
     }
 }
 

@@ -556,6 +556,105 @@ impl CpuBackend {
     }
 }
 
+/// Rows per rayon task in [`CpuBackend::expert_rows`].
+const EXPERT_ROWS: usize = 32;
+
+/// Reusable buffers of [`CpuBackend::expert_rows`] (grown on demand, kept between calls).
+#[derive(Debug, Default)]
+pub struct ExpertRowsScratch {
+    /// The tokens quantized for the gate and the up matrix.
+    xg: QuantizedActivations,
+    xu: QuantizedActivations,
+    /// Each job's GLU output quantized for the down matrix.
+    hq: QuantizedActivations,
+    /// `[jobs][n_ff_exp]`.
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+/// Row `r` of `w` times vector `v` of `qa` (quantized weights), or times `f` (float weights, f32 activations).
+#[inline]
+fn dot_row(w: &QMat<'_>, r: usize, qa: &QuantizedActivations, v: usize, f: &[f32]) -> f32 {
+    if w.act == ActivationFormat::F32 {
+        (w.dot)(w.row(r), f)
+    } else {
+        (w.dot_q8)(w.row(r), &qa.vector(v))
+    }
+}
+
+impl CpuBackend {
+    /// Single experts at decode, unweighted: job `j = (e, t)` writes `out[j * n_embd..(j + 1) * n_embd]` =
+    /// `down_e(glu(gate_e x_t, up_e x_t))` for token `t` of `x` (`[n_tok][n_embd]`). Each output is computed as
+    /// [`CpuBackend::moe_ffn`] computes a one-token step (int8 activations quantized once per token and matrix,
+    /// one dot product per row), bit for bit; the rows of every job are split among the threads together, so
+    /// the few experts a decode step misses keep every core busy. This is how the CPU computes the experts a GPU's
+    /// expert cache misses (DESIGN.md section 3, "Expert cache").
+    ///
+    /// Panics if `x` is not whole tokens of `ex`'s width, `out` is not `jobs.len() * n_embd` values, or a job
+    /// names an expert or token out of range.
+    pub fn expert_rows(
+        &self,
+        ex: &Experts<'_>,
+        x: &[f32],
+        jobs: &[(u32, u32)],
+        out: &mut [f32],
+        s: &mut ExpertRowsScratch,
+    ) {
+        let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
+        assert_eq!(x.len() % n_embd, 0, "expert_rows: activations");
+        assert_eq!(out.len(), jobs.len() * n_embd, "expert_rows: output");
+        let n_tok = x.len() / n_embd;
+        assert!(
+            jobs.iter().all(|&(e, t)| (e as usize) < ex.n_expert && (t as usize) < n_tok),
+            "expert_rows: a job out of range"
+        );
+        let quantize = |qa: &mut QuantizedActivations, w: &QMat<'_>, v: &[f32], n: usize| {
+            if w.act != ActivationFormat::F32 {
+                qa.quantize(w.ty, v, n).expect("matrix checked at construction");
+            }
+        };
+        quantize(&mut s.xg, &ex.gate, x, n_embd);
+        quantize(&mut s.xu, &ex.up, x, n_embd);
+        s.gate.resize(jobs.len() * nff, 0.0);
+        s.up.resize(jobs.len() * nff, 0.0);
+        let experts: Vec<[QMat<'_>; 3]> = jobs.iter().map(|&(e, _)| ex.expert(e as usize)).collect();
+        let (xg, xu) = (&s.xg, &s.xu);
+        s.gate
+            .par_chunks_mut(nff)
+            .zip(s.up.par_chunks_mut(nff))
+            .zip(jobs.par_iter().zip(&experts))
+            .for_each(|((g, u), (&(_, t), [gw, uw, _]))| {
+                let t = t as usize;
+                let xt = &x[t * n_embd..(t + 1) * n_embd];
+                g.par_chunks_mut(EXPERT_ROWS)
+                    .zip(u.par_chunks_mut(EXPERT_ROWS))
+                    .enumerate()
+                    .for_each(|(c, (g, u))| {
+                        let r0 = c * EXPERT_ROWS;
+                        for (i, (yg, yu)) in g.iter_mut().zip(u.iter_mut()).enumerate() {
+                            *yg = dot_row(gw, r0 + i, xg, t, xt);
+                            *yu = dot_row(uw, r0 + i, xu, t, xt);
+                        }
+                    });
+            });
+        self.glu(&mut s.gate, &s.up, ex.act);
+        quantize(&mut s.hq, &ex.down, &s.gate, nff);
+        let (hq, h) = (&s.hq, &s.gate);
+        out.par_chunks_mut(n_embd)
+            .zip(experts.par_iter())
+            .enumerate()
+            .for_each(|(j, (o, [_, _, dw]))| {
+                let hj = &h[j * nff..(j + 1) * nff];
+                o.par_chunks_mut(EXPERT_ROWS).enumerate().for_each(|(c, o)| {
+                    let r0 = c * EXPERT_ROWS;
+                    for (i, y) in o.iter_mut().enumerate() {
+                        *y = dot_row(dw, r0 + i, hq, j, hj);
+                    }
+                });
+            });
+    }
+}
+
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
 

@@ -101,6 +101,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_store_q8_0",
     "copy_f32",
     "copy_f32x4",
+    "scatter_rows_f32",
     "mmv_wide_f32",
     "router_route",
     "mmv1_q4_k",

@@ -9,6 +9,11 @@
 //! step only). Kernels then reach every expert by slot id, so results are the bytes' results: bit-identical to
 //! the all-resident path.
 //!
+//! At decode a miss may instead be computed by the CPU ([`MissPlan`], `--miss-policy`): [`ExpertPool::place_decode`]
+//! picks which, the GPU reads a placeholder slot for those routing slots, and the CPU's rows replace what it wrote
+//! before the experts are summed ([`ExpertPool::compute_cpu_misses`]). Such results differ from the all-resident
+//! run by the two backends' rounding (the CPU's int8 dot products against the GPU's), never by more.
+//!
 //! Ordering. Decode uploads go on the compute stream, in order with the launches around them. Prefill uploads go
 //! on a copy stream, double-buffered: the staging slots are two halves, and while the compute stream runs the
 //! GEMMs of one group of experts (one half), the copy stream uploads the next group into the other half. Events
@@ -23,7 +28,9 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use super::buffer::DevBuf;
 use super::error::CudaError;
 use crate::backend::Experts;
+use crate::backend::cpu::{CpuBackend, ExpertRowsScratch};
 use crate::experts::cache::{Access, CacheStats, Policy, SlotCache};
+use crate::experts::miss::MissPlan;
 use crate::experts::{ExpertId, slot_layout};
 
 /// What the pool is made for (sized by the memory plan: `memory::ExpertPlacement::Cache`).
@@ -49,6 +56,8 @@ pub struct PhaseStats {
     pub cache: CacheStats,
     /// Bytes copied from host memory to the device.
     pub bytes_uploaded: u64,
+    /// Misses computed by the CPU (each one (layer, expert) of a step; counted among `cache.bypassed`).
+    pub cpu_computed: u64,
 }
 
 /// The cache's counts by phase since it was made, or since [`super::CudaBackend::take_expert_cache_stats`].
@@ -59,6 +68,22 @@ pub struct ExpertCacheStats {
 }
 
 const UNSET: u32 = u32::MAX;
+/// `slot_of`'s value for an expert the CPU computes in this layer-step.
+const ON_CPU: u32 = u32::MAX - 1;
+
+/// A decode layer-step's misses computed by the CPU: the jobs, their results, and the host buffers they use.
+#[derive(Default)]
+pub(super) struct CpuMisses {
+    /// `(expert, token)` of each routing slot in `rows` (`rows[i]` is routing slot `rows[i]`'s output).
+    jobs: Vec<(u32, u32)>,
+    /// The routing slot of each job, as the device's `scatter_rows_f32` reads them.
+    pub(super) routing_slots: Vec<u32>,
+    /// The step's activations read back, `[n_tok][n_embd]`.
+    pub(super) x: Vec<f32>,
+    /// `[jobs][n_embd]` results, then the routing slots' indices as `u32` bits: one upload.
+    pub(super) out: Vec<f32>,
+    scratch: ExpertRowsScratch,
+}
 
 /// The device slots and their bookkeeping.
 pub struct ExpertPool {
@@ -91,6 +116,10 @@ pub struct ExpertPool {
     decoding: bool,
     /// Recorded on the compute stream when a prefill layer-step begins.
     begun: CudaEvent,
+    /// Where decode misses are computed.
+    miss: MissPlan,
+    /// This layer-step's CPU-computed misses.
+    pub(super) cpu: CpuMisses,
 }
 
 impl ExpertPool {
@@ -125,7 +154,18 @@ impl ExpertPool {
             staged: 0,
             layer: 0,
             stats: ExpertCacheStats::default(),
+            miss: MissPlan::default(),
+            cpu: CpuMisses::default(),
         })
+    }
+
+    /// Where decode misses are computed from now on.
+    pub(super) fn set_miss_plan(&mut self, plan: MissPlan) {
+        self.miss = plan;
+    }
+
+    pub(super) fn miss_plan(&self) -> MissPlan {
+        self.miss
     }
 
     pub(super) fn config(&self) -> &ExpertCacheConfig {
@@ -332,6 +372,68 @@ impl ExpertPool {
             )?;
         }
         Ok(())
+    }
+
+    /// Places a decode layer-step's experts (after [`ExpertPool::begin`]): `ids` holds each routing slot's expert
+    /// (`[n_tok][k]`) and is rewritten to the slot the kernels read it from. The misses the miss plan gives the CPU
+    /// (the last of them in routing order) become jobs of [`ExpertPool::cpu`] and read a placeholder slot; the
+    /// others are looked up as [`ExpertPool::slot`] does (hits in place, misses uploaded). Returns whether the CPU
+    /// has jobs: then read the step's activations into `cpu.x` and call [`ExpertPool::compute_cpu_misses`] once
+    /// the kernels are queued.
+    ///
+    /// Errors: an upload failed.
+    pub(super) fn place_decode(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        ex: &Experts<'_>,
+        ids: &mut [u32],
+        k: usize,
+    ) -> Result<bool, CudaError> {
+        self.cpu.jobs.clear();
+        self.cpu.routing_slots.clear();
+        let layer = self.layer;
+        // The step's distinct misses, in routing order.
+        let mut misses: Vec<u32> = Vec::new();
+        for &e in ids.iter() {
+            let id = ExpertId { layer, expert: e };
+            if self.cache.slot_of(id).is_none() && !misses.contains(&e) {
+                misses.push(e);
+            }
+        }
+        let bytes = layout_bytes(ex).iter().sum::<usize>() as u64;
+        let n_cpu = self.miss.cpu_count(misses.len(), bytes);
+        for &e in &misses[misses.len() - n_cpu..] {
+            let access = self.cache.access(ExpertId { layer, expert: e }, false);
+            debug_assert_eq!(access, Access::Bypassed);
+            self.slot_of[e as usize] = ON_CPU;
+            self.placed.push(e);
+            self.stats.decode.cache += self.cache.take_stats();
+            self.stats.decode.cpu_computed += 1;
+        }
+        for (j, e) in ids.iter_mut().enumerate() {
+            if self.slot_of[*e as usize] == ON_CPU {
+                self.cpu.jobs.push((*e, (j / k) as u32));
+                self.cpu.routing_slots.push(j as u32);
+                // Any slot the kernels may read: its output row is replaced by the CPU's.
+                *e = self.config.slots as u32;
+            } else {
+                *e = self
+                    .slot(stream, ex, *e)?
+                    .expect("the staging slots hold a decode step's experts");
+            }
+        }
+        Ok(!self.cpu.jobs.is_empty())
+    }
+
+    /// Computes the layer-step's CPU jobs ([`ExpertPool::place_decode`]) from `cpu.x` on every core, into
+    /// `cpu.out`: the jobs' rows (`[jobs][n_embd]`), then their routing slots as `u32` bits.
+    pub(super) fn compute_cpu_misses(&mut self, ex: &Experts<'_>) {
+        let n_embd = ex.gate.cols;
+        let c = &mut self.cpu;
+        c.out.clear();
+        c.out.resize(c.jobs.len() * n_embd, 0.0);
+        CpuBackend.expert_rows(ex, &c.x, &c.jobs, &mut c.out, &mut c.scratch);
+        c.out.extend(c.routing_slots.iter().map(|&j| f32::from_bits(j)));
     }
 
     /// The counts so far, and zero them.

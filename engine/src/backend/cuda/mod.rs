@@ -134,8 +134,10 @@ enum Slot {
     Counters,
     /// A decode step's routing slots by expert-cache slot id.
     MoeSlotIds,
+    /// The rows the CPU computed for a decode step's expert misses, then their routing slots.
+    MoeCpuRows,
 }
-const SLOTS: usize = 20;
+const SLOTS: usize = 21;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
 const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
@@ -324,6 +326,19 @@ impl CudaBackend {
         let bytes = pool.bytes();
         s.experts = Some(pool);
         Ok(bytes)
+    }
+
+    /// Where the expert cache computes a decode step's misses from now on (`--miss-policy`; the default uploads
+    /// every miss). Nothing without a cache.
+    pub fn set_miss_plan(&self, plan: crate::experts::miss::MissPlan) {
+        if let Some(p) = self.lock().experts.as_mut() {
+            p.set_miss_plan(plan);
+        }
+    }
+
+    /// The expert cache's miss plan, if the backend has a cache.
+    pub fn miss_plan(&self) -> Option<crate::experts::miss::MissPlan> {
+        self.lock().experts.as_ref().map(|p| p.miss_plan())
     }
 
     /// Makes every MoE layer route as `replay` says instead of by its router (`--routing-trace`: benchmarks of

@@ -171,6 +171,18 @@ fn f16_rows(gpu: &Gpu, src: u64, dst: u64, n: usize) -> Result<(), CudaError> {
     )
 }
 
+/// Reads `n` f32 values at device address `src` into `out` (resized), waiting for the stream.
+fn read_f32(gpu: &Gpu, src: u64, n: usize, out: &mut Vec<f32>) -> Result<(), CudaError> {
+    out.resize(n, 0.0);
+    // SAFETY: `src` is a device buffer of at least `n` values (the caller's activations), `out` holds `n` values
+    // and outlives the copy (the stream is synchronized before returning).
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out[..], src, gpu.stream.cu_stream()) }
+        .map_err(CudaError::driver("reading the activations back for the CPU's experts"))?;
+    gpu.stream
+        .synchronize()
+        .map_err(CudaError::driver("stream synchronize"))
+}
+
 impl Inner {
     /// The router's choice on the device (`moe_route`): `ids`/`wts` ([n_tok][k]) into their slots from the
     /// logits at `logits` ([n_tok][n_expert], overwritten by the probabilities).
@@ -271,10 +283,10 @@ impl Inner {
                     let mut ids_h = vec![0u32; slots];
                     self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
                     pool.begin(&gpu.stream, ex, true)?;
-                    for e in ids_h.iter_mut() {
-                        *e = pool
-                            .slot(&gpu.stream, ex, *e)?
-                            .expect("the staging slots hold a decode step's experts");
+                    if pool.place_decode(&gpu.stream, ex, &mut ids_h, k)? {
+                        // The CPU computes some misses: it needs the step's activations (the stream is idle:
+                        // read_slot waited for it).
+                        read_f32(gpu, xp, n_tok * n_embd, &mut pool.cpu.x)?;
                     }
                     let sp = self.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
                     (pool_at(pool, ex), sp)
@@ -347,6 +359,25 @@ impl Inner {
                 // gate/up launch (common.cuh, pdl_enter, says why that holds).
                 true,
             )?;
+            if let Some(pool) = pool.as_deref_mut().filter(|p| !p.cpu.routing_slots.is_empty()) {
+                // The GPU works on the hits and the uploaded misses while the CPU computes the rest; its rows
+                // then replace the placeholder rows of dp.
+                pool.compute_cpu_misses(ex);
+                let n = pool.cpu.routing_slots.len();
+                let src = self.upload(gpu, Slot::MoeCpuRows, bytemuck::cast_slice(&pool.cpu.out))?;
+                gpu.launch(
+                    "scatter_rows_f32",
+                    grid1(n * n_embd, 256),
+                    (256, 1, 1),
+                    &[
+                        Arg::P(src),
+                        Arg::P(src + (n * n_embd * 4) as u64),
+                        Arg::P(dp),
+                        Arg::I(n as i32),
+                        Arg::I(n_embd as i32),
+                    ],
+                )?;
+            }
             0
         } else {
             // Prefill: read the routing back, group the slots by expert, one GEMM per expert and matrix.

@@ -1,0 +1,202 @@
+//! Where an expert that misses the VRAM cache is computed at decode (DESIGN.md section 3, "Expert cache": "a miss
+//! is uploaded over PCIe on a copy stream or computed by the CPU while the GPU computes the hits; a cost model
+//! picks, from the link and CPU rates measured at start").
+//!
+//! A decode step's layer has `n` missing experts, each `B` bytes (gate, up and down). Uploading `u` of them keeps
+//! the link busy `u * B / link` before the GPU can compute them; the CPU computes the other `n - u` from host
+//! memory in `fixed + (n - u) * B / cpu`, while the GPU works on the hits and the uploaded ones. The two sides run
+//! at once, so a layer costs about the larger of the two. [`MissCost::cpu_count`] picks the `n - u` that makes it
+//! smallest (ties go to the link: an uploaded expert also enters the cache, a CPU-computed one does not).
+//!
+//! At decode the weights dominate: a token's expert reads `B` bytes and does `2 * B * (values per byte)` flops,
+//! so both sides are bandwidth-bound and the rates are bytes per second (measured at start by the engine: the
+//! link with a copy from the expert store's memory, the CPU by computing a layer's experts from it).
+
+/// `--miss-policy`: where a decode step's expert misses are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum MissPolicy {
+    /// Upload every miss into a cache or staging slot (results bit-identical to the all-resident run).
+    Upload,
+    /// The CPU computes every miss; the cache only keeps what prefill put in it.
+    Cpu,
+    /// The cost model splits each layer's misses between the link and the CPU ([`MissCost`]).
+    #[default]
+    Auto,
+}
+
+impl std::fmt::Display for MissPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            MissPolicy::Upload => "upload",
+            MissPolicy::Cpu => "cpu",
+            MissPolicy::Auto => "auto",
+        })
+    }
+}
+
+/// The rates the cost model weighs, measured at start.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MissCost {
+    /// Host-to-device copy rate from the expert store's memory, bytes per second.
+    pub link_bytes_s: f64,
+    /// Rate at which the CPU computes experts at decode (weight bytes read per second, all threads).
+    pub cpu_bytes_s: f64,
+    /// Seconds the CPU side costs once per layer-step that computes any miss: reading the activations back,
+    /// starting the threads, and copying the results to the device.
+    pub cpu_fixed_s: f64,
+}
+
+/// Per-layer-step overhead of the CPU side when it is not measured: two small copies and one parallel dispatch.
+pub const DEFAULT_CPU_FIXED_S: f64 = 40e-6;
+
+/// The decision for one layer-step: how many of its misses the CPU computes, given the policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MissPlan {
+    pub policy: MissPolicy,
+    /// The measured rates (`auto` needs them; `upload` and `cpu` ignore them).
+    pub cost: Option<MissCost>,
+}
+
+impl Default for MissPlan {
+    /// Every miss uploaded: what a backend does until the engine has measured the rates.
+    fn default() -> MissPlan {
+        MissPlan {
+            policy: MissPolicy::Upload,
+            cost: None,
+        }
+    }
+}
+
+impl MissPlan {
+    /// Of `misses` missing experts of `expert_bytes` each, how many the CPU computes (the rest are uploaded).
+    pub fn cpu_count(&self, misses: usize, expert_bytes: u64) -> usize {
+        match (self.policy, self.cost) {
+            (MissPolicy::Upload, _) | (MissPolicy::Auto, None) => 0,
+            (MissPolicy::Cpu, _) => misses,
+            (MissPolicy::Auto, Some(c)) => c.cpu_count(misses, expert_bytes),
+        }
+    }
+}
+
+impl MissCost {
+    /// Seconds a layer-step takes when the CPU computes `cpu` of `misses` experts of `bytes` each and the link
+    /// carries the rest: the slower of the two sides.
+    pub fn seconds(&self, misses: usize, cpu: usize, bytes: u64) -> f64 {
+        assert!(cpu <= misses, "{cpu} of {misses} misses");
+        let link = (misses - cpu) as f64 * bytes as f64 / self.link_bytes_s;
+        let host = if cpu == 0 {
+            0.0
+        } else {
+            self.cpu_fixed_s + cpu as f64 * bytes as f64 / self.cpu_bytes_s
+        };
+        link.max(host)
+    }
+
+    /// The number of `misses` (of `bytes` each) the CPU should compute: the one that makes
+    /// [`MissCost::seconds`] smallest, the fewest on a tie. A rate that is not a positive finite number leaves
+    /// that side out (a probe that failed, or read an impossible value, is never used).
+    pub fn cpu_count(&self, misses: usize, bytes: u64) -> usize {
+        let ok = |r: f64| r.is_finite() && r > 0.0;
+        match (ok(self.link_bytes_s), ok(self.cpu_bytes_s)) {
+            (true, false) | (false, false) => return 0,
+            (false, true) => return misses,
+            (true, true) => {}
+        }
+        let mut best = (0, self.seconds(misses, 0, bytes));
+        for cpu in 1..=misses {
+            let t = self.seconds(misses, cpu, bytes);
+            if t < best.1 {
+                best = (cpu, t);
+            }
+        }
+        best.0
+    }
+
+    /// The share of a layer's misses the CPU takes at `misses` per layer-step, in percent (for the start-up line).
+    pub fn cpu_percent(&self, misses: usize, bytes: u64) -> f64 {
+        if misses == 0 {
+            0.0
+        } else {
+            100.0 * self.cpu_count(misses, bytes) as f64 / misses as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: u64 = 1_000_000;
+
+    fn cost(link_gb_s: f64, cpu_gb_s: f64, fixed_us: f64) -> MissCost {
+        MissCost {
+            link_bytes_s: link_gb_s * 1e9,
+            cpu_bytes_s: cpu_gb_s * 1e9,
+            cpu_fixed_s: fixed_us * 1e-6,
+        }
+    }
+
+    #[test]
+    fn equal_rates_split_the_misses_in_half() {
+        // 8 misses of 2.5 MB, both sides at 50 GB/s, no fixed cost: 4 and 4 (50 us each side); 3 or 5 on the
+        // CPU leaves one side with 5 experts (250 us / 5 = 50 us per expert: 250 us).
+        let c = cost(50.0, 50.0, 0.0);
+        assert_eq!(c.cpu_count(8, 2_500_000), 4);
+        assert!((c.seconds(8, 4, 2_500_000) - 200e-6).abs() < 1e-12);
+        assert!((c.seconds(8, 3, 2_500_000) - 250e-6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_split_follows_the_rates_computed_by_hand() {
+        // Link 53 GB/s, CPU 40 GB/s, 40 us fixed, 8 misses of 2.65 MB (the Qwen3-30B-A3B shape at Q4_K):
+        // u uploaded take u * 50.0 us; c on the CPU take 40 + c * 66.25 us. c = 3: max(250.0, 238.75) = 250.0;
+        // c = 4: max(200.0, 305.0); c = 2: max(300.0, 172.5). So 3.
+        let c = cost(53.0, 40.0, 40.0);
+        assert_eq!(c.cpu_count(8, 2_650_000), 3);
+        // A slow CPU (5 GB/s: 530 us an expert) is never worth it for one miss on a fast link (50 us).
+        assert_eq!(cost(53.0, 5.0, 40.0).cpu_count(1, 2_650_000), 0);
+        // Pageable memory (--mmap-experts: 7.7 GB/s) against a 40 GB/s CPU: the CPU takes most of them.
+        // u = 1: max(344.2, 40 + 7 * 66.25 = 503.75); u = 2: max(688.3, 437.5) -> 1 upload, 7 on the CPU.
+        assert_eq!(cost(7.7, 40.0, 40.0).cpu_count(8, 2_650_000), 7);
+    }
+
+    #[test]
+    fn the_choice_is_never_slower_than_either_side_alone() {
+        for link in [1.0, 7.7, 25.0, 53.0, 200.0] {
+            for cpu in [0.5, 5.0, 40.0, 73.0, 400.0] {
+                for fixed in [0.0, 40.0, 1000.0] {
+                    let c = cost(link, cpu, fixed);
+                    for n in 0..=16 {
+                        let k = c.cpu_count(n, 3 * MB);
+                        let t = c.seconds(n, k, 3 * MB);
+                        assert!(k <= n);
+                        assert!(t <= c.seconds(n, 0, 3 * MB) && t <= c.seconds(n, n, 3 * MB));
+                        for other in 0..=n {
+                            assert!(t <= c.seconds(n, other, 3 * MB), "{link} {cpu} {fixed} {n}: {k} vs {other}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rate_that_was_not_measured_is_not_used() {
+        assert_eq!(cost(f64::NAN, 40.0, 40.0).cpu_count(8, MB), 8);
+        assert_eq!(cost(53.0, 0.0, 40.0).cpu_count(8, MB), 0);
+        assert_eq!(cost(f64::INFINITY, 0.0, 40.0).cpu_count(8, MB), 0);
+    }
+
+    #[test]
+    fn the_policies_override_the_model() {
+        let c = Some(cost(53.0, 40.0, 40.0));
+        let plan = |policy, cost| MissPlan { policy, cost };
+        assert_eq!(plan(MissPolicy::Upload, c).cpu_count(8, 2_650_000), 0);
+        assert_eq!(plan(MissPolicy::Cpu, c).cpu_count(8, 2_650_000), 8);
+        assert_eq!(plan(MissPolicy::Auto, c).cpu_count(8, 2_650_000), 3);
+        // auto before the rates are measured uploads everything (the bit-identical path).
+        assert_eq!(plan(MissPolicy::Auto, None).cpu_count(8, 2_650_000), 0);
+        assert_eq!(MissPlan::default().cpu_count(8, 1), 0);
+        assert_eq!(plan(MissPolicy::Cpu, None).cpu_count(0, 1), 0);
+    }
+}
