@@ -130,6 +130,8 @@ struct CacheUse {
     bytes_uploaded_per_token: f64,
     /// Expert misses the CPU computed per token of the test (`--miss-policy cpu|auto`).
     cpu_computed_per_token: f64,
+    /// Milliseconds per token the CPU spent computing them.
+    cpu_ms_per_token: f64,
 }
 
 /// The expert cache of a run: its size and the host-to-device rate it uploads at.
@@ -261,6 +263,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             hit_rate: p.cache.hit_rate(),
             bytes_uploaded_per_token: p.bytes_uploaded as f64 / tokens.max(1) as f64,
             cpu_computed_per_token: p.cpu_computed as f64 / tokens.max(1) as f64,
+            cpu_ms_per_token: p.cpu_us as f64 / 1e3 / tokens.max(1) as f64,
         })
     };
     for &n in &args.prompt_tokens {
@@ -716,8 +719,8 @@ fn markdown(r: &BenchReport) -> String {
         );
     }
     if let Some(c) = &r.expert_cache {
-        s += "\n| test | expert cache hit rate | hits / lookups | MB uploaded per token | MB computed by the CPU per token | link and CPU bound (the slower of bytes ÷ rate on each side) |\n";
-        s += "|---|---|---|---|---|---|\n";
+        s += "\n| test | expert cache hit rate | hits / lookups | MB uploaded per token | MB computed by the CPU per token | CPU busy per token | link and CPU bound (the slower of bytes ÷ rate on each side) |\n";
+        s += "|---|---|---|---|---|---|---|\n";
         for t in &r.results {
             let Some(u) = &t.expert_cache else { continue };
             let mb = u.bytes_uploaded_per_token / 1e6;
@@ -726,11 +729,20 @@ fn markdown(r: &BenchReport) -> String {
             let side = |mb: f64, gb_s: f64| if mb > 0.0 { mb / (gb_s * 1e3) } else { 0.0 };
             let secs = side(mb, c.upload_gb_s).max(side(cpu_mb, c.cpu_expert_gb_s));
             s += &format!(
-                "| {} | {:.1}% | {} / {} | {mb:.1} | {cpu_mb:.1} | {} |\n",
+                "| {} | {:.1}% | {} / {} | {mb:.1} | {cpu_mb:.1} | {} | {} |\n",
                 t.test,
                 100.0 * u.hit_rate,
                 u.hits,
                 u.lookups,
+                if u.cpu_ms_per_token > 0.0 {
+                    format!(
+                        "{:.2} ms ({:.1} GB/s)",
+                        u.cpu_ms_per_token,
+                        cpu_mb / u.cpu_ms_per_token / 1e3
+                    )
+                } else {
+                    "—".into()
+                },
                 if secs > 0.0 && secs.is_finite() {
                     format!("{:.0} tok/s", 1.0 / secs)
                 } else {

@@ -9,8 +9,8 @@
 //! step only). Kernels then reach every expert by slot id, so results are the bytes' results: bit-identical to
 //! the all-resident path.
 //!
-//! At decode a miss may instead be computed by the CPU ([`MissPlan`], `--miss-policy`): [`ExpertPool::place_decode`]
-//! picks which, the GPU reads a placeholder slot for those routing slots, and the CPU's rows replace what it wrote
+//! At decode a miss may instead be computed by the CPU ([`MissPlan`], `--miss-policy`):
+//! [`ExpertPool::choose_cpu_misses`] picks which, the GPU reads a placeholder slot for those routing slots, and the CPU's rows replace what it wrote
 //! before the experts are summed ([`ExpertPool::compute_cpu_misses`]). Such results differ from the all-resident
 //! run by the two backends' rounding (the CPU's int8 dot products against the GPU's), never by more.
 //!
@@ -58,6 +58,8 @@ pub struct PhaseStats {
     pub bytes_uploaded: u64,
     /// Misses computed by the CPU (each one (layer, expert) of a step; counted among `cache.bypassed`).
     pub cpu_computed: u64,
+    /// Wall time the CPU spent computing them, microseconds (the GPU works on the hits meanwhile).
+    pub cpu_us: u64,
 }
 
 /// The cache's counts by phase since it was made, or since [`super::CudaBackend::take_expert_cache_stats`].
@@ -374,27 +376,19 @@ impl ExpertPool {
         Ok(())
     }
 
-    /// Places a decode layer-step's experts (after [`ExpertPool::begin`]): `ids` holds each routing slot's expert
-    /// (`[n_tok][k]`) and is rewritten to the slot the kernels read it from. The misses the miss plan gives the CPU
-    /// (the last of them in routing order) become jobs of [`ExpertPool::cpu`] and read a placeholder slot; the
-    /// others are looked up as [`ExpertPool::slot`] does (hits in place, misses uploaded). Returns whether the CPU
-    /// has jobs: then read the step's activations into `cpu.x` and call [`ExpertPool::compute_cpu_misses`] once
-    /// the kernels are queued.
-    ///
-    /// Errors: an upload failed.
-    pub(super) fn place_decode(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        ex: &Experts<'_>,
-        ids: &mut [u32],
-        k: usize,
-    ) -> Result<bool, CudaError> {
+    /// Chooses which of a decode layer-step's misses the CPU computes (after [`ExpertPool::begin`], before any
+    /// [`ExpertPool::place_decode`]): `ids` holds each routing slot's expert (`[n_tok][k]`). The miss plan gives
+    /// the CPU the last of the step's distinct misses in routing order; they become jobs of [`ExpertPool::cpu`].
+    /// Nothing is queued on the device, so the caller can read the step's activations back into `cpu.x` without
+    /// waiting for uploads. Returns whether the CPU has jobs (then call [`ExpertPool::compute_cpu_misses`] once the
+    /// kernels are queued).
+    pub(super) fn choose_cpu_misses(&mut self, ex: &Experts<'_>, ids: &[u32], k: usize) -> bool {
         self.cpu.jobs.clear();
         self.cpu.routing_slots.clear();
         let layer = self.layer;
         // The step's distinct misses, in routing order.
         let mut misses: Vec<u32> = Vec::new();
-        for &e in ids.iter() {
+        for &e in ids {
             let id = ExpertId { layer, expert: e };
             if self.cache.slot_of(id).is_none() && !misses.contains(&e) {
                 misses.push(e);
@@ -410,19 +404,36 @@ impl ExpertPool {
             self.stats.decode.cache += self.cache.take_stats();
             self.stats.decode.cpu_computed += 1;
         }
-        for (j, e) in ids.iter_mut().enumerate() {
-            if self.slot_of[*e as usize] == ON_CPU {
-                self.cpu.jobs.push((*e, (j / k) as u32));
+        for (j, &e) in ids.iter().enumerate() {
+            if self.slot_of[e as usize] == ON_CPU {
+                self.cpu.jobs.push((e, (j / k) as u32));
                 self.cpu.routing_slots.push(j as u32);
-                // Any slot the kernels may read: its output row is replaced by the CPU's.
-                *e = self.config.slots as u32;
-            } else {
-                *e = self
-                    .slot(stream, ex, *e)?
-                    .expect("the staging slots hold a decode step's experts");
             }
         }
-        Ok(!self.cpu.jobs.is_empty())
+        !self.cpu.jobs.is_empty()
+    }
+
+    /// Rewrites each routing slot's expert in `ids` to the slot the kernels read it from (after
+    /// [`ExpertPool::choose_cpu_misses`]): hits in place, other misses uploaded as [`ExpertPool::slot`] does, and
+    /// the CPU's a placeholder slot whose output the CPU's rows replace.
+    ///
+    /// Errors: an upload failed.
+    pub(super) fn place_decode(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        ex: &Experts<'_>,
+        ids: &mut [u32],
+    ) -> Result<(), CudaError> {
+        for e in ids.iter_mut() {
+            *e = if self.slot_of[*e as usize] == ON_CPU {
+                // Any slot the kernels may read.
+                self.config.slots as u32
+            } else {
+                self.slot(stream, ex, *e)?
+                    .expect("the staging slots hold a decode step's experts")
+            };
+        }
+        Ok(())
     }
 
     /// Computes the layer-step's CPU jobs ([`ExpertPool::place_decode`]) from `cpu.x` on every core, into
@@ -432,7 +443,9 @@ impl ExpertPool {
         let c = &mut self.cpu;
         c.out.clear();
         c.out.resize(c.jobs.len() * n_embd, 0.0);
+        let t = std::time::Instant::now();
         CpuBackend.expert_rows(ex, &c.x, &c.jobs, &mut c.out, &mut c.scratch);
+        self.stats.decode.cpu_us += t.elapsed().as_micros() as u64;
         c.out.extend(c.routing_slots.iter().map(|&j| f32::from_bits(j)));
     }
 

@@ -283,11 +283,12 @@ impl Inner {
                     let mut ids_h = vec![0u32; slots];
                     self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
                     pool.begin(&gpu.stream, ex, true)?;
-                    if pool.place_decode(&gpu.stream, ex, &mut ids_h, k)? {
-                        // The CPU computes some misses: it needs the step's activations (the stream is idle:
-                        // read_slot waited for it).
+                    if pool.choose_cpu_misses(ex, &ids_h, k) {
+                        // The CPU computes some misses: it needs the step's activations, read while the stream is
+                        // idle (read_slot waited for it), before the uploads are queued.
                         read_f32(gpu, xp, n_tok * n_embd, &mut pool.cpu.x)?;
                     }
+                    pool.place_decode(&gpu.stream, ex, &mut ids_h)?;
                     let sp = self.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
                     (pool_at(pool, ex), sp)
                 }
