@@ -243,9 +243,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 .into(),
                 upload_gb_s: c.measure_upload(probe)?,
                 miss_policy: args.engine.plan.experts.miss_policy.to_string(),
-                cpu_expert_gb_s: first_experts.map_or(0.0, |ex| {
-                    strata_engine::runtime::engine::cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize) / 1e9
-                }),
+                cpu_expert_gb_s: first_experts
+                    .and_then(|ex| c.cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize))
+                    .map_or(0.0, |r| r.bytes_s / 1e9),
                 expert_bytes: first_experts.map_or(0, |ex| {
                     ((ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) / ex.n_expert) as u64
                 }),
@@ -735,11 +735,7 @@ fn markdown(r: &BenchReport) -> String {
                 u.hits,
                 u.lookups,
                 if u.cpu_ms_per_token > 0.0 {
-                    format!(
-                        "{:.2} ms ({:.1} GB/s)",
-                        u.cpu_ms_per_token,
-                        cpu_mb / u.cpu_ms_per_token / 1e3
-                    )
+                    format!("{:.2} ms ({:.1} GB/s)", u.cpu_ms_per_token, cpu_mb / u.cpu_ms_per_token)
                 } else {
                     "—".into()
                 },

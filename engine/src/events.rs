@@ -441,7 +441,10 @@ mod tests {
         let old = line.replace(r#","cpu_computed":0"#, "");
         assert!(!old.contains("cpu_computed"), "{old}");
         let back: Event = serde_json::from_str(&old).unwrap();
-        assert!(matches!(back.kind, EventKind::ExpertCache(ExpertCache { cpu_computed: 0, .. })));
+        assert!(matches!(
+            back.kind,
+            EventKind::ExpertCache(ExpertCache { cpu_computed: 0, .. })
+        ));
     }
 
     #[test]

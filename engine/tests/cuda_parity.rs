@@ -1099,7 +1099,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
             policy: Policy::Lru,
         })
         .unwrap();
-        g.set_miss_plan(MissPlan { policy, cost });
+        g.set_miss_plan(MissPlan { policy, cost }).unwrap();
         let got = cache_run(&model, &g, &tokens);
         let st = g.expert_cache_stats().unwrap();
         g.synchronize().unwrap();
@@ -1121,7 +1121,11 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
             sum += kld;
             worst = worst.max(kld);
             rows += 1;
-            let top = |r: &[f32]| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a))).unwrap();
+            let top = |r: &[f32]| {
+                (0..r.len())
+                    .max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a)))
+                    .unwrap()
+            };
             if top(gr) != top(wr) {
                 let mut sorted = wr.to_vec();
                 sorted.sort_by(|a, b| b.total_cmp(a));
@@ -1141,12 +1145,24 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
             st.decode.cpu_computed,
             st.decode.bytes_uploaded / 1_000_000,
         );
-        assert!(same_prefill, "{slots} slots {policy}: prefill uploads, its logits must not change");
-        assert!(st.decode.cpu_computed > 0, "{slots} slots {policy}: the CPU computed nothing");
+        assert!(
+            same_prefill,
+            "{slots} slots {policy}: prefill uploads, its logits must not change"
+        );
+        assert!(
+            st.decode.cpu_computed > 0,
+            "{slots} slots {policy}: the CPU computed nothing"
+        );
         if policy == MissPolicy::Auto {
-            assert!(st.decode.bytes_uploaded > 0, "auto with equal rates uploads some misses");
+            assert!(
+                st.decode.bytes_uploaded > 0,
+                "auto with equal rates uploads some misses"
+            );
         }
-        assert!(mean <= 1e-4 && worst <= 1e-3, "{slots} slots {policy}: KLD mean {mean:e}, worst {worst:e}");
+        assert!(
+            mean <= 1e-4 && worst <= 1e-3,
+            "{slots} slots {policy}: KLD mean {mean:e}, worst {worst:e}"
+        );
     }
     model.experts.drop_arena();
     let _ = std::fs::remove_dir_all(&dir);

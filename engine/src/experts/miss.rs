@@ -46,9 +46,6 @@ pub struct MissCost {
     pub cpu_fixed_s: f64,
 }
 
-/// Per-layer-step overhead of the CPU side when it is not measured: two small copies and one parallel dispatch.
-pub const DEFAULT_CPU_FIXED_S: f64 = 40e-6;
-
 /// The decision for one layer-step: how many of its misses the CPU computes, given the policy.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MissPlan {
@@ -172,7 +169,10 @@ mod tests {
                         assert!(k <= n);
                         assert!(t <= c.seconds(n, 0, 3 * MB) && t <= c.seconds(n, n, 3 * MB));
                         for other in 0..=n {
-                            assert!(t <= c.seconds(n, other, 3 * MB), "{link} {cpu} {fixed} {n}: {k} vs {other}");
+                            assert!(
+                                t <= c.seconds(n, other, 3 * MB),
+                                "{link} {cpu} {fixed} {n}: {k} vs {other}"
+                            );
                         }
                     }
                 }

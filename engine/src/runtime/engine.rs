@@ -12,7 +12,7 @@ use crate::backend::cuda::experts::{ExpertCacheConfig, HostPin};
 use crate::backend::{AnyBackend, OpenError};
 use crate::device::Device;
 use crate::device::fault::{FaultPlan, FaultSpecError};
-use crate::experts::miss::{DEFAULT_CPU_FIXED_S, MissCost, MissPlan, MissPolicy};
+use crate::experts::miss::{MissCost, MissPlan, MissPolicy};
 use crate::experts::store::host_available_bytes;
 use crate::experts::trace::{RoutingReplay, Trace};
 use crate::memory::{
@@ -434,7 +434,12 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
     c.preload(&model.dense_weight_bytes())
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
     if matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
-        c.set_miss_plan(miss_plan(c, model, ef.miss_policy, pinned.is_some()));
+        set_miss_plan(c, model, ef.miss_policy, pinned.is_some()).map_err(|e| {
+            fail(
+                format!("--miss-policy {}: the CPU's threads: {e}", ef.miss_policy),
+                &plan,
+            )
+        })?;
     }
     if let Ok((left, _)) = c.gpu().mem_info() {
         eprintln!(
@@ -453,26 +458,29 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// above it is a probe bug (DESIGN.md section 1, seed 000's 9-19 TB/s), reported and never used.
 const LINK_PEAK_BYTES_S: f64 = 64e9;
 
-/// The miss plan of `--miss-policy` (DESIGN.md section 3, "Expert cache"), logged in one line: `auto` measures the
-/// link (a copy of one layer's gate experts from the expert store) and the CPU's expert rate (every expert of that
-/// layer computed once for one token, a step's top-k at a time, after one untimed pass), and splits each decode
-/// layer-step's misses by them ([`MissCost`]); a failed or impossible reading falls back to uploading.
-fn miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: bool) -> MissPlan {
-    let upload = MissPlan::default();
+/// Sets the miss plan of `--miss-policy` (DESIGN.md section 3, "Expert cache") and logs it in one line: `auto`
+/// measures the link (a copy of one layer's gate experts from the expert store) and the CPU's expert rate and
+/// per-step cost on the threads misses use ([`CudaBackend::cpu_expert_rate`]), and splits each decode
+/// layer-step's misses by them ([`MissCost`]); a failed or impossible link reading falls back to uploading.
+///
+/// Errors: the CPU's worker threads could not be started.
+fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: bool) -> std::io::Result<()> {
     let plan = |cost| MissPlan { policy, cost };
     match policy {
         MissPolicy::Upload => {
             eprintln!("strata: expert misses at decode are uploaded (--miss-policy upload)");
-            return upload;
+            return c.set_miss_plan(plan(None));
         }
         MissPolicy::Cpu => {
             eprintln!("strata: expert misses at decode are computed by the CPU (--miss-policy cpu)");
-            return plan(None);
+            return c.set_miss_plan(plan(None));
         }
         MissPolicy::Auto => {}
     }
+    // Auto without rates uploads: the plan until (or unless) the probes below succeed.
+    c.set_miss_plan(plan(None))?;
     let Some(ex) = (0..model.hp.n_layer as usize).find_map(|il| model.layer_experts(il)) else {
-        return upload;
+        return Ok(());
     };
     // One layer's gate experts (the 30B shape: 113 MB, past the H200's 50 MB L2), at most 256 MiB.
     let probe = &ex.gate.data[..ex.gate.data.len().min(256 << 20)];
@@ -482,57 +490,46 @@ fn miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: bool) -
             eprintln!(
                 "strata: expert misses: the link probe read {gb_s:.1} GB/s, above PCIe Gen5 x16's 64 GB/s: a probe bug, not used; misses are uploaded"
             );
-            return upload;
+            return Ok(());
         }
         Err(e) => {
             eprintln!("strata: expert misses: the link probe failed ({e}); misses are uploaded");
-            return upload;
+            return Ok(());
         }
     };
-    let cpu = cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize);
+    let k = (model.hp.n_expert_used as usize).max(1);
+    let Some(rate) = c.cpu_expert_rate(&ex, k) else {
+        return Ok(());
+    };
     let cost = MissCost {
         link_bytes_s: link,
-        cpu_bytes_s: cpu,
-        cpu_fixed_s: DEFAULT_CPU_FIXED_S,
+        cpu_bytes_s: rate.bytes_s,
+        cpu_fixed_s: rate.fixed_s + COPIES_S,
     };
     let bytes = [&ex.gate, &ex.up, &ex.down]
         .iter()
         .map(|w| (w.data.len() / ex.n_expert) as u64)
         .sum::<u64>();
-    let k = model.hp.n_expert_used as usize;
     eprintln!(
-        "strata: expert misses auto: link {:.1} GB/s ({}), CPU {:.1} GB/s ({} threads): of {k} misses in a decode layer-step the CPU computes {}, of 1 {}",
+        "strata: expert misses auto: link {:.1} GB/s ({}), CPU {:.1} GB/s + {:.0} us a step ({} threads): of {k} misses in a decode layer-step the CPU computes {}, of 1 {}",
         link / 1e9,
-        if pinned { "page-locked arena" } else { "model file, pageable" },
-        cpu / 1e9,
+        if pinned {
+            "page-locked arena"
+        } else {
+            "model file, pageable"
+        },
+        rate.bytes_s / 1e9,
+        cost.cpu_fixed_s * 1e6,
         rayon::current_num_threads(),
         cost.cpu_count(k, bytes),
         cost.cpu_count(1, bytes),
     );
-    plan(Some(cost))
+    c.set_miss_plan(plan(Some(cost)))
 }
 
-/// Bytes of expert weights the CPU computes per second at decode ([`crate::backend::cpu::CpuBackend::expert_rows`],
-/// all threads): every expert of `ex`'s layer once for one token, `k` at a time (a step's misses), timed after an
-/// untimed pass (page faults, thread start). 0 when the pass took no measurable time.
-pub fn cpu_expert_rate(ex: &crate::backend::Experts<'_>, k: usize) -> f64 {
-    let n_embd = ex.gate.cols;
-    let x: Vec<f32> = (0..n_embd).map(|i| ((i as f32) * 0.37).sin() * 0.1).collect();
-    let mut out = vec![0f32; k * n_embd];
-    let mut scratch = crate::backend::cpu::ExpertRowsScratch::default();
-    let mut pass = || {
-        let t = Instant::now();
-        for first in (0..ex.n_expert).step_by(k) {
-            let jobs: Vec<(u32, u32)> = (first..(first + k).min(ex.n_expert)).map(|e| (e as u32, 0)).collect();
-            crate::backend::cpu::CpuBackend.expert_rows(ex, &x, &jobs, &mut out[..jobs.len() * n_embd], &mut scratch);
-        }
-        t.elapsed().as_secs_f64()
-    };
-    pass();
-    let secs = pass();
-    let bytes = (ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) as f64;
-    if secs > 0.0 { bytes / secs } else { 0.0 }
-}
+/// Seconds a layer-step's CPU side spends on copies outside the expert rows: the activations read back and the
+/// rows' upload (each a few KB).
+const COPIES_S: f64 = 20e-6;
 
 /// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.
 ///

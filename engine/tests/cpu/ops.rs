@@ -3,7 +3,8 @@
 //! expert dispatch.
 
 use half::f16;
-use strata_engine::backend::cpu::{CpuBackend, ExpertRowsScratch, gelu_ggml, gelu_tanh, silu};
+use strata_engine::backend::cpu::spin::SpinPool;
+use strata_engine::backend::cpu::{CpuBackend, ExpertRowsScratch, Workers, gelu_ggml, gelu_tanh, silu};
 use strata_engine::backend::{AttnParams, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
 use strata_engine::model::{Arch, HParams};
 use strata_engine::quant::{self, GgmlType};
@@ -440,6 +441,7 @@ fn moe_dispatch_matches_per_token_expert_loop() {
 fn expert_rows_equal_one_token_steps_bit_for_bit() {
     let be = CpuBackend;
     let (n_expert, nff, e, n_tok) = (5, 256, 256, 3);
+    let pool = SpinPool::new(2).unwrap();
     for ty in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F16] {
         let (gb, _) = quantized(ty, n_expert * nff, e, 51);
         let (ub, _) = quantized(ty, n_expert * nff, e, 52);
@@ -457,11 +459,17 @@ fn expert_rows_equal_one_token_steps_bit_for_bit() {
         let jobs: Vec<(u32, u32)> = vec![(4, 0), (0, 2), (4, 1), (2, 2), (4, 0)];
         let mut got = vec![f32::NAN; jobs.len() * e];
         let mut scratch = ExpertRowsScratch::default();
-        be.expert_rows(&ex, &x, &jobs, &mut got, &mut scratch);
-        // Twice with the same scratch: nothing left over from the first call.
+        be.expert_rows(&ex, &x, &jobs, &mut got, &mut scratch, Workers::Rayon);
+        // Again on spinning workers, with the same scratch: the same bits, nothing left over from the first call.
         let mut again = vec![0f32; jobs.len() * e];
-        be.expert_rows(&ex, &x, &jobs, &mut again, &mut scratch);
-        assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{ty}: not repeatable");
+        be.expert_rows(&ex, &x, &jobs, &mut again, &mut scratch, Workers::Spin(&pool));
+        assert!(
+            got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{ty}: not repeatable"
+        );
+        // The rate probe runs the same code over every expert of the layer.
+        let rate = be.expert_rate(&ex, 2, Workers::Spin(&pool));
+        assert!(rate.bytes_s > 0.0 && rate.fixed_s >= 0.0, "{ty}: {rate:?}");
         for (j, &(ex_id, t)) in jobs.iter().enumerate() {
             let routing = Routing {
                 k: 1,

@@ -11,6 +11,7 @@
 //! paths (once per rayon work item, never per token or per row).
 
 pub mod kernels;
+pub mod spin;
 
 use std::cell::RefCell;
 
@@ -556,8 +557,8 @@ impl CpuBackend {
     }
 }
 
-/// Rows per rayon task in [`CpuBackend::expert_rows`].
-const EXPERT_ROWS: usize = 32;
+/// Rows per task in [`CpuBackend::expert_rows`].
+pub const EXPERT_ROWS: usize = 32;
 
 /// Reusable buffers of [`CpuBackend::expert_rows`] (grown on demand, kept between calls).
 #[derive(Debug, Default)]
@@ -565,11 +566,39 @@ pub struct ExpertRowsScratch {
     /// The tokens quantized for the gate and the up matrix.
     xg: QuantizedActivations,
     xu: QuantizedActivations,
-    /// Each job's GLU output quantized for the down matrix.
+    /// Every job's GLU output quantized for the down matrix.
     hq: QuantizedActivations,
-    /// `[jobs][n_ff_exp]`.
-    gate: Vec<f32>,
-    up: Vec<f32>,
+    /// `[jobs][n_ff_exp]`: each job's `glu(gate x, up x)`.
+    h: Vec<f32>,
+}
+
+/// The threads [`CpuBackend::expert_rows`] runs its tasks on.
+#[derive(Debug, Clone, Copy)]
+pub enum Workers<'a> {
+    /// Rayon's global pool (what every other CPU op uses).
+    Rayon,
+    /// A pool whose workers spin between jobs (bursts at a steady beat: [`spin`]).
+    Spin(&'a spin::SpinPool),
+}
+
+impl Workers<'_> {
+    /// Runs `f(0..n)`, each once, and returns when all have run.
+    pub fn run(self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.run_beside(n, f, || ());
+    }
+
+    /// [`Workers::run`] with `beside` on the calling thread meanwhile ([`spin::SpinPool::run_beside`]; rayon's
+    /// pool runs it first, then the tasks).
+    pub fn run_beside<R>(self, n: usize, f: &(dyn Fn(usize) + Sync), beside: impl FnOnce() -> R) -> R {
+        match self {
+            Workers::Rayon => {
+                let r = beside();
+                (0..n).into_par_iter().for_each(f);
+                r
+            }
+            Workers::Spin(p) => p.run_beside(n, f, beside),
+        }
+    }
 }
 
 /// Row `r` of `w` times vector `v` of `qa` (quantized weights), or times `f` (float weights, f32 activations).
@@ -586,9 +615,11 @@ impl CpuBackend {
     /// Single experts at decode, unweighted: job `j = (e, t)` writes `out[j * n_embd..(j + 1) * n_embd]` =
     /// `down_e(glu(gate_e x_t, up_e x_t))` for token `t` of `x` (`[n_tok][n_embd]`). Each output is computed as
     /// [`CpuBackend::moe_ffn`] computes a one-token step (int8 activations quantized once per token and matrix,
-    /// one dot product per row), bit for bit; the rows of every job are split among the threads together, so
-    /// the few experts a decode step misses keep every core busy. This is how the CPU computes the experts a GPU's
-    /// expert cache misses (DESIGN.md section 3, "Expert cache").
+    /// one dot product per row), bit for bit. Two parallel passes over every job's rows together, as tasks of
+    /// [`EXPERT_ROWS`] rows on `workers` (gate and up with the GLU; then, after the GLU outputs are quantized, the
+    /// down rows), so the few experts a decode step misses keep every core busy. This is how the CPU computes the
+    /// experts a GPU's expert cache misses (DESIGN.md section 3, "Expert cache"). No allocation once the scratch
+    /// has grown.
     ///
     /// Panics if `x` is not whole tokens of `ex`'s width, `out` is not `jobs.len() * n_embd` values, or a job
     /// names an expert or token out of range.
@@ -599,13 +630,32 @@ impl CpuBackend {
         jobs: &[(u32, u32)],
         out: &mut [f32],
         s: &mut ExpertRowsScratch,
+        workers: Workers<'_>,
     ) {
+        self.expert_rows_beside(ex, x, jobs, out, s, workers, || ());
+    }
+
+    /// [`CpuBackend::expert_rows`], with `beside` run on the calling thread while the workers start on the first
+    /// pass ([`Workers::run_beside`]): a GPU's launches for the experts it computes itself. Returns `beside`'s
+    /// value.
+    #[allow(clippy::too_many_arguments)]
+    pub fn expert_rows_beside<R>(
+        &self,
+        ex: &Experts<'_>,
+        x: &[f32],
+        jobs: &[(u32, u32)],
+        out: &mut [f32],
+        s: &mut ExpertRowsScratch,
+        workers: Workers<'_>,
+        beside: impl FnOnce() -> R,
+    ) -> R {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         assert_eq!(x.len() % n_embd, 0, "expert_rows: activations");
         assert_eq!(out.len(), jobs.len() * n_embd, "expert_rows: output");
         let n_tok = x.len() / n_embd;
         assert!(
-            jobs.iter().all(|&(e, t)| (e as usize) < ex.n_expert && (t as usize) < n_tok),
+            jobs.iter()
+                .all(|&(e, t)| (e as usize) < ex.n_expert && (t as usize) < n_tok),
             "expert_rows: a job out of range"
         );
         let quantize = |qa: &mut QuantizedActivations, w: &QMat<'_>, v: &[f32], n: usize| {
@@ -615,43 +665,101 @@ impl CpuBackend {
         };
         quantize(&mut s.xg, &ex.gate, x, n_embd);
         quantize(&mut s.xu, &ex.up, x, n_embd);
-        s.gate.resize(jobs.len() * nff, 0.0);
-        s.up.resize(jobs.len() * nff, 0.0);
-        let experts: Vec<[QMat<'_>; 3]> = jobs.iter().map(|&(e, _)| ex.expert(e as usize)).collect();
+        s.h.resize(jobs.len() * nff, 0.0);
+        let shape = ex.shape();
+        let f = match ex.act {
+            GluKind::SwiGlu => silu,
+            GluKind::GeGlu => gelu_ggml,
+        };
+        // Pass 1: task (job, c) computes rows c * EXPERT_ROWS.. of the job's gate and up, and their GLU.
+        let (chunks_ff, chunks_embd) = (nff.div_ceil(EXPERT_ROWS), n_embd.div_ceil(EXPERT_ROWS));
+        let h = SharedOut(s.h.as_mut_ptr());
         let (xg, xu) = (&s.xg, &s.xu);
-        s.gate
-            .par_chunks_mut(nff)
-            .zip(s.up.par_chunks_mut(nff))
-            .zip(jobs.par_iter().zip(&experts))
-            .for_each(|((g, u), (&(_, t), [gw, uw, _]))| {
-                let t = t as usize;
+        let r = workers.run_beside(
+            jobs.len() * chunks_ff,
+            &|task| {
+                let (j, c) = (task / chunks_ff, task % chunks_ff);
+                let (e, t) = (jobs[j].0 as usize, jobs[j].1 as usize);
                 let xt = &x[t * n_embd..(t + 1) * n_embd];
-                g.par_chunks_mut(EXPERT_ROWS)
-                    .zip(u.par_chunks_mut(EXPERT_ROWS))
-                    .enumerate()
-                    .for_each(|(c, (g, u))| {
-                        let r0 = c * EXPERT_ROWS;
-                        for (i, (yg, yu)) in g.iter_mut().zip(u.iter_mut()).enumerate() {
-                            *yg = dot_row(gw, r0 + i, xg, t, xt);
-                            *yu = dot_row(uw, r0 + i, xu, t, xt);
-                        }
-                    });
-            });
-        self.glu(&mut s.gate, &s.up, ex.act);
-        quantize(&mut s.hq, &ex.down, &s.gate, nff);
-        let (hq, h) = (&s.hq, &s.gate);
-        out.par_chunks_mut(n_embd)
-            .zip(experts.par_iter())
-            .enumerate()
-            .for_each(|(j, (o, [_, _, dw]))| {
-                let hj = &h[j * nff..(j + 1) * nff];
-                o.par_chunks_mut(EXPERT_ROWS).enumerate().for_each(|(c, o)| {
-                    let r0 = c * EXPERT_ROWS;
-                    for (i, y) in o.iter_mut().enumerate() {
-                        *y = dot_row(dw, r0 + i, hq, j, hj);
-                    }
-                });
-            });
+                let g0 = shape.gate_rows(e).start;
+                let rows = c * EXPERT_ROWS..((c + 1) * EXPERT_ROWS).min(nff);
+                for r in rows {
+                    // CpuBackend::glu's formula on the two rows' dot products.
+                    let y = f(dot_row(&ex.gate, g0 + r, xg, t, xt)) * dot_row(&ex.up, g0 + r, xu, t, xt);
+                    // SAFETY: task (j, c) alone writes h[j * nff + r] for r in its rows; `s.h` holds jobs * nff values
+                    // and outlives the pass (run returns when every task has).
+                    unsafe { *h.ptr().add(j * nff + r) = y };
+                }
+            },
+            beside,
+        );
+        quantize(&mut s.hq, &ex.down, &s.h, nff);
+        // Pass 2: task (job, c) computes rows c * EXPERT_ROWS.. of the job's down projection.
+        let o = SharedOut(out.as_mut_ptr());
+        let (hq, hs) = (&s.hq, &s.h);
+        workers.run(jobs.len() * chunks_embd, &|task| {
+            let (j, c) = (task / chunks_embd, task % chunks_embd);
+            let d0 = shape.down_rows(jobs[j].0 as usize).start;
+            let hj = &hs[j * nff..(j + 1) * nff];
+            for r in c * EXPERT_ROWS..((c + 1) * EXPERT_ROWS).min(n_embd) {
+                let y = dot_row(&ex.down, d0 + r, hq, j, hj);
+                // SAFETY: task (j, c) alone writes out[j * n_embd + r] for r in its rows; `out` holds
+                // jobs * n_embd values (asserted) and outlives the pass.
+                unsafe { *o.ptr().add(j * n_embd + r) = y };
+            }
+        });
+        r
+    }
+}
+
+/// What [`CpuBackend::expert_rate`] measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ExpertRate {
+    /// Expert weight bytes computed per second, steps of `k` experts back to back.
+    pub bytes_s: f64,
+    /// Seconds a step costs beyond its bytes when it follows an idle gap (the threads' start, the passes'
+    /// barriers): the fastest one-expert step after a gap, less its bytes at `bytes_s`.
+    pub fixed_s: f64,
+}
+
+impl CpuBackend {
+    /// How fast `workers` compute experts at decode ([`CpuBackend::expert_rows`], one token): every expert of
+    /// `ex`'s layer once, `k` at a time (a step's misses), timed after one untimed pass (page faults, thread
+    /// start); then 8 one-expert steps, each after a 300 us gap. 0 bytes/s when the pass took no measurable time.
+    pub fn expert_rate(&self, ex: &Experts<'_>, k: usize, workers: Workers<'_>) -> ExpertRate {
+        let n_embd = ex.gate.cols;
+        let k = k.clamp(1, ex.n_expert);
+        let x: Vec<f32> = (0..n_embd).map(|i| ((i as f32) * 0.37).sin() * 0.1).collect();
+        let mut out = vec![0f32; k * n_embd];
+        let mut s = ExpertRowsScratch::default();
+        let mut jobs: Vec<(u32, u32)> = Vec::with_capacity(k);
+        let mut step = |first: usize, n: usize, out: &mut [f32]| {
+            jobs.clear();
+            jobs.extend((first..(first + n).min(ex.n_expert)).map(|e| (e as u32, 0)));
+            let t = std::time::Instant::now();
+            self.expert_rows(ex, &x, &jobs, &mut out[..jobs.len() * n_embd], &mut s, workers);
+            t.elapsed().as_secs_f64()
+        };
+        let mut pass = || (0..ex.n_expert).step_by(k).map(|e| step(e, k, &mut out)).sum::<f64>();
+        pass();
+        let secs = pass();
+        let total = (ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) as f64;
+        let bytes_s = if secs > 0.0 { total / secs } else { 0.0 };
+        let one = (0..8)
+            .map(|i| {
+                std::thread::sleep(std::time::Duration::from_micros(300));
+                step((i * 13) % ex.n_expert, 1, &mut out)
+            })
+            .fold(f64::INFINITY, f64::min);
+        let per_expert = total / ex.n_expert as f64;
+        ExpertRate {
+            bytes_s,
+            fixed_s: if bytes_s > 0.0 {
+                (one - per_expert / bytes_s).max(0.0)
+            } else {
+                one
+            },
+        }
     }
 }
 

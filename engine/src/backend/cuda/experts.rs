@@ -10,9 +10,11 @@
 //! the all-resident path.
 //!
 //! At decode a miss may instead be computed by the CPU ([`MissPlan`], `--miss-policy`):
-//! [`ExpertPool::choose_cpu_misses`] picks which, the GPU reads a placeholder slot for those routing slots, and the CPU's rows replace what it wrote
-//! before the experts are summed ([`ExpertPool::compute_cpu_misses`]). Such results differ from the all-resident
-//! run by the two backends' rounding (the CPU's int8 dot products against the GPU's), never by more.
+//! [`ExpertPool::choose_cpu_misses`] picks which, the GPU reads a placeholder slot for those routing slots, and the
+//! CPU's rows (computed on spinning workers while this thread queues the GPU's launches:
+//! [`CpuMisses::compute_beside`]) replace what it wrote before the experts are summed. Such results differ from
+//! the all-resident run by the two backends' rounding (the CPU's int8 dot products against the GPU's), never by
+//! more.
 //!
 //! Ordering. Decode uploads go on the compute stream, in order with the launches around them. Prefill uploads go
 //! on a copy stream, double-buffered: the staging slots are two halves, and while the compute stream runs the
@@ -23,14 +25,15 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 
 use super::buffer::DevBuf;
 use super::error::CudaError;
 use crate::backend::Experts;
-use crate::backend::cpu::{CpuBackend, ExpertRowsScratch};
+use crate::backend::cpu::spin::SpinPool;
+use crate::backend::cpu::{CpuBackend, ExpertRate, ExpertRowsScratch, Workers};
 use crate::experts::cache::{Access, CacheStats, Policy, SlotCache};
-use crate::experts::miss::MissPlan;
+use crate::experts::miss::{MissPlan, MissPolicy};
 use crate::experts::{ExpertId, slot_layout};
 
 /// What the pool is made for (sized by the memory plan: `memory::ExpertPlacement::Cache`).
@@ -76,15 +79,118 @@ const ON_CPU: u32 = u32::MAX - 1;
 /// A decode layer-step's misses computed by the CPU: the jobs, their results, and the host buffers they use.
 #[derive(Default)]
 pub(super) struct CpuMisses {
-    /// `(expert, token)` of each routing slot in `rows` (`rows[i]` is routing slot `rows[i]`'s output).
+    /// `(expert, token)` of each job.
     jobs: Vec<(u32, u32)>,
-    /// The routing slot of each job, as the device's `scatter_rows_f32` reads them.
-    pub(super) routing_slots: Vec<u32>,
-    /// The step's activations read back, `[n_tok][n_embd]`.
-    pub(super) x: Vec<f32>,
-    /// `[jobs][n_embd]` results, then the routing slots' indices as `u32` bits: one upload.
-    pub(super) out: Vec<f32>,
+    /// The routing slot of each job (whose row of the experts' outputs the job's result replaces).
+    routing_slots: Vec<u32>,
+    /// The step's activations read back (page-locked, so the copy is queued beside the routing's),
+    /// `[n_tok][n_embd]` in the first `x_len` values.
+    x: Option<PinnedHostSlice<f32>>,
+    x_len: usize,
+    /// Page-locked, so its upload is asynchronous: `[jobs][n_embd]` results, then the routing slots as `u32`
+    /// bits (what `scatter_rows_f32` reads). Written only after the stream has passed its last upload (each
+    /// decode layer-step first reads its routing back, which waits for the stream).
+    out: Option<PinnedHostSlice<f32>>,
+    /// Values of `out` the current jobs fill.
+    len: usize,
     scratch: ExpertRowsScratch,
+    /// The threads that compute them (made when a miss plan may use the CPU; else rayon's).
+    workers: Option<SpinPool>,
+    /// Wall time of [`CpuMisses::compute_beside`] calls since the pool last counted it, microseconds.
+    busy_us: u64,
+}
+
+impl CpuMisses {
+    fn workers(&self) -> Workers<'_> {
+        self.workers.as_ref().map_or(Workers::Rayon, Workers::Spin)
+    }
+
+    /// Jobs of the current layer-step.
+    pub(super) fn rows(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Queues a copy of the step's activations (`n` values at device address `src`) into the page-locked buffer
+    /// (grown in `ctx` when short). The caller waits for the stream before [`CpuMisses::compute_beside`] reads them
+    /// (the routing's read-back does).
+    ///
+    /// Errors: the buffer could not be allocated, or the copy queued.
+    pub(super) fn queue_x_read(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        src: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let x = pinned(&mut self.x, ctx, n)?;
+        // SAFETY: `src` holds the step's `n` activations; `x` holds at least `n` page-locked values, read by the
+        // host only after the stream is waited for, and not freed before (a larger buffer replaces it only here,
+        // when the stream has passed the copy: the last read-back waited for it).
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut x[..n], src, stream.cu_stream()) }
+            .map_err(CudaError::driver("reading the activations back for the CPU's experts"))?;
+        self.x_len = n;
+        Ok(())
+    }
+
+    /// Computes the jobs from `x` into the page-locked buffer (grown in `ctx` when short) while `beside` runs on
+    /// this thread ([`CpuBackend::expert_rows_beside`]). Returns `beside`'s value.
+    ///
+    /// Errors: the page-locked buffer could not be allocated (then nothing was computed and `beside` did not run).
+    pub(super) fn compute_beside<R>(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        ex: &Experts<'_>,
+        beside: impl FnOnce() -> R,
+    ) -> Result<R, CudaError> {
+        let n_embd = ex.gate.cols;
+        let rows = self.jobs.len() * n_embd;
+        self.len = rows + self.jobs.len();
+        let out = pinned(&mut self.out, ctx, self.len)?;
+        let workers = self.workers.as_ref().map_or(Workers::Rayon, Workers::Spin);
+        let x = self
+            .x
+            .as_ref()
+            .expect("read back before computed")
+            .as_slice()
+            .map_err(CudaError::driver("page-locked buffer"))?;
+        let t = std::time::Instant::now();
+        let r = CpuBackend.expert_rows_beside(
+            ex,
+            &x[..self.x_len],
+            &self.jobs,
+            &mut out[..rows],
+            &mut self.scratch,
+            workers,
+            beside,
+        );
+        for (o, &j) in out[rows..self.len].iter_mut().zip(&self.routing_slots) {
+            *o = f32::from_bits(j);
+        }
+        self.busy_us += t.elapsed().as_micros() as u64;
+        Ok(r)
+    }
+}
+
+/// The page-locked buffer in `slot`, grown in `ctx` to at least `n` values; its values as a slice.
+///
+/// Errors: the allocation failed.
+fn pinned<'a>(
+    slot: &'a mut Option<PinnedHostSlice<f32>>,
+    ctx: &Arc<CudaContext>,
+    n: usize,
+) -> Result<&'a mut [f32], CudaError> {
+    if slot.as_ref().is_none_or(|b| b.len() < n) {
+        *slot = None;
+        // SAFETY: the values are written (by a copy or the CPU) before anything reads them.
+        *slot = Some(
+            unsafe { ctx.alloc_pinned_with_flags::<f32>(n.max(1024), 0) }
+                .map_err(CudaError::driver(format!("page-locked buffer of {} bytes", n * 4)))?,
+        );
+    }
+    slot.as_mut()
+        .expect("just sized")
+        .as_mut_slice()
+        .map_err(CudaError::driver("page-locked buffer"))
 }
 
 /// The device slots and their bookkeeping.
@@ -161,9 +267,21 @@ impl ExpertPool {
         })
     }
 
-    /// Where decode misses are computed from now on.
-    pub(super) fn set_miss_plan(&mut self, plan: MissPlan) {
+    /// Where decode misses are computed from now on. A plan that may use the CPU starts its spinning workers
+    /// (one fewer than rayon's threads: the stepping thread works beside them).
+    ///
+    /// Errors: the OS refused a thread.
+    pub(super) fn set_miss_plan(&mut self, plan: MissPlan) -> std::io::Result<()> {
+        if plan.policy != MissPolicy::Upload && self.cpu.workers.is_none() {
+            self.cpu.workers = Some(SpinPool::new(rayon::current_num_threads().saturating_sub(1))?);
+        }
         self.miss = plan;
+        Ok(())
+    }
+
+    /// How fast the CPU computes `ex`'s experts on the workers misses use ([`CpuBackend::expert_rate`]).
+    pub(super) fn cpu_expert_rate(&self, ex: &Experts<'_>, k: usize) -> ExpertRate {
+        CpuBackend.expert_rate(ex, k, self.cpu.workers())
     }
 
     pub(super) fn miss_plan(&self) -> MissPlan {
@@ -380,8 +498,8 @@ impl ExpertPool {
     /// [`ExpertPool::place_decode`]): `ids` holds each routing slot's expert (`[n_tok][k]`). The miss plan gives
     /// the CPU the last of the step's distinct misses in routing order; they become jobs of [`ExpertPool::cpu`].
     /// Nothing is queued on the device, so the caller can read the step's activations back into `cpu.x` without
-    /// waiting for uploads. Returns whether the CPU has jobs (then call [`ExpertPool::compute_cpu_misses`] once the
-    /// kernels are queued).
+    /// waiting for uploads. Returns whether the CPU has jobs (then compute them with [`CpuMisses::compute_beside`]
+    /// and upload them with [`ExpertPool::upload_cpu_rows`]).
     pub(super) fn choose_cpu_misses(&mut self, ex: &Experts<'_>, ids: &[u32], k: usize) -> bool {
         self.cpu.jobs.clear();
         self.cpu.routing_slots.clear();
@@ -436,17 +554,24 @@ impl ExpertPool {
         Ok(())
     }
 
-    /// Computes the layer-step's CPU jobs ([`ExpertPool::place_decode`]) from `cpu.x` on every core, into
-    /// `cpu.out`: the jobs' rows (`[jobs][n_embd]`), then their routing slots as `u32` bits.
-    pub(super) fn compute_cpu_misses(&mut self, ex: &Experts<'_>) {
-        let n_embd = ex.gate.cols;
+    /// Queues the upload of the CPU's results ([`CpuMisses::compute_beside`]) to `dst`: `rows * (n_embd + 1)` values,
+    /// the rows then their routing slots; and counts the CPU's busy time.
+    ///
+    /// Errors: the copy could not be queued.
+    pub(super) fn upload_cpu_rows(&mut self, stream: &Arc<CudaStream>, dst: u64) -> Result<(), CudaError> {
+        self.stats.decode.cpu_us += std::mem::take(&mut self.cpu.busy_us);
         let c = &mut self.cpu;
-        c.out.clear();
-        c.out.resize(c.jobs.len() * n_embd, 0.0);
-        let t = std::time::Instant::now();
-        CpuBackend.expert_rows(ex, &c.x, &c.jobs, &mut c.out, &mut c.scratch);
-        self.stats.decode.cpu_us += t.elapsed().as_micros() as u64;
-        c.out.extend(c.routing_slots.iter().map(|&j| f32::from_bits(j)));
+        let out = c
+            .out
+            .as_mut()
+            .expect("computed before uploaded")
+            .as_mut_slice()
+            .map_err(CudaError::driver("page-locked buffer"))?;
+        // SAFETY: `dst` holds `len` values (the caller sized it); `out` is page-locked and not written again
+        // before the stream has passed this copy (the next layer-step reads its routing back first; the pool is
+        // dropped only after the stream is drained).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, &out[..c.len], stream.cu_stream()) }
+            .map_err(CudaError::driver("uploading the CPU's expert rows"))
     }
 
     /// The counts so far, and zero them.

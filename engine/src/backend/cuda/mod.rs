@@ -330,10 +330,19 @@ impl CudaBackend {
 
     /// Where the expert cache computes a decode step's misses from now on (`--miss-policy`; the default uploads
     /// every miss). Nothing without a cache.
-    pub fn set_miss_plan(&self, plan: crate::experts::miss::MissPlan) {
-        if let Some(p) = self.lock().experts.as_mut() {
-            p.set_miss_plan(plan);
+    ///
+    /// Errors: the CPU's worker threads could not be started.
+    pub fn set_miss_plan(&self, plan: crate::experts::miss::MissPlan) -> std::io::Result<()> {
+        match self.lock().experts.as_mut() {
+            Some(p) => p.set_miss_plan(plan),
+            None => Ok(()),
         }
+    }
+
+    /// How fast the CPU computes `ex`'s experts at decode on the threads the expert cache's misses use (`k` at a
+    /// time, [`crate::backend::cpu::CpuBackend::expert_rate`]); `None` without a cache.
+    pub fn cpu_expert_rate(&self, ex: &Experts<'_>, k: usize) -> Option<crate::backend::cpu::ExpertRate> {
+        self.lock().experts.as_ref().map(|p| p.cpu_expert_rate(ex, k))
     }
 
     /// The expert cache's miss plan, if the backend has a cache.

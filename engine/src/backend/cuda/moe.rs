@@ -9,6 +9,7 @@ use super::{
     mmv_moe_rows_per_block, norm_threads, typed,
 };
 use crate::backend::{Backend, Experts, MoeScratch, QMat, Routing};
+use crate::experts::miss::MissPolicy;
 use crate::quant::GgmlType;
 
 /// The experts run on the device: types with kernels, and at most 1024 experts (the router kernel's staging); else
@@ -171,18 +172,6 @@ fn f16_rows(gpu: &Gpu, src: u64, dst: u64, n: usize) -> Result<(), CudaError> {
     )
 }
 
-/// Reads `n` f32 values at device address `src` into `out` (resized), waiting for the stream.
-fn read_f32(gpu: &Gpu, src: u64, n: usize, out: &mut Vec<f32>) -> Result<(), CudaError> {
-    out.resize(n, 0.0);
-    // SAFETY: `src` is a device buffer of at least `n` values (the caller's activations), `out` holds `n` values
-    // and outlives the copy (the stream is synchronized before returning).
-    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out[..], src, gpu.stream.cu_stream()) }
-        .map_err(CudaError::driver("reading the activations back for the CPU's experts"))?;
-    gpu.stream
-        .synchronize()
-        .map_err(CudaError::driver("stream synchronize"))
-}
-
 impl Inner {
     /// The router's choice on the device (`moe_route`): `ids`/`wts` ([n_tok][k]) into their slots from the
     /// logits at `logits` ([n_tok][n_expert], overwritten by the probabilities).
@@ -240,6 +229,94 @@ impl Inner {
         r
     }
 
+    /// The decode experts' launches: gate and up (one launch when they share type and stride), the GLU unless
+    /// the down projection fuses it, and the down projection, each routing slot reading the expert (or cache
+    /// slot) `ids` names at `at`; `bufs` are the gate, up and down outputs (`[slots][n_ff_exp]`,
+    /// `[slots][n_ff_exp]`, `[slots][n_embd]`).
+    #[allow(clippy::too_many_arguments)]
+    fn mmv_experts(
+        &mut self,
+        gpu: &Gpu,
+        ex: &Experts<'_>,
+        at: &ExpertsAt,
+        ids: u64,
+        xp: u64,
+        bufs: [u64; 3],
+        k: usize,
+        slots: usize,
+    ) -> Result<(), CudaError> {
+        let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
+        let [gp, up, dp] = bufs;
+        let same = ex.gate.ty == ex.up.ty;
+        #[allow(clippy::too_many_arguments)]
+        let launch = |m: usize,
+                      wb: u64,
+                      x: u64,
+                      ya: u64,
+                      yb: u64,
+                      div: usize,
+                      w: &QMat<'_>,
+                      rows: usize,
+                      z: u32,
+                      xu: u64,
+                      early: bool| {
+            gpu.launch(
+                typed("mmv_moe_", w.ty),
+                (
+                    rows.div_ceil(mmv_moe_rows_per_block(w.ty, w.cols)) as u32,
+                    slots as u32,
+                    z,
+                ),
+                (256, 1, 1),
+                &[
+                    Arg::P(at.base[m]),
+                    Arg::P(wb),
+                    Arg::P(x),
+                    Arg::P(ya),
+                    Arg::P(yb),
+                    Arg::P(ids),
+                    Arg::I(div as i32),
+                    Arg::I(rows as i32),
+                    Arg::I(w.cols as i32),
+                    Arg::L(w.row_bytes as i64),
+                    Arg::L(at.stride[m] as i64),
+                    Arg::P(xu),
+                    Arg::I(glu_code(ex.act)),
+                    Arg::I(early as i32),
+                ],
+            )
+        };
+        // Gate and up in one launch need the same type and the same stride (the kernel takes one).
+        if same && at.stride[0] == at.stride[1] {
+            launch(0, at.base[1], xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
+        } else {
+            launch(0, at.base[0], xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
+            launch(1, at.base[1], xp, up, up, k, &ex.up, nff, 1, 0, false)?;
+        }
+        // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
+        // fewer); other types and rows wider than its staging take the GLU kernel first.
+        let fused_glu = ex.down.ty == GgmlType::Q4_K && nff <= MMV_X_MAX;
+        if !fused_glu {
+            glu_dev(gpu, gp, up, slots * nff, ex.act)?;
+        }
+        launch(
+            2,
+            at.base[2],
+            gp,
+            dp,
+            dp,
+            1,
+            &ex.down,
+            n_embd,
+            1,
+            if fused_glu { up } else { 0 },
+            // moe_route or router_route wrote the ids two launches back at least (with a cache, the host
+            // wrote them before both): the down projection's first weight loads need not wait for the
+            // gate/up launch (common.cuh, pdl_enter, says why that holds).
+            true,
+        )
+    }
+
     /// [`Inner::moe_dispatch`] with the expert cache (if any) out of `self`.
     #[allow(clippy::too_many_arguments)]
     fn moe_dispatch_with(
@@ -260,7 +337,6 @@ impl Inner {
         let gp = self.slot(gpu, Slot::MoeGate, slots * nff * 4)?;
         let up = self.slot(gpu, Slot::MoeUp, slots * nff * 4)?;
         let dp = self.slot(gpu, Slot::MoeDown, slots * n_embd * 4)?;
-        let same = ex.gate.ty == ex.up.ty;
         let resident = |s: &mut Self| -> Result<ExpertsAt, CudaError> {
             Ok(ExpertsAt {
                 base: [
@@ -277,107 +353,55 @@ impl Inner {
         };
         let rows_map = if n_tok <= MMV_MAX_TOKENS {
             // Decode: every slot reaches its expert by id on the device (by its cache slot's id with a cache).
-            let (at, ids) = match pool.as_deref_mut() {
-                None => (resident(self)?, ids),
+            let bufs = [gp, up, dp];
+            match pool.as_deref_mut() {
+                None => {
+                    let at = resident(self)?;
+                    self.mmv_experts(gpu, ex, &at, ids, xp, bufs, k, slots)?;
+                }
                 Some(pool) => {
                     let mut ids_h = vec![0u32; slots];
+                    if pool.miss_plan().policy != MissPolicy::Upload {
+                        // The CPU may compute some misses: the activations come back with the routing (one wait).
+                        // Launches a replayed step deferred run first.
+                        gpu.flush_step()?;
+                        pool.cpu.queue_x_read(&gpu.ctx, &gpu.stream, xp, n_tok * n_embd)?;
+                    }
                     self.read_slot(gpu, Slot::MoeIds, &mut ids_h)?;
                     pool.begin(&gpu.stream, ex, true)?;
-                    if pool.choose_cpu_misses(ex, &ids_h, k) {
-                        // The CPU computes some misses: it needs the step's activations, read while the stream is
-                        // idle (read_slot waited for it), before the uploads are queued.
-                        read_f32(gpu, xp, n_tok * n_embd, &mut pool.cpu.x)?;
+                    let on_cpu = pool.choose_cpu_misses(ex, &ids_h, k);
+                    // The GPU's part: place the experts (hits in place, misses uploaded), then its launches.
+                    let mut gpu_part = |s: &mut Self, pool: &mut ExpertPool| -> Result<(), CudaError> {
+                        pool.place_decode(&gpu.stream, ex, &mut ids_h)?;
+                        let sp = s.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
+                        s.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots)
+                    };
+                    if on_cpu {
+                        // The CPU's workers start on their experts while this thread queues the GPU's part; the
+                        // CPU's rows then replace the placeholder rows of dp.
+                        let mut cpu = std::mem::take(&mut pool.cpu);
+                        let queued = cpu.compute_beside(&gpu.ctx, ex, || gpu_part(self, pool));
+                        pool.cpu = cpu;
+                        queued??;
+                        let n = pool.cpu.rows();
+                        let src = self.slot(gpu, Slot::MoeCpuRows, n * (n_embd + 1) * 4)?;
+                        pool.upload_cpu_rows(&gpu.stream, src)?;
+                        gpu.launch(
+                            "scatter_rows_f32",
+                            grid1(n * n_embd, 256),
+                            (256, 1, 1),
+                            &[
+                                Arg::P(src),
+                                Arg::P(src + (n * n_embd * 4) as u64),
+                                Arg::P(dp),
+                                Arg::I(n as i32),
+                                Arg::I(n_embd as i32),
+                            ],
+                        )?;
+                    } else {
+                        gpu_part(self, pool)?;
                     }
-                    pool.place_decode(&gpu.stream, ex, &mut ids_h)?;
-                    let sp = self.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
-                    (pool_at(pool, ex), sp)
                 }
-            };
-            #[allow(clippy::too_many_arguments)]
-            let launch = |m: usize,
-                          wb: u64,
-                          x: u64,
-                          ya: u64,
-                          yb: u64,
-                          div: usize,
-                          w: &QMat<'_>,
-                          rows: usize,
-                          z: u32,
-                          xu: u64,
-                          early: bool| {
-                gpu.launch(
-                    typed("mmv_moe_", w.ty),
-                    (
-                        rows.div_ceil(mmv_moe_rows_per_block(w.ty, w.cols)) as u32,
-                        slots as u32,
-                        z,
-                    ),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(at.base[m]),
-                        Arg::P(wb),
-                        Arg::P(x),
-                        Arg::P(ya),
-                        Arg::P(yb),
-                        Arg::P(ids),
-                        Arg::I(div as i32),
-                        Arg::I(rows as i32),
-                        Arg::I(w.cols as i32),
-                        Arg::L(w.row_bytes as i64),
-                        Arg::L(at.stride[m] as i64),
-                        Arg::P(xu),
-                        Arg::I(glu_code(ex.act)),
-                        Arg::I(early as i32),
-                    ],
-                )
-            };
-            // Gate and up in one launch need the same type and the same stride (the kernel takes one).
-            if same && at.stride[0] == at.stride[1] {
-                launch(0, at.base[1], xp, gp, up, k, &ex.gate, nff, 2, 0, false)?;
-            } else {
-                launch(0, at.base[0], xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
-                launch(1, at.base[1], xp, up, up, k, &ex.up, nff, 1, 0, false)?;
-            }
-            // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
-            // fewer); other types and rows wider than its staging take the GLU kernel first.
-            let fused_glu = ex.down.ty == GgmlType::Q4_K && nff <= MMV_X_MAX;
-            if !fused_glu {
-                glu_dev(gpu, gp, up, slots * nff, ex.act)?;
-            }
-            launch(
-                2,
-                at.base[2],
-                gp,
-                dp,
-                dp,
-                1,
-                &ex.down,
-                n_embd,
-                1,
-                if fused_glu { up } else { 0 },
-                // moe_route or router_route wrote the ids two launches back at least (with a cache, the host
-                // wrote them before both): the down projection's first weight loads need not wait for the
-                // gate/up launch (common.cuh, pdl_enter, says why that holds).
-                true,
-            )?;
-            if let Some(pool) = pool.as_deref_mut().filter(|p| !p.cpu.routing_slots.is_empty()) {
-                // The GPU works on the hits and the uploaded misses while the CPU computes the rest; its rows
-                // then replace the placeholder rows of dp.
-                pool.compute_cpu_misses(ex);
-                let n = pool.cpu.routing_slots.len();
-                let src = self.upload(gpu, Slot::MoeCpuRows, bytemuck::cast_slice(&pool.cpu.out))?;
-                gpu.launch(
-                    "scatter_rows_f32",
-                    grid1(n * n_embd, 256),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(src),
-                        Arg::P(src + (n * n_embd * 4) as u64),
-                        Arg::P(dp),
-                        Arg::I(n as i32),
-                        Arg::I(n_embd as i32),
-                    ],
-                )?;
             }
             0
         } else {
