@@ -24,8 +24,10 @@
 #     offload-30b  the 30B shape with its experts in host memory and a VRAM expert cache: `strata bench` (pp512,
 #                  pp4096, tg64) all resident, then under --vram-budget 10.7GiB and 1.9GiB (llama.cpp's -ncmoe 20
 #                  and 48 use that much; DESIGN.md section 5), routed by a uniform trace and by the published
-#                  locality (--routing-trace), from the arena and with --mmap-experts, with each run's sizing lines,
-#                  hit rates and bytes uploaded per token (OFFLOAD_CONFIGS: "name|bench args;..." replaces the set)
+#                  locality (--routing-trace), from the arena and with --mmap-experts, decode misses split between
+#                  the link and the CPU (--miss-policy auto, the default) and, in the -upload arms, all uploaded,
+#                  with each run's sizing and miss-plan lines, hit rates and bytes uploaded and computed by the CPU
+#                  per token (OFFLOAD_CONFIGS: "name|bench args;..." replaces the set)
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -137,13 +139,13 @@ bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b|offload-30b)
     "$BIN" experts synth-trace --out "$WORK/random.jsonl" --tokens 4096 --random > "$OUT/trace-random.txt" 2>&1
     row "routing traces" "$(grep -ho 'reused at the next token.*' "$OUT"/trace-*.txt | tr '\n' ' ' | cut -c1-100)"
     R=--routing-trace
-    IFS=';' read -ra configs <<< "${OFFLOAD_CONFIGS:-resident|--prompt-tokens 512,4096 --prefill 4096;resident-random|--prompt-tokens 512,4096 --prefill 4096 $R $WORK/random.jsonl;b10.7-random|--vram-budget 10.7GiB --prompt-tokens 512,4096 --prefill 4096 $R $WORK/random.jsonl;b10.7-locality|--vram-budget 10.7GiB --prompt-tokens 512 $R $WORK/locality.jsonl;b10.7-mmap-locality|--vram-budget 10.7GiB --prompt-tokens 512 --mmap-experts $R $WORK/locality.jsonl;b1.9-random|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 $R $WORK/random.jsonl;b1.9-locality|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 $R $WORK/locality.jsonl}"
+    IFS=';' read -ra configs <<< "${OFFLOAD_CONFIGS:-resident|--prompt-tokens 512,4096 --prefill 4096;resident-random|--prompt-tokens 512,4096 --prefill 4096 $R $WORK/random.jsonl;b10.7-random|--vram-budget 10.7GiB --prompt-tokens 512,4096 --prefill 4096 $R $WORK/random.jsonl;b10.7-locality|--vram-budget 10.7GiB --prompt-tokens 512 $R $WORK/locality.jsonl;b10.7-mmap-locality|--vram-budget 10.7GiB --prompt-tokens 512 --mmap-experts $R $WORK/locality.jsonl;b1.9-random|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 $R $WORK/random.jsonl;b1.9-random-upload|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 --miss-policy upload $R $WORK/random.jsonl;b10.7-random-upload|--vram-budget 10.7GiB --prompt-tokens 512 --miss-policy upload $R $WORK/random.jsonl;b1.9-locality|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 $R $WORK/locality.jsonl}"
     for c in "${configs[@]}"; do
       name=${c%%|*}; read -ra extra <<< "${c#*|}"
       "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps ${OFFLOAD_REPS:-2} \
         --gen-tokens 64 "${extra[@]}" > "$OUT/offload-$name.md" 2> "$OUT/offload-$name.err"
       row "offload $name" "rc=$? ${c#*|}"
-      while read -r l; do row "  " "$l"; done < <(grep -E 'expert cache|expert arena|in place|VRAM free|error' "$OUT/offload-$name.err" | cut -c1-150)
+      while read -r l; do row "  " "$l"; done < <(grep -E 'expert cache|expert arena|expert misses|in place|VRAM free|error' "$OUT/offload-$name.err" | cut -c1-150)
       while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/offload-$name.md" | cut -d'|' -f2,3,4,5,6 | tr -s ' ')
     done
     continue

@@ -153,6 +153,8 @@ struct CacheInfo {
     cpu_expert_gb_s: f64,
     /// Bytes of one expert (gate, up and down) of the first MoE layer.
     expert_bytes: u64,
+    /// The host's read bandwidth, GB/s, measured in this run (what the CPU's misses and the link's DMA share).
+    host_read_gb_s: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -246,6 +248,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 cpu_expert_gb_s: first_experts
                     .and_then(|ex| c.cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize))
                     .map_or(0.0, |r| r.bytes_s / 1e9),
+                host_read_gb_s: read_bandwidth() / 1e9,
                 expert_bytes: first_experts.map_or(0, |ex| {
                     ((ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) / ex.n_expert) as u64
                 }),
@@ -668,10 +671,12 @@ fn markdown(r: &BenchReport) -> String {
             c.upload_gb_s
         );
         s += &format!(
-            "- expert misses at decode: --miss-policy {}; the CPU computes experts at {:.1} GB/s ({:.2} MB each; measured in this run)\n",
+            "- expert misses at decode: --miss-policy {}; the CPU computes experts at {:.1} GB/s ({:.2} MB each), {:.0}% of the host's {:.1} GB/s read bandwidth, which it shares with the link's copies (both measured in this run)\n",
             c.miss_policy,
             c.cpu_expert_gb_s,
-            c.expert_bytes as f64 / 1e6
+            c.expert_bytes as f64 / 1e6,
+            100.0 * c.cpu_expert_gb_s / c.host_read_gb_s.max(1e-9),
+            c.host_read_gb_s
         );
     }
     s += &format!("- peak RSS: {:.1} MiB\n", r.peak_rss_mib);

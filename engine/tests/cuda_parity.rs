@@ -1047,6 +1047,66 @@ fn cache_run(model: &Model, g: &CudaBackend, tokens: &[u32]) -> Vec<f32> {
     all
 }
 
+/// The expert-cache tests' model (`cache_test_spec`, written to a temporary folder), its expert geometry, 200
+/// token ids, and the all-resident run's logits ([`cache_run`]).
+struct CacheFixture {
+    dir: std::path::PathBuf,
+    model: Model,
+    geo: strata_engine::memory::ExpertGeometry,
+    tokens: Vec<u32>,
+    want: Vec<f32>,
+}
+
+impl CacheFixture {
+    fn new(name: &str) -> CacheFixture {
+        let dir = std::env::temp_dir().join(format!("strata-cuda-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cache-moe.gguf");
+        cache_test_spec().write(&path).unwrap();
+        let model = Model::load(&path).unwrap();
+        let geo = strata_engine::memory::ExpertGeometry::of(&model.gguf, &model.hp).unwrap();
+        let vocab = model.weights.output.rows as u32;
+        let tokens: Vec<u32> = (0..200u32).map(|i| (i * 977 + 13) % vocab).collect();
+        let want = cache_run(&model, &gpu(), &tokens);
+        assert!(want.iter().all(|v| v.is_finite()));
+        CacheFixture {
+            dir,
+            model,
+            geo,
+            tokens,
+            want,
+        }
+    }
+
+    /// A fresh backend with an expert cache of `slots` slots, and the page lock of the arena when the model has
+    /// one (drop it after the backend's last use).
+    fn cached_gpu(
+        &self,
+        slots: usize,
+        policy: strata_engine::experts::cache::Policy,
+    ) -> (CudaBackend, Option<strata_engine::backend::cuda::experts::HostPin>) {
+        let g = gpu();
+        let pin = self.model.experts.arena().map(|a| g.pin_host(a).unwrap());
+        g.configure_expert_cache(strata_engine::backend::cuda::experts::ExpertCacheConfig {
+            n_layer: self.model.hp.n_layer as usize,
+            n_expert: self.geo.n_expert,
+            slots,
+            staging: self.geo.staging(),
+            slot_bytes: self.geo.slot_bytes as usize,
+            policy,
+        })
+        .unwrap();
+        (g, pin)
+    }
+}
+
+impl Drop for CacheFixture {
+    fn drop(&mut self) {
+        self.model.experts.drop_arena();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// Softmax of `l` in f64.
 fn softmax64(l: &[f32]) -> Vec<f64> {
     let m = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
@@ -1063,20 +1123,11 @@ fn softmax64(l: &[f32]) -> Vec<f64> {
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
-    use strata_engine::backend::cuda::experts::ExpertCacheConfig;
     use strata_engine::experts::cache::Policy;
     use strata_engine::experts::miss::{MissCost, MissPlan, MissPolicy};
-    use strata_engine::memory::ExpertGeometry;
-    let dir = std::env::temp_dir().join(format!("strata-cuda-cpu-misses-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("cache-moe.gguf");
-    cache_test_spec().write(&path).unwrap();
-    let mut model = Model::load(&path).unwrap();
-    let geo = ExpertGeometry::of(&model.gguf, &model.hp).unwrap();
-    let vocab = model.weights.output.rows as usize;
-    let tokens: Vec<u32> = (0..200u32).map(|i| (i * 977 + 13) % vocab as u32).collect();
-    let want = cache_run(&model, &gpu(), &tokens);
-    model.use_arena(None, |_, _| {}).unwrap();
+    let mut f = CacheFixture::new("cpu-misses");
+    f.model.use_arena(None, |_, _| {}).unwrap();
+    let vocab = f.model.weights.output.rows as usize;
     let prefill = 200 * vocab;
     let even = MissCost {
         link_bytes_s: 1e9,
@@ -1088,22 +1139,14 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         (4, MissPolicy::Cpu, None),
         (64, MissPolicy::Auto, Some(even)),
     ] {
-        let g = gpu();
-        let pin = g.pin_host(model.experts.arena().unwrap()).unwrap();
-        g.configure_expert_cache(ExpertCacheConfig {
-            n_layer: model.hp.n_layer as usize,
-            n_expert: geo.n_expert,
-            slots,
-            staging: geo.staging(),
-            slot_bytes: geo.slot_bytes as usize,
-            policy: Policy::Lru,
-        })
-        .unwrap();
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru);
+        assert!(pin.is_some(), "the arena is page-locked");
         g.set_miss_plan(MissPlan { policy, cost }).unwrap();
-        let got = cache_run(&model, &g, &tokens);
+        let got = cache_run(&f.model, &g, &f.tokens);
         let st = g.expert_cache_stats().unwrap();
         g.synchronize().unwrap();
         drop(pin);
+        let want = &f.want[..];
         assert_eq!(got.len(), want.len());
         let same_prefill = got[..prefill]
             .iter()
@@ -1164,8 +1207,6 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
             "{slots} slots {policy}: KLD mean {mean:e}, worst {worst:e}"
         );
     }
-    model.experts.drop_arena();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The expert cache changes where experts come from, never the result (issue 16, point 6): with 0 slots, one per
@@ -1175,25 +1216,13 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
-    use strata_engine::backend::cuda::experts::ExpertCacheConfig;
     use strata_engine::experts::cache::Policy;
-    use strata_engine::memory::ExpertGeometry;
-    let dir = std::env::temp_dir().join(format!("strata-cuda-cache-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("cache-moe.gguf");
-    cache_test_spec().write(&path).unwrap();
-    let mut model = Model::load(&path).unwrap();
-    let geo = ExpertGeometry::of(&model.gguf, &model.hp).unwrap();
-    assert_eq!((geo.all(), geo.staging()), (128, 8));
-    let vocab = model.weights.output.rows as u32;
-    let tokens: Vec<u32> = (0..200u32).map(|i| (i * 977 + 13) % vocab).collect();
-    let resident_gpu = gpu();
-    let want = cache_run(&model, &resident_gpu, &tokens);
-    assert!(want.iter().all(|v| v.is_finite()));
+    let mut f = CacheFixture::new("cache");
+    assert_eq!((f.geo.all(), f.geo.staging()), (128, 8));
     let mut cases = 0;
     for arena in [false, true] {
         if arena {
-            model.use_arena(None, |_, _| {}).unwrap();
+            f.model.use_arena(None, |_, _| {}).unwrap();
         }
         for (slots, policy) in [
             (0, Policy::Lru),
@@ -1202,22 +1231,13 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             (64, Policy::Lfru),
             (127, Policy::Lru),
         ] {
-            let g = gpu();
-            let pin = model.experts.arena().map(|a| g.pin_host(a).unwrap());
-            g.configure_expert_cache(ExpertCacheConfig {
-                n_layer: model.hp.n_layer as usize,
-                n_expert: geo.n_expert,
-                slots,
-                staging: geo.staging(),
-                slot_bytes: geo.slot_bytes as usize,
-                policy,
-            })
-            .unwrap();
-            let got = cache_run(&model, &g, &tokens);
+            let (g, pin) = f.cached_gpu(slots, policy);
+            let got = cache_run(&f.model, &g, &f.tokens);
             let st = g.expert_cache_stats().unwrap();
             g.synchronize().unwrap();
             drop(pin);
-            let first_diff = got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+            let want = &f.want[..];
+            let first_diff = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits());
             println!(
                 "expert cache {slots} slots {policy} ({}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; first differing logit {first_diff:?}",
                 if arena { "arena, page-locked" } else { "mmap" },
@@ -1253,7 +1273,5 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             cases += 1;
         }
     }
-    model.experts.drop_arena();
     println!("expert cache: {cases} configurations bit-identical to the resident run");
-    let _ = std::fs::remove_dir_all(&dir);
 }
