@@ -19,7 +19,7 @@ pub enum MissPolicy {
     Upload,
     /// The CPU computes every miss; the cache only keeps what prefill put in it.
     Cpu,
-    /// The cost model splits each layer's misses between the link and the CPU ([`MissCost`]).
+    /// A cost model splits each layer's misses between the link and the CPU, by the rates measured at start.
     #[default]
     Auto,
 }

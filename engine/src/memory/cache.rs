@@ -110,7 +110,8 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct ExpertFlags {
     /// VRAM slots for routed experts, one expert of one layer each: `auto` (what the memory plan leaves; all
-    /// experts resident when they fit), a count, or 0 (each step uploads the experts it needs).
+    /// experts resident when they fit), a count, or 0 (no slots: each step uploads the experts it needs, or
+    /// computes them on the CPU as --miss-policy says).
     #[arg(long, default_value = "auto", value_parser = parse_cache_size, allow_hyphen_values = true)]
     pub expert_cache: CacheSize,
     /// MiB of device memory the plan keeps free (driver, BLAS workspace, fragmentation).
@@ -133,9 +134,9 @@ pub struct ExpertFlags {
     /// devices only.
     #[arg(long)]
     pub routing_trace: Option<std::path::PathBuf>,
-    /// Where a decode step's expert misses are computed: upload (into a cache or staging slot; results
-    /// bit-identical to the all-resident run), cpu (every miss on the CPU while the GPU computes the hits), or
-    /// auto (a cost model splits each layer's misses by the link and CPU rates measured at start).
+    /// Where a GPU's decode steps compute the experts its cache misses: upload (into a cache or staging slot;
+    /// results bit-identical to the all-resident run), cpu (every miss on the CPU while the GPU computes the
+    /// hits), or auto (a cost model splits each layer's misses by the link and CPU rates measured at start).
     #[arg(long, default_value = "auto", value_enum)]
     pub miss_policy: MissPolicy,
 }

@@ -117,6 +117,18 @@ impl Metrics {
             ),
             registry,
         };
+        // Both phases from the start, at 0: a dashboard reads 0 rather than no data before the first request
+        // (and on a device without an expert cache).
+        for c in [
+            &m.expert_cache_lookups,
+            &m.expert_cache_hits,
+            &m.expert_cache_uploaded_bytes,
+            &m.expert_cache_cpu_computed,
+        ] {
+            for phase in ["prefill", "decode"] {
+                c.with_label_values(&[phase]);
+            }
+        }
         let r = &m.registry;
         let all: [Box<dyn prometheus::core::Collector>; 17] = [
             Box::new(m.expert_cache_lookups.clone()),
@@ -188,6 +200,14 @@ mod tests {
     #[test]
     fn expert_cache_events_add_up_by_phase() {
         let m = Metrics::new();
+        // Every phase's series exists at 0 before any event.
+        let fresh = m.render();
+        for line in [
+            r#"strata_expert_cache_lookups_total{phase="decode"} 0"#,
+            r#"strata_expert_cache_cpu_computed_total{phase="prefill"} 0"#,
+        ] {
+            assert!(fresh.contains(line), "{line} missing from\n{fresh}");
+        }
         let ev = |phase: &str, lookups, hits, bytes| crate::events::ExpertCache {
             request: Some(1),
             phase: phase.into(),
@@ -210,6 +230,7 @@ mod tests {
             r#"strata_expert_cache_lookups_total{phase="prefill"} 8"#,
             r#"strata_expert_cache_uploaded_bytes_total{phase="prefill"} 64"#,
             r#"strata_expert_cache_cpu_computed_total{phase="decode"} 15"#,
+            r#"strata_expert_cache_cpu_computed_total{phase="prefill"} 0"#,
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }
