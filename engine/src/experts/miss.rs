@@ -65,43 +65,53 @@ impl Default for MissPlan {
 }
 
 impl MissPlan {
-    /// Of `misses` missing experts of `expert_bytes` each, how many the CPU computes (the rest are uploaded).
+    /// Of `misses` missing experts of `expert_bytes` each, one token each, how many the CPU computes (the rest are
+    /// uploaded).
     pub fn cpu_count(&self, misses: usize, expert_bytes: u64) -> usize {
+        self.cpu_take(&vec![1; misses], expert_bytes)
+    }
+
+    /// How many of a layer-step's missing experts the CPU computes, taking them in the order given:
+    /// `tokens[i]` is how many of the step's tokens chose the i-th (the CPU computes an expert once per token;
+    /// the link carries it once).
+    pub fn cpu_take(&self, tokens: &[usize], expert_bytes: u64) -> usize {
         match (self.policy, self.cost) {
             (MissPolicy::Upload, _) | (MissPolicy::Auto, None) => 0,
-            (MissPolicy::Cpu, _) => misses,
-            (MissPolicy::Auto, Some(c)) => c.cpu_count(misses, expert_bytes),
+            (MissPolicy::Cpu, _) => tokens.len(),
+            (MissPolicy::Auto, Some(c)) => c.cpu_take(tokens, expert_bytes),
         }
     }
 }
 
 impl MissCost {
-    /// Seconds a layer-step takes when the CPU computes `cpu` of `misses` experts of `bytes` each and the link
-    /// carries the rest: the slower of the two sides.
-    pub fn seconds(&self, misses: usize, cpu: usize, bytes: u64) -> f64 {
-        assert!(cpu <= misses, "{cpu} of {misses} misses");
-        let link = (misses - cpu) as f64 * bytes as f64 / self.link_bytes_s;
+    /// Seconds a layer-step takes when the CPU computes the first `cpu` of the missing experts (`tokens[i]`
+    /// tokens each; `bytes` each) and the link carries the rest: the slower of the two sides.
+    pub fn seconds(&self, tokens: &[usize], cpu: usize, bytes: u64) -> f64 {
+        assert!(cpu <= tokens.len(), "{cpu} of {} misses", tokens.len());
+        let link = (tokens.len() - cpu) as f64 * bytes as f64 / self.link_bytes_s;
         let host = if cpu == 0 {
             0.0
         } else {
-            self.cpu_fixed_s + cpu as f64 * bytes as f64 / self.cpu_bytes_s
+            let jobs: usize = tokens[..cpu].iter().sum();
+            self.cpu_fixed_s + jobs as f64 * bytes as f64 / self.cpu_bytes_s
         };
         link.max(host)
     }
 
-    /// The number of `misses` (of `bytes` each) the CPU should compute: the one that makes
-    /// [`MissCost::seconds`] smallest, the fewest on a tie. A rate that is not a positive finite number leaves
-    /// that side out (a probe that failed, or read an impossible value, is never used).
-    pub fn cpu_count(&self, misses: usize, bytes: u64) -> usize {
+    /// How many of the missing experts (taken in order; `tokens[i]` tokens each, `bytes` each) the CPU should
+    /// compute: the count that makes [`MissCost::seconds`] smallest, the fewest on a tie. A rate that is not a
+    /// positive finite number leaves that side out (a probe that failed, or read an impossible value, is never
+    /// used).
+    pub fn cpu_take(&self, tokens: &[usize], bytes: u64) -> usize {
         let ok = |r: f64| r.is_finite() && r > 0.0;
         match (ok(self.link_bytes_s), ok(self.cpu_bytes_s)) {
             (true, false) | (false, false) => return 0,
-            (false, true) => return misses,
+            (false, true) => return tokens.len(),
             (true, true) => {}
         }
-        let mut best = (0, self.seconds(misses, 0, bytes));
-        for cpu in 1..=misses {
-            let t = self.seconds(misses, cpu, bytes);
+        let mut best = (0, self.seconds(tokens, 0, bytes));
+        for cpu in 1..=tokens.len() {
+            let t = self.seconds(tokens, cpu, bytes);
             if t < best.1 {
                 best = (cpu, t);
             }
@@ -109,13 +119,9 @@ impl MissCost {
         best.0
     }
 
-    /// The share of a layer's misses the CPU takes at `misses` per layer-step, in percent (for the start-up line).
-    pub fn cpu_percent(&self, misses: usize, bytes: u64) -> f64 {
-        if misses == 0 {
-            0.0
-        } else {
-            100.0 * self.cpu_count(misses, bytes) as f64 / misses as f64
-        }
+    /// [`MissCost::cpu_take`] for `misses` experts of one token each.
+    pub fn cpu_count(&self, misses: usize, bytes: u64) -> usize {
+        self.cpu_take(&vec![1; misses], bytes)
     }
 }
 
@@ -135,12 +141,13 @@ mod tests {
 
     #[test]
     fn equal_rates_split_the_misses_in_half() {
-        // 8 misses of 2.5 MB, both sides at 50 GB/s, no fixed cost: 4 and 4 (50 us each side); 3 or 5 on the
-        // CPU leaves one side with 5 experts (250 us / 5 = 50 us per expert: 250 us).
+        // 8 misses of 2.5 MB (50 us each on either side), both sides at 50 GB/s, no fixed cost: 4 and 4 (200 us
+        // each side); 3 or 5 on the CPU leaves one side with 5 experts (250 us).
         let c = cost(50.0, 50.0, 0.0);
+        let one = [1; 8];
         assert_eq!(c.cpu_count(8, 2_500_000), 4);
-        assert!((c.seconds(8, 4, 2_500_000) - 200e-6).abs() < 1e-12);
-        assert!((c.seconds(8, 3, 2_500_000) - 250e-6).abs() < 1e-12);
+        assert!((c.seconds(&one, 4, 2_500_000) - 200e-6).abs() < 1e-12);
+        assert!((c.seconds(&one, 3, 2_500_000) - 250e-6).abs() < 1e-12);
     }
 
     #[test]
@@ -158,26 +165,46 @@ mod tests {
     }
 
     #[test]
-    fn the_choice_is_never_slower_than_either_side_alone() {
+    fn the_choice_is_the_fastest_split() {
         for link in [1.0, 7.7, 25.0, 53.0, 200.0] {
             for cpu in [0.5, 5.0, 40.0, 73.0, 400.0] {
                 for fixed in [0.0, 40.0, 1000.0] {
                     let c = cost(link, cpu, fixed);
                     for n in 0..=16 {
-                        let k = c.cpu_count(n, 3 * MB);
-                        let t = c.seconds(n, k, 3 * MB);
-                        assert!(k <= n);
-                        assert!(t <= c.seconds(n, 0, 3 * MB) && t <= c.seconds(n, n, 3 * MB));
-                        for other in 0..=n {
-                            assert!(
-                                t <= c.seconds(n, other, 3 * MB),
-                                "{link} {cpu} {fixed} {n}: {k} vs {other}"
-                            );
+                        // One token per expert, and a step of 4 tokens where some experts serve more.
+                        let many: Vec<usize> = (0..n).map(|i| 1 + (i % 4)).collect();
+                        for tokens in [vec![1; n], many] {
+                            let k = c.cpu_take(&tokens, 3 * MB);
+                            let t = c.seconds(&tokens, k, 3 * MB);
+                            assert!(k <= n);
+                            for other in 0..=n {
+                                assert!(
+                                    t <= c.seconds(&tokens, other, 3 * MB),
+                                    "{link} {cpu} {fixed} {tokens:?}: {k} vs {other}"
+                                );
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_cpu_pays_once_per_token_and_the_link_once_per_expert() {
+        // Equal rates, 50 us an expert on either side: 4 experts of one token each split 2 and 2 (100 us); when
+        // each is used by 3 tokens the CPU side costs 150 us an expert, so it takes 1 (150 us against 150 us on
+        // the link), and none of 1 expert of 3 tokens.
+        let c = cost(50.0, 50.0, 0.0);
+        assert_eq!(c.cpu_take(&[1, 1, 1, 1], 2_500_000), 2);
+        assert_eq!(c.cpu_take(&[3, 3, 3, 3], 2_500_000), 1);
+        assert!((c.seconds(&[3, 3, 3, 3], 1, 2_500_000) - 150e-6).abs() < 1e-12);
+        assert_eq!(c.cpu_take(&[3], 2_500_000), 0);
+        let plan = MissPlan {
+            policy: MissPolicy::Cpu,
+            cost: None,
+        };
+        assert_eq!(plan.cpu_take(&[3, 1], 1), 2);
     }
 
     #[test]

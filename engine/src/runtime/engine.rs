@@ -293,7 +293,7 @@ impl Engine {
                 lookups: p.cache.lookups,
                 hits: p.cache.hits,
                 admitted: p.cache.admitted,
-                staged: p.cache.bypassed - p.cpu_computed,
+                staged: p.cache.bypassed.saturating_sub(p.cpu_computed),
                 cpu_computed: p.cpu_computed,
                 evictions: p.cache.evictions,
                 bytes_uploaded: p.bytes_uploaded,
@@ -485,11 +485,15 @@ fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: boo
     // One layer's gate experts (the 30B shape: 113 MB, past the H200's 50 MB L2), at most 256 MiB.
     let probe = &ex.gate.data[..ex.gate.data.len().min(256 << 20)];
     let link = match c.measure_upload(probe) {
-        Ok(gb_s) if gb_s * 1e9 <= LINK_PEAK_BYTES_S => gb_s * 1e9,
-        Ok(gb_s) => {
+        Ok(gb_s) if gb_s > 0.0 && gb_s * 1e9 <= LINK_PEAK_BYTES_S => gb_s * 1e9,
+        Ok(gb_s) if gb_s > LINK_PEAK_BYTES_S / 1e9 => {
             eprintln!(
                 "strata: expert misses: the link probe read {gb_s:.1} GB/s, above PCIe Gen5 x16's 64 GB/s: a probe bug, not used; misses are uploaded"
             );
+            return Ok(());
+        }
+        Ok(gb_s) => {
+            eprintln!("strata: expert misses: the link probe read {gb_s} GB/s, not a rate; misses are uploaded");
             return Ok(());
         }
         Err(e) => {

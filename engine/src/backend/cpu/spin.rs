@@ -5,7 +5,9 @@
 //! pool polls the same way), then park until the next job.
 //!
 //! A job is `n` independent tasks `f(0..n)`; the caller runs tasks too and returns once every task has run and no
-//! worker can still reach `f`. Tasks are handed out one at a time by an atomic counter.
+//! worker can still reach `f`. Tasks are handed out one at a time by an atomic counter. One thread runs jobs on a
+//! pool at a time (two callers are safe, each waiting for the other's job too), and a task must not run a job on
+//! its own pool: its worker would wait for itself.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -137,14 +139,24 @@ impl SpinPool {
             r
         };
         job.work();
-        while job.done.load(Ordering::Acquire) < n {
-            std::hint::spin_loop();
-        }
+        wait_until(|| job.done.load(Ordering::Acquire) >= n);
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        while s.active.load(Ordering::Acquire) > 0 {
+        wait_until(|| s.active.load(Ordering::Acquire) == 0);
+        r
+    }
+}
+
+/// Spins until `done()`, yielding the core now and then (a worker that holds the last task may have been
+/// descheduled).
+fn wait_until(done: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins.is_multiple_of(1024) {
+            std::thread::yield_now();
+        } else {
             std::hint::spin_loop();
         }
-        r
     }
 }
 

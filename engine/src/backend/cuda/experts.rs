@@ -288,6 +288,14 @@ impl ExpertPool {
         self.miss
     }
 
+    /// Whether the miss plan could give the CPU any of `ex`'s experts in a step of `slots` routing slots (when
+    /// every one of them misses).
+    pub(super) fn may_use_cpu(&self, ex: &Experts<'_>, slots: usize) -> bool {
+        self.miss
+            .cpu_count(slots, layout_bytes(ex).iter().sum::<usize>() as u64)
+            > 0
+    }
+
     pub(super) fn config(&self) -> &ExpertCacheConfig {
         &self.config
     }
@@ -496,7 +504,8 @@ impl ExpertPool {
 
     /// Chooses which of a decode layer-step's misses the CPU computes (after [`ExpertPool::begin`], before any
     /// [`ExpertPool::place_decode`]): `ids` holds each routing slot's expert (`[n_tok][k]`). The miss plan gives
-    /// the CPU the last of the step's distinct misses in routing order; they become jobs of [`ExpertPool::cpu`].
+    /// the CPU some of the step's distinct misses (those fewest tokens chose, the router's last choices first);
+    /// each of their routing slots becomes a job of [`ExpertPool::cpu`].
     /// Nothing is queued on the device, so the caller can read the step's activations back into `cpu.x` without
     /// waiting for uploads. Returns whether the CPU has jobs (then compute them with [`CpuMisses::compute_beside`]
     /// and upload them with [`ExpertPool::upload_cpu_rows`]).
@@ -504,17 +513,24 @@ impl ExpertPool {
         self.cpu.jobs.clear();
         self.cpu.routing_slots.clear();
         let layer = self.layer;
-        // The step's distinct misses, in routing order.
-        let mut misses: Vec<u32> = Vec::new();
-        for &e in ids {
-            let id = ExpertId { layer, expert: e };
-            if self.cache.slot_of(id).is_none() && !misses.contains(&e) {
-                misses.push(e);
+        // The step's distinct misses with their token counts, in the order the CPU takes them: the fewest tokens
+        // first (the CPU computes an expert once per token, the link carries it once), later in routing order
+        // first among equals (the router's first choices keep the link and the cache).
+        let mut misses: Vec<(u32, usize)> = Vec::new();
+        for &e in ids.iter().rev() {
+            if self.cache.slot_of(ExpertId { layer, expert: e }).is_some() {
+                continue;
+            }
+            match misses.iter_mut().find(|(m, _)| *m == e) {
+                Some((_, n)) => *n += 1,
+                None => misses.push((e, 1)),
             }
         }
+        misses.sort_by_key(|&(_, n)| n);
+        let tokens: Vec<usize> = misses.iter().map(|&(_, n)| n).collect();
         let bytes = layout_bytes(ex).iter().sum::<usize>() as u64;
-        let n_cpu = self.miss.cpu_count(misses.len(), bytes);
-        for &e in &misses[misses.len() - n_cpu..] {
+        let n_cpu = self.miss.cpu_take(&tokens, bytes);
+        for &(e, _) in &misses[..n_cpu] {
             let access = self.cache.access(ExpertId { layer, expert: e }, false);
             debug_assert_eq!(access, Access::Bypassed);
             self.slot_of[e as usize] = ON_CPU;

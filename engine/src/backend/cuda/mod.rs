@@ -321,6 +321,11 @@ impl CudaBackend {
     /// Errors: the device cannot allocate the slots.
     pub fn configure_expert_cache(&self, config: ExpertCacheConfig) -> Result<usize, CudaError> {
         let mut s = self.lock();
+        // The old pool's buffers (slots, page-locked rows) may still be read by queued work.
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(CudaError::driver("stream synchronize"))?;
         s.experts = None;
         let pool = ExpertPool::new(&self.gpu.stream, config)?;
         let bytes = pool.bytes();

@@ -9,7 +9,6 @@ use super::{
     mmv_moe_rows_per_block, norm_threads, typed,
 };
 use crate::backend::{Backend, Experts, MoeScratch, QMat, Routing};
-use crate::experts::miss::MissPolicy;
 use crate::quant::GgmlType;
 
 /// The experts run on the device: types with kernels, and at most 1024 experts (the router kernel's staging); else
@@ -361,7 +360,7 @@ impl Inner {
                 }
                 Some(pool) => {
                     let mut ids_h = vec![0u32; slots];
-                    if pool.miss_plan().policy != MissPolicy::Upload {
+                    if pool.may_use_cpu(ex, slots) {
                         // The CPU may compute some misses: the activations come back with the routing (one wait).
                         // Launches a replayed step deferred run first.
                         gpu.flush_step()?;
