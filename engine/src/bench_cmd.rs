@@ -226,10 +226,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let cache_info = match cuda.and_then(|c| c.expert_cache_config().map(|k| (c, k))) {
         Some((c, k)) => {
             let first_experts = (0..model.weights.layers.len()).find_map(|il| model.layer_experts(il));
-            let src = model.experts.arena().unwrap_or_else(|| {
-                let l = (0..model.weights.layers.len()).find_map(|il| model.experts.layer(il, &model.gguf));
-                l.map_or(&[][..], |[g, _, _]| g)
-            });
+            let src = model
+                .experts
+                .arena()
+                .or(first_experts.map(|ex| ex.gate.data))
+                .unwrap_or(&[]);
             let probe = &src[..src.len().min(256 << 20)];
             Some(CacheInfo {
                 slots: k.slots,
@@ -249,9 +250,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     .and_then(|ex| c.cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize))
                     .map_or(0.0, |r| r.bytes_s / 1e9),
                 host_read_gb_s: read_bandwidth() / 1e9,
-                expert_bytes: first_experts.map_or(0, |ex| {
-                    ((ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) / ex.n_expert) as u64
-                }),
+                expert_bytes: first_experts.map_or(0, |ex| ex.expert_bytes()),
             })
         }
         None => None,

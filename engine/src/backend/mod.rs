@@ -229,6 +229,14 @@ impl<'a> Experts<'a> {
         }
     }
 
+    /// Bytes of one expert: its gate, up and down rows.
+    pub fn expert_bytes(&self) -> u64 {
+        [&self.gate, &self.up, &self.down]
+            .iter()
+            .map(|w| (w.data.len() / self.n_expert) as u64)
+            .sum()
+    }
+
     /// Expert `e`'s gate, up and down matrices, viewed in place.
     ///
     /// Panics if `e >= n_expert`.

@@ -510,10 +510,7 @@ fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: boo
         cpu_bytes_s: rate.bytes_s,
         cpu_fixed_s: rate.fixed_s + COPIES_S,
     };
-    let bytes = [&ex.gate, &ex.up, &ex.down]
-        .iter()
-        .map(|w| (w.data.len() / ex.n_expert) as u64)
-        .sum::<u64>();
+    let bytes = ex.expert_bytes();
     eprintln!(
         "strata: expert misses auto: link {:.1} GB/s ({}), CPU {:.1} GB/s + {:.0} us a step ({} threads): of {k} misses in a decode layer-step the CPU computes {}, of 1 {}",
         link / 1e9,

@@ -465,10 +465,10 @@ fn expert_rows_equal_one_token_steps_bit_for_bit() {
         let jobs: Vec<(u32, u32)> = vec![(4, 0), (0, 2), (4, 1), (2, 2), (4, 0)];
         let mut got = vec![f32::NAN; jobs.len() * e];
         let mut scratch = ExpertRowsScratch::default();
-        be.expert_rows(&ex, &x, &jobs, &mut got, &mut scratch, Workers::Rayon);
+        be.expert_rows(&ex, &x, &jobs, &mut got, &mut scratch, Workers::Rayon, || ());
         // Again on spinning workers, with the same scratch: the same bits, nothing left over from the first call.
         let mut again = vec![0f32; jobs.len() * e];
-        be.expert_rows(&ex, &x, &jobs, &mut again, &mut scratch, Workers::Spin(&pool));
+        be.expert_rows(&ex, &x, &jobs, &mut again, &mut scratch, Workers::Spin(&pool), || ());
         assert!(
             got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
             "{ty}: not repeatable"

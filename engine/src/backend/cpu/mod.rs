@@ -581,7 +581,12 @@ pub enum Workers<'a> {
     Spin(&'a spin::SpinPool),
 }
 
-impl Workers<'_> {
+impl<'a> Workers<'a> {
+    /// The spinning pool when there is one, else rayon's.
+    pub fn of(pool: Option<&'a spin::SpinPool>) -> Workers<'a> {
+        pool.map_or(Workers::Rayon, Workers::Spin)
+    }
+
     /// Runs `f(0..n)`, each once, and returns when all have run.
     pub fn run(self, n: usize, f: &(dyn Fn(usize) + Sync)) {
         self.run_beside(n, f, || ());
@@ -619,27 +624,14 @@ impl CpuBackend {
     /// [`EXPERT_ROWS`] rows on `workers` (gate and up with the GLU; then, after the GLU outputs are quantized, the
     /// down rows), so the few experts a decode step misses keep every core busy. This is how the CPU computes the
     /// experts a GPU's expert cache misses (DESIGN.md section 3, "Expert cache"). No allocation once the scratch
-    /// has grown.
+    /// has grown. `beside` runs on the calling thread while the workers start on the first pass
+    /// ([`Workers::run_beside`]): a GPU's launches for the experts it computes itself (`|| ()` for none); its
+    /// value is returned.
     ///
     /// Panics if `x` is not whole tokens of `ex`'s width, `out` is not `jobs.len() * n_embd` values, or a job
     /// names an expert or token out of range.
-    pub fn expert_rows(
-        &self,
-        ex: &Experts<'_>,
-        x: &[f32],
-        jobs: &[(u32, u32)],
-        out: &mut [f32],
-        s: &mut ExpertRowsScratch,
-        workers: Workers<'_>,
-    ) {
-        self.expert_rows_beside(ex, x, jobs, out, s, workers, || ());
-    }
-
-    /// [`CpuBackend::expert_rows`], with `beside` run on the calling thread while the workers start on the first
-    /// pass ([`Workers::run_beside`]): a GPU's launches for the experts it computes itself. Returns `beside`'s
-    /// value.
     #[allow(clippy::too_many_arguments)]
-    pub fn expert_rows_beside<R>(
+    pub fn expert_rows<R>(
         &self,
         ex: &Experts<'_>,
         x: &[f32],
@@ -737,13 +729,14 @@ impl CpuBackend {
             jobs.clear();
             jobs.extend((first..(first + n).min(ex.n_expert)).map(|e| (e as u32, 0)));
             let t = std::time::Instant::now();
-            self.expert_rows(ex, &x, &jobs, &mut out[..jobs.len() * n_embd], &mut s, workers);
+            self.expert_rows(ex, &x, &jobs, &mut out[..jobs.len() * n_embd], &mut s, workers, || ());
             t.elapsed().as_secs_f64()
         };
         let mut pass = || (0..ex.n_expert).step_by(k).map(|e| step(e, k, &mut out)).sum::<f64>();
         pass();
         let secs = pass();
-        let total = (ex.gate.data.len() + ex.up.data.len() + ex.down.data.len()) as f64;
+        let per_expert = ex.expert_bytes() as f64;
+        let total = per_expert * ex.n_expert as f64;
         let bytes_s = if secs > 0.0 { total / secs } else { 0.0 };
         let one = (0..8)
             .map(|i| {
@@ -751,7 +744,6 @@ impl CpuBackend {
                 step((i * 13) % ex.n_expert, 1, &mut out)
             })
             .fold(f64::INFINITY, f64::min);
-        let per_expert = total / ex.n_expert as f64;
         ExpertRate {
             bytes_s,
             fixed_s: if bytes_s > 0.0 {

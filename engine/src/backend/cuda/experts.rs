@@ -101,10 +101,6 @@ pub(super) struct CpuMisses {
 }
 
 impl CpuMisses {
-    fn workers(&self) -> Workers<'_> {
-        self.workers.as_ref().map_or(Workers::Rayon, Workers::Spin)
-    }
-
     /// Jobs of the current layer-step.
     pub(super) fn rows(&self) -> usize {
         self.jobs.len()
@@ -133,7 +129,7 @@ impl CpuMisses {
     }
 
     /// Computes the jobs from `x` into the page-locked buffer (grown in `ctx` when short) while `beside` runs on
-    /// this thread ([`CpuBackend::expert_rows_beside`]). Returns `beside`'s value.
+    /// this thread ([`CpuBackend::expert_rows`]). Returns `beside`'s value.
     ///
     /// Errors: the page-locked buffer could not be allocated (then nothing was computed and `beside` did not run).
     pub(super) fn compute_beside<R>(
@@ -146,7 +142,7 @@ impl CpuMisses {
         let rows = self.jobs.len() * n_embd;
         self.len = rows + self.jobs.len();
         let out = pinned(&mut self.out, ctx, self.len)?;
-        let workers = self.workers.as_ref().map_or(Workers::Rayon, Workers::Spin);
+        let workers = Workers::of(self.workers.as_ref());
         let x = self
             .x
             .as_ref()
@@ -154,7 +150,7 @@ impl CpuMisses {
             .as_slice()
             .map_err(CudaError::driver("page-locked buffer"))?;
         let t = std::time::Instant::now();
-        let r = CpuBackend.expert_rows_beside(
+        let r = CpuBackend.expert_rows(
             ex,
             &x[..self.x_len],
             &self.jobs,
@@ -281,19 +277,13 @@ impl ExpertPool {
 
     /// How fast the CPU computes `ex`'s experts on the workers misses use ([`CpuBackend::expert_rate`]).
     pub(super) fn cpu_expert_rate(&self, ex: &Experts<'_>, k: usize) -> ExpertRate {
-        CpuBackend.expert_rate(ex, k, self.cpu.workers())
-    }
-
-    pub(super) fn miss_plan(&self) -> MissPlan {
-        self.miss
+        CpuBackend.expert_rate(ex, k, Workers::of(self.cpu.workers.as_ref()))
     }
 
     /// Whether the miss plan could give the CPU any of `ex`'s experts in a step of `slots` routing slots (when
     /// every one of them misses).
     pub(super) fn may_use_cpu(&self, ex: &Experts<'_>, slots: usize) -> bool {
-        self.miss
-            .cpu_count(slots, layout_bytes(ex).iter().sum::<usize>() as u64)
-            > 0
+        self.miss.cpu_count(slots, ex.expert_bytes()) > 0
     }
 
     pub(super) fn config(&self) -> &ExpertCacheConfig {
@@ -450,7 +440,7 @@ impl ExpertPool {
         };
         phase.cache += self.cache.take_stats();
         if !matches!(access, Access::Hit { .. }) {
-            phase.bytes_uploaded += layout_bytes(ex).iter().sum::<usize>() as u64;
+            phase.bytes_uploaded += ex.expert_bytes();
         }
         self.slot_of[e as usize] = slot;
         self.placed.push(e);
@@ -528,8 +518,7 @@ impl ExpertPool {
         }
         misses.sort_by_key(|&(_, n)| n);
         let tokens: Vec<usize> = misses.iter().map(|&(_, n)| n).collect();
-        let bytes = layout_bytes(ex).iter().sum::<usize>() as u64;
-        let n_cpu = self.miss.cpu_take(&tokens, bytes);
+        let n_cpu = self.miss.cpu_take(&tokens, ex.expert_bytes());
         for &(e, _) in &misses[..n_cpu] {
             let access = self.cache.access(ExpertId { layer, expert: e }, false);
             debug_assert_eq!(access, Access::Bypassed);

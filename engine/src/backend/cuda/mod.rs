@@ -350,11 +350,6 @@ impl CudaBackend {
         self.lock().experts.as_ref().map(|p| p.cpu_expert_rate(ex, k))
     }
 
-    /// The expert cache's miss plan, if the backend has a cache.
-    pub fn miss_plan(&self) -> Option<crate::experts::miss::MissPlan> {
-        self.lock().experts.as_ref().map(|p| p.miss_plan())
-    }
-
     /// Makes every MoE layer route as `replay` says instead of by its router (`--routing-trace`: benchmarks of
     /// random-weight models; the logits are not the model's). Steps with it run without CUDA graphs.
     pub fn set_routing_replay(&self, replay: Option<RoutingReplay>) {
