@@ -141,12 +141,17 @@ bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b|offload-30b)
     R=--routing-trace
     IFS=';' read -ra configs <<< "${OFFLOAD_CONFIGS:-resident|--prompt-tokens 512,4096 --prefill 4096;resident-random|--prompt-tokens 512,4096 --prefill 4096 $R $WORK/random.jsonl;b10.7-random|--vram-budget 10.7GiB --prompt-tokens 512,4096 --prefill 4096 $R $WORK/random.jsonl;b10.7-locality|--vram-budget 10.7GiB --prompt-tokens 512 $R $WORK/locality.jsonl;b10.7-mmap-locality|--vram-budget 10.7GiB --prompt-tokens 512 --mmap-experts $R $WORK/locality.jsonl;b1.9-random|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 $R $WORK/random.jsonl;b1.9-random-upload|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 --miss-policy upload $R $WORK/random.jsonl;b10.7-random-upload|--vram-budget 10.7GiB --prompt-tokens 512 --miss-policy upload $R $WORK/random.jsonl;b1.9-locality|--vram-budget 1.9GiB --prompt-tokens 512 --prefill 512 $R $WORK/locality.jsonl}"
     for c in "${configs[@]}"; do
-      name=${c%%|*}; read -ra extra <<< "${c#*|}"
-      "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps ${OFFLOAD_REPS:-2} \
+      # Leading NAME=value words of a config are environment switches for that run (STRATA_DEVICE_SLOT_TABLE=0).
+      name=${c%%|*}; read -ra words <<< "${c#*|}"; envs=(); extra=()
+      for w in "${words[@]}"; do
+        if [ ${#extra[@]} -eq 0 ] && [[ $w =~ ^[A-Z_]+= ]]; then envs+=("$w"); else extra+=("$w"); fi
+      done
+      env "${envs[@]}" "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps ${OFFLOAD_REPS:-2} \
         --gen-tokens 64 "${extra[@]}" > "$OUT/offload-$name.md" 2> "$OUT/offload-$name.err"
       row "offload $name" "rc=$? ${c#*|}"
       while read -r l; do row "  " "$l"; done < <(grep -E 'expert cache|expert arena|expert misses|in place|VRAM free|error' "$OUT/offload-$name.err" | cut -c1-150)
       while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/offload-$name.md" | cut -d'|' -f2,3,4,5,6 | tr -s ' ')
+      while read -r l; do row "  " "$l"; done < <(grep -oE 'CUDA graphs in the timed tests: .*' "$OUT/offload-$name.md")
     done
     continue
   fi

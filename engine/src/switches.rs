@@ -46,6 +46,8 @@ pub const SYNC_LAUNCHES: &str = "STRATA_SYNC_LAUNCHES";
 pub const PDL: &str = "STRATA_PDL";
 /// CUDA graphs for decode steps.
 pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
+/// The expert cache's slot table on the device for decode steps of one token.
+pub const DEVICE_SLOT_TABLE: &str = "STRATA_DEVICE_SLOT_TABLE";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -99,6 +101,11 @@ pub const SWITCHES: &[Switch] = &[
         CUDA_GRAPHS,
         "1",
         "0: decode steps launch their kernels one by one instead of replaying a CUDA graph",
+    ),
+    sw(
+        DEVICE_SLOT_TABLE,
+        "1",
+        "0: decode steps through the expert cache decide on the host, layer by layer (a round trip each), instead of on the device inside the CUDA graph",
     ),
     sw(
         PROFILE_KERNELS,

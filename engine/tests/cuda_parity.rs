@@ -1025,7 +1025,7 @@ fn cache_test_spec() -> SynthSpec {
     }
 }
 
-/// Teacher-forced logits of 200 tokens (64-token prefill chunks), then 16 decode steps fed fixed tokens, and
+/// Teacher-forced logits of 200 tokens (64-token prefill chunks), then 48 decode steps fed fixed tokens, and
 /// 3-token steps (decode kernels, several tokens): every logit of the run.
 fn cache_run(model: &Model, g: &CudaBackend, tokens: &[u32]) -> Vec<f32> {
     let cfg = SessionConfig {
@@ -1037,10 +1037,10 @@ fn cache_run(model: &Model, g: &CudaBackend, tokens: &[u32]) -> Vec<f32> {
     let mut all = s.logits_all(&tokens[..200]).unwrap();
     let mut s = Session::new(model, g, cfg).unwrap();
     s.prefill(&tokens[..32]).unwrap();
-    for &t in &tokens[32..48] {
+    for &t in &tokens[32..80] {
         all.extend_from_slice(s.decode(t).unwrap());
     }
-    for w in tokens[48..60].chunks(3) {
+    for w in tokens[80..92].chunks(3) {
         s.prefill(w).unwrap();
         all.extend_from_slice(s.logits());
     }
@@ -1079,11 +1079,13 @@ impl CacheFixture {
     }
 
     /// A fresh backend with an expert cache of `slots` slots, and the page lock of the arena when the model has
-    /// one (drop it after the backend's last use).
+    /// one (drop it after the backend's last use). `device_table`: decode steps of one token keep the slot table
+    /// on the device (when the arena is page-locked), else they decide on the host.
     fn cached_gpu(
         &self,
         slots: usize,
         policy: strata_engine::experts::cache::Policy,
+        device_table: bool,
     ) -> (CudaBackend, Option<strata_engine::backend::cuda::experts::HostPin>) {
         let g = gpu();
         let pin = self.model.experts.arena().map(|a| g.pin_host(a).unwrap());
@@ -1094,6 +1096,9 @@ impl CacheFixture {
             staging: self.geo.staging(),
             slot_bytes: self.geo.slot_bytes as usize,
             policy,
+            k: self.model.hp.n_expert_used as usize,
+            arena: pin.as_ref().map(|p| p.mapping()),
+            device_table,
         })
         .unwrap();
         (g, pin)
@@ -1139,7 +1144,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         (4, MissPolicy::Cpu, None),
         (64, MissPolicy::Auto, Some(even)),
     ] {
-        let (g, pin) = f.cached_gpu(slots, Policy::Lru);
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru, false);
         assert!(pin.is_some(), "the arena is page-locked");
         g.set_miss_plan(MissPlan { policy, cost }).unwrap();
         let got = cache_run(&f.model, &g, &f.tokens);
@@ -1210,9 +1215,10 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
 }
 
 /// The expert cache changes where experts come from, never the result (issue 16, point 6): with 0 slots, one per
-/// layer, half and all but one, LRU and LFRU, from the mapped file and from a page-locked arena, the logits of
-/// prefill chunks, decode steps and 3-token steps are the all-resident run's bit for bit; and the cache's counts
-/// show what each size did (no hit without slots, evictions when the slots are short).
+/// layer, half and all but one, LRU and LFRU, from the mapped file and from a page-locked arena (with decode steps
+/// deciding on the host, and on the device's slot table inside a CUDA graph), the logits of prefill chunks, decode
+/// steps and 3-token steps are the all-resident run's bit for bit; and the cache's counts show what each size did
+/// (no hit without slots, evictions when the slots are short).
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
@@ -1220,8 +1226,8 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
     let mut f = CacheFixture::new("cache");
     assert_eq!((f.geo.all(), f.geo.staging()), (128, 8));
     let mut cases = 0;
-    for arena in [false, true] {
-        if arena {
+    for (arena, device_table) in [(false, false), (true, false), (true, true)] {
+        if arena && f.model.experts.arena().is_none() {
             f.model.use_arena(None, |_, _| {}).unwrap();
         }
         for (slots, policy) in [
@@ -1231,16 +1237,21 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             (64, Policy::Lfru),
             (127, Policy::Lru),
         ] {
-            let (g, pin) = f.cached_gpu(slots, policy);
+            let (g, pin) = f.cached_gpu(slots, policy, device_table);
             let got = cache_run(&f.model, &g, &f.tokens);
             let st = g.expert_cache_stats().unwrap();
+            let (captured, replays) = g.gpu().graph_counts();
             g.synchronize().unwrap();
             drop(pin);
             let want = &f.want[..];
             let first_diff = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits());
+            let store = match (arena, device_table) {
+                (false, _) => "mmap",
+                (true, false) => "arena, page-locked, table on the host",
+                (true, true) => "arena, page-locked, table on the device",
+            };
             println!(
-                "expert cache {slots} slots {policy} ({}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; first differing logit {first_diff:?}",
-                if arena { "arena, page-locked" } else { "mmap" },
+                "expert cache {slots} slots {policy} ({store}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; {captured} graphs captured, {replays} replays; first differing logit {first_diff:?}",
                 st.prefill.cache.lookups,
                 st.prefill.cache.hits,
                 st.prefill.bytes_uploaded / 1_000_000,
@@ -1269,6 +1280,12 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
                     st.decode.cache.hits > st.decode.cache.lookups / 2,
                     "127 of 128 slots mostly hit"
                 );
+            }
+            // Decode steps through the device's table are graphs; deciding on the host, layer by layer, never.
+            if device_table {
+                assert!(replays > 0, "{slots} slots {policy}: no decode step replayed a graph");
+            } else {
+                assert_eq!(captured, 0, "{slots} slots {policy}: a step with host round trips was captured");
             }
             cases += 1;
         }

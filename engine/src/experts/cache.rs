@@ -224,6 +224,51 @@ impl SlotCache {
         self.owner[slot as usize]
     }
 
+    /// Frees slots until `n` are free (or no slot is occupied), evicting the policy's victims in order (counted as
+    /// evictions): what a device that admits misses on its own takes its slots from ([`SlotCache::free_slots`]).
+    /// Returns the experts evicted. A profile cache evicts nothing.
+    pub fn reserve_free(&mut self, n: usize) -> Vec<ExpertId> {
+        let mut evicted = Vec::new();
+        if self.policy == Policy::Profile {
+            return evicted;
+        }
+        while self.free.len() < n.min(self.slots()) {
+            let Some((_, slot)) = self.order.pop_first() else { break };
+            let old = self.owner[slot as usize].take().expect("an ordered slot is occupied");
+            let oi = self.index(old);
+            self.table[oi] = NO_SLOT;
+            self.stats.evictions += 1;
+            self.free.push(slot);
+            evicted.push(old);
+        }
+        evicted
+    }
+
+    /// The free slots in the order admissions take them (the next admission takes the first).
+    pub fn free_slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.free.iter().rev().copied()
+    }
+
+    /// Applies what a device decided on its own copy of the table (the CUDA backend's `expert_lookup`), one
+    /// lookup at a time in the device's order: `(id, seen)` where `seen` is what the device found and did. The
+    /// device admits only into free slots, in [`SlotCache::free_slots`]' order, so replaying its lookups here
+    /// must give the same slots; each lookup is counted as [`SlotCache::access`] counts it.
+    ///
+    /// Errors: the first lookup whose outcome here differs from the device's, naming both (the two tables
+    /// diverged: a bug, after which neither can be trusted).
+    pub fn replay(&mut self, id: ExpertId, seen: Access) -> Result<(), String> {
+        let admit = matches!(seen, Access::Admitted { .. });
+        if admit && self.free.is_empty() {
+            return Err(format!("the device admitted {id:?} with no slot free here"));
+        }
+        let here = self.access(id, admit);
+        if here == seen {
+            Ok(())
+        } else {
+            Err(format!("lookup of {id:?}: the device saw {seen:?}, the host {here:?}"))
+        }
+    }
+
     /// Puts `id` in a free slot without counting a lookup (pre-filling from a profile; the upload counts as
     /// `admitted`). Returns its slot, or `None` when no slot is free or it is already cached.
     pub fn pin(&mut self, id: ExpertId) -> Option<u32> {
@@ -370,5 +415,54 @@ mod tests {
         let mut c = SlotCache::new(2, 8, 4, Policy::Lru);
         assert_eq!(c.access(id(0, 0), false), Access::Bypassed);
         assert_eq!(c.slot_of(id(0, 0)), None);
+    }
+
+    #[test]
+    fn reserved_slots_are_the_policys_victims_and_admissions_take_them_in_order() {
+        let mut c = SlotCache::new(2, 8, 3, Policy::Lru);
+        for e in [1, 2, 3] {
+            c.access(id(0, e), true);
+        }
+        c.access(id(0, 1), true);
+        // LRU order now: 2, 3, 1. Two free slots evict 2 then 3.
+        assert_eq!(c.reserve_free(2), vec![id(0, 2), id(0, 3)]);
+        assert_eq!(c.slot_of(id(0, 2)), None);
+        let free: Vec<u32> = c.free_slots().collect();
+        assert_eq!(free.len(), 2);
+        // The next admission takes the first free slot named, the one after the second.
+        for &want in &free {
+            match c.access(id(1, want + 4), true) {
+                Access::Admitted { slot, evicted: None } => assert_eq!(slot, want),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(c.stats().evictions, 2);
+        // Never more than the slots; a profile cache reserves nothing.
+        assert_eq!(c.reserve_free(10).len(), 3);
+        assert!(c.reserve_free(10).is_empty());
+        let mut p = SlotCache::new(2, 8, 2, Policy::Profile);
+        p.pin(id(0, 0));
+        assert!(p.reserve_free(2).is_empty());
+    }
+
+    #[test]
+    fn a_replayed_device_log_gives_the_hosts_counts_and_refuses_a_divergence() {
+        // The device's view of a step: (0,1) hit in the slot the host gave it, (0,5) admitted into the first free
+        // slot, (0,6) staged (no slot left).
+        let mut host = SlotCache::new(2, 8, 2, Policy::Lru);
+        let Access::Admitted { slot: s1, .. } = host.access(id(0, 1), true) else { panic!() };
+        let first_free = host.free_slots().next().expect("one free");
+        let mut dev = host.clone();
+        host.take_stats();
+        host.replay(id(0, 1), Access::Hit { slot: s1 }).expect("hit");
+        host.replay(id(0, 5), Access::Admitted { slot: first_free, evicted: None }).expect("admitted");
+        host.replay(id(0, 6), Access::Bypassed).expect("staged");
+        let s = host.stats();
+        assert_eq!((s.lookups, s.hits, s.admitted, s.bypassed), (3, 1, 1, 1));
+        assert_eq!(host.slot_of(id(0, 5)), Some(first_free));
+        // A device that claims a hit the host does not have, or an admission with no free slot, is refused.
+        assert!(dev.replay(id(1, 3), Access::Hit { slot: 0 }).is_err());
+        dev.access(id(1, 4), true);
+        assert!(dev.replay(id(1, 7), Access::Admitted { slot: 0, evicted: None }).is_err());
     }
 }

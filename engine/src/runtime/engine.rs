@@ -420,6 +420,9 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 staging,
                 slot_bytes: slot_bytes as usize,
                 policy: ef.expert_policy,
+                k: model.hp.n_expert_used as usize,
+                arena: pinned.as_ref().map(HostPin::mapping),
+                device_table: crate::switches::flag(crate::switches::DEVICE_SLOT_TABLE, true),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
         eprintln!(

@@ -19,6 +19,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("gemm.cu", include_str!("../../../../kernels/gemm.cu")),
     ("sampling.cu", include_str!("../../../../kernels/sampling.cu")),
+    ("experts.cu", include_str!("../../../../kernels/experts.cu")),
 ];
 
 /// Every kernel the backend launches (each must exist in the compiled module).
@@ -102,6 +103,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "copy_f32",
     "copy_f32x4",
     "scatter_rows_f32",
+    "expert_lookup",
+    "expert_fetch",
     "mmv_wide_f32",
     "router_route",
     "mmv1_q4_k",

@@ -22,6 +22,9 @@ pub enum CudaError {
         call: u64,
         error: String,
     },
+    /// The device's copy of the expert slot table and the host's disagree (`backend::cuda::experts`): a bug.
+    #[error("the device's expert slot table and the host's diverged: {0}")]
+    ExpertTable(String),
     #[error("no CUDA device {ordinal}: this machine has {count}")]
     NoSuchDevice { ordinal: usize, count: usize },
     #[error("cannot allocate {bytes} bytes on the device ({free} free): {source}")]

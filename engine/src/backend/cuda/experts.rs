@@ -49,6 +49,14 @@ pub struct ExpertCacheConfig {
     /// Bytes per slot (a multiple of [`crate::experts::SLOT_ALIGN`]).
     pub slot_bytes: usize,
     pub policy: Policy,
+    /// Experts each token chooses (top-k).
+    pub k: usize,
+    /// The page-locked expert arena as kernels address it, when the experts are in one: decode steps of one token
+    /// then keep the slot table on the device ([`DeviceTable`]), reading misses from it in place.
+    pub arena: Option<HostMapping>,
+    /// Whether such steps may use the device's table (`STRATA_DEVICE_SLOT_TABLE`; off: every decode step decides
+    /// on the host, layer by layer).
+    pub device_table: bool,
 }
 
 /// What the cache did in one phase: the slot cache's counts, and the bytes uploaded (admitted and staged
@@ -170,23 +178,342 @@ impl CpuMisses {
 /// The page-locked buffer in `slot`, grown in `ctx` to at least `n` values; its values as a slice.
 ///
 /// Errors: the allocation failed.
-fn pinned<'a>(
-    slot: &'a mut Option<PinnedHostSlice<f32>>,
+fn pinned<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    slot: &'a mut Option<PinnedHostSlice<T>>,
     ctx: &Arc<CudaContext>,
     n: usize,
-) -> Result<&'a mut [f32], CudaError> {
+) -> Result<&'a mut [T], CudaError> {
     if slot.as_ref().is_none_or(|b| b.len() < n) {
         *slot = None;
         // SAFETY: the values are written (by a copy or the CPU) before anything reads them.
         *slot = Some(
-            unsafe { ctx.alloc_pinned_with_flags::<f32>(n.max(1024), 0) }
-                .map_err(CudaError::driver(format!("page-locked buffer of {} bytes", n * 4)))?,
+            unsafe { ctx.alloc_pinned_with_flags::<T>(n.max(1024), 0) }.map_err(CudaError::driver(format!(
+                "page-locked buffer of {} bytes",
+                n * std::mem::size_of::<T>()
+            )))?,
         );
     }
     slot.as_mut()
         .expect("just sized")
         .as_mut_slice()
         .map_err(CudaError::driver("page-locked buffer"))
+}
+
+/// `expert_lookup`'s log codes (kernels/experts.cu): a hit's slot, an admission's slot | `LOOKUP_ADMITTED`, or
+/// `LOOKUP_STAGED`.
+const LOOKUP_ADMITTED: u32 = 0x8000_0000;
+const LOOKUP_STAGED: u32 = u32::MAX;
+/// A log word no lookup wrote (the step did not run that layer).
+const LOG_EMPTY: u32 = u32::MAX;
+/// Blocks per matrix of `expert_fetch` (two waves of 256 threads on 132 SMs: enough loads in flight for the link).
+const FETCH_BLOCKS: u32 = 264;
+
+/// The device's copy of the slot table, for decode steps of one token whose experts are in a mapped page-locked
+/// arena (DESIGN.md section 3, "Expert cache": a step that hits decides on the device, inside the CUDA graph).
+///
+/// Each MoE layer of such a step launches `expert_lookup`, which maps the router's experts to slots through the
+/// table and gives each miss one of the free slots the host set aside (entering the table) or, when none is left,
+/// a staging slot; then `expert_fetch`, which copies the misses from the arena, read in place over the link, into
+/// their slots; then the expert kernels read every expert from its slot, so the results are the resident run's
+/// bit for bit. No host round trip is needed, so the step is one CUDA graph.
+///
+/// The host's [`SlotCache`] stays the one bookkeeper: before such a step ([`ExpertPool::table_step_begin`]) it
+/// replays the last step's lookup log ([`SlotCache::replay`]: the same hits, admissions and staged misses, in
+/// the device's order), frees slots for the step's misses by evicting its policy's victims, and uploads its table
+/// and free slots; the device admits only into those, in that order. Every host-side step (prefill, steps of
+/// several tokens, the CPU's misses) replays a pending log first, so both tables always agree.
+struct DeviceTable {
+    /// `[n_layer * n_expert]` slot table (i32, -1: none), then `free_max` free slots, then (free slots, taken).
+    ctl: DevBuf,
+    /// `ctl`'s contents as uploaded (rewritten once `uploaded` has passed).
+    ctl_host: Option<PinnedHostSlice<u32>>,
+    uploaded: CudaEvent,
+    /// The current layer's misses: their count, then (expert, slot) pairs.
+    fetch: DevBuf,
+    /// The step's lookups, `[n_layer][k]` (expert, code) pairs; [`LOG_EMPTY`] where no lookup ran.
+    log: DevBuf,
+    log_host: Option<PinnedHostSlice<u32>>,
+    /// Recorded after the log's read-back.
+    logged: CudaEvent,
+    /// A step's log is read back (or queued) and not replayed yet.
+    log_pending: bool,
+    /// A trace's routing of the step, `[n_layer][k]`, uploaded before it (`--routing-trace`).
+    replay: DevBuf,
+    replay_host: Option<PinnedHostSlice<u32>>,
+    arena: HostMapping,
+    /// Per layer, one expert's bytes (0: not seen yet): what a miss moves over the link.
+    layer_bytes: Vec<u64>,
+    free_max: usize,
+    /// Misses per step, exponentially averaged: the free slots set aside for the next step.
+    misses: f64,
+    /// Whether the current step uses the table.
+    active: bool,
+}
+
+impl DeviceTable {
+    fn new(stream: &Arc<CudaStream>, config: &ExpertCacheConfig, arena: HostMapping) -> Result<DeviceTable, CudaError> {
+        let ctx = stream.context();
+        let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
+        let cells = config.n_layer * config.n_expert;
+        let free_max = config.slots.min(config.n_layer * config.k);
+        Ok(DeviceTable {
+            ctl: DevBuf::alloc(stream, (cells + free_max + 2) * 4)?,
+            ctl_host: None,
+            uploaded: ev()?,
+            fetch: DevBuf::alloc(stream, (1 + 2 * config.k) * 4)?,
+            log: DevBuf::alloc(stream, config.n_layer * config.k * 2 * 4)?,
+            log_host: None,
+            logged: ev()?,
+            log_pending: false,
+            replay: DevBuf::alloc(stream, config.n_layer * config.k * 4)?,
+            replay_host: None,
+            arena,
+            layer_bytes: vec![0; config.n_layer],
+            free_max,
+            misses: (config.n_layer * config.k) as f64 / 4.0,
+            active: false,
+        })
+    }
+
+    /// Free slots to set aside for the next step: twice the recent misses and one layer's worth, at most
+    /// `free_max` (a step's lookups) and half the cache.
+    fn free_target(&self, slots: usize, k: usize) -> usize {
+        ((2.0 * self.misses).ceil() as usize + k).min(self.free_max).min(slots / 2)
+    }
+}
+
+impl ExpertPool {
+    /// Whether a step of `n_tok` tokens keeps the slot table on the device: one token, the experts in a mapped
+    /// arena, the table not switched off, and misses not all for the CPU.
+    pub(super) fn table_wanted(&self, n_tok: usize) -> bool {
+        n_tok == 1 && self.table.is_some() && self.config.device_table && self.miss.policy != MissPolicy::Cpu
+    }
+
+    /// Whether the current step uses the device's table (between [`ExpertPool::table_step_begin`] and
+    /// [`ExpertPool::table_step_end`]).
+    pub(super) fn table_active(&self) -> bool {
+        self.table.as_ref().is_some_and(|t| t.active)
+    }
+
+    /// Prepares a step that uses the device's table: replays the last step's log, frees slots for this step's
+    /// misses, and queues the upload of the table, the free slots and (with `replay`) the trace's routing of the
+    /// step on `stream`, before any of the step's launches.
+    ///
+    /// Errors: a copy or event failed; the device's last step and the host's bookkeeping disagree.
+    pub(super) fn table_step_begin(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        replay: Option<&mut crate::experts::trace::RoutingReplay>,
+    ) -> Result<(), CudaError> {
+        self.sync_log()?;
+        let (slots, k, n_layer) = (self.config.slots, self.config.k, self.config.n_layer);
+        let t = self.table.as_mut().expect("table_wanted");
+        if t.active {
+            return Ok(());
+        }
+        let target = t.free_target(slots, k);
+        self.cache.reserve_free(target);
+        self.stats.decode.cache += self.cache.take_stats();
+        let e = || CudaError::driver("uploading the expert slot table");
+        t.uploaded.synchronize().map_err(e())?;
+        let table = self.cache.table();
+        let n = table.len() + t.free_max + 2;
+        let ctx = stream.context();
+        let h = pinned(&mut t.ctl_host, ctx, n)?;
+        for (d, &v) in h.iter_mut().zip(table) {
+            *d = v as u32;
+        }
+        let mut free = 0;
+        for (d, slot) in h[table.len()..table.len() + t.free_max].iter_mut().zip(self.cache.free_slots()) {
+            *d = slot;
+            free += 1;
+        }
+        h[n - 2] = free;
+        h[n - 1] = 0;
+        // SAFETY: `ctl` holds `n` words; `h` is page-locked and rewritten only after `uploaded` (recorded below)
+        // has passed.
+        unsafe { cudarc::driver::result::memcpy_htod_async(t.ctl.ptr, &h[..n], stream.cu_stream()) }.map_err(e())?;
+        if let Some(r) = replay {
+            let h = pinned(&mut t.replay_host, ctx, n_layer * k)?;
+            let mut ids = Vec::with_capacity(k);
+            for l in 0..n_layer {
+                r.next(l, 1, &mut ids);
+                h[l * k..(l + 1) * k].copy_from_slice(&ids);
+            }
+            // SAFETY: as above (`replay` holds `n_layer * k` words).
+            unsafe { cudarc::driver::result::memcpy_htod_async(t.replay.ptr, &h[..n_layer * k], stream.cu_stream()) }
+                .map_err(e())?;
+        }
+        t.uploaded.record(stream).map_err(e())?;
+        // SAFETY: `log` is this many bytes of device memory.
+        unsafe { cudarc::driver::result::memset_d8_async(t.log.ptr, 0xFF, t.log.bytes, stream.cu_stream()) }
+            .map_err(e())?;
+        t.active = true;
+        Ok(())
+    }
+
+    /// Ends a step begun by [`ExpertPool::table_step_begin`] (its launches, or its graph, are queued): queues the
+    /// read-back of its lookup log, which the next use of the cache replays.
+    ///
+    /// Errors: the copy or the event failed.
+    pub(super) fn table_step_end(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
+        let t = self.table.as_mut().expect("table_wanted");
+        if !t.active {
+            return Ok(());
+        }
+        t.active = false;
+        let n = t.log.bytes / 4;
+        let h = pinned(&mut t.log_host, stream.context(), n)?;
+        let e = || CudaError::driver("reading the expert lookup log back");
+        // SAFETY: `log` holds `n` words; `h` is read only after `logged` has passed.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut h[..n], t.log.ptr, stream.cu_stream()) }
+            .map_err(e())?;
+        t.logged.record(stream).map_err(e())?;
+        t.log_pending = true;
+        Ok(())
+    }
+
+    /// Replays the last device step's lookup log into the host's bookkeeping (waiting for its read-back), and
+    /// counts it as decode lookups. Nothing when none is pending.
+    ///
+    /// Errors: waiting failed; the log disagrees with the host's table (named).
+    pub(super) fn sync_log(&mut self) -> Result<(), CudaError> {
+        let Some(t) = self.table.as_mut().filter(|t| t.log_pending) else {
+            return Ok(());
+        };
+        t.log_pending = false;
+        t.logged
+            .synchronize()
+            .map_err(CudaError::driver("waiting for the expert lookup log"))?;
+        let k = self.config.k;
+        let log = t
+            .log_host
+            .as_ref()
+            .expect("read back")
+            .as_slice()
+            .map_err(CudaError::driver("page-locked buffer"))?;
+        let mut misses = 0usize;
+        let phase = &mut self.stats.decode;
+        for (layer, region) in log[..self.config.n_layer * k * 2].chunks_exact(k * 2).enumerate() {
+            if region[0] == LOG_EMPTY {
+                continue;
+            }
+            for pair in region.chunks_exact(2) {
+                let (expert, code) = (pair[0], pair[1]);
+                let seen = match code {
+                    LOOKUP_STAGED => Access::Bypassed,
+                    c if c & LOOKUP_ADMITTED != 0 => Access::Admitted {
+                        slot: c & !LOOKUP_ADMITTED,
+                        evicted: None,
+                    },
+                    c => Access::Hit { slot: c },
+                };
+                let id = ExpertId {
+                    layer: layer as u32,
+                    expert,
+                };
+                if expert as usize >= self.config.n_expert {
+                    return Err(CudaError::ExpertTable(format!("the device looked up {id:?}, outside the model")));
+                }
+                self.cache.replay(id, seen).map_err(CudaError::ExpertTable)?;
+                if !matches!(seen, Access::Hit { .. }) {
+                    misses += 1;
+                    phase.bytes_uploaded += t.layer_bytes[layer];
+                }
+            }
+        }
+        phase.cache += self.cache.take_stats();
+        t.misses = 0.75 * t.misses + 0.25 * misses as f64;
+        Ok(())
+    }
+
+    /// Queues a decode layer-step of one token through the device's table (in a step begun by
+    /// [`ExpertPool::table_step_begin`]): `ids` holds the router's `k` experts; the slots they are read from go to
+    /// `slot_ids` (`k` words), with the misses copied in first. With a routing trace, its experts replace the
+    /// router's in `ids` first.
+    ///
+    /// Errors: a launch failed.
+    pub(super) fn table_lookup(
+        &mut self,
+        gpu: &super::Gpu,
+        ex: &Experts<'_>,
+        ids: u64,
+        slot_ids: u64,
+        replayed: bool,
+    ) -> Result<(), CudaError> {
+        use super::launch::Arg;
+        let k = self.config.k;
+        let base = self.buf.ptr;
+        let stride = self.config.slot_bytes;
+        let (offsets, span) = layout(ex);
+        let bytes = layout_bytes(ex);
+        assert!(
+            span <= stride && ex.n_expert == self.config.n_expert && ex.layer < self.config.n_layer,
+            "layer {}'s experts ({span} bytes) do not fit the pool's slots ({stride} bytes)",
+            ex.layer
+        );
+        let t = self.table.as_mut().expect("table_wanted");
+        t.layer_bytes[ex.layer] = ex.expert_bytes();
+        let src = [&ex.gate, &ex.up, &ex.down].map(|w| {
+            t.arena
+                .device_of(w.data)
+                .expect("a mapped arena holds every routed expert")
+        });
+        if replayed {
+            gpu.launch(
+                "copy_f32",
+                (1, 1, 1),
+                (k.next_multiple_of(32) as u32, 1, 1),
+                &[
+                    Arg::P(t.replay.ptr + (ex.layer * k * 4) as u64),
+                    Arg::P(ids),
+                    Arg::L(k as i64),
+                ],
+            )?;
+        }
+        let cells = self.config.n_layer * self.config.n_expert;
+        gpu.launch(
+            "expert_lookup",
+            (1, 1, 1),
+            (32, 1, 1),
+            &[
+                Arg::P(ids),
+                Arg::I(k as i32),
+                Arg::I(ex.layer as i32),
+                Arg::I(ex.n_expert as i32),
+                Arg::P(t.ctl.ptr),
+                Arg::P(t.ctl.ptr + (cells * 4) as u64),
+                Arg::P(t.ctl.ptr + ((cells + t.free_max) * 4) as u64),
+                Arg::P(slot_ids),
+                Arg::P(t.fetch.ptr),
+                Arg::P(t.log.ptr + (ex.layer * k * 2 * 4) as u64),
+                Arg::I(self.config.slots as i32),
+            ],
+        )?;
+        let vec16 = bytes.iter().chain(&offsets).all(|b| b % 16 == 0)
+            && src.iter().all(|a| a % 16 == 0)
+            && stride % 16 == 0;
+        gpu.launch(
+            "expert_fetch",
+            (FETCH_BLOCKS, 3, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(t.fetch.ptr),
+                Arg::P(src[0]),
+                Arg::P(src[1]),
+                Arg::P(src[2]),
+                Arg::L(bytes[0] as i64),
+                Arg::L(bytes[1] as i64),
+                Arg::L(bytes[2] as i64),
+                Arg::P(base),
+                Arg::L(stride as i64),
+                Arg::L(offsets[0] as i64),
+                Arg::L(offsets[1] as i64),
+                Arg::L(offsets[2] as i64),
+                Arg::I(vec16 as i32),
+            ],
+        )
+    }
 }
 
 /// The device slots and their bookkeeping.
@@ -224,6 +551,8 @@ pub struct ExpertPool {
     miss: MissPlan,
     /// This layer-step's CPU-computed misses.
     pub(super) cpu: CpuMisses,
+    /// The device's copy of the slot table (decode steps of one token, experts in a mapped arena).
+    table: Option<DeviceTable>,
 }
 
 impl ExpertPool {
@@ -260,6 +589,10 @@ impl ExpertPool {
             stats: ExpertCacheStats::default(),
             miss: MissPlan::default(),
             cpu: CpuMisses::default(),
+            table: match config.arena {
+                Some(a) if config.device_table => Some(DeviceTable::new(stream, &config, a)?),
+                _ => None,
+            },
         })
     }
 
@@ -311,6 +644,8 @@ impl ExpertPool {
     ///
     /// Errors: recording or waiting on an event failed.
     pub(super) fn begin(&mut self, stream: &Arc<CudaStream>, ex: &Experts<'_>, decode: bool) -> Result<(), CudaError> {
+        // The host decides this layer-step: the device's last lookups first.
+        self.sync_log()?;
         for &e in &self.placed {
             self.slot_of[e as usize] = UNSET;
         }
@@ -579,13 +914,20 @@ impl ExpertPool {
             .map_err(CudaError::driver("uploading the CPU's expert rows"))
     }
 
-    /// The counts so far, and zero them.
-    pub(super) fn take_stats(&mut self) -> ExpertCacheStats {
-        std::mem::take(&mut self.stats)
+    /// The counts so far (the device's last step's lookups included), and zero them.
+    ///
+    /// Errors: as [`ExpertPool::sync_log`].
+    pub(super) fn take_stats(&mut self) -> Result<ExpertCacheStats, CudaError> {
+        self.sync_log()?;
+        Ok(std::mem::take(&mut self.stats))
     }
 
-    pub(super) fn stats(&self) -> ExpertCacheStats {
-        self.stats
+    /// The counts so far (the device's last step's lookups included).
+    ///
+    /// Errors: as [`ExpertPool::sync_log`].
+    pub(super) fn stats(&mut self) -> Result<ExpertCacheStats, CudaError> {
+        self.sync_log()?;
+        Ok(self.stats)
     }
 
     /// Waits for the copy stream's uploads.
@@ -620,6 +962,8 @@ fn layout(ex: &Experts<'_>) -> ([usize; 3], usize) {
 pub struct HostPin {
     ptr: usize,
     bytes: usize,
+    /// The device address of `ptr` (the range is mapped).
+    device: u64,
     ctx: Arc<cudarc::driver::CudaContext>,
 }
 
@@ -628,7 +972,8 @@ impl HostPin {
         gpu.ctx
             .bind_to_thread()
             .map_err(CudaError::driver("binding the context"))?;
-        let flags = cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // Mapped as well, so kernels read it in place over the link (`expert_fetch`).
+        let flags = cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE | cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: `bytes` is a live host allocation; the guard unregisters it before its owner frees it
         // (`runtime::Engine` drops the guard first).
         unsafe {
@@ -636,16 +981,54 @@ impl HostPin {
                 .result()
                 .map_err(CudaError::driver(format!("cuMemHostRegister of {} bytes", bytes.len())))?;
         }
-        Ok(HostPin {
+        let mut pin = HostPin {
             ptr: bytes.as_ptr() as usize,
             bytes: bytes.len(),
+            device: 0,
             ctx: gpu.ctx.clone(),
-        })
+        };
+        let mut device = 0;
+        // SAFETY: the memory was just registered with DEVICEMAP (on a failure `pin` drops and unregisters it).
+        unsafe {
+            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device, bytes.as_ptr() as *mut _, 0)
+                .result()
+                .map_err(CudaError::driver("cuMemHostGetDevicePointer of the expert arena"))?;
+        }
+        pin.device = device;
+        Ok(pin)
     }
 
     /// Bytes locked.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The locked range as kernels address it: (host start, bytes, device address of the start).
+    pub fn mapping(&self) -> HostMapping {
+        HostMapping {
+            host: self.ptr,
+            bytes: self.bytes,
+            device: self.device,
+        }
+    }
+}
+
+/// Page-locked host memory mapped into the device's address space ([`HostPin::mapping`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostMapping {
+    /// Host address of the first byte.
+    pub host: usize,
+    pub bytes: usize,
+    /// Device address of the first byte.
+    pub device: u64,
+}
+
+impl HostMapping {
+    /// The device address of `data`, when all of it lies in the mapped range.
+    fn device_of(&self, data: &[u8]) -> Option<u64> {
+        let start = data.as_ptr() as usize;
+        (start >= self.host && start + data.len() <= self.host + self.bytes)
+            .then(|| self.device + (start - self.host) as u64)
     }
 }
 

@@ -363,12 +363,12 @@ impl CudaBackend {
 
     /// What the expert cache did since it was made or last taken (`None` without a cache).
     pub fn expert_cache_stats(&self) -> Option<ExpertCacheStats> {
-        self.lock().experts.as_ref().map(|p| p.stats())
+        self.lock().experts.as_mut().map(|p| Self::check(p.stats()))
     }
 
     /// [`CudaBackend::expert_cache_stats`], and zero them (per request).
     pub fn take_expert_cache_stats(&self) -> Option<ExpertCacheStats> {
-        self.lock().experts.as_mut().map(|p| p.take_stats())
+        self.lock().experts.as_mut().map(|p| Self::check(p.take_stats()))
     }
 
     /// Page-locks `bytes` (the expert arena) so uploads from it run at the link's pinned rate and overlap
@@ -504,6 +504,42 @@ impl Inner {
             .as_ref()
             .expect("slot written before it is read")
             .read(&gpu.stream, bytemuck::cast_slice_mut(out))
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::replay_step`] once it is known the recorded graph may run: uploads the step's token ids and
+    /// positions, then launches the graph.
+    fn replay_recorded(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        // The recorded step read its token ids from the Idx slot and its positions from the Pos slot; both are
+        // still the buffers it was recorded with (no allocation since), and neither write allocates.
+        Self::check((|| {
+            s.upload(g, Slot::Idx, bytemuck::cast_slice(ids))?;
+            s.pos.clear();
+            s.upload(g, Slot::Pos, bytemuck::cast_slice(positions))?;
+            s.pos.extend_from_slice(positions);
+            g.replay_verified(key)
+        })());
+        true
+    }
+
+    /// Starts a step of `n_tok` tokens on the expert cache's device table when the pool wants it
+    /// ([`ExpertPool::table_step_begin`]); nothing otherwise.
+    fn table_step_begin(&self, n_tok: usize) {
+        let mut s = self.lock();
+        let s = &mut *s;
+        if let Some(p) = s.experts.as_mut().filter(|p| p.table_wanted(n_tok)) {
+            Self::check(p.table_step_begin(&self.gpu.stream, s.replay.as_mut()));
+        }
+    }
+
+    /// Ends a step begun on the device table ([`ExpertPool::table_step_end`]); nothing otherwise.
+    fn table_step_end(&self) {
+        if let Some(p) = self.lock().experts.as_mut() {
+            Self::check(p.table_step_end(&self.gpu.stream));
+        }
     }
 }
 
@@ -769,11 +805,13 @@ impl Backend for CudaBackend {
     }
 
     fn step_begin(&self, n_tok: usize, key: StepKey) {
+        self.table_step_begin(n_tok);
         self.gpu.step_begin(key, n_tok == 1);
     }
 
     fn step_end(&self) {
         Self::check(self.gpu.step_end());
+        self.table_step_end();
     }
 
     fn release_slot(&self, slot: SeqSlot) {
@@ -785,18 +823,15 @@ impl Backend for CudaBackend {
         if !self.gpu.can_replay(key) {
             return false;
         }
-        let g = &*self.gpu;
-        let mut s = self.lock();
-        // The recorded step read its token ids from the Idx slot and its positions from the Pos slot; both are
-        // still the buffers it was recorded with (no allocation since), and neither write allocates.
-        Self::check((|| {
-            s.upload(g, Slot::Idx, bytemuck::cast_slice(ids))?;
-            s.pos.clear();
-            s.upload(g, Slot::Pos, bytemuck::cast_slice(positions))?;
-            s.pos.extend_from_slice(positions);
-            g.replay_verified(key)
-        })());
-        true
+        // With an expert cache, a recorded step reads the device's slot table: replay it only when this step
+        // uses the table too (it always does unless the miss plan changed).
+        if self.lock().experts.as_ref().is_some_and(|p| !p.table_wanted(1)) {
+            return false;
+        }
+        self.table_step_begin(1);
+        let replayed = self.replay_recorded(key, ids, positions);
+        self.table_step_end();
+        replayed
     }
 
     fn add_rms_norm_into(&self, x: &mut DevVec, y: &DevVec, out: &mut DevVec, rows: usize, w: &[f32], eps: f32) {

@@ -214,8 +214,10 @@ impl Inner {
         normalized: bool,
         sum: MoeSum,
     ) -> Result<(), CudaError> {
-        if let Some(replay) = self.replay.as_mut() {
-            // The trace's experts in place of the router's (the router's weights stay).
+        let on_table = self.experts.as_ref().is_some_and(|p| p.table_active());
+        if let Some(replay) = self.replay.as_mut().filter(|_| !on_table) {
+            // The trace's experts in place of the router's (the router's weights stay); on the device's slot
+            // table, the step's routing is on the device already (`table_lookup` copies it in).
             let mut ids = Vec::new();
             replay.next(ex.layer, n_tok, &mut ids);
             // Host data in the middle of a step: the step must not become a graph.
@@ -231,7 +233,9 @@ impl Inner {
     /// The decode experts' launches: gate and up (one launch when they share type and stride), the GLU unless
     /// the down projection fuses it, and the down projection, each routing slot reading the expert (or cache
     /// slot) `ids` names at `at`; `bufs` are the gate, up and down outputs (`[slots][n_ff_exp]`,
-    /// `[slots][n_ff_exp]`, `[slots][n_embd]`).
+    /// `[slots][n_ff_exp]`, `[slots][n_embd]`). `early`: the down projection's first weight loads may go out before
+    /// it waits for the launch before it (no launch of the step wrote its weights: not when `expert_fetch` copied
+    /// misses into their slots).
     #[allow(clippy::too_many_arguments)]
     fn mmv_experts(
         &mut self,
@@ -243,6 +247,7 @@ impl Inner {
         bufs: [u64; 3],
         k: usize,
         slots: usize,
+        early: bool,
     ) -> Result<(), CudaError> {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         let [gp, up, dp] = bufs;
@@ -311,8 +316,9 @@ impl Inner {
             if fused_glu { up } else { 0 },
             // moe_route or router_route wrote the ids two launches back at least (with a cache, the host
             // wrote them before both): the down projection's first weight loads need not wait for the
-            // gate/up launch (common.cuh, pdl_enter, says why that holds).
-            true,
+            // gate/up launch (common.cuh, pdl_enter, says why that holds), unless `early` says a launch of this
+            // step wrote those weights.
+            early,
         )
     }
 
@@ -356,7 +362,14 @@ impl Inner {
             match pool.as_deref_mut() {
                 None => {
                     let at = resident(self)?;
-                    self.mmv_experts(gpu, ex, &at, ids, xp, bufs, k, slots)?;
+                    self.mmv_experts(gpu, ex, &at, ids, xp, bufs, k, slots, true)?;
+                }
+                Some(pool) if pool.table_active() => {
+                    // The device's slot table: the misses are copied in from the mapped arena, then every expert
+                    // is read from its slot (no host round trip: the step stays a graph).
+                    let sp = self.slot(gpu, Slot::MoeSlotIds, slots * 4)?;
+                    pool.table_lookup(gpu, ex, ids, sp, self.replay.is_some())?;
+                    self.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots, false)?;
                 }
                 Some(pool) => {
                     let mut ids_h = vec![0u32; slots];
@@ -373,7 +386,7 @@ impl Inner {
                     let mut gpu_part = |s: &mut Self, pool: &mut ExpertPool| -> Result<(), CudaError> {
                         pool.place_decode(&gpu.stream, ex, &mut ids_h)?;
                         let sp = s.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
-                        s.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots)
+                        s.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots, true)
                     };
                     if on_cpu {
                         // The CPU's workers start on their experts while this thread queues the GPU's part; the

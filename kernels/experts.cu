@@ -1,0 +1,89 @@
+// The VRAM expert cache's device side (DESIGN.md section 3, "Expert cache"): at a decode step of one token, a MoE
+// layer's experts are mapped to cache slots by the device's copy of the slot table, and its misses are copied into
+// VRAM from the page-locked host arena, read in place over the link, with no host round trip: the step stays one
+// CUDA graph (backend/cuda/experts.rs, DeviceTable, keeps the host's bookkeeping in step with it).
+//
+// Codes of the lookup log (expert_lookup's log[2 j + 1]): a hit's slot, an admission's slot | LOOKUP_ADMITTED, or
+// LOOKUP_STAGED (read for this step alone, into a staging slot). experts.rs mirrors these values.
+#define LOOKUP_ADMITTED 0x80000000u
+#define LOOKUP_STAGED 0xFFFFFFFFu
+
+// Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
+// table[layer * n_expert + e] when cached. A miss takes the next of the host's free slots (free_slots[ctl[1]++]
+// while ctl[1] < ctl[0]) and enters the table, or, when none is left, staging slot `staging + j` for this step;
+// either way it joins the fetch list (fetch[0] misses, then (expert, slot) pairs) for expert_fetch. Writes
+// slot_ids[j] and the log: log[2 j] = e, log[2 j + 1] = its code. One block; thread 0 decides in routing order
+// (the order the host replays the log in).
+extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
+                                         const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
+                                         u32* __restrict__ fetch, u32* __restrict__ log, int staging) {
+    pdl_enter();
+    if (threadIdx.x != 0) return;
+    u32 avail = ctl[0], taken = ctl[1], m = 0;
+    for (int j = 0; j < k; ++j) {
+        u32 e = ids[j];
+        int* t = table + (long long)layer * n_expert + e;
+        int s = *t;
+        u32 code;
+        if (s >= 0) {
+            code = (u32)s;
+        } else {
+            if (taken < avail) {
+                s = (int)free_slots[taken++];
+                *t = s;
+                code = (u32)s | LOOKUP_ADMITTED;
+            } else {
+                s = staging + j;
+                code = LOOKUP_STAGED;
+            }
+            fetch[1 + 2 * m] = e;
+            fetch[2 + 2 * m] = (u32)s;
+            ++m;
+        }
+        slot_ids[j] = (u32)s;
+        log[2 * j] = e;
+        log[2 * j + 1] = code;
+    }
+    ctl[1] = taken;
+    fetch[0] = m;
+}
+
+// Copies the fetch list's experts (expert_lookup) from host memory into their slots: expert e's matrix m
+// (0 gate, 1 up, 2 down: blockIdx.y) is bytes[m] at src[m] + e * bytes[m] (the page-locked arena, mapped), copied to
+// pool + slot * slot_bytes + off[m]. The blocks of a matrix stride over 16-byte words four at a time (enough loads
+// in flight to keep the link busy) when every size and address is a multiple of 16 (vec16), else over bytes.
+// Grid (any, 3), block 256.
+extern "C" __global__ void expert_fetch(const u32* __restrict__ fetch, const u8* src_g, const u8* src_u,
+                                        const u8* src_d, long long bytes_g, long long bytes_u, long long bytes_d,
+                                        u8* pool, long long slot_bytes, long long off_g, long long off_u,
+                                        long long off_d, int vec16) {
+    pdl_enter();
+    int mat = blockIdx.y;
+    const u8* src = mat == 0 ? src_g : mat == 1 ? src_u : src_d;
+    long long bytes = mat == 0 ? bytes_g : mat == 1 ? bytes_u : bytes_d;
+    long long off = mat == 0 ? off_g : mat == 1 ? off_u : off_d;
+    u32 m = fetch[0];
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (u32 q = 0; q < m; ++q) {
+        u32 e = fetch[1 + 2 * q], slot = fetch[2 + 2 * q];
+        const u8* s = src + (long long)e * bytes;
+        u8* d = pool + (long long)slot * slot_bytes + off;
+        if (vec16) {
+            const uint4* s4 = (const uint4*)s;
+            uint4* d4 = (uint4*)d;
+            long long n = bytes / 16;
+            long long i = first;
+            for (; i + 3 * stride < n; i += 4 * stride) {
+                uint4 a = s4[i], b = s4[i + stride], c = s4[i + 2 * stride], w = s4[i + 3 * stride];
+                d4[i] = a;
+                d4[i + stride] = b;
+                d4[i + 2 * stride] = c;
+                d4[i + 3 * stride] = w;
+            }
+            for (; i < n; i += stride) d4[i] = s4[i];
+        } else {
+            for (long long i = first; i < bytes; i += stride) d[i] = s[i];
+        }
+    }
+}
