@@ -1122,7 +1122,8 @@ fn softmax64(l: &[f32]) -> Vec<f64> {
 
 /// When the CPU computes the misses (issue 16, point 6), the logits differ from the all-resident run only by the
 /// two backends' rounding: with every decode miss on the CPU (0 and 4 slots) and with the cost model splitting
-/// them (64 slots, equal link and CPU rates), prefill is the resident run's bit for bit (it uploads), and every
+/// them (64 slots, equal link and CPU rates; and with `auto` choosing between that and the device's slot table by
+/// measured step times), prefill is the resident run's bit for bit (it uploads), and every
 /// decode position (one token, and 3-token steps) has a KLD against the resident distribution of at most 1e-4 on
 /// average and 1e-3 at worst, with the same argmax unless the resident top two are within 1e-3 (a near-tie).
 #[test]
@@ -1139,12 +1140,15 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         cpu_bytes_s: 1e9,
         cpu_fixed_s: 0.0,
     };
-    for (slots, policy, cost) in [
-        (0, MissPolicy::Cpu, None),
-        (4, MissPolicy::Cpu, None),
-        (64, MissPolicy::Auto, Some(even)),
+    // The last: `auto` with the device's slot table, which measures both paths (the device's, and the host's with
+    // the CPU computing misses) in its first 16 decode steps, then keeps one.
+    for (slots, policy, cost, device_table) in [
+        (0, MissPolicy::Cpu, None, false),
+        (4, MissPolicy::Cpu, None, false),
+        (64, MissPolicy::Auto, Some(even), false),
+        (64, MissPolicy::Auto, Some(even), true),
     ] {
-        let (g, pin) = f.cached_gpu(slots, Policy::Lru, false);
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table);
         assert!(pin.is_some(), "the arena is page-locked");
         g.set_miss_plan(MissPlan { policy, cost }).unwrap();
         let got = cache_run(&f.model, &g, &f.tokens);
@@ -1187,7 +1191,8 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         }
         let mean = sum / rows as f64;
         println!(
-            "cpu misses, {slots} slots {policy}: decode {} lookups {} hits {} on the CPU {} MB up; {rows} decode positions: mean KLD {mean:.3e}, worst {worst:.3e}, argmax near-ties {ties}; prefill bit-identical {same_prefill}",
+            "cpu misses, {slots} slots {policy}{}: decode {} lookups {} hits {} on the CPU {} MB up; {rows} decode positions: mean KLD {mean:.3e}, worst {worst:.3e}, argmax near-ties {ties}; prefill bit-identical {same_prefill}",
+            if device_table { " (device table too)" } else { "" },
             st.decode.cache.lookups,
             st.decode.cache.hits,
             st.decode.cpu_computed,

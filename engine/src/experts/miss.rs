@@ -125,9 +125,160 @@ impl MissCost {
     }
 }
 
+/// How a decode step of one token decides its experts, when its experts are in a mapped page-locked arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodePath {
+    /// On the device's copy of the slot table, inside the step's CUDA graph: every miss is copied in over the
+    /// link, none is computed by the CPU.
+    Device,
+    /// On the host, layer by layer (a round trip each): the misses are split between the link and the CPU by the
+    /// [`MissPlan`].
+    Host,
+}
+
+/// `--miss-policy auto`'s choice between the two [`DecodePath`]s, by their measured step times: the device's
+/// table saves a host round trip per layer, the host's lets the CPU compute misses beside the link, and which
+/// wins depends on how often experts miss (routing locality, cache size) and on the machine. It runs
+/// [`PathChooser::EXPLORE`] steps of each path (the first of each run not counted: it records or drops a CUDA
+/// graph), then the faster by median for [`PathChooser::EXPLOIT`] steps, then measures both again.
+#[derive(Debug, Clone, Default)]
+pub struct PathChooser {
+    /// Measured step times of the current round, seconds, per path.
+    device: Vec<f64>,
+    host: Vec<f64>,
+    /// Steps handed out in the current round.
+    steps: usize,
+    /// The path chosen by the last round, once there was one.
+    chosen: Option<DecodePath>,
+    /// The last step handed out, if its time counts.
+    counted: Option<DecodePath>,
+    /// The last round's median step times (device, host), seconds.
+    medians: Option<(f64, f64)>,
+}
+
+impl PathChooser {
+    /// Steps of each path measured per round (the first of each not counted).
+    pub const EXPLORE: usize = 8;
+    /// Steps on the chosen path before measuring both again.
+    pub const EXPLOIT: usize = 512;
+
+    /// The path of the next step.
+    pub fn next(&mut self) -> DecodePath {
+        let s = self.steps;
+        self.steps += 1;
+        let (path, counted) = if s < Self::EXPLORE {
+            (DecodePath::Device, s > 0)
+        } else if s < 2 * Self::EXPLORE {
+            (DecodePath::Host, s > Self::EXPLORE)
+        } else {
+            if s == 2 * Self::EXPLORE {
+                self.choose();
+            }
+            if s + 1 >= 2 * Self::EXPLORE + Self::EXPLOIT {
+                self.steps = 0;
+            }
+            (self.chosen.unwrap_or(DecodePath::Device), false)
+        };
+        self.counted = counted.then_some(path);
+        path
+    }
+
+    /// The step [`PathChooser::next`] handed out last took `seconds` (its device time). The first step of each
+    /// path in a round is a warm-up, the chosen path's steps are not measured, and a reading that is not a
+    /// positive finite number is not one: none of them is counted.
+    pub fn record(&mut self, seconds: f64) {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        match self.counted.take() {
+            Some(DecodePath::Device) => self.device.push(seconds),
+            Some(DecodePath::Host) => self.host.push(seconds),
+            None => {}
+        }
+    }
+
+    /// The path the last round chose (`None` before the first round ended).
+    pub fn chosen(&self) -> Option<DecodePath> {
+        self.chosen
+    }
+
+    /// The last round's median step times (device's table, host's), seconds, when both were measured.
+    pub fn medians(&self) -> Option<(f64, f64)> {
+        self.medians
+    }
+
+    /// Ends a round: the path of the lower median step time (the device's when either has no reading).
+    fn choose(&mut self) {
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied()
+        };
+        let (d, h) = (median(&mut self.device), median(&mut self.host));
+        self.medians = d.zip(h);
+        self.chosen = Some(match (d, h) {
+            (Some(d), Some(h)) if h < d => DecodePath::Host,
+            _ => DecodePath::Device,
+        });
+        self.device.clear();
+        self.host.clear();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs `n` steps through `c`, each path taking the time `time` gives it; returns the paths handed out.
+    fn run(c: &mut PathChooser, n: usize, mut time: impl FnMut(DecodePath) -> f64) -> Vec<DecodePath> {
+        (0..n)
+            .map(|_| {
+                let p = c.next();
+                c.record(time(p));
+                p
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_chooser_measures_both_paths_then_keeps_the_faster_and_measures_again() {
+        let e = PathChooser::EXPLORE;
+        for (device_s, host_s, want) in [(5e-3, 10e-3, DecodePath::Device), (12e-3, 10e-3, DecodePath::Host)] {
+            let mut c = PathChooser::default();
+            let time = |p| if p == DecodePath::Device { device_s } else { host_s };
+            let paths = run(&mut c, 2 * e + PathChooser::EXPLOIT, time);
+            assert!(paths[..e].iter().all(|&p| p == DecodePath::Device));
+            assert!(paths[e..2 * e].iter().all(|&p| p == DecodePath::Host));
+            assert!(paths[2 * e..].iter().all(|&p| p == want), "{device_s} vs {host_s}");
+            assert_eq!(c.chosen(), Some(want));
+            // The next round measures both again, and follows a change.
+            let paths = run(&mut c, 2 * e + 1, |p| if p == want { 1.0 } else { 1e-3 });
+            assert_eq!(paths[0], DecodePath::Device);
+            assert_eq!(paths[e], DecodePath::Host);
+            assert_ne!(paths[2 * e], want);
+        }
+    }
+
+    #[test]
+    fn warm_ups_and_impossible_readings_do_not_count() {
+        let e = PathChooser::EXPLORE;
+        let mut c = PathChooser::default();
+        // Each path's first step is slow (a graph recorded, or dropped): the host's would win on it alone.
+        let mut n = 0;
+        let paths = run(&mut c, 2 * e + 1, |p| {
+            n += 1;
+            match (p, n) {
+                (DecodePath::Device, 1) => 100.0,
+                (DecodePath::Device, _) => 2.0,
+                (DecodePath::Host, _) if n == e + 1 => 0.5,
+                (DecodePath::Host, _) => 3.0,
+            }
+        });
+        assert_eq!(paths[2 * e], DecodePath::Device);
+        // No reading at all: the device's table.
+        let mut c = PathChooser::default();
+        let paths = run(&mut c, 2 * e + 1, |_| f64::NAN);
+        assert_eq!(paths[2 * e], DecodePath::Device);
+    }
 
     const MB: u64 = 1_000_000;
 

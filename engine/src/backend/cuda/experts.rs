@@ -33,7 +33,7 @@ use crate::backend::Experts;
 use crate::backend::cpu::spin::SpinPool;
 use crate::backend::cpu::{CpuBackend, ExpertRate, ExpertRowsScratch, Workers};
 use crate::experts::cache::{Access, CacheStats, Policy, SlotCache};
-use crate::experts::miss::{MissPlan, MissPolicy};
+use crate::experts::miss::{DecodePath, MissPlan, MissPolicy, PathChooser};
 use crate::experts::{ExpertId, slot_layout};
 
 /// What the pool is made for (sized by the memory plan: `memory::ExpertPlacement::Cache`).
@@ -283,10 +283,87 @@ impl DeviceTable {
 }
 
 impl ExpertPool {
-    /// Whether a step of `n_tok` tokens keeps the slot table on the device: one token, the experts in a mapped
-    /// arena, the table not switched off, and misses not all for the CPU.
-    pub(super) fn table_wanted(&self, n_tok: usize) -> bool {
-        n_tok == 1 && self.table.is_some() && self.config.device_table && self.miss.policy != MissPolicy::Cpu
+    /// Starts a forward step of `n_tok` tokens (before any of its launches) and says whether it decides its
+    /// experts on the device's slot table ([`DeviceTable`]): a step of one token whose experts are in a mapped
+    /// arena, unless the table is switched off or the miss policy is `cpu`; under `auto`, when the
+    /// [`PathChooser`] says so by the step times it measures (the CPU can only join on the host's path). Such a
+    /// step is prepared with [`ExpertPool::table_step_begin`]. Called again before the step ends, it only repeats
+    /// the answer.
+    ///
+    /// Errors: as [`ExpertPool::table_step_begin`]; a step time could not be read.
+    pub(super) fn decode_step_begin(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        n_tok: usize,
+        replay: Option<&mut crate::experts::trace::RoutingReplay>,
+    ) -> Result<bool, CudaError> {
+        if self.step_open {
+            return Ok(self.table_active());
+        }
+        self.step_open = true;
+        if n_tok != 1 || self.table.is_none() || !self.config.device_table {
+            return Ok(false);
+        }
+        let path = match (self.miss.policy, self.miss.cost) {
+            (MissPolicy::Cpu, _) => DecodePath::Host,
+            // Without measured rates the host's path uploads every miss too, a round trip per layer dearer.
+            (MissPolicy::Upload, _) | (MissPolicy::Auto, None) => DecodePath::Device,
+            (MissPolicy::Auto, Some(_)) => self.choose_path(stream)?,
+        };
+        if path == DecodePath::Device {
+            self.table_step_begin(stream, replay)?;
+        }
+        Ok(path == DecodePath::Device)
+    }
+
+    /// `auto`'s path for this step: the last timed step's device time goes to the chooser first, and the choice
+    /// is logged when it changes. This step is timed from now to [`ExpertPool::decode_step_end`].
+    fn choose_path(&mut self, stream: &Arc<CudaStream>) -> Result<DecodePath, CudaError> {
+        let e = || CudaError::driver("timing a decode step");
+        let ctx = stream.context();
+        if self.step_events.is_none() {
+            self.step_events = Some([ctx.new_event(None).map_err(e())?, ctx.new_event(None).map_err(e())?]);
+        }
+        let [t0, t1] = self.step_events.as_ref().expect("made");
+        if std::mem::take(&mut self.step_timed) {
+            self.chooser.record(f64::from(t0.elapsed_ms(t1).map_err(e())?) / 1e3);
+        }
+        let before = self.chooser.chosen();
+        let path = self.chooser.next();
+        if let (Some(now), Some((d, h))) = (self.chooser.chosen(), self.chooser.medians())
+            && before != Some(now)
+        {
+            eprintln!(
+                "strata: expert misses auto: decode steps decide {} ({:.2} ms a step, {:.2} ms {})",
+                if now == DecodePath::Device {
+                    "on the device's slot table, every miss uploaded"
+                } else {
+                    "on the host, the CPU computing misses beside the link"
+                },
+                1e3 * if now == DecodePath::Device { d } else { h },
+                1e3 * if now == DecodePath::Device { h } else { d },
+                if now == DecodePath::Device { "on the host" } else { "on the device's table" },
+            );
+        }
+        t0.record(stream).map_err(e())?;
+        self.step_timed = true;
+        Ok(path)
+    }
+
+    /// Ends the step [`ExpertPool::decode_step_begin`] started (its launches, or its graph, are queued).
+    ///
+    /// Errors: as [`ExpertPool::table_step_end`]; the step's end could not be timed.
+    pub(super) fn decode_step_end(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
+        if !std::mem::take(&mut self.step_open) {
+            return Ok(());
+        }
+        self.table_step_end(stream)?;
+        if self.step_timed
+            && let Some([_, t1]) = &self.step_events
+        {
+            t1.record(stream).map_err(CudaError::driver("timing a decode step"))?;
+        }
+        Ok(())
     }
 
     /// Whether the current step uses the device's table (between [`ExpertPool::table_step_begin`] and
@@ -300,14 +377,14 @@ impl ExpertPool {
     /// step on `stream`, before any of the step's launches.
     ///
     /// Errors: a copy or event failed; the device's last step and the host's bookkeeping disagree.
-    pub(super) fn table_step_begin(
+    fn table_step_begin(
         &mut self,
         stream: &Arc<CudaStream>,
         replay: Option<&mut crate::experts::trace::RoutingReplay>,
     ) -> Result<(), CudaError> {
         self.sync_log()?;
         let (slots, k, n_layer) = (self.config.slots, self.config.k, self.config.n_layer);
-        let t = self.table.as_mut().expect("table_wanted");
+        let t = self.table.as_mut().expect("a device table");
         if t.active {
             return Ok(());
         }
@@ -356,11 +433,10 @@ impl ExpertPool {
     /// read-back of its lookup log, which the next use of the cache replays.
     ///
     /// Errors: the copy or the event failed.
-    pub(super) fn table_step_end(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
-        let t = self.table.as_mut().expect("table_wanted");
-        if !t.active {
+    fn table_step_end(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
+        let Some(t) = self.table.as_mut().filter(|t| t.active) else {
             return Ok(());
-        }
+        };
         t.active = false;
         let n = t.log.bytes / 4;
         let h = pinned(&mut t.log_host, stream.context(), n)?;
@@ -452,7 +528,7 @@ impl ExpertPool {
             "layer {}'s experts ({span} bytes) do not fit the pool's slots ({stride} bytes)",
             ex.layer
         );
-        let t = self.table.as_mut().expect("table_wanted");
+        let t = self.table.as_mut().expect("a device table");
         t.layer_bytes[ex.layer] = ex.expert_bytes();
         let src = [&ex.gate, &ex.up, &ex.down].map(|w| {
             t.arena
@@ -553,6 +629,13 @@ pub struct ExpertPool {
     pub(super) cpu: CpuMisses,
     /// The device's copy of the slot table (decode steps of one token, experts in a mapped arena).
     table: Option<DeviceTable>,
+    /// Between [`ExpertPool::decode_step_begin`] and [`ExpertPool::decode_step_end`].
+    step_open: bool,
+    /// `auto`'s choice of [`DecodePath`], and the events that time a step for it (the step's start and end).
+    chooser: PathChooser,
+    step_events: Option<[CudaEvent; 2]>,
+    /// A step was timed whose time the chooser has not had yet.
+    step_timed: bool,
 }
 
 impl ExpertPool {
@@ -593,6 +676,10 @@ impl ExpertPool {
                 Some(a) if config.device_table => Some(DeviceTable::new(stream, &config, a)?),
                 _ => None,
             },
+            step_open: false,
+            chooser: PathChooser::default(),
+            step_events: None,
+            step_timed: false,
         })
     }
 

@@ -525,20 +525,21 @@ impl CudaBackend {
         true
     }
 
-    /// Starts a step of `n_tok` tokens on the expert cache's device table when the pool wants it
-    /// ([`ExpertPool::table_step_begin`]); nothing otherwise.
-    fn table_step_begin(&self, n_tok: usize) {
+    /// Starts a forward step of `n_tok` tokens for the expert cache, if there is one
+    /// ([`ExpertPool::decode_step_begin`]): whether the step decides its experts on the device's slot table.
+    fn decode_step_begin(&self, n_tok: usize) -> bool {
         let mut s = self.lock();
         let s = &mut *s;
-        if let Some(p) = s.experts.as_mut().filter(|p| p.table_wanted(n_tok)) {
-            Self::check(p.table_step_begin(&self.gpu.stream, s.replay.as_mut()));
+        match s.experts.as_mut() {
+            Some(p) => Self::check(p.decode_step_begin(&self.gpu.stream, n_tok, s.replay.as_mut())),
+            None => false,
         }
     }
 
-    /// Ends a step begun on the device table ([`ExpertPool::table_step_end`]); nothing otherwise.
-    fn table_step_end(&self) {
+    /// Ends the step [`CudaBackend::decode_step_begin`] started ([`ExpertPool::decode_step_end`]).
+    fn decode_step_end(&self) {
         if let Some(p) = self.lock().experts.as_mut() {
-            Self::check(p.table_step_end(&self.gpu.stream));
+            Self::check(p.decode_step_end(&self.gpu.stream));
         }
     }
 }
@@ -805,13 +806,13 @@ impl Backend for CudaBackend {
     }
 
     fn step_begin(&self, n_tok: usize, key: StepKey) {
-        self.table_step_begin(n_tok);
+        self.decode_step_begin(n_tok);
         self.gpu.step_begin(key, n_tok == 1);
     }
 
     fn step_end(&self) {
         Self::check(self.gpu.step_end());
-        self.table_step_end();
+        self.decode_step_end();
     }
 
     fn release_slot(&self, slot: SeqSlot) {
@@ -824,13 +825,12 @@ impl Backend for CudaBackend {
             return false;
         }
         // With an expert cache, a recorded step reads the device's slot table: replay it only when this step
-        // uses the table too (it always does unless the miss plan changed).
-        if self.lock().experts.as_ref().is_some_and(|p| !p.table_wanted(1)) {
+        // uses the table too (else the step runs, and decides on the host).
+        if !self.decode_step_begin(1) && self.lock().experts.is_some() {
             return false;
         }
-        self.table_step_begin(1);
         let replayed = self.replay_recorded(key, ids, positions);
-        self.table_step_end();
+        self.decode_step_end();
         replayed
     }
 
