@@ -322,7 +322,8 @@ impl ExpertPool {
         let e = || CudaError::driver("timing a decode step");
         let ctx = stream.context();
         if self.step_events.is_none() {
-            self.step_events = Some([ctx.new_event(None).map_err(e())?, ctx.new_event(None).map_err(e())?]);
+            let timed = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(e());
+            self.step_events = Some([timed()?, timed()?]);
         }
         let [t0, t1] = self.step_events.as_ref().expect("made");
         if std::mem::take(&mut self.step_timed) {
