@@ -138,9 +138,10 @@ pub enum DecodePath {
 
 /// `--miss-policy auto`'s choice between the two [`DecodePath`]s, by their measured step times: the device's
 /// table saves a host round trip per layer, the host's lets the CPU compute misses beside the link, and which
-/// wins depends on how often experts miss (routing locality, cache size) and on the machine. It runs
-/// [`PathChooser::EXPLORE`] steps of each path (the first of each run not counted: it records or drops a CUDA
-/// graph), then the faster by median for [`PathChooser::EXPLOIT`] steps, then measures both again.
+/// wins depends on how often experts miss (routing locality, cache size) and on the machine. Each round runs
+/// [`PathChooser::EXPLORE`] steps on the device's table unmeasured (a warm-up: after a prompt, or after the host's
+/// path, the cache's contents and the step's CUDA graph settle), then that many measured on each path (the host's
+/// first not counted: it drops the graph), then the faster by median for [`PathChooser::EXPLOIT`] steps.
 #[derive(Debug, Clone, Default)]
 pub struct PathChooser {
     /// Measured step times of the current round, seconds, per path.
@@ -166,15 +167,18 @@ impl PathChooser {
     pub fn next(&mut self) -> DecodePath {
         let s = self.steps;
         self.steps += 1;
-        let (path, counted) = if s < Self::EXPLORE {
-            (DecodePath::Device, s > 0)
-        } else if s < 2 * Self::EXPLORE {
-            (DecodePath::Host, s > Self::EXPLORE)
+        let e = Self::EXPLORE;
+        let (path, counted) = if s < 2 * e {
+            // A warm-up run on the device (after a prefill, or the host's path, the cache and the graph settle),
+            // then the measured one.
+            (DecodePath::Device, s >= e)
+        } else if s < 3 * e {
+            (DecodePath::Host, s > 2 * e)
         } else {
-            if s == 2 * Self::EXPLORE {
+            if s == 3 * e {
                 self.choose();
             }
-            if s + 1 >= 2 * Self::EXPLORE + Self::EXPLOIT {
+            if s + 1 >= 3 * e + Self::EXPLOIT {
                 self.steps = 0;
             }
             (self.chosen.unwrap_or(DecodePath::Device), false)
@@ -245,16 +249,17 @@ mod tests {
         for (device_s, host_s, want) in [(5e-3, 10e-3, DecodePath::Device), (12e-3, 10e-3, DecodePath::Host)] {
             let mut c = PathChooser::default();
             let time = |p| if p == DecodePath::Device { device_s } else { host_s };
-            let paths = run(&mut c, 2 * e + PathChooser::EXPLOIT, time);
-            assert!(paths[..e].iter().all(|&p| p == DecodePath::Device));
-            assert!(paths[e..2 * e].iter().all(|&p| p == DecodePath::Host));
-            assert!(paths[2 * e..].iter().all(|&p| p == want), "{device_s} vs {host_s}");
+            let paths = run(&mut c, 3 * e + PathChooser::EXPLOIT, time);
+            assert!(paths[..2 * e].iter().all(|&p| p == DecodePath::Device));
+            assert!(paths[2 * e..3 * e].iter().all(|&p| p == DecodePath::Host));
+            assert!(paths[3 * e..].iter().all(|&p| p == want), "{device_s} vs {host_s}");
             assert_eq!(c.chosen(), Some(want));
+            assert_eq!(c.medians(), Some((device_s, host_s)));
             // The next round measures both again, and follows a change.
-            let paths = run(&mut c, 2 * e + 1, |p| if p == want { 1.0 } else { 1e-3 });
+            let paths = run(&mut c, 3 * e + 1, |p| if p == want { 1.0 } else { 1e-3 });
             assert_eq!(paths[0], DecodePath::Device);
-            assert_eq!(paths[e], DecodePath::Host);
-            assert_ne!(paths[2 * e], want);
+            assert_eq!(paths[2 * e], DecodePath::Host);
+            assert_ne!(paths[3 * e], want);
         }
     }
 
@@ -262,22 +267,25 @@ mod tests {
     fn warm_ups_and_impossible_readings_do_not_count() {
         let e = PathChooser::EXPLORE;
         let mut c = PathChooser::default();
-        // Each path's first step is slow (a graph recorded, or dropped): the host's would win on it alone.
+        // The device's warm-up run is slow (a cold cache after a prompt), and so is the host's first step (it
+        // drops the graph), but the host's would win on them alone.
         let mut n = 0;
-        let paths = run(&mut c, 2 * e + 1, |p| {
+        let paths = run(&mut c, 3 * e + 1, |p| {
             n += 1;
-            match (p, n) {
-                (DecodePath::Device, 1) => 100.0,
-                (DecodePath::Device, _) => 2.0,
-                (DecodePath::Host, _) if n == e + 1 => 0.5,
-                (DecodePath::Host, _) => 3.0,
+            match p {
+                DecodePath::Device if n <= e => 100.0,
+                DecodePath::Device => 2.0,
+                DecodePath::Host if n == 2 * e + 1 => 0.5,
+                DecodePath::Host => 3.0,
             }
         });
-        assert_eq!(paths[2 * e], DecodePath::Device);
+        assert_eq!(paths[3 * e], DecodePath::Device);
+        assert_eq!(c.medians(), Some((2.0, 3.0)));
         // No reading at all: the device's table.
         let mut c = PathChooser::default();
-        let paths = run(&mut c, 2 * e + 1, |_| f64::NAN);
-        assert_eq!(paths[2 * e], DecodePath::Device);
+        let paths = run(&mut c, 3 * e + 1, |_| f64::NAN);
+        assert_eq!(paths[3 * e], DecodePath::Device);
+        assert_eq!(c.medians(), None);
     }
 
     const MB: u64 = 1_000_000;
