@@ -9,43 +9,53 @@
 #define LOOKUP_STAGED 0xFFFFFFFFu
 
 // Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
-// table[layer * n_expert + e] when cached. A miss takes the next of the host's free slots (free_slots[ctl[1]++]
-// while ctl[1] < ctl[0]) and enters the table, or, when none is left, staging slot `staging + j` for this step;
-// either way it joins the fetch list (fetch[0] misses, then (expert, slot) pairs) for expert_fetch. Writes
-// slot_ids[j] and the log: log[2 j] = e, log[2 j + 1] = its code. One block; thread 0 decides in routing order
-// (the order the host replays the log in).
+// table[layer * n_expert + e] when cached. The misses, in routing order, take the next of the host's free slots
+// (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]) and enter the table; a miss past the last free slot is
+// read into staging slot `staging + j` for this step alone. Every miss joins the fetch list (fetch[0] misses, then
+// (expert, slot) pairs, in routing order) for expert_fetch. Writes slot_ids[j] and the log: log[2 j] = e,
+// log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the outcome is the one
+// a single thread taking the slots in routing order would reach, which is the order the host replays the log in.
 extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
                                          const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
                                          u32* __restrict__ fetch, u32* __restrict__ log, int staging) {
     pdl_enter();
-    if (threadIdx.x != 0) return;
-    u32 avail = ctl[0], taken = ctl[1], m = 0;
-    for (int j = 0; j < k; ++j) {
-        u32 e = ids[j];
-        int* t = table + (long long)layer * n_expert + e;
-        int s = *t;
-        u32 code;
-        if (s >= 0) {
-            code = (u32)s;
-        } else {
-            if (taken < avail) {
-                s = (int)free_slots[taken++];
-                *t = s;
-                code = (u32)s | LOOKUP_ADMITTED;
-            } else {
-                s = staging + j;
-                code = LOOKUP_STAGED;
-            }
-            fetch[1 + 2 * m] = e;
-            fetch[2 + 2 * m] = (u32)s;
-            ++m;
-        }
-        slot_ids[j] = (u32)s;
-        log[2 * j] = e;
-        log[2 * j + 1] = code;
+    __shared__ u32 missed[64];
+    int j = threadIdx.x;
+    bool here = j < k;
+    u32 e = here ? ids[j] : 0;
+    int* t = table + (long long)layer * n_expert + e;
+    int s = here ? *t : 0;
+    bool miss = here && s < 0;
+    missed[j] = miss;
+    __syncthreads();
+    u32 before = 0, total = 0;
+    for (int i = 0; i < k; ++i) {
+        before += i < j ? missed[i] : 0;
+        total += missed[i];
     }
-    ctl[1] = taken;
-    fetch[0] = m;
+    u32 avail = ctl[0], taken = ctl[1];
+    __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
+    if (!here) return;
+    u32 code = (u32)s;
+    if (miss) {
+        if (taken + before < avail) {
+            s = (int)free_slots[taken + before];
+            *t = s;
+            code = (u32)s | LOOKUP_ADMITTED;
+        } else {
+            s = staging + j;
+            code = LOOKUP_STAGED;
+        }
+        fetch[1 + 2 * before] = e;
+        fetch[2 + 2 * before] = (u32)s;
+    }
+    slot_ids[j] = (u32)s;
+    log[2 * j] = e;
+    log[2 * j + 1] = code;
+    if (j == 0) {
+        ctl[1] = taken + total < avail ? taken + total : (taken > avail ? taken : avail);
+        fetch[0] = total;
+    }
 }
 
 // Copies the fetch list's experts (expert_lookup) from host memory into their slots: expert e's matrix m

@@ -506,8 +506,8 @@ impl ExpertPool {
 
     /// Queues a decode layer-step of one token through the device's table (in a step begun by
     /// [`ExpertPool::table_step_begin`]): `ids` holds the router's `k` experts; the slots they are read from go to
-    /// `slot_ids` (`k` words), with the misses copied in first. With a routing trace, its experts replace the
-    /// router's in `ids` first.
+    /// `slot_ids` (`k` words), with the misses copied in first. With a routing trace (`replayed`), its experts
+    /// for the layer (uploaded by [`ExpertPool::table_step_begin`]) are looked up instead of the router's.
     ///
     /// Errors: a launch failed.
     pub(super) fn table_lookup(
@@ -536,23 +536,19 @@ impl ExpertPool {
                 .device_of(w.data)
                 .expect("a mapped arena holds every routed expert")
         });
-        if replayed {
-            gpu.launch(
-                "copy_f32",
-                (1, 1, 1),
-                (k.next_multiple_of(32) as u32, 1, 1),
-                &[
-                    Arg::P(t.replay.ptr + (ex.layer * k * 4) as u64),
-                    Arg::P(ids),
-                    Arg::L(k as i64),
-                ],
-            )?;
-        }
+        // A routing trace's experts for this layer-step were uploaded with the table: read them in place of the
+        // router's (nothing after the lookup reads the router's ids).
+        let ids = if replayed {
+            t.replay.ptr + (ex.layer * k * 4) as u64
+        } else {
+            ids
+        };
         let cells = self.config.n_layer * self.config.n_expert;
+        assert!(k <= 64, "expert_lookup serves top-k of at most 64");
         gpu.launch(
             "expert_lookup",
             (1, 1, 1),
-            (32, 1, 1),
+            (64, 1, 1),
             &[
                 Arg::P(ids),
                 Arg::I(k as i32),
@@ -674,7 +670,8 @@ impl ExpertPool {
             miss: MissPlan::default(),
             cpu: CpuMisses::default(),
             table: match config.arena {
-                Some(a) if config.device_table => Some(DeviceTable::new(stream, &config, a)?),
+                // expert_lookup takes top-k of at most 64 (its block).
+                Some(a) if config.device_table && config.k <= 64 => Some(DeviceTable::new(stream, &config, a)?),
                 _ => None,
             },
             step_open: false,
