@@ -588,6 +588,14 @@ pub trait Backend: Send + Sync {
         false
     }
 
+    /// The experts the last MoE op ([`Backend::moe`], [`Backend::moe_add_rms_norm`]) chose for its `n_tok` tokens,
+    /// `[n_tok][k]` (the router's top-k, in its order), into `out` (`--dump-routing`). The default reads the
+    /// routing the CPU's op left in `scratch`; a GPU reads its own back (a round trip, so such a step is no graph).
+    fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend_from_slice(&scratch.routing.ids[..n_tok * k]);
+    }
+
     /// Forgets what the backend keeps for sequence `slot` (a GPU's copy of its KV cache, its recorded graphs):
     /// the sequence ended. The default keeps nothing.
     fn release_slot(&self, _slot: SeqSlot) {}

@@ -244,10 +244,6 @@ impl Trace {
             source,
         };
         let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-        fn line(w: &mut impl Write, v: &impl Serialize) -> std::io::Result<()> {
-            serde_json::to_writer(&mut *w, v)?;
-            w.write_all(b"\n")
-        }
         line(&mut w, &self.header).map_err(io)?;
         for (i, &(step, layer, token)) in self.records.iter().enumerate() {
             let r = TraceRecord {
@@ -352,6 +348,151 @@ impl Trace {
         }
         Ok(t)
     }
+}
+
+/// One JSON value and a line break: every line of a trace.
+fn line(w: &mut impl Write, v: &impl Serialize) -> std::io::Result<()> {
+    serde_json::to_writer(&mut *w, v)?;
+    w.write_all(b"\n")
+}
+
+/// A routing trace written while the engine runs (`--dump-routing`): the header, then each forward step's records
+/// as the step routes them. A file that already holds a trace of the same geometry is appended to, its steps
+/// numbered on from the file's last (a restarted `strata serve` worker loses nothing).
+pub struct TraceWriter {
+    w: std::io::BufWriter<std::fs::File>,
+    path: String,
+    header: TraceHeader,
+    /// The step the next [`TraceWriter::begin_step`] starts.
+    next_step: u64,
+    step: u64,
+}
+
+impl TraceWriter {
+    /// Opens `path` for a model of this geometry: a new trace, or the trace already there continued.
+    ///
+    /// Errors: the file cannot be read or written; it holds something other than a trace of this geometry (named
+    /// with what it holds).
+    pub fn open(path: &Path, n_layer: u32, n_expert: u32, k: u32) -> Result<TraceWriter, TraceError> {
+        let p = path.display().to_string();
+        let io = |source| TraceError::Io {
+            path: p.clone(),
+            source,
+        };
+        let header = TraceHeader {
+            strata_routing_trace: TRACE_VERSION,
+            n_layer,
+            n_expert,
+            k,
+        };
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(path)
+            .map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let next_step = if len == 0 {
+            0
+        } else {
+            let (first, last) = first_and_last_lines(&mut file, len).map_err(io)?;
+            let fmt = |what: String| TraceError::Format {
+                path: p.clone(),
+                line: 1,
+                what,
+            };
+            let theirs: TraceHeader = serde_json::from_str(&first)
+                .map_err(|e| fmt(format!("not a routing trace ({e}): --dump-routing appends only to a trace")))?;
+            if theirs != header {
+                return Err(fmt(format!(
+                    "a trace of {} layers x {} experts, top-{}; this model routes {n_layer} x {n_expert}, top-{k}: use another file",
+                    theirs.n_layer, theirs.n_expert, theirs.k
+                )));
+            }
+            match serde_json::from_str::<TraceRecord>(&last) {
+                Ok(r) => r.step + 1,
+                Err(_) if last == first => 0,
+                Err(e) => return Err(fmt(format!("its last line is not a record ({e})"))),
+            }
+        };
+        let mut w = std::io::BufWriter::new(file);
+        if len == 0 {
+            line(&mut w, &header).map_err(io)?;
+        }
+        Ok(TraceWriter {
+            w,
+            path: p,
+            header,
+            next_step,
+            step: next_step,
+        })
+    }
+
+    /// Starts the records of the next forward step.
+    pub fn begin_step(&mut self) {
+        self.step = self.next_step;
+        self.next_step += 1;
+    }
+
+    /// Records that the token at position `token` chose `experts` (the router's top-k, in its order) at `layer`,
+    /// in the current step.
+    ///
+    /// Errors: the write failed; the record is outside the header's geometry (a caller bug, reported as a
+    /// format error rather than written).
+    pub fn record(&mut self, layer: u32, token: u64, experts: &[u32]) -> Result<(), TraceError> {
+        let h = &self.header;
+        if layer >= h.n_layer || experts.len() != h.k as usize || experts.iter().any(|&e| e >= h.n_expert) {
+            return Err(TraceError::Format {
+                path: self.path.clone(),
+                line: 0,
+                what: format!("layer {layer}'s routing {experts:?} is outside the trace's geometry"),
+            });
+        }
+        let r = TraceRecord {
+            step: self.step,
+            layer,
+            token,
+            experts: experts.to_vec(),
+        };
+        line(&mut self.w, &r).map_err(|source| TraceError::Io {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    /// Writes what is buffered to the file.
+    ///
+    /// Errors: the write failed.
+    pub fn flush(&mut self) -> Result<(), TraceError> {
+        self.w.flush().map_err(|source| TraceError::Io {
+            path: self.path.clone(),
+            source,
+        })
+    }
+}
+
+/// The first and the last non-empty line of a file of `len` bytes (at most [`MAX_LINE_BYTES`] each), read from
+/// its start and its end.
+fn first_and_last_lines(file: &mut std::fs::File, len: u64) -> std::io::Result<(String, String)> {
+    use std::io::{Read, Seek, SeekFrom};
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text: not a routing trace");
+    let mut read_at = |at: u64, n: u64| -> std::io::Result<Vec<u8>> {
+        file.seek(SeekFrom::Start(at))?;
+        let mut buf = Vec::new();
+        Read::by_ref(&mut *file).take(n).read_to_end(&mut buf)?;
+        Ok(buf)
+    };
+    let cap = MAX_LINE_BYTES as u64 + 2;
+    let head = read_at(0, cap.min(len))?;
+    let first = head.split(|&b| b == b'\n').next().unwrap_or(&[]);
+    let tail = read_at(len.saturating_sub(cap), cap.min(len))?;
+    let last = tail
+        .split(|&b| b == b'\n')
+        .rev()
+        .find(|l| !l.iter().all(u8::is_ascii_whitespace))
+        .unwrap_or(&[]);
+    let text = |b: &[u8]| String::from_utf8(b.to_vec()).map(|s| s.trim_end().to_string()).map_err(|_| bad());
+    Ok((text(first)?, text(last)?))
 }
 
 /// What a trace's routing looks like, measured per layer over consecutive tokens (DESIGN.md section 5 gives
@@ -569,6 +710,64 @@ mod tests {
         assert_eq!(Trace::read(&p).unwrap(), t);
         let first = std::fs::read_to_string(&p).unwrap();
         assert!(first.starts_with("{\"strata_routing_trace\":1,\"n_layer\":3,\"n_expert\":16,\"k\":4}\n"));
+    }
+
+    #[test]
+    fn a_dump_writes_a_trace_that_reads_back_and_appends_after_its_last_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dump.jsonl");
+        let mut w = TraceWriter::open(&path, 2, 8, 2).unwrap();
+        for step_tokens in [&[0u64, 1, 2][..], &[3]] {
+            w.begin_step();
+            for layer in 0..2 {
+                for &t in step_tokens {
+                    w.record(layer, t, &[(t % 8) as u32, ((t + 1 + layer as u64) % 8) as u32]).unwrap();
+                }
+            }
+        }
+        w.flush().unwrap();
+        drop(w);
+        let t = Trace::read(&path).unwrap();
+        assert_eq!((t.header.n_layer, t.header.n_expert, t.header.k), (2, 8, 2));
+        assert_eq!(t.records.len(), 8);
+        assert_eq!(t.records[6], (1, 0, 3));
+        assert_eq!(t.experts_of(7), &[3, 5]);
+        // Reopened, it goes on after step 1; the whole file still reads as one trace.
+        let mut w = TraceWriter::open(&path, 2, 8, 2).unwrap();
+        w.begin_step();
+        w.record(0, 4, &[6, 7]).unwrap();
+        w.record(1, 4, &[7, 0]).unwrap();
+        w.flush().unwrap();
+        drop(w);
+        let t = Trace::read(&path).unwrap();
+        assert_eq!(t.records.len(), 10);
+        assert_eq!(t.records[8], (2, 0, 4));
+        // A header alone (a dump that routed nothing yet) starts at step 0.
+        let fresh = dir.path().join("fresh.jsonl");
+        drop(TraceWriter::open(&fresh, 2, 8, 2).unwrap());
+        let mut w = TraceWriter::open(&fresh, 2, 8, 2).unwrap();
+        w.begin_step();
+        w.record(0, 0, &[1, 2]).unwrap();
+        w.flush().unwrap();
+        assert_eq!(Trace::read(&fresh).unwrap().records[0], (0, 0, 0));
+        // A record outside the geometry is refused, not written.
+        assert!(w.record(2, 0, &[1, 2]).is_err() && w.record(0, 0, &[1, 9]).is_err() && w.record(0, 0, &[1]).is_err());
+    }
+
+    #[test]
+    fn a_dump_refuses_a_file_that_is_not_this_models_trace() {
+        let dir = tempfile::tempdir().unwrap();
+        let other = dir.path().join("other.jsonl");
+        drop(TraceWriter::open(&other, 4, 16, 4).unwrap());
+        let e = TraceWriter::open(&other, 2, 8, 2).err().unwrap().to_string();
+        assert!(e.contains("4 layers x 16 experts, top-4") && e.contains("2 x 8, top-2"), "{e}");
+        let text = dir.path().join("notes.txt");
+        std::fs::write(&text, "my notes\n").unwrap();
+        let e = TraceWriter::open(&text, 2, 8, 2).err().unwrap().to_string();
+        assert!(e.contains("notes.txt") && e.contains("not a routing trace"), "{e}");
+        assert_eq!(std::fs::read_to_string(&text).unwrap(), "my notes\n", "the file was left alone");
+        let e = TraceWriter::open(dir.path(), 2, 8, 2).err().unwrap().to_string();
+        assert!(e.contains(&dir.path().display().to_string()), "{e}");
     }
 
     #[test]

@@ -22,6 +22,7 @@ use std::path::Path;
 
 use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RunBufs};
 use crate::experts::store::{ArenaError, ExpertStore, LayerTensors};
+use crate::experts::trace::{TraceError, TraceWriter};
 use crate::gguf::{GgufError, GgufModel};
 use crate::model::weights::{Ffn, Mixer, Weights, WeightsError};
 use crate::model::{HParams, HParamsError};
@@ -46,6 +47,39 @@ pub struct Model {
     pub hp: HParams,
     pub weights: Weights,
     pub experts: ExpertStore,
+    /// Where every forward step's routing is written (`--dump-routing`), if anywhere.
+    routing_dump: Option<std::sync::Mutex<RoutingDump>>,
+}
+
+/// A routing trace written as the forward pass routes ([`Model::dump_routing`]).
+struct RoutingDump {
+    writer: TraceWriter,
+    /// A write failed (said once): nothing more is written.
+    failed: bool,
+    ids: Vec<u32>,
+}
+
+impl RoutingDump {
+    /// Records what the MoE op just run at `layer` chose for the step's tokens at `positions`.
+    fn record<B: Backend>(&mut self, be: &B, moe: &MoeScratch, layer: usize, positions: &[u32], k: usize) {
+        if self.failed {
+            return;
+        }
+        be.routed_experts(moe, positions.len(), k, &mut self.ids);
+        let written = positions
+            .iter()
+            .zip(self.ids.chunks_exact(k))
+            .try_for_each(|(&pos, experts)| self.writer.record(layer as u32, pos as u64, experts));
+        self.fail_on(written);
+    }
+
+    /// Reports a failed write once and stops writing.
+    fn fail_on(&mut self, r: Result<(), TraceError>) {
+        if let Err(e) = r {
+            eprintln!("strata: --dump-routing: {e}; no more routing is written");
+            self.failed = true;
+        }
+    }
 }
 
 /// Which tokens of a batch need logits.
@@ -157,7 +191,25 @@ impl Model {
             hp,
             weights,
             experts,
+            routing_dump: None,
         })
+    }
+
+    /// Writes every forward step's routing to `writer` from now on (`--dump-routing`): each MoE layer's top-k for
+    /// each token of the step, read from the backend after the layer ([`Backend::routed_experts`]). A failed
+    /// write is reported once and ends the dump, never the step.
+    pub fn dump_routing(&mut self, writer: TraceWriter) {
+        self.routing_dump = Some(std::sync::Mutex::new(RoutingDump {
+            writer,
+            failed: false,
+            ids: Vec::new(),
+        }));
+    }
+
+    /// Whether forward steps write their routing ([`Model::dump_routing`]): such steps read the routing back
+    /// mid-step, so they are not recorded as graphs.
+    pub fn dumps_routing(&self) -> bool {
+        self.routing_dump.is_some()
     }
 
     /// Moves the routed experts into a host arena ([`ExpertStore::make_arena`]): the forward pass then reads them
@@ -244,6 +296,10 @@ impl Model {
         let w = &self.weights;
         let n = tokens.len();
         assert!(n > 0 && layout.n_tok() == n, "forward: the layout is not the tokens'");
+        let mut dump = self.routing_dump.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(d) = dump.as_deref_mut() {
+            d.writer.begin_step();
+        }
         for run in layout.runs() {
             assert!(
                 run.seq < kvs.len() && run.pos0 + run.len <= kvs[run.seq].n_ctx(),
@@ -366,6 +422,9 @@ impl Model {
                             hp.rms_eps,
                             &mut s.moe,
                         );
+                        if let Some(d) = dump.as_deref_mut() {
+                            d.record(be, &s.moe, il, layout.positions(), hp.n_expert_used as usize);
+                        }
                         continue;
                     }
                     be.matmul(&router, &s.h, n, &mut s.router);
@@ -379,6 +438,9 @@ impl Model {
                         &mut s.o,
                         &mut s.moe,
                     );
+                    if let Some(d) = dump.as_deref_mut() {
+                        d.record(be, &s.moe, il, layout.positions(), hp.n_expert_used as usize);
+                    }
                     trace(be, "ffn_moe_out", Some(il), &s.o, n * e);
                 }
             }
@@ -390,6 +452,11 @@ impl Model {
                 None => be.add(&mut s.x, &s.o, n * e),
             }
         }
+        if let Some(d) = dump.as_deref_mut() {
+            let flushed = d.writer.flush();
+            d.fail_on(flushed);
+        }
+        drop(dump);
 
         let m = match logits {
             Logits::None => return ForwardOut { topped: false },

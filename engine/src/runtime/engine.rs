@@ -48,6 +48,11 @@ pub struct EngineFlags {
     /// 503 and restarts it).
     #[arg(long, value_enum, default_value = "on")]
     pub gemm_fallback: OnOff,
+    /// Write every forward step's routing to this file as a routing trace (JSON Lines: for `strata experts
+    /// simulate`, or `--routing-trace` elsewhere), appending when it holds a trace of this model's geometry. MoE
+    /// models only; on a GPU each MoE layer then reads its routing back, so decode runs without CUDA graphs.
+    #[arg(long)]
+    pub dump_routing: Option<PathBuf>,
 }
 
 /// A two-state switch spelled `on` or `off` on the command line.
@@ -131,6 +136,9 @@ impl EngineFlags {
             a.extend(["--threads".into(), t.to_string()]);
         }
         a.extend(["--gemm-fallback".into(), self.gemm_fallback.as_str().into()]);
+        if let Some(p) = &self.dump_routing {
+            a.extend(["--dump-routing".into(), p.display().to_string()]);
+        }
         a
     }
 }
@@ -152,6 +160,8 @@ pub enum EngineError {
     Tokenizer { path: PathBuf, source: TokenizerError },
     #[error("{path}: chat template: {source}")]
     Template { path: PathBuf, source: TemplateError },
+    #[error("--dump-routing {path}: {why}")]
+    DumpRouting { path: PathBuf, why: String },
     #[error("--routing-trace {path}: {why}")]
     RoutingTrace { path: PathBuf, why: String },
     /// The memory plan does not fit the device, or a part of it could not be allocated (`why` ends with the plan).
@@ -227,6 +237,10 @@ impl Engine {
             Some(c) => plan_device(c, &mut model, flags)?,
             None => None,
         };
+        if let Some(p) = &flags.dump_routing {
+            model.dump_routing(routing_writer(p, &model.hp, flags)?);
+            eprintln!("strata: routing written to {} (--dump-routing)", p.display());
+        }
         if let Some(t) = &flags.plan.experts.routing_trace {
             let replay = replay_for(t, &model.hp)?;
             if let Some(c) = backend.cuda() {
@@ -534,6 +548,33 @@ fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: boo
 /// Seconds a layer-step's CPU side spends on copies outside the expert rows: the activations read back and the
 /// rows' upload (each a few KB).
 const COPIES_S: f64 = 20e-6;
+
+/// The writer of `--dump-routing` at `path` for a model of hyper-parameters `hp`.
+///
+/// Errors: [`EngineError::DumpRouting`]: the model has no routed experts, `--routing-trace` replaces the
+/// router's choices (the dump would be that trace), or the file cannot be opened or holds another trace.
+fn routing_writer(
+    path: &std::path::Path,
+    hp: &crate::model::HParams,
+    flags: &EngineFlags,
+) -> Result<crate::experts::trace::TraceWriter, EngineError> {
+    let bad = |why: String| EngineError::DumpRouting {
+        path: path.to_path_buf(),
+        why,
+    };
+    if !hp.is_moe() {
+        return Err(bad("the model has no routed experts".into()));
+    }
+    if flags.plan.experts.routing_trace.is_some() {
+        return Err(bad(
+            "--routing-trace replaces the router's choices, so the dump would be that trace: give one of the two".into(),
+        ));
+    }
+    if let Some(why) = crate::experts::trace::geometry_error(hp.n_layer, hp.n_expert, hp.n_expert_used) {
+        return Err(bad(why));
+    }
+    crate::experts::trace::TraceWriter::open(path, hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(|e| bad(e.to_string()))
+}
 
 /// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.
 ///

@@ -216,7 +216,8 @@ impl<'m, B: Backend> Session<'m, B> {
     fn run_step(&mut self, tokens: &[u32], want: Logits) -> &[f32] {
         let (be, n, pos0) = (self.backend, tokens.len(), self.tokens.len());
         let key = step_key(self.kv.slot(), pos0, n, want);
-        let graphable = !*TRACE_TENSORS;
+        // Tensor tracing and --dump-routing read data back mid-step: such steps are never graphs.
+        let graphable = !*TRACE_TENSORS && !self.model.dumps_routing();
         self.layout.clear();
         self.layout.push(0, pos0, n);
         let layout = &self.layout;

@@ -210,3 +210,59 @@ fn serve_refuses_a_routing_trace_it_cannot_use_before_starting_a_worker() {
         );
     }
 }
+
+/// `--dump-routing` on the CPU: the trace has a record per (step, MoE layer, token) of every forward step, reads
+/// back and simulates; dumping changes no token; two runs route alike; a second run appends after the first's
+/// last step; a dense model and a file that is not this model's trace are refused by name.
+#[test]
+fn dump_routing_records_every_step_and_appends() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("routing.jsonl");
+    let d = dump.to_str().unwrap();
+    let gen_args = ["generate", "--model", "synth:tiny-qwen3moe", "--prompt", "hello world", "--max-tokens", "4"];
+    let plain = strata(&gen_args);
+    assert!(plain.status.success(), "{}", text(&plain).1);
+    let with: Vec<&str> = gen_args.iter().copied().chain(["--dump-routing", d]).collect();
+    let dumped = strata(&with);
+    let (out, err) = text(&dumped);
+    assert!(dumped.status.success(), "{err}");
+    assert_eq!(out, text(&plain).0, "dumping the routing changed the tokens");
+    let t = strata_engine::experts::trace::Trace::read(&dump).unwrap();
+    let h = t.header;
+    assert_eq!((h.n_layer, h.n_expert, h.k), (4, 16, 4));
+    // The prompt's tokens in one step, then one step per fed-back token (the last generated one is not fed).
+    let prompt: usize = err
+        .split("prompt ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no prompt count in {err}"));
+    assert_eq!(t.records.len(), 4 * (prompt + 3), "{err}");
+    let steps: Vec<u64> = t.records.iter().map(|r| r.0).collect();
+    assert_eq!((steps[0], *steps.last().unwrap()), (0, 3));
+    assert_eq!(t.records.iter().filter(|r| r.0 == 0 && r.1 == 0).count(), prompt);
+    // The same run again routes the same, and its steps follow the first run's.
+    assert!(strata(&with).status.success());
+    let twice = strata_engine::experts::trace::Trace::read(&dump).unwrap();
+    let n = t.records.len();
+    assert_eq!(twice.records.len(), 2 * n);
+    assert_eq!(twice.records[n].0, 4);
+    assert_eq!(&twice.experts[n * 4..], &t.experts[..]);
+    let sim = strata(&["experts", "simulate", d, "--slots", "8", "--model", "synth:tiny-qwen3moe"]);
+    assert!(sim.status.success(), "{}", text(&sim).1);
+    assert!(text(&sim).0.contains("| 8 | lru |"), "{}", text(&sim).0);
+    // Refused by name: a dense model; a file holding something else, left as it was.
+    let dense = strata(&["generate", "--prompt", "hi", "--max-tokens", "1", "--dump-routing", d]);
+    let (_, err) = text(&dense);
+    assert_eq!(dense.status.code(), Some(1), "{err}");
+    assert!(err.contains("--dump-routing") && err.contains("no routed experts"), "{err}");
+    let notes = dir.path().join("notes.txt");
+    std::fs::write(&notes, "keep me\n").unwrap();
+    let mut other = gen_args.to_vec();
+    other.extend(["--dump-routing", notes.to_str().unwrap()]);
+    let out = strata(&other);
+    let (_, err) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("notes.txt") && err.contains("not a routing trace"), "{err}");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me\n");
+}

@@ -184,6 +184,9 @@ struct Inner {
     experts: Option<ExpertPool>,
     /// `--routing-trace`: the routers' choices replaced by a trace's.
     replay: Option<RoutingReplay>,
+    /// The last MoE op ran on the CPU backend through host copies (its routing is in the op's scratch), not on
+    /// the device (its routing is in [`Slot::MoeIds`]).
+    moe_on_host: bool,
 }
 
 /// The CUDA backend over one device (see the module docs).
@@ -304,6 +307,7 @@ impl CudaBackend {
                 gemm_fallback: true,
                 experts: None,
                 replay: None,
+                moe_on_host: false,
             }),
             cpu: CpuBackend,
         })
@@ -813,6 +817,19 @@ impl Backend for CudaBackend {
     fn step_end(&self) {
         Self::check(self.gpu.step_end());
         self.decode_step_end();
+    }
+
+    fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {
+        let s = self.lock();
+        if s.moe_on_host {
+            drop(s);
+            out.clear();
+            out.extend_from_slice(&scratch.routing.ids[..n_tok * k]);
+            return;
+        }
+        out.clear();
+        out.resize(n_tok * k, 0);
+        Self::check(s.read_slot(&self.gpu, Slot::MoeIds, out));
     }
 
     fn release_slot(&self, slot: SeqSlot) {

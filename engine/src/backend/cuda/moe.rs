@@ -8,7 +8,7 @@ use super::{
     CudaBackend, DevVec, Gpu, Inner, MMV_MAX_TOKENS, MMV_X_MAX, Slot, glu_code, glu_dev, gpu_computes, grid1,
     mmv_moe_rows_per_block, norm_threads, typed,
 };
-use crate::backend::{Backend, Experts, MoeScratch, QMat, Routing};
+use crate::backend::{Backend, Experts, MoeScratch, QMat};
 use crate::quant::GgmlType;
 
 /// The experts run on the device: types with kernels, and at most 1024 experts (the router kernel's staging); else
@@ -53,14 +53,17 @@ impl CudaBackend {
             // backend, through host copies.
             let mut lh = self.to_host(logits, 0, n_tok * ex.n_expert);
             let xh = self.to_host(x, 0, n_tok * n_embd);
-            let mut routing = Routing::default();
+            let mut routing = std::mem::take(&mut scratch.routing);
             self.cpu.route(&mut lh, ex.n_expert, k, normalize, &mut routing);
             let mut oh = vec![0.0f32; n_tok * n_embd];
             self.cpu.moe_ffn(ex, &xh, &routing, &mut oh, scratch);
+            scratch.routing = routing;
+            self.lock().moe_on_host = true;
             return Backend::upload(self, &oh, out);
         }
         let g = &*self.gpu;
         let mut s = self.lock();
+        s.moe_on_host = false;
         Self::check((|| {
             s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
             s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, MoeSum::Out(out.ptr()))
@@ -108,6 +111,7 @@ impl CudaBackend {
         assert!(k >= 1 && k <= ex.n_expert, "moe: k of n_expert");
         let g = &*self.gpu;
         let mut s = self.lock();
+        s.moe_on_host = false;
         Self::check((|| {
             let w = s.norm_weights(g, norm)?;
             if routed_by_router {

@@ -342,6 +342,12 @@ impl Backend for AnyBackend {
             c.release_slot(slot)
         }
     }
+    fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {
+        match self {
+            AnyBackend::Cuda(c) => c.routed_experts(scratch, n_tok, k, out),
+            AnyBackend::Cpu(c) => c.routed_experts(scratch, n_tok, k, out),
+        }
+    }
     fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
         match self {
             AnyBackend::Cuda(c) => c.replay_step(key, ids, positions),
