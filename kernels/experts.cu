@@ -3,10 +3,12 @@
 // VRAM from the page-locked host arena, read in place over the link, with no host round trip: the step stays one
 // CUDA graph (backend/cuda/experts.rs, DeviceTable, keeps the host's bookkeeping in step with it).
 //
-// Codes of the lookup log (expert_lookup's log[2 j + 1]): a hit's slot, an admission's slot | LOOKUP_ADMITTED, or
-// LOOKUP_STAGED (read for this step alone, into a staging slot). experts.rs mirrors these values.
+// Codes of the lookup log (expert_lookup's log[2 j + 1]): a hit's slot, an admission's slot | LOOKUP_ADMITTED,
+// LOOKUP_STAGED (read for this step alone, into a staging slot), or LOOKUP_BAD (an expert id outside the model:
+// nothing is looked up or fetched, and the host fails the step when it reads the log). experts.rs mirrors these.
 #define LOOKUP_ADMITTED 0x80000000u
 #define LOOKUP_STAGED 0xFFFFFFFFu
+#define LOOKUP_BAD 0xFFFFFFFEu
 
 // Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
 // table[layer * n_expert + e] when cached. The misses, in routing order, take the next of the host's free slots
@@ -23,9 +25,10 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
     int j = threadIdx.x;
     bool here = j < k;
     u32 e = here ? ids[j] : 0;
-    int* t = table + (long long)layer * n_expert + e;
-    int s = here ? *t : 0;
-    bool miss = here && s < 0;
+    bool bad = e >= (u32)n_expert;
+    int* t = table + (long long)layer * n_expert + (bad ? 0 : e);
+    int s = here && !bad ? *t : 0;
+    bool miss = here && !bad && s < 0;
     missed[j] = miss;
     __syncthreads();
     u32 before = 0, total = 0;
@@ -37,7 +40,10 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
     __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
     if (!here) return;
     u32 code = (u32)s;
-    if (miss) {
+    if (bad) {
+        s = staging + j;
+        code = LOOKUP_BAD;
+    } else if (miss) {
         if (taken + before < avail) {
             s = (int)free_slots[taken + before];
             *t = s;
@@ -61,7 +67,8 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
 // Copies the fetch list's experts (expert_lookup) from host memory into their slots: expert e's matrix m
 // (0 gate, 1 up, 2 down: blockIdx.y) is bytes[m] at src[m] + e * bytes[m] (the page-locked arena, mapped), copied to
 // pool + slot * slot_bytes + off[m]. The blocks of a matrix stride over 16-byte words four at a time (enough loads
-// in flight to keep the link busy) when every size and address is a multiple of 16 (vec16), else over bytes.
+// in flight to keep the link busy) when its size and addresses are multiples of 16 (bit m of vec16), else over
+// bytes.
 // Grid (any, 3), block 256.
 extern "C" __global__ void expert_fetch(const u32* __restrict__ fetch, const u8* src_g, const u8* src_u,
                                         const u8* src_d, long long bytes_g, long long bytes_u, long long bytes_d,
@@ -79,7 +86,7 @@ extern "C" __global__ void expert_fetch(const u32* __restrict__ fetch, const u8*
         u32 e = fetch[1 + 2 * q], slot = fetch[2 + 2 * q];
         const u8* s = src + (long long)e * bytes;
         u8* d = pool + (long long)slot * slot_bytes + off;
-        if (vec16) {
+        if ((vec16 >> mat) & 1) {
             const uint4* s4 = (const uint4*)s;
             uint4* d4 = (uint4*)d;
             long long n = bytes / 16;

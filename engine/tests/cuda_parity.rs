@@ -1097,7 +1097,7 @@ impl CacheFixture {
             slot_bytes: self.geo.slot_bytes as usize,
             policy,
             k: self.model.hp.n_expert_used as usize,
-            arena: pin.as_ref().map(|p| p.mapping()),
+            arena: pin.as_ref().and_then(|p| p.mapping()),
             device_table,
         })
         .unwrap();
@@ -1290,7 +1290,10 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             if device_table {
                 assert!(replays > 0, "{slots} slots {policy}: no decode step replayed a graph");
             } else {
-                assert_eq!(captured, 0, "{slots} slots {policy}: a step with host round trips was captured");
+                assert_eq!(
+                    captured, 0,
+                    "{slots} slots {policy}: a step with host round trips was captured"
+                );
             }
             cases += 1;
         }

@@ -581,8 +581,9 @@ pub trait Backend: Send + Sync {
 
     /// Runs a whole decode step from a graph verified on earlier steps, when the backend has one for `key` and
     /// nothing it depends on changed since: `ids` and `positions` become its inputs and its logits land where the
-    /// forward pass leaves them. Returns false (nothing done) otherwise; the caller then runs the forward pass.
-    /// The graph writes the KV cache and reads the scratch it was recorded with, which is why the key names the
+    /// forward pass leaves them. Returns false (nothing done) otherwise; the caller then runs the forward pass,
+    /// bracketed by [`Backend::step_begin`] / [`Backend::step_end`] (a GPU with an expert cache may have decided
+    /// how the step routes already, and ends that decision there). The graph writes the KV cache and reads the scratch it was recorded with, which is why the key names the
     /// sequence: each sequence (its cache and scratch) replays only its own graphs.
     fn replay_step(&self, _key: StepKey, _ids: &[u32], _positions: &[u32]) -> bool {
         false

@@ -450,12 +450,21 @@ mod tests {
         // The device's view of a step: (0,1) hit in the slot the host gave it, (0,5) admitted into the first free
         // slot, (0,6) staged (no slot left).
         let mut host = SlotCache::new(2, 8, 2, Policy::Lru);
-        let Access::Admitted { slot: s1, .. } = host.access(id(0, 1), true) else { panic!() };
+        let Access::Admitted { slot: s1, .. } = host.access(id(0, 1), true) else {
+            panic!()
+        };
         let first_free = host.free_slots().next().expect("one free");
         let mut dev = host.clone();
         host.take_stats();
         host.replay(id(0, 1), Access::Hit { slot: s1 }).expect("hit");
-        host.replay(id(0, 5), Access::Admitted { slot: first_free, evicted: None }).expect("admitted");
+        host.replay(
+            id(0, 5),
+            Access::Admitted {
+                slot: first_free,
+                evicted: None,
+            },
+        )
+        .expect("admitted");
         host.replay(id(0, 6), Access::Bypassed).expect("staged");
         let s = host.stats();
         assert_eq!((s.lookups, s.hits, s.admitted, s.bypassed), (3, 1, 1, 1));
@@ -463,6 +472,9 @@ mod tests {
         // A device that claims a hit the host does not have, or an admission with no free slot, is refused.
         assert!(dev.replay(id(1, 3), Access::Hit { slot: 0 }).is_err());
         dev.access(id(1, 4), true);
-        assert!(dev.replay(id(1, 7), Access::Admitted { slot: 0, evicted: None }).is_err());
+        assert!(
+            dev.replay(id(1, 7), Access::Admitted { slot: 0, evicted: None })
+                .is_err()
+        );
     }
 }

@@ -201,6 +201,18 @@ impl PathChooser {
         }
     }
 
+    /// A step that is not a decode step of one token ran (a prompt): what the current round measured so far
+    /// was measured on another cache, so a round still measuring starts over, warm-up included. The chosen path
+    /// stays.
+    pub fn interrupt(&mut self) {
+        if self.steps < 3 * Self::EXPLORE {
+            self.steps = 0;
+            self.device.clear();
+            self.host.clear();
+            self.counted = None;
+        }
+    }
+
     /// The path the last round chose (`None` before the first round ended).
     pub fn chosen(&self) -> Option<DecodePath> {
         self.chosen
@@ -261,6 +273,23 @@ mod tests {
             assert_eq!(paths[2 * e], DecodePath::Host);
             assert_ne!(paths[3 * e], want);
         }
+    }
+
+    #[test]
+    fn a_prompt_while_measuring_restarts_the_round_but_not_while_exploiting() {
+        let e = PathChooser::EXPLORE;
+        let mut c = PathChooser::default();
+        // Half-way through the host's measured run, a prompt: the round starts over from the warm-up.
+        let paths = run(&mut c, 2 * e + 3, |_| 1.0);
+        assert_eq!(paths[2 * e + 2], DecodePath::Host);
+        c.interrupt();
+        let paths = run(&mut c, 3 * e + 1, |p| if p == DecodePath::Host { 1.0 } else { 2.0 });
+        assert!(paths[..2 * e].iter().all(|&p| p == DecodePath::Device));
+        assert_eq!(paths[3 * e], DecodePath::Host);
+        assert_eq!(c.medians(), Some((2.0, 1.0)));
+        // While exploiting, a prompt changes nothing.
+        c.interrupt();
+        assert_eq!(c.next(), DecodePath::Host);
     }
 
     #[test]

@@ -401,8 +401,11 @@ impl TraceWriter {
                 line: 1,
                 what,
             };
-            let theirs: TraceHeader = serde_json::from_str(&first)
-                .map_err(|e| fmt(format!("not a routing trace ({e}): --dump-routing appends only to a trace")))?;
+            let theirs: TraceHeader = serde_json::from_str(&first).map_err(|e| {
+                fmt(format!(
+                    "not a routing trace ({e}): --dump-routing appends only to a trace"
+                ))
+            })?;
             if theirs != header {
                 return Err(fmt(format!(
                     "a trace of {} layers x {} experts, top-{}; this model routes {n_layer} x {n_expert}, top-{k}: use another file",
@@ -491,7 +494,11 @@ fn first_and_last_lines(file: &mut std::fs::File, len: u64) -> std::io::Result<(
         .rev()
         .find(|l| !l.iter().all(u8::is_ascii_whitespace))
         .unwrap_or(&[]);
-    let text = |b: &[u8]| String::from_utf8(b.to_vec()).map(|s| s.trim_end().to_string()).map_err(|_| bad());
+    let text = |b: &[u8]| {
+        String::from_utf8(b.to_vec())
+            .map(|s| s.trim_end().to_string())
+            .map_err(|_| bad())
+    };
     Ok((text(first)?, text(last)?))
 }
 
@@ -721,7 +728,8 @@ mod tests {
             w.begin_step();
             for layer in 0..2 {
                 for &t in step_tokens {
-                    w.record(layer, t, &[(t % 8) as u32, ((t + 1 + layer as u64) % 8) as u32]).unwrap();
+                    w.record(layer, t, &[(t % 8) as u32, ((t + 1 + layer as u64) % 8) as u32])
+                        .unwrap();
                 }
             }
         }
@@ -760,12 +768,19 @@ mod tests {
         let other = dir.path().join("other.jsonl");
         drop(TraceWriter::open(&other, 4, 16, 4).unwrap());
         let e = TraceWriter::open(&other, 2, 8, 2).err().unwrap().to_string();
-        assert!(e.contains("4 layers x 16 experts, top-4") && e.contains("2 x 8, top-2"), "{e}");
+        assert!(
+            e.contains("4 layers x 16 experts, top-4") && e.contains("2 x 8, top-2"),
+            "{e}"
+        );
         let text = dir.path().join("notes.txt");
         std::fs::write(&text, "my notes\n").unwrap();
         let e = TraceWriter::open(&text, 2, 8, 2).err().unwrap().to_string();
         assert!(e.contains("notes.txt") && e.contains("not a routing trace"), "{e}");
-        assert_eq!(std::fs::read_to_string(&text).unwrap(), "my notes\n", "the file was left alone");
+        assert_eq!(
+            std::fs::read_to_string(&text).unwrap(),
+            "my notes\n",
+            "the file was left alone"
+        );
         let e = TraceWriter::open(dir.path(), 2, 8, 2).err().unwrap().to_string();
         assert!(e.contains(&dir.path().display().to_string()), "{e}");
     }

@@ -296,7 +296,10 @@ impl Model {
         let w = &self.weights;
         let n = tokens.len();
         assert!(n > 0 && layout.n_tok() == n, "forward: the layout is not the tokens'");
-        let mut dump = self.routing_dump.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut dump = self
+            .routing_dump
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
         if let Some(d) = dump.as_deref_mut() {
             d.writer.begin_step();
         }

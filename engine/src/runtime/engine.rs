@@ -435,7 +435,7 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 slot_bytes: slot_bytes as usize,
                 policy: ef.expert_policy,
                 k: model.hp.n_expert_used as usize,
-                arena: pinned.as_ref().map(HostPin::mapping),
+                arena: pinned.as_ref().and_then(HostPin::mapping),
                 device_table: crate::switches::flag(crate::switches::DEVICE_SLOT_TABLE, true),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
@@ -567,13 +567,15 @@ fn routing_writer(
     }
     if flags.plan.experts.routing_trace.is_some() {
         return Err(bad(
-            "--routing-trace replaces the router's choices, so the dump would be that trace: give one of the two".into(),
+            "--routing-trace replaces the router's choices, so the dump would be that trace: give one of the two"
+                .into(),
         ));
     }
     if let Some(why) = crate::experts::trace::geometry_error(hp.n_layer, hp.n_expert, hp.n_expert_used) {
         return Err(bad(why));
     }
-    crate::experts::trace::TraceWriter::open(path, hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(|e| bad(e.to_string()))
+    crate::experts::trace::TraceWriter::open(path, hp.n_layer, hp.n_expert, hp.n_expert_used)
+        .map_err(|e| bad(e.to_string()))
 }
 
 /// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.

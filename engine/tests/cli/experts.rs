@@ -219,7 +219,15 @@ fn dump_routing_records_every_step_and_appends() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("routing.jsonl");
     let d = dump.to_str().unwrap();
-    let gen_args = ["generate", "--model", "synth:tiny-qwen3moe", "--prompt", "hello world", "--max-tokens", "4"];
+    let gen_args = [
+        "generate",
+        "--model",
+        "synth:tiny-qwen3moe",
+        "--prompt",
+        "hello world",
+        "--max-tokens",
+        "4",
+    ];
     let plain = strata(&gen_args);
     assert!(plain.status.success(), "{}", text(&plain).1);
     let with: Vec<&str> = gen_args.iter().copied().chain(["--dump-routing", d]).collect();
@@ -248,14 +256,25 @@ fn dump_routing_records_every_step_and_appends() {
     assert_eq!(twice.records.len(), 2 * n);
     assert_eq!(twice.records[n].0, 4);
     assert_eq!(&twice.experts[n * 4..], &t.experts[..]);
-    let sim = strata(&["experts", "simulate", d, "--slots", "8", "--model", "synth:tiny-qwen3moe"]);
+    let sim = strata(&[
+        "experts",
+        "simulate",
+        d,
+        "--slots",
+        "8",
+        "--model",
+        "synth:tiny-qwen3moe",
+    ]);
     assert!(sim.status.success(), "{}", text(&sim).1);
     assert!(text(&sim).0.contains("| 8 | lru |"), "{}", text(&sim).0);
     // Refused by name: a dense model; a file holding something else, left as it was.
     let dense = strata(&["generate", "--prompt", "hi", "--max-tokens", "1", "--dump-routing", d]);
     let (_, err) = text(&dense);
     assert_eq!(dense.status.code(), Some(1), "{err}");
-    assert!(err.contains("--dump-routing") && err.contains("no routed experts"), "{err}");
+    assert!(
+        err.contains("--dump-routing") && err.contains("no routed experts"),
+        "{err}"
+    );
     let notes = dir.path().join("notes.txt");
     std::fs::write(&notes, "keep me\n").unwrap();
     let mut other = gen_args.to_vec();
@@ -263,6 +282,9 @@ fn dump_routing_records_every_step_and_appends() {
     let out = strata(&other);
     let (_, err) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("notes.txt") && err.contains("not a routing trace"), "{err}");
+    assert!(
+        err.contains("notes.txt") && err.contains("not a routing trace"),
+        "{err}"
+    );
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me\n");
 }

@@ -203,6 +203,8 @@ fn pinned<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 /// `LOOKUP_STAGED`.
 const LOOKUP_ADMITTED: u32 = 0x8000_0000;
 const LOOKUP_STAGED: u32 = u32::MAX;
+/// An expert id outside the model (nothing was looked up or fetched for it).
+const LOOKUP_BAD: u32 = u32::MAX - 1;
 /// A log word no lookup wrote (the step did not run that layer).
 const LOG_EMPTY: u32 = u32::MAX;
 /// Blocks per matrix of `expert_fetch` (two waves of 256 threads on 132 SMs: enough loads in flight for the link).
@@ -275,10 +277,10 @@ impl DeviceTable {
         })
     }
 
-    /// Free slots to set aside for the next step: twice the recent misses and one layer's worth, at most
-    /// `free_max` (a step's lookups) and half the cache.
+    /// Free slots to set aside for the next step: the recent misses and one layer's worth more, at most
+    /// `free_max` (a step's lookups) and a quarter of the cache (slots held free hold no expert).
     fn free_target(&self, slots: usize, k: usize) -> usize {
-        ((2.0 * self.misses).ceil() as usize + k).min(self.free_max).min(slots / 2)
+        (self.misses.ceil() as usize + k).min(self.free_max).min(slots / 4)
     }
 }
 
@@ -302,6 +304,9 @@ impl ExpertPool {
         }
         self.step_open = true;
         if n_tok != 1 || self.table.is_none() || !self.config.device_table {
+            // A prompt's chunk (or a step of several tokens) between measured decode steps: the cache it leaves
+            // is not the one they measured, so `auto`'s round starts over.
+            self.chooser.interrupt();
             return Ok(false);
         }
         let path = match (self.miss.policy, self.miss.cost) {
@@ -322,7 +327,10 @@ impl ExpertPool {
         let e = || CudaError::driver("timing a decode step");
         let ctx = stream.context();
         if self.step_events.is_none() {
-            let timed = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(e());
+            let timed = || {
+                ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(e())
+            };
             self.step_events = Some([timed()?, timed()?]);
         }
         let [t0, t1] = self.step_events.as_ref().expect("made");
@@ -343,11 +351,15 @@ impl ExpertPool {
                 },
                 1e3 * if now == DecodePath::Device { d } else { h },
                 1e3 * if now == DecodePath::Device { h } else { d },
-                if now == DecodePath::Device { "on the host" } else { "on the device's table" },
+                if now == DecodePath::Device {
+                    "on the host"
+                } else {
+                    "on the device's table"
+                },
             );
         }
         t0.record(stream).map_err(e())?;
-        self.step_timed = true;
+        self.timing_step = true;
         Ok(path)
     }
 
@@ -359,10 +371,11 @@ impl ExpertPool {
             return Ok(());
         }
         self.table_step_end(stream)?;
-        if self.step_timed
+        if std::mem::take(&mut self.timing_step)
             && let Some([_, t1]) = &self.step_events
         {
             t1.record(stream).map_err(CudaError::driver("timing a decode step"))?;
+            self.step_timed = true;
         }
         Ok(())
     }
@@ -402,7 +415,10 @@ impl ExpertPool {
             *d = v as u32;
         }
         let mut free = 0;
-        for (d, slot) in h[table.len()..table.len() + t.free_max].iter_mut().zip(self.cache.free_slots()) {
+        for (d, slot) in h[table.len()..table.len() + t.free_max]
+            .iter_mut()
+            .zip(self.cache.free_slots())
+        {
             *d = slot;
             free += 1;
         }
@@ -443,8 +459,7 @@ impl ExpertPool {
         let h = pinned(&mut t.log_host, stream.context(), n)?;
         let e = || CudaError::driver("reading the expert lookup log back");
         // SAFETY: `log` holds `n` words; `h` is read only after `logged` has passed.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut h[..n], t.log.ptr, stream.cu_stream()) }
-            .map_err(e())?;
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut h[..n], t.log.ptr, stream.cu_stream()) }.map_err(e())?;
         t.logged.record(stream).map_err(e())?;
         t.log_pending = true;
         Ok(())
@@ -477,6 +492,12 @@ impl ExpertPool {
             }
             for pair in region.chunks_exact(2) {
                 let (expert, code) = (pair[0], pair[1]);
+                if code == LOOKUP_BAD {
+                    return Err(CudaError::ExpertTable(format!(
+                        "layer {layer}'s router chose expert {expert} of {}",
+                        self.config.n_expert
+                    )));
+                }
                 let seen = match code {
                     LOOKUP_STAGED => Access::Bypassed,
                     c if c & LOOKUP_ADMITTED != 0 => Access::Admitted {
@@ -490,7 +511,9 @@ impl ExpertPool {
                     expert,
                 };
                 if expert as usize >= self.config.n_expert {
-                    return Err(CudaError::ExpertTable(format!("the device looked up {id:?}, outside the model")));
+                    return Err(CudaError::ExpertTable(format!(
+                        "the device looked up {id:?}, outside the model"
+                    )));
                 }
                 self.cache.replay(id, seen).map_err(CudaError::ExpertTable)?;
                 if !matches!(seen, Access::Hit { .. }) {
@@ -563,9 +586,10 @@ impl ExpertPool {
                 Arg::I(self.config.slots as i32),
             ],
         )?;
-        let vec16 = bytes.iter().chain(&offsets).all(|b| b % 16 == 0)
-            && src.iter().all(|a| a % 16 == 0)
-            && stride % 16 == 0;
+        // Per matrix (bit m): 16-byte words when its size, source and slot offset all allow them.
+        let vec16 = (0..3)
+            .filter(|&m| bytes[m] % 16 == 0 && offsets[m] % 16 == 0 && src[m] % 16 == 0 && stride % 16 == 0)
+            .fold(0, |bits, m| bits | 1 << m);
         gpu.launch(
             "expert_fetch",
             (FETCH_BLOCKS, 3, 1),
@@ -583,7 +607,7 @@ impl ExpertPool {
                 Arg::L(offsets[0] as i64),
                 Arg::L(offsets[1] as i64),
                 Arg::L(offsets[2] as i64),
-                Arg::I(vec16 as i32),
+                Arg::I(vec16),
             ],
         )
     }
@@ -631,7 +655,9 @@ pub struct ExpertPool {
     /// `auto`'s choice of [`DecodePath`], and the events that time a step for it (the step's start and end).
     chooser: PathChooser,
     step_events: Option<[CudaEvent; 2]>,
-    /// A step was timed whose time the chooser has not had yet.
+    /// The open step is timed (its start recorded; [`ExpertPool::decode_step_end`] records its end).
+    timing_step: bool,
+    /// A step was timed, start and end, whose time the chooser has not had yet.
     step_timed: bool,
 }
 
@@ -670,13 +696,17 @@ impl ExpertPool {
             miss: MissPlan::default(),
             cpu: CpuMisses::default(),
             table: match config.arena {
-                // expert_lookup takes top-k of at most 64 (its block).
-                Some(a) if config.device_table && config.k <= 64 => Some(DeviceTable::new(stream, &config, a)?),
+                // expert_lookup takes top-k of at most 64 (its block), and stages routing slot j's miss in
+                // staging slot j.
+                Some(a) if config.device_table && config.k <= 64 && config.staging >= config.k => {
+                    Some(DeviceTable::new(stream, &config, a)?)
+                }
                 _ => None,
             },
             step_open: false,
             chooser: PathChooser::default(),
             step_events: None,
+            timing_step: false,
             step_timed: false,
         })
     }
@@ -1047,8 +1077,8 @@ fn layout(ex: &Experts<'_>) -> ([usize; 3], usize) {
 pub struct HostPin {
     ptr: usize,
     bytes: usize,
-    /// The device address of `ptr` (the range is mapped).
-    device: u64,
+    /// The device address of `ptr`, when the range is mapped.
+    device: Option<u64>,
     ctx: Arc<cudarc::driver::CudaContext>,
 }
 
@@ -1057,29 +1087,33 @@ impl HostPin {
         gpu.ctx
             .bind_to_thread()
             .map_err(CudaError::driver("binding the context"))?;
-        // Mapped as well, so kernels read it in place over the link (`expert_fetch`).
-        let flags = cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE | cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-        // SAFETY: `bytes` is a live host allocation; the guard unregisters it before its owner frees it
-        // (`runtime::Engine` drops the guard first).
-        unsafe {
-            cudarc::driver::sys::cuMemHostRegister_v2(bytes.as_ptr() as *mut _, bytes.len(), flags)
-                .result()
-                .map_err(CudaError::driver(format!("cuMemHostRegister of {} bytes", bytes.len())))?;
+        // Mapped as well, so kernels read it in place over the link (`expert_fetch`); where the driver refuses the
+        // mapping, locked alone (uploads still run at the pinned rate; the device's slot table is not used).
+        let portable = cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE;
+        let register = |flags| {
+            // SAFETY: `bytes` is a live host allocation; the guard unregisters it before its owner frees it
+            // (`runtime::Engine` drops the guard first).
+            unsafe { cudarc::driver::sys::cuMemHostRegister_v2(bytes.as_ptr() as *mut _, bytes.len(), flags).result() }
+        };
+        let mapped = register(portable | cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP).is_ok();
+        if !mapped {
+            register(portable).map_err(CudaError::driver(format!("cuMemHostRegister of {} bytes", bytes.len())))?;
         }
         let mut pin = HostPin {
             ptr: bytes.as_ptr() as usize,
             bytes: bytes.len(),
-            device: 0,
+            device: None,
             ctx: gpu.ctx.clone(),
         };
         let mut device = 0;
-        // SAFETY: the memory was just registered with DEVICEMAP (on a failure `pin` drops and unregisters it).
-        unsafe {
-            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device, bytes.as_ptr() as *mut _, 0)
+        // SAFETY: the memory is registered (with DEVICEMAP when `mapped`).
+        if mapped
+            && unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device, bytes.as_ptr() as *mut _, 0) }
                 .result()
-                .map_err(CudaError::driver("cuMemHostGetDevicePointer of the expert arena"))?;
+                .is_ok()
+        {
+            pin.device = Some(device);
         }
-        pin.device = device;
         Ok(pin)
     }
 
@@ -1088,13 +1122,14 @@ impl HostPin {
         self.bytes
     }
 
-    /// The locked range as kernels address it: (host start, bytes, device address of the start).
-    pub fn mapping(&self) -> HostMapping {
-        HostMapping {
+    /// The locked range as kernels address it (host start, bytes, device address of the start), when the driver
+    /// mapped it.
+    pub fn mapping(&self) -> Option<HostMapping> {
+        self.device.map(|device| HostMapping {
             host: self.ptr,
             bytes: self.bytes,
-            device: self.device,
-        }
+            device,
+        })
     }
 }
 
