@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmarks of issue 6, on a machine with an NVIDIA GPU and no Rust toolchain: the release
 # `strata` binary and the cuda_parity test binary are built elsewhere and carried in carry/ (see README "CUDA").
-#   ci/device-test.sh [parity] [bench-small] [bench-30b] [decode-30b] [ablate-30b] [harness] [regs] [profile-30b]
+#   ci/device-test.sh [parity] [routing] [bench-small] [bench-30b] [decode-30b] [ablate-30b] [harness] [regs] [profile-30b]
 #                     [offload-30b]
-#   (default: parity bench-small)
+#   (default: parity routing bench-small)
 #     parity       device list, kernel start times (cold, then cached), selftest, op parity table, end-to-end KLD,
 #                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
+#     routing      `strata generate --dump-routing` of the tiny MoE on the CPU, on CUDA all resident and on CUDA with
+#                  4 expert-cache slots: the cached run's trace must equal the resident one's; the CPU's beside them
 #     bench-small  `strata bench --device cuda:0` on a SmolLM2-135M-shaped model (llama, Q4_1, Q8_0 embedding)
 #     bench-30b    the same on a Qwen3-30B-A3B-shaped qwen3moe (Q4_K, Q6_K output), generated here (about 17 GB)
 #     harness      `strata-harness run scenarios/h200.yaml` (carry/strata-harness), its report folder as one .tgz
@@ -38,7 +40,8 @@ BIN=${STRATA_BIN:-carry/strata}
 TESTS=${STRATA_CUDA_TESTS:-carry/cuda_parity}
 export STRATA_KERNEL_CACHE=$(mktemp -d)
 WORK=${STRATA_WORK:-$(mktemp -d)}
-MODES=${*:-parity bench-small}
+mkdir -p "$WORK"
+MODES=${*:-parity routing bench-small}
 declare -a ROWS
 row() { ROWS+=("$(printf '%-44s %s' "$1" "$2")"); }
 
@@ -74,6 +77,20 @@ parity)
   STRATA_FAULT='prefill_gemm:m>64' "$BIN" generate --model "$WORK/moe.gguf" --device cuda:0 --prompt "$long" \
     --max-tokens 8 --prefill 256 > "$OUT/gen-fault.txt" 2> "$OUT/gen-fault.err"
   row "STRATA_FAULT=prefill_gemm:m>64, fallback on" "rc=$? fallback events: $(grep -c 'strata: fallback:' "$OUT/gen-fault.err")"
+  ;;
+routing)
+  [ -f "$WORK/moe.gguf" ] || "$BIN" fixtures synth --out "$WORK/moe.gguf" --preset tiny-qwen3moe 2>&1 | tail -1
+  # --dump-routing: every step's routed experts, CPU, CUDA all resident, and CUDA with 4 cache slots (the
+  # device's slot table): the cached run routes exactly as the resident one; the CPU's routing beside them.
+  for name in cpu cuda0 cuda0-cache4; do
+    case $name in cpu) args=(--device cpu) ;; cuda0) args=(--device cuda:0) ;; *) args=(--device cuda:0 --expert-cache 4) ;; esac
+    "$BIN" generate --model "$WORK/moe.gguf" "${args[@]}" --prompt "hello" --max-tokens 32 \
+      --dump-routing "$OUT/routing-$name.jsonl" > "$OUT/routing-$name.txt" 2> "$OUT/routing-$name.err"
+    row "--dump-routing $name" "rc=$? $(($(wc -l < "$OUT/routing-$name.jsonl") - 1)) records"
+  done
+  cmp -s "$OUT/routing-cuda0.jsonl" "$OUT/routing-cuda0-cache4.jsonl" && row "  routing cuda == cuda, 4 slots" "same" \
+    || row "  routing cuda == cuda, 4 slots" "differs"
+  row "  routing records cpu == cuda" "$(paste "$OUT/routing-cpu.jsonl" "$OUT/routing-cuda0.jsonl" | awk -F'\t' '$1 == $2' | wc -l) of $(wc -l < "$OUT/routing-cpu.jsonl") lines"
   ;;
 bench-small)
   "$BIN" fixtures synth --out "$WORK/smollm2-shaped.gguf" --arch llama --layers 30 --embd 576 --ff 1536 --heads 9 \
