@@ -6,8 +6,9 @@
 #   (default: parity routing bench-small)
 #     parity       device list, kernel start times (cold, then cached), selftest, op parity table, end-to-end KLD,
 #                  greedy text CPU vs CUDA, the injected cuBLAS failure and its one fallback event
-#     routing      `strata generate --dump-routing` of the tiny MoE on the CPU, on CUDA all resident and on CUDA with
-#                  4 expert-cache slots: the cached run's trace must equal the resident one's; the CPU's beside them
+#     routing      `strata generate --dump-routing` of the tiny MoE on the CPU, on CUDA all resident and on CUDA through
+#                  the expert cache (4 slots; 16 slots saving their profile, then pre-filled from it): each cached
+#                  run's trace and text must equal the resident one's; the CPU's beside them
 #     bench-small  `strata bench --device cuda:0` on a SmolLM2-135M-shaped model (llama, Q4_1, Q8_0 embedding)
 #     bench-30b    the same on a Qwen3-30B-A3B-shaped qwen3moe (Q4_K, Q6_K output), generated here (about 17 GB)
 #     harness      `strata-harness run scenarios/h200.yaml` (carry/strata-harness), its report folder as one .tgz
@@ -80,16 +81,29 @@ parity)
   ;;
 routing)
   [ -f "$WORK/moe.gguf" ] || "$BIN" fixtures synth --out "$WORK/moe.gguf" --preset tiny-qwen3moe 2>&1 | tail -1
-  # --dump-routing: every step's routed experts, CPU, CUDA all resident, and CUDA with 4 cache slots (the
-  # device's slot table): the cached run routes exactly as the resident one; the CPU's routing beside them.
-  for name in cpu cuda0 cuda0-cache4; do
-    case $name in cpu) args=(--device cpu) ;; cuda0) args=(--device cuda:0) ;; *) args=(--device cuda:0 --expert-cache 4) ;; esac
+  # --dump-routing: every step's routed experts, CPU, CUDA all resident, and CUDA through the expert cache (4 slots
+  # on the device's table; 16 slots saving the profile they learn, then pre-filled from it, LRU and pinned): every
+  # cached run routes, and writes, exactly as the resident one; the CPU's routing beside them.
+  P=$WORK/profile.json; rm -f "$P"
+  for name in cpu cuda0 cuda0-cache4 cuda0-cache16-save cuda0-cache16-lru-profile cuda0-cache16-pinned-profile; do
+    case $name in
+      cpu) args=(--device cpu) ;;
+      cuda0) args=(--device cuda:0) ;;
+      cuda0-cache4) args=(--device cuda:0 --expert-cache 4) ;;
+      cuda0-cache16-save) args=(--device cuda:0 --expert-cache 16 --save-expert-profile "$P") ;;
+      cuda0-cache16-lru-profile) args=(--device cuda:0 --expert-cache 16 --expert-profile "$P") ;;
+      cuda0-cache16-pinned-profile) args=(--device cuda:0 --expert-cache 16 --expert-profile "$P" --expert-policy profile) ;;
+    esac
     "$BIN" generate --model "$WORK/moe.gguf" "${args[@]}" --prompt "hello" --max-tokens 32 \
       --dump-routing "$OUT/routing-$name.jsonl" > "$OUT/routing-$name.txt" 2> "$OUT/routing-$name.err"
     row "--dump-routing $name" "rc=$? $(($(wc -l < "$OUT/routing-$name.jsonl") - 1)) records"
+    while read -r l; do row "  " "$l"; done < <(grep -E 'pre-filled|decode expert cache' "$OUT/routing-$name.err" | cut -c9-120)
+    if [[ $name == cuda0-* ]]; then
+      cmp -s "$OUT/routing-cuda0.jsonl" "$OUT/routing-$name.jsonl" && cmp -s "$OUT/routing-cuda0.txt" "$OUT/routing-$name.txt" \
+        && row "  routing and text == cuda resident" "same" || row "  routing and text == cuda resident" "differs"
+    fi
   done
-  cmp -s "$OUT/routing-cuda0.jsonl" "$OUT/routing-cuda0-cache4.jsonl" && row "  routing cuda == cuda, 4 slots" "same" \
-    || row "  routing cuda == cuda, 4 slots" "differs"
+  [ -f "$P" ] && cp "$P" "$OUT/profile.json"
   row "  routing records cpu == cuda" "$(paste "$OUT/routing-cpu.jsonl" "$OUT/routing-cuda0.jsonl" | awk -F'\t' '$1 == $2' | wc -l) of $(wc -l < "$OUT/routing-cpu.jsonl") lines"
   ;;
 bench-small)

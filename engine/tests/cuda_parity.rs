@@ -1235,16 +1235,34 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
         if arena && f.model.experts.arena().is_none() {
             f.model.use_arena(None, |_, _| {}).unwrap();
         }
-        for (slots, policy) in [
-            (0, Policy::Lru),
-            (4, Policy::Lru),
-            (64, Policy::Lru),
-            (64, Policy::Lfru),
-            (127, Policy::Lru),
+        // The profile the 64-slot LRU run learns pre-fills the last two configurations (`--expert-profile`).
+        let mut learned: Option<strata_engine::experts::profile::ExpertProfile> = None;
+        for (slots, policy, prefill) in [
+            (0, Policy::Lru, false),
+            (4, Policy::Lru, false),
+            (64, Policy::Lru, false),
+            (64, Policy::Lfru, false),
+            (127, Policy::Lru, false),
+            (64, Policy::Lru, true),
+            (64, Policy::Profile, true),
         ] {
             let (g, pin) = f.cached_gpu(slots, policy, device_table);
+            if prefill {
+                let ranked = learned.as_ref().expect("learned by the 64-slot run").ranked();
+                assert_eq!(
+                    g.prefill_expert_cache(&f.model, &ranked).unwrap(),
+                    slots.min(ranked.len())
+                );
+            }
             let got = cache_run(&f.model, &g, &f.tokens);
             let st = g.expert_cache_stats().unwrap();
+            if (slots, policy, prefill) == (64, Policy::Lru, false) {
+                let mut p =
+                    strata_engine::experts::profile::ExpertProfile::new(f.model.hp.n_layer, f.model.hp.n_expert);
+                p.add(&g.expert_lookups().unwrap());
+                assert_eq!(p.total(), st.prefill.cache.lookups + st.decode.cache.lookups);
+                learned = Some(p);
+            }
             let (captured, replays) = g.gpu().graph_counts();
             g.synchronize().unwrap();
             drop(pin);
@@ -1255,8 +1273,13 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
                 (true, false) => "arena, page-locked, table on the host",
                 (true, true) => "arena, page-locked, table on the device",
             };
+            let prefilled = if prefill {
+                ", pre-filled from the learned profile"
+            } else {
+                ""
+            };
             println!(
-                "expert cache {slots} slots {policy} ({store}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; {captured} graphs captured, {replays} replays; first differing logit {first_diff:?}",
+                "expert cache {slots} slots {policy}{prefilled} ({store}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; {captured} graphs captured, {replays} replays; first differing logit {first_diff:?}",
                 st.prefill.cache.lookups,
                 st.prefill.cache.hits,
                 st.prefill.bytes_uploaded / 1_000_000,
@@ -1279,6 +1302,14 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             }
             if slots == 4 {
                 assert!(st.decode.cache.evictions > 0, "one slot per layer must evict");
+            }
+            if policy == Policy::Profile {
+                assert_eq!(
+                    st.prefill.cache.evictions + st.decode.cache.evictions,
+                    0,
+                    "a profile cache evicted"
+                );
+                assert!(st.decode.cache.hits > 0, "the profile's experts were not used");
             }
             if slots == 127 {
                 assert!(

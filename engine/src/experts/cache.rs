@@ -107,6 +107,8 @@ pub struct SlotCache {
     /// LFRU: lookups for a use count to halve.
     half_life: f64,
     stats: CacheStats,
+    /// `[layer * n_expert + expert]`: lookups of each expert since the cache was made (the profile it learns).
+    uses: Vec<u64>,
 }
 
 /// Fixed-point scale of LFRU keys (keys are `i64` so the order is exact and total).
@@ -129,6 +131,7 @@ impl SlotCache {
             clock: 0,
             half_life: slots.max(64) as f64,
             stats: CacheStats::default(),
+            uses: vec![0; n_layer * n_expert],
         }
     }
 
@@ -161,6 +164,12 @@ impl SlotCache {
         self.stats
     }
 
+    /// Lookups of each expert since the cache was made, `[layer * n_expert + expert]` (an expert profile's
+    /// counts, [`super::profile::ExpertProfile`]); [`SlotCache::take_stats`] does not zero them.
+    pub fn uses(&self) -> &[u64] {
+        &self.uses
+    }
+
     /// The counts so far, and zero them (per request or per phase).
     pub fn take_stats(&mut self) -> CacheStats {
         std::mem::take(&mut self.stats)
@@ -183,6 +192,7 @@ impl SlotCache {
         let i = self.index(id);
         self.clock += 1;
         self.stats.lookups += 1;
+        self.uses[i] += 1;
         let s = self.table[i];
         if s != NO_SLOT {
             self.stats.hits += 1;
@@ -279,6 +289,26 @@ impl SlotCache {
         let slot = self.free.pop()?;
         self.place(slot, id, i);
         Some(slot)
+    }
+
+    /// Pre-fills free slots from a profile's ranking (most used first, [`super::profile::ExpertProfile::ranked`]):
+    /// the first experts that fit, pinned least used first, so that under LRU, where nothing was used yet, the
+    /// least used of them is the first evicted. Returns each placed expert and its slot, in placement order (the
+    /// bytes to upload); experts already cached are skipped.
+    pub fn prefill(&mut self, ranked: &[ExpertId]) -> Vec<(ExpertId, u32)> {
+        let mut take: Vec<ExpertId> = Vec::new();
+        for &id in ranked {
+            if take.len() == self.free.len() {
+                break;
+            }
+            if self.slot_of(id).is_none() && !take.contains(&id) {
+                take.push(id);
+            }
+        }
+        take.into_iter()
+            .rev()
+            .filter_map(|id| self.pin(id).map(|slot| (id, slot)))
+            .collect()
     }
 
     /// Gives `slot` to `id` (table index `i`) and counts the upload.
@@ -383,6 +413,30 @@ mod tests {
         assert_eq!(c.access(id(1, 5), true), Access::Bypassed);
         assert_eq!(c.access(id(0, 4), true), Access::Hit { slot: 0 });
         assert_eq!(c.stats().bypassed, 1);
+    }
+
+    #[test]
+    fn a_prefill_pins_the_top_of_a_ranking_and_lru_evicts_its_least_used_first() {
+        let mut c = SlotCache::new(2, 8, 3, Policy::Lru);
+        let ranked = [id(1, 7), id(0, 2), id(0, 5), id(1, 1)];
+        let placed = c.prefill(&ranked);
+        assert_eq!(placed, vec![(id(0, 5), 0), (id(0, 2), 1), (id(1, 7), 2)]);
+        assert_eq!(c.stats().lookups, 0);
+        assert_eq!(c.uses().iter().sum::<u64>(), 0);
+        assert_eq!(c.access(id(1, 7), true), Access::Hit { slot: 2 });
+        // Full: the first miss evicts the least used of the profile's experts.
+        assert_eq!(
+            c.access(id(1, 1), true),
+            Access::Admitted {
+                slot: 0,
+                evicted: Some(id(0, 5))
+            }
+        );
+        // Every lookup counts towards the learned profile; a prefill of a full cache places nothing.
+        assert_eq!(c.uses()[8 + 7], 1);
+        assert_eq!(c.uses()[8 + 1], 1);
+        assert_eq!(c.uses().iter().sum::<u64>(), 2);
+        assert!(c.prefill(&[id(0, 0)]).is_empty());
     }
 
     #[test]

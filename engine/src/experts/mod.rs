@@ -5,12 +5,14 @@
 //! ([`ExpertGroups`]); the slot cache's bookkeeping and policies ([`cache`]), routing traces and their
 //! generator ([`trace`]), the cache simulator with Belady's bound ([`simulate`]), and the expert store, where
 //! every expert's bytes live on the host (arena | mmap, [`store`]), and where a decode step's misses are computed
-//! (uploaded or on the CPU, by a cost model: [`miss`]) (DESIGN.md section 3, "Expert cache").
+//! (uploaded or on the CPU, by a cost model: [`miss`]), and expert profiles, the lookup counts a cache is
+//! pre-filled from and learns ([`profile`]) (DESIGN.md section 3, "Expert cache").
 
 use std::ops::Range;
 
 pub mod cache;
 pub mod miss;
+pub mod profile;
 pub mod simulate;
 pub mod store;
 pub mod trace;

@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 
 use super::ExpertId;
 use super::cache::{CacheStats, Policy, SlotCache};
+use super::profile::ExpertProfile;
 use super::trace::Trace;
 
 /// One simulation's settings.
@@ -24,15 +25,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> CacheStats {
     let h = trace.header;
     let mut cache = SlotCache::new(h.n_layer as usize, h.n_expert as usize, cfg.slots, cfg.policy);
     if cfg.policy == Policy::Profile {
-        let mut counts = vec![0u64; (h.n_layer * h.n_expert) as usize];
-        for i in trace.lookups() {
-            counts[i] += 1;
-        }
-        let mut by_use: Vec<usize> = (0..counts.len()).filter(|&i| counts[i] > 0).collect();
-        by_use.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
-        for i in by_use.into_iter().take(cfg.slots) {
-            cache.pin(id_of(i, h.n_expert));
-        }
+        cache.prefill(&ExpertProfile::of_trace(trace).ranked());
     }
     let k = h.k as usize;
     let mut uploads = 0u32;
@@ -50,13 +43,6 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> CacheStats {
         }
     }
     cache.stats()
-}
-
-fn id_of(i: usize, n_expert: u32) -> ExpertId {
-    ExpertId {
-        layer: i as u32 / n_expert,
-        expert: i as u32 % n_expert,
-    }
 }
 
 /// Belady's optimal hit count for `slots` slots over `trace` (Belady 1966, MIN with bypass): on a miss, the

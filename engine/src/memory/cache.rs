@@ -96,12 +96,8 @@ fn parse_policy(s: &str) -> Result<Policy, String> {
     match s {
         "lru" => Ok(Policy::Lru),
         "lfru" => Ok(Policy::Lfru),
-        "profile" => Err(
-            "--expert-policy profile needs a routing profile (--expert-profile), which this build \
-                          does not read yet: use lru or lfru"
-                .into(),
-        ),
-        _ => Err(format!("--expert-policy takes lru or lfru, not `{s}`")),
+        "profile" => Ok(Policy::Profile),
+        _ => Err(format!("--expert-policy takes lru, lfru or profile, not `{s}`")),
     }
 }
 
@@ -125,10 +121,20 @@ pub struct ExpertFlags {
     /// page-locked host arena at load.
     #[arg(long)]
     pub mmap_experts: bool,
-    /// Which expert an expert cache that is full evicts: lru (least recently used) or lfru (least frequently,
-    /// with decay).
+    /// Which expert an expert cache that is full evicts: lru (least recently used), lfru (least frequently,
+    /// with decay), or profile (none: the slots --expert-profile fills stay, and other misses are served around
+    /// the cache).
     #[arg(long, default_value = "lru", value_parser = parse_policy)]
     pub expert_policy: Policy,
+    /// Pre-fill a GPU's expert cache at start with the experts this profile looked up most, as many as there are
+    /// slots: a --save-expert-profile file, or a routing trace (--dump-routing).
+    #[arg(long)]
+    pub expert_profile: Option<std::path::PathBuf>,
+    /// Save the expert cache's lookups of each expert to this file (JSON) after every request and at exit, adding
+    /// to the counts it holds when it is a profile of this model: the profile --expert-profile reads. A GPU with
+    /// an expert cache only.
+    #[arg(long)]
+    pub save_expert_profile: Option<std::path::PathBuf>,
     /// Route every MoE layer as this routing trace says (`strata experts synth-trace`) instead of by its router:
     /// benchmarks of random-weight models with a real model's locality. The tokens are not the model's. CUDA
     /// devices only.
@@ -149,6 +155,8 @@ impl Default for ExpertFlags {
             vram_budget: None,
             mmap_experts: false,
             expert_policy: Policy::Lru,
+            expert_profile: None,
+            save_expert_profile: None,
             routing_trace: None,
             miss_policy: MissPolicy::Auto,
         }
@@ -176,6 +184,12 @@ impl ExpertFlags {
         }
         if let Some(t) = &self.routing_trace {
             a.extend(["--routing-trace".into(), t.display().to_string()]);
+        }
+        if let Some(p) = &self.expert_profile {
+            a.extend(["--expert-profile".into(), p.display().to_string()]);
+        }
+        if let Some(p) = &self.save_expert_profile {
+            a.extend(["--save-expert-profile".into(), p.display().to_string()]);
         }
         a
     }
@@ -373,12 +387,17 @@ mod tests {
             "t.jsonl",
             "--miss-policy",
             "cpu",
+            "--expert-profile",
+            "p.json",
+            "--save-expert-profile",
+            "q.json",
         ])
         .e;
         assert_eq!(f.miss_policy, MissPolicy::Cpu);
         assert_eq!(f.expert_cache, CacheSize::Slots(123));
         assert_eq!(f.reserve_bytes(), 512 << 20);
         assert!(f.mmap_experts && f.expert_policy == Policy::Lfru);
+        assert_eq!(f.save_expert_profile.as_deref(), Some(std::path::Path::new("q.json")));
         let back = P::parse_from(std::iter::once("x".to_string()).chain(f.to_args())).e;
         assert_eq!(back, f);
         for (flag, v) in [
@@ -388,7 +407,6 @@ mod tests {
             ("--vram-reserve-mib", "x"),
             ("--vram-budget", "0"),
             ("--expert-policy", "fifo"),
-            ("--expert-policy", "profile"),
             ("--miss-policy", "gpu"),
         ] {
             let e = P::try_parse_from(["x".to_string(), format!("{flag}={v}")])

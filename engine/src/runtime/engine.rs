@@ -12,7 +12,9 @@ use crate::backend::cuda::experts::{ExpertCacheConfig, HostPin};
 use crate::backend::{AnyBackend, OpenError};
 use crate::device::Device;
 use crate::device::fault::{FaultPlan, FaultSpecError};
+use crate::experts::cache::Policy;
 use crate::experts::miss::{MissCost, MissPlan, MissPolicy};
+use crate::experts::profile::ExpertProfile;
 use crate::experts::store::host_available_bytes;
 use crate::experts::trace::{RoutingReplay, Trace};
 use crate::memory::{
@@ -108,19 +110,65 @@ impl EngineFlags {
         Ok(())
     }
 
-    /// What `strata serve` checks before it starts a worker, so a bad `--routing-trace` is one error, not a worker
-    /// restarted for ever: the device it needs, and the trace read and matched against the model at `model`.
+    /// `--expert-policy profile` needs `--expert-profile`; `--save-expert-profile` needs a GPU (the CPU has no
+    /// expert cache to learn from).
     ///
-    /// Errors: as [`EngineFlags::check_routing_device`]; [`EngineError::RoutingTrace`]; the model cannot be read.
+    /// Errors: [`EngineError::ExpertProfile`] naming the flags.
+    pub fn check_expert_flags(&self) -> Result<(), EngineError> {
+        let ef = &self.plan.experts;
+        if ef.expert_policy == Policy::Profile && ef.expert_profile.is_none() {
+            return Err(EngineError::ExpertProfile {
+                flag: "--expert-policy profile",
+                path: None,
+                why: "needs --expert-profile FILE (its experts fill the slots, which then stay)".into(),
+            });
+        }
+        if let Some(p) = &ef.save_expert_profile
+            && !matches!(self.device, Device::Cuda(_))
+        {
+            return Err(EngineError::ExpertProfile {
+                flag: "--save-expert-profile",
+                path: Some(p.clone()),
+                why: format!("{NO_CACHE_TO_LEARN} (--device {})", self.device),
+            });
+        }
+        Ok(())
+    }
+
+    /// What `strata serve` checks before it starts a worker, so a bad `--routing-trace`, expert profile or
+    /// profile to save is one error, not a worker restarted for ever: the device they need, and each file read
+    /// and matched against the model at `model`.
+    ///
+    /// Errors: as [`EngineFlags::check_routing_device`] and [`EngineFlags::check_expert_flags`];
+    /// [`EngineError::RoutingTrace`], [`EngineError::ExpertProfile`]; the model cannot be read.
     pub fn check_routing_trace(&self, model: &std::path::Path) -> Result<(), EngineError> {
         self.check_routing_device()?;
-        let Some(t) = &self.plan.experts.routing_trace else {
+        self.check_expert_flags()?;
+        let ef = &self.plan.experts;
+        if ef.routing_trace.is_none() && ef.expert_profile.is_none() && ef.save_expert_profile.is_none() {
             return Ok(());
+        }
+        let unreadable = |source: ModelError| EngineError::Model {
+            path: model.to_path_buf(),
+            source,
         };
-        let bad = |why: String| EngineError::RoutingTrace { path: t.clone(), why };
-        let gguf = crate::gguf::GgufModel::open(model).map_err(|e| bad(e.to_string()))?;
-        let hp = crate::model::HParams::from_metadata(gguf.metadata()).map_err(|e| bad(e.to_string()))?;
-        replay_for(t, &hp).map(|_| ())
+        let gguf = crate::gguf::GgufModel::open(model).map_err(|e| unreadable(e.into()))?;
+        let hp = crate::model::HParams::from_metadata(gguf.metadata()).map_err(|source| {
+            unreadable(ModelError::HParams {
+                file: model.display().to_string(),
+                source,
+            })
+        })?;
+        if let Some(t) = &ef.routing_trace {
+            replay_for(t, &hp)?;
+        }
+        if let Some(p) = &ef.expert_profile {
+            read_profile(p, &hp)?;
+        }
+        if let Some(p) = &ef.save_expert_profile {
+            saved_profile(p, &hp)?;
+        }
+        Ok(())
     }
 
     /// The flags as command-line arguments (for `strata worker`): parsing them back gives these flags.
@@ -164,6 +212,13 @@ pub enum EngineError {
     DumpRouting { path: PathBuf, why: String },
     #[error("--routing-trace {path}: {why}")]
     RoutingTrace { path: PathBuf, why: String },
+    /// `--expert-profile`, `--save-expert-profile` or `--expert-policy profile` (`flag`) cannot be used.
+    #[error("{flag}{}: {why}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
+    ExpertProfile {
+        flag: &'static str,
+        path: Option<PathBuf>,
+        why: String,
+    },
     /// The memory plan does not fit the device, or a part of it could not be allocated (`why` ends with the plan).
     #[error("--device {device}: {why}")]
     Plan { device: Device, why: String },
@@ -185,6 +240,8 @@ pub struct Engine {
     backend: AnyBackend,
     flags: EngineFlags,
     faults: FaultPlan,
+    /// `--save-expert-profile`: the file, and the counts it held at start (the cache's lookups add to them).
+    saver: Option<(PathBuf, ExpertProfile)>,
 }
 
 impl Engine {
@@ -213,6 +270,7 @@ impl Engine {
             );
         }
         flags.check_routing_device()?;
+        flags.check_expert_flags()?;
         if backend.cuda().is_none() && flags.plan.experts != ExpertFlags::default() {
             eprintln!(
                 "strata: the expert cache's flags apply to a GPU: on {} every expert is read where the model file keeps it",
@@ -235,6 +293,44 @@ impl Engine {
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
         let pinned = match backend.cuda() {
             Some(c) => plan_device(c, &mut model, flags)?,
+            None => None,
+        };
+        let cache = backend.cuda().filter(|c| c.expert_cache_config().is_some());
+        if let Some(p) = &flags.plan.experts.expert_profile {
+            let profile = read_profile(p, &model.hp)?;
+            match cache {
+                Some(c) => prefill_from(c, &model, p, &profile)?,
+                // On a CPU the line above said the expert flags do nothing.
+                None if backend.cuda().is_none() => {}
+                None => eprintln!(
+                    "strata: --expert-profile {}: every expert is resident on {}, nothing to pre-fill",
+                    p.display(),
+                    flags.device
+                ),
+            }
+        }
+        let saver = match &flags.plan.experts.save_expert_profile {
+            Some(p) => {
+                let base = saved_profile(p, &model.hp)?;
+                let bad = |why: String| EngineError::ExpertProfile {
+                    flag: "--save-expert-profile",
+                    path: Some(p.clone()),
+                    why,
+                };
+                if cache.is_none() {
+                    return Err(bad(format!(
+                        "{NO_CACHE_TO_LEARN}: every expert of the model is resident on {}",
+                        flags.device
+                    )));
+                }
+                base.write(p).map_err(|e| bad(format!("cannot write it: {e}")))?;
+                eprintln!(
+                    "strata: the expert cache's lookups saved to {} after every request (--save-expert-profile{})",
+                    p.display(),
+                    if base.total() > 0 { ", adding to its counts" } else { "" }
+                );
+                Some((p.clone(), base))
+            }
             None => None,
         };
         if let Some(p) = &flags.dump_routing {
@@ -261,6 +357,7 @@ impl Engine {
             backend,
             flags: flags.clone(),
             faults,
+            saver,
         })
     }
 
@@ -291,9 +388,25 @@ impl Engine {
         self.pinned.is_some()
     }
 
+    /// Writes the learned expert profile (`--save-expert-profile`): the file's counts at start plus the cache's
+    /// lookups since. A write that fails is one line on stderr; the next request's write tries again.
+    pub fn save_expert_profile(&self) {
+        let (Some((path, base)), Some(c)) = (&self.saver, self.backend.cuda()) else {
+            return;
+        };
+        let Some(lookups) = c.expert_lookups() else { return };
+        let mut p = base.clone();
+        p.add(&lookups);
+        if let Err(e) = p.write(path) {
+            eprintln!("strata: --save-expert-profile {}: cannot write it: {e}", path.display());
+        }
+    }
+
     /// Emits what the expert cache did since the last call (one `expert_cache` event per phase that looked an
-    /// expert up, for `request`), and zeroes its counts; nothing without a cache.
+    /// expert up, for `request`), zeroes its counts, and saves the learned profile (`--save-expert-profile`);
+    /// nothing without a cache.
     pub fn emit_expert_cache(&self, request: Option<u64>) {
+        self.save_expert_profile();
         let Some(st) = self.backend.cuda().and_then(|c| c.take_expert_cache_stats()) else {
             return;
         };
@@ -351,6 +464,7 @@ impl Engine {
 impl Drop for Engine {
     /// Drains the device's stream first: expert uploads may still read the arena the model frees.
     fn drop(&mut self) {
+        self.save_expert_profile();
         if let Some(c) = self.backend.cuda() {
             let _ = c.synchronize();
         }
@@ -576,6 +690,101 @@ fn routing_writer(
     }
     crate::experts::trace::TraceWriter::open(path, hp.n_layer, hp.n_expert, hp.n_expert_used)
         .map_err(|e| bad(e.to_string()))
+}
+
+/// Why a device without an expert cache cannot save a profile, and what to use instead.
+const NO_CACHE_TO_LEARN: &str = "no expert cache counts lookups here; --dump-routing FILE records the routing \
+     instead, and --expert-profile reads that file as a profile";
+
+/// The profile `--expert-profile` names, checked against a model of hyper-parameters `hp`.
+///
+/// Errors: [`EngineError::ExpertProfile`]: the model has no routed experts, the file is not a profile or a
+/// routing trace ([`ExpertProfile::read`]), or one of another geometry.
+fn read_profile(path: &std::path::Path, hp: &crate::model::HParams) -> Result<ExpertProfile, EngineError> {
+    let bad = |why: String| EngineError::ExpertProfile {
+        flag: "--expert-profile",
+        path: Some(path.to_path_buf()),
+        why,
+    };
+    if !hp.is_moe() {
+        return Err(bad("the model has no routed experts".into()));
+    }
+    let p = ExpertProfile::read(path).map_err(bad)?;
+    match p.mismatch(hp.n_layer, hp.n_expert) {
+        Some(why) => Err(bad(why)),
+        None => Ok(p),
+    }
+}
+
+/// What `--save-expert-profile` adds to: the profile at `path` when the file holds one of this model, none
+/// (zeros) when it is missing or empty.
+///
+/// Errors: [`EngineError::ExpertProfile`]: the model has no routed experts, or the file holds a routing trace,
+/// something that is not a profile, or a profile of another geometry (all of which saving would replace).
+fn saved_profile(path: &std::path::Path, hp: &crate::model::HParams) -> Result<ExpertProfile, EngineError> {
+    let bad = |why: String| EngineError::ExpertProfile {
+        flag: "--save-expert-profile",
+        path: Some(path.to_path_buf()),
+        why,
+    };
+    if !hp.is_moe() {
+        return Err(bad("the model has no routed experts".into()));
+    }
+    let empty = ExpertProfile::new(hp.n_layer, hp.n_expert);
+    let mut head = [0u8; 32];
+    let n = match std::fs::File::open(path) {
+        Ok(mut f) => std::io::Read::read(&mut f, &mut head).map_err(|e| bad(format!("cannot read it: {e}")))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(empty),
+        Err(e) => return Err(bad(format!("cannot read it: {e}"))),
+    };
+    let text = String::from_utf8_lossy(&head[..n]);
+    if text.trim().is_empty() {
+        return Ok(empty);
+    }
+    if text.trim_start().starts_with("{\"strata_routing_trace\"") {
+        return Err(bad(
+            "holds a routing trace, which saving a profile would replace: name another file".into(),
+        ));
+    }
+    let p = ExpertProfile::read(path).map_err(|e| bad(format!("{e}; saving would replace it: name another file")))?;
+    match p.mismatch(hp.n_layer, hp.n_expert) {
+        Some(why) => Err(bad(format!("{why}; saving would replace it: name another file"))),
+        None => Ok(p),
+    }
+}
+
+/// Pre-fills `c`'s expert cache from `profile` (read from `path`), logging how many experts it placed and what
+/// share of the profile's lookups they had.
+///
+/// Errors: [`EngineError::ExpertProfile`]: an upload failed.
+fn prefill_from(
+    c: &CudaBackend,
+    model: &Model,
+    path: &std::path::Path,
+    profile: &ExpertProfile,
+) -> Result<(), EngineError> {
+    let ranked = profile.ranked();
+    let start = Instant::now();
+    let placed = c
+        .prefill_expert_cache(model, &ranked)
+        .map_err(|e| EngineError::ExpertProfile {
+            flag: "--expert-profile",
+            path: Some(path.to_path_buf()),
+            why: format!("uploading its experts: {e}"),
+        })?;
+    let covered: u64 = ranked
+        .iter()
+        .take(placed)
+        .map(|id| profile.lookups[(id.layer * profile.n_expert + id.expert) as usize])
+        .sum();
+    eprintln!(
+        "strata: expert cache pre-filled from {} (--expert-profile): {placed} experts in {:.0} ms, {:.1}% of its {} lookups",
+        path.display(),
+        start.elapsed().as_secs_f64() * 1e3,
+        100.0 * covered as f64 / profile.total().max(1) as f64,
+        profile.total()
+    );
+    Ok(())
 }
 
 /// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.

@@ -151,7 +151,6 @@ fn expert_cache_flags_refuse_bad_values_by_name() {
         ("--vram-budget", "12 parsecs"),
         ("--vram-reserve-mib", "-5"),
         ("--expert-policy", "fifo"),
-        ("--expert-policy", "profile"),
     ] {
         let arg = format!("{flag}={v}");
         let out = strata(&["generate", "--prompt", "hi", &arg]);
@@ -176,6 +175,31 @@ fn expert_cache_flags_refuse_bad_values_by_name() {
     );
 }
 
+/// Runs `strata serve ARGS`, which must exit by itself within a minute: its exit code and stderr.
+fn serve_exit(args: &[&str]) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("serve")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("serve {args:?} did not exit");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (status.code(), err)
+}
+
 /// `strata serve --routing-trace` that the worker would refuse (on the CPU, or a trace that cannot be read) is one
 /// error at start, not a worker restarted for ever behind a 503.
 #[test]
@@ -184,31 +208,101 @@ fn serve_refuses_a_routing_trace_it_cannot_use_before_starting_a_worker() {
     let bad = dir.path().join("zeros.jsonl");
     std::fs::write(&bad, vec![0u8; 100]).unwrap();
     for (device, trace) in [("cpu", "/nonexistent.jsonl"), ("cuda:0", bad.to_str().unwrap())] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-            .args(["serve", "--port", "0", "--device", device, "--routing-trace", trace])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let start = std::time::Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if start.elapsed() > std::time::Duration::from_secs(60) {
-                child.kill().unwrap();
-                panic!("--device {device} --routing-trace {trace}: serve did not exit");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-        assert_eq!(status.code(), Some(1), "{device}: {err}");
+        let (code, err) = serve_exit(&["--port", "0", "--device", device, "--routing-trace", trace]);
+        assert_eq!(code, Some(1), "{device}: {err}");
         assert!(
             err.contains("--routing-trace") || err.contains("--device cuda:0"),
             "{device}: {err}"
         );
     }
+}
+
+/// The expert-profile flags on the CPU: a routing trace read as a profile is accepted and changes no token (the
+/// CPU has no cache to pre-fill); `--expert-policy profile` without a profile, `--save-expert-profile` (nothing
+/// counts lookups on a CPU), a file that is not a profile, a profile of another model and a dense model are each
+/// refused by name, by `generate` and by `serve` before it starts a worker, and the file is left as it was.
+#[test]
+fn expert_profile_flags_are_checked_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let gen_args = [
+        "generate",
+        "--model",
+        "synth:tiny-qwen3moe",
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "4",
+    ];
+    let run = |extra: &[&str]| {
+        let out = strata(
+            &gen_args
+                .iter()
+                .copied()
+                .chain(extra.iter().copied())
+                .collect::<Vec<_>>(),
+        );
+        let (o, e) = text(&out);
+        (out.status.code(), o, e)
+    };
+    let (code, plain, err) = run(&["--dump-routing", &path("r.jsonl")]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = run(&["--expert-profile", &path("r.jsonl")]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(out, plain, "a profile changed the CPU's tokens");
+    std::fs::write(path("notes.txt"), "keep me\n").unwrap();
+    let mut other = strata_engine::experts::profile::ExpertProfile::new(2, 3);
+    other.add(&[1, 2, 3, 4, 5, 6]);
+    other.write(std::path::Path::new(&path("other.json"))).unwrap();
+    let refused: [(Vec<String>, &[&str]); 5] = [
+        (
+            vec!["--expert-policy".into(), "profile".into()],
+            &["--expert-policy profile", "--expert-profile FILE"],
+        ),
+        (
+            vec!["--save-expert-profile".into(), path("notes.txt")],
+            &["--save-expert-profile", "--dump-routing"],
+        ),
+        (
+            vec!["--expert-profile".into(), path("notes.txt")],
+            &["notes.txt", "not an expert profile"],
+        ),
+        (
+            vec!["--expert-profile".into(), path("other.json")],
+            &["other.json", "2 layers x 3 experts", "4 x 16"],
+        ),
+        (
+            vec!["--expert-profile".into(), path("missing.json")],
+            &["missing.json", "cannot read it"],
+        ),
+    ];
+    for (flags, want) in &refused {
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let (code, _, err) = run(&flags);
+        assert_eq!(code, Some(1), "{flags:?}: {err}");
+        assert!(want.iter().all(|w| err.contains(w)), "{flags:?}: {err}");
+        let mut serve = vec!["--port", "0", "--model", "synth:tiny-qwen3moe"];
+        serve.extend(&flags);
+        let (code, err) = serve_exit(&serve);
+        assert_eq!(code, Some(1), "serve {flags:?}: {err}");
+        assert!(want.iter().all(|w| err.contains(w)), "serve {flags:?}: {err}");
+    }
+    let dense = strata(&[
+        "generate",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--expert-profile",
+        &path("r.jsonl"),
+    ]);
+    let (_, err) = text(&dense);
+    assert_eq!(dense.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--expert-profile") && err.contains("no routed experts"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(path("notes.txt")).unwrap(), "keep me\n");
 }
 
 /// `--dump-routing` on the CPU: the trace has a record per (step, MoE layer, token) of every forward step, reads

@@ -1029,6 +1029,49 @@ impl ExpertPool {
             .map_err(CudaError::driver("uploading the CPU's expert rows"))
     }
 
+    /// Fills free slots with the first experts of `ranked` (most used first: an expert profile's ranking) that
+    /// `experts` has (it gives a layer's experts where the store keeps them; `None` for a layer without any), as
+    /// [`SlotCache::prefill`] places them, and uploads them. The uploads are not counted as a request's. Returns
+    /// how many experts were placed.
+    ///
+    /// Errors: an upload failed.
+    pub(super) fn prefill_profile<'m>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        experts: impl Fn(usize) -> Option<Experts<'m>>,
+        ranked: &[ExpertId],
+    ) -> Result<usize, CudaError> {
+        self.sync_log()?;
+        let ranked: Vec<ExpertId> = ranked
+            .iter()
+            .copied()
+            .filter(|id| (id.layer as usize) < self.config.n_layer && experts(id.layer as usize).is_some())
+            .collect();
+        let placed = self.cache.prefill(&ranked);
+        self.cache.take_stats();
+        let decoding = std::mem::replace(&mut self.decoding, true);
+        let uploaded = placed.iter().try_for_each(|&(id, slot)| {
+            let ex = experts(id.layer as usize).expect("filtered above");
+            self.layer = id.layer;
+            self.upload(stream, &ex, id.expert, slot)
+        });
+        self.decoding = decoding;
+        uploaded?;
+        stream
+            .synchronize()
+            .map_err(CudaError::driver("waiting for the profile's uploads"))?;
+        Ok(placed.len())
+    }
+
+    /// Lookups of each expert since the pool was made, `[layer * n_expert + expert]` (the device's last step's
+    /// included): the profile the cache learned.
+    ///
+    /// Errors: as [`ExpertPool::sync_log`].
+    pub(super) fn lookups(&mut self) -> Result<Vec<u64>, CudaError> {
+        self.sync_log()?;
+        Ok(self.cache.uses().to_vec())
+    }
+
     /// The counts so far (the device's last step's lookups included), and zero them.
     ///
     /// Errors: as [`ExpertPool::sync_log`].

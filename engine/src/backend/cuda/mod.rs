@@ -375,6 +375,29 @@ impl CudaBackend {
         self.lock().experts.as_mut().map(|p| Self::check(p.take_stats()))
     }
 
+    /// Pre-fills the expert cache's free slots with the first experts of `ranked` (an expert profile's ranking,
+    /// most used first) and uploads them from `model`'s expert store; returns how many were placed (0 without a
+    /// cache).
+    ///
+    /// Errors: an upload failed.
+    pub fn prefill_expert_cache(
+        &self,
+        model: &crate::model::Model,
+        ranked: &[crate::experts::ExpertId],
+    ) -> Result<usize, CudaError> {
+        let mut s = self.lock();
+        match s.experts.as_mut() {
+            Some(p) => p.prefill_profile(&self.gpu.stream, |il| model.layer_experts(il), ranked),
+            None => Ok(0),
+        }
+    }
+
+    /// The expert cache's lookups of each expert since it was made, `[layer * n_expert + expert]` (`None`
+    /// without a cache).
+    pub fn expert_lookups(&self) -> Option<Vec<u64>> {
+        self.lock().experts.as_mut().map(|p| Self::check(p.lookups()))
+    }
+
     /// Page-locks `bytes` (the expert arena) so uploads from it run at the link's pinned rate and overlap
     /// compute; unlocked when the returned guard drops (drop it before the memory is freed).
     ///
