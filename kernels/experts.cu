@@ -12,14 +12,15 @@
 
 // Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
 // table[layer * n_expert + e] when cached. The misses, in routing order, take the next of the host's free slots
-// (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]) and enter the table; a miss past the last free slot is
-// read into staging slot `staging + j` for this step alone. Every miss joins the fetch list (fetch[0] misses, then
+// (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]), the first `cap` of them (the upload cap per layer and
+// step), and enter the table; any other miss is read into staging slot `staging + j` for this step alone. Every miss joins the fetch list (fetch[0] misses, then
 // (expert, slot) pairs, in routing order) for expert_fetch. Writes slot_ids[j] and the log: log[2 j] = e,
 // log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the outcome is the one
 // a single thread taking the slots in routing order would reach, which is the order the host replays the log in.
 extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
                                          const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
-                                         u32* __restrict__ fetch, u32* __restrict__ log, int staging) {
+                                         u32* __restrict__ fetch, u32* __restrict__ log, int staging,
+                                         int cap) {
     pdl_enter();
     __shared__ u32 missed[64];
     int j = threadIdx.x;
@@ -44,7 +45,7 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
         s = staging + j;
         code = LOOKUP_BAD;
     } else if (miss) {
-        if (taken + before < avail) {
+        if ((int)before < cap && taken + before < avail) {
             s = (int)free_slots[taken + before];
             *t = s;
             code = (u32)s | LOOKUP_ADMITTED;
@@ -59,7 +60,8 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
     log[2 * j] = e;
     log[2 * j + 1] = code;
     if (j == 0) {
-        ctl[1] = taken + total < avail ? taken + total : (taken > avail ? taken : avail);
+        u32 admitted = (int)total < cap ? total : (u32)cap;
+        ctl[1] = taken + admitted < avail ? taken + admitted : (taken > avail ? taken : avail);
         fetch[0] = total;
     }
 }

@@ -1086,6 +1086,7 @@ impl CacheFixture {
         slots: usize,
         policy: strata_engine::experts::cache::Policy,
         device_table: bool,
+        upload_cap: u32,
     ) -> (CudaBackend, Option<strata_engine::backend::cuda::experts::HostPin>) {
         let g = gpu();
         let pin = self.model.experts.arena().map(|a| g.pin_host(a).unwrap());
@@ -1099,6 +1100,7 @@ impl CacheFixture {
             k: self.model.hp.n_expert_used as usize,
             arena: pin.as_ref().and_then(|p| p.mapping()),
             device_table,
+            upload_cap,
         })
         .unwrap();
         (g, pin)
@@ -1148,7 +1150,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         (64, MissPolicy::Auto, Some(even), false),
         (64, MissPolicy::Auto, Some(even), true),
     ] {
-        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table);
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX);
         assert!(pin.is_some(), "the arena is page-locked");
         g.set_miss_plan(MissPlan { policy, cost }).unwrap();
         let got = cache_run(&f.model, &g, &f.tokens);
@@ -1237,16 +1239,18 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
         }
         // The profile the 64-slot LRU run learns pre-fills the last two configurations (`--expert-profile`).
         let mut learned: Option<strata_engine::experts::profile::ExpertProfile> = None;
-        for (slots, policy, prefill) in [
-            (0, Policy::Lru, false),
-            (4, Policy::Lru, false),
-            (64, Policy::Lru, false),
-            (64, Policy::Lfru, false),
-            (127, Policy::Lru, false),
-            (64, Policy::Lru, true),
-            (64, Policy::Profile, true),
+        // The last configuration admits at most one miss per layer and decode step (`--upload-cap 1`).
+        for (slots, policy, prefill, cap) in [
+            (0, Policy::Lru, false, u32::MAX),
+            (4, Policy::Lru, false, u32::MAX),
+            (64, Policy::Lru, false, u32::MAX),
+            (64, Policy::Lfru, false, u32::MAX),
+            (127, Policy::Lru, false, u32::MAX),
+            (64, Policy::Lru, true, u32::MAX),
+            (64, Policy::Profile, true, u32::MAX),
+            (4, Policy::Lru, false, 1),
         ] {
-            let (g, pin) = f.cached_gpu(slots, policy, device_table);
+            let (g, pin) = f.cached_gpu(slots, policy, device_table, cap);
             if prefill {
                 let ranked = learned.as_ref().expect("learned by the 64-slot run").ranked();
                 assert_eq!(
@@ -1256,7 +1260,7 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             }
             let got = cache_run(&f.model, &g, &f.tokens);
             let st = g.expert_cache_stats().unwrap();
-            if (slots, policy, prefill) == (64, Policy::Lru, false) {
+            if (slots, policy, prefill, cap) == (64, Policy::Lru, false, u32::MAX) {
                 let mut p =
                     strata_engine::experts::profile::ExpertProfile::new(f.model.hp.n_layer, f.model.hp.n_expert);
                 p.add(&g.expert_lookups().unwrap());
@@ -1273,10 +1277,10 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
                 (true, false) => "arena, page-locked, table on the host",
                 (true, true) => "arena, page-locked, table on the device",
             };
-            let prefilled = if prefill {
-                ", pre-filled from the learned profile"
-            } else {
-                ""
+            let prefilled = match (prefill, cap) {
+                (true, _) => ", pre-filled from the learned profile".to_string(),
+                (_, u32::MAX) => String::new(),
+                (_, c) => format!(", upload cap {c}"),
             };
             println!(
                 "expert cache {slots} slots {policy}{prefilled} ({store}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; {captured} graphs captured, {replays} replays; first differing logit {first_diff:?}",
@@ -1302,6 +1306,17 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             }
             if slots == 4 {
                 assert!(st.decode.cache.evictions > 0, "one slot per layer must evict");
+            }
+            if cap == 1 {
+                // A decode layer-step looks up at least k experts and admits at most one (without the cap, 4 slots
+                // evict on nearly every one: 445 evictions in 450 lookups).
+                let k = f.model.hp.n_expert_used as u64;
+                assert!(
+                    st.decode.cache.admitted <= st.decode.cache.lookups / k,
+                    "upload cap 1: {} admitted in {} lookups",
+                    st.decode.cache.admitted,
+                    st.decode.cache.lookups
+                );
             }
             if policy == Policy::Profile {
                 assert_eq!(

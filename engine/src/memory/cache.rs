@@ -92,6 +92,15 @@ fn parse_budget(s: &str) -> Result<u64, String> {
     parse_size("--vram-budget", s)
 }
 
+fn parse_upload_cap(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(n) if n <= 1 << 20 => Ok(n),
+        _ => Err(format!(
+            "--upload-cap takes a count of experts from 0 to 1048576, not `{s}`"
+        )),
+    }
+}
+
 fn parse_policy(s: &str) -> Result<Policy, String> {
     match s {
         "lru" => Ok(Policy::Lru),
@@ -126,6 +135,11 @@ pub struct ExpertFlags {
     /// the cache).
     #[arg(long, default_value = "lru", value_parser = parse_policy)]
     pub expert_policy: Policy,
+    /// At most this many misses of a MoE layer in a decode step take a slot of a GPU's expert cache (evicting
+    /// another expert); the rest are read for that step alone or computed by the CPU. Keeps a burst of one-off
+    /// experts from flushing the cache. Default: no cap.
+    #[arg(long, value_parser = parse_upload_cap)]
+    pub upload_cap: Option<u32>,
     /// Pre-fill a GPU's expert cache at start with the experts this profile looked up most, as many as there are
     /// slots: a --save-expert-profile file, or a routing trace (--dump-routing).
     #[arg(long)]
@@ -155,6 +169,7 @@ impl Default for ExpertFlags {
             vram_budget: None,
             mmap_experts: false,
             expert_policy: Policy::Lru,
+            upload_cap: None,
             expert_profile: None,
             save_expert_profile: None,
             routing_trace: None,
@@ -184,6 +199,9 @@ impl ExpertFlags {
         }
         if let Some(t) = &self.routing_trace {
             a.extend(["--routing-trace".into(), t.display().to_string()]);
+        }
+        if let Some(c) = self.upload_cap {
+            a.extend(["--upload-cap".into(), c.to_string()]);
         }
         if let Some(p) = &self.expert_profile {
             a.extend(["--expert-profile".into(), p.display().to_string()]);
@@ -391,6 +409,8 @@ mod tests {
             "p.json",
             "--save-expert-profile",
             "q.json",
+            "--upload-cap",
+            "2",
         ])
         .e;
         assert_eq!(f.miss_policy, MissPolicy::Cpu);
@@ -398,6 +418,7 @@ mod tests {
         assert_eq!(f.reserve_bytes(), 512 << 20);
         assert!(f.mmap_experts && f.expert_policy == Policy::Lfru);
         assert_eq!(f.save_expert_profile.as_deref(), Some(std::path::Path::new("q.json")));
+        assert_eq!(f.upload_cap, Some(2));
         let back = P::parse_from(std::iter::once("x".to_string()).chain(f.to_args())).e;
         assert_eq!(back, f);
         for (flag, v) in [
@@ -407,6 +428,8 @@ mod tests {
             ("--vram-reserve-mib", "x"),
             ("--vram-budget", "0"),
             ("--expert-policy", "fifo"),
+            ("--upload-cap", "-1"),
+            ("--upload-cap", "lots"),
             ("--miss-policy", "gpu"),
         ] {
             let e = P::try_parse_from(["x".to_string(), format!("{flag}={v}")])

@@ -551,15 +551,19 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 k: model.hp.n_expert_used as usize,
                 arena: pinned.as_ref().and_then(HostPin::mapping),
                 device_table: crate::switches::flag(crate::switches::DEVICE_SLOT_TABLE, true),
+                upload_cap: ef.upload_cap.unwrap_or(u32::MAX),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
         eprintln!(
-            "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction)",
+            "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction{})",
             g.all(),
             100.0 * slots as f64 / g.all().max(1) as f64,
             bytes as f64 / GIB,
             human_bytes(slot_bytes),
-            ef.expert_policy
+            ef.expert_policy,
+            ef.upload_cap
+                .map(|c| format!(", at most {c} admitted per layer and decode step"))
+                .unwrap_or_default()
         );
     }
     c.preload(&model.dense_weight_bytes())

@@ -57,6 +57,9 @@ pub struct ExpertCacheConfig {
     /// Whether such steps may use the device's table (`STRATA_DEVICE_SLOT_TABLE`; off: every decode step decides
     /// on the host, layer by layer).
     pub device_table: bool,
+    /// At most this many misses of a MoE layer in a decode step take a cache slot (`--upload-cap`); the others
+    /// are staged for that step alone, or computed by the CPU. `u32::MAX`: no cap.
+    pub upload_cap: u32,
 }
 
 /// What the cache did in one phase: the slot cache's counts, and the bytes uploaded (admitted and staged
@@ -584,6 +587,7 @@ impl ExpertPool {
                 Arg::P(t.fetch.ptr),
                 Arg::P(t.log.ptr + (ex.layer * k * 2 * 4) as u64),
                 Arg::I(self.config.slots as i32),
+                Arg::I(self.config.upload_cap.min(i32::MAX as u32) as i32),
             ],
         )?;
         // Per matrix (bit m): 16-byte words when its size, source and slot offset all allow them.
@@ -624,6 +628,8 @@ pub struct ExpertPool {
     placed: Vec<u32>,
     /// Staging slots taken in this layer-step (or group of a prefill step).
     staged: usize,
+    /// Misses given a cache slot in this layer-step (decode: at most [`ExpertCacheConfig::upload_cap`]).
+    admitted: u32,
     layer: u32,
     stats: ExpertCacheStats,
     /// Prefill uploads run here.
@@ -691,6 +697,7 @@ impl ExpertPool {
             slot_of: vec![UNSET; config.n_expert],
             placed: Vec::new(),
             staged: 0,
+            admitted: 0,
             layer: 0,
             stats: ExpertCacheStats::default(),
             miss: MissPlan::default(),
@@ -766,6 +773,7 @@ impl ExpertPool {
         }
         self.placed.clear();
         self.staged = 0;
+        self.admitted = 0;
         self.layer = ex.layer as u32;
         self.decoding = decode;
         self.half = 0;
@@ -868,6 +876,7 @@ impl ExpertPool {
         let slot = match access {
             Access::Hit { slot } => slot,
             Access::Admitted { slot, .. } => {
+                self.admitted += 1;
                 self.upload(stream, ex, e, slot)?;
                 slot
             }
@@ -897,9 +906,12 @@ impl ExpertPool {
         Ok(Some(slot))
     }
 
-    /// Whether a miss now may take a cache slot: a free one always; at decode, the policy's victim unless this
-    /// layer-step uses it.
+    /// Whether a miss now may take a cache slot: a free one always (at decode, below the upload cap); at decode,
+    /// the policy's victim unless this layer-step uses it.
     fn can_admit(&self) -> bool {
+        if self.decoding && self.admitted >= self.config.upload_cap {
+            return false;
+        }
         if self.cache.has_free_slot() {
             return true;
         }
