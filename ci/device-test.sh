@@ -11,7 +11,9 @@
 #                  run's trace and text must equal the resident one's; the CPU's beside them
 #     bench-small  `strata bench --device cuda:0` on a SmolLM2-135M-shaped model (llama, Q4_1, Q8_0 embedding)
 #     bench-30b    the same on a Qwen3-30B-A3B-shaped qwen3moe (Q4_K, Q6_K output), generated here (about 17 GB)
-#     harness      `strata-harness run scenarios/h200.yaml` (carry/strata-harness), its report folder as one .tgz
+#     harness      `strata-harness run SCENARIO $HARNESS_FLAGS` for each of $HARNESS_SCENARIOS (default
+#                  scenarios/h200.yaml; scenarios/offload-h200.yaml is the expert-cache matrix) with
+#                  carry/strata-harness, the report folders as one .tgz
 #     decode-30b   decode of the 30B shape at cache depths 0, 1024 and 8192 (`strata bench --depth`), with
 #                  programmatic dependent launch on (the default) and off (STRATA_PDL=0)
 #     ablate-30b   decode (tg128) of the 30B shape with each small kernel left out in turn (STRATA_SKIP_KERNELS):
@@ -218,10 +220,13 @@ regs)
 harness)
   export STRATA_MODELS_DIR=$WORK/models
   HARNESS=${STRATA_HARNESS_BIN:-carry/strata-harness}
-  "$HARNESS" run scenarios/h200.yaml --strata "$BIN" --out "$WORK/reports" > "$OUT/harness-h200.txt" 2>&1
-  rc=$?
-  row "strata-harness run scenarios/h200.yaml" "rc=$rc $(grep -E 'PASS|FAIL' "$OUT/harness-h200.txt" | tail -1)"
-  (cd "$WORK/reports" && tar czf "$OUT/h200-report.tgz" .)
+  for sc in ${HARNESS_SCENARIOS:-scenarios/h200.yaml}; do
+    n=$(basename "$sc" .yaml)
+    "$HARNESS" run "$sc" ${HARNESS_FLAGS:-} --strata "$BIN" --out "$WORK/reports" > "$OUT/harness-$n.txt" 2>&1
+    rc=$?
+    row "strata-harness run $sc ${HARNESS_FLAGS:-}" "rc=$rc $(grep -E 'PASS|FAIL' "$OUT/harness-$n.txt" | tail -1 | cut -c1-90)"
+  done
+  (cd "$WORK/reports" && tar czf "$OUT/harness-reports.tgz" .)
   ;;
 *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

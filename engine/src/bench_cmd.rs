@@ -380,6 +380,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     } else {
         print!("{}", markdown(&report));
     }
+    engine.check_routing_dump()?;
     Ok(())
 }
 

@@ -207,6 +207,12 @@ fn synth_cmd(a: SynthTraceArgs) -> Result<()> {
             r.reuse_2_to_8
         );
     }
+    if std::fs::symlink_metadata(&a.out).is_ok_and(|m| m.len() > 0 || !m.is_file()) && !Trace::is_trace_file(&a.out) {
+        bail!(
+            "--out {}: the file is there and is not a routing trace; it is left as it is (give a new file, or remove it)",
+            a.out.display()
+        );
+    }
     let trace = synth_trace(a.layers, a.experts, a.k, a.tokens, r, a.seed);
     trace.write(&a.out)?;
     let l = trace.locality();

@@ -89,6 +89,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     stream_to_stdout("\n");
     print_summary(&stats);
     l.emit_expert_cache(None);
+    l.check_routing_dump()?;
     Ok(())
 }
 
@@ -137,5 +138,6 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
         l.emit_expert_cache(None);
         messages.push(ChatMessage::new("assistant", answer));
     }
+    l.check_routing_dump()?;
     Ok(())
 }

@@ -223,6 +223,7 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         verdict: Verdict::default(),
         arms,
     };
+    runner::check_same_outputs(&s, &mut report.arms, opts.only_arms.is_empty());
     report.settle_verdict();
     let plots = plot::write_all(&folder, &report).unwrap_or_else(|e| {
         eprintln!("strata-harness: plots not drawn: {e:#}");

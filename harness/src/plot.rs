@@ -71,25 +71,45 @@ fn rate_series(r: &Report) -> Vec<(String, Vec<(f64, f64)>)> {
     out
 }
 
+/// A chart on `area` with the report's look: a caption, labelled axes over `x` and `y`.
+fn frame<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, Shift>,
+    caption: String,
+    x: std::ops::Range<f64>,
+    y: std::ops::Range<f64>,
+    (x_desc, y_desc): (&str, &str),
+) -> Result<
+    ChartContext<'a, DB, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>,
+> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x, y)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok(chart)
+}
+
 fn draw_rates<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> Result<()> {
     let series = rate_series(r);
     area.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let xmax = series.iter().flat_map(|s| s.1.iter().map(|p| p.0)).fold(1.0, f64::max);
     let ymax = series.iter().flat_map(|s| s.1.iter().map(|p| p.1)).fold(1.0, f64::max);
-    let mut chart = ChartBuilder::on(area)
-        .caption(format!("{}: tok/s vs prompt tokens", r.scenario), ("sans-serif", 20))
-        .margin(10)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0.0..xmax * 1.05, 0.0..ymax * 1.15)
-        .map_err(|e| anyhow!("{e}"))?;
-    chart
-        .configure_mesh()
-        .x_desc("prompt tokens")
-        .y_desc("tok/s (median)")
-        .label_style(("sans-serif", 14))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    let mut chart = frame(
+        area,
+        format!("{}: tok/s vs prompt tokens", r.scenario),
+        0.0..xmax * 1.05,
+        0.0..ymax * 1.15,
+        ("prompt tokens", "tok/s (median)"),
+    )?;
     for (i, (name, pts)) in series.iter().enumerate() {
         let c = COLORS[i % COLORS.len()];
         chart
@@ -124,23 +144,13 @@ fn draw_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) ->
         .iter()
         .flat_map(|a| a.memory.iter().map(|m| mib(m.worker_rss_bytes + m.serve_rss_bytes)))
         .fold(1.0, f64::max);
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            format!("{}: memory (RSS, MiB) over time", r.scenario),
-            ("sans-serif", 20),
-        )
-        .margin(10)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0.0..tmax * 1.02, 0.0..ymax * 1.2)
-        .map_err(|e| anyhow!("{e}"))?;
-    chart
-        .configure_mesh()
-        .x_desc("seconds since start")
-        .y_desc("MiB")
-        .label_style(("sans-serif", 14))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    let mut chart = frame(
+        area,
+        format!("{}: memory (RSS, MiB) over time", r.scenario),
+        0.0..tmax * 1.02,
+        0.0..ymax * 1.2,
+        ("seconds since start", "MiB"),
+    )?;
     for (i, a) in r.arms.iter().enumerate() {
         let c = COLORS[i % COLORS.len()];
         let pts: Vec<(f64, f64)> = a
@@ -180,6 +190,67 @@ fn draw_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) ->
     Ok(())
 }
 
+/// Series of (seconds since the run started, decode hit rate in %) per arm: one point per `expert_cache` event
+/// of phase `decode` (one a request), placed by the worker's timestamp on the run's clock.
+fn hit_rate_series(r: &Report) -> Vec<(String, Vec<(f64, f64)>)> {
+    let mut out = Vec::new();
+    for a in &r.arms {
+        // The run's clock against the wall clock, from any request that has both.
+        let Some(offset) = a
+            .rows
+            .iter()
+            .flat_map(|row| &row.samples)
+            .find(|s| s.t_start_unix_ms > 0)
+            .map(|s| s.t_start_unix_ms as i64 - s.t_start_ms as i64)
+        else {
+            continue;
+        };
+        let pts: Vec<(f64, f64)> = a
+            .raw_events
+            .iter()
+            .filter(|e| e["event"] == "expert_cache" && e["phase"] == "decode")
+            .filter_map(|e| {
+                let (ts, l, h) = (e["ts_ms"].as_i64()?, e["lookups"].as_f64()?, e["hits"].as_f64()?);
+                (l > 0.0).then(|| ((ts - offset) as f64 / 1e3, h / l * 100.0))
+            })
+            .collect();
+        if !pts.is_empty() {
+            out.push((a.name.clone(), pts));
+        }
+    }
+    out
+}
+
+fn draw_hit_rate<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> Result<()> {
+    let series = hit_rate_series(r);
+    area.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let tmax = series.iter().flat_map(|s| s.1.iter().map(|p| p.0)).fold(1.0, f64::max);
+    let mut chart = frame(
+        area,
+        format!("{}: decode expert cache hit rate per request", r.scenario),
+        0.0..tmax * 1.02,
+        0.0..105.0,
+        ("seconds since start", "hit rate, %"),
+    )?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(name.clone())
+            .legend(move |(x, y)| Circle::new((x + 10, y), 4, c.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 11))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
 /// Draws every plot of `r` into `dir`; returns the PNG file names.
 ///
 /// Errors: a file cannot be written.
@@ -199,5 +270,53 @@ pub fn write_all(dir: &Path, r: &Report) -> Result<Vec<String>> {
         })?;
         out.push("memory_timeline.png".to_string());
     }
+    if !hit_rate_series(r).is_empty() {
+        both(dir, "hit_rate_over_time", |s, p| {
+            draw_hit_rate(s, r)?;
+            draw_hit_rate(p, r)
+        })?;
+        out.push("hit_rate_over_time.png".to_string());
+    }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{ArmReport, CaseRow, Sample};
+
+    /// The hit-rate plot is drawn from the decode `expert_cache` events on the run's clock, and only when some
+    /// arm has them.
+    #[test]
+    fn hit_rate_points_come_from_decode_events_on_the_runs_clock() {
+        let mut r = Report::empty("t");
+        let sample = Sample {
+            status: 200,
+            t_start_ms: 500,
+            t_start_unix_ms: 10_500,
+            ..Sample::default()
+        };
+        let ev = |ts: u64, phase: &str, l: u64, h: u64| serde_json::json!({"event": "expert_cache", "ts_ms": ts, "phase": phase, "lookups": l, "hits": h});
+        r.arms.push(ArmReport {
+            name: "cache=small".into(),
+            rows: vec![CaseRow {
+                samples: vec![sample],
+                ..CaseRow::default()
+            }],
+            raw_events: vec![
+                ev(12_000, "decode", 200, 150),
+                ev(12_000, "prefill", 10, 1),
+                ev(13_000, "decode", 0, 0),
+            ],
+            ..ArmReport::default()
+        });
+        let s = hit_rate_series(&r);
+        assert_eq!(s, vec![("cache=small".to_string(), vec![(2.0, 75.0)])]);
+        let dir = tempfile::tempdir().unwrap();
+        let files = write_all(dir.path(), &r).unwrap();
+        assert!(files.contains(&"hit_rate_over_time.png".to_string()), "{files:?}");
+        assert!(dir.path().join("hit_rate_over_time.svg").is_file());
+        r.arms[0].raw_events.clear();
+        assert!(hit_rate_series(&r).is_empty());
+    }
 }

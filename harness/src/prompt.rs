@@ -29,6 +29,12 @@ pub struct PromptBuilder {
 }
 
 impl PromptBuilder {
+    /// Starts the prefixes again from the first, so that every matrix combination is sent the same prompts
+    /// (each against its own server, so no cell of one combination's prompts is reused by another's).
+    pub fn restart(&mut self) {
+        self.next_prefix = 0;
+    }
+
     /// Reads the tokenizer of the model at `path`.
     ///
     /// Errors: the file is not a GGUF model with a tokenizer; the vocabulary has too few plain words.

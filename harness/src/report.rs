@@ -133,8 +133,72 @@ pub struct Sample {
     pub error: String,
     pub t_start_ms: u64,
     pub t_end_ms: u64,
+    /// Start and end of the request on the wall clock, ms since the Unix epoch: the clock the worker stamps its
+    /// events with (`ts_ms`), so the events of this request are those between the two (0 in older reports).
+    #[serde(default)]
+    pub t_start_unix_ms: u64,
+    #[serde(default)]
+    pub t_end_unix_ms: u64,
     /// Worker resident set peak during the request, bytes.
     pub peak_worker_rss_bytes: u64,
+    /// What the VRAM expert cache did for this request, by phase (`prefill`, `decode`), summed from its
+    /// `expert_cache` events; empty when it sent none (every expert resident, a dense model, the CPU).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub expert_cache: BTreeMap<String, CacheCounts>,
+}
+
+/// Counts of the VRAM expert cache over one phase of one or more requests, from the worker's `expert_cache`
+/// events (DESIGN.md section 3, "Expert cache"; `strata_engine::events::ExpertCache`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheCounts {
+    /// Lookups of (layer, expert) by the layers' steps.
+    pub lookups: u64,
+    pub hits: u64,
+    /// Bytes copied from host memory to the device.
+    pub bytes_uploaded: u64,
+    /// Misses the CPU computed instead.
+    pub cpu_computed: u64,
+}
+
+impl CacheCounts {
+    /// Adds one `expert_cache` event's counts (missing fields count 0).
+    pub fn add_event(&mut self, e: &serde_json::Value) {
+        let n = |k: &str| e[k].as_u64().unwrap_or(0);
+        self.lookups += n("lookups");
+        self.hits += n("hits");
+        self.bytes_uploaded += n("bytes_uploaded");
+        self.cpu_computed += n("cpu_computed");
+    }
+
+    /// The sum of two counts.
+    pub fn plus(self, o: CacheCounts) -> CacheCounts {
+        CacheCounts {
+            lookups: self.lookups + o.lookups,
+            hits: self.hits + o.hits,
+            bytes_uploaded: self.bytes_uploaded + o.bytes_uploaded,
+            cpu_computed: self.cpu_computed + o.cpu_computed,
+        }
+    }
+
+    /// Hits over lookups, in 0..=1 (`None` without lookups).
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.lookups > 0).then(|| self.hits as f64 / self.lookups as f64)
+    }
+}
+
+impl CaseRow {
+    /// The expert cache's counts of `phase` over the row's repetitions (`None` when no request had any).
+    pub fn cache(&self, phase: &str) -> Option<CacheCounts> {
+        self.samples
+            .iter()
+            .filter_map(|s| s.expert_cache.get(phase).copied())
+            .reduce(CacheCounts::plus)
+    }
+
+    /// Tokens generated over the row's repetitions.
+    pub fn generated(&self) -> usize {
+        self.samples.iter().filter_map(|s| s.generated).sum()
+    }
 }
 
 /// Median, min and max over repetitions.
@@ -413,6 +477,40 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
                 events.join(", ")
             }
         );
+        if a.rows
+            .iter()
+            .any(|r| r.cache("decode").is_some() || r.cache("prefill").is_some())
+        {
+            let _ = writeln!(
+                m,
+                "\nExpert cache, over the repetitions (from the worker's `expert_cache` events):\n\n\
+                 | case | tokens asked | decode hit rate | decode lookups | decode MB uploaded / token | decode misses on the CPU / token | prefill hit rate | prefill MB uploaded |\n\
+                 |---|---:|---:|---:|---:|---:|---:|---:|"
+            );
+            let pct = |c: Option<CacheCounts>| {
+                c.and_then(|c| c.hit_rate())
+                    .map_or("–".to_string(), |h| format!("{:.1}%", h * 100.0))
+            };
+            for row in &a.rows {
+                let (d, p) = (row.cache("decode"), row.cache("prefill"));
+                let per_tok = |x: Option<f64>| match (x, row.generated()) {
+                    (Some(x), n) if n > 0 => format!("{:.1}", x / n as f64),
+                    _ => "–".into(),
+                };
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                    row.case,
+                    row.tokens_requested.map_or("–".into(), |n| n.to_string()),
+                    pct(d),
+                    d.map_or("–".into(), |d| d.lookups.to_string()),
+                    per_tok(d.map(|d| d.bytes_uploaded as f64 / 1e6)),
+                    per_tok(d.map(|d| d.cpu_computed as f64)),
+                    pct(p),
+                    p.map_or("–".into(), |p| format!("{:.1}", p.bytes_uploaded as f64 / 1e6)),
+                );
+            }
+        }
         for c in &a.event_checks {
             let _ = writeln!(
                 m,

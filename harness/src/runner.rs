@@ -39,7 +39,8 @@ impl Combo {
     }
 }
 
-/// The Cartesian product of the matrix's axes (sorted by axis name; arms in file order).
+/// The Cartesian product of the matrix's axes (sorted by axis name; arms in file order), less the combinations
+/// `exclude` names.
 pub fn combos(s: &Scenario) -> Vec<Combo> {
     let mut out = vec![Combo {
         name: String::new(),
@@ -59,6 +60,7 @@ pub fn combos(s: &Scenario) -> Vec<Combo> {
             })
             .collect();
     }
+    out.retain(|c| !excluded(s, &c.arm_names()));
     for c in &mut out {
         c.name = if c.arms.is_empty() {
             "default".into()
@@ -168,6 +170,7 @@ impl ArmRun<'_> {
         let restarts_before = self.server.restarts().unwrap_or(0);
         let mut sample = Sample {
             t_start_ms: self.epoch.elapsed().as_millis() as u64,
+            t_start_unix_ms: unix_ms(),
             ..Sample::default()
         };
         let (path, body, counted) = if let Some(n) = tokens.or(prompt.tokens) {
@@ -199,6 +202,7 @@ impl ArmRun<'_> {
         };
         let answer = self.server.post(path, &body);
         sample.t_end_ms = self.epoch.elapsed().as_millis() as u64;
+        sample.t_end_unix_ms = unix_ms();
         match answer {
             Ok(a) => {
                 sample.status = a.status;
@@ -393,6 +397,18 @@ pub fn check_row(row: &CaseRow, e: &Expect, tokenizer: Option<&strata_engine::to
     };
     rate("prefill rate", e.min_prefill_tok_s, &row.prefill_tok_s, &mut out);
     rate("decode rate", e.min_decode_tok_s, &row.decode_tok_s, &mut out);
+    if let Some(min) = e.min_decode_hit_rate {
+        let got = row.cache("decode");
+        out.push(Check {
+            what: "decode expert cache hit rate".into(),
+            expected: format!(">= {:.1}%", min * 100.0),
+            got: match got.and_then(|c| c.hit_rate().map(|h| (c, h))) {
+                Some((c, h)) => format!("{:.1}% ({} hits / {} lookups)", h * 100.0, c.hits, c.lookups),
+                None => "no decode `expert_cache` events (every expert resident?)".into(),
+            },
+            passed: got.and_then(|c| c.hit_rate()).is_some_and(|h| h >= min),
+        });
+    }
     if let Some(max) = e.max_rss_mib {
         let peak = row.samples.iter().map(|s| s.peak_worker_rss_bytes).max().unwrap_or(0) as f64 / 1048576.0;
         out.push(Check {
@@ -447,6 +463,7 @@ pub fn run_combo(
 ) -> Result<ArmReport> {
     let logs = settings.out_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
+    prompts.restart();
     let slug = combo.slug();
     let log_path = logs.join(format!("{slug}.log"));
     let events_path = logs.join(format!("{slug}.events.jsonl"));
@@ -554,6 +571,7 @@ pub fn run_combo(
     arm.raw_events = read_events(&events_path);
     arm.events = count_events(&arm.raw_events);
     result?;
+    attribute_cache_events(&mut arm);
     // Per-request RSS peaks, then the checks.
     for row in &mut arm.rows {
         for smp in &mut row.samples {
@@ -566,16 +584,9 @@ pub fn run_combo(
                 .unwrap_or(0);
         }
     }
-    let by_name: BTreeMap<&str, &Case> = s.cases.iter().map(|c| (c.name.as_str(), c)).collect();
     let tok = prompts.tokenizer();
     for row in &mut arm.rows {
-        let c = by_name[row.case.as_str()];
-        let mut e = s.expect.merged(&c.expect);
-        for a in &combo.arms {
-            if let Some(o) = c.arms.get(&a.name) {
-                e = e.merged(o);
-            }
-        }
+        let e = row_expect(s, &arm.arm_names, &row.case);
         row.checks = check_row(row, &e, Some(tok));
     }
     for a in &combo.arms {
@@ -590,6 +601,149 @@ pub fn run_combo(
         }
     }
     Ok(arm)
+}
+
+/// Milliseconds since the Unix epoch, the clock of the worker's events.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The expectation of case `case` in the combination of arms `arm_names`: the scenario's, the case's, then each
+/// arm's override in axis order.
+fn row_expect(s: &Scenario, arm_names: &[String], case: &str) -> Expect {
+    let Some(c) = s.cases.iter().find(|c| c.name == case) else {
+        return s.expect.clone();
+    };
+    let mut e = s.expect.merged(&c.expect);
+    for a in arm_names {
+        if let Some(o) = c.arms.get(a) {
+            e = e.merged(o);
+        }
+    }
+    e
+}
+
+/// Gives each request the `expert_cache` events its worker stamped while the request ran (the harness sends one
+/// request at a time, so the window is the request's), summed by phase.
+pub fn attribute_cache_events(arm: &mut ArmReport) {
+    let cache: Vec<&Value> = arm.raw_events.iter().filter(|e| e["event"] == "expert_cache").collect();
+    for smp in arm.rows.iter_mut().flat_map(|r| r.samples.iter_mut()) {
+        smp.expert_cache.clear();
+        for e in &cache {
+            let ts = e["ts_ms"].as_u64().unwrap_or(0);
+            if ts >= smp.t_start_unix_ms && ts <= smp.t_end_unix_ms {
+                let phase = e["phase"].as_str().unwrap_or("unknown").to_string();
+                smp.expert_cache.entry(phase).or_default().add_event(e);
+            }
+        }
+    }
+}
+
+/// The `same_output_as` checks, which compare combinations with each other, so they run after every
+/// combination: each row whose expectation names an arm X is compared, request by request, with the same case's
+/// row in the combination that has X in place of this one's arm on X's axis. `ran_all` is false when some
+/// combinations were left out on purpose (`--arm`): a row whose reference was left out that way is not judged.
+/// A reference excluded by the scenario, or whose server did not start, fails the check.
+pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
+    let axes: Vec<&String> = s.matrix.keys().collect();
+    let mut found: Vec<(usize, usize, Check)> = Vec::new();
+    for (ai, a) in arms.iter().enumerate() {
+        for (ri, row) in a.rows.iter().enumerate() {
+            let Some(x) = row_expect(s, &a.arm_names, &row.case).same_output_as else {
+                continue;
+            };
+            if row.kind == "probe" || a.arm_names.contains(&x) {
+                continue;
+            }
+            let Some(pos) = s.axis_of(&x).and_then(|ax| axes.iter().position(|a| *a == ax)) else {
+                continue;
+            };
+            let mut want = a.arm_names.clone();
+            if pos >= want.len() {
+                continue;
+            }
+            want[pos] = x.clone();
+            let label = |names: &[String]| {
+                let w: Vec<String> = axes.iter().zip(names).map(|(ax, n)| format!("{ax}={n}")).collect();
+                w.join(",")
+            };
+            let what = format!("output equals arm `{x}`'s ({})", label(&want));
+            // The combination with X in place of this one's arm; when the scenario excludes it, the one
+            // combination that has X (X's arm runs once, as an all-resident reference usually does).
+            let with_x: Vec<&ArmReport> = arms.iter().filter(|b| b.arm_names.contains(&x)).collect();
+            let reference = arms
+                .iter()
+                .find(|b| b.arm_names == want)
+                .or_else(|| (excluded(s, &want) && with_x.len() == 1).then(|| with_x[0]));
+            let what = match reference {
+                Some(b) if b.arm_names != want => format!("output equals arm `{x}`'s ({})", label(&b.arm_names)),
+                _ => what,
+            };
+            let fail = |got: String| Check {
+                what: what.clone(),
+                expected: "the same text".into(),
+                got,
+                passed: false,
+            };
+            let check = match reference {
+                None if !ran_all => continue,
+                None if excluded(s, &want) => fail(format!(
+                    "that combination is excluded, and {} others have arm `{x}`: name one by excluding the rest",
+                    with_x.len()
+                )),
+                None => fail("that combination was not run".into()),
+                Some(b) if b.error.is_some() => fail("that combination's engine did not start".into()),
+                Some(b) => match b
+                    .rows
+                    .iter()
+                    .find(|r| r.case == row.case && r.kind == row.kind && r.tokens_requested == row.tokens_requested)
+                    .and_then(|r| r.samples.iter().find(|s| s.status == 200))
+                {
+                    None => fail("that combination has no answered request for this row".into()),
+                    Some(refs) => {
+                        let short = |t: &str| format!("{:?}", t.chars().take(80).collect::<String>());
+                        let bad = row
+                            .samples
+                            .iter()
+                            .find(|smp| smp.status != 200 || smp.output != refs.output);
+                        Check {
+                            what: what.clone(),
+                            expected: short(&refs.output),
+                            got: match bad {
+                                None => "the same text".into(),
+                                Some(smp) if smp.status != 200 => format!("status {}", smp.status),
+                                Some(smp) => {
+                                    let at = smp
+                                        .output
+                                        .chars()
+                                        .zip(refs.output.chars())
+                                        .take_while(|(p, q)| p == q)
+                                        .count();
+                                    format!("differs from character {at}: {}", short(&smp.output))
+                                }
+                            },
+                            passed: bad.is_none(),
+                        }
+                    }
+                },
+            };
+            found.push((ai, ri, check));
+        }
+    }
+    for (ai, ri, c) in found {
+        arms[ai].rows[ri].checks.push(c);
+    }
+}
+
+/// Whether the scenario's `exclude` drops the combination of arms `names` (in axis order).
+fn excluded(s: &Scenario, names: &[String]) -> bool {
+    let axes: Vec<&String> = s.matrix.keys().collect();
+    s.exclude.iter().any(|ex| {
+        ex.iter()
+            .all(|(axis, arm)| axes.iter().zip(names).any(|(x, n)| *x == axis && n == arm))
+    })
 }
 
 /// The scenario's model as a local path (fetching the default model on first use).
@@ -639,6 +793,157 @@ mod tests {
             names,
             ["fb=on,kv=f16", "fb=on,kv=int8", "fb=off,kv=f16", "fb=off,kv=int8"]
         );
+    }
+
+    const OFFLOAD: &str = "name: t\nmatrix:\n  cache: [{name: resident}, {name: small}]\n  store: [{name: arena}, {name: mmap}]\nexclude:\n  - {cache: resident, store: mmap}\ncases:\n  - name: a\n    prompt: {text: x}\n    expect: {same_output_as: resident}\n";
+
+    #[test]
+    fn excluded_combinations_are_not_run() {
+        let s = crate::scenario::parse("t", OFFLOAD).unwrap();
+        let names: Vec<String> = combos(&s).into_iter().map(|c| c.name).collect();
+        assert_eq!(
+            names,
+            [
+                "cache=resident,store=arena",
+                "cache=small,store=arena",
+                "cache=small,store=mmap"
+            ]
+        );
+    }
+
+    fn answered(output: &str) -> Sample {
+        Sample {
+            status: 200,
+            output: output.into(),
+            ..Sample::default()
+        }
+    }
+
+    fn arm(names: &[&str], outputs: &[&str]) -> ArmReport {
+        ArmReport {
+            name: names.join(","),
+            arm_names: names.iter().map(|n| n.to_string()).collect(),
+            rows: vec![CaseRow {
+                case: "a".into(),
+                kind: "prompt".into(),
+                samples: outputs.iter().map(|o| answered(o)).collect(),
+                ..CaseRow::default()
+            }],
+            ..ArmReport::default()
+        }
+    }
+
+    #[test]
+    fn outputs_are_compared_with_the_named_arm_on_its_axis() {
+        let s = crate::scenario::parse("t", OFFLOAD).unwrap();
+        let mut arms = vec![
+            arm(&["resident", "arena"], &["Paris is"]),
+            arm(&["small", "arena"], &["Paris is", "Paris is"]),
+            arm(&["small", "mmap"], &["Paris is", "Paris was"]),
+        ];
+        check_same_outputs(&s, &mut arms, true);
+        // The resident arm is not checked against itself.
+        assert!(arms[0].rows[0].checks.is_empty());
+        let c = &arms[1].rows[0].checks;
+        assert_eq!(c.len(), 1);
+        assert!(c[0].passed && c[0].what.contains("cache=resident,store=arena"), "{c:?}");
+        // small+mmap: resident+mmap is excluded, so the one combination with `resident` is the reference.
+        let c = &arms[2].rows[0].checks;
+        assert!(
+            !c[0].passed && c[0].what.contains("(cache=resident,store=arena)"),
+            "{c:?}"
+        );
+        assert!(c[0].got.contains("differs from character 6"), "{c:?}");
+        // Not excluded: the exact combination is the reference, whatever else has the arm.
+        let two = crate::scenario::parse(
+            "t",
+            &OFFLOAD.replace("{cache: resident, store: mmap}", "{cache: small, store: mmap}"),
+        )
+        .unwrap();
+        let mut arms = vec![
+            arm(&["resident", "arena"], &["Paris is"]),
+            arm(&["resident", "mmap"], &["Paris is"]),
+            arm(&["small", "arena"], &["Paris is"]),
+        ];
+        arms[1].arm_names = vec!["resident".into(), "mmap".into()];
+        check_same_outputs(&two, &mut arms, true);
+        assert!(arms[2].rows[0].checks[0].passed, "{:?}", arms[2].rows[0].checks);
+        // Left out by --arm: not judged; present but different: fails, naming where.
+        let mut arms = vec![arm(&["small", "arena"], &["Paris is"])];
+        check_same_outputs(&s, &mut arms, false);
+        assert!(arms[0].rows[0].checks.is_empty());
+        let mut arms = vec![
+            arm(&["resident", "arena"], &["Paris is"]),
+            arm(&["small", "arena"], &["Paris was"]),
+        ];
+        check_same_outputs(&s, &mut arms, true);
+        let c = &arms[1].rows[0].checks[0];
+        assert!(!c.passed && c.got.contains("character 6"), "{c:?}");
+        // A reference whose engine did not start.
+        let mut dead = arm(&["resident", "arena"], &[]);
+        dead.error = Some("no GPU".into());
+        let mut arms = vec![dead, arm(&["small", "arena"], &["Paris is"])];
+        check_same_outputs(&s, &mut arms, true);
+        assert!(!arms[1].rows[0].checks[0].passed);
+    }
+
+    #[test]
+    fn cache_events_go_to_the_request_that_ran_then() {
+        let ev = |ts: u64, phase: &str, lookups: u64, hits: u64| {
+            json!({"event": "expert_cache", "v": 2, "ts_ms": ts, "phase": phase, "lookups": lookups, "hits": hits,
+                   "admitted": 0, "staged": 0, "evictions": 0, "bytes_uploaded": 1000, "cpu_computed": 2})
+        };
+        let mut a = arm(&["small", "arena"], &["x", "y"]);
+        a.rows[0].samples[0].t_start_unix_ms = 100;
+        a.rows[0].samples[0].t_end_unix_ms = 200;
+        a.rows[0].samples[1].t_start_unix_ms = 201;
+        a.rows[0].samples[1].t_end_unix_ms = 300;
+        a.raw_events = vec![
+            ev(99, "decode", 1000, 1000),
+            ev(150, "prefill", 40, 10),
+            ev(200, "decode", 100, 90),
+            ev(250, "decode", 100, 70),
+            json!({"event": "request", "ts_ms": 250, "id": 1}),
+        ];
+        attribute_cache_events(&mut a);
+        let s0 = &a.rows[0].samples[0].expert_cache;
+        assert_eq!(s0["prefill"].lookups, 40);
+        assert_eq!(s0["decode"].hits, 90);
+        assert_eq!(a.rows[0].samples[1].expert_cache["decode"].hits, 70);
+        let d = a.rows[0].cache("decode").unwrap();
+        assert_eq!(
+            (d.lookups, d.hits, d.bytes_uploaded, d.cpu_computed),
+            (200, 160, 2000, 4)
+        );
+        let e = Expect {
+            min_decode_hit_rate: Some(0.8),
+            ..Expect::default()
+        };
+        let c = check_row(&a.rows[0], &e, None);
+        let hit = c.iter().find(|c| c.what.contains("hit rate")).unwrap();
+        assert!(hit.passed && hit.got.starts_with("80.0%"), "{hit:?}");
+        let e = Expect {
+            min_decode_hit_rate: Some(0.81),
+            ..Expect::default()
+        };
+        assert!(
+            !check_row(&a.rows[0], &e, None)
+                .iter()
+                .find(|c| c.what.contains("hit rate"))
+                .unwrap()
+                .passed
+        );
+        // No events (every expert resident): the expectation fails instead of passing on nothing.
+        let none = arm(&["resident", "arena"], &["x"]);
+        let c = check_row(
+            &none.rows[0],
+            &Expect {
+                min_decode_hit_rate: Some(0.0),
+                ..Expect::default()
+            },
+            None,
+        );
+        assert!(c.iter().any(|c| c.what.contains("hit rate") && !c.passed), "{c:?}");
     }
 
     #[test]

@@ -36,6 +36,10 @@ pub struct Scenario {
     /// Axes of named arms; the runs are their Cartesian product, in file order (axes sorted by name).
     #[serde(default)]
     pub matrix: BTreeMap<String, Vec<Arm>>,
+    /// Combinations of the matrix not to run: each entry maps axes to arm names (`{cache: resident, store:
+    /// mmap}`), and drops every combination that has all of them (as GitHub Actions' `matrix.exclude`).
+    #[serde(default)]
+    pub exclude: Vec<BTreeMap<String, String>>,
     /// Requests per case (or per sweep point); the report gives median, min and max.
     #[serde(default = "one")]
     pub repetitions: u32,
@@ -218,6 +222,18 @@ pub struct Expect {
     /// For a `find_boundary` sweep: the first failing token count, or `none` when nothing fails.
     #[serde(default)]
     pub boundary: Option<BoundaryExpect>,
+    /// Lowest decode hit rate of the VRAM expert cache, as a fraction in 0..=1: hits over lookups of the
+    /// request's `expert_cache` events of phase `decode`, pooled over the repetitions. A run without such events
+    /// (every expert resident, or a dense model) fails it.
+    #[serde(default)]
+    pub min_decode_hit_rate: Option<f64>,
+    /// An arm of another matrix axis whose output this one must equal, request by request: the combination
+    /// with that arm in place of this combination's arm on its axis (or, when `exclude` drops that one, the only
+    /// combination with the arm), and the same case and token count.
+    /// Greedy requests through the expert cache must write what the all-resident run writes (`same_output_as:
+    /// resident`). A combination that already has the arm is not checked against itself.
+    #[serde(default)]
+    pub same_output_as: Option<String>,
 }
 
 /// An expected boundary: a token count, or `none`.
@@ -249,6 +265,8 @@ impl Expect {
             regex: over.regex.clone().or_else(|| self.regex.clone()),
             golden_tokens: over.golden_tokens.clone().or_else(|| self.golden_tokens.clone()),
             boundary: over.boundary.clone().or_else(|| self.boundary.clone()),
+            min_decode_hit_rate: over.min_decode_hit_rate.or(self.min_decode_hit_rate),
+            same_output_as: over.same_output_as.clone().or_else(|| self.same_output_as.clone()),
         }
     }
 }
@@ -405,6 +423,32 @@ impl Scenario {
                 arm_names.push(a.name.clone());
             }
         }
+        for (i, ex) in self.exclude.iter().enumerate() {
+            if ex.is_empty() {
+                return Err(format!("exclude[{i}]: an entry needs at least one `axis: arm` pair"));
+            }
+            for (axis, arm) in ex {
+                let Some(arms) = self.matrix.get(axis) else {
+                    let axes: Vec<&str> = self.matrix.keys().map(String::as_str).collect();
+                    return Err(format!(
+                        "exclude[{i}]: `{axis}` is not an axis of the matrix (axes: {})",
+                        if axes.is_empty() {
+                            "none".to_string()
+                        } else {
+                            axes.join(", ")
+                        }
+                    ));
+                };
+                if !arms.iter().any(|a| &a.name == arm) {
+                    let names: Vec<&str> = arms.iter().map(|a| a.name.as_str()).collect();
+                    return Err(format!(
+                        "exclude[{i}]: `{arm}` is not an arm of axis `{axis}` (arms: {})",
+                        names.join(", ")
+                    ));
+                }
+            }
+        }
+        self.check_expect("expect", &self.expect, &arm_names)?;
         let mut case_names = Vec::new();
         for c in &self.cases {
             let at = format!("case `{}`", c.name);
@@ -457,12 +501,45 @@ impl Scenario {
                 }
             }
             for e in std::iter::once(&c.expect).chain(c.arms.values()) {
-                if let Some(r) = &e.regex {
-                    regex_check(r).map_err(|m| format!("{at}: expect.regex: {m}"))?;
-                }
+                self.check_expect(&at, e, &arm_names)?;
             }
         }
         Ok(())
+    }
+
+    /// Checks one expectation's fields that the types cannot; `at` names it in the error.
+    fn check_expect(&self, at: &str, e: &Expect, arm_names: &[String]) -> Result<(), String> {
+        if let Some(r) = &e.regex {
+            regex_check(r).map_err(|m| format!("{at}: expect.regex: {m}"))?;
+        }
+        if let Some(h) = e.min_decode_hit_rate
+            && !(0.0..=1.0).contains(&h)
+        {
+            return Err(format!(
+                "{at}: min_decode_hit_rate {h} is not a fraction in 0..=1 (write 0.85 for 85%)"
+            ));
+        }
+        if let Some(x) = &e.same_output_as
+            && !arm_names.contains(x)
+        {
+            return Err(format!(
+                "{at}: same_output_as `{x}` names no arm of the matrix (arms: {})",
+                if arm_names.is_empty() {
+                    "none".to_string()
+                } else {
+                    arm_names.join(", ")
+                }
+            ));
+        }
+        Ok(())
+    }
+
+    /// The axis that has the arm `name` (arm names are unique across axes).
+    pub fn axis_of(&self, name: &str) -> Option<&str> {
+        self.matrix
+            .iter()
+            .find(|(_, arms)| arms.iter().any(|a| a.name == name))
+            .map(|(axis, _)| axis.as_str())
     }
 }
 
@@ -533,6 +610,47 @@ mod tests {
             step: Some(10),
         };
         assert_eq!(r.points(), vec![10, 20, 25]);
+    }
+
+    #[test]
+    fn exclude_and_cross_arm_expectations_are_checked_by_name() {
+        let base =
+            "name: t\nmatrix:\n  cache: [{name: resident}, {name: small}]\n  store: [{name: arena}, {name: mmap}]\n";
+        let case = "cases:\n  - name: a\n    prompt: {text: hi}\n";
+        let ok = parse(
+            "t.yaml",
+            &format!("{base}exclude:\n  - {{cache: resident, store: mmap}}\n{case}"),
+        )
+        .unwrap();
+        assert_eq!(ok.exclude.len(), 1);
+        assert_eq!(ok.axis_of("mmap"), Some("store"));
+        assert_eq!(ok.axis_of("gpu"), None);
+        let e = parse("t.yaml", &format!("{base}exclude:\n  - {{cahce: resident}}\n{case}")).unwrap_err();
+        assert!(
+            e.message.contains("`cahce` is not an axis") && e.message.contains("cache, store"),
+            "{e}"
+        );
+        let e = parse("t.yaml", &format!("{base}exclude:\n  - {{store: disk}}\n{case}")).unwrap_err();
+        assert!(e.message.contains("`disk` is not an arm of axis `store`"), "{e}");
+        let e = parse("t.yaml", &format!("{base}exclude:\n  - {{}}\n{case}")).unwrap_err();
+        assert!(e.message.contains("exclude[0]"), "{e}");
+        let e = parse("t.yaml", &format!("{base}expect: {{same_output_as: resdent}}\n{case}")).unwrap_err();
+        assert!(e.message.contains("same_output_as `resdent` names no arm"), "{e}");
+        let e = parse(
+            "t.yaml",
+            &format!("{base}{case}    expect: {{min_decode_hit_rate: 85}}\n"),
+        )
+        .unwrap_err();
+        assert!(
+            e.message.contains("case `a`") && e.message.contains("not a fraction"),
+            "{e}"
+        );
+        let e = parse(
+            "t.yaml",
+            &format!("{base}{case}    arms:\n      small: {{same_output_as: nope}}\n"),
+        )
+        .unwrap_err();
+        assert!(e.message.contains("case `a`") && e.message.contains("`nope`"), "{e}");
     }
 
     #[test]

@@ -235,26 +235,40 @@ impl Trace {
         })
     }
 
-    /// Writes the trace to `path`.
+    /// Writes the trace to `path`, replacing it whole ([`crate::paths::write_atomically`]: a failed write leaves
+    /// what was there).
     ///
     /// Errors: the file cannot be written.
     pub fn write(&self, path: &Path) -> Result<(), TraceError> {
-        let io = |source| TraceError::Io {
+        crate::paths::write_atomically(path, |w| {
+            line(w, &self.header)?;
+            for (i, &(step, layer, token)) in self.records.iter().enumerate() {
+                let r = TraceRecord {
+                    step,
+                    layer,
+                    token,
+                    experts: self.experts_of(i).to_vec(),
+                };
+                line(w, &r)?;
+            }
+            Ok(())
+        })
+        .map_err(|source| TraceError::Io {
             path: path.display().to_string(),
             source,
+        })
+    }
+
+    /// Whether the file at `path` starts with a routing trace's header line (of any geometry): what may be
+    /// replaced by a new trace without losing something else. `false` for a file that cannot be read.
+    pub fn is_trace_file(path: &Path) -> bool {
+        let Ok(mut f) = std::fs::File::open(path) else {
+            return false;
         };
-        let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-        line(&mut w, &self.header).map_err(io)?;
-        for (i, &(step, layer, token)) in self.records.iter().enumerate() {
-            let r = TraceRecord {
-                step,
-                layer,
-                token,
-                experts: self.experts_of(i).to_vec(),
-            };
-            line(&mut w, &r).map_err(io)?;
-        }
-        w.flush().map_err(io)
+        let Ok(len) = f.metadata().map(|m| m.len()) else {
+            return false;
+        };
+        first_and_last_lines(&mut f, len).is_ok_and(|(first, _)| serde_json::from_str::<TraceHeader>(&first).is_ok())
     }
 
     /// Reads a trace from `path`, checking every record against the header.
@@ -391,6 +405,18 @@ impl TraceWriter {
             .create(true)
             .open(path)
             .map_err(io)?;
+        // One writer per file: two runs appending at once would write two headers, or number their steps from
+        // the same last one. The lock goes with the file (the process's exit releases it).
+        file.try_lock().map_err(|e| match e {
+            std::fs::TryLockError::WouldBlock => TraceError::Format {
+                path: p.clone(),
+                line: 0,
+                what:
+                    "another process is writing its routing to this file (it holds the file's lock): use another file"
+                        .into(),
+            },
+            std::fs::TryLockError::Error(e) => io(e),
+        })?;
         let len = file.metadata().map_err(io)?.len();
         let next_step = if len == 0 {
             0
@@ -413,14 +439,27 @@ impl TraceWriter {
                 )));
             }
             match serde_json::from_str::<TraceRecord>(&last) {
-                Ok(r) => r.step + 1,
+                Ok(r) => r
+                    .step
+                    .checked_add(1)
+                    .ok_or_else(|| fmt(format!("its last record is at step {}: no step can follow it", r.step)))?,
                 Err(_) if last == first => 0,
                 Err(e) => return Err(fmt(format!("its last line is not a record ({e})"))),
             }
         };
+        let ends_in_newline = len == 0 || {
+            use std::io::{Read, Seek, SeekFrom};
+            let mut b = [0u8];
+            file.seek(SeekFrom::Start(len - 1)).map_err(io)?;
+            file.read_exact(&mut b).map_err(io)?;
+            b[0] == b'\n'
+        };
         let mut w = std::io::BufWriter::new(file);
         if len == 0 {
             line(&mut w, &header).map_err(io)?;
+        } else if !ends_in_newline {
+            // A file cut after its last record (or edited by hand): end that line before the next record.
+            w.write_all(b"\n").map_err(io)?;
         }
         Ok(TraceWriter {
             w,
@@ -434,7 +473,7 @@ impl TraceWriter {
     /// Starts the records of the next forward step.
     pub fn begin_step(&mut self) {
         self.step = self.next_step;
-        self.next_step += 1;
+        self.next_step = self.next_step.saturating_add(1);
     }
 
     /// Records that the token at position `token` chose `experts` (the router's top-k, in its order) at `layer`,
@@ -760,6 +799,39 @@ mod tests {
         assert_eq!(Trace::read(&fresh).unwrap().records[0], (0, 0, 0));
         // A record outside the geometry is refused, not written.
         assert!(w.record(2, 0, &[1, 2]).is_err() && w.record(0, 0, &[1, 9]).is_err() && w.record(0, 0, &[1]).is_err());
+    }
+
+    #[test]
+    fn a_dump_ends_a_cut_last_line_refuses_a_second_writer_and_a_last_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cut.jsonl");
+        std::fs::write(
+            &path,
+            "{\"strata_routing_trace\":1,\"n_layer\":2,\"n_expert\":8,\"k\":2}\n{\"step\":4,\"layer\":0,\"token\":0,\"experts\":[1,2]}",
+        )
+        .unwrap();
+        let mut w = TraceWriter::open(&path, 2, 8, 2).unwrap();
+        // While it is open, a second writer is refused by name instead of interleaving.
+        let e = TraceWriter::open(&path, 2, 8, 2).err().unwrap().to_string();
+        assert!(
+            e.contains("another process is writing") && e.contains("cut.jsonl"),
+            "{e}"
+        );
+        w.begin_step();
+        w.record(0, 1, &[3, 4]).unwrap();
+        w.flush().unwrap();
+        drop(w);
+        let t = Trace::read(&path).unwrap();
+        assert_eq!(t.records, vec![(4, 0, 0), (5, 0, 1)]);
+        // A last step no step can follow.
+        let end = dir.path().join("end.jsonl");
+        std::fs::write(
+            &end,
+            format!("{{\"strata_routing_trace\":1,\"n_layer\":2,\"n_expert\":8,\"k\":2}}\n{{\"step\":{},\"layer\":0,\"token\":0,\"experts\":[1,2]}}\n", u64::MAX),
+        )
+        .unwrap();
+        let e = TraceWriter::open(&end, 2, 8, 2).err().unwrap().to_string();
+        assert!(e.contains("no step can follow"), "{e}");
     }
 
     #[test]

@@ -138,7 +138,7 @@ pub struct ExpertFlags {
     /// At most this many misses of a MoE layer in a decode step take a slot of a GPU's expert cache (evicting
     /// another expert); the rest are read for that step alone or computed by the CPU. Keeps a burst of one-off
     /// experts from flushing the cache. Default: no cap.
-    #[arg(long, value_parser = parse_upload_cap)]
+    #[arg(long, value_parser = parse_upload_cap, allow_hyphen_values = true)]
     pub upload_cap: Option<u32>,
     /// Pre-fill a GPU's expert cache at start with the experts this profile looked up most, as many as there are
     /// slots: a --save-expert-profile file, or a routing trace (--dump-routing).

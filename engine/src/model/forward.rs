@@ -54,15 +54,15 @@ pub struct Model {
 /// A routing trace written as the forward pass routes ([`Model::dump_routing`]).
 struct RoutingDump {
     writer: TraceWriter,
-    /// A write failed (said once): nothing more is written.
-    failed: bool,
+    /// A write failed (said once, and kept for [`Model::routing_dump_error`]): nothing more is written.
+    failed: Option<String>,
     ids: Vec<u32>,
 }
 
 impl RoutingDump {
     /// Records what the MoE op just run at `layer` chose for the step's tokens at `positions`.
     fn record<B: Backend>(&mut self, be: &B, moe: &MoeScratch, layer: usize, positions: &[u32], k: usize) {
-        if self.failed {
+        if self.failed.is_some() {
             return;
         }
         be.routed_experts(moe, positions.len(), k, &mut self.ids);
@@ -75,9 +75,11 @@ impl RoutingDump {
 
     /// Reports a failed write once and stops writing.
     fn fail_on(&mut self, r: Result<(), TraceError>) {
-        if let Err(e) = r {
+        if let Err(e) = r
+            && self.failed.is_none()
+        {
             eprintln!("strata: --dump-routing: {e}; no more routing is written");
-            self.failed = true;
+            self.failed = Some(e.to_string());
         }
     }
 }
@@ -201,9 +203,16 @@ impl Model {
     pub fn dump_routing(&mut self, writer: TraceWriter) {
         self.routing_dump = Some(std::sync::Mutex::new(RoutingDump {
             writer,
-            failed: false,
+            failed: None,
             ids: Vec::new(),
         }));
+    }
+
+    /// The write error that ended the routing dump ([`Model::dump_routing`]), if one did: a command that was
+    /// asked for the dump then exits with an error, since what the user asked for was not all written.
+    pub fn routing_dump_error(&self) -> Option<String> {
+        let d = self.routing_dump.as_ref()?;
+        d.lock().unwrap_or_else(|p| p.into_inner()).failed.clone()
     }
 
     /// Whether forward steps write their routing ([`Model::dump_routing`]): such steps read the routing back
@@ -455,7 +464,9 @@ impl Model {
                 None => be.add(&mut s.x, &s.o, n * e),
             }
         }
-        if let Some(d) = dump.as_deref_mut() {
+        if let Some(d) = dump.as_deref_mut()
+            && d.failed.is_none()
+        {
             let flushed = d.writer.flush();
             d.fail_on(flushed);
         }

@@ -135,17 +135,22 @@ impl EngineFlags {
         Ok(())
     }
 
-    /// What `strata serve` checks before it starts a worker, so a bad `--routing-trace`, expert profile or
-    /// profile to save is one error, not a worker restarted for ever: the device they need, and each file read
-    /// and matched against the model at `model`.
+    /// What `strata serve` checks before it starts a worker, so a bad `--routing-trace`, expert profile, profile
+    /// to save or `--dump-routing` file is one error, not a worker restarted for ever: the device they need, and
+    /// each file read and matched against the model at `model`.
     ///
     /// Errors: as [`EngineFlags::check_routing_device`] and [`EngineFlags::check_expert_flags`];
-    /// [`EngineError::RoutingTrace`], [`EngineError::ExpertProfile`]; the model cannot be read.
+    /// [`EngineError::RoutingTrace`], [`EngineError::ExpertProfile`], [`EngineError::DumpRouting`]; the model
+    /// cannot be read.
     pub fn check_routing_trace(&self, model: &std::path::Path) -> Result<(), EngineError> {
         self.check_routing_device()?;
         self.check_expert_flags()?;
         let ef = &self.plan.experts;
-        if ef.routing_trace.is_none() && ef.expert_profile.is_none() && ef.save_expert_profile.is_none() {
+        if ef.routing_trace.is_none()
+            && ef.expert_profile.is_none()
+            && ef.save_expert_profile.is_none()
+            && self.dump_routing.is_none()
+        {
             return Ok(());
         }
         let unreadable = |source: ModelError| EngineError::Model {
@@ -167,6 +172,11 @@ impl EngineFlags {
         }
         if let Some(p) = &ef.save_expert_profile {
             saved_profile(p, &hp)?;
+        }
+        if let Some(p) = &self.dump_routing {
+            // Opened and closed again: the worker opens it for good (a file that was not there is left as a
+            // trace with no records, which the worker appends to).
+            drop(routing_writer(p, &hp, self)?);
         }
         Ok(())
     }
@@ -386,6 +396,20 @@ impl Engine {
     /// Whether the routed experts are in a page-locked host arena (the expert cache uploads from it).
     pub fn arena_pinned(&self) -> bool {
         self.pinned.is_some()
+    }
+
+    /// The end of a command that was asked for `--dump-routing`: an error when a write failed and the trace was
+    /// cut short (the failure was said when it happened; the command's exit status says it again).
+    ///
+    /// Errors: [`EngineError::DumpRouting`] with the write error.
+    pub fn check_routing_dump(&self) -> Result<(), EngineError> {
+        match (&self.flags.dump_routing, self.model.routing_dump_error()) {
+            (Some(path), Some(e)) => Err(EngineError::DumpRouting {
+                path: path.clone(),
+                why: format!("the routing was not all written ({e})"),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Writes the learned expert profile (`--save-expert-profile`): the file's counts at start plus the cache's
@@ -735,17 +759,21 @@ fn saved_profile(path: &std::path::Path, hp: &crate::model::HParams) -> Result<E
         return Err(bad("the model has no routed experts".into()));
     }
     let empty = ExpertProfile::new(hp.n_layer, hp.n_expert);
-    let mut head = [0u8; 32];
-    let n = match std::fs::File::open(path) {
-        Ok(mut f) => std::io::Read::read(&mut f, &mut head).map_err(|e| bad(format!("cannot read it: {e}")))?,
+    let len = match std::fs::metadata(path) {
+        Ok(m) => m.len(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(empty),
         Err(e) => return Err(bad(format!("cannot read it: {e}"))),
     };
-    let text = String::from_utf8_lossy(&head[..n]);
-    if text.trim().is_empty() {
+    // Nothing but white space (a file made with `touch`, say) holds nothing saving could lose.
+    let blank = len <= 4096
+        && std::fs::read(path)
+            .map_err(|e| bad(format!("cannot read it: {e}")))?
+            .iter()
+            .all(u8::is_ascii_whitespace);
+    if blank {
         return Ok(empty);
     }
-    if text.trim_start().starts_with("{\"strata_routing_trace\"") {
+    if crate::experts::trace::Trace::is_trace_file(path) {
         return Err(bad(
             "holds a routing trace, which saving a profile would replace: name another file".into(),
         ));

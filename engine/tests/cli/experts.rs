@@ -381,4 +381,46 @@ fn dump_routing_records_every_step_and_appends() {
         "{err}"
     );
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me\n");
+    // `serve` refuses it before starting a worker, instead of restarting one for ever.
+    let (code, err) = serve_exit(&[
+        "--port",
+        "0",
+        "--model",
+        "synth:tiny-qwen3moe",
+        "--dump-routing",
+        notes.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("--dump-routing") && err.contains("not a routing trace"),
+        "{err}"
+    );
+    // `synth-trace --out` does not replace it either.
+    let out = strata(&[
+        "experts",
+        "synth-trace",
+        "--out",
+        notes.to_str().unwrap(),
+        "--layers",
+        "2",
+        "--tokens",
+        "2",
+    ]);
+    let (_, err) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("not a routing trace") && err.contains("left as it is"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "keep me\n");
+    // A write that fails ends the dump with one line, and the command's exit status says so.
+    if std::path::Path::new("/dev/full").exists() {
+        let mut full = gen_args.to_vec();
+        full.extend(["--dump-routing", "/dev/full"]);
+        let out = strata(&full);
+        let (_, err) = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.matches("no more routing is written").count(), 1, "{err}");
+        assert!(err.contains("the routing was not all written"), "{err}");
+    }
 }
