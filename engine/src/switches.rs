@@ -58,6 +58,8 @@ pub const KERNEL_DEFINES: &str = "STRATA_KERNEL_DEFINES";
 pub const TRACE_TENSORS: &str = "STRATA_TRACE_TENSORS";
 /// The serve worker panics after this many tokens of a request.
 pub const WORKER_FAULT_AFTER_TOKENS: &str = "STRATA_WORKER_FAULT_AFTER_TOKENS";
+/// The serve worker fails before loading its model.
+pub const WORKER_FAULT_AT_LOAD: &str = "STRATA_WORKER_FAULT_AT_LOAD";
 
 /// Every switch, in the order `strata switches` lists them.
 pub const SWITCHES: &[Switch] = &[
@@ -131,6 +133,12 @@ pub const SWITCHES: &[Switch] = &[
         WORKER_FAULT_AFTER_TOKENS,
         "",
         "N: the serve worker panics after sending N tokens of a request (a test of the restart contract)",
+    ),
+    sw(
+        WORKER_FAULT_AT_LOAD,
+        "0",
+        "1: the serve worker exits with an error before loading its model (a test of `strata serve` giving up \
+         when its first worker cannot load)",
     ),
 ];
 

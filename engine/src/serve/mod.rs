@@ -192,15 +192,25 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 ""
             }
         );
+        let watched = state.clone();
+        let gave_up = Arc::new(std::sync::Mutex::new(None));
+        let why = gave_up.clone();
         axum::serve(
             listener,
             router(state, args.max_body_bytes, Duration::from_secs(args.body_timeout_s)),
         )
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
+        .with_graceful_shutdown(async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                w = watched.supervisor.given_up() => *why.lock().unwrap_or_else(|p| p.into_inner()) = Some(w),
+            }
         })
         .await
-        .context("the HTTP server failed")
+        .context("the HTTP server failed")?;
+        match gave_up.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(why) => anyhow::bail!("{why}; its error is above"),
+            None => Ok(()),
+        }
     })
 }
 

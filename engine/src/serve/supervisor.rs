@@ -59,6 +59,10 @@ pub struct WorkerState {
     pub pid: Option<u32>,
     /// Why the last worker stopped, if one did.
     pub last_death: Option<String>,
+    /// Set when the first worker could not load the model: the supervisor has stopped, and `strata serve` exits
+    /// with this cause (as llama-server does when its model fails to load), instead of restarting a worker that
+    /// fails the same way for ever behind a 503.
+    pub gave_up: Option<String>,
 }
 
 struct Job {
@@ -121,6 +125,20 @@ impl Supervisor {
     /// The worker's current state.
     pub fn state(&self) -> WorkerState {
         self.state.borrow().clone()
+    }
+
+    /// Waits until the supervisor gives up (the first worker could not load: [`WorkerState::gave_up`]) and
+    /// returns why; never returns while a worker can load.
+    pub async fn given_up(&self) -> String {
+        let mut rx = self.state.clone();
+        loop {
+            if let Some(why) = rx.borrow_and_update().gave_up.clone() {
+                return why;
+            }
+            if rx.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
     }
 }
 
@@ -225,6 +243,9 @@ async fn supervise(
 ) {
     let mut next_id: u64 = 0;
     let mut backoff = Duration::from_millis(250);
+    // Whether a worker has loaded in this server's life: until one has, a load failure is the flags' or the
+    // machine's, not a crash, and restarting would fail the same way.
+    let mut ever_ready = false;
     loop {
         // Start a worker and wait for it to load.
         state.send_modify(|s| {
@@ -253,6 +274,15 @@ async fn supervise(
         };
         if !ready {
             let (cause, label, fault) = bury(worker, None).await;
+            if !ever_ready {
+                let why = format!("the engine worker could not load the model ({cause})");
+                fail_queued(&mut jobs, &metrics, &why);
+                state.send_modify(|s| {
+                    s.last_death = Some(cause.clone());
+                    s.gave_up = Some(why);
+                });
+                return;
+            }
             report_death(&metrics, &state, &cause, &label, fault.as_deref(), "while loading");
             fail_queued(&mut jobs, &metrics, &death_message(&cause));
             tokio::time::sleep(backoff).await;
@@ -260,6 +290,7 @@ async fn supervise(
             continue;
         }
         backoff = Duration::from_millis(250);
+        ever_ready = true;
         state.send_modify(|s| s.ready = true);
         metrics.worker_ready.set(1);
 

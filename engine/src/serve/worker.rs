@@ -101,6 +101,12 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     if let Some(path) = &flags.events {
         let _ = EVENTS_FILE.set(Mutex::new(open_events_file(path)?));
     }
+    if crate::switches::text_lossy(crate::switches::WORKER_FAULT_AT_LOAD).is_some_and(|v| v == "1") {
+        anyhow::bail!(
+            "injected fault before loading ({})",
+            crate::switches::WORKER_FAULT_AT_LOAD
+        );
+    }
     let engine = Engine::open(&flags.engine)?;
     let (model, tokenizer) = (&engine.model, &engine.tokenizer);
     let mut session = engine.session()?;

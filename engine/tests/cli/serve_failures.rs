@@ -1,6 +1,7 @@
 //! The failure contract of `strata serve` (DESIGN.md section 3, seed 000): a dead or silent worker gives 503
 //! with the original's message (or an error event in a stream that already answered 200, never a cut stream
-//! that looks whole), is restarted, and the next request gets 200; a closed stream cancels its generation.
+//! that looks whole), is restarted, and the next request gets 200; a closed stream cancels its generation. A
+//! first worker that cannot load the model ends `strata serve` instead.
 
 use std::time::{Duration, Instant};
 
@@ -126,6 +127,38 @@ fn a_worker_fault_is_reported_counted_and_survived() {
         &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
     );
     assert_eq!(status, 200, "{v}");
+}
+
+/// A first worker that cannot load (a memory plan that does not fit, say) ends `strata serve` with exit 1 and the
+/// cause, as llama-server does, instead of a worker restarted for ever behind a 503.
+#[test]
+fn a_first_worker_that_cannot_load_ends_serve() {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--port", "0"])
+        .env("STRATA_WORKER_FAULT_AT_LOAD", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("serve went on after its worker could not load");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("could not load the model (exit code 1)") && err.contains("injected fault before loading"),
+        "{err}"
+    );
+    assert!(!err.contains("restarting it"), "{err}");
 }
 
 #[test]
