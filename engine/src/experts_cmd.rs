@@ -140,9 +140,9 @@ fn simulate_cmd(a: SimulateArgs) -> Result<()> {
         "\n| slots | policy | hit rate | Belady{} | uploads | bypassed | {} |",
         if a.upload_cap.is_some() { " (no cap)" } else { "" },
         if per_expert.is_some() {
-            "MB over the link per token"
+            "MB of misses per token"
         } else {
-            "uploads per token"
+            "misses per token"
         }
     );
     println!("|---:|---|---:|---:|---:|---:|---:|");
@@ -157,9 +157,11 @@ fn simulate_cmd(a: SimulateArgs) -> Result<()> {
                     upload_cap: a.upload_cap,
                 },
             );
+            // Every miss crosses the link (into a slot, or staged for its step) unless the CPU computes it.
+            let misses = (s.admitted + s.bypassed) as f64;
             let per_token = match per_expert {
-                Some(b) => format!("{:.1}", s.admitted as f64 * b as f64 / tokens / 1e6),
-                None => format!("{:.1}", s.admitted as f64 / tokens),
+                Some(b) => format!("{:.1}", misses * b as f64 / tokens / 1e6),
+                None => format!("{:.1}", misses / tokens),
             };
             println!(
                 "| {slots} | {policy} | {:.1}% | {:.1}% | {} | {} | {per_token} |",

@@ -106,6 +106,7 @@ struct GenerateArgs {
 /// A system message for `--chat` and `chat` (without it the template's default, if any, applies).
 #[derive(Args)]
 struct SystemArg {
+    /// The system message, replacing the chat template's default one (if it has one).
     #[arg(long)]
     system: Option<String>,
 }

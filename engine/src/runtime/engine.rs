@@ -36,7 +36,8 @@ pub struct EngineFlags {
     /// `synth:NAME` (generated on first use).
     #[arg(long, default_value = "default")]
     pub model: String,
-    /// Where to compute: cpu, or cuda:N (all weights resident in VRAM).
+    /// Where to compute: cpu, or cuda:N (dense weights and KV in VRAM; experts too when they fit, else a VRAM
+    /// expert cache over experts in host memory).
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// KV cache, context and prefill chunk: what the memory plan is computed from.
