@@ -79,7 +79,7 @@ impl ExpertProfile {
         std::io::BufReader::new((&mut f).take(4096))
             .read_line(&mut first)
             .map_err(|e| format!("cannot read it: {e}"))?;
-        if first.trim_start().starts_with("{\"strata_routing_trace\"") {
+        if first.trim_start().starts_with("{\"strata_routing_trace\"") || Trace::is_trace_file(path) {
             return Trace::read(path)
                 .map(|t| ExpertProfile::of_trace(&t))
                 .map_err(|e| e.to_string());
