@@ -173,15 +173,19 @@ pub struct Launch {
     pub synced: bool,
 }
 
+/// Milliseconds since the Unix epoch: the clock of every event's `ts_ms` (0 if the clock is before the epoch).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 impl Event {
     /// `kind` stamped now with the current schema version.
     pub fn now(kind: EventKind) -> Event {
-        let ts_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         Event {
             v: SCHEMA_VERSION,
-            ts_ms,
+            ts_ms: unix_ms(),
             kind,
         }
     }

@@ -143,13 +143,7 @@ impl ArmRun<'_> {
     }
 
     fn expect(&self, c: &Case) -> Expect {
-        let mut e = self.s.expect.merged(&c.expect);
-        for a in &self.combo.arms {
-            if let Some(o) = c.arms.get(&a.name) {
-                e = e.merged(o);
-            }
-        }
-        e
+        row_expect(self.s, &self.combo.arm_names(), &c.name)
     }
 
     fn log_len(&self) -> u64 {
@@ -605,9 +599,7 @@ pub fn run_combo(
 
 /// Milliseconds since the Unix epoch, the clock of the worker's events.
 fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    strata_engine::events::unix_ms()
 }
 
 /// The expectation of case `case` in the combination of arms `arm_names`: the scenario's, the case's, then each
@@ -643,9 +635,10 @@ pub fn attribute_cache_events(arm: &mut ArmReport) {
 
 /// The `same_output_as` checks, which compare combinations with each other, so they run after every
 /// combination: each row whose expectation names an arm X is compared, request by request, with the same case's
-/// row in the combination that has X in place of this one's arm on X's axis. `ran_all` is false when some
-/// combinations were left out on purpose (`--arm`): a row whose reference was left out that way is not judged.
-/// A reference excluded by the scenario, or whose server did not start, fails the check.
+/// row in the combination that has X in place of this one's arm on X's axis, or, when the scenario excludes
+/// that one, the only combination with X. `ran_all` is false when some combinations were left out on purpose
+/// (`--arm`): a row whose reference was left out that way is not judged. A reference excluded with no single
+/// stand-in, or whose server did not start, fails the check.
 pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
     let axes: Vec<&String> = s.matrix.keys().collect();
     let mut found: Vec<(usize, usize, Check)> = Vec::new();
@@ -669,7 +662,6 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
                 let w: Vec<String> = axes.iter().zip(names).map(|(ax, n)| format!("{ax}={n}")).collect();
                 w.join(",")
             };
-            let what = format!("output equals arm `{x}`'s ({})", label(&want));
             // The combination with X in place of this one's arm; when the scenario excludes it, the one
             // combination that has X (X's arm runs once, as an all-resident reference usually does).
             let with_x: Vec<&ArmReport> = arms.iter().filter(|b| b.arm_names.contains(&x)).collect();
@@ -677,10 +669,10 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
                 .iter()
                 .find(|b| b.arm_names == want)
                 .or_else(|| (excluded(s, &want) && with_x.len() == 1).then(|| with_x[0]));
-            let what = match reference {
-                Some(b) if b.arm_names != want => format!("output equals arm `{x}`'s ({})", label(&b.arm_names)),
-                _ => what,
-            };
+            let what = format!(
+                "output equals arm `{x}`'s ({})",
+                label(reference.map_or(&want, |b| &b.arm_names))
+            );
             let fail = |got: String| Check {
                 what: what.clone(),
                 expected: "the same text".into(),

@@ -15,7 +15,7 @@
 //! needs up once; a decode step once per routing slot). A routing trace ([`super::trace`], `--dump-routing`) is
 //! read as a profile too: each of its records' experts counts one lookup.
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -74,12 +74,7 @@ impl ExpertProfile {
     /// neither a profile nor a routing trace, has another version, an impossible geometry, or rows of the wrong
     /// length (naming the row); a trace's own errors ([`Trace::read`]).
     pub fn read(path: &Path) -> Result<ExpertProfile, String> {
-        let mut f = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
-        let mut first = String::new();
-        std::io::BufReader::new((&mut f).take(4096))
-            .read_line(&mut first)
-            .map_err(|e| format!("cannot read it: {e}"))?;
-        if first.trim_start().starts_with("{\"strata_routing_trace\"") || Trace::is_trace_file(path) {
+        if Trace::is_trace_file(path) {
             return Trace::read(path)
                 .map(|t| ExpertProfile::of_trace(&t))
                 .map_err(|e| e.to_string());

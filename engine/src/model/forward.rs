@@ -75,9 +75,7 @@ impl RoutingDump {
 
     /// Reports a failed write once and stops writing.
     fn fail_on(&mut self, r: Result<(), TraceError>) {
-        if let Err(e) = r
-            && self.failed.is_none()
-        {
+        if let Err(e) = r {
             eprintln!("strata: --dump-routing: {e}; no more routing is written");
             self.failed = Some(e.to_string());
         }

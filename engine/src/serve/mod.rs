@@ -193,8 +193,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             }
         );
         let watched = state.clone();
-        let gave_up = Arc::new(std::sync::Mutex::new(None));
-        let why = gave_up.clone();
+        let supervisor = state.supervisor.clone();
         axum::serve(
             listener,
             router(state, args.max_body_bytes, Duration::from_secs(args.body_timeout_s)),
@@ -202,12 +201,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_graceful_shutdown(async move {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
-                w = watched.supervisor.given_up() => *why.lock().unwrap_or_else(|p| p.into_inner()) = Some(w),
+                _ = watched.supervisor.given_up() => {}
             }
         })
         .await
         .context("the HTTP server failed")?;
-        match gave_up.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        match supervisor.state().gave_up {
             Some(why) => anyhow::bail!("{why}; its error is above"),
             None => Ok(()),
         }
