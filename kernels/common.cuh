@@ -27,6 +27,10 @@ __device__ __forceinline__ u32 ld32(const u8* p) {
     return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
 }
 
+// An expert id the MoE expert kernels (mmv_moe_*) skip: the blocks of that routing slot compute nothing
+// (expert_lookup writes it to split a layer's experts into hits and misses).
+#define MOE_SKIP 0xFFFFFFFFu
+
 // Programmatic dependent launch (sm_90 and later; the host launches every kernel with the attribute there): a
 // kernel may begin while the one before it on the stream still runs. pdl_enter() waits until that kernel has
 // completed and its writes are visible, then lets the next kernel begin launching. Every kernel calls it before

@@ -13,9 +13,11 @@
 // Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
 // table[layer * n_expert + e] when cached. The misses, in routing order, take the next of the host's free slots
 // (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]), the first `cap` of them (the upload cap per layer and
-// step), and enter the table; any other miss is read into staging slot `staging + j` for this step alone. Every miss joins the fetch list (fetch[0] misses, then
-// (expert, slot) pairs, in routing order) for expert_fetch. Writes slot_ids[j] and the log: log[2 j] = e,
-// log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the outcome is the one
+// step), and enter the table; any other miss is read into staging slot `staging + j` for this step alone. Every
+// miss joins the fetch list (fetch[0] misses, then (expert, slot) pairs, in routing order) for expert_fetch.
+// Writes slot_ids[j]; the same split in two, for computing the hits while the misses are fetched: slot_ids[k + j]
+// the hits' slots (MOE_SKIP for a miss), slot_ids[2 k + j] the misses' (MOE_SKIP for a hit); and the log:
+// log[2 j] = e, log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the outcome is the one
 // a single thread taking the slots in routing order would reach, which is the order the host replays the log in.
 extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
                                          const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
@@ -57,6 +59,8 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
         fetch[2 + 2 * before] = (u32)s;
     }
     slot_ids[j] = (u32)s;
+    slot_ids[k + j] = miss ? MOE_SKIP : (u32)s;
+    slot_ids[2 * k + j] = miss ? (u32)s : MOE_SKIP;
     log[2 * j] = e;
     log[2 * j + 1] = code;
     if (j == 0) {

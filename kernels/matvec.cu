@@ -14,9 +14,9 @@
 // mmv_moe_T: the experts of a MoE layer at decode. Slot s (token s / x_div's i-th expert) multiplies the rows of
 // expert ids[s], which start ids[s] * expert_stride bytes into wa (and wb when blockIdx.z is 1: gate and up in one
 // launch: the stacked tensor, stride rows * row_bytes, or the expert cache's slots), by activation
-// row s / x_div: ya[s][r]. Grid (ceil(rows / rows per block), n_slots, 1 or 2), block 256. With xu given (Q4_K and
-// Q6_K rows of at most MMV_X_MAX values; other types ignore it, and the host fuses it for Q4_K alone) the activation
-// row is glu_act(x, act) * xu (the GLU fused).
+// row s / x_div: ya[s][r]; a slot whose id is MOE_SKIP computes nothing. Grid (ceil(rows / rows per block),
+// n_slots, 1 or 2), block 256. With xu given (Q4_K and Q6_K rows of at most MMV_X_MAX values; other types ignore it,
+// and the host fuses it for Q4_K alone) the activation row is glu_act(x, act) * xu (the GLU fused).
 // With ids_early (Q4_K and Q6_K; the ids were written by a kernel at least two launches back, so they are in memory
 // once this grid starts: see pdl_enter) the first weight loads go out before the wait on the kernel just before.
 //
@@ -84,6 +84,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         pdl_enter();                                                                                          \
+        if (ids[s] == MOE_SKIP) return;                                                                       \
         const u8* w = r < rows ? (blockIdx.z ? wb : wa) + (long long)ids[s] * expert_stride + (long long)r * row_bytes : nullptr; \
         MmvPre_##name pre;                                                                                    \
         if (w) mmv_load_##name(pre, w, cols, lane);                                                           \
@@ -550,6 +551,7 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         if (!ids_early) pdl_enter();                                                                            \
         u32 id = ld_cg_u32(ids + s);                                                                            \
+        if (id == MOE_SKIP) { pdl_enter(); return; } /* every kernel waits before its dependents launch */     \
         const u8* base = (blockIdx.z ? wb : wa) + (long long)id * expert_stride;                             \
         const float* xs = x + (long long)(s / x_div) * cols;                                                    \
         const float* xus = xu ? xu + (long long)(s / x_div) * cols : nullptr;                                   \

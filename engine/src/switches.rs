@@ -48,6 +48,8 @@ pub const PDL: &str = "STRATA_PDL";
 pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
 /// The expert cache's slot table on the device for decode steps of one token.
 pub const DEVICE_SLOT_TABLE: &str = "STRATA_DEVICE_SLOT_TABLE";
+/// Expert fetches of decode steps on a second stream, beside the hits' compute.
+pub const FETCH_OVERLAP: &str = "STRATA_FETCH_OVERLAP";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -108,6 +110,11 @@ pub const SWITCHES: &[Switch] = &[
         DEVICE_SLOT_TABLE,
         "1",
         "0: decode steps through the expert cache decide on the host, layer by layer (a round trip each), instead of on the device inside the CUDA graph",
+    ),
+    sw(
+        FETCH_OVERLAP,
+        "1",
+        "0: on the device's slot table, a MoE layer's misses are copied in before any of its experts is computed, instead of on a second stream while the hits are computed",
     ),
     sw(
         PROFILE_KERNELS,

@@ -1080,13 +1080,15 @@ impl CacheFixture {
 
     /// A fresh backend with an expert cache of `slots` slots, and the page lock of the arena when the model has
     /// one (drop it after the backend's last use). `device_table`: decode steps of one token keep the slot table
-    /// on the device (when the arena is page-locked), else they decide on the host.
+    /// on the device (when the arena is page-locked), else they decide on the host; `fetch_overlap`: there, a
+    /// layer's misses are fetched and computed on a second stream beside its hits.
     fn cached_gpu(
         &self,
         slots: usize,
         policy: strata_engine::experts::cache::Policy,
         device_table: bool,
         upload_cap: u32,
+        fetch_overlap: bool,
     ) -> (CudaBackend, Option<strata_engine::backend::cuda::experts::HostPin>) {
         let g = gpu();
         let pin = self.model.experts.arena().map(|a| g.pin_host(a).unwrap());
@@ -1101,6 +1103,7 @@ impl CacheFixture {
             arena: pin.as_ref().and_then(|p| p.mapping()),
             device_table,
             upload_cap,
+            fetch_overlap,
         })
         .unwrap();
         (g, pin)
@@ -1150,7 +1153,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         (64, MissPolicy::Auto, Some(even), false),
         (64, MissPolicy::Auto, Some(even), true),
     ] {
-        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX);
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX, true);
         assert!(pin.is_some(), "the arena is page-locked");
         g.set_miss_plan(MissPlan { policy, cost }).unwrap();
         let got = cache_run(&f.model, &g, &f.tokens);
@@ -1223,7 +1226,8 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
 
 /// The expert cache changes where experts come from, never the result (issue 16, point 6): with 0 slots, one per
 /// layer, half and all but one, LRU and LFRU, from the mapped file and from a page-locked arena (with decode steps
-/// deciding on the host, and on the device's slot table inside a CUDA graph), the logits of prefill chunks, decode
+/// deciding on the host, and on the device's slot table inside a CUDA graph, its misses fetched beside the hits'
+/// compute on a second stream or before it), the logits of prefill chunks, decode
 /// steps and 3-token steps are the all-resident run's bit for bit; and the cache's counts show what each size did
 /// (no hit without slots, evictions when the slots are short).
 #[test]
@@ -1233,7 +1237,12 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
     let mut f = CacheFixture::new("cache");
     assert_eq!((f.geo.all(), f.geo.staging()), (128, 8));
     let mut cases = 0;
-    for (arena, device_table) in [(false, false), (true, false), (true, true)] {
+    for (arena, device_table, overlap) in [
+        (false, false, true),
+        (true, false, true),
+        (true, true, true),
+        (true, true, false),
+    ] {
         if arena && f.model.experts.arena().is_none() {
             f.model.use_arena(None, |_, _| {}).unwrap();
         }
@@ -1250,7 +1259,7 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             (64, Policy::Profile, true, u32::MAX),
             (4, Policy::Lru, false, 1),
         ] {
-            let (g, pin) = f.cached_gpu(slots, policy, device_table, cap);
+            let (g, pin) = f.cached_gpu(slots, policy, device_table, cap, overlap);
             if prefill {
                 let ranked = learned.as_ref().expect("learned by the 64-slot run").ranked();
                 assert_eq!(
@@ -1272,10 +1281,11 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             drop(pin);
             let want = &f.want[..];
             let first_diff = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits());
-            let store = match (arena, device_table) {
-                (false, _) => "mmap",
-                (true, false) => "arena, page-locked, table on the host",
-                (true, true) => "arena, page-locked, table on the device",
+            let store = match (arena, device_table, overlap) {
+                (false, _, _) => "mmap",
+                (true, false, _) => "arena, page-locked, table on the host",
+                (true, true, true) => "arena, page-locked, table on the device, misses beside the hits",
+                (true, true, false) => "arena, page-locked, table on the device, misses before the hits",
             };
             let prefilled = match (prefill, cap) {
                 (true, _) => ", pre-filled from the learned profile".to_string(),

@@ -34,10 +34,14 @@ impl Gpu {
         }
         let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("context creation"))?;
         // One stream, and buffers whose order we keep ourselves: cudarc's per-buffer events are not needed.
-        // SAFETY: every buffer of this backend is used on `stream` alone.
+        // SAFETY: every buffer of this backend is used on `stream`, or on `side` between a fork and a join that order
+        // it with `stream` (Gpu::fork).
         unsafe { ctx.disable_event_tracking() };
         // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream().map_err(CudaError::driver("stream creation"))?;
+        let side = ctx.new_stream().map_err(CudaError::driver("stream creation"))?;
+        let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
+        let (fork_ev, join_ev) = (ev()?, ev()?);
         let (major, minor) = ctx
             .compute_capability()
             .map_err(CudaError::driver("compute capability"))?;
@@ -66,6 +70,10 @@ impl Gpu {
         Ok(Gpu {
             ctx,
             stream,
+            side,
+            fork_ev,
+            join_ev,
+            on_side: false.into(),
             funcs,
             calls: AtomicU64::new(0),
             sync_launches: switches::flag(switches::SYNC_LAUNCHES, false),

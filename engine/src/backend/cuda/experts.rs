@@ -60,6 +60,9 @@ pub struct ExpertCacheConfig {
     /// At most this many misses of a MoE layer in a decode step take a cache slot (`--upload-cap`); the others
     /// are staged for that step alone, or computed by the CPU. `u32::MAX`: no cap.
     pub upload_cap: u32,
+    /// On the device's table, a layer's misses are copied in and computed on a second stream while its hits are
+    /// computed (`STRATA_FETCH_OVERLAP`; off: copied in before any expert of the layer is computed).
+    pub fetch_overlap: bool,
 }
 
 /// What the cache did in one phase: the slot cache's counts, and the bytes uploaded (admitted and staged
@@ -530,10 +533,12 @@ impl ExpertPool {
         Ok(())
     }
 
-    /// Queues a decode layer-step of one token through the device's table (in a step begun by
+    /// Queues the lookup of a decode layer-step of one token in the device's table (in a step begun by
     /// [`ExpertPool::table_step_begin`]): `ids` holds the router's `k` experts; the slots they are read from go to
-    /// `slot_ids` (`k` words), with the misses copied in first. With a routing trace (`replayed`), its experts
-    /// for the layer (uploaded by [`ExpertPool::table_step_begin`]) are looked up instead of the router's.
+    /// `slot_ids` (`3 k` words: every slot, then the hits' alone and the misses' alone, the others `MOE_SKIP`,
+    /// kernels/experts.cu), and the misses to the fetch list that [`ExpertPool::table_fetch`] copies in. With a
+    /// routing trace (`replayed`), its experts for the layer (uploaded by [`ExpertPool::table_step_begin`]) are
+    /// looked up instead of the router's.
     ///
     /// Errors: a launch failed.
     pub(super) fn table_lookup(
@@ -546,10 +551,8 @@ impl ExpertPool {
     ) -> Result<(), CudaError> {
         use super::launch::Arg;
         let k = self.config.k;
-        let base = self.buf.ptr;
         let stride = self.config.slot_bytes;
-        let (offsets, span) = layout(ex);
-        let bytes = layout_bytes(ex);
+        let (_, span) = layout(ex);
         assert!(
             span <= stride && ex.n_expert == self.config.n_expert && ex.layer < self.config.n_layer,
             "layer {}'s experts ({span} bytes) do not fit the pool's slots ({stride} bytes)",
@@ -557,11 +560,6 @@ impl ExpertPool {
         );
         let t = self.table.as_mut().expect("a device table");
         t.layer_bytes[ex.layer] = ex.expert_bytes();
-        let src = [&ex.gate, &ex.up, &ex.down].map(|w| {
-            t.arena
-                .device_of(w.data)
-                .expect("a mapped arena holds every routed expert")
-        });
         // A routing trace's experts for this layer-step were uploaded with the table: read them in place of the
         // router's (nothing after the lookup reads the router's ids).
         let ids = if replayed {
@@ -589,7 +587,25 @@ impl ExpertPool {
                 Arg::I(self.config.slots as i32),
                 Arg::I(self.config.upload_cap.min(i32::MAX as u32) as i32),
             ],
-        )?;
+        )
+    }
+
+    /// Queues the copy of the misses [`ExpertPool::table_lookup`] listed for layer `ex` into their slots, read
+    /// from the mapped arena over the link (`expert_fetch`), on the current stream.
+    ///
+    /// Errors: a launch failed.
+    pub(super) fn table_fetch(&mut self, gpu: &super::Gpu, ex: &Experts<'_>) -> Result<(), CudaError> {
+        use super::launch::Arg;
+        let base = self.buf.ptr;
+        let stride = self.config.slot_bytes;
+        let (offsets, _) = layout(ex);
+        let bytes = layout_bytes(ex);
+        let t = self.table.as_mut().expect("a device table");
+        let src = [&ex.gate, &ex.up, &ex.down].map(|w| {
+            t.arena
+                .device_of(w.data)
+                .expect("a mapped arena holds every routed expert")
+        });
         // Per matrix (bit m): 16-byte words when its size, source and slot offset all allow them.
         let vec16 = (0..3)
             .filter(|&m| bytes[m] % 16 == 0 && offsets[m] % 16 == 0 && src[m] % 16 == 0 && stride % 16 == 0)

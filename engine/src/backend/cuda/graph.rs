@@ -58,6 +58,7 @@ impl Gpu {
     /// eagerly from there, and the graph is recorded anew. Off with `STRATA_CUDA_GRAPHS=0`, in sync-launch and
     /// profile modes.
     pub fn step_begin(&self, key: StepKey, graphable: bool) {
+        self.reset_lane();
         let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let on = graphable && gs.enabled && !self.sync_launches && !self.profiling.load(Ordering::Relaxed);
         gs.mode = match (on, gs.graphs.contains_key(&key)) {
@@ -192,6 +193,7 @@ impl Gpu {
 
     /// Captures `launches` into a graph (nothing runs).
     fn capture(&self, launches: &[LaunchRec]) -> Result<CudaGraph, CudaError> {
+        self.reset_lane();
         for k in &self.skip {
             if !launches.iter().any(|r| r.kernel == k) {
                 eprintln!("strata: STRATA_SKIP_KERNELS: `{k}` is not launched in this decode step (nothing left out)");

@@ -25,8 +25,69 @@ pub enum Arg {
     F(f32),
 }
 
+/// The stream operations a step records among its launches (so a CUDA graph captures them as edges), by the
+/// names [`Gpu::launch`] takes them under: `@` is no kernel's first letter.
+const FORK: &str = "@fork";
+const TO_MAIN: &str = "@main";
+const JOIN: &str = "@join";
+
 impl Gpu {
-    /// Launches a kernel now (no graph bookkeeping).
+    /// Starts work beside the stream's: what the stream has queued so far comes first, then the launches that
+    /// follow go to the side stream until [`Gpu::to_main`] or [`Gpu::join`]. Recorded in a decode step like a
+    /// launch, so its graph holds the two branches (CUDA programming guide, "Stream capture", cross-stream
+    /// dependencies).
+    ///
+    /// Errors: the event could not be recorded or waited for.
+    pub(super) fn fork(&self) -> Result<(), CudaError> {
+        self.launch(FORK, (1, 1, 1), (1, 1, 1), &[])
+    }
+
+    /// After [`Gpu::fork`]: the launches that follow go to the stream again, beside what the side stream does.
+    pub(super) fn to_main(&self) -> Result<(), CudaError> {
+        self.launch(TO_MAIN, (1, 1, 1), (1, 1, 1), &[])
+    }
+
+    /// Ends the side branch: the stream's launches that follow wait for everything queued on the side stream.
+    ///
+    /// Errors: the event could not be recorded or waited for.
+    pub(super) fn join(&self) -> Result<(), CudaError> {
+        self.launch(JOIN, (1, 1, 1), (1, 1, 1), &[])
+    }
+
+    /// The stream launches go to now.
+    fn current(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        if self.on_side.load(Ordering::Relaxed) {
+            &self.side
+        } else {
+            &self.stream
+        }
+    }
+
+    /// Leaves a side branch a failed step may have left open: launches go to the stream.
+    pub(super) fn reset_lane(&self) {
+        self.on_side.store(false, Ordering::Relaxed);
+    }
+
+    /// Carries out one of the stream operations [`Gpu::fork`], [`Gpu::to_main`] and [`Gpu::join`] record.
+    fn lane_op(&self, op: &'static str) -> Result<(), CudaError> {
+        let e = || CudaError::driver("ordering the side stream");
+        match op {
+            FORK => {
+                self.fork_ev.record(&self.stream).map_err(e())?;
+                self.side.wait(&self.fork_ev).map_err(e())?;
+                self.on_side.store(true, Ordering::Relaxed);
+            }
+            TO_MAIN => self.on_side.store(false, Ordering::Relaxed),
+            _ => {
+                self.join_ev.record(&self.side).map_err(e())?;
+                self.stream.wait(&self.join_ev).map_err(e())?;
+                self.on_side.store(false, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// Launches a kernel now (no graph bookkeeping), on the current stream (see [`Gpu::fork`]).
     pub(super) fn raw_launch(
         &self,
         kernel: &'static str,
@@ -34,6 +95,9 @@ impl Gpu {
         block: (u32, u32, u32),
         args: &[Arg],
     ) -> Result<(), CudaError> {
+        if kernel.starts_with('@') {
+            return self.lane_op(kernel);
+        }
         let call = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
         let f = self.funcs.get(kernel).ok_or_else(|| CudaError::Launch {
             kernel: kernel.into(),
@@ -52,7 +116,7 @@ impl Gpu {
                 block_dim: block,
                 shared_mem_bytes: 0,
             };
-            let mut b = self.stream.launch_builder(f);
+            let mut b = self.current().launch_builder(f);
             for a in args {
                 match a {
                     Arg::P(v) => b.arg(v),
@@ -75,7 +139,7 @@ impl Gpu {
             }
         }
         if r.is_ok() && self.sync_launches {
-            r = self.stream.synchronize();
+            r = self.current().synchronize();
         }
         r.map_err(|e| {
             let error = e.to_string();
@@ -138,7 +202,7 @@ impl Gpu {
             blockDimY: block.1,
             blockDimZ: block.2,
             sharedMemBytes: 0,
-            hStream: self.stream.cu_stream(),
+            hStream: self.current().cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
         };
@@ -171,7 +235,7 @@ impl Gpu {
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .ok()?;
-        e.record(&self.stream).ok()?;
+        e.record(self.current()).ok()?;
         Some(e)
     }
 

@@ -200,6 +200,13 @@ pub struct CudaBackend {
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// A second stream for work beside `stream`'s inside a step ([`Gpu::fork`], [`Gpu::join`]).
+    side: Arc<CudaStream>,
+    /// Recorded on `stream` at a fork (the side waits for it), and on `side` at a join (`stream` waits for it).
+    fork_ev: cudarc::driver::CudaEvent,
+    join_ev: cudarc::driver::CudaEvent,
+    /// Launches go to `side` (between a fork and the next [`Gpu::to_main`] or join).
+    on_side: std::sync::atomic::AtomicBool,
     funcs: HashMap<&'static str, CudaFunction>,
     calls: AtomicU64,
     sync_launches: bool,

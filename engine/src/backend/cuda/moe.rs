@@ -17,6 +17,12 @@ fn moe_on_device(ex: &Experts<'_>) -> bool {
     ex.n_expert <= 1024 && [ex.gate, ex.up, ex.down].iter().all(gpu_computes)
 }
 
+/// Whether a decode step's down projection computes the GLU itself while it quantizes its activations (one launch
+/// fewer): the Q4_K one, for rows within its staging; other types take the GLU kernel first.
+fn fuses_glu(ex: &Experts<'_>) -> bool {
+    ex.down.ty == GgmlType::Q4_K && ex.n_ff_exp <= MMV_X_MAX
+}
+
 /// Where [`Inner::moe_dispatch`] puts the experts' weighted sum (device addresses).
 #[derive(Clone, Copy)]
 enum MoeSum {
@@ -301,9 +307,7 @@ impl Inner {
             launch(0, at.base[0], xp, gp, gp, k, &ex.gate, nff, 1, 0, false)?;
             launch(1, at.base[1], xp, up, up, k, &ex.up, nff, 1, 0, false)?;
         }
-        // The Q4_K down projection computes the GLU itself while it quantizes its activations (one launch
-        // fewer); other types and rows wider than its staging take the GLU kernel first.
-        let fused_glu = ex.down.ty == GgmlType::Q4_K && nff <= MMV_X_MAX;
+        let fused_glu = fuses_glu(ex);
         if !fused_glu {
             glu_dev(gpu, gp, up, slots * nff, ex.act)?;
         }
@@ -369,11 +373,28 @@ impl Inner {
                     self.mmv_experts(gpu, ex, &at, ids, xp, bufs, k, slots, true)?;
                 }
                 Some(pool) if pool.table_active() => {
-                    // The device's slot table: the misses are copied in from the mapped arena, then every expert
-                    // is read from its slot (no host round trip: the step stays a graph).
-                    let sp = self.slot(gpu, Slot::MoeSlotIds, slots * 4)?;
+                    // The device's slot table: the misses are copied in from the mapped arena and every expert is
+                    // read from its slot (no host round trip: the step stays a graph).
+                    let sp = self.slot(gpu, Slot::MoeSlotIds, 3 * slots * 4)?;
                     pool.table_lookup(gpu, ex, ids, sp, self.replay.is_some())?;
-                    self.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots, false)?;
+                    let at = pool_at(pool, ex);
+                    // The GLU is fused into the Q4_K down projection alone; a separate GLU launch spans every
+                    // slot, so the two halves below could not run side by side.
+                    if pool.config().fetch_overlap && fuses_glu(ex) {
+                        // On a second stream, the misses are copied in and computed; on the stream, the hits
+                        // are computed meanwhile (each half skips the other's slots: MOE_SKIP). The sum waits
+                        // for both.
+                        let (hits, misses) = (sp + (slots * 4) as u64, sp + (2 * slots * 4) as u64);
+                        gpu.fork()?;
+                        pool.table_fetch(gpu, ex)?;
+                        self.mmv_experts(gpu, ex, &at, misses, xp, bufs, k, slots, false)?;
+                        gpu.to_main()?;
+                        self.mmv_experts(gpu, ex, &at, hits, xp, bufs, k, slots, false)?;
+                        gpu.join()?;
+                    } else {
+                        pool.table_fetch(gpu, ex)?;
+                        self.mmv_experts(gpu, ex, &at, sp, xp, bufs, k, slots, false)?;
+                    }
                 }
                 Some(pool) => {
                     let mut ids_h = vec![0u32; slots];
