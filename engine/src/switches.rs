@@ -50,6 +50,8 @@ pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
 pub const DEVICE_SLOT_TABLE: &str = "STRATA_DEVICE_SLOT_TABLE";
 /// Expert fetches of decode steps on a second stream, beside the hits' compute.
 pub const FETCH_OVERLAP: &str = "STRATA_FETCH_OVERLAP";
+/// Blocks per matrix of the expert fetch kernel (a tuning knob).
+pub const FETCH_BLOCKS: &str = "STRATA_FETCH_BLOCKS";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -115,6 +117,11 @@ pub const SWITCHES: &[Switch] = &[
         FETCH_OVERLAP,
         "1",
         "0: on the device's slot table, a MoE layer's misses are copied in before any of its experts is computed, instead of on a second stream while the hits are computed",
+    ),
+    sw(
+        FETCH_BLOCKS,
+        "264",
+        "N (1-4096): blocks per matrix of expert_fetch, the kernel that copies an expert cache's misses in over the link (tuning)",
     ),
     sw(
         PROFILE_KERNELS,

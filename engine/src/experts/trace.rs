@@ -97,6 +97,92 @@ fn line_error(e: std::io::Error, n: usize, path: &str) -> TraceError {
     }
 }
 
+/// Where `--routing-trace` takes its routing from: a trace file, or a trace generated at start for the model's
+/// geometry by [`synth_trace`] (so a benchmark or a scenario needs no file):
+///
+/// - `synth:locality[:SEED]`: the published Qwen3-30B-A3B locality ([`SynthRouting::QWEN3_30B`]);
+/// - `synth:uniform[:SEED]`: no locality ([`SynthRouting::RANDOM`]);
+/// - anything else is a file (`./synth:locality` names a file of that name).
+///
+/// The seed defaults to 0; the generated trace holds [`SYNTH_REPLAY_TOKENS`] tokens (fewer when the model's
+/// geometry would pass [`MAX_LOOKUPS`]), replayed from the start again after its end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoutingSource {
+    File(std::path::PathBuf),
+    Synth { uniform: bool, seed: u64 },
+}
+
+/// Tokens of a trace `--routing-trace synth:...` generates (`strata experts synth-trace`'s default too).
+pub const SYNTH_REPLAY_TOKENS: u64 = 4096;
+
+impl std::str::FromStr for RoutingSource {
+    type Err = String;
+
+    /// Errors: a `synth:` spec that is neither `locality` nor `uniform`, or whose seed is not a number (the
+    /// message says what is expected).
+    fn from_str(s: &str) -> Result<RoutingSource, String> {
+        let Some(spec) = s.strip_prefix("synth:") else {
+            if s.is_empty() {
+                return Err("an empty path: give a routing trace file, synth:locality or synth:uniform".into());
+            }
+            return Ok(RoutingSource::File(s.into()));
+        };
+        let (kind, seed) = spec.split_once(':').unwrap_or((spec, "0"));
+        let uniform = match kind {
+            "locality" => false,
+            "uniform" => true,
+            _ => {
+                return Err(format!(
+                    "`{s}`: expected synth:locality or synth:uniform, optionally followed by :SEED (./{s} for a file of that name)"
+                ));
+            }
+        };
+        let seed = seed
+            .parse()
+            .map_err(|_| format!("`{s}`: the seed `{seed}` is not a whole number from 0 to {}", u64::MAX))?;
+        Ok(RoutingSource::Synth { uniform, seed })
+    }
+}
+
+impl std::fmt::Display for RoutingSource {
+    /// The spec [`RoutingSource::from_str`](std::str::FromStr::from_str) reads back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RoutingSource::File(p) if p.to_str().is_some_and(|s| s.starts_with("synth:")) => {
+                write!(f, "./{}", p.display())
+            }
+            RoutingSource::File(p) => write!(f, "{}", p.display()),
+            RoutingSource::Synth { uniform, seed } => {
+                write!(f, "synth:{}:{seed}", if *uniform { "uniform" } else { "locality" })
+            }
+        }
+    }
+}
+
+impl RoutingSource {
+    /// The trace for a model of `n_layer` layers, top-`k` of `n_expert` experts: read from the file, or
+    /// generated.
+    ///
+    /// Errors: the file cannot be read or is not a trace; the geometry is outside what a trace may hold.
+    pub fn trace(&self, n_layer: u32, n_expert: u32, k: u32) -> Result<Trace, String> {
+        match self {
+            RoutingSource::File(p) => Trace::read(p).map_err(|e| e.to_string()),
+            &RoutingSource::Synth { uniform, seed } => {
+                if let Some(why) = geometry_error(n_layer, n_expert, k) {
+                    return Err(why);
+                }
+                let tokens = SYNTH_REPLAY_TOKENS.min(MAX_LOOKUPS / (n_layer as u64 * k as u64));
+                let r = if uniform {
+                    SynthRouting::RANDOM
+                } else {
+                    SynthRouting::QWEN3_30B
+                };
+                Ok(synth_trace(n_layer, n_expert, k, tokens, r, seed))
+            }
+        }
+    }
+}
+
 /// A trace replayed into a router (`--routing-trace`): each layer hands out its records' experts in trace order,
 /// one record per routed token, starting over at the end. Benchmarks on random-weight models use it to route as a
 /// real model does; the logits it gives are not the model's (the router's weights are kept for other experts).

@@ -9,6 +9,7 @@
 use crate::experts::cache::Policy;
 use crate::experts::miss::MissPolicy;
 use crate::experts::slot_layout;
+use crate::experts::trace::RoutingSource;
 use crate::gguf::GgufModel;
 use crate::model::HParams;
 
@@ -92,6 +93,11 @@ fn parse_budget(s: &str) -> Result<u64, String> {
     parse_size("--vram-budget", s)
 }
 
+/// `--routing-trace`: a file, or a `synth:` spec ([`RoutingSource`]).
+fn parse_routing_source(s: &str) -> Result<RoutingSource, String> {
+    s.parse()
+}
+
 fn parse_upload_cap(s: &str) -> Result<u32, String> {
     match s.parse::<u32>() {
         Ok(n) if n <= 1 << 20 => Ok(n),
@@ -149,11 +155,12 @@ pub struct ExpertFlags {
     /// an expert cache only.
     #[arg(long)]
     pub save_expert_profile: Option<std::path::PathBuf>,
-    /// Route every MoE layer as this routing trace says (`strata experts synth-trace`) instead of by its router:
-    /// benchmarks of random-weight models with a real model's locality. The tokens are not the model's. CUDA
-    /// devices only.
-    #[arg(long)]
-    pub routing_trace: Option<std::path::PathBuf>,
+    /// Route every MoE layer as this routing trace says instead of by its router: benchmarks of random-weight
+    /// models with a real model's locality. A file (`strata experts synth-trace`, --dump-routing), or
+    /// synth:locality[:SEED] (the published Qwen3-30B-A3B locality) or synth:uniform[:SEED], generated at start
+    /// for the model. The tokens are not the model's. CUDA devices only.
+    #[arg(long, value_parser = parse_routing_source)]
+    pub routing_trace: Option<RoutingSource>,
     /// Where a GPU's decode steps compute the experts its cache misses: upload (into a cache or staging slot;
     /// results bit-identical to the all-resident run), cpu (every miss on the CPU while the GPU computes the
     /// hits), or auto (a cost model splits each layer's misses by the link and CPU rates measured at start).
@@ -198,7 +205,7 @@ impl ExpertFlags {
             a.push("--mmap-experts".into());
         }
         if let Some(t) = &self.routing_trace {
-            a.extend(["--routing-trace".into(), t.display().to_string()]);
+            a.extend(["--routing-trace".into(), t.to_string()]);
         }
         if let Some(c) = self.upload_cap {
             a.extend(["--upload-cap".into(), c.to_string()]);

@@ -16,7 +16,7 @@ use crate::experts::cache::Policy;
 use crate::experts::miss::{MissCost, MissPlan, MissPolicy};
 use crate::experts::profile::ExpertProfile;
 use crate::experts::store::host_available_bytes;
-use crate::experts::trace::{RoutingReplay, Trace};
+use crate::experts::trace::{RoutingReplay, RoutingSource};
 use crate::memory::{
     CacheSize, ExpertFlags, ExpertGeometry, ExpertPlacement, MemoryPlan, Part, PlanConfig, Verdict, WeightBytes,
     human_bytes,
@@ -221,8 +221,8 @@ pub enum EngineError {
     Template { path: PathBuf, source: TemplateError },
     #[error("--dump-routing {path}: {why}")]
     DumpRouting { path: PathBuf, why: String },
-    #[error("--routing-trace {path}: {why}")]
-    RoutingTrace { path: PathBuf, why: String },
+    #[error("--routing-trace {spec}: {why}")]
+    RoutingTrace { spec: RoutingSource, why: String },
     /// `--expert-profile`, `--save-expert-profile` or `--expert-policy profile` (`flag`) cannot be used.
     #[error("{flag}{}: {why}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
     ExpertProfile {
@@ -353,10 +353,7 @@ impl Engine {
             if let Some(c) = backend.cuda() {
                 c.set_routing_replay(Some(replay));
             }
-            eprintln!(
-                "strata: routing from {} (--routing-trace): the tokens are not the model's",
-                t.display()
-            );
+            eprintln!("strata: routing from {t} (--routing-trace): the tokens are not the model's");
         }
         Ok(Engine {
             pinned,
@@ -824,15 +821,17 @@ fn prefill_from(
 /// The replay of the routing trace at `path` into a model of hyper-parameters `hp`.
 ///
 /// Errors: the trace cannot be read, or routes another geometry than the model's (naming the file).
-fn replay_for(path: &std::path::Path, hp: &crate::model::HParams) -> Result<RoutingReplay, EngineError> {
+fn replay_for(source: &RoutingSource, hp: &crate::model::HParams) -> Result<RoutingReplay, EngineError> {
     let bad = |why: String| EngineError::RoutingTrace {
-        path: path.to_path_buf(),
+        spec: source.clone(),
         why,
     };
-    let trace = Trace::read(path).map_err(|e| bad(e.to_string()))?;
     if !hp.is_moe() {
         return Err(bad("the model has no routed experts".into()));
     }
+    let trace = source
+        .trace(hp.n_layer, hp.n_expert, hp.n_expert_used)
+        .map_err(bad)?;
     RoutingReplay::new(&trace, hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)
 }
 

@@ -213,8 +213,18 @@ const LOOKUP_STAGED: u32 = u32::MAX;
 const LOOKUP_BAD: u32 = u32::MAX - 1;
 /// A log word no lookup wrote (the step did not run that layer).
 const LOG_EMPTY: u32 = u32::MAX;
-/// Blocks per matrix of `expert_fetch` (two waves of 256 threads on 132 SMs: enough loads in flight for the link).
+/// Blocks per matrix of `expert_fetch` unless `STRATA_FETCH_BLOCKS` says otherwise (two waves of 256 threads on
+/// 132 SMs: enough loads in flight for the link).
 const FETCH_BLOCKS: u32 = 264;
+
+/// `expert_fetch`'s blocks per matrix: `STRATA_FETCH_BLOCKS` when it is a number from 1 to 4096, else
+/// [`FETCH_BLOCKS`].
+fn fetch_blocks() -> u32 {
+    crate::switches::text_lossy(crate::switches::FETCH_BLOCKS)
+        .and_then(|v| v.parse().ok())
+        .filter(|n| (1..=4096).contains(n))
+        .unwrap_or(FETCH_BLOCKS)
+}
 
 /// The device's copy of the slot table, for decode steps of one token whose experts are in a mapped page-locked
 /// arena (DESIGN.md section 3, "Expert cache": a step that hits decides on the device, inside the CUDA graph).
@@ -256,6 +266,8 @@ struct DeviceTable {
     misses: f64,
     /// Whether the current step uses the table.
     active: bool,
+    /// `expert_fetch`'s blocks per matrix ([`fetch_blocks`]).
+    fetch_blocks: u32,
 }
 
 impl DeviceTable {
@@ -280,6 +292,7 @@ impl DeviceTable {
             free_max,
             misses: (config.n_layer * config.k) as f64 / 4.0,
             active: false,
+            fetch_blocks: fetch_blocks(),
         })
     }
 
@@ -612,7 +625,7 @@ impl ExpertPool {
             .fold(0, |bits, m| bits | 1 << m);
         gpu.launch(
             "expert_fetch",
-            (FETCH_BLOCKS, 3, 1),
+            (t.fetch_blocks, 3, 1),
             (256, 1, 1),
             &[
                 Arg::P(t.fetch.ptr),
