@@ -1024,4 +1024,58 @@ mod tests {
         let t = synth_trace(2, 128, 8, 10, steep, 1);
         assert!(t.locality().reused_next > 0.99);
     }
+
+    /// `--routing-trace` specs: `synth:` generates for the model's geometry (the same trace `strata experts
+    /// synth-trace` writes with that seed), a file is a file, and bad specs say what is expected.
+    #[test]
+    fn routing_sources_parse_print_and_generate() {
+        use std::str::FromStr;
+        for (spec, want) in [
+            (
+                "synth:locality",
+                RoutingSource::Synth {
+                    uniform: false,
+                    seed: 0,
+                },
+            ),
+            ("synth:uniform:7", RoutingSource::Synth { uniform: true, seed: 7 }),
+            ("t.jsonl", RoutingSource::File("t.jsonl".into())),
+            ("./synth:locality", RoutingSource::File("./synth:locality".into())),
+        ] {
+            let got = RoutingSource::from_str(spec).unwrap();
+            assert_eq!(got, want, "{spec}");
+            assert_eq!(
+                RoutingSource::from_str(&got.to_string()).unwrap(),
+                got,
+                "{spec} printed as {got}"
+            );
+        }
+        assert_eq!(
+            RoutingSource::File("synth:x".into()).to_string(),
+            "./synth:x",
+            "a file whose name looks like a spec prints as a path"
+        );
+        for bad in ["synth:", "synth:zipf", "synth:uniform:-1", "synth:locality:x", ""] {
+            let e = RoutingSource::from_str(bad).unwrap_err();
+            assert!(e.contains("synth:locality") || e.contains("seed"), "{bad}: {e}");
+        }
+        let t = RoutingSource::Synth {
+            uniform: false,
+            seed: 3,
+        }
+        .trace(4, 32, 2)
+        .unwrap();
+        assert_eq!(
+            t,
+            synth_trace(4, 32, 2, SYNTH_REPLAY_TOKENS, SynthRouting::QWEN3_30B, 3)
+        );
+        let u = RoutingSource::Synth { uniform: true, seed: 3 }.trace(4, 32, 2).unwrap();
+        assert_eq!(u, synth_trace(4, 32, 2, SYNTH_REPLAY_TOKENS, SynthRouting::RANDOM, 3));
+        assert_ne!(t, u);
+        assert!(RoutingSource::Synth { uniform: true, seed: 0 }.trace(0, 32, 2).is_err());
+        let e = RoutingSource::File("/nonexistent/t.jsonl".into())
+            .trace(4, 32, 2)
+            .unwrap_err();
+        assert!(e.contains("/nonexistent/t.jsonl"), "{e}");
+    }
 }

@@ -829,9 +829,7 @@ fn replay_for(source: &RoutingSource, hp: &crate::model::HParams) -> Result<Rout
     if !hp.is_moe() {
         return Err(bad("the model has no routed experts".into()));
     }
-    let trace = source
-        .trace(hp.n_layer, hp.n_expert, hp.n_expert_used)
-        .map_err(bad)?;
+    let trace = source.trace(hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)?;
     RoutingReplay::new(&trace, hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)
 }
 

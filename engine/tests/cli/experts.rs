@@ -151,6 +151,8 @@ fn expert_cache_flags_refuse_bad_values_by_name() {
         ("--vram-budget", "12 parsecs"),
         ("--vram-reserve-mib", "-5"),
         ("--expert-policy", "fifo"),
+        ("--routing-trace", "synth:zipf"),
+        ("--routing-trace", "synth:uniform:seven"),
     ] {
         let arg = format!("{flag}={v}");
         let out = strata(&["generate", "--prompt", "hi", &arg]);
