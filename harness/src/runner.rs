@@ -603,7 +603,8 @@ fn unix_ms() -> u64 {
 }
 
 /// The expectation of case `case` in the combination of arms `arm_names`: the scenario's, the case's, then each
-/// arm's override in axis order.
+/// arm's override in axis order, then the overrides of joined arms (`a+b`) the combination holds all of, in key
+/// order.
 fn row_expect(s: &Scenario, arm_names: &[String], case: &str) -> Expect {
     let Some(c) = s.cases.iter().find(|c| c.name == case) else {
         return s.expect.clone();
@@ -611,6 +612,11 @@ fn row_expect(s: &Scenario, arm_names: &[String], case: &str) -> Expect {
     let mut e = s.expect.merged(&c.expect);
     for a in arm_names {
         if let Some(o) = c.arms.get(a) {
+            e = e.merged(o);
+        }
+    }
+    for (key, o) in &c.arms {
+        if key.contains('+') && key.split('+').all(|part| arm_names.iter().any(|a| a == part)) {
             e = e.merged(o);
         }
     }
@@ -662,13 +668,17 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
                 let w: Vec<String> = axes.iter().zip(names).map(|(ax, n)| format!("{ax}={n}")).collect();
                 w.join(",")
             };
-            // The combination with X in place of this one's arm; when the scenario excludes it, the one
-            // combination that has X (X's arm runs once, as an all-resident reference usually does).
+            // The combination with X in place of this one's arm; when the scenario excludes it, the combination
+            // with X that shares the most of this one's other arms, if one alone does (X's arm runs in fewer
+            // combinations, as an all-resident reference usually does).
+            let shared = |b: &ArmReport| b.arm_names.iter().zip(&want).filter(|(p, q)| p == q).count();
             let with_x: Vec<&ArmReport> = arms.iter().filter(|b| b.arm_names.contains(&x)).collect();
+            let most = with_x.iter().map(|b| shared(b)).max().unwrap_or(0);
+            let closest: Vec<&ArmReport> = with_x.iter().copied().filter(|b| shared(b) == most).collect();
             let reference = arms
                 .iter()
                 .find(|b| b.arm_names == want)
-                .or_else(|| (excluded(s, &want) && with_x.len() == 1).then(|| with_x[0]));
+                .or_else(|| (excluded(s, &want) && closest.len() == 1).then(|| closest[0]));
             let what = format!(
                 "output equals arm `{x}`'s ({})",
                 label(reference.map_or(&want, |b| &b.arm_names))
@@ -682,8 +692,8 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
             let check = match reference {
                 None if !ran_all => continue,
                 None if excluded(s, &want) => fail(format!(
-                    "that combination is excluded, and {} others have arm `{x}`: name one by excluding the rest",
-                    with_x.len()
+                    "that combination is excluded, and {} others with arm `{x}` share as many of its arms: name one by excluding the rest",
+                    closest.len()
                 )),
                 None => fail("that combination was not run".into()),
                 Some(b) if b.error.is_some() => fail("that combination's engine did not start".into()),
@@ -787,6 +797,25 @@ mod tests {
         );
     }
 
+    /// A case's expectation: the single arms' overrides in axis order, then a joined key's (`a+b`) in the
+    /// combinations that hold both.
+    #[test]
+    fn joined_arm_expectations_apply_where_every_arm_is() {
+        let s = crate::scenario::parse(
+            "t",
+            "name: t\nmatrix:\n  cache: [{name: resident}, {name: small}]\n  routing: [{name: own}, {name: locality}]\ncases:\n  - name: a\n    prompt: {text: x}\n    arms:\n      small: {min_decode_tok_s: 120}\n      small+locality: {min_decode_tok_s: 212}\n      locality: {min_prefill_tok_s: 5}\n",
+        )
+        .unwrap();
+        let floor = |arms: &[&str]| {
+            let names: Vec<String> = arms.iter().map(|a| a.to_string()).collect();
+            let e = row_expect(&s, &names, "a");
+            (e.min_decode_tok_s, e.min_prefill_tok_s)
+        };
+        assert_eq!(floor(&["small", "own"]), (Some(120.0), None));
+        assert_eq!(floor(&["small", "locality"]), (Some(212.0), Some(5.0)));
+        assert_eq!(floor(&["resident", "locality"]), (None, Some(5.0)));
+    }
+
     const OFFLOAD: &str = "name: t\nmatrix:\n  cache: [{name: resident}, {name: small}]\n  store: [{name: arena}, {name: mmap}]\nexclude:\n  - {cache: resident, store: mmap}\ncases:\n  - name: a\n    prompt: {text: x}\n    expect: {same_output_as: resident}\n";
 
     #[test]
@@ -877,6 +906,31 @@ mod tests {
         let mut arms = vec![dead, arm(&["small", "arena"], &["Paris is"])];
         check_same_outputs(&s, &mut arms, true);
         assert!(!arms[1].rows[0].checks[0].passed);
+    }
+
+    /// With the exact reference excluded, the combination with the named arm that shares the most of the row's
+    /// other arms is the reference; a tie is a failed check that says so.
+    #[test]
+    fn an_excluded_reference_falls_back_to_the_closest_combination() {
+        let s = crate::scenario::parse(
+            "t",
+            "name: t\nmatrix:\n  cache: [{name: resident}, {name: small}]\n  routing: [{name: own}, {name: loc}, {name: uni}]\n  store: [{name: arena}, {name: mmap}]\nexclude:\n  - {cache: resident, store: mmap}\n  - {cache: resident, routing: uni}\ncases:\n  - name: a\n    prompt: {text: x}\n    expect: {same_output_as: resident}\n",
+        )
+        .unwrap();
+        let mut arms = vec![
+            arm(&["resident", "own", "arena"], &["A"]),
+            arm(&["resident", "loc", "arena"], &["B"]),
+            arm(&["small", "loc", "mmap"], &["B"]),
+            arm(&["small", "uni", "mmap"], &["C"]),
+        ];
+        check_same_outputs(&s, &mut arms, true);
+        let c = &arms[2].rows[0].checks[0];
+        assert!(
+            c.passed && c.what.contains("cache=resident,routing=loc,store=arena"),
+            "{c:?}"
+        );
+        let c = &arms[3].rows[0].checks[0];
+        assert!(!c.passed && c.got.contains("2 others"), "{c:?}");
     }
 
     #[test]

@@ -114,7 +114,8 @@ pub struct Case {
     /// Expectation fields overriding the scenario's.
     #[serde(default)]
     pub expect: Expect,
-    /// Per-arm expectation fields (keyed by arm name), overriding the case's.
+    /// Per-arm expectation fields (keyed by arm name), overriding the case's. A key `a+b` joins arms of
+    /// different axes: it applies to the combinations that hold all of them, after the single arms.
     #[serde(default)]
     pub arms: BTreeMap<String, Expect>,
 }
@@ -492,12 +493,28 @@ impl Scenario {
             if c.repetitions == Some(0) || c.max_tokens == Some(0) {
                 return Err(format!("{at}: repetitions and max_tokens must be at least 1"));
             }
-            for arm in c.arms.keys() {
-                if !arm_names.contains(arm) {
-                    return Err(format!(
-                        "{at}: arms.{arm} names no arm of the matrix (arms: {})",
-                        arm_names.join(", ")
-                    ));
+            for key in c.arms.keys() {
+                let mut axes = Vec::new();
+                for arm in key.split('+') {
+                    if !arm_names.iter().any(|a| a == arm) {
+                        let what = if arm == key {
+                            String::new()
+                        } else {
+                            format!(": `{arm}`")
+                        };
+                        return Err(format!(
+                            "{at}: arms.{key}{what} names no arm of the matrix (arms: {})",
+                            arm_names.join(", ")
+                        ));
+                    }
+                    if let Some(axis) = self.axis_of(arm) {
+                        if axes.contains(&axis) {
+                            return Err(format!(
+                                "{at}: arms.{key} joins two arms of axis `{axis}`: no combination holds both"
+                            ));
+                        }
+                        axes.push(axis);
+                    }
                 }
             }
             for e in std::iter::once(&c.expect).chain(c.arms.values()) {
@@ -651,6 +668,17 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.message.contains("case `a`") && e.message.contains("`nope`"), "{e}");
+        let joined = |key: &str| {
+            parse(
+                "t.yaml",
+                &format!("{base}{case}    arms:\n      {key}: {{min_decode_tok_s: 1}}\n"),
+            )
+        };
+        assert!(joined("small+mmap").is_ok());
+        let e = joined("small+mnap").unwrap_err();
+        assert!(e.message.contains("arms.small+mnap: `mnap` names no arm"), "{e}");
+        let e = joined("small+resident").unwrap_err();
+        assert!(e.message.contains("two arms of axis `cache`"), "{e}");
     }
 
     #[test]
