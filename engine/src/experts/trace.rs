@@ -104,7 +104,8 @@ fn line_error(e: std::io::Error, n: usize, path: &str) -> TraceError {
 /// - `synth:uniform[:SEED]`: no locality ([`SynthRouting::RANDOM`]);
 /// - anything else is a file (`./synth:locality` names a file of that name).
 ///
-/// The seed defaults to 0; the generated trace holds [`SYNTH_REPLAY_TOKENS`] tokens (fewer when the model's
+/// The seed defaults to 1 (`strata experts synth-trace`'s, so `synth:locality` replays the file it writes by
+/// default); the generated trace holds [`SYNTH_REPLAY_TOKENS`] tokens (fewer when the model's
 /// geometry would pass [`MAX_LOOKUPS`]), replayed from the start again after its end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RoutingSource {
@@ -127,7 +128,7 @@ impl std::str::FromStr for RoutingSource {
             }
             return Ok(RoutingSource::File(s.into()));
         };
-        let (kind, seed) = spec.split_once(':').unwrap_or((spec, "0"));
+        let (kind, seed) = spec.split_once(':').unwrap_or((spec, "1"));
         let uniform = match kind {
             "locality" => false,
             "uniform" => true,
