@@ -1036,7 +1036,7 @@ mod tests {
                 "synth:locality",
                 RoutingSource::Synth {
                     uniform: false,
-                    seed: 0,
+                    seed: 1,
                 },
             ),
             ("synth:uniform:7", RoutingSource::Synth { uniform: true, seed: 7 }),
