@@ -16,8 +16,7 @@
 // step), and enter the table; any other miss is read into staging slot `staging + j` for this step alone. Every
 // miss joins the fetch list (fetch[0] misses, then (expert, slot) pairs, in routing order) for expert_fetch.
 // Writes slot_ids[j]; the same split in two, for computing the hits while the misses are fetched: slot_ids[k + j]
-// the hits' slots (MOE_SKIP for a miss), slot_ids[2 k + j] the misses' (MOE_SKIP for a hit), slot_ids[3 k + j]
-// the expert (for kernels that fetch a miss's rows themselves: mmv_moe_T's src_ids); and the log:
+// the hits' slots (MOE_SKIP for a miss), slot_ids[2 k + j] the misses' (MOE_SKIP for a hit); and the log:
 // log[2 j] = e, log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the outcome is the one
 // a single thread taking the slots in routing order would reach, which is the order the host replays the log in.
 extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
@@ -62,7 +61,6 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
     slot_ids[j] = (u32)s;
     slot_ids[k + j] = miss ? MOE_SKIP : (u32)s;
     slot_ids[2 * k + j] = miss ? (u32)s : MOE_SKIP;
-    slot_ids[3 * k + j] = e;
     log[2 * j] = e;
     log[2 * j + 1] = code;
     if (j == 0) {

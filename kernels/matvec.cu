@@ -17,9 +17,6 @@
 // row s / x_div: ya[s][r]; a slot whose id is MOE_SKIP computes nothing. Grid (ceil(rows / rows per block),
 // n_slots, 1 or 2), block 256. With xu given (Q4_K and Q6_K rows of at most MMV_X_MAX values; other types ignore it,
 // and the host fuses it for Q4_K alone) the activation row is glu_act(x, act) * xu (the GLU fused).
-// With src_a (Q4_K and Q6_K; src_b for blockIdx.z 1), each block first copies its rows of expert src_ids[s] from
-// src_a + src_ids[s] * src_stride (the page-locked arena, mapped) into the slot it then reads: a miss's fetch and
-// compute in one launch (expert_fetch's job, split by the blocks that use the rows). Other types ignore it.
 // With ids_early (Q4_K and Q6_K; the ids were written by a kernel at least two launches back, so they are in memory
 // once this grid starts: see pdl_enter) the first weight loads go out before the wait on the kernel just before.
 //
@@ -83,8 +80,7 @@ __device__ __forceinline__ const float* mmv_stage_x(const float* __restrict__ xt
                                               const float* __restrict__ x, float* __restrict__ ya,           \
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div, \
                                               int rows, int cols, long long row_bytes,                        \
-                                              long long expert_stride, const float* __restrict__, int, int,   \
-                                              const u8*, const u8*, const u32*, long long) {                  \
+                                              long long expert_stride, const float* __restrict__, int, int) { \
         int r = blockIdx.x * 8 + (threadIdx.x >> 5);                                                         \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                          \
         pdl_enter();                                                                                          \
@@ -544,27 +540,6 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
                 if (w[i]) *y[i] = acc[i];                                                                       \
     }
 
-// Copies n bytes from `from` (host memory mapped for the device, read over the link) to `to` (device memory) with
-// every thread of the block: 16-byte words four at a time when both addresses and n allow them, else bytes. The
-// block's own threads see the bytes after a __syncthreads().
-__device__ __forceinline__ void copy_block_bytes(const u8* from, u8* to, long long n) {
-    if ((((unsigned long long)from | (unsigned long long)to | (unsigned long long)n) & 15) == 0) {
-        const uint4* s4 = (const uint4*)from;
-        uint4* d4 = (uint4*)to;
-        long long words = n / 16, i = threadIdx.x, stride = blockDim.x;
-        for (; i + 3 * stride < words; i += 4 * stride) {
-            uint4 a = s4[i], b = s4[i + stride], c = s4[i + 2 * stride], w = s4[i + 3 * stride];
-            d4[i] = a;
-            d4[i + stride] = b;
-            d4[i + 2 * stride] = c;
-            d4[i + 3 * stride] = w;
-        }
-        for (; i < words; i += stride) d4[i] = s4[i];
-    } else {
-        for (long long i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
-    }
-}
-
 #define STRATA_MMV_MOE_FAST(name, Q, R, KERNEL_BOUNDS)                                                           \
     extern "C" __global__ void KERNEL_BOUNDS mmv_moe_##name(                                                     \
                                               const u8* __restrict__ wa, const u8* __restrict__ wb,            \
@@ -572,8 +547,7 @@ __device__ __forceinline__ void copy_block_bytes(const u8* from, u8* to, long lo
                                               float* __restrict__ yb, const u32* __restrict__ ids, int x_div,   \
                                               int rows, int cols, long long row_bytes,                          \
                                               long long expert_stride, const float* __restrict__ xu, int act,   \
-                                              int ids_early, const u8* src_a, const u8* src_b,                  \
-                                              const u32* __restrict__ src_ids, long long src_stride) {          \
+                                              int ids_early) {                                                  \
         int lane = threadIdx.x & 31, s = blockIdx.y;                                                            \
         if (!ids_early) pdl_enter();                                                                            \
         u32 id = ld_cg_u32(ids + s);                                                                            \
@@ -586,15 +560,6 @@ __device__ __forceinline__ void copy_block_bytes(const u8* from, u8* to, long lo
         constexpr int RG = MMV_MOE_RG_SHORT;                                                                    \
         bool short_rows = cols <= 1024;                                                                         \
         int block_first = blockIdx.x * (short_rows ? 32 * RG : 32), warp = threadIdx.x >> 5;                    \
-        if (src_a) {                                                                                            \
-            /* a miss: this block's rows come over the link into the slot first (expert src_ids[s]) */         \
-            int n = min(short_rows ? 32 * RG : 32, rows - block_first);                                        \
-            if (n > 0)                                                                                          \
-                copy_block_bytes((blockIdx.z ? src_b : src_a) + (long long)ld_cg_u32(src_ids + s) * src_stride \
-                                     + (long long)block_first * row_bytes,                                      \
-                                 (u8*)base + (long long)block_first * row_bytes, (long long)n * row_bytes);     \
-            __syncthreads(); /* the block's writes are visible to its threads */                                \
-        }                                                                                                       \
         if (Q::Q8 && cols <= MMV_X_MAX) {                                                                       \
             float acc[RG];                                                                                      \
             int first = block_first + warp * (short_rows ? 4 * RG : 4), g = lane >> 3;                          \

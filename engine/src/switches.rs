@@ -50,8 +50,6 @@ pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
 pub const DEVICE_SLOT_TABLE: &str = "STRATA_DEVICE_SLOT_TABLE";
 /// Expert fetches of decode steps on a second stream, beside the hits' compute.
 pub const FETCH_OVERLAP: &str = "STRATA_FETCH_OVERLAP";
-/// The misses' expert launches copy their own rows in.
-pub const FETCH_IN_LAUNCH: &str = "STRATA_FETCH_IN_LAUNCH";
 /// Blocks per matrix of the expert fetch kernel (a tuning knob).
 pub const FETCH_BLOCKS: &str = "STRATA_FETCH_BLOCKS";
 /// Per-launch timing.
@@ -119,11 +117,6 @@ pub const SWITCHES: &[Switch] = &[
         FETCH_OVERLAP,
         "1",
         "0: on the device's slot table, a MoE layer's misses are copied in before any of its experts is computed, instead of on a second stream while the hits are computed",
-    ),
-    sw(
-        FETCH_IN_LAUNCH,
-        "1",
-        "0: with the misses beside the hits, expert_fetch copies a layer's misses in before they are computed, instead of each block of their expert launches copying its own rows first",
     ),
     sw(
         FETCH_BLOCKS,

@@ -1081,8 +1081,7 @@ impl CacheFixture {
     /// A fresh backend with an expert cache of `slots` slots, and the page lock of the arena when the model has
     /// one (drop it after the backend's last use). `device_table`: decode steps of one token keep the slot table
     /// on the device (when the arena is page-locked), else they decide on the host; `fetch_overlap`: there, a
-    /// layer's misses are fetched and computed on a second stream beside its hits; `fetch_in_launch`: there, by
-    /// their expert launches themselves (each block its rows).
+    /// layer's misses are fetched and computed on a second stream beside its hits.
     fn cached_gpu(
         &self,
         slots: usize,
@@ -1090,7 +1089,6 @@ impl CacheFixture {
         device_table: bool,
         upload_cap: u32,
         fetch_overlap: bool,
-        fetch_in_launch: bool,
     ) -> (CudaBackend, Option<strata_engine::backend::cuda::experts::HostPin>) {
         let g = gpu();
         let pin = self.model.experts.arena().map(|a| g.pin_host(a).unwrap());
@@ -1106,7 +1104,6 @@ impl CacheFixture {
             device_table,
             upload_cap,
             fetch_overlap,
-            fetch_in_launch,
         })
         .unwrap();
         (g, pin)
@@ -1156,7 +1153,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         (64, MissPolicy::Auto, Some(even), false),
         (64, MissPolicy::Auto, Some(even), true),
     ] {
-        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX, true, true);
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX, true);
         assert!(pin.is_some(), "the arena is page-locked");
         g.set_miss_plan(MissPlan { policy, cost }).unwrap();
         let got = cache_run(&f.model, &g, &f.tokens);
@@ -1240,12 +1237,11 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
     let mut f = CacheFixture::new("cache");
     assert_eq!((f.geo.all(), f.geo.staging()), (128, 8));
     let mut cases = 0;
-    for (arena, device_table, overlap, in_launch) in [
-        (false, false, true, true),
-        (true, false, true, true),
-        (true, true, true, true),
-        (true, true, true, false),
-        (true, true, false, false),
+    for (arena, device_table, overlap) in [
+        (false, false, true),
+        (true, false, true),
+        (true, true, true),
+        (true, true, false),
     ] {
         if arena && f.model.experts.arena().is_none() {
             f.model.use_arena(None, |_, _| {}).unwrap();
@@ -1263,7 +1259,7 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             (64, Policy::Profile, true, u32::MAX),
             (4, Policy::Lru, false, 1),
         ] {
-            let (g, pin) = f.cached_gpu(slots, policy, device_table, cap, overlap, in_launch);
+            let (g, pin) = f.cached_gpu(slots, policy, device_table, cap, overlap);
             if prefill {
                 let ranked = learned.as_ref().expect("learned by the 64-slot run").ranked();
                 assert_eq!(
@@ -1285,14 +1281,11 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             drop(pin);
             let want = &f.want[..];
             let first_diff = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits());
-            let store = match (arena, device_table, overlap, in_launch) {
-                (false, ..) => "mmap",
-                (true, false, ..) => "arena, page-locked, table on the host",
-                (true, true, true, true) => {
-                    "arena, page-locked, table on the device, misses beside the hits, fetched by their launches"
-                }
-                (true, true, true, false) => "arena, page-locked, table on the device, misses beside the hits",
-                (true, true, false, _) => "arena, page-locked, table on the device, misses before the hits",
+            let store = match (arena, device_table, overlap) {
+                (false, _, _) => "mmap",
+                (true, false, _) => "arena, page-locked, table on the host",
+                (true, true, true) => "arena, page-locked, table on the device, misses beside the hits",
+                (true, true, false) => "arena, page-locked, table on the device, misses before the hits",
             };
             let prefilled = match (prefill, cap) {
                 (true, _) => ", pre-filled from the learned profile".to_string(),

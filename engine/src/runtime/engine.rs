@@ -574,7 +574,6 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 arena: pinned.as_ref().and_then(HostPin::mapping),
                 device_table: crate::switches::flag(crate::switches::DEVICE_SLOT_TABLE, true),
                 fetch_overlap: crate::switches::flag(crate::switches::FETCH_OVERLAP, true),
-                fetch_in_launch: crate::switches::flag(crate::switches::FETCH_IN_LAUNCH, true),
                 upload_cap: ef.upload_cap.unwrap_or(u32::MAX),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;

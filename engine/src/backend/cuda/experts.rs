@@ -63,9 +63,6 @@ pub struct ExpertCacheConfig {
     /// On the device's table, a layer's misses are copied in and computed on a second stream while its hits are
     /// computed (`STRATA_FETCH_OVERLAP`; off: copied in before any expert of the layer is computed).
     pub fetch_overlap: bool,
-    /// There, the misses' expert launches copy their own rows in, block by block, instead of `expert_fetch`
-    /// copying every miss first (`STRATA_FETCH_IN_LAUNCH`; Q4_K and Q6_K experts).
-    pub fetch_in_launch: bool,
 }
 
 /// What the cache did in one phase: the slot cache's counts, and the bytes uploaded (admitted and staged
@@ -551,8 +548,8 @@ impl ExpertPool {
 
     /// Queues the lookup of a decode layer-step of one token in the device's table (in a step begun by
     /// [`ExpertPool::table_step_begin`]): `ids` holds the router's `k` experts; the slots they are read from go to
-    /// `slot_ids` (`4 k` words: every slot, then the hits' alone and the misses' alone, the others `MOE_SKIP`,
-    /// then each slot's expert id; kernels/experts.cu), and the misses to the fetch list that [`ExpertPool::table_fetch`] copies in. With a
+    /// `slot_ids` (`3 k` words: every slot, then the hits' alone and the misses' alone, the others `MOE_SKIP`,
+    /// kernels/experts.cu), and the misses to the fetch list that [`ExpertPool::table_fetch`] copies in. With a
     /// routing trace (`replayed`), its experts for the layer (uploaded by [`ExpertPool::table_step_begin`]) are
     /// looked up instead of the router's.
     ///
@@ -604,22 +601,6 @@ impl ExpertPool {
                 Arg::I(self.config.upload_cap.min(i32::MAX as u32) as i32),
             ],
         )
-    }
-
-    /// Where layer `ex`'s experts are in the mapped arena, for expert launches that copy their misses in
-    /// themselves; `ids`: the device address of the routing slots' expert ids.
-    pub(super) fn fetch_from(&self, ex: &Experts<'_>, ids: u64) -> super::moe::FetchFrom {
-        let t = self.table.as_ref().expect("a device table");
-        let base = [&ex.gate, &ex.up, &ex.down].map(|w| {
-            t.arena
-                .device_of(w.data)
-                .expect("a mapped arena holds every routed expert")
-        });
-        super::moe::FetchFrom {
-            base,
-            stride: layout_bytes(ex),
-            ids,
-        }
     }
 
     /// Queues the copy of the misses [`ExpertPool::table_lookup`] listed for layer `ex` into their slots, read

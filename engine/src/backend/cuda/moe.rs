@@ -23,22 +23,6 @@ fn fuses_glu(ex: &Experts<'_>) -> bool {
     ex.down.ty == GgmlType::Q4_K && ex.n_ff_exp <= MMV_X_MAX
 }
 
-/// Whether the decode expert launches can copy their own experts in ([`FetchFrom`]): the Q4_K and Q6_K kernels do,
-/// and gate and up, launched together when their types match, must then be laid out alike in host memory.
-fn fetches_in_launch(ex: &Experts<'_>) -> bool {
-    let fast = |w: &QMat<'_>| matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K);
-    fast(&ex.gate) && fast(&ex.up) && fast(&ex.down) && ex.gate.row_bytes == ex.up.row_bytes
-}
-
-/// Where the expert launches of a decode step copy their misses from (host memory mapped for the device):
-/// per matrix (gate, up, down) its first expert's address and the bytes from one expert to the next, and the
-/// device address of the experts' ids, one per routing slot (`expert_lookup`'s fourth part).
-pub(super) struct FetchFrom {
-    pub base: [u64; 3],
-    pub stride: [usize; 3],
-    pub ids: u64,
-}
-
 /// Where [`Inner::moe_dispatch`] puts the experts' weighted sum (device addresses).
 #[derive(Clone, Copy)]
 enum MoeSum {
@@ -262,8 +246,6 @@ impl Inner {
     /// `[slots][n_ff_exp]`, `[slots][n_embd]`). `early`: the down projection's first weight loads may go out before
     /// it waits for the launch before it (no launch of the step wrote its weights: not when `expert_fetch` copied
     /// misses into their slots).
-    /// `fetch`: the slots' experts are copied in from host memory by the launches themselves, each block its own
-    /// rows first (Q4_K and Q6_K: [`fetches_in_launch`]).
     #[allow(clippy::too_many_arguments)]
     fn mmv_experts(
         &mut self,
@@ -276,7 +258,6 @@ impl Inner {
         k: usize,
         slots: usize,
         early: bool,
-        fetch: Option<&FetchFrom>,
     ) -> Result<(), CudaError> {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         let [gp, up, dp] = bufs;
@@ -316,11 +297,6 @@ impl Inner {
                     Arg::P(xu),
                     Arg::I(glu_code(ex.act)),
                     Arg::I(early as i32),
-                    Arg::P(fetch.map_or(0, |f| f.base[m])),
-                    // With gate and up in one launch (z 2), the up matrix's blocks read src_b.
-                    Arg::P(fetch.map_or(0, |f| f.base[1])),
-                    Arg::P(fetch.map_or(0, |f| f.ids)),
-                    Arg::L(fetch.map_or(0, |f| f.stride[m]) as i64),
                 ],
             )
         };
@@ -394,12 +370,12 @@ impl Inner {
             match pool.as_deref_mut() {
                 None => {
                     let at = resident(self)?;
-                    self.mmv_experts(gpu, ex, &at, ids, xp, bufs, k, slots, true, None)?;
+                    self.mmv_experts(gpu, ex, &at, ids, xp, bufs, k, slots, true)?;
                 }
                 Some(pool) if pool.table_active() => {
                     // The device's slot table: the misses are copied in from the mapped arena and every expert is
                     // read from its slot (no host round trip: the step stays a graph).
-                    let sp = self.slot(gpu, Slot::MoeSlotIds, 4 * slots * 4)?;
+                    let sp = self.slot(gpu, Slot::MoeSlotIds, 3 * slots * 4)?;
                     pool.table_lookup(gpu, ex, ids, sp, self.replay.is_some())?;
                     let at = pool_at(pool, ex);
                     // The GLU is fused into the Q4_K down projection alone; a separate GLU launch spans every
@@ -408,22 +384,16 @@ impl Inner {
                         // On a second stream, the misses are copied in and computed; on the stream, the hits
                         // are computed meanwhile (each half skips the other's slots: MOE_SKIP). The sum waits
                         // for both.
-                        let at_slot = |i: usize| sp + (i * slots * 4) as u64;
+                        let (hits, misses) = (sp + (slots * 4) as u64, sp + (2 * slots * 4) as u64);
                         gpu.fork()?;
-                        if pool.config().fetch_in_launch && fetches_in_launch(ex) {
-                            // Each block of the misses' launches copies its own rows in, then computes them.
-                            let from = pool.fetch_from(ex, at_slot(3));
-                            self.mmv_experts(gpu, ex, &at, at_slot(2), xp, bufs, k, slots, false, Some(&from))?;
-                        } else {
-                            pool.table_fetch(gpu, ex)?;
-                            self.mmv_experts(gpu, ex, &at, at_slot(2), xp, bufs, k, slots, false, None)?;
-                        }
+                        pool.table_fetch(gpu, ex)?;
+                        self.mmv_experts(gpu, ex, &at, misses, xp, bufs, k, slots, false)?;
                         gpu.to_main()?;
-                        self.mmv_experts(gpu, ex, &at, at_slot(1), xp, bufs, k, slots, false, None)?;
+                        self.mmv_experts(gpu, ex, &at, hits, xp, bufs, k, slots, false)?;
                         gpu.join()?;
                     } else {
                         pool.table_fetch(gpu, ex)?;
-                        self.mmv_experts(gpu, ex, &at, sp, xp, bufs, k, slots, false, None)?;
+                        self.mmv_experts(gpu, ex, &at, sp, xp, bufs, k, slots, false)?;
                     }
                 }
                 Some(pool) => {
@@ -441,7 +411,7 @@ impl Inner {
                     let mut gpu_part = |s: &mut Self, pool: &mut ExpertPool| -> Result<(), CudaError> {
                         pool.place_decode(&gpu.stream, ex, &mut ids_h)?;
                         let sp = s.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
-                        s.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots, true, None)
+                        s.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots, true)
                     };
                     if on_cpu {
                         // The CPU's workers start on their experts while this thread queues the GPU's part; the
