@@ -741,11 +741,7 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
 
 /// Whether the scenario's `exclude` drops the combination of arms `names` (in axis order).
 fn excluded(s: &Scenario, names: &[String]) -> bool {
-    let axes: Vec<&String> = s.matrix.keys().collect();
-    s.exclude.iter().any(|ex| {
-        ex.iter()
-            .all(|(axis, arm)| axes.iter().zip(names).any(|(x, n)| *x == axis && n == arm))
-    })
+    s.excludes(names)
 }
 
 /// The scenario's model as a local path (fetching the default model on first use).

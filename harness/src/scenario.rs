@@ -493,9 +493,18 @@ impl Scenario {
             if c.repetitions == Some(0) || c.max_tokens == Some(0) {
                 return Err(format!("{at}: repetitions and max_tokens must be at least 1"));
             }
+            let running = self.running_combinations();
+            let mut joined: Vec<(Vec<&str>, &String)> = Vec::new();
             for key in c.arms.keys() {
                 let mut axes = Vec::new();
-                for arm in key.split('+') {
+                let mut parts: Vec<&str> = key.split('+').collect();
+                if parts.iter().any(|p| p.is_empty()) {
+                    return Err(format!(
+                        "{at}: arms.{key}: an empty arm name (join arms as a+b, arms: {})",
+                        arm_names.join(", ")
+                    ));
+                }
+                for arm in parts.iter().copied() {
                     if !arm_names.iter().any(|a| a == arm) {
                         let what = if arm == key {
                             String::new()
@@ -510,12 +519,25 @@ impl Scenario {
                     if let Some(axis) = self.axis_of(arm) {
                         if axes.contains(&axis) {
                             return Err(format!(
-                                "{at}: arms.{key} joins two arms of axis `{axis}`: no combination holds both"
+                                "{at}: arms.{key} names axis `{axis}` twice: a combination holds one arm of each axis"
                             ));
                         }
                         axes.push(axis);
                     }
                 }
+                if !running.iter().any(|c| parts.iter().all(|p| c.iter().any(|a| a == p))) {
+                    return Err(format!(
+                        "{at}: arms.{key} applies to no combination that runs (`exclude` drops every one with {})",
+                        parts.join(" and ")
+                    ));
+                }
+                parts.sort_unstable();
+                if let Some((_, other)) = joined.iter().find(|(p, _)| *p == parts) {
+                    return Err(format!(
+                        "{at}: arms.{key} and arms.{other} name the same combination of arms: give one"
+                    ));
+                }
+                joined.push((parts, key));
             }
             for e in std::iter::once(&c.expect).chain(c.arms.values()) {
                 self.check_expect(&at, e, &arm_names)?;
@@ -552,6 +574,35 @@ impl Scenario {
     }
 
     /// The axis that has the arm `name` (arm names are unique across axes).
+    /// Whether `exclude` drops the combination of arms `names` (one per axis, in axis order).
+    pub fn excludes(&self, names: &[String]) -> bool {
+        let axes: Vec<&String> = self.matrix.keys().collect();
+        self.exclude.iter().any(|ex| {
+            ex.iter()
+                .all(|(axis, arm)| axes.iter().zip(names).any(|(x, n)| *x == axis && n == arm))
+        })
+    }
+
+    /// The arm names of every combination that runs (the matrix's product without the excluded ones), each in
+    /// axis order.
+    pub fn running_combinations(&self) -> Vec<Vec<String>> {
+        let mut out = vec![Vec::new()];
+        for arms in self.matrix.values() {
+            out = out
+                .into_iter()
+                .flat_map(|c: Vec<String>| {
+                    arms.iter().map(move |a| {
+                        let mut c = c.clone();
+                        c.push(a.name.clone());
+                        c
+                    })
+                })
+                .collect();
+        }
+        out.retain(|c| !self.excludes(c));
+        out
+    }
+
     pub fn axis_of(&self, name: &str) -> Option<&str> {
         self.matrix
             .iter()
@@ -678,7 +729,21 @@ mod tests {
         let e = joined("small+mnap").unwrap_err();
         assert!(e.message.contains("arms.small+mnap: `mnap` names no arm"), "{e}");
         let e = joined("small+resident").unwrap_err();
-        assert!(e.message.contains("two arms of axis `cache`"), "{e}");
+        assert!(e.message.contains("names axis `cache` twice"), "{e}");
+        let e = joined("small+").unwrap_err();
+        assert!(e.message.contains("an empty arm name"), "{e}");
+        let e = parse(
+            "t.yaml",
+            &format!("{base}exclude:\n  - {{cache: resident, store: mmap}}\n{case}    arms:\n      resident+mmap: {{min_decode_tok_s: 1}}\n"),
+        )
+        .unwrap_err();
+        assert!(e.message.contains("applies to no combination that runs"), "{e}");
+        let e = parse(
+            "t.yaml",
+            &format!("{base}{case}    arms:\n      small+mmap: {{min_decode_tok_s: 1}}\n      mmap+small: {{min_decode_tok_s: 2}}\n"),
+        )
+        .unwrap_err();
+        assert!(e.message.contains("name the same combination"), "{e}");
     }
 
     #[test]
