@@ -104,16 +104,16 @@ fn line_error(e: std::io::Error, n: usize, path: &str) -> TraceError {
 /// - `synth:uniform[:SEED]`: no locality ([`SynthRouting::RANDOM`]);
 /// - anything else is a file (`./synth:locality` names a file of that name).
 ///
-/// The seed defaults to 1 (`strata experts synth-trace`'s, so `synth:locality` replays the file it writes by
-/// default); the generated trace holds [`SYNTH_REPLAY_TOKENS`] tokens (fewer when the model's
-/// geometry would pass [`MAX_LOOKUPS`]), replayed from the start again after its end.
+/// The seed defaults to 1 (`strata experts synth-trace`'s, so `synth:locality` replays what `synth-trace --tokens
+/// 4096` writes for the model's geometry); the generated trace holds [`SYNTH_REPLAY_TOKENS`] tokens (fewer when
+/// the model's geometry would pass [`MAX_LOOKUPS`]), replayed from the start again after its end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RoutingSource {
     File(std::path::PathBuf),
     Synth { uniform: bool, seed: u64 },
 }
 
-/// Tokens of a trace `--routing-trace synth:...` generates (`strata experts synth-trace`'s default too).
+/// Tokens of a trace `--routing-trace synth:...` generates (as many as `ci/device-test.sh` writes with synth-trace).
 pub const SYNTH_REPLAY_TOKENS: u64 = 4096;
 
 impl std::str::FromStr for RoutingSource {

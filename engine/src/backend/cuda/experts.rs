@@ -21,7 +21,10 @@
 //! GEMMs of one group of experts (one half), the copy stream uploads the next group into the other half. Events
 //! keep it safe: a group's launches wait for its uploads ([`ExpertPool::ready`]); an upload into a half waits for
 //! the launches that last read it ([`ExpertPool::group_done`]); a layer's first upload waits for everything queued
-//! on the compute stream before it (decode steps included).
+//! on the compute stream before it (decode steps included). On the device's slot table ([`DeviceTable`]), a
+//! layer's misses are fetched and computed on the backend's second stream while its hits are computed on the
+//! first; the layer's sum waits for both (`Gpu::fork`, `Gpu::join`; `STRATA_FETCH_OVERLAP=0`: one stream, the
+//! fetch first).
 
 use std::sync::Arc;
 
@@ -220,10 +223,19 @@ const FETCH_BLOCKS: u32 = 264;
 /// `expert_fetch`'s blocks per matrix: `STRATA_FETCH_BLOCKS` when it is a number from 1 to 4096, else
 /// [`FETCH_BLOCKS`].
 fn fetch_blocks() -> u32 {
-    crate::switches::text_lossy(crate::switches::FETCH_BLOCKS)
-        .and_then(|v| v.parse().ok())
-        .filter(|n| (1..=4096).contains(n))
-        .unwrap_or(FETCH_BLOCKS)
+    let Some(v) = crate::switches::text_lossy(crate::switches::FETCH_BLOCKS) else {
+        return FETCH_BLOCKS;
+    };
+    match v.parse() {
+        Ok(n) if (1..=4096).contains(&n) => n,
+        _ => {
+            eprintln!(
+                "strata: {}={v:?} is not a number from 1 to 4096: expert_fetch keeps {FETCH_BLOCKS} blocks a matrix",
+                crate::switches::FETCH_BLOCKS
+            );
+            FETCH_BLOCKS
+        }
+    }
 }
 
 /// The device's copy of the slot table, for decode steps of one token whose experts are in a mapped page-locked

@@ -12,7 +12,8 @@ use crate::events::{self, EventKind, Fallback};
 use crate::state::kv::SeqSlot;
 
 impl Gpu {
-    /// Launches `kernel` on the stream and checks the result; with `STRATA_SYNC_LAUNCHES=1` also waits for it.
+    /// Launches `kernel` on the current stream (the side stream between [`Gpu::fork`] and [`Gpu::to_main`] or
+    /// [`Gpu::join`]) and checks the result; with `STRATA_SYNC_LAUNCHES=1` also waits for it.
     ///
     /// Errors: the launch or (in sync mode) the kernel failed; a `fault` event was written.
     pub fn launch(
@@ -202,10 +203,13 @@ impl Gpu {
         self.stream
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(CudaError::driver("begin graph capture"))?;
+        // Stream operations (`@fork`, `@join`) are never left out: the graph's branches must stay joined.
         let launched = launches
             .iter()
-            .filter(|r| !self.skip.iter().any(|k| k == r.kernel))
+            .filter(|r| r.kernel.starts_with('@') || !self.skip.iter().any(|k| k == r.kernel))
             .try_for_each(|r| self.raw_launch(r.kernel, r.grid, r.block, &r.args));
+        // A launch that failed inside a side branch leaves it open: join it so the capture can end.
+        self.reset_lane();
         let graph = self
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))

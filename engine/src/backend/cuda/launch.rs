@@ -43,6 +43,8 @@ impl Gpu {
     }
 
     /// After [`Gpu::fork`]: the launches that follow go to the stream again, beside what the side stream does.
+    ///
+    /// Errors: only as [`Gpu::launch`]'s bookkeeping (a replayed step's skipped launches failed).
     pub(super) fn to_main(&self) -> Result<(), CudaError> {
         self.launch(TO_MAIN, (1, 1, 1), (1, 1, 1), &[])
     }
@@ -63,9 +65,13 @@ impl Gpu {
         }
     }
 
-    /// Leaves a side branch a failed step may have left open: launches go to the stream.
+    /// Closes a side branch a failed step may have left open: the stream waits for the side stream (so a graph
+    /// capture holds no unjoined branch), and launches go to the stream again. Nothing when no branch is open.
     pub(super) fn reset_lane(&self) {
-        self.on_side.store(false, Ordering::Relaxed);
+        if self.on_side.load(Ordering::Relaxed) {
+            // A failure here is the stream's own, and the next launch on it reports it.
+            let _ = self.lane_op(JOIN);
+        }
     }
 
     /// Carries out one of the stream operations [`Gpu::fork`], [`Gpu::to_main`] and [`Gpu::join`] record.
@@ -78,11 +84,12 @@ impl Gpu {
                 self.on_side.store(true, Ordering::Relaxed);
             }
             TO_MAIN => self.on_side.store(false, Ordering::Relaxed),
-            _ => {
+            JOIN => {
                 self.join_ev.record(&self.side).map_err(e())?;
                 self.stream.wait(&self.join_ev).map_err(e())?;
                 self.on_side.store(false, Ordering::Relaxed);
             }
+            _ => unreachable!("{op} is no stream operation"),
         }
         Ok(())
     }
@@ -245,7 +252,8 @@ impl Gpu {
     }
 
     /// Per-kernel device time since the last call, from CUDA events around every launch made while profiling
-    /// (otherwise empty): (kernel, launches, total ms), the most time first. Waits for
+    /// (otherwise empty): (kernel, launches, total ms), the most time first. Launches on the side stream
+    /// ([`Gpu::fork`]) run beside the stream's, so the totals may add up to more than the wall time. Waits for
     /// the stream. The events add host work per launch, so time end-to-end runs without the variable.
     pub fn kernel_profile(&self) -> Vec<(&'static str, u64, f64)> {
         let mut p = self.profile.lock().unwrap_or_else(|e| e.into_inner());
