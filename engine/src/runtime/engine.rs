@@ -289,6 +289,9 @@ impl Engine {
             );
         }
         let path = crate::models::resolve(Some(&flags.model))?;
+        // The routing trace, profiles and dump file against the model's header, before the weights load (a
+        // dense model or a trace of another geometry is an error in seconds, not after a 17 GB upload).
+        flags.check_routing_trace(&path)?;
         let bar = std::io::stderr().is_terminal().then(|| {
             let b = indicatif::ProgressBar::new_spinner();
             b.set_message(format!("loading {}", path.display()));
