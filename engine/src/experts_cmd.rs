@@ -112,7 +112,22 @@ fn expert_bytes(model: &str, trace: &Trace) -> Result<u64> {
     Ok(m.experts.bytes() / (h.n_layer as u64 * h.n_expert as u64))
 }
 
-fn simulate_cmd(a: SimulateArgs) -> Result<()> {
+fn simulate_cmd(mut a: SimulateArgs) -> Result<()> {
+    // A policy or size named twice is simulated once (its row would repeat).
+    let mut seen = Vec::new();
+    a.policy.retain(|p| {
+        !seen.contains(p) && {
+            seen.push(*p);
+            true
+        }
+    });
+    let mut seen = Vec::new();
+    a.slots.retain(|n| {
+        !seen.contains(n) && {
+            seen.push(*n);
+            true
+        }
+    });
     let trace = Trace::read(&a.trace)?;
     if trace.records.is_empty() {
         bail!("{}: a header and no records: nothing to simulate", a.trace.display());

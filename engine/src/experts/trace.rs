@@ -347,8 +347,13 @@ impl Trace {
     }
 
     /// Whether the file at `path` starts with a routing trace's header line (of any geometry): what may be
-    /// replaced by a new trace without losing something else. `false` for a file that cannot be read.
+    /// replaced by a new trace without losing something else. `false` for a file that cannot be read, and for
+    /// anything but a regular file (a FIFO is never opened: it would block).
     pub fn is_trace_file(path: &Path) -> bool {
+        // Only a regular file is opened: a FIFO or a device would block or never end.
+        if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+            return false;
+        }
         let Ok(mut f) = std::fs::File::open(path) else {
             return false;
         };
@@ -1078,5 +1083,17 @@ mod tests {
             .trace(4, 32, 2)
             .unwrap_err();
         assert!(e.contains("/nonexistent/t.jsonl"), "{e}");
+    }
+
+    /// A FIFO (or a folder) is not a trace, and asking does not block on it.
+    #[test]
+    fn a_fifo_is_not_a_trace_and_is_not_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            assert!(!Trace::is_trace_file(&fifo));
+        }
+        assert!(!Trace::is_trace_file(dir.path()));
     }
 }

@@ -43,6 +43,11 @@ fn synth_trace_then_simulate_prints_hit_rates_beside_belady() {
     }
     let lru: Vec<f64> = rows.iter().filter(|r| r[2] == "lru").map(|r| pct(&r[3])).collect();
     assert!(lru[0] < lru[1] && lru[0] > 10.0, "{table}");
+    // A size or policy given twice is one row.
+    let out = strata(&["experts", "simulate", t, "--slots", "128,128", "--policy", "lru,lru"]);
+    let (table, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(table.lines().filter(|l| l.starts_with("| 128 ")).count(), 1, "{table}");
 }
 
 #[test]
