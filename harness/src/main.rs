@@ -142,6 +142,10 @@ fn main() {
             }
         }
         Cmd::Check { scenario } => match strata_harness::scenario::load(&scenario) {
+            Ok(s) if let Err(e) = strata_harness::runner::check_serve_args(&s) => {
+                eprintln!("{}: {e}", scenario.display());
+                EXIT_SCENARIO
+            }
             Ok(s) => {
                 println!(
                     "{}: ok ({} cases, {} matrix combinations)",

@@ -444,6 +444,48 @@ pub fn check_row(row: &CaseRow, e: &Expect, tokenizer: Option<&strata_engine::to
     out
 }
 
+/// `strata serve` as this harness's engine parses it (for [`check_serve_args`]).
+#[derive(clap::Parser)]
+#[command(name = "strata serve")]
+struct ServeLine {
+    #[command(flatten)]
+    serve: strata_engine::serve::ServeArgs,
+}
+
+/// Parses every combination's `strata serve` arguments (the scenario's, then its arms', with the harness's own
+/// `--device`, `--model`, `--host` and `--port`) with the flags of the engine this harness was built with:
+/// `strata-harness check` catches a typo in an arm (`--routing-trace synth:zipf`, `--kv f61`) before a run
+/// starts a server. A run with another engine binary (`--strata`, bisect) does not apply it: that binary's flags
+/// may differ.
+///
+/// Errors: the first combination whose arguments do not parse, named, with the parser's message.
+pub fn check_serve_args(s: &Scenario) -> Result<(), String> {
+    use clap::Parser;
+    for c in combos(s) {
+        let mut args = vec!["strata serve".to_string()];
+        args.extend(s.args.iter().cloned());
+        for a in &c.arms {
+            args.extend(a.args.iter().cloned());
+        }
+        args.extend([
+            "--device".into(),
+            s.device.clone(),
+            "--model".into(),
+            "model.gguf".into(),
+        ]);
+        args.extend(["--host".into(), "127.0.0.1".into(), "--port".into(), "0".into()]);
+        if let Err(e) = ServeLine::try_parse_from(&args) {
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("").trim_start_matches("error: ");
+            return Err(format!(
+                "combination `{}`: strata serve would refuse its arguments: {first}",
+                c.name
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Runs one combination: starts its server, runs every case, stops the server, reads the captures.
 ///
 /// Errors: the server could not start (the arm's `error` is set instead and `Ok` returned), or a harness-side
@@ -815,6 +857,27 @@ mod tests {
         assert_eq!(floor(&["small", "own"]), (Some(120.0), None));
         assert_eq!(floor(&["small", "locality"]), (Some(212.0), Some(5.0)));
         assert_eq!(floor(&["resident", "locality"]), (None, Some(5.0)));
+    }
+
+    /// `check` parses every combination's serve arguments: a typo in one arm is named; the checked-in scenarios
+    /// all parse.
+    #[test]
+    fn serve_arguments_are_checked_per_combination() {
+        let s = crate::scenario::parse(
+            "t",
+            "name: t\nargs: [\"--max-context\", \"1024\"]\nmatrix:\n  kv: [{name: f16, args: [\"--kv\", \"f16\"]}, {name: bad, args: [\"--kv\", \"f61\"]}]\ncases:\n  - name: a\n    prompt: {text: x}\n",
+        )
+        .unwrap();
+        let e = check_serve_args(&s).unwrap_err();
+        assert!(e.contains("combination `kv=bad`") && e.contains("f61"), "{e}");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios");
+        for f in std::fs::read_dir(dir).unwrap() {
+            let p = f.unwrap().path();
+            if p.extension().is_some_and(|x| x == "yaml") {
+                let s = crate::scenario::load(&p).unwrap();
+                check_serve_args(&s).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            }
+        }
     }
 
     const OFFLOAD: &str = "name: t\nmatrix:\n  cache: [{name: resident}, {name: small}]\n  store: [{name: arena}, {name: mmap}]\nexclude:\n  - {cache: resident, store: mmap}\ncases:\n  - name: a\n    prompt: {text: x}\n    expect: {same_output_as: resident}\n";
