@@ -17,8 +17,9 @@
 // miss joins the fetch list (fetch[0] misses, then (expert, slot) pairs, in routing order) for expert_fetch.
 // Writes slot_ids[j]; the same split in two, for computing the hits while the misses are fetched: slot_ids[k + j]
 // the hits' slots (MOE_SKIP for a miss), slot_ids[2 k + j] the misses' (MOE_SKIP for a hit); and the log:
-// log[2 j] = e, log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the outcome is the one
-// a single thread taking the slots in routing order would reach, which is the order the host replays the log in.
+// log[2 j] = e, log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the
+// outcome is the one a single thread taking the slots in routing order would reach, which is the order the host
+// replays the log in.
 extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
                                          const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
                                          u32* __restrict__ fetch, u32* __restrict__ log, int staging,

@@ -112,22 +112,21 @@ fn expert_bytes(model: &str, trace: &Trace) -> Result<u64> {
     Ok(m.experts.bytes() / (h.n_layer as u64 * h.n_expert as u64))
 }
 
+/// Keeps the first of equal values, in order.
+fn first_of_each<T: PartialEq + Copy>(v: &mut Vec<T>) {
+    let mut seen = Vec::with_capacity(v.len());
+    v.retain(|x| {
+        !seen.contains(x) && {
+            seen.push(*x);
+            true
+        }
+    });
+}
+
 fn simulate_cmd(mut a: SimulateArgs) -> Result<()> {
     // A policy or size named twice is simulated once (its row would repeat).
-    let mut seen = Vec::new();
-    a.policy.retain(|p| {
-        !seen.contains(p) && {
-            seen.push(*p);
-            true
-        }
-    });
-    let mut seen = Vec::new();
-    a.slots.retain(|n| {
-        !seen.contains(n) && {
-            seen.push(*n);
-            true
-        }
-    });
+    first_of_each(&mut a.policy);
+    first_of_each(&mut a.slots);
     let trace = Trace::read(&a.trace)?;
     if trace.records.is_empty() {
         bail!("{}: a header and no records: nothing to simulate", a.trace.display());

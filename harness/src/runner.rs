@@ -39,41 +39,23 @@ impl Combo {
     }
 }
 
-/// The Cartesian product of the matrix's axes (sorted by axis name; arms in file order), less the combinations
-/// `exclude` names.
+/// The combinations the scenario runs ([`Scenario::running_combinations`]), named.
 pub fn combos(s: &Scenario) -> Vec<Combo> {
-    let mut out = vec![Combo {
-        name: String::new(),
-        arms: vec![],
-        axes: vec![],
-    }];
-    for (axis, arms) in &s.matrix {
-        out = out
-            .into_iter()
-            .flat_map(|c| {
-                arms.iter().map(move |a| {
-                    let mut c = c.clone();
-                    c.arms.push(a.clone());
-                    c.axes.push(axis.clone());
-                    c
-                })
-            })
-            .collect();
-    }
-    out.retain(|c| !excluded(s, &c.arm_names()));
-    for c in &mut out {
-        c.name = if c.arms.is_empty() {
-            "default".into()
-        } else {
-            c.axes
-                .iter()
-                .zip(&c.arms)
-                .map(|(x, a)| format!("{x}={}", a.name))
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-    }
-    out
+    s.running_combinations()
+        .into_iter()
+        .map(|c| Combo {
+            name: if c.is_empty() {
+                "default".into()
+            } else {
+                c.iter()
+                    .map(|(x, a)| format!("{x}={}", a.name))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            },
+            arms: c.iter().map(|(_, a)| (*a).clone()).collect(),
+            axes: c.iter().map(|(x, _)| x.to_string()).collect(),
+        })
+        .collect()
 }
 
 /// Settings of one run beyond the scenario.
@@ -689,6 +671,7 @@ pub fn attribute_cache_events(arm: &mut ArmReport) {
 /// out that way is not judged. A reference excluded with no single closest stand-in, or whose server did not
 /// start, fails the check.
 pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
+    let running = s.running_arm_names();
     let axes: Vec<&String> = s.matrix.keys().collect();
     let mut found: Vec<(usize, usize, Check)> = Vec::new();
     for (ai, a) in arms.iter().enumerate() {
@@ -716,14 +699,10 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
             // this one's other arms, if one alone does (X's arm runs in fewer combinations, as an all-resident
             // reference usually does).
             let shared = |names: &[String]| names.iter().zip(&want).filter(|(p, q)| p == q).count();
-            let with_x: Vec<Vec<String>> = s
-                .running_combinations()
-                .into_iter()
-                .filter(|c| c.contains(&x))
-                .collect();
+            let with_x: Vec<&Vec<String>> = running.iter().filter(|c| c.contains(&x)).collect();
             let most = with_x.iter().map(|c| shared(c)).max().unwrap_or(0);
-            let closest: Vec<&Vec<String>> = with_x.iter().filter(|c| shared(c) == most).collect();
-            let target = if excluded(s, &want) && closest.len() == 1 {
+            let closest: Vec<&Vec<String>> = with_x.into_iter().filter(|c| shared(c) == most).collect();
+            let target = if s.excludes(&want) && closest.len() == 1 {
                 closest[0].clone()
             } else {
                 want.clone()
@@ -737,8 +716,8 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
                 passed: false,
             };
             let check = match reference {
-                None if !ran_all && !excluded(s, &target) => continue,
-                None if excluded(s, &target) => fail(format!(
+                None if !ran_all && !s.excludes(&target) => continue,
+                None if s.excludes(&target) => fail(format!(
                     "that combination is excluded, and {} others with arm `{x}` share as many of its arms: name one by excluding the rest",
                     closest.len()
                 )),
@@ -784,11 +763,6 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
     for (ai, ri, c) in found {
         arms[ai].rows[ri].checks.push(c);
     }
-}
-
-/// Whether the scenario's `exclude` drops the combination of arms `names` (in axis order).
-fn excluded(s: &Scenario, names: &[String]) -> bool {
-    s.excludes(names)
 }
 
 /// The scenario's model as a local path (fetching the default model on first use).

@@ -450,6 +450,7 @@ impl Scenario {
             }
         }
         self.check_expect("expect", &self.expect, &arm_names)?;
+        let running = self.running_arm_names();
         let mut case_names = Vec::new();
         for c in &self.cases {
             let at = format!("case `{}`", c.name);
@@ -493,7 +494,6 @@ impl Scenario {
             if c.repetitions == Some(0) || c.max_tokens == Some(0) {
                 return Err(format!("{at}: repetitions and max_tokens must be at least 1"));
             }
-            let running = self.running_combinations();
             let mut joined: Vec<(Vec<&str>, &String)> = Vec::new();
             for key in c.arms.keys() {
                 let mut axes = Vec::new();
@@ -583,24 +583,32 @@ impl Scenario {
         })
     }
 
-    /// The arm names of every combination that runs (the matrix's product without the excluded ones), each in
-    /// axis order.
-    pub fn running_combinations(&self) -> Vec<Vec<String>> {
+    /// Every combination that runs: the Cartesian product of the matrix's axes (sorted by axis name; arms in file
+    /// order), less the combinations `exclude` names; each is its (axis, arm) pairs in axis order.
+    pub fn running_combinations(&self) -> Vec<Vec<(&str, &Arm)>> {
         let mut out = vec![Vec::new()];
-        for arms in self.matrix.values() {
+        for (axis, arms) in &self.matrix {
             out = out
                 .into_iter()
-                .flat_map(|c: Vec<String>| {
+                .flat_map(|c: Vec<(&str, &Arm)>| {
                     arms.iter().map(move |a| {
                         let mut c = c.clone();
-                        c.push(a.name.clone());
+                        c.push((axis.as_str(), a));
                         c
                     })
                 })
                 .collect();
         }
-        out.retain(|c| !self.excludes(c));
+        out.retain(|c| !self.excludes(&c.iter().map(|(_, a)| a.name.clone()).collect::<Vec<_>>()));
         out
+    }
+
+    /// The arm names of every combination that runs ([`Scenario::running_combinations`]), each in axis order.
+    pub fn running_arm_names(&self) -> Vec<Vec<String>> {
+        self.running_combinations()
+            .iter()
+            .map(|c| c.iter().map(|(_, a)| a.name.clone()).collect())
+            .collect()
     }
 
     pub fn axis_of(&self, name: &str) -> Option<&str> {

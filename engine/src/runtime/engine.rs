@@ -138,12 +138,13 @@ impl EngineFlags {
 
     /// What `strata serve` checks before it starts a worker, so a bad `--routing-trace`, expert profile, profile
     /// to save or `--dump-routing` file is one error, not a worker restarted for ever: the device they need, and
-    /// each file read and matched against the model at `model`.
+    /// each file read and matched against the model at `model`. Returns the `--routing-trace` replay it built
+    /// (read or generated once: the engine uses it).
     ///
     /// Errors: as [`EngineFlags::check_routing_device`] and [`EngineFlags::check_expert_flags`];
     /// [`EngineError::RoutingTrace`], [`EngineError::ExpertProfile`], [`EngineError::DumpRouting`]; the model
     /// cannot be read.
-    pub fn check_routing_trace(&self, model: &std::path::Path) -> Result<(), EngineError> {
+    pub fn check_routing_trace(&self, model: &std::path::Path) -> Result<Option<RoutingReplay>, EngineError> {
         self.check_routing_device()?;
         self.check_expert_flags()?;
         let ef = &self.plan.experts;
@@ -152,7 +153,7 @@ impl EngineFlags {
             && ef.save_expert_profile.is_none()
             && self.dump_routing.is_none()
         {
-            return Ok(());
+            return Ok(None);
         }
         let unreadable = |source: ModelError| EngineError::Model {
             path: model.to_path_buf(),
@@ -165,9 +166,7 @@ impl EngineFlags {
                 source,
             })
         })?;
-        if let Some(t) = &ef.routing_trace {
-            replay_for(t, &hp)?;
-        }
+        let replay = ef.routing_trace.as_ref().map(|t| replay_for(t, &hp)).transpose()?;
         if let Some(p) = &ef.expert_profile {
             read_profile(p, &hp)?;
         }
@@ -179,7 +178,7 @@ impl EngineFlags {
             // trace with no records, which the worker appends to).
             drop(routing_writer(p, &hp, self)?);
         }
-        Ok(())
+        Ok(replay)
     }
 
     /// The flags as command-line arguments (for `strata worker`): parsing them back gives these flags.
@@ -291,7 +290,7 @@ impl Engine {
         let path = crate::models::resolve(Some(&flags.model))?;
         // The routing trace, profiles and dump file against the model's header, before the weights load (a
         // dense model or a trace of another geometry is an error in seconds, not after a 17 GB upload).
-        flags.check_routing_trace(&path)?;
+        let replay = flags.check_routing_trace(&path)?;
         let bar = std::io::stderr().is_terminal().then(|| {
             let b = indicatif::ProgressBar::new_spinner();
             b.set_message(format!("loading {}", path.display()));
@@ -351,8 +350,7 @@ impl Engine {
             model.dump_routing(routing_writer(p, &model.hp, flags)?);
             eprintln!("strata: routing written to {} (--dump-routing)", p.display());
         }
-        if let Some(t) = &flags.plan.experts.routing_trace {
-            let replay = replay_for(t, &model.hp)?;
+        if let (Some(t), Some(replay)) = (&flags.plan.experts.routing_trace, replay) {
             if let Some(c) = backend.cuda() {
                 c.set_routing_replay(Some(replay));
             }
