@@ -33,6 +33,10 @@
 #                  the link and the CPU (--miss-policy auto, the default) and, in the -upload arms, all uploaded,
 #                  with each run's sizing and miss-plan lines, hit rates and bytes uploaded and computed by the CPU
 #                  per token (OFFLOAD_CONFIGS: "name|bench args;..." replaces the set)
+#     llamacpp-30b llama.cpp's llama-bench beside on the same 30B-shaped file: built here with CUDA from
+#                  $LLAMA_SRC (default carry/llama.cpp-src.tar.xz, made by fixtures/llamacpp/build-cuda.sh pack), then
+#                  pp512 and tg64 with flash attention, all layers on the GPU and the experts of the first
+#                  $NCMOE layers (default 0,20,48) on the CPU (-ncmoe), with nvidia-smi's peak VRAM of each run
 #     profile-30b  Nsight Compute (ncu, clocks left alone) over the first decode steps of the 30B shape: every
 #                  kernel's duration and DRAM bytes, one CSV row per launch (graph nodes one by one)
 # Logs and reports go to $OUT (or ./device-out); a short table is printed last.
@@ -45,6 +49,7 @@ export STRATA_KERNEL_CACHE=$(mktemp -d)
 WORK=${STRATA_WORK:-$(mktemp -d)}
 mkdir -p "$WORK"
 MODES=${*:-parity routing bench-small}
+NCMOE=${NCMOE:-0,20,48}
 declare -a ROWS
 row() { ROWS+=("$(printf '%-44s %s' "$1" "$2")"); }
 
@@ -117,7 +122,7 @@ bench-small)
   row "bench smollm2-shaped" "rc=$?"
   while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/bench-smollm2-shaped.md" | cut -d'|' -f2,3,9)
   ;;
-bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b|offload-30b)
+bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b|offload-30b|llamacpp-30b)
   [ -f "$WORK/q30.gguf" ] || /usr/bin/time -v "$BIN" fixtures synth --preset qwen3-30b-a3b --random-blocks --out "$WORK/q30.gguf" > "$OUT/synth-30b.txt" 2>&1
   row "synth qwen3-30b-a3b" "$(grep -E 'Elapsed' "$OUT/synth-30b.txt" | awk '{print $NF}') $(stat -c %s "$WORK/q30.gguf") bytes"
   # The memory plan (memory/, the one `strata inspect` prints too) against the card's free memory.
@@ -185,6 +190,21 @@ bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b|offload-30b)
       while read -r l; do row "  " "$l"; done < <(grep -E 'expert cache|expert arena|expert misses|in place|VRAM free|error' "$OUT/offload-$name.err" | cut -c1-150)
       while read -r l; do row "  " "$l"; done < <(grep -E '^\| (pp|tg)' "$OUT/offload-$name.md" | cut -d'|' -f2,3,4,5,6 | tr -s ' ')
       while read -r l; do row "  " "$l"; done < <(grep -oE 'CUDA graphs in the timed tests: .*' "$OUT/offload-$name.md")
+    done
+    continue
+  fi
+  if [ $mode = llamacpp-30b ]; then
+    LB=$(bash fixtures/llamacpp/build-cuda.sh build "${LLAMA_SRC:-carry/llama.cpp-src.tar.xz}" "$WORK/llama-cuda" 2> "$OUT/llamacpp-build.txt" | tail -1)
+    row "llama.cpp CUDA build" "$(tail -1 "$OUT/llamacpp-build.txt" | cut -c1-100)"
+    [ -x "$LB" ] || continue
+    for n in ${NCMOE//,/ }; do
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/smi-llamacpp-$n.csv" 2>/dev/null &
+      SMI=$!
+      "$LB" -m "$WORK/q30.gguf" -ngl 99 -fa 1 -ncmoe "$n" -p 512 -n 64 -r ${LLAMA_REPS:-2} -o md         > "$OUT/llamacpp-ncmoe$n.md" 2> "$OUT/llamacpp-ncmoe$n.err"
+      rc=$?
+      kill $SMI 2>/dev/null
+      row "llama-bench -ncmoe $n" "rc=$rc, VRAM peak $(sort -n "$OUT/smi-llamacpp-$n.csv" | tail -1) MiB"
+      while read -r l; do row "  " "$l"; done < <(grep -E '(pp|tg)[0-9]+ ' "$OUT/llamacpp-ncmoe$n.md" | awk -F'|' '{print $(NF-2), $(NF-1)}' | tr -s ' ')
     done
     continue
   fi

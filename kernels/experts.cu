@@ -4,26 +4,44 @@
 // CUDA graph (backend/cuda/experts.rs, DeviceTable, keeps the host's bookkeeping in step with it).
 //
 // Codes of the lookup log (expert_lookup's log[2 j + 1]): a hit's slot, an admission's slot | LOOKUP_ADMITTED,
-// LOOKUP_STAGED (read for this step alone, into a staging slot), or LOOKUP_BAD (an expert id outside the model:
-// nothing is looked up or fetched, and the host fails the step when it reads the log). experts.rs mirrors these.
+// LOOKUP_STAGED (read for this step alone, into a staging slot), LOOKUP_CPU (computed by the CPU: cpu_join), or
+// LOOKUP_BAD (an expert id outside the model: nothing is looked up or fetched, and the host fails the step when it
+// reads the log). experts.rs mirrors these.
 #define LOOKUP_ADMITTED 0x80000000u
 #define LOOKUP_STAGED 0xFFFFFFFFu
 #define LOOKUP_BAD 0xFFFFFFFEu
+#define LOOKUP_CPU 0xFFFFFFFDu
+
+// The CPU's share of a layer's misses (join.rs mirrors these word offsets). `join_host` is mapped page-locked
+// memory: JOIN_REQ the request's sequence number (written last), JOIN_LAYER, JOIN_JOBS, then at JOIN_PAIRS
+// (expert, token) per job; the CPU writes JOIN_DONE (the sequence number it finished) and the GPU JOIN_FAILED
+// (one it stopped waiting for). `join_dev` is device memory: [0] the last sequence number, [1] the one cpu_join
+// waits for (0: none this layer-step), [2] jobs, [3 + q] job q's routing slot.
+#define JOIN_REQ 0
+#define JOIN_LAYER 1
+#define JOIN_JOBS 2
+#define JOIN_DONE 32
+#define JOIN_FAILED 64
+#define JOIN_PAIRS 96
 
 // Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
-// table[layer * n_expert + e] when cached. The misses, in routing order, take the next of the host's free slots
-// (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]), the first `cap` of them (the upload cap per layer and
-// step), and enter the table; any other miss is read into staging slot `staging + j` for this step alone. Every
-// miss joins the fetch list (fetch[0] misses, then (expert, slot) pairs, in routing order) for expert_fetch.
-// Writes slot_ids[j]; the same split in two, for computing the hits while the misses are fetched: slot_ids[k + j]
-// the hits' slots (MOE_SKIP for a miss), slot_ids[2 k + j] the misses' (MOE_SKIP for a hit); and the log:
-// log[2 j] = e, log[2 j + 1] = its code. One block of 64 threads, thread j for routing slot j (k <= 64): the
-// outcome is the one a single thread taking the slots in routing order would reach, which is the order the host
-// replays the log in.
+// table[layer * n_expert + e] when cached. Of the layer-step's m misses, the CPU computes the last
+// cpu_take[m] in routing order (cpu_take null: none); the others, in routing order, take the next of the host's
+// free slots (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]), the first `cap` of them (the upload cap per
+// layer and step), and enter the table; any other is read into staging slot `staging + j` for this step alone.
+// Every miss the link carries joins the fetch list (fetch[0] misses, then (expert, slot) pairs, in routing order)
+// for expert_fetch. Writes slot_ids[j]; the same split in two, for computing the hits while the misses are
+// fetched: slot_ids[k + j] the hits' slots (MOE_SKIP for a miss), slot_ids[2 k + j] the fetched misses' (MOE_SKIP
+// for a hit); a CPU job is MOE_SKIP in all three. And the log: log[2 j] = e, log[2 j + 1] = its code. With CPU
+// jobs, the token's activations x ([n_embd]) are copied to join_x (mapped), the jobs published in join_host and
+// their routing slots in join_dev (see JOIN_*). One block of 64 threads, thread j for routing slot j (k <= 64):
+// the outcome is the one a single thread taking the slots in routing order would reach, which is the order the
+// host replays the log in.
 extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
                                          const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
-                                         u32* __restrict__ fetch, u32* __restrict__ log, int staging,
-                                         int cap) {
+                                         u32* __restrict__ fetch, u32* __restrict__ log, int staging, int cap,
+                                         const int* __restrict__ cpu_take, const float* __restrict__ x, int n_embd,
+                                         u32* join_dev, u32* join_host, float* join_x) {
     pdl_enter();
     __shared__ u32 missed[64];
     int j = threadIdx.x;
@@ -41,33 +59,118 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
         total += missed[i];
     }
     u32 avail = ctl[0], taken = ctl[1];
-    __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
-    if (!here) return;
-    u32 code = (u32)s;
-    if (bad) {
-        s = staging + j;
-        code = LOOKUP_BAD;
-    } else if (miss) {
-        if ((int)before < cap && taken + before < avail) {
-            s = (int)free_slots[taken + before];
-            *t = s;
-            code = (u32)s | LOOKUP_ADMITTED;
-        } else {
-            s = staging + j;
-            code = LOOKUP_STAGED;
-        }
-        fetch[1 + 2 * before] = e;
-        fetch[2 + 2 * before] = (u32)s;
+    u32 on_cpu = 0;
+    if (cpu_take) {
+        int c = cpu_take[total];
+        on_cpu = c <= 0 ? 0 : ((u32)c > total ? total : (u32)c);
     }
-    slot_ids[j] = (u32)s;
-    slot_ids[k + j] = miss ? MOE_SKIP : (u32)s;
-    slot_ids[2 * k + j] = miss ? (u32)s : MOE_SKIP;
-    log[2 * j] = e;
-    log[2 * j + 1] = code;
+    u32 linked = total - on_cpu;  // misses the link carries
+    __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
+    if (on_cpu > 0)
+        for (int i = j; i < n_embd; i += blockDim.x) join_x[i] = x[i];
+    if (here) {
+        u32 code = (u32)s;
+        bool cpu = miss && before >= linked;
+        if (bad) {
+            s = staging + j;
+            code = LOOKUP_BAD;
+        } else if (cpu) {
+            u32 q = before - linked;
+            join_host[JOIN_PAIRS + 2 * q] = e;
+            join_host[JOIN_PAIRS + 2 * q + 1] = 0;
+            join_dev[3 + q] = (u32)j;
+            code = LOOKUP_CPU;
+        } else if (miss) {
+            if ((int)before < cap && taken + before < avail) {
+                s = (int)free_slots[taken + before];
+                *t = s;
+                code = (u32)s | LOOKUP_ADMITTED;
+            } else {
+                s = staging + j;
+                code = LOOKUP_STAGED;
+            }
+            fetch[1 + 2 * before] = e;
+            fetch[2 + 2 * before] = (u32)s;
+        }
+        slot_ids[j] = cpu ? MOE_SKIP : (u32)s;
+        slot_ids[k + j] = miss ? MOE_SKIP : (u32)s;
+        slot_ids[2 * k + j] = miss && !cpu ? (u32)s : MOE_SKIP;
+        log[2 * j] = e;
+        log[2 * j + 1] = code;
+    }
+    // The CPU reads the activations and jobs once it sees the request's number: they reach host memory first.
+    if (on_cpu > 0) __threadfence_system();
+    __syncthreads();
     if (j == 0) {
-        u32 admitted = (int)total < cap ? total : (u32)cap;
+        u32 admitted = (int)linked < cap ? linked : (u32)cap;
         ctl[1] = taken + admitted < avail ? taken + admitted : (taken > avail ? taken : avail);
-        fetch[0] = total;
+        fetch[0] = linked;
+        if (on_cpu > 0) {
+            u32 seq = join_dev[0] + 1;
+            if (seq == 0) seq = 1;
+            join_dev[0] = seq;
+            join_dev[1] = seq;
+            join_dev[2] = on_cpu;
+            join_host[JOIN_LAYER] = (u32)layer;
+            join_host[JOIN_JOBS] = on_cpu;
+            __threadfence_system();
+            *(volatile u32*)(join_host + JOIN_REQ) = seq;
+        } else if (cpu_take) {
+            join_dev[1] = 0;
+        }
+    }
+}
+
+// Waits for the CPU's share of the layer-step's misses (expert_lookup published them; join.rs computes them) and
+// writes its rows into the experts' outputs: row q of `rows` (mapped, [jobs][n_embd], the CPU's down projections)
+// to dp[join_dev[3 + q]] ([k][n_embd]; rows 16-byte aligned). Nothing when the step gave the CPU no job
+// (join_dev[1] 0). Thread 0 of each block polls join_host[JOIN_DONE]; past timeout_ns it writes the sequence number
+// to join_host[JOIN_FAILED] (the host fails the step) and leaves the rows as they are. Grid (any), block 256.
+extern "C" __global__ void cpu_join(const u32* __restrict__ join_dev, u32* join_host, const float* rows,
+                                    float* __restrict__ dp, int n_embd, long long timeout_ns) {
+    pdl_enter();
+    __shared__ int ok;
+    u32 want = join_dev[1];
+    if (want == 0) return;
+    if (threadIdx.x == 0) {
+        unsigned long long t0, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        ok = 1;
+        while (*(volatile u32*)(join_host + JOIN_DONE) != want) {
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if ((long long)(now - t0) > timeout_ns) {
+                *(volatile u32*)(join_host + JOIN_FAILED) = want;
+                ok = 0;
+                break;
+            }
+            __nanosleep(256);
+        }
+        __threadfence_system();
+    }
+    __syncthreads();
+    if (!ok) return;
+    u32 n = join_dev[2];
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    // Loads not from any cache (the CPU wrote the rows after the kernel began), 16 bytes each when rows allow:
+    // one round trip over the link per thread for a layer's rows.
+    if ((n_embd & 3) == 0) {
+        int w = n_embd / 4;
+        for (long long i = first; i < (long long)n * w; i += stride) {
+            long long q = i / w, c = i % w;
+            float4 v;
+            asm volatile("ld.global.cv.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                         : "l"(rows + 4 * i));
+            ((float4*)(dp + (long long)join_dev[3 + q] * n_embd))[c] = v;
+        }
+    } else {
+        for (long long i = first; i < (long long)n * n_embd; i += stride) {
+            long long q = i / n_embd, c = i % n_embd;
+            float v;
+            asm volatile("ld.global.cv.f32 %0, [%1];" : "=f"(v) : "l"(rows + i));
+            dp[(long long)join_dev[3 + q] * n_embd + c] = v;
+        }
     }
 }
 

@@ -50,6 +50,8 @@ pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
 pub const DEVICE_SLOT_TABLE: &str = "STRATA_DEVICE_SLOT_TABLE";
 /// Expert fetches of decode steps on a second stream, beside the hits' compute.
 pub const FETCH_OVERLAP: &str = "STRATA_FETCH_OVERLAP";
+/// The CPU computing its share of expert misses inside decode graphs, on the device's slot table.
+pub const CPU_JOIN: &str = "STRATA_CPU_JOIN";
 /// Blocks per matrix of the expert fetch kernel (a tuning knob).
 pub const FETCH_BLOCKS: &str = "STRATA_FETCH_BLOCKS";
 /// Per-launch timing.
@@ -117,6 +119,11 @@ pub const SWITCHES: &[Switch] = &[
         FETCH_OVERLAP,
         "1",
         "0: on the device's slot table, a MoE layer's misses are copied in before any of its experts is computed, instead of on a second stream while the hits are computed",
+    ),
+    sw(
+        CPU_JOIN,
+        "1",
+        "0: decode steps whose miss policy gives the CPU expert misses decide on the host, layer by layer, instead of on the device's slot table with the CPU answering inside the CUDA graph",
     ),
     sw(
         FETCH_BLOCKS,

@@ -1104,6 +1104,8 @@ impl CacheFixture {
             device_table,
             upload_cap,
             fetch_overlap,
+            cpu_join: true,
+            n_embd: self.model.hp.n_embd as usize,
         })
         .unwrap();
         (g, pin)
@@ -1145,12 +1147,15 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         cpu_bytes_s: 1e9,
         cpu_fixed_s: 0.0,
     };
-    // The last: `auto` with the device's slot table, which measures both paths (the device's, and the host's with
-    // the CPU computing misses) in its first 16 decode steps, then keeps one.
+    // With the device's slot table, the CPU joins it: `cpu` computes every miss inside the step's graph; `auto`
+    // measures both paths (the device's, the link and the CPU splitting each layer's misses there, and the host's)
+    // in its first 24 decode steps, then keeps one.
     for (slots, policy, cost, device_table) in [
         (0, MissPolicy::Cpu, None, false),
         (4, MissPolicy::Cpu, None, false),
         (64, MissPolicy::Auto, Some(even), false),
+        (0, MissPolicy::Cpu, None, true),
+        (4, MissPolicy::Cpu, None, true),
         (64, MissPolicy::Auto, Some(even), true),
     ] {
         let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX, true);
@@ -1159,6 +1164,8 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         let got = cache_run(&f.model, &g, &f.tokens);
         let st = g.expert_cache_stats().unwrap();
         g.synchronize().unwrap();
+        let (captured, replays) = g.gpu().graph_counts();
+        drop(g);
         drop(pin);
         let want = &f.want[..];
         assert_eq!(got.len(), want.len());
@@ -1196,13 +1203,29 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         }
         let mean = sum / rows as f64;
         println!(
-            "cpu misses, {slots} slots {policy}{}: decode {} lookups {} hits {} on the CPU {} MB up; {rows} decode positions: mean KLD {mean:.3e}, worst {worst:.3e}, argmax near-ties {ties}; prefill bit-identical {same_prefill}",
-            if device_table { " (device table too)" } else { "" },
+            "cpu misses, {slots} slots {policy}{}: decode {} lookups {} hits {} on the CPU ({} ms of CPU) {} MB up; {rows} decode positions: mean KLD {mean:.3e}, worst {worst:.3e}, argmax near-ties {ties}; prefill bit-identical {same_prefill}; {captured} graphs captured, {replays} replays",
+            if device_table {
+                " (device table, the CPU joining it)"
+            } else {
+                ""
+            },
             st.decode.cache.lookups,
             st.decode.cache.hits,
             st.decode.cpu_computed,
+            st.decode.cpu_us / 1000,
             st.decode.bytes_uploaded / 1_000_000,
         );
+        if device_table && policy == MissPolicy::Cpu {
+            // The CPU joined the device's table: its decode steps were graphs, the misses computed inside.
+            assert!(
+                replays > 0,
+                "{slots} slots cpu on the device's table: no decode graph replayed"
+            );
+            assert_eq!(
+                st.decode.bytes_uploaded, 0,
+                "{slots} slots cpu: a decode miss was uploaded"
+            );
+        }
         assert!(
             same_prefill,
             "{slots} slots {policy}: prefill uploads, its logits must not change"

@@ -128,8 +128,9 @@ impl MissCost {
 /// How a decode step of one token decides its experts, when its experts are in a mapped page-locked arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodePath {
-    /// On the device's copy of the slot table, inside the step's CUDA graph: every miss is copied in over the
-    /// link, none is computed by the CPU.
+    /// On the device's copy of the slot table, inside the step's CUDA graph: the misses are copied in over the
+    /// link, or, when the CPU joins the table (the CUDA backend's `join`), split between the link and the CPU by
+    /// the [`MissPlan`] on the device.
     Device,
     /// On the host, layer by layer (a round trip each): the misses are split between the link and the CPU by the
     /// [`MissPlan`].

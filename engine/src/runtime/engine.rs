@@ -575,6 +575,8 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 arena: pinned.as_ref().and_then(HostPin::mapping),
                 device_table: crate::switches::flag(crate::switches::DEVICE_SLOT_TABLE, true),
                 fetch_overlap: crate::switches::flag(crate::switches::FETCH_OVERLAP, true),
+                cpu_join: crate::switches::flag(crate::switches::CPU_JOIN, true),
+                n_embd: model.hp.n_embd as usize,
                 upload_cap: ef.upload_cap.unwrap_or(u32::MAX),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;

@@ -105,6 +105,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "scatter_rows_f32",
     "expert_lookup",
     "expert_fetch",
+    "cpu_join",
     "mmv_wide_f32",
     "router_route",
     "mmv1_q4_k",

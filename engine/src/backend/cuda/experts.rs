@@ -32,6 +32,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, PinnedHostSlice};
 
 use super::buffer::DevBuf;
 use super::error::CudaError;
+use super::join::CpuJoin;
 use crate::backend::Experts;
 use crate::backend::cpu::spin::SpinPool;
 use crate::backend::cpu::{CpuBackend, ExpertRate, ExpertRowsScratch, Workers};
@@ -66,6 +67,12 @@ pub struct ExpertCacheConfig {
     /// On the device's table, a layer's misses are copied in and computed on a second stream while its hits are
     /// computed (`STRATA_FETCH_OVERLAP`; off: copied in before any expert of the layer is computed).
     pub fetch_overlap: bool,
+    /// There, the CPU computes its share of a layer's misses by the miss plan inside the step's graph
+    /// ([`super::join`], `STRATA_CPU_JOIN`; off: a plan that uses the CPU takes the host's path, a round trip per
+    /// layer).
+    pub cpu_join: bool,
+    /// Width of the model's activations (the CPU's joined jobs read a token's).
+    pub n_embd: usize,
 }
 
 /// What the cache did in one phase: the slot cache's counts, and the bytes uploaded (admitted and staged
@@ -111,8 +118,9 @@ pub(super) struct CpuMisses {
     /// Values of `out` the current jobs fill.
     len: usize,
     scratch: ExpertRowsScratch,
-    /// The threads that compute them (made when a miss plan may use the CPU; else rayon's).
-    workers: Option<SpinPool>,
+    /// The threads that compute them (made when a miss plan may use the CPU; else rayon's), shared with the
+    /// device table's [`CpuJoin`].
+    workers: Option<Arc<SpinPool>>,
     /// Wall time of [`CpuMisses::compute_beside`] calls since the pool last counted it, microseconds.
     busy_us: u64,
 }
@@ -159,7 +167,7 @@ impl CpuMisses {
         let rows = self.jobs.len() * n_embd;
         self.len = rows + self.jobs.len();
         let out = pinned(&mut self.out, ctx, self.len)?;
-        let workers = Workers::of(self.workers.as_ref());
+        let workers = Workers::of(self.workers.as_deref());
         let x = self
             .x
             .as_ref()
@@ -214,6 +222,8 @@ const LOOKUP_ADMITTED: u32 = 0x8000_0000;
 const LOOKUP_STAGED: u32 = u32::MAX;
 /// An expert id outside the model (nothing was looked up or fetched for it).
 const LOOKUP_BAD: u32 = u32::MAX - 1;
+/// A miss the CPU computes (`cpu_join`).
+const LOOKUP_CPU: u32 = u32::MAX - 2;
 /// A log word no lookup wrote (the step did not run that layer).
 const LOG_EMPTY: u32 = u32::MAX;
 /// Blocks per matrix of `expert_fetch` unless `STRATA_FETCH_BLOCKS` says otherwise (two waves of 256 threads on
@@ -280,6 +290,8 @@ struct DeviceTable {
     active: bool,
     /// `expert_fetch`'s blocks per matrix ([`fetch_blocks`]).
     fetch_blocks: u32,
+    /// The CPU's share of the misses (a miss plan that may use the CPU, and [`ExpertCacheConfig::cpu_join`]).
+    join: Option<CpuJoin>,
 }
 
 impl DeviceTable {
@@ -305,6 +317,7 @@ impl DeviceTable {
             misses: (config.n_layer * config.k) as f64 / 4.0,
             active: false,
             fetch_blocks: fetch_blocks(),
+            join: None,
         })
     }
 
@@ -318,8 +331,8 @@ impl DeviceTable {
 impl ExpertPool {
     /// Starts a forward step of `n_tok` tokens (before any of its launches) and says whether it decides its
     /// experts on the device's slot table ([`DeviceTable`]): a step of one token whose experts are in a mapped
-    /// arena, unless the table is switched off or the miss policy is `cpu`; under `auto`, when the
-    /// [`PathChooser`] says so by the step times it measures (the CPU can only join on the host's path). Such a
+    /// arena, unless the table is switched off, or the miss policy is `cpu` and the CPU cannot join the table
+    /// ([`CpuJoin`]); under `auto`, when the [`PathChooser`] says so by the step times it measures. Such a
     /// step is prepared with [`ExpertPool::table_step_begin`]. Called again before the step ends, it only repeats
     /// the answer.
     ///
@@ -338,16 +351,23 @@ impl ExpertPool {
             // A prompt's chunk (or a step of several tokens) between measured decode steps: the cache it leaves
             // is not the one they measured, so `auto`'s round starts over.
             self.chooser.interrupt();
+            if let Some(j) = self.table.as_ref().and_then(|t| t.join.as_ref()) {
+                j.disarm();
+            }
             return Ok(false);
         }
+        let joined = self.table.as_ref().is_some_and(|t| t.join.is_some());
         let path = match (self.miss.policy, self.miss.cost) {
-            (MissPolicy::Cpu, _) => DecodePath::Host,
+            (MissPolicy::Cpu, _) if !joined => DecodePath::Host,
+            (MissPolicy::Cpu, _) => DecodePath::Device,
             // Without measured rates the host's path uploads every miss too, a round trip per layer dearer.
             (MissPolicy::Upload, _) | (MissPolicy::Auto, None) => DecodePath::Device,
             (MissPolicy::Auto, Some(_)) => self.choose_path(stream)?,
         };
         if path == DecodePath::Device {
             self.table_step_begin(stream, replay)?;
+        } else if let Some(j) = self.table.as_ref().and_then(|t| t.join.as_ref()) {
+            j.disarm();
         }
         Ok(path == DecodePath::Device)
     }
@@ -370,12 +390,15 @@ impl ExpertPool {
         }
         let before = self.chooser.chosen();
         let path = self.chooser.next();
+        let joined = self.table.as_ref().is_some_and(|t| t.join.is_some());
         if let (Some(now), Some((d, h))) = (self.chooser.chosen(), self.chooser.medians())
             && before != Some(now)
         {
             eprintln!(
                 "strata: expert misses auto: decode steps decide {} ({:.2} ms a step, {:.2} ms {})",
-                if now == DecodePath::Device {
+                if now == DecodePath::Device && joined {
+                    "on the device's slot table, the CPU computing its share of misses inside the graph"
+                } else if now == DecodePath::Device {
                     "on the device's slot table, every miss uploaded"
                 } else {
                     "on the host, the CPU computing misses beside the link"
@@ -469,6 +492,9 @@ impl ExpertPool {
             unsafe { cudarc::driver::result::memcpy_htod_async(t.replay.ptr, &h[..n_layer * k], stream.cu_stream()) }
                 .map_err(e())?;
         }
+        if let Some(j) = &t.join {
+            j.arm();
+        }
         t.uploaded.record(stream).map_err(e())?;
         // SAFETY: `log` is this many bytes of device memory.
         unsafe { cudarc::driver::result::memset_d8_async(t.log.ptr, 0xFF, t.log.bytes, stream.cu_stream()) }
@@ -530,7 +556,7 @@ impl ExpertPool {
                     )));
                 }
                 let seen = match code {
-                    LOOKUP_STAGED => Access::Bypassed,
+                    LOOKUP_STAGED | LOOKUP_CPU => Access::Bypassed,
                     c if c & LOOKUP_ADMITTED != 0 => Access::Admitted {
                         slot: c & !LOOKUP_ADMITTED,
                         evicted: None,
@@ -547,7 +573,9 @@ impl ExpertPool {
                     )));
                 }
                 self.cache.replay(id, seen).map_err(CudaError::ExpertTable)?;
-                if !matches!(seen, Access::Hit { .. }) {
+                if code == LOOKUP_CPU {
+                    phase.cpu_computed += 1;
+                } else if !matches!(seen, Access::Hit { .. }) {
                     misses += 1;
                     phase.bytes_uploaded += t.layer_bytes[layer];
                 }
@@ -555,6 +583,14 @@ impl ExpertPool {
         }
         phase.cache += self.cache.take_stats();
         t.misses = 0.75 * t.misses + 0.25 * misses as f64;
+        if let Some(j) = &t.join {
+            phase.cpu_us += j.take_busy_us();
+            if let Some(why) = j.failure() {
+                return Err(CudaError::ExpertTable(format!(
+                    "the CPU's share of a decode step's expert misses: {why}"
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -563,14 +599,18 @@ impl ExpertPool {
     /// `slot_ids` (`3 k` words: every slot, then the hits' alone and the misses' alone, the others `MOE_SKIP`,
     /// kernels/experts.cu), and the misses to the fetch list that [`ExpertPool::table_fetch`] copies in. With a
     /// routing trace (`replayed`), its experts for the layer (uploaded by [`ExpertPool::table_step_begin`]) are
-    /// looked up instead of the router's.
+    /// looked up instead of the router's. With a [`CpuJoin`], the CPU's share of the misses (by the miss plan) is
+    /// published with the token's activations `x` (`[n_embd]` f32), and left out of all three parts and the fetch
+    /// list: [`ExpertPool::table_cpu_join`] writes their rows.
     ///
     /// Errors: a launch failed.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn table_lookup(
         &mut self,
         gpu: &super::Gpu,
         ex: &Experts<'_>,
         ids: u64,
+        x: u64,
         slot_ids: u64,
         replayed: bool,
     ) -> Result<(), CudaError> {
@@ -594,6 +634,13 @@ impl ExpertPool {
         };
         let cells = self.config.n_layer * self.config.n_expert;
         assert!(k <= 64, "expert_lookup serves top-k of at most 64");
+        let [take, join_dev, join_host, join_x] = match t.join.as_mut() {
+            Some(j) => {
+                j.register(&gpu.stream, ex)?;
+                j.lookup_args(ex.layer)
+            }
+            None => [0; 4],
+        };
         gpu.launch(
             "expert_lookup",
             (1, 1, 1),
@@ -611,6 +658,45 @@ impl ExpertPool {
                 Arg::P(t.log.ptr + (ex.layer * k * 2 * 4) as u64),
                 Arg::I(self.config.slots as i32),
                 Arg::I(self.config.upload_cap.min(i32::MAX as u32) as i32),
+                Arg::P(take),
+                Arg::P(x),
+                Arg::I(ex.gate.cols as i32),
+                Arg::P(join_dev),
+                Arg::P(join_host),
+                Arg::P(join_x),
+            ],
+        )
+    }
+
+    /// Whether [`ExpertPool::table_lookup`] may give the CPU misses (then [`ExpertPool::table_cpu_join`] follows
+    /// the layer's expert launches).
+    pub(super) fn table_joins(&self) -> bool {
+        self.table.as_ref().is_some_and(|t| t.join.is_some())
+    }
+
+    /// Queues `cpu_join` on the current stream: it waits for the CPU's rows of the layer-step's misses (if the
+    /// lookup gave the CPU any) and writes them into `dp` (`[k][n_embd]` f32, the experts' outputs).
+    ///
+    /// Errors: a launch failed.
+    pub(super) fn table_cpu_join(&self, gpu: &super::Gpu, dp: u64, n_embd: usize) -> Result<(), CudaError> {
+        use super::launch::Arg;
+        let j = self
+            .table
+            .as_ref()
+            .and_then(|t| t.join.as_ref())
+            .expect("a CPU join (table_joins)");
+        let [dev, words, rows] = j.join_args();
+        gpu.launch(
+            "cpu_join",
+            (super::join::JOIN_BLOCKS, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(dev),
+                Arg::P(words),
+                Arg::P(rows),
+                Arg::P(dp),
+                Arg::I(n_embd as i32),
+                Arg::L(super::join::TIMEOUT_NS),
             ],
         )
     }
@@ -765,15 +851,41 @@ impl ExpertPool {
     /// Errors: the OS refused a thread.
     pub(super) fn set_miss_plan(&mut self, plan: MissPlan) -> std::io::Result<()> {
         if plan.policy != MissPolicy::Upload && self.cpu.workers.is_none() {
-            self.cpu.workers = Some(SpinPool::new(rayon::current_num_threads().saturating_sub(1))?);
+            self.cpu.workers = Some(Arc::new(SpinPool::new(rayon::current_num_threads().saturating_sub(1))?));
         }
         self.miss = plan;
+        let c = &self.config;
+        if let Some(t) = self.table.as_mut() {
+            if plan.policy == MissPolicy::Upload || !c.cpu_join {
+                t.join = None;
+            } else if let Some(j) = t.join.as_mut() {
+                if let Err(e) = j.set_plan(self.copy.context(), plan) {
+                    eprintln!("strata: expert misses: the CPU leaves the device's slot table ({e})");
+                    t.join = None;
+                }
+            } else {
+                // Its own workers, two fewer than rayon's threads: the answering thread works beside them, and the
+                // stepping thread waits for the step (spinning, under CUDA's default scheduling).
+                let workers = SpinPool::new(rayon::current_num_threads().saturating_sub(2)).map(Arc::new)?;
+                match CpuJoin::new(&self.copy, c.n_layer, c.k, c.n_embd, plan, Some(workers)).and_then(|j| {
+                    self.copy
+                        .synchronize()
+                        .map_err(CudaError::driver("copy stream synchronize"))?;
+                    Ok(j)
+                }) {
+                    Ok(j) => t.join = Some(j),
+                    Err(e) => eprintln!(
+                        "strata: expert misses: the CPU cannot join the device's slot table ({e}); decode steps that give the CPU misses decide on the host"
+                    ),
+                }
+            }
+        }
         Ok(())
     }
 
     /// How fast the CPU computes `ex`'s experts on the workers misses use ([`CpuBackend::expert_rate`]).
     pub(super) fn cpu_expert_rate(&self, ex: &Experts<'_>, k: usize) -> ExpertRate {
-        CpuBackend.expert_rate(ex, k, Workers::of(self.cpu.workers.as_ref()))
+        CpuBackend.expert_rate(ex, k, Workers::of(self.cpu.workers.as_deref()))
     }
 
     /// Whether the miss plan could give the CPU any of `ex`'s experts in a step of `slots` routing slots (when

@@ -41,6 +41,7 @@ pub mod context;
 pub mod error;
 pub mod experts;
 mod graph;
+mod join;
 mod kv;
 pub mod launch;
 mod matmul;

@@ -374,10 +374,12 @@ impl Inner {
                 }
                 Some(pool) if pool.table_active() => {
                     // The device's slot table: the misses are copied in from the mapped arena and every expert is
-                    // read from its slot (no host round trip: the step stays a graph).
+                    // read from its slot (no host round trip: the step stays a graph); with a CPU join, the CPU
+                    // computes its share of the misses meanwhile, and cpu_join writes their rows before the sum.
                     let sp = self.slot(gpu, Slot::MoeSlotIds, 3 * slots * 4)?;
-                    pool.table_lookup(gpu, ex, ids, sp, self.replay.is_some())?;
+                    pool.table_lookup(gpu, ex, ids, xp, sp, self.replay.is_some())?;
                     let at = pool_at(pool, ex);
+                    let joins = pool.table_joins();
                     // The GLU is fused into the Q4_K down projection alone; a separate GLU launch spans every
                     // slot, so the two halves below could not run side by side.
                     if pool.config().fetch_overlap && fuses_glu(ex) {
@@ -390,10 +392,16 @@ impl Inner {
                         self.mmv_experts(gpu, ex, &at, misses, xp, bufs, k, slots, false)?;
                         gpu.to_main()?;
                         self.mmv_experts(gpu, ex, &at, hits, xp, bufs, k, slots, false)?;
+                        if joins {
+                            pool.table_cpu_join(gpu, dp, n_embd)?;
+                        }
                         gpu.join()?;
                     } else {
                         pool.table_fetch(gpu, ex)?;
                         self.mmv_experts(gpu, ex, &at, sp, xp, bufs, k, slots, false)?;
+                        if joins {
+                            pool.table_cpu_join(gpu, dp, n_embd)?;
+                        }
                     }
                 }
                 Some(pool) => {
