@@ -118,9 +118,8 @@ pub(super) struct CpuMisses {
     /// Values of `out` the current jobs fill.
     len: usize,
     scratch: ExpertRowsScratch,
-    /// The threads that compute them (made when a miss plan may use the CPU; else rayon's), shared with the
-    /// device table's [`CpuJoin`].
-    workers: Option<Arc<SpinPool>>,
+    /// The threads that compute them (made when a miss plan may use the CPU; else rayon's).
+    workers: Option<SpinPool>,
     /// Wall time of [`CpuMisses::compute_beside`] calls since the pool last counted it, microseconds.
     busy_us: u64,
 }
@@ -167,7 +166,7 @@ impl CpuMisses {
         let rows = self.jobs.len() * n_embd;
         self.len = rows + self.jobs.len();
         let out = pinned(&mut self.out, ctx, self.len)?;
-        let workers = Workers::of(self.workers.as_deref());
+        let workers = Workers::of(self.workers.as_ref());
         let x = self
             .x
             .as_ref()
@@ -351,14 +350,13 @@ impl ExpertPool {
             // A prompt's chunk (or a step of several tokens) between measured decode steps: the cache it leaves
             // is not the one they measured, so `auto`'s round starts over.
             self.chooser.interrupt();
-            if let Some(j) = self.table.as_ref().and_then(|t| t.join.as_ref()) {
+            if let Some(j) = self.join() {
                 j.disarm();
             }
             return Ok(false);
         }
-        let joined = self.table.as_ref().is_some_and(|t| t.join.is_some());
         let path = match (self.miss.policy, self.miss.cost) {
-            (MissPolicy::Cpu, _) if !joined => DecodePath::Host,
+            (MissPolicy::Cpu, _) if !self.table_joins() => DecodePath::Host,
             (MissPolicy::Cpu, _) => DecodePath::Device,
             // Without measured rates the host's path uploads every miss too, a round trip per layer dearer.
             (MissPolicy::Upload, _) | (MissPolicy::Auto, None) => DecodePath::Device,
@@ -366,7 +364,7 @@ impl ExpertPool {
         };
         if path == DecodePath::Device {
             self.table_step_begin(stream, replay)?;
-        } else if let Some(j) = self.table.as_ref().and_then(|t| t.join.as_ref()) {
+        } else if let Some(j) = self.join() {
             j.disarm();
         }
         Ok(path == DecodePath::Device)
@@ -390,7 +388,7 @@ impl ExpertPool {
         }
         let before = self.chooser.chosen();
         let path = self.chooser.next();
-        let joined = self.table.as_ref().is_some_and(|t| t.join.is_some());
+        let joined = self.table_joins();
         if let (Some(now), Some((d, h))) = (self.chooser.chosen(), self.chooser.medians())
             && before != Some(now)
         {
@@ -671,7 +669,12 @@ impl ExpertPool {
     /// Whether [`ExpertPool::table_lookup`] may give the CPU misses (then [`ExpertPool::table_cpu_join`] follows
     /// the layer's expert launches).
     pub(super) fn table_joins(&self) -> bool {
-        self.table.as_ref().is_some_and(|t| t.join.is_some())
+        self.join().is_some()
+    }
+
+    /// The CPU's side of the device's table, when it joins it.
+    fn join(&self) -> Option<&CpuJoin> {
+        self.table.as_ref().and_then(|t| t.join.as_ref())
     }
 
     /// Queues `cpu_join` on the current stream: it waits for the CPU's rows of the layer-step's misses (if the
@@ -680,11 +683,7 @@ impl ExpertPool {
     /// Errors: a launch failed.
     pub(super) fn table_cpu_join(&self, gpu: &super::Gpu, dp: u64, n_embd: usize) -> Result<(), CudaError> {
         use super::launch::Arg;
-        let j = self
-            .table
-            .as_ref()
-            .and_then(|t| t.join.as_ref())
-            .expect("a CPU join (table_joins)");
+        let j = self.join().expect("a CPU join (table_joins)");
         let [dev, words, rows] = j.join_args();
         gpu.launch(
             "cpu_join",
@@ -851,7 +850,7 @@ impl ExpertPool {
     /// Errors: the OS refused a thread.
     pub(super) fn set_miss_plan(&mut self, plan: MissPlan) -> std::io::Result<()> {
         if plan.policy != MissPolicy::Upload && self.cpu.workers.is_none() {
-            self.cpu.workers = Some(Arc::new(SpinPool::new(rayon::current_num_threads().saturating_sub(1))?));
+            self.cpu.workers = Some(SpinPool::new(rayon::current_num_threads().saturating_sub(1))?);
         }
         self.miss = plan;
         let c = &self.config;
@@ -866,8 +865,8 @@ impl ExpertPool {
             } else {
                 // Its own workers, two fewer than rayon's threads: the answering thread works beside them, and the
                 // stepping thread waits for the step (spinning, under CUDA's default scheduling).
-                let workers = SpinPool::new(rayon::current_num_threads().saturating_sub(2)).map(Arc::new)?;
-                match CpuJoin::new(&self.copy, c.n_layer, c.k, c.n_embd, plan, Some(workers)).and_then(|j| {
+                let workers = SpinPool::new(rayon::current_num_threads().saturating_sub(2))?;
+                match CpuJoin::new(&self.copy, c.n_layer, c.k, c.n_embd, plan, workers).and_then(|j| {
                     self.copy
                         .synchronize()
                         .map_err(CudaError::driver("copy stream synchronize"))?;
@@ -885,7 +884,7 @@ impl ExpertPool {
 
     /// How fast the CPU computes `ex`'s experts on the workers misses use ([`CpuBackend::expert_rate`]).
     pub(super) fn cpu_expert_rate(&self, ex: &Experts<'_>, k: usize) -> ExpertRate {
-        CpuBackend.expert_rate(ex, k, Workers::of(self.cpu.workers.as_deref()))
+        CpuBackend.expert_rate(ex, k, Workers::of(self.cpu.workers.as_ref()))
     }
 
     /// Whether the miss plan could give the CPU any of `ex`'s experts in a step of `slots` routing slots (when

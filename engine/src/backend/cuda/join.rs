@@ -9,7 +9,7 @@
 //!    copies the token's activations and the CPU's jobs into the mapped words, then writes the request's sequence
 //!    number last (`JOIN_REQ`).
 //! 2. A thread of this module, spinning while decode steps run, sees the number, computes the jobs with
-//!    [`CpuBackend::expert_rows`] on the spinning workers misses use (the host path's kernels, bit for bit),
+//!    [`CpuBackend::expert_rows`] on spinning workers of its own (the host path's kernels, bit for bit),
 //!    writes the rows, then the number to `JOIN_DONE`.
 //! 3. Meanwhile the GPU fetches and computes the other misses and the hits; `cpu_join` then waits for `JOIN_DONE`
 //!    and writes the CPU's rows into the experts' outputs before they are summed. A wait past [`TIMEOUT_NS`]
@@ -65,7 +65,7 @@ struct Shared {
     /// Steps on the device's table are running: the thread spins (else it parks, leaving the cores to the host's
     /// path and to prefill).
     armed: AtomicBool,
-    /// Wall time spent computing requests, microseconds, and requests failed (taken by [`CpuJoin::take_busy_us`]).
+    /// Wall time spent computing requests since [`CpuJoin::take_busy_us`] last took it, microseconds.
     busy_us: AtomicU64,
     /// Why the thread could not compute a request, once one failed.
     failure: Mutex<Option<String>>,
@@ -80,7 +80,7 @@ impl Shared {
     }
 
     /// Computes request `seq` into the rows; an error names what was wrong with it.
-    fn compute(&self, scratch: &mut ExpertRowsScratch, workers: Option<&SpinPool>) -> Result<(), String> {
+    fn compute(&self, scratch: &mut ExpertRowsScratch, workers: &SpinPool) -> Result<(), String> {
         let (layer, jobs) = (
             self.word(LAYER).load(Ordering::Relaxed) as usize,
             self.word(JOBS).load(Ordering::Relaxed) as usize,
@@ -121,13 +121,13 @@ impl Shared {
                 std::slice::from_raw_parts_mut(base.add(ro) as *mut f32, jobs * self.n_embd),
             )
         };
-        CpuBackend.expert_rows(&ex, x, &pairs, out, scratch, Workers::of(workers), || ());
+        CpuBackend.expert_rows(&ex, x, &pairs, out, scratch, Workers::Spin(workers), || ());
         Ok(())
     }
 }
 
 /// The thread's loop: spin on the request word while steps run, compute each new request, answer it.
-fn serve(s: &Shared, workers: Option<Arc<SpinPool>>) {
+fn serve(s: &Shared, workers: SpinPool) {
     let mut scratch = ExpertRowsScratch::default();
     let mut answered = s.word(DONE).load(Ordering::Acquire);
     let mut idle_since = Instant::now();
@@ -144,7 +144,7 @@ fn serve(s: &Shared, workers: Option<Arc<SpinPool>>) {
             continue;
         }
         let t = Instant::now();
-        if let Err(why) = s.compute(&mut scratch, workers.as_deref()) {
+        if let Err(why) = s.compute(&mut scratch, &workers) {
             s.failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(why);
             s.word(FAILED).store(seq, Ordering::Relaxed);
         }
@@ -178,7 +178,7 @@ pub(super) struct CpuJoin {
 
 impl CpuJoin {
     /// The mapped words and device buffers for `n_layer` layers, top-`k` and width `n_embd`, and the answering
-    /// thread (computing on `workers`, or rayon's without).
+    /// thread (computing on `workers`, beside them).
     ///
     /// Errors: an allocation, the mapping or the thread failed.
     pub(super) fn new(
@@ -187,7 +187,7 @@ impl CpuJoin {
         k: usize,
         n_embd: usize,
         plan: MissPlan,
-        workers: Option<Arc<SpinPool>>,
+        workers: SpinPool,
     ) -> Result<CpuJoin, CudaError> {
         let ctx: &Arc<CudaContext> = stream.context();
         let (_, _, n) = layout(k, n_embd);
