@@ -557,8 +557,22 @@ impl CpuBackend {
     }
 }
 
-/// Rows per task in [`CpuBackend::expert_rows`].
+/// The most rows per task in [`CpuBackend::expert_rows`].
 pub const EXPERT_ROWS: usize = 32;
+
+/// The fewest rows per task in [`CpuBackend::expert_rows`] (below this a task's hand-off costs more than its rows).
+pub const EXPERT_ROWS_MIN: usize = 4;
+
+/// Rows per task when `rows` rows are shared by `threads` threads: about [`TASKS_PER_THREAD`] tasks each (a
+/// decode step's one or two experts would otherwise leave some threads one task behind the rest), within
+/// [`EXPERT_ROWS_MIN`]..=[`EXPERT_ROWS`].
+fn rows_per_task(rows: usize, threads: usize) -> usize {
+    rows.div_ceil(threads.max(1) * TASKS_PER_THREAD)
+        .clamp(EXPERT_ROWS_MIN, EXPERT_ROWS)
+}
+
+/// The tasks each thread gets in [`CpuBackend::expert_rows`]'s passes, where the rows allow.
+const TASKS_PER_THREAD: usize = 4;
 
 /// Reusable buffers of [`CpuBackend::expert_rows`] (grown on demand, kept between calls).
 #[derive(Debug, Default)]
@@ -585,6 +599,14 @@ impl<'a> Workers<'a> {
     /// The spinning pool when there is one, else rayon's.
     pub fn of(pool: Option<&'a spin::SpinPool>) -> Workers<'a> {
         pool.map_or(Workers::Rayon, Workers::Spin)
+    }
+
+    /// Threads that run the tasks: the spinning pool's workers and the caller, or rayon's threads.
+    pub fn threads(self) -> usize {
+        match self {
+            Workers::Rayon => rayon::current_num_threads(),
+            Workers::Spin(p) => p.workers() + 1,
+        }
     }
 
     /// Runs `f(0..n)`, each once, and returns when all have run.
@@ -621,10 +643,10 @@ impl CpuBackend {
     /// `down_e(glu(gate_e x_t, up_e x_t))` for token `t` of `x` (`[n_tok][n_embd]`). Each output is computed as
     /// [`CpuBackend::moe_ffn`] computes a one-token step (int8 activations quantized once per token and matrix,
     /// one dot product per row), bit for bit. Two parallel passes over every job's rows together, as tasks of
-    /// [`EXPERT_ROWS`] rows on `workers` (gate and up with the GLU; then, after the GLU outputs are quantized, the
-    /// down rows), so the few experts a decode step misses keep every core busy. This is how the CPU computes the
-    /// experts a GPU's expert cache misses (DESIGN.md section 3, "Expert cache"). No allocation once the scratch
-    /// has grown. `beside` runs on the calling thread while the workers start on the first pass
+    /// [`EXPERT_ROWS_MIN`] to [`EXPERT_ROWS`] rows on `workers`, about four per thread (gate and up with the GLU;
+    /// then, after the GLU outputs are quantized, the down rows), so the few experts a decode step misses keep
+    /// every core busy. This is how the CPU computes the experts a GPU's expert cache misses (DESIGN.md section 3,
+    /// "Expert cache"). No allocation once the scratch has grown. `beside` runs on the calling thread while the workers start on the first pass
     /// ([`Workers::run_beside`]): a GPU's launches for the experts it computes itself (`|| ()` for none); its
     /// value is returned.
     ///
@@ -663,41 +685,43 @@ impl CpuBackend {
             GluKind::SwiGlu => silu,
             GluKind::GeGlu => gelu_ggml,
         };
-        // Pass 1: task (job, c) computes rows c * EXPERT_ROWS.. of the job's gate and up, and their GLU.
-        let (chunks_ff, chunks_embd) = (nff.div_ceil(EXPERT_ROWS), n_embd.div_ceil(EXPERT_ROWS));
+        // Pass 1: task i computes rows i * r1.. of every job's gate and up rows laid end to end (job j's row r
+        // at j * nff + r), and their GLU.
+        let threads = workers.threads();
+        let r1 = rows_per_task(jobs.len() * nff, threads);
         let h = SharedOut(s.h.as_mut_ptr());
         let (xg, xu) = (&s.xg, &s.xu);
         let r = workers.run_beside(
-            jobs.len() * chunks_ff,
+            (jobs.len() * nff).div_ceil(r1),
             &|task| {
-                let (j, c) = (task / chunks_ff, task % chunks_ff);
-                let (e, t) = (jobs[j].0 as usize, jobs[j].1 as usize);
-                let xt = &x[t * n_embd..(t + 1) * n_embd];
-                let g0 = shape.gate_rows(e).start;
-                let rows = c * EXPERT_ROWS..((c + 1) * EXPERT_ROWS).min(nff);
-                for r in rows {
+                for i in task * r1..((task + 1) * r1).min(jobs.len() * nff) {
+                    let (j, r) = (i / nff, i % nff);
+                    let (e, t) = (jobs[j].0 as usize, jobs[j].1 as usize);
+                    let xt = &x[t * n_embd..(t + 1) * n_embd];
+                    let g = shape.gate_rows(e).start + r;
                     // CpuBackend::glu's formula on the two rows' dot products.
-                    let y = f(dot_row(&ex.gate, g0 + r, xg, t, xt)) * dot_row(&ex.up, g0 + r, xu, t, xt);
-                    // SAFETY: task (j, c) alone writes h[j * nff + r] for r in its rows; `s.h` holds jobs * nff values
-                    // and outlives the pass (run returns when every task has).
-                    unsafe { *h.ptr().add(j * nff + r) = y };
+                    let y = f(dot_row(&ex.gate, g, xg, t, xt)) * dot_row(&ex.up, g, xu, t, xt);
+                    // SAFETY: task `task` alone writes h[i] for i in its rows; `s.h` holds jobs * nff values and
+                    // outlives the pass (run returns when every task has).
+                    unsafe { *h.ptr().add(i) = y };
                 }
             },
             beside,
         );
         quantize(&mut s.hq, &ex.down, &s.h, nff);
-        // Pass 2: task (job, c) computes rows c * EXPERT_ROWS.. of the job's down projection.
+        // Pass 2: task i computes rows i * r2.. of every job's down rows laid end to end (job j's row r at
+        // j * n_embd + r, which is where its output goes).
+        let r2 = rows_per_task(jobs.len() * n_embd, threads);
         let o = SharedOut(out.as_mut_ptr());
         let (hq, hs) = (&s.hq, &s.h);
-        workers.run(jobs.len() * chunks_embd, &|task| {
-            let (j, c) = (task / chunks_embd, task % chunks_embd);
-            let d0 = shape.down_rows(jobs[j].0 as usize).start;
-            let hj = &hs[j * nff..(j + 1) * nff];
-            for r in c * EXPERT_ROWS..((c + 1) * EXPERT_ROWS).min(n_embd) {
-                let y = dot_row(&ex.down, d0 + r, hq, j, hj);
-                // SAFETY: task (j, c) alone writes out[j * n_embd + r] for r in its rows; `out` holds
-                // jobs * n_embd values (asserted) and outlives the pass.
-                unsafe { *o.ptr().add(j * n_embd + r) = y };
+        workers.run((jobs.len() * n_embd).div_ceil(r2), &|task| {
+            for i in task * r2..((task + 1) * r2).min(jobs.len() * n_embd) {
+                let (j, r) = (i / n_embd, i % n_embd);
+                let d = shape.down_rows(jobs[j].0 as usize).start + r;
+                let y = dot_row(&ex.down, d, hq, j, &hs[j * nff..(j + 1) * nff]);
+                // SAFETY: task `task` alone writes out[i] for i in its rows; `out` holds jobs * n_embd values
+                // (asserted) and outlives the pass.
+                unsafe { *o.ptr().add(i) = y };
             }
         });
         r
