@@ -1146,6 +1146,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         link_bytes_s: 1e9,
         cpu_bytes_s: 1e9,
         cpu_fixed_s: 0.0,
+        copies_s: 0.0,
     };
     // With the device's slot table, the CPU joins it: `cpu` computes every miss inside the step's graph; `auto`
     // measures both paths (the device's, the link and the CPU splitting each layer's misses there, and the host's)

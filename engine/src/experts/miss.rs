@@ -41,9 +41,12 @@ pub struct MissCost {
     pub link_bytes_s: f64,
     /// Rate at which the CPU computes experts at decode (weight bytes read per second, all threads).
     pub cpu_bytes_s: f64,
-    /// Seconds the CPU side costs once per layer-step that computes any miss: reading the activations back,
-    /// starting the threads, and copying the results to the device.
+    /// Seconds the CPU's computation costs once per layer-step that computes any miss, beyond its bytes: waking
+    /// the threads, the passes' barriers and tails.
     pub cpu_fixed_s: f64,
+    /// Seconds the host's path adds once per layer-step that gives the CPU any miss: reading the activations back
+    /// and uploading the rows. The device's table with the CPU joining it has none ([`MissCost::joined`]).
+    pub copies_s: f64,
 }
 
 /// The decision for one layer-step: how many of its misses the CPU computes, given the policy.
@@ -65,6 +68,14 @@ impl Default for MissPlan {
 }
 
 impl MissPlan {
+    /// This plan with its cost [`MissCost::joined`] (the device's table with the CPU joining it).
+    pub fn joined(self) -> MissPlan {
+        MissPlan {
+            cost: self.cost.map(MissCost::joined),
+            ..self
+        }
+    }
+
     /// Of `misses` missing experts of `expert_bytes` each, one token each, how many the CPU computes (the rest are
     /// uploaded).
     pub fn cpu_count(&self, misses: usize, expert_bytes: u64) -> usize {
@@ -93,7 +104,7 @@ impl MissCost {
             0.0
         } else {
             let jobs: usize = tokens[..cpu].iter().sum();
-            self.cpu_fixed_s + jobs as f64 * bytes as f64 / self.cpu_bytes_s
+            self.cpu_fixed_s + self.copies_s + jobs as f64 * bytes as f64 / self.cpu_bytes_s
         };
         link.max(host)
     }
@@ -117,6 +128,12 @@ impl MissCost {
             }
         }
         best.0
+    }
+
+    /// The cost when the CPU joins the device's slot table: the activations and rows cross through mapped memory
+    /// inside the step, so no copies.
+    pub fn joined(self) -> MissCost {
+        MissCost { copies_s: 0.0, ..self }
     }
 
     /// [`MissCost::cpu_take`] for `misses` experts of one token each.
@@ -325,6 +342,7 @@ mod tests {
             link_bytes_s: link_gb_s * 1e9,
             cpu_bytes_s: cpu_gb_s * 1e9,
             cpu_fixed_s: fixed_us * 1e-6,
+            copies_s: 0.0,
         }
     }
 
@@ -351,6 +369,26 @@ mod tests {
         // Pageable memory (--mmap-experts: 7.7 GB/s) against a 40 GB/s CPU: the CPU takes most of them.
         // u = 1: max(344.2, 40 + 7 * 66.25 = 503.75); u = 2: max(688.3, 437.5) -> 1 upload, 7 on the CPU.
         assert_eq!(cost(7.7, 40.0, 40.0).cpu_count(8, 2_650_000), 7);
+    }
+
+    #[test]
+    fn the_join_drops_the_host_paths_copies_from_the_split() {
+        // Link 53 GB/s, CPU 40 GB/s, 10 us fixed plus 30 us of the host path's copies, 8 misses of 2.65 MB: on the
+        // host's path it is the 40 us case above (3 on the CPU). Joined, c on the CPU take 10 + c * 66.25 us:
+        // c = 3: max(250.0, 208.75) = 250.0; c = 4: max(200.0, 275.0) = 275.0. Still 3; with 2 misses, host:
+        // c = 1: max(50, 106.25) vs c = 0: 100 -> 0; joined: c = 1: max(50, 76.25) = 76.25 -> 1.
+        let c = MissCost {
+            copies_s: 30e-6,
+            ..cost(53.0, 40.0, 10.0)
+        };
+        assert_eq!((c.cpu_count(8, 2_650_000), c.joined().cpu_count(8, 2_650_000)), (3, 3));
+        assert_eq!((c.cpu_count(2, 2_650_000), c.joined().cpu_count(2, 2_650_000)), (0, 1));
+        let plan = MissPlan {
+            policy: MissPolicy::Auto,
+            cost: Some(c),
+        };
+        assert_eq!(plan.joined().cost, Some(c.joined()));
+        assert_eq!(c.joined().copies_s, 0.0);
     }
 
     #[test]

@@ -669,11 +669,12 @@ fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: boo
     let cost = MissCost {
         link_bytes_s: link,
         cpu_bytes_s: rate.bytes_s,
-        cpu_fixed_s: rate.fixed_s + COPIES_S,
+        cpu_fixed_s: rate.fixed_s,
+        copies_s: COPIES_S,
     };
     let bytes = ex.expert_bytes();
     eprintln!(
-        "strata: expert misses auto: link {:.1} GB/s ({}), CPU {:.1} GB/s + {:.0} us a step ({} threads): of {k} misses in a decode layer-step the CPU computes {}, of 1 {}",
+        "strata: expert misses auto: link {:.1} GB/s ({}), CPU {:.1} GB/s + {:.0} us a step, + {:.0} us of copies on the host's path ({} threads): of {k} misses in a decode layer-step the CPU computes {} ({} on the device's table), of 1 {}",
         link / 1e9,
         if pinned {
             "page-locked arena"
@@ -682,8 +683,10 @@ fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: boo
         },
         rate.bytes_s / 1e9,
         cost.cpu_fixed_s * 1e6,
-        rayon::current_num_threads(),
+        cost.copies_s * 1e6,
+        c.cpu_expert_threads(),
         cost.cpu_count(k, bytes),
+        cost.joined().cpu_count(k, bytes),
         cost.cpu_count(1, bytes),
     );
     c.set_miss_plan(plan(Some(cost)))

@@ -42,6 +42,9 @@ impl Gpu {
         let side = ctx.new_stream().map_err(CudaError::driver("stream creation"))?;
         let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
         let (fork_ev, join_ev) = (ev()?, ev()?);
+        let asleep_ev = ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(CudaError::driver("event creation"))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(CudaError::driver("compute capability"))?;
@@ -73,6 +76,7 @@ impl Gpu {
             side,
             fork_ev,
             join_ev,
+            asleep_ev,
             on_side: false.into(),
             funcs,
             calls: AtomicU64::new(0),
@@ -88,6 +92,18 @@ impl Gpu {
             ordinal,
             sms,
         })
+    }
+
+    /// Waits, asleep in the driver (a blocking-sync event), for what `stream` has queued: the calling thread gives
+    /// its core back while it waits. Under CUDA's default scheduling a wait spins on a core for as long as the work
+    /// takes, which a decode step whose CPU join needs every other core cannot spare; waking costs some
+    /// microseconds, once per step.
+    ///
+    /// Errors: recording or waiting failed.
+    pub fn wait_asleep(&self) -> Result<(), CudaError> {
+        let e = || CudaError::driver("waiting for the stream (blocking sync)");
+        self.asleep_ev.record(&self.stream).map_err(e())?;
+        self.asleep_ev.synchronize().map_err(e())
     }
 
     /// (free, total) device memory in bytes.

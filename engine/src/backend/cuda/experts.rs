@@ -672,6 +672,11 @@ impl ExpertPool {
         self.join().is_some()
     }
 
+    /// Whether the CPU join expects a step's requests: the step queued now may wait on the CPU's answers.
+    pub(super) fn join_armed(&self) -> bool {
+        self.join().is_some_and(CpuJoin::armed)
+    }
+
     /// The CPU's side of the device's table, when it joins it.
     fn join(&self) -> Option<&CpuJoin> {
         self.table.as_ref().and_then(|t| t.join.as_ref())
@@ -882,9 +887,18 @@ impl ExpertPool {
         Ok(())
     }
 
-    /// How fast the CPU computes `ex`'s experts on the workers misses use ([`CpuBackend::expert_rate`]).
+    /// How fast the CPU computes `ex`'s experts on the workers misses use ([`CpuBackend::expert_rate`]): the CPU
+    /// join's when it joins the device's table (the path `auto` mostly keeps), else the host path's.
     pub(super) fn cpu_expert_rate(&self, ex: &Experts<'_>, k: usize) -> ExpertRate {
-        CpuBackend.expert_rate(ex, k, Workers::of(self.cpu.workers.as_ref()))
+        CpuBackend.expert_rate(ex, k, self.miss_workers())
+    }
+
+    /// The threads [`ExpertPool::cpu_expert_rate`] measures.
+    pub(super) fn miss_workers(&self) -> Workers<'_> {
+        match self.join() {
+            Some(j) => Workers::Spin(j.workers()),
+            None => Workers::of(self.cpu.workers.as_ref()),
+        }
     }
 
     /// Whether the miss plan could give the CPU any of `ex`'s experts in a step of `slots` routing slots (when

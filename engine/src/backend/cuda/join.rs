@@ -127,7 +127,7 @@ impl Shared {
 }
 
 /// The thread's loop: spin on the request word while steps run, compute each new request, answer it.
-fn serve(s: &Shared, workers: SpinPool) {
+fn serve(s: &Shared, workers: &SpinPool) {
     let mut scratch = ExpertRowsScratch::default();
     let mut answered = s.word(DONE).load(Ordering::Acquire);
     let mut idle_since = Instant::now();
@@ -144,7 +144,7 @@ fn serve(s: &Shared, workers: SpinPool) {
             continue;
         }
         let t = Instant::now();
-        if let Err(why) = s.compute(&mut scratch, &workers) {
+        if let Err(why) = s.compute(&mut scratch, workers) {
             s.failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(why);
             s.word(FAILED).store(seq, Ordering::Relaxed);
         }
@@ -173,6 +173,8 @@ pub(super) struct CpuJoin {
     k: usize,
     n_embd: usize,
     shared: Arc<Shared>,
+    /// The thread's workers (shared with [`CpuJoin::workers`], which measures them while no step runs).
+    workers: Arc<SpinPool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -225,10 +227,11 @@ impl CpuJoin {
             busy_us: AtomicU64::new(0),
             failure: Mutex::new(None),
         });
-        let s = shared.clone();
+        let (s, workers) = (shared.clone(), Arc::new(workers));
+        let w = workers.clone();
         let thread = std::thread::Builder::new()
             .name("strata-cpu-join".into())
-            .spawn(move || serve(&s, workers))
+            .spawn(move || serve(&s, &w))
             .map_err(|err| CudaError::ExpertTable(format!("the CPU's expert join thread: {err}")))?;
         Ok(CpuJoin {
             _words: words,
@@ -237,18 +240,20 @@ impl CpuJoin {
             take,
             take_host,
             take_bytes: vec![0; n_layer],
-            plan,
+            plan: plan.joined(),
             k,
             n_embd,
             shared,
+            workers,
             thread: Some(thread),
         })
     }
 
-    /// The split from now on (rows are recomputed as layers are seen, after the uploads of the old ones).
+    /// The split from now on, without the host path's copies ([`MissPlan::joined`]; rows are recomputed as layers are seen, after the uploads of the old ones).
     ///
     /// Errors: waiting for the device failed.
     pub(super) fn set_plan(&mut self, ctx: &Arc<CudaContext>, plan: MissPlan) -> Result<(), CudaError> {
+        let plan = plan.joined();
         if plan != self.plan {
             ctx.synchronize().map_err(CudaError::driver("context synchronize"))?;
             self.plan = plan;
@@ -314,6 +319,16 @@ impl CpuJoin {
         if let Some(t) = &self.thread {
             t.thread().unpark();
         }
+    }
+
+    /// Whether a step's requests are expected ([`CpuJoin::arm`] without a [`CpuJoin::disarm`] since).
+    pub(super) fn armed(&self) -> bool {
+        self.shared.armed.load(Ordering::Relaxed)
+    }
+
+    /// The spinning workers the thread computes with (the caller of a job on them works beside them).
+    pub(super) fn workers(&self) -> &SpinPool {
+        &self.workers
     }
 
     /// Lets the thread park (a step that gives it no request: the host's path, a prompt's chunk), so it does not

@@ -206,6 +206,8 @@ pub struct Gpu {
     /// Recorded on `stream` at a fork (the side waits for it), and on `side` at a join (`stream` waits for it).
     fork_ev: cudarc::driver::CudaEvent,
     join_ev: cudarc::driver::CudaEvent,
+    /// Created with `CU_EVENT_BLOCKING_SYNC`: [`Gpu::wait_asleep`]'s wait sleeps in the driver instead of spinning.
+    asleep_ev: cudarc::driver::CudaEvent,
     /// Launches go to `side` (between a fork and the next [`Gpu::to_main`] or join).
     on_side: std::sync::atomic::AtomicBool,
     funcs: HashMap<&'static str, CudaFunction>,
@@ -360,6 +362,12 @@ impl CudaBackend {
     /// time, [`crate::backend::cpu::CpuBackend::expert_rate`]); `None` without a cache.
     pub fn cpu_expert_rate(&self, ex: &Experts<'_>, k: usize) -> Option<crate::backend::cpu::ExpertRate> {
         self.lock().experts.as_ref().map(|p| p.cpu_expert_rate(ex, k))
+    }
+
+    /// Threads that compute expert misses at decode (what [`CudaBackend::cpu_expert_rate`] measures); 0 without a
+    /// cache.
+    pub fn cpu_expert_threads(&self) -> usize {
+        self.lock().experts.as_ref().map_or(0, |p| p.miss_workers().threads())
     }
 
     /// Makes every MoE layer route as `replay` says instead of by its router (`--routing-trace`: benchmarks of
@@ -613,6 +621,10 @@ impl Backend for CudaBackend {
         }
         let b = src.buf.as_ref().expect("download: a buffer never sized");
         Self::check(self.gpu.flush_step());
+        if self.lock().experts.as_ref().is_some_and(|p| p.join_armed()) {
+            // The step's CPU join answers on every core but one: wait for the step asleep, not spinning on a core.
+            Self::check(self.gpu.wait_asleep());
+        }
         Self::check(b.read_at(&self.gpu.stream, offset * 4, bytemuck::cast_slice_mut(dst)));
     }
 
