@@ -54,6 +54,8 @@ pub const FETCH_OVERLAP: &str = "STRATA_FETCH_OVERLAP";
 pub const CPU_JOIN: &str = "STRATA_CPU_JOIN";
 /// Blocks per matrix of the expert fetch kernel (a tuning knob).
 pub const FETCH_BLOCKS: &str = "STRATA_FETCH_BLOCKS";
+/// The CPU join's round trip in the cost model, microseconds (a tuning knob).
+pub const JOIN_ROUND_TRIP_US: &str = "STRATA_JOIN_ROUND_TRIP_US";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -129,6 +131,11 @@ pub const SWITCHES: &[Switch] = &[
         FETCH_BLOCKS,
         "264",
         "N (1-4096): blocks per matrix of expert_fetch, the kernel that copies an expert cache's misses in over the link (tuning)",
+    ),
+    sw(
+        JOIN_ROUND_TRIP_US,
+        "20",
+        "N (0-1000): microseconds --miss-policy auto's cost model adds to the CPU's share of a layer-step when the CPU joins the device's slot table (the mapped memory's round trip: the GPU's request, the rows' read; tuning)",
     ),
     sw(
         PROFILE_KERNELS,

@@ -44,8 +44,9 @@ pub struct MissCost {
     /// Seconds the CPU's computation costs once per layer-step that computes any miss, beyond its bytes: waking
     /// the threads, the passes' barriers and tails.
     pub cpu_fixed_s: f64,
-    /// Seconds the host's path adds once per layer-step that gives the CPU any miss: reading the activations back
-    /// and uploading the rows. The device's table with the CPU joining it has none ([`MissCost::joined`]).
+    /// Seconds the path adds once per layer-step that gives the CPU any miss: on the host's path, reading the
+    /// activations back and uploading the rows; on the device's table with the CPU joining it, the mapped
+    /// memory's round trip ([`MissCost::joined`]).
     pub copies_s: f64,
 }
 
@@ -69,9 +70,9 @@ impl Default for MissPlan {
 
 impl MissPlan {
     /// This plan with its cost [`MissCost::joined`] (the device's table with the CPU joining it).
-    pub fn joined(self) -> MissPlan {
+    pub fn joined(self, round_trip_s: f64) -> MissPlan {
         MissPlan {
-            cost: self.cost.map(MissCost::joined),
+            cost: self.cost.map(|c| c.joined(round_trip_s)),
             ..self
         }
     }
@@ -131,9 +132,12 @@ impl MissCost {
     }
 
     /// The cost when the CPU joins the device's slot table: the activations and rows cross through mapped memory
-    /// inside the step, so no copies.
-    pub fn joined(self) -> MissCost {
-        MissCost { copies_s: 0.0, ..self }
+    /// inside the step, a round trip of `round_trip_s` seconds instead of the host path's copies.
+    pub fn joined(self, round_trip_s: f64) -> MissCost {
+        MissCost {
+            copies_s: round_trip_s,
+            ..self
+        }
     }
 
     /// [`MissCost::cpu_take`] for `misses` experts of one token each.
@@ -374,21 +378,30 @@ mod tests {
     #[test]
     fn the_join_drops_the_host_paths_copies_from_the_split() {
         // Link 53 GB/s, CPU 40 GB/s, 10 us fixed plus 30 us of the host path's copies, 8 misses of 2.65 MB: on the
-        // host's path it is the 40 us case above (3 on the CPU). Joined, c on the CPU take 10 + c * 66.25 us:
+        // host's path it is the 40 us case above (3 on the CPU). Joined with no round trip, c on the CPU take
+        // 10 + c * 66.25 us:
         // c = 3: max(250.0, 208.75) = 250.0; c = 4: max(200.0, 275.0) = 275.0. Still 3; with 2 misses, host:
         // c = 1: max(50, 106.25) vs c = 0: 100 -> 0; joined: c = 1: max(50, 76.25) = 76.25 -> 1.
         let c = MissCost {
             copies_s: 30e-6,
             ..cost(53.0, 40.0, 10.0)
         };
-        assert_eq!((c.cpu_count(8, 2_650_000), c.joined().cpu_count(8, 2_650_000)), (3, 3));
-        assert_eq!((c.cpu_count(2, 2_650_000), c.joined().cpu_count(2, 2_650_000)), (0, 1));
+        assert_eq!(
+            (c.cpu_count(8, 2_650_000), c.joined(0.0).cpu_count(8, 2_650_000)),
+            (3, 3)
+        );
+        assert_eq!(
+            (c.cpu_count(2, 2_650_000), c.joined(0.0).cpu_count(2, 2_650_000)),
+            (0, 1)
+        );
+        // A 30 us round trip is the host's path again.
+        assert_eq!(c.joined(30e-6).cpu_count(2, 2_650_000), 0);
         let plan = MissPlan {
             policy: MissPolicy::Auto,
             cost: Some(c),
         };
-        assert_eq!(plan.joined().cost, Some(c.joined()));
-        assert_eq!(c.joined().copies_s, 0.0);
+        assert_eq!(plan.joined(5e-6).cost, Some(c.joined(5e-6)));
+        assert_eq!(c.joined(5e-6).copies_s, 5e-6);
     }
 
     #[test]

@@ -686,7 +686,7 @@ fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: boo
         cost.copies_s * 1e6,
         c.cpu_expert_threads(),
         cost.cpu_count(k, bytes),
-        cost.joined().cpu_count(k, bytes),
+        c.joined_cpu_count(cost, k, bytes),
         cost.cpu_count(1, bytes),
     );
     c.set_miss_plan(plan(Some(cost)))

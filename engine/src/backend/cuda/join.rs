@@ -29,7 +29,7 @@ use super::error::CudaError;
 use crate::backend::Experts;
 use crate::backend::cpu::spin::SpinPool;
 use crate::backend::cpu::{CpuBackend, ExpertRowsScratch, Workers};
-use crate::experts::miss::MissPlan;
+use crate::experts::miss::{MissCost, MissPlan};
 
 /// Word offsets in the mapped words (kernels/experts.cu's `JOIN_*`; the request and the answers on cache lines
 /// of their own).
@@ -43,6 +43,34 @@ const PAIRS: usize = 96;
 pub(super) const TIMEOUT_NS: i64 = 2_000_000_000;
 /// The thread spins this long after its last request or wake-up, then parks until the next step wakes it.
 const SPIN: Duration = Duration::from_millis(50);
+/// The cost model's round trip of a layer-step's CPU share through the mapped words unless
+/// `STRATA_JOIN_ROUND_TRIP_US` says otherwise, seconds: `expert_lookup`'s writes reaching host memory, the
+/// thread's wake, the rows read over the link and `cpu_join`'s polls.
+const ROUND_TRIP_S: f64 = 20e-6;
+
+/// [`ROUND_TRIP_S`], or `STRATA_JOIN_ROUND_TRIP_US` when it is a number from 0 to 1000.
+fn round_trip_s() -> f64 {
+    let name = crate::switches::JOIN_ROUND_TRIP_US;
+    let Some(v) = crate::switches::text_lossy(name) else {
+        return ROUND_TRIP_S;
+    };
+    match v.parse::<f64>() {
+        Ok(us) if (0.0..=1000.0).contains(&us) => us * 1e-6,
+        _ => {
+            eprintln!(
+                "strata: {name}={v:?} is not a number from 0 to 1000: the cost model keeps {} us",
+                ROUND_TRIP_S * 1e6
+            );
+            ROUND_TRIP_S
+        }
+    }
+}
+
+/// `cost` on the device's table with the CPU joining it ([`MissCost::joined`] with [`round_trip_s`]).
+pub(super) fn joined_cost(cost: MissCost) -> MissCost {
+    cost.joined(round_trip_s())
+}
+
 /// `cpu_join`'s blocks (each polls the answer, then copies its share of the rows).
 pub(super) const JOIN_BLOCKS: u32 = 16;
 
@@ -240,7 +268,7 @@ impl CpuJoin {
             take,
             take_host,
             take_bytes: vec![0; n_layer],
-            plan: plan.joined(),
+            plan: plan.joined(round_trip_s()),
             k,
             n_embd,
             shared,
@@ -249,11 +277,11 @@ impl CpuJoin {
         })
     }
 
-    /// The split from now on, without the host path's copies ([`MissPlan::joined`]; rows are recomputed as layers are seen, after the uploads of the old ones).
+    /// The split from now on, with the mapped round trip for the host path's copies ([`MissPlan::joined`]; rows are recomputed as layers are seen, after the uploads of the old ones).
     ///
     /// Errors: waiting for the device failed.
     pub(super) fn set_plan(&mut self, ctx: &Arc<CudaContext>, plan: MissPlan) -> Result<(), CudaError> {
-        let plan = plan.joined();
+        let plan = plan.joined(round_trip_s());
         if plan != self.plan {
             ctx.synchronize().map_err(CudaError::driver("context synchronize"))?;
             self.plan = plan;

@@ -364,6 +364,12 @@ impl CudaBackend {
         self.lock().experts.as_ref().map(|p| p.cpu_expert_rate(ex, k))
     }
 
+    /// Of `misses` missing experts of `bytes` each, how many the CPU computes on the device's table with the CPU
+    /// joining it, under `cost` ([`MissCost::joined`] with the join's round trip).
+    pub fn joined_cpu_count(&self, cost: crate::experts::miss::MissCost, misses: usize, bytes: u64) -> usize {
+        join::joined_cost(cost).cpu_count(misses, bytes)
+    }
+
     /// Threads that compute expert misses at decode (what [`CudaBackend::cpu_expert_rate`] measures); 0 without a
     /// cache.
     pub fn cpu_expert_threads(&self) -> usize {
