@@ -13,7 +13,9 @@
 //!   difference (what a step costs beyond its bytes: the threads' wake-up, the two passes' barriers, the tail).
 //!
 //! Pools: `spin` is the CUDA backend's CPU join (a spinning pool of the cores less two, plus the caller), `rayon`
-//! the global pool. EXPERT_ROWS_K=1,2,4,8 picks the k values; EXPERT_ROWS_WORKERS the spinning pool's workers.
+//! the global pool. EXPERT_ROWS_K=1,2,4,8 picks the k values; EXPERT_ROWS_WORKERS the spinning pool's workers;
+//! EXPERT_ROWS_POOLS=spin (or rayon) one pool. STRATA_EXPERT_TASKS and STRATA_EXPERT_PREFETCH tune the kernel
+//! (`strata switches`).
 
 mod common;
 
@@ -24,6 +26,7 @@ use strata_engine::backend::cpu::spin::SpinPool;
 use strata_engine::backend::cpu::{CpuBackend, ExpertRowsScratch, Workers};
 use strata_engine::backend::{Experts, GluKind, QMat};
 use strata_engine::quant::GgmlType;
+use strata_engine::switches;
 
 const N_EMBD: usize = 2048;
 const N_FF_EXP: usize = 768;
@@ -81,10 +84,14 @@ fn main() {
     let exs: Vec<Experts<'_>> = store.iter().map(experts).collect();
     let expert_bytes = exs[0].expert_bytes() as f64;
     println!(
-        "expert_rows: revision {}, cpu {}, {cores} cores; Q4_K experts of {:.2} MB (n_embd {N_EMBD}, n_ff_exp {N_FF_EXP}), {layers} layers of {N_EXPERT}",
+        "expert_rows: revision {}, cpu {}, {cores} cores; Q4_K experts of {:.2} MB (n_embd {N_EMBD}, n_ff_exp {N_FF_EXP}), {layers} layers of {N_EXPERT}; {}={}, {}={}",
         common::revision(),
         common::cpu_name(),
-        expert_bytes / 1e6
+        expert_bytes / 1e6,
+        switches::EXPERT_TASKS,
+        std::env::var(switches::EXPERT_TASKS).unwrap_or_else(|_| "default".into()),
+        switches::EXPERT_PREFETCH,
+        std::env::var(switches::EXPERT_PREFETCH).unwrap_or_else(|_| "default".into()),
     );
     if !full {
         println!("(smoke run: pass --bench, as `cargo bench` does, for figures)");
@@ -100,10 +107,14 @@ fn main() {
     let x: Vec<f32> = (0..N_EMBD).map(|_| rng.uniform()).collect();
     let mut s = ExpertRowsScratch::default();
     let steps = if full { 400 } else { 8 };
+    let pools = std::env::var("EXPERT_ROWS_POOLS").unwrap_or_else(|_| "spin,rayon".into());
     for (name, w, threads) in [
         ("spin", Workers::Spin(&pool), workers + 1),
         ("rayon", Workers::Rayon, rayon::current_num_threads()),
     ] {
+        if !pools.split(',').any(|p| p == name) {
+            continue;
+        }
         for &k in &ks {
             let mut out = vec![0f32; k * N_EMBD];
             let mut jobs: Vec<(u32, u32)> = Vec::with_capacity(k);

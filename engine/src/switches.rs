@@ -56,6 +56,10 @@ pub const CPU_JOIN: &str = "STRATA_CPU_JOIN";
 pub const FETCH_BLOCKS: &str = "STRATA_FETCH_BLOCKS";
 /// The CPU join's round trip in the cost model, microseconds (a tuning knob).
 pub const JOIN_ROUND_TRIP_US: &str = "STRATA_JOIN_ROUND_TRIP_US";
+/// Tasks per thread of the CPU's expert rows (a tuning knob).
+pub const EXPERT_TASKS: &str = "STRATA_EXPERT_TASKS";
+/// Rows the CPU's expert rows prefetch ahead (a tuning knob).
+pub const EXPERT_PREFETCH: &str = "STRATA_EXPERT_PREFETCH";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -133,6 +137,16 @@ pub const SWITCHES: &[Switch] = &[
         "N (1-4096): blocks per matrix of expert_fetch, the kernel that copies an expert cache's misses in over the link (tuning)",
     ),
     sw(
+        EXPERT_TASKS,
+        "4",
+        "N (1-64): tasks per thread in each pass of the CPU's expert rows (the misses the CPU computes at decode; tuning)",
+    ),
+    sw(
+        EXPERT_PREFETCH,
+        "2",
+        "N (0-64): rows ahead of the one it computes that a task of the CPU's expert rows asks the cache for (0: none; tuning)",
+    ),
+    sw(
         JOIN_ROUND_TRIP_US,
         "20",
         "N (0-1000): microseconds --miss-policy auto's cost model adds to the CPU's share of a layer-step when the CPU joins the device's slot table (the mapped memory's round trip: the GPU's request, the rows' read; tuning)",
@@ -191,6 +205,23 @@ pub fn text(name: &str) -> Option<Result<String, String>> {
 /// A text switch, `None` when unset or not UTF-8 (for switches whose bad value has no better meaning).
 pub fn text_lossy(name: &str) -> Option<String> {
     raw(name).map(|v| v.to_string_lossy().into_owned())
+}
+
+/// A number switch within `range`; `None` when unset, and when set to anything else (said once on stderr, naming
+/// the switch, the value and the range: the caller keeps its default).
+pub fn usize_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
+    let v = text_lossy(name)?;
+    match v.trim().parse() {
+        Ok(n) if range.contains(&n) => Some(n),
+        _ => {
+            eprintln!(
+                "strata: {name}={v:?} is not a number from {} to {}: ignored",
+                range.start(),
+                range.end()
+            );
+            None
+        }
+    }
 }
 
 /// A folder switch; `None` when unset or empty.

@@ -563,16 +563,56 @@ pub const EXPERT_ROWS: usize = 32;
 /// The fewest rows per task in [`CpuBackend::expert_rows`] (below this a task's hand-off costs more than its rows).
 pub const EXPERT_ROWS_MIN: usize = 4;
 
-/// Rows per task when `rows` rows are shared by `threads` threads: about [`TASKS_PER_THREAD`] tasks each (a
-/// decode step's one or two experts would otherwise leave some threads one task behind the rest), within
+/// Rows per task when `rows` rows are shared by `threads` threads: about `per_thread` tasks each (a decode step's
+/// one or two experts would otherwise leave some threads one task behind the rest), within
 /// [`EXPERT_ROWS_MIN`]..=[`EXPERT_ROWS`].
-fn rows_per_task(rows: usize, threads: usize) -> usize {
-    rows.div_ceil(threads.max(1) * TASKS_PER_THREAD)
+fn rows_per_task(rows: usize, threads: usize, per_thread: usize) -> usize {
+    rows.div_ceil(threads.max(1) * per_thread.max(1))
         .clamp(EXPERT_ROWS_MIN, EXPERT_ROWS)
 }
 
-/// The tasks each thread gets in [`CpuBackend::expert_rows`]'s passes, where the rows allow.
+/// The tasks each thread gets in [`CpuBackend::expert_rows`]'s passes, where the rows allow, unless
+/// `STRATA_EXPERT_TASKS` says otherwise.
 const TASKS_PER_THREAD: usize = 4;
+
+/// How many rows ahead of the one it computes a task of [`CpuBackend::expert_rows`] asks the cache for, unless
+/// `STRATA_EXPERT_PREFETCH` says otherwise: a task's rows are a few KB of one or two streams, too short for the
+/// hardware prefetcher to ramp up, so without it each core waits on DRAM and computes by turns.
+const PREFETCH_ROWS: usize = 2;
+
+/// [`CpuBackend::expert_rows`]'s tuning, read once from the switches.
+#[derive(Debug, Clone, Copy)]
+struct ExpertTuning {
+    tasks_per_thread: usize,
+    prefetch_rows: usize,
+}
+
+fn expert_tuning() -> ExpertTuning {
+    static T: std::sync::OnceLock<ExpertTuning> = std::sync::OnceLock::new();
+    *T.get_or_init(|| ExpertTuning {
+        tasks_per_thread: crate::switches::usize_in(crate::switches::EXPERT_TASKS, 1..=64)
+            .unwrap_or(TASKS_PER_THREAD),
+        prefetch_rows: crate::switches::usize_in(crate::switches::EXPERT_PREFETCH, 0..=64).unwrap_or(PREFETCH_ROWS),
+    })
+}
+
+/// Asks the cache for row `r` of `w` (each of its 64-byte lines), a hint only; nothing off x86-64.
+#[inline(always)]
+fn prefetch_row(w: &QMat<'_>, r: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let row = w.row(r);
+        let p = row.as_ptr();
+        // Every line the row touches: from its first byte, then its last (a row need not start on a line).
+        for o in (0..row.len()).step_by(64).chain(row.len().checked_sub(1)) {
+            // SAFETY: `o` is inside `row`; a prefetch reads nothing and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(o) as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (w, r);
+}
 
 /// Reusable buffers of [`CpuBackend::expert_rows`] (grown on demand, kept between calls).
 #[derive(Debug, Default)]
@@ -687,14 +727,25 @@ impl CpuBackend {
         };
         // Pass 1: task i computes rows i * r1.. of every job's gate and up rows laid end to end (job j's row r
         // at j * nff + r), and their GLU.
-        let threads = workers.threads();
-        let r1 = rows_per_task(jobs.len() * nff, threads);
+        let (threads, tune) = (workers.threads(), expert_tuning());
+        let pf = tune.prefetch_rows;
+        let r1 = rows_per_task(jobs.len() * nff, threads, tune.tasks_per_thread);
         let h = SharedOut(s.h.as_mut_ptr());
         let (xg, xu) = (&s.xg, &s.xu);
         let r = workers.run_beside(
             (jobs.len() * nff).div_ceil(r1),
             &|task| {
-                for i in task * r1..((task + 1) * r1).min(jobs.len() * nff) {
+                let rows = task * r1..((task + 1) * r1).min(jobs.len() * nff);
+                let ahead = |i: usize| {
+                    let g = shape.gate_rows(jobs[i / nff].0 as usize).start + i % nff;
+                    prefetch_row(&ex.gate, g);
+                    prefetch_row(&ex.up, g);
+                };
+                rows.clone().take(pf).for_each(ahead);
+                for i in rows.clone() {
+                    if i + pf < rows.end {
+                        ahead(i + pf);
+                    }
                     let (j, r) = (i / nff, i % nff);
                     let (e, t) = (jobs[j].0 as usize, jobs[j].1 as usize);
                     let xt = &x[t * n_embd..(t + 1) * n_embd];
@@ -711,11 +762,17 @@ impl CpuBackend {
         quantize(&mut s.hq, &ex.down, &s.h, nff);
         // Pass 2: task i computes rows i * r2.. of every job's down rows laid end to end (job j's row r at
         // j * n_embd + r, which is where its output goes).
-        let r2 = rows_per_task(jobs.len() * n_embd, threads);
+        let r2 = rows_per_task(jobs.len() * n_embd, threads, tune.tasks_per_thread);
         let o = SharedOut(out.as_mut_ptr());
         let (hq, hs) = (&s.hq, &s.h);
         workers.run((jobs.len() * n_embd).div_ceil(r2), &|task| {
-            for i in task * r2..((task + 1) * r2).min(jobs.len() * n_embd) {
+            let rows = task * r2..((task + 1) * r2).min(jobs.len() * n_embd);
+            let ahead = |i: usize| prefetch_row(&ex.down, shape.down_rows(jobs[i / n_embd].0 as usize).start + i % n_embd);
+            rows.clone().take(pf).for_each(ahead);
+            for i in rows.clone() {
+                if i + pf < rows.end {
+                    ahead(i + pf);
+                }
                 let (j, r) = (i / n_embd, i % n_embd);
                 let d = shape.down_rows(jobs[j].0 as usize).start + r;
                 let y = dot_row(&ex.down, d, hq, j, &hs[j * nff..(j + 1) * nff]);

@@ -232,19 +232,7 @@ const FETCH_BLOCKS: u32 = 264;
 /// `expert_fetch`'s blocks per matrix: `STRATA_FETCH_BLOCKS` when it is a number from 1 to 4096, else
 /// [`FETCH_BLOCKS`].
 fn fetch_blocks() -> u32 {
-    let Some(v) = crate::switches::text_lossy(crate::switches::FETCH_BLOCKS) else {
-        return FETCH_BLOCKS;
-    };
-    match v.parse() {
-        Ok(n) if (1..=4096).contains(&n) => n,
-        _ => {
-            eprintln!(
-                "strata: {}={v:?} is not a number from 1 to 4096: expert_fetch keeps {FETCH_BLOCKS} blocks a matrix",
-                crate::switches::FETCH_BLOCKS
-            );
-            FETCH_BLOCKS
-        }
-    }
+    crate::switches::usize_in(crate::switches::FETCH_BLOCKS, 1..=4096).map_or(FETCH_BLOCKS, |n| n as u32)
 }
 
 /// The device's copy of the slot table, for decode steps of one token whose experts are in a mapped page-locked
