@@ -41,7 +41,8 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
                                          const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
                                          u32* __restrict__ fetch, u32* __restrict__ log, int staging, int cap,
                                          const int* __restrict__ cpu_take, const float* __restrict__ x, int n_embd,
-                                         u32* join_dev, u32* join_host, float* join_x) {
+                                         u32* join_dev, u32* join_host, float* join_x, u32* pf_list,
+                                         int pf_staging) {
     pdl_enter();
     __shared__ u32 missed[64];
     int j = threadIdx.x;
@@ -51,8 +52,19 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
     int* t = table + (long long)layer * n_expert + (bad ? 0 : e);
     int s = here && !bad ? *t : 0;
     bool miss = here && !bad && s < 0;
+    // A miss expert_prefetch copied into a prefetch staging slot for this layer is read there, like a hit.
+    bool prefetched = false;
+    if (miss && pf_list && pf_list[0] == (u32)layer)
+        for (int i = 0; i < k; ++i)
+            if (pf_list[1 + i] == e) {
+                s = pf_staging + i;
+                prefetched = true;
+                miss = false;
+            }
     missed[j] = miss;
     __syncthreads();
+    // Every thread has read pf_list: it names this layer's prefetch no more.
+    if (j == 0 && pf_list) pf_list[0] = MOE_SKIP;
     u32 before = 0, total = 0;
     for (int i = 0; i < k; ++i) {
         before += i < j ? missed[i] : 0;
@@ -69,7 +81,7 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
     if (on_cpu > 0)
         for (int i = j; i < n_embd; i += blockDim.x) join_x[i] = x[i];
     if (here) {
-        u32 code = (u32)s;
+        u32 code = prefetched ? LOOKUP_PREFETCHED : (u32)s;
         bool cpu = miss && before >= linked;
         if (bad) {
             s = staging + j;
@@ -118,6 +130,72 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
         } else if (cpu_take) {
             join_dev[1] = 0;
         }
+    }
+}
+
+// The prefetch of a decode step's next MoE layer (`layer`): the experts its router picks from the current layer's
+// input (`ids`, k of them: router_route with the next layer's router) that are not cached take the next of the
+// host's free slots, as expert_lookup's admissions do and under the same cap, enter the table, and join the
+// prefetch's fetch list (fetch[0] experts, then (expert, slot) pairs) that expert_fetch copies in on the side stream
+// while the step goes on; the next layer's lookup then finds them as hits. The others (no free slot, or past the
+// cap) go to prefetch staging slot pf_staging + j when there is one (pf_staging >= 0), named in pf_list ([0] the
+// layer, [1 + j] the expert or MOE_SKIP), where the lookup finds them. log[2 j] = e and log[2 j + 1] = the slot |
+// LOOKUP_ADMITTED, PREFETCH_STAGED, PREFETCH_CACHED (cached already) or PREFETCH_SKIPPED (nowhere to put it, or an
+// id outside the model). One block of 64 threads, thread j for routing slot j (k <= 64), in the order a single
+// thread taking the slots in routing order would reach, which is the order the host replays the log in.
+#define PREFETCH_CACHED 0xFFFFFFFCu
+#define PREFETCH_SKIPPED 0xFFFFFFFBu
+#define PREFETCH_STAGED 0xFFFFFFFAu
+#define LOOKUP_PREFETCHED 0xFFFFFFF9u
+extern "C" __global__ void expert_prefetch(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
+                                           const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ fetch,
+                                           u32* __restrict__ log, int cap, u32* __restrict__ pf_list,
+                                           int pf_staging) {
+    pdl_enter();
+    __shared__ u32 missed[64];
+    int j = threadIdx.x;
+    bool here = j < k;
+    u32 e = here ? ids[j] : 0;
+    bool bad = e >= (u32)n_expert;
+    int* t = table + (long long)layer * n_expert + (bad ? 0 : e);
+    bool miss = here && !bad && *t < 0;
+    missed[j] = miss;
+    __syncthreads();
+    u32 before = 0, total = 0;
+    for (int i = 0; i < k; ++i) {
+        before += i < j ? missed[i] : 0;
+        total += missed[i];
+    }
+    u32 avail = ctl[0], taken = ctl[1];
+    __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
+    u32 admitted = total < (u32)cap ? total : (u32)cap;
+    if (taken + admitted > avail) admitted = avail > taken ? avail - taken : 0;
+    if (here) {
+        u32 code = bad ? PREFETCH_SKIPPED : PREFETCH_CACHED;
+        u32 staged = MOE_SKIP;
+        if (miss && before < admitted) {
+            u32 s = free_slots[taken + before];
+            *t = (int)s;
+            fetch[1 + 2 * before] = e;
+            fetch[2 + 2 * before] = s;
+            code = s | LOOKUP_ADMITTED;
+        } else if (miss && pf_staging >= 0) {
+            fetch[1 + 2 * before] = e;
+            fetch[2 + 2 * before] = (u32)(pf_staging + j);
+            staged = e;
+            code = PREFETCH_STAGED;
+        } else if (miss) {
+            code = PREFETCH_SKIPPED;
+        }
+        pf_list[1 + j] = staged;
+        log[2 * j] = e;
+        log[2 * j + 1] = code;
+    }
+    __syncthreads();
+    if (j == 0) {
+        ctl[1] = taken + admitted;
+        fetch[0] = pf_staging >= 0 ? total : admitted;
+        pf_list[0] = (u32)layer;
     }
 }
 

@@ -132,6 +132,9 @@ struct CacheUse {
     cpu_computed_per_token: f64,
     /// Milliseconds per token the CPU spent computing them.
     cpu_ms_per_token: f64,
+    /// Experts `--expert-prefetch` copied in per token, and those of them their layer used.
+    prefetched_per_token: f64,
+    prefetch_used_per_token: f64,
 }
 
 /// The expert cache of a run: its size and the host-to-device rate it uploads at.
@@ -266,6 +269,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             bytes_uploaded_per_token: p.bytes_uploaded as f64 / tokens.max(1) as f64,
             cpu_computed_per_token: p.cpu_computed as f64 / tokens.max(1) as f64,
             cpu_ms_per_token: p.cpu_us as f64 / 1e3 / tokens.max(1) as f64,
+            prefetched_per_token: p.prefetched as f64 / tokens.max(1) as f64,
+            prefetch_used_per_token: p.prefetch_used as f64 / tokens.max(1) as f64,
         })
     };
     for &n in &args.prompt_tokens {
@@ -724,8 +729,8 @@ fn markdown(r: &BenchReport) -> String {
         );
     }
     if let Some(c) = &r.expert_cache {
-        s += "\n| test | expert cache hit rate | hits / lookups | MB uploaded per token | MB computed by the CPU per token | CPU busy per token | link and CPU bound (the slower of bytes ÷ rate on each side) |\n";
-        s += "|---|---|---|---|---|---|---|\n";
+        s += "\n| test | expert cache hit rate | hits / lookups | MB uploaded per token | MB computed by the CPU per token | CPU busy per token | link and CPU bound (the slower of bytes ÷ rate on each side) | experts prefetched / used per token |\n";
+        s += "|---|---|---|---|---|---|---|---|\n";
         for t in &r.results {
             let Some(u) = &t.expert_cache else { continue };
             let mb = u.bytes_uploaded_per_token / 1e6;
@@ -734,7 +739,7 @@ fn markdown(r: &BenchReport) -> String {
             let side = |mb: f64, gb_s: f64| if mb > 0.0 { mb / (gb_s * 1e3) } else { 0.0 };
             let secs = side(mb, c.upload_gb_s).max(side(cpu_mb, c.cpu_expert_gb_s));
             s += &format!(
-                "| {} | {:.1}% | {} / {} | {mb:.1} | {cpu_mb:.1} | {} | {} |\n",
+                "| {} | {:.1}% | {} / {} | {mb:.1} | {cpu_mb:.1} | {} | {} | {} |\n",
                 t.test,
                 100.0 * u.hit_rate,
                 u.hits,
@@ -746,6 +751,11 @@ fn markdown(r: &BenchReport) -> String {
                 },
                 if secs > 0.0 && secs.is_finite() {
                     format!("{:.0} tok/s", 1.0 / secs)
+                } else {
+                    "—".into()
+                },
+                if u.prefetched_per_token > 0.0 {
+                    format!("{:.1} / {:.1}", u.prefetched_per_token, u.prefetch_used_per_token)
                 } else {
                     "—".into()
                 }

@@ -71,6 +71,13 @@ pub struct ExpertCache {
     /// it existed: 0).
     #[serde(default)]
     pub cpu_computed: u64,
+    /// Experts `--expert-prefetch` copied into a slot before their layer's lookup (among `admitted`; absent in
+    /// events written before it existed: 0).
+    #[serde(default)]
+    pub prefetched: u64,
+    /// Of those, the ones the lookup then used (`prefetched - prefetch_used` were wasted).
+    #[serde(default)]
+    pub prefetch_used: u64,
 }
 
 /// `load`: a worker (or command) loaded its model.
@@ -302,6 +309,15 @@ impl fmt::Display for EventKind {
                 if c.cpu_computed > 0 {
                     write!(f, "; {} computed by the CPU", c.cpu_computed)?;
                 }
+                if c.prefetched > 0 {
+                    write!(
+                        f,
+                        "; {} prefetched, {} used, {} wasted",
+                        c.prefetched,
+                        c.prefetch_used,
+                        c.prefetched.saturating_sub(c.prefetch_used)
+                    )?;
+                }
                 Ok(())
             }
             EventKind::Fallback(b) => {
@@ -420,6 +436,8 @@ mod tests {
             evictions: 2300,
             bytes_uploaded: 6_728_000_000,
             cpu_computed: 0,
+            prefetched: 0,
+            prefetch_used: 0,
         };
         // The original's line (seed 000), then what was uploaded.
         assert_eq!(
@@ -442,13 +460,35 @@ mod tests {
                 .ends_with("6728.0 MB; 1200 computed by the CPU")
         );
         round_trip(EventKind::ExpertCache(cpu));
-        let old = line.replace(r#","cpu_computed":0"#, "");
-        assert!(!old.contains("cpu_computed"), "{old}");
+        let old = line
+            .replace(r#","cpu_computed":0"#, "")
+            .replace(r#","prefetched":0"#, "")
+            .replace(r#","prefetch_used":0"#, "");
+        assert!(!old.contains("cpu_computed") && !old.contains("prefetch"), "{old}");
         let back: Event = serde_json::from_str(&old).unwrap();
         assert!(matches!(
             back.kind,
-            EventKind::ExpertCache(ExpertCache { cpu_computed: 0, .. })
+            EventKind::ExpertCache(ExpertCache {
+                cpu_computed: 0,
+                prefetched: 0,
+                prefetch_used: 0,
+                ..
+            })
         ));
+        // Prefetches are named last, with the wasted ones.
+        let pf = ExpertCache {
+            prefetched: 300,
+            prefetch_used: 240,
+            ..c.clone()
+        };
+        assert!(
+            EventKind::ExpertCache(pf.clone())
+                .to_string()
+                .ends_with("6728.0 MB; 300 prefetched, 240 used, 60 wasted"),
+            "{}",
+            EventKind::ExpertCache(pf.clone())
+        );
+        round_trip(EventKind::ExpertCache(pf));
     }
 
     #[test]

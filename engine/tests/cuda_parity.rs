@@ -1089,6 +1089,7 @@ impl CacheFixture {
         device_table: bool,
         upload_cap: u32,
         fetch_overlap: bool,
+        prefetch: bool,
     ) -> (CudaBackend, Option<strata_engine::backend::cuda::experts::HostPin>) {
         let g = gpu();
         let pin = self.model.experts.arena().map(|a| g.pin_host(a).unwrap());
@@ -1106,6 +1107,7 @@ impl CacheFixture {
             fetch_overlap,
             cpu_join: true,
             n_embd: self.model.hp.n_embd as usize,
+            prefetch,
         })
         .unwrap();
         (g, pin)
@@ -1159,7 +1161,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         (4, MissPolicy::Cpu, None, true),
         (64, MissPolicy::Auto, Some(even), true),
     ] {
-        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX, true);
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX, true, false);
         assert!(pin.is_some(), "the arena is page-locked");
         g.set_miss_plan(MissPlan { policy, cost }).unwrap();
         let got = cache_run(&f.model, &g, &f.tokens);
@@ -1261,11 +1263,13 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
     let mut f = CacheFixture::new("cache");
     assert_eq!((f.geo.all(), f.geo.staging()), (128, 8));
     let mut cases = 0;
-    for (arena, device_table, overlap) in [
-        (false, false, true),
-        (true, false, true),
-        (true, true, true),
-        (true, true, false),
+    // The last configuration prefetches each next layer's experts (`--expert-prefetch`; the others do not).
+    for (arena, device_table, overlap, prefetch) in [
+        (false, false, true, false),
+        (true, false, true, false),
+        (true, true, true, false),
+        (true, true, false, false),
+        (true, true, true, true),
     ] {
         if arena && f.model.experts.arena().is_none() {
             f.model.use_arena(None, |_, _| {}).unwrap();
@@ -1283,7 +1287,7 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             (64, Policy::Profile, true, u32::MAX),
             (4, Policy::Lru, false, 1),
         ] {
-            let (g, pin) = f.cached_gpu(slots, policy, device_table, cap, overlap);
+            let (g, pin) = f.cached_gpu(slots, policy, device_table, cap, overlap, prefetch);
             if prefill {
                 let ranked = learned.as_ref().expect("learned by the 64-slot run").ranked();
                 assert_eq!(
@@ -1305,11 +1309,14 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
             drop(pin);
             let want = &f.want[..];
             let first_diff = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits());
-            let store = match (arena, device_table, overlap) {
-                (false, _, _) => "mmap",
-                (true, false, _) => "arena, page-locked, table on the host",
-                (true, true, true) => "arena, page-locked, table on the device, misses beside the hits",
-                (true, true, false) => "arena, page-locked, table on the device, misses before the hits",
+            let store = match (arena, device_table, overlap, prefetch) {
+                (false, _, _, _) => "mmap",
+                (true, false, _, _) => "arena, page-locked, table on the host",
+                (true, true, true, false) => "arena, page-locked, table on the device, misses beside the hits",
+                (true, true, true, true) => {
+                    "arena, page-locked, table on the device, misses beside the hits, next layer prefetched"
+                }
+                (true, true, false, _) => "arena, page-locked, table on the device, misses before the hits",
             };
             let prefilled = match (prefill, cap) {
                 (true, _) => ", pre-filled from the learned profile".to_string(),
@@ -1317,7 +1324,7 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
                 (_, c) => format!(", upload cap {c}"),
             };
             println!(
-                "expert cache {slots} slots {policy}{prefilled} ({store}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up; {captured} graphs captured, {replays} replays; first differing logit {first_diff:?}",
+                "expert cache {slots} slots {policy}{prefilled} ({store}): prefill {} lookups {} hits {} MB up; decode {} lookups {} hits {} evictions {} MB up, {} prefetched {} used; {captured} graphs captured, {replays} replays; first differing logit {first_diff:?}",
                 st.prefill.cache.lookups,
                 st.prefill.cache.hits,
                 st.prefill.bytes_uploaded / 1_000_000,
@@ -1325,6 +1332,8 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
                 st.decode.cache.hits,
                 st.decode.cache.evictions,
                 st.decode.bytes_uploaded / 1_000_000,
+                st.decode.prefetched,
+                st.decode.prefetch_used,
             );
             assert_eq!(got.len(), want.len());
             assert_eq!(
@@ -1360,6 +1369,18 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
                 );
                 assert!(st.decode.cache.hits > 0, "the profile's experts were not used");
             }
+            if !prefetch {
+                assert_eq!(st.decode.prefetched, 0, "a prefetch without --expert-prefetch");
+            } else if (slots, policy, prefill, cap) == (64, Policy::Lru, false, u32::MAX) {
+                // Free slots are set aside each step: the router's guesses take some, and some are right.
+                assert!(
+                    st.decode.prefetched > 0 && st.decode.prefetch_used > 0,
+                    "64 slots: {} prefetched, {} used",
+                    st.decode.prefetched,
+                    st.decode.prefetch_used
+                );
+            }
+            assert!(st.decode.prefetch_used <= st.decode.prefetched);
             if slots == 127 {
                 assert!(
                     st.decode.cache.hits > st.decode.cache.lookups / 2,

@@ -491,6 +491,18 @@ mod tests {
             }
         }
         assert_eq!(c.stats().evictions, 2);
+        // A prefetch's placement (`pin`, no lookup counted) takes the free slots in the same order, between
+        // admissions: the order the device's expert_prefetch and expert_lookup take them from one list.
+        let mut d = SlotCache::new(2, 8, 4, Policy::Lru);
+        let order: Vec<u32> = d.free_slots().collect();
+        let before = d.stats().lookups;
+        assert_eq!(d.pin(id(1, 0)), Some(order[0]));
+        assert!(matches!(d.access(id(0, 3), true), Access::Admitted { slot, .. } if slot == order[1]));
+        assert_eq!(d.pin(id(1, 5)), Some(order[2]));
+        assert_eq!(d.pin(id(1, 5)), None, "cached already");
+        assert_eq!(d.stats().lookups, before + 1);
+        // The prefetched expert is then a hit of its layer's lookup.
+        assert_eq!(d.access(id(1, 0), true), Access::Hit { slot: order[0] });
         // Never more than the slots; a profile cache reserves nothing.
         assert_eq!(c.reserve_free(10).len(), 3);
         assert!(c.reserve_free(10).is_empty());

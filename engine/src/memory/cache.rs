@@ -107,6 +107,14 @@ fn parse_upload_cap(s: &str) -> Result<u32, String> {
     }
 }
 
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("--expert-prefetch takes on or off, not `{s}`")),
+    }
+}
+
 fn parse_policy(s: &str) -> Result<Policy, String> {
     match s {
         "lru" => Ok(Policy::Lru),
@@ -166,6 +174,12 @@ pub struct ExpertFlags {
     /// hits), or auto (a cost model splits each layer's misses by the link and CPU rates measured at start).
     #[arg(long, default_value = "auto", value_enum)]
     pub miss_policy: MissPolicy,
+    /// On a GPU with an expert cache, once a decode step's MoE layer is computed, apply the next MoE layer's
+    /// router to this layer's input and copy the experts it picks that are not cached into free slots while the
+    /// step goes on (the link is otherwise idle during attention): on or off. Results never change; a wrong guess
+    /// costs link time and a slot. Off with --routing-trace (the trace, not the router, chooses).
+    #[arg(long, default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub expert_prefetch: bool,
 }
 
 impl Default for ExpertFlags {
@@ -181,6 +195,7 @@ impl Default for ExpertFlags {
             save_expert_profile: None,
             routing_trace: None,
             miss_policy: MissPolicy::Auto,
+            expert_prefetch: true,
         }
     }
 }
@@ -215,6 +230,9 @@ impl ExpertFlags {
         }
         if let Some(p) = &self.save_expert_profile {
             a.extend(["--save-expert-profile".into(), p.display().to_string()]);
+        }
+        if !self.expert_prefetch {
+            a.extend(["--expert-prefetch".into(), "off".into()]);
         }
         a
     }
@@ -418,8 +436,11 @@ mod tests {
             "q.json",
             "--upload-cap",
             "2",
+            "--expert-prefetch",
+            "off",
         ])
         .e;
+        assert!(d.expert_prefetch && !f.expert_prefetch);
         assert_eq!(f.miss_policy, MissPolicy::Cpu);
         assert_eq!(f.expert_cache, CacheSize::Slots(123));
         assert_eq!(f.reserve_bytes(), 512 << 20);
@@ -438,6 +459,7 @@ mod tests {
             ("--upload-cap", "-1"),
             ("--upload-cap", "lots"),
             ("--miss-policy", "gpu"),
+            ("--expert-prefetch", "yes"),
         ] {
             let e = P::try_parse_from(["x".to_string(), format!("{flag}={v}")])
                 .err()

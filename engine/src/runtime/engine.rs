@@ -445,6 +445,8 @@ impl Engine {
                 admitted: p.cache.admitted,
                 staged: p.cache.bypassed.saturating_sub(p.cpu_computed),
                 cpu_computed: p.cpu_computed,
+                prefetched: p.prefetched,
+                prefetch_used: p.prefetch_used,
                 evictions: p.cache.evictions,
                 bytes_uploaded: p.bytes_uploaded,
             }));
@@ -578,10 +580,12 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 cpu_join: crate::switches::flag(crate::switches::CPU_JOIN, true),
                 n_embd: model.hp.n_embd as usize,
                 upload_cap: ef.upload_cap.unwrap_or(u32::MAX),
+                // The router's guess of a layer that a trace routes would name other experts.
+                prefetch: ef.expert_prefetch && ef.routing_trace.is_none(),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
         eprintln!(
-            "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction{})",
+            "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction{}, {})",
             g.all(),
             100.0 * slots as f64 / g.all().max(1) as f64,
             bytes as f64 / GIB,
@@ -589,7 +593,12 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
             ef.expert_policy,
             ef.upload_cap
                 .map(|c| format!(", at most {c} admitted per layer and decode step"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            match (ef.expert_prefetch, ef.routing_trace.is_some()) {
+                (false, _) => "no prefetch (--expert-prefetch off)",
+                (true, true) => "no prefetch: --routing-trace chooses the experts, not the router",
+                (true, false) => "the next layer's experts prefetched at decode",
+            }
         );
     }
     c.preload(&model.dense_weight_bytes())

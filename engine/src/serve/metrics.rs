@@ -44,6 +44,10 @@ pub struct Metrics {
     pub expert_cache_uploaded_bytes: IntCounterVec,
     /// `strata_expert_cache_cpu_computed_total{phase}`: misses the CPU computed instead of uploading them.
     pub expert_cache_cpu_computed: IntCounterVec,
+    /// `strata_expert_cache_prefetched_total{phase}`: experts `--expert-prefetch` copied in ahead of their layer.
+    pub expert_cache_prefetched: IntCounterVec,
+    /// `strata_expert_cache_prefetch_used_total{phase}`: prefetched experts their layer then used.
+    pub expert_cache_prefetch_used: IntCounterVec,
 }
 
 impl Metrics {
@@ -83,6 +87,14 @@ impl Metrics {
             expert_cache_cpu_computed: by_phase(
                 "strata_expert_cache_cpu_computed_total",
                 "expert cache misses computed by the CPU instead of uploaded, by phase",
+            ),
+            expert_cache_prefetched: by_phase(
+                "strata_expert_cache_prefetched_total",
+                "experts prefetched into the expert cache ahead of their layer, by phase",
+            ),
+            expert_cache_prefetch_used: by_phase(
+                "strata_expert_cache_prefetch_used_total",
+                "prefetched experts their layer then used, by phase",
             ),
             requests,
             prompt_tokens: counter("strata_prompt_tokens_total", "prompt tokens of completed requests"),
@@ -124,15 +136,19 @@ impl Metrics {
             &m.expert_cache_hits,
             &m.expert_cache_uploaded_bytes,
             &m.expert_cache_cpu_computed,
+            &m.expert_cache_prefetched,
+            &m.expert_cache_prefetch_used,
         ] {
             for phase in ["prefill", "decode"] {
                 c.with_label_values(&[phase]);
             }
         }
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 17] = [
+        let all: [Box<dyn prometheus::core::Collector>; 19] = [
             Box::new(m.expert_cache_lookups.clone()),
             Box::new(m.expert_cache_cpu_computed.clone()),
+            Box::new(m.expert_cache_prefetched.clone()),
+            Box::new(m.expert_cache_prefetch_used.clone()),
             Box::new(m.expert_cache_hits.clone()),
             Box::new(m.expert_cache_uploaded_bytes.clone()),
             Box::new(m.requests.clone()),
@@ -175,6 +191,12 @@ impl Metrics {
         self.expert_cache_cpu_computed
             .with_label_values(&phase)
             .inc_by(c.cpu_computed);
+        self.expert_cache_prefetched
+            .with_label_values(&phase)
+            .inc_by(c.prefetched);
+        self.expert_cache_prefetch_used
+            .with_label_values(&phase)
+            .inc_by(c.prefetch_used);
     }
 
     /// The registry in the Prometheus text exposition format (version 0.0.4).
@@ -218,6 +240,8 @@ mod tests {
             evictions: 0,
             bytes_uploaded: bytes,
             cpu_computed: lookups / 10,
+            prefetched: lookups / 5,
+            prefetch_used: lookups / 25,
         };
         m.record_expert_cache(&ev("decode", 100, 90, 1000));
         m.record_expert_cache(&ev("decode", 50, 10, 7));
@@ -231,6 +255,8 @@ mod tests {
             r#"strata_expert_cache_uploaded_bytes_total{phase="prefill"} 64"#,
             r#"strata_expert_cache_cpu_computed_total{phase="decode"} 15"#,
             r#"strata_expert_cache_cpu_computed_total{phase="prefill"} 0"#,
+            r#"strata_expert_cache_prefetched_total{phase="decode"} 30"#,
+            r#"strata_expert_cache_prefetch_used_total{phase="decode"} 6"#,
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }

@@ -104,6 +104,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "copy_f32x4",
     "scatter_rows_f32",
     "expert_lookup",
+    "expert_prefetch",
     "expert_fetch",
     "cpu_join",
     "mmv_wide_f32",

@@ -41,7 +41,7 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(CudaError::driver("stream creation"))?;
         let side = ctx.new_stream().map_err(CudaError::driver("stream creation"))?;
         let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
-        let (fork_ev, join_ev) = (ev()?, ev()?);
+        let (fork_ev, join_ev, mark_ev) = (ev()?, ev()?, ev()?);
         let asleep_ev = ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
             .map_err(CudaError::driver("event creation"))?;
@@ -76,6 +76,7 @@ impl Gpu {
             side,
             fork_ev,
             join_ev,
+            mark_ev,
             asleep_ev,
             on_side: false.into(),
             funcs,

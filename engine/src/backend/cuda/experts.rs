@@ -73,6 +73,10 @@ pub struct ExpertCacheConfig {
     pub cpu_join: bool,
     /// Width of the model's activations (the CPU's joined jobs read a token's).
     pub n_embd: usize,
+    /// On the device's table, once a layer's experts are computed, the next MoE layer's router is applied to this
+    /// layer's input and the experts it picks that are not cached are copied in beside the rest of the step
+    /// (`--expert-prefetch`; [`ExpertPool::table_prefetch`]).
+    pub prefetch: bool,
 }
 
 /// What the cache did in one phase: the slot cache's counts, and the bytes uploaded (admitted and staged
@@ -87,6 +91,11 @@ pub struct PhaseStats {
     pub cpu_computed: u64,
     /// Wall time the CPU spent computing them, microseconds (the GPU works on the hits meanwhile).
     pub cpu_us: u64,
+    /// Experts the prefetch copied into a cache slot before their layer's lookup (`--expert-prefetch`; their
+    /// bytes are in `bytes_uploaded`, their slots in `cache.admitted`).
+    pub prefetched: u64,
+    /// Of those, the ones their layer's lookup then used (the others were wasted: `prefetched - prefetch_used`).
+    pub prefetch_used: u64,
 }
 
 /// The cache's counts by phase since it was made, or since [`super::CudaBackend::take_expert_cache_stats`].
@@ -225,6 +234,12 @@ const LOOKUP_BAD: u32 = u32::MAX - 1;
 const LOOKUP_CPU: u32 = u32::MAX - 2;
 /// A log word no lookup wrote (the step did not run that layer).
 const LOG_EMPTY: u32 = u32::MAX;
+/// `expert_prefetch`'s log codes besides an admission's slot | [`LOOKUP_ADMITTED`] (kernels/experts.cu).
+const PREFETCH_CACHED: u32 = u32::MAX - 3;
+const PREFETCH_SKIPPED: u32 = u32::MAX - 4;
+const PREFETCH_STAGED: u32 = u32::MAX - 5;
+/// `expert_lookup`'s code for a miss read from the prefetch's staging slot.
+const LOOKUP_PREFETCHED: u32 = u32::MAX - 6;
 /// Blocks per matrix of `expert_fetch` unless `STRATA_FETCH_BLOCKS` says otherwise (two waves of 256 threads on
 /// 132 SMs: enough loads in flight for the link).
 const FETCH_BLOCKS: u32 = 264;
@@ -279,6 +294,32 @@ struct DeviceTable {
     fetch_blocks: u32,
     /// The CPU's share of the misses (a miss plan that may use the CPU, and [`ExpertCacheConfig::cpu_join`]).
     join: Option<CpuJoin>,
+    /// The prefetch's fetch list (as `fetch`) and its log, `[n_layer][k]` (expert, code) pairs by the layer
+    /// prefetched for ([`LOG_EMPTY`] where none ran), read back with the lookups' log.
+    pf_fetch: DevBuf,
+    pf_log: DevBuf,
+    /// The experts the prefetch put in its staging slots: `[0]` the layer, then one per routing slot (`MOE_SKIP`:
+    /// none), and the first of those `k` slots (staging slots `k..2 k`; -1 when the staging area is smaller).
+    pf_list: DevBuf,
+    pf_staging: i32,
+    pf_log_host: Option<PinnedHostSlice<u32>>,
+    /// The layer the step's last prefetch was for, until that layer's lookup (its hits wait for the copies).
+    prefetched_for: Option<usize>,
+    /// Experts prefetched per step, exponentially averaged: free slots set aside for them too.
+    prefetches: f64,
+    /// Per layer, where `expert_fetch` reads its experts, once a lookup of the layer has run (a prefetch copies a
+    /// layer's experts before the layer runs).
+    sources: Vec<Option<FetchSource>>,
+}
+
+/// `expert_fetch`'s arguments for one layer's experts: each matrix's address in the mapped arena, its bytes per
+/// expert and its offset in a slot, and which of the three may be copied in 16-byte words.
+#[derive(Debug, Clone, Copy)]
+struct FetchSource {
+    src: [u64; 3],
+    bytes: [usize; 3],
+    offsets: [usize; 3],
+    vec16: i32,
 }
 
 impl DeviceTable {
@@ -286,7 +327,8 @@ impl DeviceTable {
         let ctx = stream.context();
         let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
         let cells = config.n_layer * config.n_expert;
-        let free_max = config.slots.min(config.n_layer * config.k);
+        // A step's lookups, and as many prefetches.
+        let free_max = config.slots.min(config.n_layer * config.k * if config.prefetch { 2 } else { 1 });
         Ok(DeviceTable {
             ctl: DevBuf::alloc(stream, (cells + free_max + 2) * 4)?,
             ctl_host: None,
@@ -305,13 +347,27 @@ impl DeviceTable {
             active: false,
             fetch_blocks: fetch_blocks(),
             join: None,
+            pf_fetch: DevBuf::alloc(stream, (1 + 2 * config.k) * 4)?,
+            pf_log: DevBuf::alloc(stream, config.n_layer * config.k * 2 * 4)?,
+            pf_list: DevBuf::alloc(stream, (1 + config.k) * 4)?,
+            pf_staging: if config.staging >= 2 * config.k {
+                (config.slots + config.k) as i32
+            } else {
+                -1
+            },
+            pf_log_host: None,
+            prefetched_for: None,
+            prefetches: 0.0,
+            sources: vec![None; config.n_layer],
         })
     }
 
     /// Free slots to set aside for the next step: the recent misses and one layer's worth more, at most
     /// `free_max` (a step's lookups) and a quarter of the cache (slots held free hold no expert).
     fn free_target(&self, slots: usize, k: usize) -> usize {
-        (self.misses.ceil() as usize + k).min(self.free_max).min(slots / 4)
+        ((self.misses + self.prefetches).ceil() as usize + k)
+            .min(self.free_max)
+            .min(slots / 4)
     }
 }
 
@@ -482,9 +538,12 @@ impl ExpertPool {
             j.arm();
         }
         t.uploaded.record(stream).map_err(e())?;
-        // SAFETY: `log` is this many bytes of device memory.
-        unsafe { cudarc::driver::result::memset_d8_async(t.log.ptr, 0xFF, t.log.bytes, stream.cu_stream()) }
-            .map_err(e())?;
+        // SAFETY: `log` and `pf_log` are this many bytes of device memory.
+        for b in [&t.log, &t.pf_log, &t.pf_list] {
+            unsafe { cudarc::driver::result::memset_d8_async(b.ptr, 0xFF, b.bytes, stream.cu_stream()) }
+                .map_err(e())?;
+        }
+        t.prefetched_for = None;
         t.active = true;
         Ok(())
     }
@@ -499,10 +558,13 @@ impl ExpertPool {
         };
         t.active = false;
         let n = t.log.bytes / 4;
-        let h = pinned(&mut t.log_host, stream.context(), n)?;
         let e = || CudaError::driver("reading the expert lookup log back");
-        // SAFETY: `log` holds `n` words; `h` is read only after `logged` has passed.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut h[..n], t.log.ptr, stream.cu_stream()) }.map_err(e())?;
+        for (log, host) in [(&t.log, &mut t.log_host), (&t.pf_log, &mut t.pf_log_host)] {
+            let h = pinned(host, stream.context(), n)?;
+            // SAFETY: `log` holds `n` words; `h` is read only after `logged` has passed.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut h[..n], log.ptr, stream.cu_stream()) }
+                .map_err(e())?;
+        }
         t.logged.record(stream).map_err(e())?;
         t.log_pending = true;
         Ok(())
@@ -527,9 +589,46 @@ impl ExpertPool {
             .expect("read back")
             .as_slice()
             .map_err(CudaError::driver("page-locked buffer"))?;
-        let mut misses = 0usize;
+        let pf_log = t
+            .pf_log_host
+            .as_ref()
+            .expect("read back")
+            .as_slice()
+            .map_err(CudaError::driver("page-locked buffer"))?;
+        let (mut misses, mut prefetches) = (0usize, 0usize);
         let phase = &mut self.stats.decode;
+        let mut fetched: Vec<u32> = Vec::with_capacity(k);
         for (layer, region) in log[..self.config.n_layer * k * 2].chunks_exact(k * 2).enumerate() {
+            // The prefetch for this layer ran after the previous layer's lookups and before this one's.
+            fetched.clear();
+            let pf = &pf_log[layer * k * 2..(layer + 1) * k * 2];
+            if pf[0] != LOG_EMPTY {
+                for pair in pf.chunks_exact(2) {
+                    let (expert, code) = (pair[0], pair[1]);
+                    if code == PREFETCH_STAGED {
+                        phase.prefetched += 1;
+                        phase.bytes_uploaded += t.layer_bytes[layer];
+                        continue;
+                    }
+                    if code == PREFETCH_CACHED || code == PREFETCH_SKIPPED || code & LOOKUP_ADMITTED == 0 {
+                        continue;
+                    }
+                    let id = ExpertId {
+                        layer: layer as u32,
+                        expert,
+                    };
+                    let slot = code & !LOOKUP_ADMITTED;
+                    if expert as usize >= self.config.n_expert || self.cache.pin(id) != Some(slot) {
+                        return Err(CudaError::ExpertTable(format!(
+                            "the device prefetched {id:?} into slot {slot}, which the host's table does not give it"
+                        )));
+                    }
+                    fetched.push(expert);
+                    prefetches += 1;
+                    phase.prefetched += 1;
+                    phase.bytes_uploaded += t.layer_bytes[layer];
+                }
+            }
             if region[0] == LOG_EMPTY {
                 continue;
             }
@@ -542,7 +641,7 @@ impl ExpertPool {
                     )));
                 }
                 let seen = match code {
-                    LOOKUP_STAGED | LOOKUP_CPU => Access::Bypassed,
+                    LOOKUP_STAGED | LOOKUP_CPU | LOOKUP_PREFETCHED => Access::Bypassed,
                     c if c & LOOKUP_ADMITTED != 0 => Access::Admitted {
                         slot: c & !LOOKUP_ADMITTED,
                         evicted: None,
@@ -559,9 +658,13 @@ impl ExpertPool {
                     )));
                 }
                 self.cache.replay(id, seen).map_err(CudaError::ExpertTable)?;
+                if code == LOOKUP_PREFETCHED || matches!(seen, Access::Hit { .. }) && fetched.contains(&expert) {
+                    phase.prefetch_used += 1;
+                }
                 if code == LOOKUP_CPU {
                     phase.cpu_computed += 1;
-                } else if !matches!(seen, Access::Hit { .. }) {
+                } else if code != LOOKUP_PREFETCHED && !matches!(seen, Access::Hit { .. }) {
+                    // (A prefetched expert's bytes counted when the prefetch copied it.)
                     misses += 1;
                     phase.bytes_uploaded += t.layer_bytes[layer];
                 }
@@ -569,6 +672,7 @@ impl ExpertPool {
         }
         phase.cache += self.cache.take_stats();
         t.misses = 0.75 * t.misses + 0.25 * misses as f64;
+        t.prefetches = 0.75 * t.prefetches + 0.25 * prefetches as f64;
         if let Some(j) = &t.join {
             phase.cpu_us += j.take_busy_us();
             if let Some(why) = j.failure() {
@@ -650,6 +754,8 @@ impl ExpertPool {
                 Arg::P(join_dev),
                 Arg::P(join_host),
                 Arg::P(join_x),
+                Arg::P(if self.config.prefetch { t.pf_list.ptr } else { 0 }),
+                Arg::I(t.pf_staging),
             ],
         )
     }
@@ -698,11 +804,9 @@ impl ExpertPool {
     ///
     /// Errors: a launch failed.
     pub(super) fn table_fetch(&mut self, gpu: &super::Gpu, ex: &Experts<'_>) -> Result<(), CudaError> {
-        use super::launch::Arg;
-        let base = self.buf.ptr;
-        let stride = self.config.slot_bytes;
         let (offsets, _) = layout(ex);
         let bytes = layout_bytes(ex);
+        let stride = self.config.slot_bytes;
         let t = self.table.as_mut().expect("a device table");
         let src = [&ex.gate, &ex.up, &ex.down].map(|w| {
             t.arena
@@ -713,26 +817,120 @@ impl ExpertPool {
         let vec16 = (0..3)
             .filter(|&m| bytes[m] % 16 == 0 && offsets[m] % 16 == 0 && src[m] % 16 == 0 && stride % 16 == 0)
             .fold(0, |bits, m| bits | 1 << m);
+        let source = FetchSource {
+            src,
+            bytes,
+            offsets,
+            vec16,
+        };
+        t.sources[ex.layer] = Some(source);
+        self.launch_fetch(gpu, self.table.as_ref().expect("a device table").fetch.ptr, &source)
+    }
+
+    /// Queues `expert_fetch` of the experts fetch list `list` names (a lookup's or a prefetch's), from `source`.
+    ///
+    /// Errors: a launch failed.
+    fn launch_fetch(&self, gpu: &super::Gpu, list: u64, source: &FetchSource) -> Result<(), CudaError> {
+        use super::launch::Arg;
+        let t = self.table.as_ref().expect("a device table");
+        let FetchSource {
+            src,
+            bytes,
+            offsets,
+            vec16,
+        } = *source;
         gpu.launch(
             "expert_fetch",
             (t.fetch_blocks, 3, 1),
             (256, 1, 1),
             &[
-                Arg::P(t.fetch.ptr),
+                Arg::P(list),
                 Arg::P(src[0]),
                 Arg::P(src[1]),
                 Arg::P(src[2]),
                 Arg::L(bytes[0] as i64),
                 Arg::L(bytes[1] as i64),
                 Arg::L(bytes[2] as i64),
-                Arg::P(base),
-                Arg::L(stride as i64),
+                Arg::P(self.buf.ptr),
+                Arg::L(self.config.slot_bytes as i64),
                 Arg::L(offsets[0] as i64),
                 Arg::L(offsets[1] as i64),
                 Arg::L(offsets[2] as i64),
                 Arg::I(vec16),
             ],
         )
+    }
+
+    /// Whether [`ExpertPool::table_prefetch`] can prefetch for layer `layer` in this step: the prefetch is on, the
+    /// step uses the device's table, and a lookup of that layer has run before (where its experts are is known).
+    pub(super) fn can_prefetch(&self, layer: usize) -> bool {
+        self.config.prefetch
+            && self
+                .table
+                .as_ref()
+                .is_some_and(|t| t.active && t.sources.get(layer).is_some_and(Option::is_some))
+    }
+
+    /// Queues the prefetch of layer `layer`'s experts `ids` (`k` u32 on the device: the next layer's router
+    /// applied to the current layer's input): `expert_prefetch` gives the uncached ones free slots in the table,
+    /// then, on the side stream, `expert_fetch` copies them in while the stream goes on, up to a mark the layer's
+    /// hits wait for ([`ExpertPool::wait_prefetch`]). Needs [`ExpertPool::can_prefetch`].
+    ///
+    /// Errors: a launch failed.
+    pub(super) fn table_prefetch(&mut self, gpu: &super::Gpu, layer: usize, ids: u64) -> Result<(), CudaError> {
+        use super::launch::Arg;
+        let k = self.config.k;
+        let cells = self.config.n_layer * self.config.n_expert;
+        let t = self.table.as_ref().expect("a device table");
+        let source = t.sources[layer].expect("can_prefetch");
+        gpu.launch(
+            "expert_prefetch",
+            (1, 1, 1),
+            (64, 1, 1),
+            &[
+                Arg::P(ids),
+                Arg::I(k as i32),
+                Arg::I(layer as i32),
+                Arg::I(self.config.n_expert as i32),
+                Arg::P(t.ctl.ptr),
+                Arg::P(t.ctl.ptr + (cells * 4) as u64),
+                Arg::P(t.ctl.ptr + ((cells + t.free_max) * 4) as u64),
+                Arg::P(t.pf_fetch.ptr),
+                Arg::P(t.pf_log.ptr + (layer * k * 2 * 4) as u64),
+                Arg::I(self.config.upload_cap.min(i32::MAX as u32) as i32),
+                Arg::P(t.pf_list.ptr),
+                Arg::I(t.pf_staging),
+            ],
+        )?;
+        gpu.fork()?;
+        self.launch_fetch(gpu, t.pf_fetch.ptr, &source)?;
+        gpu.mark()?;
+        gpu.to_main()?;
+        self.table.as_mut().expect("a device table").prefetched_for = Some(layer);
+        Ok(())
+    }
+
+    /// Whether a prefetch of this step was queued and its layer's lookup never came (then the caller joins the
+    /// side stream); forgets it.
+    pub(super) fn take_open_prefetch(&mut self) -> bool {
+        self.table
+            .as_mut()
+            .is_some_and(|t| t.prefetched_for.take().is_some())
+    }
+
+    /// Before the first launch of layer `layer` that reads its experts' slots: the stream waits for the prefetch's
+    /// copies, when one was queued for this layer ([`ExpertPool::table_prefetch`]).
+    ///
+    /// Errors: the wait could not be queued.
+    pub(super) fn wait_prefetch(&mut self, gpu: &super::Gpu, layer: usize) -> Result<(), CudaError> {
+        let Some(t) = self.table.as_mut() else {
+            return Ok(());
+        };
+        if t.prefetched_for == Some(layer) {
+            t.prefetched_for = None;
+            gpu.wait_mark()?;
+        }
+        Ok(())
     }
 }
 

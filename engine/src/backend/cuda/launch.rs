@@ -30,6 +30,8 @@ pub enum Arg {
 const FORK: &str = "@fork";
 const TO_MAIN: &str = "@main";
 const JOIN: &str = "@join";
+const MARK: &str = "@mark";
+const WAIT_MARK: &str = "@wait_mark";
 
 impl Gpu {
     /// Starts work beside the stream's: what the stream has queued so far comes first, then the launches that
@@ -54,6 +56,22 @@ impl Gpu {
     /// Errors: the event could not be recorded or waited for.
     pub(super) fn join(&self) -> Result<(), CudaError> {
         self.launch(JOIN, (1, 1, 1), (1, 1, 1), &[])
+    }
+
+    /// Marks the point the side stream has reached (between [`Gpu::fork`] and [`Gpu::to_main`]): a later
+    /// [`Gpu::wait_mark`] makes the stream wait for the side's launches up to here alone, not for what the side
+    /// queues after it (as [`Gpu::join`] would).
+    ///
+    /// Errors: the event could not be recorded.
+    pub(super) fn mark(&self) -> Result<(), CudaError> {
+        self.launch(MARK, (1, 1, 1), (1, 1, 1), &[])
+    }
+
+    /// The stream's launches that follow wait for the side stream's up to the last [`Gpu::mark`].
+    ///
+    /// Errors: the event could not be waited for.
+    pub(super) fn wait_mark(&self) -> Result<(), CudaError> {
+        self.launch(WAIT_MARK, (1, 1, 1), (1, 1, 1), &[])
     }
 
     /// The stream launches go to now.
@@ -84,6 +102,8 @@ impl Gpu {
                 self.on_side.store(true, Ordering::Relaxed);
             }
             TO_MAIN => self.on_side.store(false, Ordering::Relaxed),
+            MARK => self.mark_ev.record(&self.side).map_err(e())?,
+            WAIT_MARK => self.stream.wait(&self.mark_ev).map_err(e())?,
             JOIN => {
                 self.join_ev.record(&self.side).map_err(e())?;
                 self.stream.wait(&self.join_ev).map_err(e())?;

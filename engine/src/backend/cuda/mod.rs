@@ -137,8 +137,13 @@ enum Slot {
     MoeSlotIds,
     /// The rows the CPU computed for a decode step's expert misses, then their routing slots.
     MoeCpuRows,
+    /// The expert prefetch's router logits, experts and weights (the next MoE layer's router on this layer's
+    /// input).
+    PrefetchLogits,
+    PrefetchIds,
+    PrefetchW,
 }
-const SLOTS: usize = 21;
+const SLOTS: usize = 24;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
 const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
@@ -188,6 +193,10 @@ struct Inner {
     /// The last MoE op ran on the CPU backend through host copies (its routing is in the op's scratch), not on
     /// the device (its routing is in [`Slot::MoeIds`]).
     moe_on_host: bool,
+    /// Per layer, the device address of its router when `router_route` routes it (an f32 `[n_expert][n_embd]`
+    /// matrix), once a step has run the layer (0: not known): what the expert prefetch applies ahead of the
+    /// layer.
+    routers: Vec<u64>,
 }
 
 /// The CUDA backend over one device (see the module docs).
@@ -206,6 +215,8 @@ pub struct Gpu {
     /// Recorded on `stream` at a fork (the side waits for it), and on `side` at a join (`stream` waits for it).
     fork_ev: cudarc::driver::CudaEvent,
     join_ev: cudarc::driver::CudaEvent,
+    /// Recorded on `side` at a [`Gpu::mark`], waited for by `stream` at a [`Gpu::wait_mark`].
+    mark_ev: cudarc::driver::CudaEvent,
     /// Created with `CU_EVENT_BLOCKING_SYNC`: [`Gpu::wait_asleep`]'s wait sleeps in the driver instead of spinning.
     asleep_ev: cudarc::driver::CudaEvent,
     /// Launches go to `side` (between a fork and the next [`Gpu::to_main`] or join).
@@ -318,6 +329,7 @@ impl CudaBackend {
                 experts: None,
                 replay: None,
                 moe_on_host: false,
+                routers: Vec::new(),
             }),
             cpu: CpuBackend,
         })
@@ -864,6 +876,11 @@ impl Backend for CudaBackend {
     }
 
     fn step_end(&self) {
+        // A prefetch whose layer never ran (a step that stopped early) leaves its copies on the side stream: a
+        // step's graph holds no branch that is not joined.
+        if self.lock().experts.as_mut().is_some_and(ExpertPool::take_open_prefetch) {
+            Self::check(self.gpu.join());
+        }
         Self::check(self.gpu.step_end());
         self.decode_step_end();
     }

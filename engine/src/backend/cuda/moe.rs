@@ -122,6 +122,10 @@ impl CudaBackend {
             let w = s.norm_weights(g, norm)?;
             if routed_by_router {
                 let rw = s.weights.device_ptr(&g.stream, router.data)?;
+                if s.routers.len() <= ex.layer {
+                    s.routers.resize(ex.layer + 1, 0);
+                }
+                s.routers[ex.layer] = rw;
                 let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
                 let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
                 let cnt = s.counters(g)?;
@@ -330,6 +334,48 @@ impl Inner {
         )
     }
 
+    /// The expert prefetch (`--expert-prefetch`) after layer `ex`'s experts on the device's table: the next
+    /// layer's router on this layer's input `xp` (`router_route`, into the prefetch's own slots), then
+    /// [`ExpertPool::table_prefetch`] of the experts it picks. Nothing when the pool cannot prefetch that layer
+    /// or its router is not known yet (or is not an f32 matrix of this layer's shape).
+    fn prefetch_next(
+        &mut self,
+        gpu: &Gpu,
+        pool: &mut ExpertPool,
+        ex: &Experts<'_>,
+        xp: u64,
+        normalized: bool,
+    ) -> Result<(), CudaError> {
+        let next = ex.layer + 1;
+        let rw = self.routers.get(next).copied().unwrap_or(0);
+        if rw == 0 || !pool.can_prefetch(next) {
+            return Ok(());
+        }
+        let (n_expert, n_embd, k) = (ex.n_expert, ex.gate.cols, pool.config().k);
+        let logits = self.slot(gpu, Slot::PrefetchLogits, n_expert * 4)?;
+        let ids = self.slot(gpu, Slot::PrefetchIds, k * 4)?;
+        let wts = self.slot(gpu, Slot::PrefetchW, k * 4)?;
+        let cnt = self.counters(gpu)?;
+        gpu.launch(
+            "router_route",
+            (n_expert as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(rw),
+                Arg::P(xp),
+                Arg::P(logits),
+                Arg::I(n_expert as i32),
+                Arg::I(n_embd as i32),
+                Arg::P(cnt),
+                Arg::P(ids),
+                Arg::P(wts),
+                Arg::I(k as i32),
+                Arg::I(normalized as i32),
+            ],
+        )?;
+        pool.table_prefetch(gpu, next, ids)
+    }
+
     /// [`Inner::moe_dispatch`] with the expert cache (if any) out of `self`.
     #[allow(clippy::too_many_arguments)]
     fn moe_dispatch_with(
@@ -391,12 +437,16 @@ impl Inner {
                         pool.table_fetch(gpu, ex)?;
                         self.mmv_experts(gpu, ex, &at, misses, xp, bufs, k, slots, false)?;
                         gpu.to_main()?;
+                        // Experts prefetched for this layer are hits: their copies come first.
+                        pool.wait_prefetch(gpu, ex.layer)?;
                         self.mmv_experts(gpu, ex, &at, hits, xp, bufs, k, slots, false)?;
                         if joins {
                             pool.table_cpu_join(gpu, dp, n_embd)?;
                         }
                         gpu.join()?;
+                        self.prefetch_next(gpu, pool, ex, xp, normalized)?;
                     } else {
+                        pool.wait_prefetch(gpu, ex.layer)?;
                         pool.table_fetch(gpu, ex)?;
                         self.mmv_experts(gpu, ex, &at, sp, xp, bufs, k, slots, false)?;
                         if joins {
