@@ -18,8 +18,10 @@ if ! "$venv/bin/pip" install --quiet --disable-pip-version-check 'nvidia-cuda-nv
     exit 77
 fi
 lib=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+# The kernels are built into the binary: build it anew (a no-op when it is current), or a stale one checks old
+# kernels.
 strata=${STRATA_BIN:-target/debug/strata}
-if [ ! -x "$strata" ]; then
+if [ -z "${STRATA_BIN:-}" ]; then
     cargo build --locked -p strata-engine --bin strata
 fi
 STRATA_CUDA_LIB_DIR="$lib" "$strata" device --check-kernels

@@ -11,6 +11,12 @@
 #define LOOKUP_STAGED 0xFFFFFFFFu
 #define LOOKUP_BAD 0xFFFFFFFEu
 #define LOOKUP_CPU 0xFFFFFFFDu
+// LOOKUP_PREFETCHED: a miss read from the prefetch's staging slot (expert_prefetch). The prefetch log's codes besides
+// an admission's slot | LOOKUP_ADMITTED: PREFETCH_CACHED, PREFETCH_SKIPPED, PREFETCH_STAGED (see expert_prefetch).
+#define LOOKUP_PREFETCHED 0xFFFFFFF9u
+#define PREFETCH_CACHED 0xFFFFFFFCu
+#define PREFETCH_SKIPPED 0xFFFFFFFBu
+#define PREFETCH_STAGED 0xFFFFFFFAu
 
 // The CPU's share of a layer's misses (join.rs mirrors these word offsets). `join_host` is mapped page-locked
 // memory: JOIN_REQ the request's sequence number (written last), JOIN_LAYER, JOIN_JOBS, then at JOIN_PAIRS
@@ -143,10 +149,6 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
 // LOOKUP_ADMITTED, PREFETCH_STAGED, PREFETCH_CACHED (cached already) or PREFETCH_SKIPPED (nowhere to put it, or an
 // id outside the model). One block of 64 threads, thread j for routing slot j (k <= 64), in the order a single
 // thread taking the slots in routing order would reach, which is the order the host replays the log in.
-#define PREFETCH_CACHED 0xFFFFFFFCu
-#define PREFETCH_SKIPPED 0xFFFFFFFBu
-#define PREFETCH_STAGED 0xFFFFFFFAu
-#define LOOKUP_PREFETCHED 0xFFFFFFF9u
 extern "C" __global__ void expert_prefetch(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
                                            const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ fetch,
                                            u32* __restrict__ log, int cap, u32* __restrict__ pf_list,
