@@ -147,12 +147,13 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
 // cap) go to prefetch staging slot pf_staging + j when there is one (pf_staging >= 0), named in pf_list ([0] the
 // layer, [1 + j] the expert or MOE_SKIP), where the lookup finds them. log[2 j] = e and log[2 j + 1] = the slot |
 // LOOKUP_ADMITTED, PREFETCH_STAGED, PREFETCH_CACHED (cached already) or PREFETCH_SKIPPED (nowhere to put it, or an
-// id outside the model). One block of 64 threads, thread j for routing slot j (k <= 64), in the order a single
-// thread taking the slots in routing order would reach, which is the order the host replays the log in.
+// id outside the model, or past the first pf_max uncached ones). One block of 64 threads, thread j for routing slot
+// j (k <= 64), in the order a single thread taking the slots in routing order would reach, which is the order the
+// host replays the log in.
 extern "C" __global__ void expert_prefetch(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
                                            const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ fetch,
                                            u32* __restrict__ log, int cap, u32* __restrict__ pf_list,
-                                           int pf_staging) {
+                                           int pf_staging, int pf_max) {
     pdl_enter();
     __shared__ u32 missed[64];
     int j = threadIdx.x;
@@ -170,6 +171,9 @@ extern "C" __global__ void expert_prefetch(const u32* __restrict__ ids, int k, i
     }
     u32 avail = ctl[0], taken = ctl[1];
     __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
+    // The first pf_max of them (the router's surest) at most.
+    if (total > (u32)pf_max) total = (u32)pf_max;
+    miss = miss && before < total;
     u32 admitted = total < (u32)cap ? total : (u32)cap;
     if (taken + admitted > avail) admitted = avail > taken ? avail - taken : 0;
     if (here) {

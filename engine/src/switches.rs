@@ -60,6 +60,8 @@ pub const JOIN_ROUND_TRIP_US: &str = "STRATA_JOIN_ROUND_TRIP_US";
 pub const EXPERT_TASKS: &str = "STRATA_EXPERT_TASKS";
 /// Rows the CPU's expert rows prefetch ahead (a tuning knob).
 pub const EXPERT_PREFETCH: &str = "STRATA_EXPERT_PREFETCH";
+/// Experts the expert prefetch copies per layer at most (a tuning knob).
+pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -145,6 +147,11 @@ pub const SWITCHES: &[Switch] = &[
         EXPERT_PREFETCH,
         "2",
         "N (0-64): rows ahead of the one it computes that a task of the CPU's expert rows asks the cache for (0: none; tuning)",
+    ),
+    sw(
+        PREFETCH_MAX,
+        "2",
+        "N (1-64): experts --expert-prefetch copies per MoE layer at most, the router's surest first (tuning)",
     ),
     sw(
         JOIN_ROUND_TRIP_US,

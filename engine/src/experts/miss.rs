@@ -156,70 +156,128 @@ pub enum DecodePath {
     /// On the host, layer by layer (a round trip each): the misses are split between the link and the CPU by the
     /// [`MissPlan`].
     Host,
+    /// [`DecodePath::Device`], and each MoE layer's next layer prefetched: its router applied to this layer's
+    /// input, the experts it picks that are not cached copied in beside the rest of the step (`--expert-prefetch`).
+    DevicePrefetch,
 }
 
-/// `--miss-policy auto`'s choice between the two [`DecodePath`]s, by their measured step times: the device's
-/// table saves a host round trip per layer, the host's lets the CPU compute misses beside the link, and which
-/// wins depends on how often experts miss (routing locality, cache size) and on the machine. Each round runs
+impl DecodePath {
+    /// Whether the step decides its experts on the device's table.
+    pub fn on_device(self) -> bool {
+        self != DecodePath::Host
+    }
+
+    /// How the log names the path.
+    pub fn describe(self, cpu_joins: bool) -> &'static str {
+        match (self, cpu_joins) {
+            (DecodePath::Host, _) => "on the host, the CPU computing misses beside the link",
+            (DecodePath::Device, true) => {
+                "on the device's slot table, the CPU computing its share of misses inside the graph"
+            }
+            (DecodePath::Device, false) => "on the device's slot table, every miss uploaded",
+            (DecodePath::DevicePrefetch, true) => {
+                "on the device's slot table with the next layer's experts prefetched, the CPU computing its share of misses inside the graph"
+            }
+            (DecodePath::DevicePrefetch, false) => {
+                "on the device's slot table with the next layer's experts prefetched, every miss uploaded"
+            }
+        }
+    }
+}
+
+/// `--miss-policy auto`'s choice among the [`DecodePath`]s, by their measured step times: the device's table
+/// saves a host round trip per layer, the host's lets the CPU compute misses beside the link, the prefetch fills
+/// the link while attention runs but costs launches and link time when it guesses wrong; which wins depends on how
+/// often experts miss (routing locality, cache size), on the router and on the machine. Each round runs
 /// [`PathChooser::EXPLORE`] steps on the device's table unmeasured (a warm-up: after a prompt, or after the host's
-/// path, the cache's contents and the step's CUDA graph settle), then that many measured on each path (the host's
-/// first not counted: it drops the graph), then the faster by median for [`PathChooser::EXPLOIT`] steps.
-#[derive(Debug, Clone, Default)]
+/// path, the cache's contents and the step's CUDA graph settle), then that many measured on each path in turn
+/// (the host's first not counted: it drops the graph; the prefetch's first half not counted: its graph is recorded
+/// anew and the cache settles), then the fastest by median for [`PathChooser::EXPLOIT`] steps.
+#[derive(Debug, Clone)]
 pub struct PathChooser {
-    /// Measured step times of the current round, seconds, per path.
-    device: Vec<f64>,
-    host: Vec<f64>,
+    /// The paths measured, in the order a round runs them, each with the steps of its run not counted, then
+    /// those counted.
+    arms: Vec<(DecodePath, usize, usize)>,
+    /// Measured step times of the current round, seconds, per arm.
+    times: Vec<Vec<f64>>,
     /// Steps handed out in the current round.
     steps: usize,
     /// The path chosen by the last round, once there was one.
     chosen: Option<DecodePath>,
-    /// The last step handed out, if its time counts.
-    counted: Option<DecodePath>,
-    /// The last round's median step times (device, host), seconds.
-    medians: Option<(f64, f64)>,
+    /// The arm of the last step handed out, if its time counts.
+    counted: Option<usize>,
+    /// The last round's median step time of each path that had a reading, seconds.
+    medians: Vec<(DecodePath, f64)>,
+}
+
+impl Default for PathChooser {
+    /// Between the device's table and the host's path.
+    fn default() -> PathChooser {
+        PathChooser::new(false)
+    }
 }
 
 impl PathChooser {
-    /// Steps of each path measured per round (the first of each not counted).
+    /// Steps of each path measured per round (some of the first not counted).
     pub const EXPLORE: usize = 8;
-    /// Steps on the chosen path before measuring both again.
+    /// Steps on the chosen path before measuring again.
     pub const EXPLOIT: usize = 512;
+
+    /// A chooser between the device's table and the host's path, and, with `prefetch`, the device's table with
+    /// the next layer prefetched.
+    pub fn new(prefetch: bool) -> PathChooser {
+        let e = Self::EXPLORE;
+        let mut arms = vec![(DecodePath::Device, e, e), (DecodePath::Host, 1, e - 1)];
+        if prefetch {
+            arms.push((DecodePath::DevicePrefetch, e / 2, e));
+        }
+        PathChooser {
+            times: vec![Vec::new(); arms.len()],
+            arms,
+            steps: 0,
+            chosen: None,
+            counted: None,
+            medians: Vec::new(),
+        }
+    }
+
+    /// Steps of a round before the choice: each arm's uncounted and counted steps.
+    fn explore_steps(&self) -> usize {
+        self.arms.iter().map(|&(_, warm, counted)| warm + counted).sum()
+    }
 
     /// The path of the next step.
     pub fn next(&mut self) -> DecodePath {
         let s = self.steps;
         self.steps += 1;
-        let e = Self::EXPLORE;
-        let (path, counted) = if s < 2 * e {
-            // A warm-up run on the device (after a prefill, or the host's path, the cache and the graph settle),
-            // then the measured one.
-            (DecodePath::Device, s >= e)
-        } else if s < 3 * e {
-            (DecodePath::Host, s > 2 * e)
-        } else {
-            if s == 3 * e {
-                self.choose();
+        let explore = self.explore_steps();
+        let mut first = 0;
+        for (i, &(path, warm, counted)) in self.arms.iter().enumerate() {
+            let run = warm + counted;
+            if s < first + run {
+                self.counted = (s >= first + warm).then_some(i);
+                return path;
             }
-            if s + 1 >= 3 * e + Self::EXPLOIT {
-                self.steps = 0;
-            }
-            (self.chosen.unwrap_or(DecodePath::Device), false)
-        };
-        self.counted = counted.then_some(path);
-        path
+            first += run;
+        }
+        if s == explore {
+            self.choose();
+        }
+        if s + 1 >= explore + Self::EXPLOIT {
+            self.steps = 0;
+        }
+        self.counted = None;
+        self.chosen.unwrap_or(DecodePath::Device)
     }
 
-    /// The step [`PathChooser::next`] handed out last took `seconds` (its device time). The first step of each
-    /// path in a round is a warm-up, the chosen path's steps are not measured, and a reading that is not a
-    /// positive finite number is not one: none of them is counted.
+    /// The step [`PathChooser::next`] handed out last took `seconds` (its device time). Warm-up steps, the chosen
+    /// path's steps, and a reading that is not a positive finite number are not counted.
     pub fn record(&mut self, seconds: f64) {
         if !(seconds.is_finite() && seconds > 0.0) {
             return;
         }
-        match self.counted.take() {
-            Some(DecodePath::Device) => self.device.push(seconds),
-            Some(DecodePath::Host) => self.host.push(seconds),
-            None => {}
+        if let Some(i) = self.counted.take() {
+            self.times[i].push(seconds);
         }
     }
 
@@ -227,10 +285,9 @@ impl PathChooser {
     /// was measured on another cache, so a round still measuring starts over, warm-up included. The chosen path
     /// stays.
     pub fn interrupt(&mut self) {
-        if self.steps < 3 * Self::EXPLORE {
+        if self.steps < self.explore_steps() {
             self.steps = 0;
-            self.device.clear();
-            self.host.clear();
+            self.times.iter_mut().for_each(Vec::clear);
             self.counted = None;
         }
     }
@@ -240,25 +297,33 @@ impl PathChooser {
         self.chosen
     }
 
-    /// The last round's median step times (device's table, host's), seconds, when both were measured.
-    pub fn medians(&self) -> Option<(f64, f64)> {
-        self.medians
+    /// The last round's median step time of each path that had a reading, seconds, in the round's order.
+    pub fn medians(&self) -> &[(DecodePath, f64)] {
+        &self.medians
     }
 
-    /// Ends a round: the path of the lower median step time (the device's when either has no reading).
+    /// Ends a round: the path of the lowest median step time (the device's table when none has a reading, and
+    /// the earlier arm on a tie).
     fn choose(&mut self) {
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied()
-        };
-        let (d, h) = (median(&mut self.device), median(&mut self.host));
-        self.medians = d.zip(h);
-        self.chosen = Some(match (d, h) {
-            (Some(d), Some(h)) if h < d => DecodePath::Host,
-            _ => DecodePath::Device,
-        });
-        self.device.clear();
-        self.host.clear();
+        self.medians = self
+            .arms
+            .iter()
+            .zip(&mut self.times)
+            .filter_map(|(&(path, _, _), v)| {
+                v.sort_by(f64::total_cmp);
+                v.get(v.len() / 2).map(|&m| (path, m))
+            })
+            .collect();
+        self.chosen = Some(
+            self.medians
+                .iter()
+                .fold(None, |best: Option<(DecodePath, f64)>, &(p, m)| match best {
+                    Some((_, b)) if b <= m => best,
+                    _ => Some((p, m)),
+                })
+                .map_or(DecodePath::Device, |(p, _)| p),
+        );
+        self.times.iter_mut().for_each(Vec::clear);
     }
 }
 
@@ -288,13 +353,46 @@ mod tests {
             assert!(paths[2 * e..3 * e].iter().all(|&p| p == DecodePath::Host));
             assert!(paths[3 * e..].iter().all(|&p| p == want), "{device_s} vs {host_s}");
             assert_eq!(c.chosen(), Some(want));
-            assert_eq!(c.medians(), Some((device_s, host_s)));
+            assert_eq!(c.medians(), [(DecodePath::Device, device_s), (DecodePath::Host, host_s)]);
             // The next round measures both again, and follows a change.
             let paths = run(&mut c, 3 * e + 1, |p| if p == want { 1.0 } else { 1e-3 });
             assert_eq!(paths[0], DecodePath::Device);
             assert_eq!(paths[2 * e], DecodePath::Host);
             assert_ne!(paths[3 * e], want);
         }
+    }
+
+    #[test]
+    fn with_the_prefetch_the_chooser_measures_three_paths_and_keeps_the_fastest() {
+        let e = PathChooser::EXPLORE;
+        for (prefetch_s, want) in [(4e-3, DecodePath::DevicePrefetch), (6e-3, DecodePath::Device)] {
+            let mut c = PathChooser::new(true);
+            let time = |p| match p {
+                DecodePath::Device => 5e-3,
+                DecodePath::Host => 10e-3,
+                DecodePath::DevicePrefetch => prefetch_s,
+            };
+            // The device's warm-up and run (2 e), the host's (e), then the prefetch's (e / 2 + e).
+            let explore = 3 * e + e / 2 + e;
+            let paths = run(&mut c, explore + 4, time);
+            assert!(paths[..2 * e].iter().all(|&p| p == DecodePath::Device));
+            assert!(paths[2 * e..3 * e].iter().all(|&p| p == DecodePath::Host));
+            assert!(paths[3 * e..explore].iter().all(|&p| p == DecodePath::DevicePrefetch));
+            assert!(paths[explore..].iter().all(|&p| p == want), "prefetch {prefetch_s}");
+            assert_eq!(
+                c.medians(),
+                [
+                    (DecodePath::Device, 5e-3),
+                    (DecodePath::Host, 10e-3),
+                    (DecodePath::DevicePrefetch, prefetch_s)
+                ]
+            );
+        }
+        // Without the prefetch the round has two paths, and never hands the prefetch out.
+        let mut c = PathChooser::new(false);
+        let paths = run(&mut c, 3 * e + PathChooser::EXPLOIT, |_| 1e-3);
+        assert!(!paths.contains(&DecodePath::DevicePrefetch));
+        assert!(DecodePath::DevicePrefetch.on_device() && !DecodePath::Host.on_device());
     }
 
     #[test]
@@ -308,7 +406,7 @@ mod tests {
         let paths = run(&mut c, 3 * e + 1, |p| if p == DecodePath::Host { 1.0 } else { 2.0 });
         assert!(paths[..2 * e].iter().all(|&p| p == DecodePath::Device));
         assert_eq!(paths[3 * e], DecodePath::Host);
-        assert_eq!(c.medians(), Some((2.0, 1.0)));
+        assert_eq!(c.medians(), [(DecodePath::Device, 2.0), (DecodePath::Host, 1.0)]);
         // While exploiting, a prompt changes nothing.
         c.interrupt();
         assert_eq!(c.next(), DecodePath::Host);
@@ -331,12 +429,12 @@ mod tests {
             }
         });
         assert_eq!(paths[3 * e], DecodePath::Device);
-        assert_eq!(c.medians(), Some((2.0, 3.0)));
+        assert_eq!(c.medians(), [(DecodePath::Device, 2.0), (DecodePath::Host, 3.0)]);
         // No reading at all: the device's table.
         let mut c = PathChooser::default();
         let paths = run(&mut c, 3 * e + 1, |_| f64::NAN);
         assert_eq!(paths[3 * e], DecodePath::Device);
-        assert_eq!(c.medians(), None);
+        assert!(c.medians().is_empty());
     }
 
     const MB: u64 = 1_000_000;

@@ -305,12 +305,20 @@ struct DeviceTable {
     pf_log_host: Option<PinnedHostSlice<u32>>,
     /// The layer the step's last prefetch was for, until that layer's lookup (its hits wait for the copies).
     prefetched_for: Option<usize>,
+    /// Whether the current step prefetches ([`DecodePath::DevicePrefetch`]).
+    prefetching: bool,
+    /// At most this many experts prefetched per layer ([`PREFETCH_MAX`], `STRATA_PREFETCH_MAX`).
+    prefetch_max: usize,
     /// Experts prefetched per step, exponentially averaged: free slots set aside for them too.
     prefetches: f64,
     /// Per layer, where `expert_fetch` reads its experts, once a lookup of the layer has run (a prefetch copies a
     /// layer's experts before the layer runs).
     sources: Vec<Option<FetchSource>>,
 }
+
+/// Experts prefetched per layer at most, unless `STRATA_PREFETCH_MAX` says otherwise: the link is idle about one
+/// expert's copy per layer (attention, the router); more delays the layer's own misses behind guesses.
+const PREFETCH_MAX: usize = 2;
 
 /// `expert_fetch`'s arguments for one layer's experts: each matrix's address in the mapped arena, its bytes per
 /// expert and its offset in a slot, and which of the three may be copied in 16-byte words.
@@ -357,6 +365,8 @@ impl DeviceTable {
             },
             pf_log_host: None,
             prefetched_for: None,
+            prefetching: false,
+            prefetch_max: crate::switches::usize_in(crate::switches::PREFETCH_MAX, 1..=64).unwrap_or(PREFETCH_MAX),
             prefetches: 0.0,
             sources: vec![None; config.n_layer],
         })
@@ -399,19 +409,25 @@ impl ExpertPool {
             }
             return Ok(false);
         }
+        // Outside `auto`'s measured choice, `--expert-prefetch` alone says whether the device's table prefetches.
+        let device = if self.config.prefetch {
+            DecodePath::DevicePrefetch
+        } else {
+            DecodePath::Device
+        };
         let path = match (self.miss.policy, self.miss.cost) {
             (MissPolicy::Cpu, _) if !self.table_joins() => DecodePath::Host,
-            (MissPolicy::Cpu, _) => DecodePath::Device,
+            (MissPolicy::Cpu, _) => device,
             // Without measured rates the host's path uploads every miss too, a round trip per layer dearer.
-            (MissPolicy::Upload, _) | (MissPolicy::Auto, None) => DecodePath::Device,
+            (MissPolicy::Upload, _) | (MissPolicy::Auto, None) => device,
             (MissPolicy::Auto, Some(_)) => self.choose_path(stream)?,
         };
-        if path == DecodePath::Device {
-            self.table_step_begin(stream, replay)?;
+        if path.on_device() {
+            self.table_step_begin(stream, replay, path == DecodePath::DevicePrefetch)?;
         } else if let Some(j) = self.join() {
             j.disarm();
         }
-        Ok(path == DecodePath::Device)
+        Ok(path.on_device())
     }
 
     /// `auto`'s path for this step: the last timed step's device time goes to the chooser first, and the choice
@@ -433,25 +449,31 @@ impl ExpertPool {
         let before = self.chooser.chosen();
         let path = self.chooser.next();
         let joined = self.table_joins();
-        if let (Some(now), Some((d, h))) = (self.chooser.chosen(), self.chooser.medians())
+        let medians = self.chooser.medians();
+        if let Some(now) = self.chooser.chosen()
             && before != Some(now)
+            && let Some(&(_, ms)) = medians.iter().find(|&&(p, _)| p == now)
         {
+            let others: Vec<String> = medians
+                .iter()
+                .filter(|&&(p, _)| p != now)
+                .map(|&(p, m)| {
+                    format!(
+                        "{:.2} ms {}",
+                        1e3 * m,
+                        match p {
+                            DecodePath::Host => "on the host",
+                            DecodePath::Device => "on the device's table",
+                            DecodePath::DevicePrefetch => "prefetching",
+                        }
+                    )
+                })
+                .collect();
             eprintln!(
-                "strata: expert misses auto: decode steps decide {} ({:.2} ms a step, {:.2} ms {})",
-                if now == DecodePath::Device && joined {
-                    "on the device's slot table, the CPU computing its share of misses inside the graph"
-                } else if now == DecodePath::Device {
-                    "on the device's slot table, every miss uploaded"
-                } else {
-                    "on the host, the CPU computing misses beside the link"
-                },
-                1e3 * if now == DecodePath::Device { d } else { h },
-                1e3 * if now == DecodePath::Device { h } else { d },
-                if now == DecodePath::Device {
-                    "on the host"
-                } else {
-                    "on the device's table"
-                },
+                "strata: expert misses auto: decode steps decide {} ({:.2} ms a step, {})",
+                now.describe(joined),
+                1e3 * ms,
+                others.join(", ")
             );
         }
         t0.record(stream).map_err(e())?;
@@ -491,6 +513,7 @@ impl ExpertPool {
         &mut self,
         stream: &Arc<CudaStream>,
         replay: Option<&mut crate::experts::trace::RoutingReplay>,
+        prefetch: bool,
     ) -> Result<(), CudaError> {
         self.sync_log()?;
         let (slots, k, n_layer) = (self.config.slots, self.config.k, self.config.n_layer);
@@ -544,6 +567,7 @@ impl ExpertPool {
                 .map_err(e())?;
         }
         t.prefetched_for = None;
+        t.prefetching = prefetch && self.config.prefetch;
         t.active = true;
         Ok(())
     }
@@ -864,11 +888,9 @@ impl ExpertPool {
     /// Whether [`ExpertPool::table_prefetch`] can prefetch for layer `layer` in this step: the prefetch is on, the
     /// step uses the device's table, and a lookup of that layer has run before (where its experts are is known).
     pub(super) fn can_prefetch(&self, layer: usize) -> bool {
-        self.config.prefetch
-            && self
-                .table
-                .as_ref()
-                .is_some_and(|t| t.active && t.sources.get(layer).is_some_and(Option::is_some))
+        self.table
+            .as_ref()
+            .is_some_and(|t| t.active && t.prefetching && t.sources.get(layer).is_some_and(Option::is_some))
     }
 
     /// Queues the prefetch of layer `layer`'s experts `ids` (`k` u32 on the device: the next layer's router
@@ -900,6 +922,7 @@ impl ExpertPool {
                 Arg::I(self.config.upload_cap.min(i32::MAX as u32) as i32),
                 Arg::P(t.pf_list.ptr),
                 Arg::I(t.pf_staging),
+                Arg::I(t.prefetch_max as i32),
             ],
         )?;
         gpu.fork()?;
@@ -1028,7 +1051,7 @@ impl ExpertPool {
                 _ => None,
             },
             step_open: false,
-            chooser: PathChooser::default(),
+            chooser: PathChooser::new(config.prefetch),
             step_events: None,
             timing_step: false,
             step_timed: false,
