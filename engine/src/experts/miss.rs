@@ -426,6 +426,7 @@ mod tests {
                 DecodePath::Device => 2.0,
                 DecodePath::Host if n == 2 * e + 1 => 0.5,
                 DecodePath::Host => 3.0,
+                DecodePath::DevicePrefetch => unreachable!("no prefetch arm"),
             }
         });
         assert_eq!(paths[3 * e], DecodePath::Device);
