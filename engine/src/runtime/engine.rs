@@ -595,8 +595,11 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 .map(|c| format!(", at most {c} admitted per layer and decode step"))
                 .unwrap_or_default(),
             match (ef.expert_prefetch, ef.routing_trace.is_some()) {
-                (false, _) => "no prefetch (--expert-prefetch off)",
+                (false, _) => "no prefetch",
                 (true, true) => "no prefetch: --routing-trace chooses the experts, not the router",
+                (true, false) if ef.miss_policy == MissPolicy::Auto => {
+                    "the next layer's experts prefetched at decode when auto measures it faster"
+                }
                 (true, false) => "the next layer's experts prefetched at decode",
             }
         );
