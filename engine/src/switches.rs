@@ -62,6 +62,8 @@ pub const EXPERT_TASKS: &str = "STRATA_EXPERT_TASKS";
 pub const EXPERT_PREFETCH: &str = "STRATA_EXPERT_PREFETCH";
 /// Experts the expert prefetch copies per layer at most (a tuning knob).
 pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
+/// The CPU's 512-bit kernels where the CPU has them.
+pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -152,6 +154,11 @@ pub const SWITCHES: &[Switch] = &[
         PREFETCH_MAX,
         "2",
         "N (1-64): experts --expert-prefetch copies per MoE layer at most, the router's surest first (tuning)",
+    ),
+    sw(
+        CPU_AVX512,
+        "1",
+        "0: the CPU's Q4_K dot products stay on 256-bit registers where the CPU has AVX-512 (the same results; for comparing speed)",
     ),
     sw(
         JOIN_ROUND_TRIP_US,

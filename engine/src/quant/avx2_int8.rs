@@ -375,6 +375,64 @@ fn k_q4_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     hsum(acc)
 }
 
+/// [`k_q4_k`] on 512-bit registers (AVX-512BW), bit for bit: each step takes one 32-byte group of codes as its low
+/// nibbles (sub-block 2c) in the lower half and its high nibbles (2c + 1) in the upper half, against the 64
+/// activation codes of the two sub-blocks (contiguous), so the upper half's lanes are [`k4_block`]'s `p_hi` and the
+/// lower half's its `p_lo`. Folding the halves gives the same integer lanes, and the float steps are the same.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+fn k_q4_k_512(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ4K>(row, x) else {
+        return f32::NAN;
+    };
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+        let (scales, mins) = k4_scales_mins(&b.scales);
+        let mut isum = _mm512_setzero_si512();
+        for c in 0..4 {
+            let v = ld256(&b.qs[32 * c..]);
+            let lo = _mm256_and_si256(v, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+            let codes = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            let qv = &q[64 * c..64 * c + 64];
+            // SAFETY: `qv` is 64 readable bytes; the load is unaligned.
+            let act = unsafe { _mm512_loadu_si512(qv.as_ptr().cast()) };
+            let s_lo = _mm256_set1_epi16((scales >> (16 * c)) as u8 as i16);
+            let s_hi = _mm256_set1_epi16((scales >> (16 * c + 8)) as u8 as i16);
+            let sc = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(s_lo), s_hi);
+            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_maddubs_epi16(codes, act), sc));
+        }
+        let isum = _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64::<1>(isum));
+        let m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+        let m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+        let imin = _mm256_madd_epi16(ld_bsums(bs), m16);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(isum), acc);
+        acc = _mm256_fnmadd_ps(_mm256_set1_ps(f16(b.dmin) * dx), _mm256_cvtepi32_ps(imin), acc);
+    }
+    hsum(acc)
+}
+
+/// Whether [`k_q4_k_512`] runs: this CPU has AVX-512F and BW, and `STRATA_CPU_AVX512` is not 0 (read once).
+fn avx512bw() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && crate::switches::flag(crate::switches::CPU_AVX512, true)
+    })
+}
+
+/// Q4_K × Q8_K on 512-bit registers where the CPU has them, else [`k_q4_k`]: the same bits either way.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k_q4_k_any(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    if avx512bw() {
+        // SAFETY: `avx512bw()` found AVX-512F and BW; AVX2, FMA and F16C are this function's own features.
+        unsafe { k_q4_k_512(row, x) }
+    } else {
+        k_q4_k(row, x)
+    }
+}
+
 /// Q5_K × Q8_K (`ggml_vec_dot_q5_K_q8_K`): Q4_K plus bit j of `qh[l]` as bit 4 of sub-block j.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q5_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
@@ -542,7 +600,8 @@ entries! {
     dot_iq4_nl => k_iq4_nl,
     dot_q2_k => k_q2_k,
     dot_q3_k => k_q3_k,
-    dot_q4_k => k_q4_k,
+    dot_q4_k => k_q4_k_any,
+    dot_q4_k_avx2 => k_q4_k,
     dot_q5_k => k_q5_k,
     dot_q6_k => k_q6_k,
     dot_iq4_xs => k_iq4_xs,

@@ -656,3 +656,24 @@ fn activation_buffer_reuse_matches_fresh_quantization() {
     buf.quantize(GgmlType::BF16, &x, 512).unwrap();
     assert_eq!(buf.vector(2).f32s, &x[1024..]);
 }
+
+#[test]
+fn q4_k_on_512_bit_registers_gives_the_avx2_kernels_bits() {
+    if !simd_available() || !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+        eprintln!("skipping: no AVX-512BW on this CPU (the AVX2 kernel runs there, so there is nothing to compare)");
+        return;
+    }
+    let mut rng = Rng(512);
+    for n_blocks in [1, 3, 8] {
+        for scale in [1.0f32, 1e-3, 1e3] {
+            let row = random_row(&mut rng, GgmlType::Q4_K, n_blocks);
+            let x: Vec<f32> = (0..n_blocks * QK_K).map(|_| rng.gauss() * scale).collect();
+            let mut a = QuantizedActivations::new();
+            a.quantize(GgmlType::Q4_K, &x, n_blocks * QK_K).unwrap();
+            let v = a.vector(0);
+            let (wide, narrow) = (avx2_int8::dot_q4_k(&row, &v), avx2_int8::dot_q4_k_avx2(&row, &v));
+            assert!(wide.is_finite(), "{n_blocks} blocks x{scale}: {wide}");
+            assert_eq!(wide.to_bits(), narrow.to_bits(), "{n_blocks} blocks x{scale}: {wide} vs {narrow}");
+        }
+    }
+}
