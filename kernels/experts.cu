@@ -58,9 +58,15 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
     int* t = table + (long long)layer * n_expert + (bad ? 0 : e);
     int s = here && !bad ? *t : 0;
     bool miss = here && !bad && s < 0;
-    // A miss expert_prefetch copied into a prefetch staging slot for this layer is read there, like a hit.
+    // A miss expert_prefetch copied into a prefetch staging slot for this layer is read there, like a hit; the
+    // slots the prefetch admitted for this layer count against its cap.
     bool prefetched = false;
-    if (miss && pf_list && pf_list[0] == (u32)layer)
+    bool pf_here = pf_list && pf_list[0] == (u32)layer;
+    if (pf_here) {
+        u32 pre = pf_list[1 + k];
+        cap = pre >= (u32)cap ? 0 : cap - (int)pre;
+    }
+    if (miss && pf_here)
         for (int i = 0; i < k; ++i)
             if (pf_list[1 + i] == e) {
                 s = pf_staging + i;
@@ -145,7 +151,8 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
 // prefetch's fetch list (fetch[0] experts, then (expert, slot) pairs) that expert_fetch copies in on the side stream
 // while the step goes on; the next layer's lookup then finds them as hits. The others (no free slot, or past the
 // cap) go to prefetch staging slot pf_staging + j when there is one (pf_staging >= 0), named in pf_list ([0] the
-// layer, [1 + j] the expert or MOE_SKIP), where the lookup finds them. log[2 j] = e and log[2 j + 1] = the slot |
+// layer, [1 + j] the expert or MOE_SKIP, [1 + k] the slots admitted, which count against the layer's cap), where
+// the lookup finds them. log[2 j] = e and log[2 j + 1] = the slot |
 // LOOKUP_ADMITTED, PREFETCH_STAGED, PREFETCH_CACHED (cached already) or PREFETCH_SKIPPED (nowhere to put it, or an
 // id outside the model, or past the first pf_max uncached ones). One block of 64 threads, thread j for routing slot
 // j (k <= 64), in the order a single thread taking the slots in routing order would reach, which is the order the
@@ -171,13 +178,14 @@ extern "C" __global__ void expert_prefetch(const u32* __restrict__ ids, int k, i
     }
     u32 avail = ctl[0], taken = ctl[1];
     __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
-    // The first pf_max of them (the router's surest) at most.
+    // The first pf_max of them (the router's surest) at most; the others are skipped.
     if (total > (u32)pf_max) total = (u32)pf_max;
-    miss = miss && before < total;
+    bool over = miss && before >= total;
+    miss = miss && !over;
     u32 admitted = total < (u32)cap ? total : (u32)cap;
     if (taken + admitted > avail) admitted = avail > taken ? avail - taken : 0;
     if (here) {
-        u32 code = bad ? PREFETCH_SKIPPED : PREFETCH_CACHED;
+        u32 code = bad || over ? PREFETCH_SKIPPED : PREFETCH_CACHED;
         u32 staged = MOE_SKIP;
         if (miss && before < admitted) {
             u32 s = free_slots[taken + before];
@@ -202,6 +210,7 @@ extern "C" __global__ void expert_prefetch(const u32* __restrict__ ids, int k, i
         ctl[1] = taken + admitted;
         fetch[0] = pf_staging >= 0 ? total : admitted;
         pf_list[0] = (u32)layer;
+        pf_list[1 + k] = admitted;  // the layer's lookup admits at most cap less these
     }
 }
 

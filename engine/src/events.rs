@@ -71,8 +71,9 @@ pub struct ExpertCache {
     /// it existed: 0).
     #[serde(default)]
     pub cpu_computed: u64,
-    /// Experts `--expert-prefetch` copied into a slot before their layer's lookup (among `admitted`; absent in
-    /// events written before it existed: 0).
+    /// Experts `--expert-prefetch` copied in before their layer's lookup, into a cache slot (counted in `admitted`
+    /// too) or a prefetch staging slot (a use of one is counted in `staged`); absent in events written before it
+    /// existed: 0.
     #[serde(default)]
     pub prefetched: u64,
     /// Of those, the ones the lookup then used (`prefetched - prefetch_used` were wasted).

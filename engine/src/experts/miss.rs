@@ -302,7 +302,7 @@ impl PathChooser {
         &self.medians
     }
 
-    /// Ends a round: the path of the lowest median step time (the device's table when none has a reading, and
+    /// Ends a round: the path of the lowest median step time (the device's table when it has no reading, and
     /// the earlier arm on a tie).
     fn choose(&mut self) {
         self.medians = self
@@ -314,15 +314,18 @@ impl PathChooser {
                 v.get(v.len() / 2).map(|&m| (path, m))
             })
             .collect();
-        self.chosen = Some(
+        let device_measured = self.medians.iter().any(|&(p, _)| p == DecodePath::Device);
+        self.chosen = Some(if device_measured {
             self.medians
                 .iter()
                 .fold(None, |best: Option<(DecodePath, f64)>, &(p, m)| match best {
                     Some((_, b)) if b <= m => best,
                     _ => Some((p, m)),
                 })
-                .map_or(DecodePath::Device, |(p, _)| p),
-        );
+                .map_or(DecodePath::Device, |(p, _)| p)
+        } else {
+            DecodePath::Device
+        });
         self.times.iter_mut().for_each(Vec::clear);
     }
 }
@@ -431,6 +434,11 @@ mod tests {
         });
         assert_eq!(paths[3 * e], DecodePath::Device);
         assert_eq!(c.medians(), [(DecodePath::Device, 2.0), (DecodePath::Host, 3.0)]);
+        // No reading of the device's table, only the host's: the device's table still.
+        let mut c = PathChooser::default();
+        let paths = run(&mut c, 3 * e + 1, |p| if p == DecodePath::Host { 1.0 } else { f64::NAN });
+        assert_eq!(paths[3 * e], DecodePath::Device);
+        assert_eq!(c.medians(), [(DecodePath::Host, 1.0)]);
         // No reading at all: the device's table.
         let mut c = PathChooser::default();
         let paths = run(&mut c, 3 * e + 1, |_| f64::NAN);

@@ -174,9 +174,10 @@ pub struct ExpertFlags {
     /// hits), or auto (a cost model splits each layer's misses by the link and CPU rates measured at start).
     #[arg(long, default_value = "auto", value_enum)]
     pub miss_policy: MissPolicy,
-    /// On a GPU with an expert cache, once a decode step's MoE layer is computed, apply the next MoE layer's
-    /// router to this layer's input and copy the (at most 2) experts it picks that are not cached into free or
-    /// staging slots while the step goes on: on or off. Results never change; a wrong guess costs link time and a
+    /// On a GPU with an expert cache, once a decode step's MoE layer is computed, apply the router of the layer
+    /// after it (when that is a MoE layer) to this layer's input and copy the (at most 2) experts it picks that are
+    /// not cached into free or staging slots while the step goes on: on or off. Steps on the device's slot table
+    /// whose experts' down projection is Q4_K (the fused GLU) only. Results never change; a wrong guess costs link time and a
     /// slot. Under --miss-policy auto it is a third path that auto measures and keeps only when it is faster.
     /// Off by default (on a Qwen3-30B-A3B-shaped model with random weights it guessed 96% right but was never
     /// faster: README, "Expert prefetch"), and always off with --routing-trace (the trace, not the router,

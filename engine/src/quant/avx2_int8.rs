@@ -577,6 +577,14 @@ fn k_iq2_xs(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     hsum(acc)
 }
 
+/// [`k_q4_k`] alone (the 256-bit kernel), for the test that compares it with [`k_q4_k_512`].
+#[cfg(test)]
+pub(super) fn dot_q4_k_avx2(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    assert!(super::simd_available());
+    // SAFETY: AVX2, FMA and F16C were just found on this CPU.
+    unsafe { k_q4_k(row, x) }
+}
+
 // ---- entries --------------------------------------------------------------------------------------------------
 
 macro_rules! entries {
@@ -601,7 +609,6 @@ entries! {
     dot_q2_k => k_q2_k,
     dot_q3_k => k_q3_k,
     dot_q4_k => k_q4_k_any,
-    dot_q4_k_avx2 => k_q4_k,
     dot_q5_k => k_q5_k,
     dot_q6_k => k_q6_k,
     dot_iq4_xs => k_iq4_xs,

@@ -598,7 +598,7 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
                 (false, _) => "no prefetch",
                 (true, true) => "no prefetch: --routing-trace chooses the experts, not the router",
                 (true, false) if ef.miss_policy == MissPolicy::Auto => {
-                    "the next layer's experts prefetched at decode when auto measures it faster"
+                    "the next layer's experts prefetched at decode when auto's measurements find it faster"
                 }
                 (true, false) => "the next layer's experts prefetched at decode",
             }

@@ -743,7 +743,7 @@ impl CpuBackend {
                 };
                 rows.clone().take(pf).for_each(ahead);
                 for i in rows.clone() {
-                    if i + pf < rows.end {
+                    if pf > 0 && i + pf < rows.end {
                         ahead(i + pf);
                     }
                     let (j, r) = (i / nff, i % nff);
@@ -770,7 +770,7 @@ impl CpuBackend {
             let ahead = |i: usize| prefetch_row(&ex.down, shape.down_rows(jobs[i / n_embd].0 as usize).start + i % n_embd);
             rows.clone().take(pf).for_each(ahead);
             for i in rows.clone() {
-                if i + pf < rows.end {
+                if pf > 0 && i + pf < rows.end {
                     ahead(i + pf);
                 }
                 let (j, r) = (i / n_embd, i % n_embd);

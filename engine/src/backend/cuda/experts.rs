@@ -91,8 +91,9 @@ pub struct PhaseStats {
     pub cpu_computed: u64,
     /// Wall time the CPU spent computing them, microseconds (the GPU works on the hits meanwhile).
     pub cpu_us: u64,
-    /// Experts the prefetch copied into a cache slot before their layer's lookup (`--expert-prefetch`; their
-    /// bytes are in `bytes_uploaded`, their slots in `cache.admitted`).
+    /// Experts the prefetch copied in before their layer's lookup (`--expert-prefetch`), into a cache slot (then
+    /// counted in `cache.admitted` too, and a use is a cache hit) or a prefetch staging slot (then a use is a
+    /// bypassed lookup, reported as staged); their bytes are in `bytes_uploaded`.
     pub prefetched: u64,
     /// Of those, the ones their layer's lookup then used (the others were wasted: `prefetched - prefetch_used`).
     pub prefetch_used: u64,
@@ -299,7 +300,8 @@ struct DeviceTable {
     pf_fetch: DevBuf,
     pf_log: DevBuf,
     /// The experts the prefetch put in its staging slots: `[0]` the layer, then one per routing slot (`MOE_SKIP`:
-    /// none), and the first of those `k` slots (staging slots `k..2 k`; -1 when the staging area is smaller).
+    /// none), then the slots it admitted (the layer's upload cap counts them); and the first of those `k` staging
+    /// slots (staging slots `k..2 k`; -1 when the staging area is smaller).
     pf_list: DevBuf,
     pf_staging: i32,
     pf_log_host: Option<PinnedHostSlice<u32>>,
@@ -357,7 +359,7 @@ impl DeviceTable {
             join: None,
             pf_fetch: DevBuf::alloc(stream, (1 + 2 * config.k) * 4)?,
             pf_log: DevBuf::alloc(stream, config.n_layer * config.k * 2 * 4)?,
-            pf_list: DevBuf::alloc(stream, (1 + config.k) * 4)?,
+            pf_list: DevBuf::alloc(stream, (2 + config.k) * 4)?,
             pf_staging: if config.staging >= 2 * config.k {
                 (config.slots + config.k) as i32
             } else {
@@ -372,8 +374,9 @@ impl DeviceTable {
         })
     }
 
-    /// Free slots to set aside for the next step: the recent misses and one layer's worth more, at most
-    /// `free_max` (a step's lookups) and a quarter of the cache (slots held free hold no expert).
+    /// Free slots to set aside for the next step: the recent misses and prefetches and one layer's worth more, at
+    /// most `free_max` (a step's lookups, twice that with the prefetch) and a quarter of the cache (slots held
+    /// free hold no expert).
     fn free_target(&self, slots: usize, k: usize) -> usize {
         ((self.misses + self.prefetches).ceil() as usize + k)
             .min(self.free_max)
@@ -470,9 +473,10 @@ impl ExpertPool {
                 })
                 .collect();
             eprintln!(
-                "strata: expert misses auto: decode steps decide {} ({:.2} ms a step, {})",
+                "strata: expert misses auto: decode steps decide {} ({:.2} ms a step{}{})",
                 now.describe(joined),
                 1e3 * ms,
+                if others.is_empty() { "" } else { ", " },
                 others.join(", ")
             );
         }
@@ -931,6 +935,11 @@ impl ExpertPool {
         gpu.to_main()?;
         self.table.as_mut().expect("a device table").prefetched_for = Some(layer);
         Ok(())
+    }
+
+    /// Whether the current step prefetches (on the device's table, [`DecodePath::DevicePrefetch`]).
+    pub(super) fn prefetching(&self) -> bool {
+        self.table.as_ref().is_some_and(|t| t.active && t.prefetching)
     }
 
     /// Whether a prefetch of this step was queued and its layer's lookup never came (then the caller joins the

@@ -62,7 +62,9 @@ impl Gpu {
         self.reset_lane();
         let mut gs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let on = graphable && gs.enabled && !self.sync_launches && !self.profiling.load(Ordering::Relaxed);
-        gs.mode = match (on, gs.graphs.contains_key(&key)) {
+        let variant = gs.variant;
+        let same = gs.graphs.get(&key).is_some_and(|r| r.variant == variant);
+        gs.mode = match (on, same) {
             (false, _) => StepMode::Eager,
             (true, true) => StepMode::Replay {
                 key,
@@ -88,12 +90,14 @@ impl Gpu {
                 match self.capture(&launches) {
                     Ok(graph) => {
                         gs.captures += 1;
+                        let variant = gs.variant;
                         gs.graphs.insert(
                             key,
                             Recorded {
                                 launches,
                                 graph,
                                 verified_at: None,
+                                variant,
                             },
                         );
                     }
@@ -168,7 +172,15 @@ impl Gpu {
             && gs
                 .graphs
                 .get(&key)
-                .is_some_and(|r| r.verified_at == Some(super::buffer::allocations()))
+                .is_some_and(|r| r.verified_at == Some(super::buffer::allocations()) && r.variant == gs.variant)
+    }
+
+    /// Sets the variant of the steps that follow: a step of another variant than a key's graph was recorded under
+    /// neither replays it nor is compared with it, and records its own. Steps of one shape can take other launch
+    /// sequences by a choice made before the step (the expert cache's decode path: with the next layer's
+    /// prefetch or without), and a whole-step replay ([`Gpu::can_replay`]) must not run the other one's graph.
+    pub fn set_step_variant(&self, variant: u8) {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).variant = variant;
     }
 
     /// Launches the verified graph of `key` as a whole step (its inputs written by the caller first).
@@ -255,6 +267,8 @@ struct Recorded {
     /// The device allocation count ([`super::buffer::allocations`]) when a replay matched the recording launch
     /// for launch: while it is unchanged, every buffer the graph uses is the one it was recorded with.
     verified_at: Option<u64>,
+    /// The step variant it was recorded under ([`Gpu::set_step_variant`]).
+    variant: u8,
 }
 
 #[derive(Default)]
@@ -279,6 +293,8 @@ pub(super) struct Graphs {
     graphs: HashMap<StepKey, Recorded>,
     captures: u64,
     replays: u64,
+    /// The variant of the steps now ([`Gpu::set_step_variant`]).
+    variant: u8,
 }
 
 impl Graphs {

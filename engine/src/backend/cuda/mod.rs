@@ -193,10 +193,10 @@ struct Inner {
     /// The last MoE op ran on the CPU backend through host copies (its routing is in the op's scratch), not on
     /// the device (its routing is in [`Slot::MoeIds`]).
     moe_on_host: bool,
-    /// Per layer, the device address of its router when `router_route` routes it (an f32 `[n_expert][n_embd]`
-    /// matrix), once a step has run the layer (0: not known): what the expert prefetch applies ahead of the
-    /// layer.
-    routers: Vec<u64>,
+    /// Per layer, its router when `router_route` routes it, once a step has run the layer: the device address of
+    /// the f32 matrix and its shape (rows = experts, columns = width; `(0, 0, 0)`: not known). What the expert
+    /// prefetch applies ahead of the layer.
+    routers: Vec<(u64, usize, usize)>,
 }
 
 /// The CUDA backend over one device (see the module docs).
@@ -592,7 +592,12 @@ impl CudaBackend {
         let mut s = self.lock();
         let s = &mut *s;
         match s.experts.as_mut() {
-            Some(p) => Self::check(p.decode_step_begin(&self.gpu.stream, n_tok, s.replay.as_mut())),
+            Some(p) => {
+                let table = Self::check(p.decode_step_begin(&self.gpu.stream, n_tok, s.replay.as_mut()));
+                // With and without the prefetch a decode step launches other kernels: graphs of their own.
+                self.gpu.set_step_variant(p.prefetching() as u8);
+                table
+            }
             None => false,
         }
     }
@@ -910,6 +915,10 @@ impl Backend for CudaBackend {
         // With an expert cache, a recorded step reads the device's slot table: replay it only when this step
         // uses the table too (else the step runs, and decides on the host).
         if !self.decode_step_begin(1) && self.lock().experts.is_some() {
+            return false;
+        }
+        // The path just chosen sets the step's variant: the graph must be of the same one.
+        if !self.gpu.can_replay(key) {
             return false;
         }
         let replayed = self.replay_recorded(key, ids, positions);

@@ -123,9 +123,9 @@ impl CudaBackend {
             if routed_by_router {
                 let rw = s.weights.device_ptr(&g.stream, router.data)?;
                 if s.routers.len() <= ex.layer {
-                    s.routers.resize(ex.layer + 1, 0);
+                    s.routers.resize(ex.layer + 1, (0, 0, 0));
                 }
-                s.routers[ex.layer] = rw;
+                s.routers[ex.layer] = (rw, router.rows, router.cols);
                 let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
                 let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
                 let cnt = s.counters(g)?;
@@ -334,10 +334,11 @@ impl Inner {
         )
     }
 
-    /// The expert prefetch (`--expert-prefetch`) after layer `ex`'s experts on the device's table: the next
-    /// layer's router on this layer's input `xp` (`router_route`, into the prefetch's own slots), then
-    /// [`ExpertPool::table_prefetch`] of the experts it picks. Nothing when the pool cannot prefetch that layer
-    /// or its router is not known yet (or is not an f32 matrix of this layer's shape).
+    /// The expert prefetch (`--expert-prefetch`) after layer `ex`'s experts on the device's table (the overlap
+    /// path, which a fused GLU needs): the router of the layer right after it on this layer's input `xp`
+    /// (`router_route`, into the prefetch's own slots), then [`ExpertPool::table_prefetch`] of the experts it
+    /// picks. Nothing when the pool cannot prefetch that layer (not a MoE layer the table has looked up), or its
+    /// router is not known yet or not an f32 matrix of this layer's shape.
     fn prefetch_next(
         &mut self,
         gpu: &Gpu,
@@ -347,11 +348,11 @@ impl Inner {
         normalized: bool,
     ) -> Result<(), CudaError> {
         let next = ex.layer + 1;
-        let rw = self.routers.get(next).copied().unwrap_or(0);
-        if rw == 0 || !pool.can_prefetch(next) {
+        let (n_expert, n_embd, k) = (ex.n_expert, ex.gate.cols, pool.config().k);
+        let (rw, rows, cols) = self.routers.get(next).copied().unwrap_or((0, 0, 0));
+        if rw == 0 || (rows, cols) != (n_expert, n_embd) || !pool.can_prefetch(next) {
             return Ok(());
         }
-        let (n_expert, n_embd, k) = (ex.n_expert, ex.gate.cols, pool.config().k);
         let logits = self.slot(gpu, Slot::PrefetchLogits, n_expert * 4)?;
         let ids = self.slot(gpu, Slot::PrefetchIds, k * 4)?;
         let wts = self.slot(gpu, Slot::PrefetchW, k * 4)?;
