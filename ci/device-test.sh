@@ -182,7 +182,7 @@ bench-30b|profile-30b|decode-30b|ablate-30b|ab-30b|offload-30b|llamacpp-30b)
       # Leading NAME=value words of a config are environment switches for that run (STRATA_DEVICE_SLOT_TABLE=0).
       name=${c%%|*}; read -ra words <<< "${c#*|}"; envs=(); extra=()
       for w in "${words[@]}"; do
-        if [ ${#extra[@]} -eq 0 ] && [[ $w =~ ^[A-Z_]+= ]]; then envs+=("$w"); else extra+=("$w"); fi
+        if [ ${#extra[@]} -eq 0 ] && [[ $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else extra+=("$w"); fi
       done
       env "${envs[@]}" "$BIN" bench --device cuda:0 --model "$WORK/q30.gguf" --llama-bench off --reps ${OFFLOAD_REPS:-2} \
         --gen-tokens 64 "${extra[@]}" > "$OUT/offload-$name.md" 2> "$OUT/offload-$name.err"

@@ -62,7 +62,7 @@ pub const EXPERT_TASKS: &str = "STRATA_EXPERT_TASKS";
 pub const EXPERT_PREFETCH: &str = "STRATA_EXPERT_PREFETCH";
 /// Experts the expert prefetch copies per layer at most (a tuning knob).
 pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
-/// The CPU's 512-bit kernels where the CPU has them.
+/// The CPU's 512-bit Q4_K kernel, where the CPU has AVX-512BW (off by default).
 pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
@@ -157,8 +157,8 @@ pub const SWITCHES: &[Switch] = &[
     ),
     sw(
         CPU_AVX512,
-        "1",
-        "0: the CPU's Q4_K dot products stay on 256-bit registers where the CPU has AVX-512 (the same results; for comparing speed)",
+        "0",
+        "1: the CPU's Q4_K dot products on 512-bit registers where the CPU has AVX-512BW (the same results; on the H200 machine's Xeon slower with all cores busy; for comparing speed)",
     ),
     sw(
         JOIN_ROUND_TRIP_US,

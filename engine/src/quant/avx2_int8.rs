@@ -412,17 +412,19 @@ fn k_q4_k_512(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     hsum(acc)
 }
 
-/// Whether [`k_q4_k_512`] runs: this CPU has AVX-512F and BW, and `STRATA_CPU_AVX512` is not 0 (read once).
+/// Whether [`k_q4_k_512`] runs: `STRATA_CPU_AVX512=1` asks for it and this CPU has AVX-512F and BW (read once).
+/// Off by default: on the H200 machine's Xeon one core reads Q4_K from L2 32% faster with it, but all cores
+/// together, as the CPU's expert misses run, read 6-20% slower (`reports/2026-12-04-h200-2345a0e/`).
 fn avx512bw() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
+        crate::switches::flag(crate::switches::CPU_AVX512, false)
+            && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
-            && crate::switches::flag(crate::switches::CPU_AVX512, true)
     })
 }
 
-/// Q4_K × Q8_K on 512-bit registers where the CPU has them, else [`k_q4_k`]: the same bits either way.
+/// Q4_K × Q8_K on 512-bit registers when [`avx512bw`] says so, else [`k_q4_k`]: the same bits either way.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k_q4_k_any(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     if avx512bw() {
@@ -583,6 +585,14 @@ pub(super) fn dot_q4_k_avx2(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     assert!(super::simd_available());
     // SAFETY: AVX2, FMA and F16C were just found on this CPU.
     unsafe { k_q4_k(row, x) }
+}
+
+/// [`k_q4_k_512`] alone, for the same test.
+#[cfg(test)]
+pub(super) fn dot_q4_k_512(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+    assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && super::simd_available());
+    // SAFETY: AVX-512F, AVX-512BW, AVX2, FMA and F16C were just found on this CPU.
+    unsafe { k_q4_k_512(row, x) }
 }
 
 // ---- entries --------------------------------------------------------------------------------------------------

@@ -671,7 +671,7 @@ fn q4_k_on_512_bit_registers_gives_the_avx2_kernels_bits() {
             let mut a = QuantizedActivations::new();
             a.quantize(GgmlType::Q4_K, &x, n_blocks * QK_K).unwrap();
             let v = a.vector(0);
-            let (wide, narrow) = (avx2_int8::dot_q4_k(&row, &v), avx2_int8::dot_q4_k_avx2(&row, &v));
+            let (wide, narrow) = (avx2_int8::dot_q4_k_512(&row, &v), avx2_int8::dot_q4_k_avx2(&row, &v));
             assert!(wide.is_finite(), "{n_blocks} blocks x{scale}: {wide}");
             assert_eq!(wide.to_bits(), narrow.to_bits(), "{n_blocks} blocks x{scale}: {wide} vs {narrow}");
         }
