@@ -30,6 +30,20 @@
 #define JOIN_FAILED 64
 #define JOIN_PAIRS 96
 
+// Of the k routing slots' flags (thread j's is `flag`), how many are set before slot j and in all, through `shared`
+// ([64]); every thread of the block calls it, and it ends with a barrier.
+__device__ __forceinline__ void count_flags(bool flag, int k, u32* shared, u32* before, u32* total) {
+    shared[threadIdx.x] = flag;
+    __syncthreads();
+    u32 b = 0, n = 0;
+    for (int i = 0; i < k; ++i) {
+        b += i < (int)threadIdx.x ? shared[i] : 0;
+        n += shared[i];
+    }
+    *before = b;
+    *total = n;
+}
+
 // Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
 // table[layer * n_expert + e] when cached. Of the layer-step's m misses, the CPU computes the last
 // cpu_take[m] in routing order (cpu_take null: none); the others, in routing order, take the next of the host's
@@ -73,15 +87,10 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
                 prefetched = true;
                 miss = false;
             }
-    missed[j] = miss;
-    __syncthreads();
+    u32 before, total;
+    count_flags(miss, k, missed, &before, &total);
     // Every thread has read pf_list: it names this layer's prefetch no more.
     if (j == 0 && pf_list) pf_list[0] = MOE_SKIP;
-    u32 before = 0, total = 0;
-    for (int i = 0; i < k; ++i) {
-        before += i < j ? missed[i] : 0;
-        total += missed[i];
-    }
     u32 avail = ctl[0], taken = ctl[1];
     u32 on_cpu = 0;
     if (cpu_take) {
@@ -169,13 +178,8 @@ extern "C" __global__ void expert_prefetch(const u32* __restrict__ ids, int k, i
     bool bad = e >= (u32)n_expert;
     int* t = table + (long long)layer * n_expert + (bad ? 0 : e);
     bool miss = here && !bad && *t < 0;
-    missed[j] = miss;
-    __syncthreads();
-    u32 before = 0, total = 0;
-    for (int i = 0; i < k; ++i) {
-        before += i < j ? missed[i] : 0;
-        total += missed[i];
-    }
+    u32 before, total;
+    count_flags(miss, k, missed, &before, &total);
     u32 avail = ctl[0], taken = ctl[1];
     __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
     // The first pf_max of them (the router's surest) at most; the others are skipped.

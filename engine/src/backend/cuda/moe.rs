@@ -128,24 +128,15 @@ impl CudaBackend {
                 s.routers[ex.layer] = (rw, router.rows, router.cols);
                 let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
                 let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
-                let cnt = s.counters(g)?;
-                g.launch(
-                    "router_route",
-                    (ex.n_expert as u32, n_tok as u32, 1),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(rw),
-                        Arg::P(h.ptr()),
-                        Arg::P(logits.ptr()),
-                        Arg::I(ex.n_expert as i32),
-                        Arg::I(n_embd as i32),
-                        Arg::P(cnt),
-                        Arg::P(ids),
-                        Arg::P(wts),
-                        Arg::I(k as i32),
-                        Arg::I(normalize as i32),
-                    ],
-                )?;
+                let route = RouterRoute {
+                    router: rw,
+                    x: h.ptr(),
+                    n_tok,
+                    logits: logits.ptr(),
+                    ids,
+                    wts,
+                };
+                s.router_route(g, &route, ex.n_expert, n_embd, k, normalize)?;
             } else {
                 s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
             }
@@ -158,6 +149,17 @@ impl CudaBackend {
             s.moe_dispatch(g, ex, h.ptr(), n_tok, k, normalize, sum)
         })());
     }
+}
+
+/// Device addresses of one `router_route` launch: the f32 router (`[n_expert][n_embd]`), the `n_tok` tokens'
+/// activations, and where the logits (`[n_tok][n_expert]`), experts and weights (`[n_tok][k]`) go.
+struct RouterRoute {
+    router: u64,
+    x: u64,
+    n_tok: usize,
+    logits: u64,
+    ids: u64,
+    wts: u64,
 }
 
 /// Where a dispatch finds its experts: each matrix's (gate, up, down) base address and the bytes from one expert
@@ -353,28 +355,49 @@ impl Inner {
         if rw == 0 || (rows, cols) != (n_expert, n_embd) || !pool.can_prefetch(next) {
             return Ok(());
         }
-        let logits = self.slot(gpu, Slot::PrefetchLogits, n_expert * 4)?;
-        let ids = self.slot(gpu, Slot::PrefetchIds, k * 4)?;
-        let wts = self.slot(gpu, Slot::PrefetchW, k * 4)?;
+        let route = RouterRoute {
+            router: rw,
+            x: xp,
+            n_tok: 1,
+            logits: self.slot(gpu, Slot::PrefetchLogits, n_expert * 4)?,
+            ids: self.slot(gpu, Slot::PrefetchIds, k * 4)?,
+            wts: self.slot(gpu, Slot::PrefetchW, k * 4)?,
+        };
+        self.router_route(gpu, &route, n_expert, n_embd, k, normalized)?;
+        pool.table_prefetch(gpu, next, route.ids)
+    }
+
+    /// `router_route` (kernels/matvec.cu): the router's logits and top-`k` choice in one launch, for `route`'s
+    /// tokens, `n_expert` experts of width `n_embd`.
+    ///
+    /// Errors: the counters could not be made, or the launch failed.
+    fn router_route(
+        &mut self,
+        gpu: &Gpu,
+        route: &RouterRoute,
+        n_expert: usize,
+        n_embd: usize,
+        k: usize,
+        normalize: bool,
+    ) -> Result<(), CudaError> {
         let cnt = self.counters(gpu)?;
         gpu.launch(
             "router_route",
-            (n_expert as u32, 1, 1),
+            (n_expert as u32, route.n_tok as u32, 1),
             (256, 1, 1),
             &[
-                Arg::P(rw),
-                Arg::P(xp),
-                Arg::P(logits),
+                Arg::P(route.router),
+                Arg::P(route.x),
+                Arg::P(route.logits),
                 Arg::I(n_expert as i32),
                 Arg::I(n_embd as i32),
                 Arg::P(cnt),
-                Arg::P(ids),
-                Arg::P(wts),
+                Arg::P(route.ids),
+                Arg::P(route.wts),
                 Arg::I(k as i32),
-                Arg::I(normalized as i32),
+                Arg::I(normalize as i32),
             ],
-        )?;
-        pool.table_prefetch(gpu, next, ids)
+        )
     }
 
     /// [`Inner::moe_dispatch`] with the expert cache (if any) out of `self`.
