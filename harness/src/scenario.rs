@@ -175,20 +175,52 @@ pub struct Range {
     pub step: Option<usize>,
 }
 
+/// The most points a sweep may have: each is a request per arm and repetition.
+pub const MAX_SWEEP_POINTS: usize = 1024;
+
+/// The largest prompt, in tokens, a case or sweep may ask for: past any model's context (16 Mi tokens), and
+/// small enough that building it never exhausts memory.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 24;
+
 impl Range {
-    /// The range's points (with `find_boundary`, only `from` and `to` matter).
-    pub fn points(&self) -> Vec<usize> {
+    /// The range's points: doubling from `from` (or `step` apart), with `to` always last (with `find_boundary`,
+    /// only `from` and `to` matter).
+    ///
+    /// Errors: `to` is past [`MAX_PROMPT_TOKENS`], or the range has more than [`MAX_SWEEP_POINTS`] points; the
+    /// arithmetic is checked, so no range wraps or loops.
+    pub fn checked_points(&self) -> Result<Vec<usize>, String> {
+        if self.to > MAX_PROMPT_TOKENS {
+            return Err(format!(
+                "`to: {}` is past the largest prompt a scenario may ask for, {MAX_PROMPT_TOKENS} tokens",
+                self.to
+            ));
+        }
         let mut v = Vec::new();
         let mut x = self.from.max(1);
         while x < self.to {
+            // x and `to` still to come.
+            if v.len() + 2 > MAX_SWEEP_POINTS {
+                return Err(format!(
+                    "the range from {} to {} ({}) has more than {MAX_SWEEP_POINTS} points",
+                    self.from,
+                    self.to,
+                    self.step.map_or("doubling".to_string(), |s| format!("step {s}"))
+                ));
+            }
             v.push(x);
             x = match self.step {
-                Some(s) => x + s.max(1),
-                None => x * 2,
-            };
+                Some(s) => x.checked_add(s.max(1)),
+                None => x.checked_mul(2),
+            }
+            .unwrap_or(usize::MAX);
         }
         v.push(self.to);
-        v
+        Ok(v)
+    }
+
+    /// [`Range::checked_points`] of a range [`Scenario::validate`] accepted (empty for one it refuses).
+    pub fn points(&self) -> Vec<usize> {
+        self.checked_points().unwrap_or_default()
     }
 }
 
@@ -358,6 +390,15 @@ pub fn parse(file: &str, text: &str) -> Result<Scenario, ScenarioError> {
             message: format!("{msg}{}", suggestion(&msg)),
         }
     })?;
+    if let Some((case, message)) = scenario.token_bounds() {
+        let (line, column) = locate(text, case, "tokens");
+        return Err(ScenarioError {
+            file: file.to_string(),
+            line,
+            column,
+            message,
+        });
+    }
     scenario.validate().map_err(|message| ScenarioError {
         file: file.to_string(),
         line: 0,
@@ -365,6 +406,36 @@ pub fn parse(file: &str, text: &str) -> Result<Scenario, ScenarioError> {
         message,
     })?;
     Ok(scenario)
+}
+
+/// The 1-based line and column of key `key` in case `case` of scenario text `text` (the first such key after
+/// the case's `name:` line, within the case), or (0, 0) when it cannot be found.
+fn locate(text: &str, case: &str, key: &str) -> (usize, usize) {
+    let lines: Vec<&str> = text.lines().collect();
+    let Some(cases) = lines.iter().position(|l| l.trim_end() == "cases:") else {
+        return (0, 0);
+    };
+    let name_of = |l: &str| -> Option<String> {
+        let t = l.trim_start().strip_prefix('-').unwrap_or(l.trim_start()).trim_start();
+        let v = t.strip_prefix("name:")?.trim();
+        Some(v.trim_matches(|c| c == '"' || c == '\'').to_string())
+    };
+    let Some(start) = (cases + 1..lines.len()).find(|&i| name_of(lines[i]).as_deref() == Some(case)) else {
+        return (0, 0);
+    };
+    // The case's own indentation (its `- ` item); a line at that indentation or less starting another item ends it.
+    let indent = lines[start].len() - lines[start].trim_start().len();
+    let pattern = format!("{key}:");
+    for (i, l) in lines.iter().enumerate().skip(start) {
+        let here = l.len() - l.trim_start().len();
+        if i > start && !l.trim().is_empty() && here <= indent && l.trim_start().starts_with('-') {
+            break;
+        }
+        if let Some(c) = l.find(&pattern) {
+            return (i + 1, c + 1);
+        }
+    }
+    (0, 0)
 }
 
 /// "; did you mean `x`?" for serde's `unknown field `a`, expected one of `b`, `c`` and `unknown variant`
@@ -388,11 +459,48 @@ fn suggestion(msg: &str) -> String {
 }
 
 impl Scenario {
+    /// The first case whose prompt or sweep asks for more than a scenario may ([`MAX_PROMPT_TOKENS`] tokens, or
+    /// [`MAX_SWEEP_POINTS`] points): its name and the error, which names it.
+    fn token_bounds(&self) -> Option<(&str, String)> {
+        for c in &self.cases {
+            let err = |e: String| Some((c.name.as_str(), format!("case `{}`: {e}", c.name)));
+            if let Some(n) = c.prompt.as_ref().and_then(|p| p.tokens)
+                && n > MAX_PROMPT_TOKENS
+            {
+                return err(format!(
+                    "`tokens: {n}` is past the largest prompt a scenario may ask for, {MAX_PROMPT_TOKENS} tokens"
+                ));
+            }
+            let Some(s) = &c.sweep else { continue };
+            let e = match &s.tokens {
+                SweepValues::List(v) if v.len() > MAX_SWEEP_POINTS => Some(format!(
+                    "the sweep lists {} token counts, more than {MAX_SWEEP_POINTS}",
+                    v.len()
+                )),
+                SweepValues::List(v) => v.iter().find(|&&n| n > MAX_PROMPT_TOKENS).map(|n| {
+                    format!("the sweep's {n} tokens are past the largest prompt a scenario may ask for, {MAX_PROMPT_TOKENS} tokens")
+                }),
+                // Bisected: only the ends are requested.
+                SweepValues::Range(r) if s.find_boundary => (r.to > MAX_PROMPT_TOKENS).then(|| {
+                    format!("`to: {}` is past the largest prompt a scenario may ask for, {MAX_PROMPT_TOKENS} tokens", r.to)
+                }),
+                SweepValues::Range(r) => r.checked_points().err(),
+            };
+            if let Some(e) = e {
+                return err(e);
+            }
+        }
+        None
+    }
+
     /// Checks what the types cannot: names, one prompt kind per case, sweeps over token counts, arm names the
     /// cases refer to.
     ///
     /// Errors: the first problem, as one line naming the case or arm.
     pub fn validate(&self) -> Result<(), String> {
+        if let Some((_, message)) = self.token_bounds() {
+            return Err(message);
+        }
         let ok_name = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
         if !ok_name(&self.name) {
             return Err(format!(
@@ -477,7 +585,11 @@ impl Scenario {
                             if r.from == 0 || r.from > r.to {
                                 return Err(format!("{at}: a range needs 1 <= from <= to"));
                             }
-                            r.points()
+                            if s.find_boundary {
+                                vec![r.from, r.to]
+                            } else {
+                                r.points()
+                            }
                         }
                     };
                     if pts.is_empty() || pts.contains(&0) {
@@ -670,6 +782,33 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.message.contains("needs a range"), "{e}");
+    }
+
+    #[test]
+    fn sweeps_past_the_bounds_are_refused_at_their_line_without_looping() {
+        let case = |sweep: &str| format!("name: t\ncases:\n  - name: small\n    prompt: {{tokens: 8}}\n  - name: big\n    sweep:\n      tokens: {sweep}\n");
+        for (sweep, says) in [
+            // The doubling wrapped to 0 and looped for ever; a step of 1 asked for 80 GB of points.
+            ("{from: 1, to: 18446744073709551615}", "past the largest prompt"),
+            ("{from: 1, to: 10000000000, step: 1}", "past the largest prompt"),
+            ("{from: 1, to: 100000, step: 1}", "more than 1024 points"),
+            ("[1, 2, 99999999999]", "past the largest prompt"),
+        ] {
+            let e = parse("t.yaml", &case(sweep)).unwrap_err();
+            assert_eq!((e.line, e.column), (7, 7), "{sweep}: {e}");
+            assert!(e.message.contains("case `big`") && e.message.contains(says), "{sweep}: {e}");
+        }
+        // A prompt of more tokens than any context.
+        let e = parse("t.yaml", "name: t\ncases:\n  - name: huge\n    prompt: {tokens: 1000000000}\n").unwrap_err();
+        assert_eq!(e.line, 4, "{e}");
+        assert!(e.message.contains("case `huge`") && e.message.contains("16777216"), "{e}");
+        // Bisected, only the ends are requested: a long range is fine there, and a linear step up to the cap.
+        parse("t.yaml", &case("{from: 1, to: 100000, step: 1}").replace("tokens: {from", "find_boundary: true\n      tokens: {from")).unwrap();
+        let r = Range { from: 1, to: 1024, step: Some(1) };
+        assert_eq!(r.checked_points().unwrap().len(), MAX_SWEEP_POINTS);
+        assert!(Range { from: 1, to: 1025, step: Some(1) }.checked_points().is_err());
+        let r = Range { from: 3, to: MAX_PROMPT_TOKENS, step: None };
+        assert_eq!(r.checked_points().unwrap().last(), Some(&MAX_PROMPT_TOKENS));
     }
 
     #[test]

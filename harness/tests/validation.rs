@@ -77,3 +77,52 @@ fn checked_in_schema_is_fresh() {
         path.display()
     );
 }
+
+/// `strata-harness check` on sweeps that wrapped, or asked for billions of points, on main at 9bf3496 (the doubling
+/// wrapped to 0 and looped until memory ran out): now exit 2 at once, with the file, line and column of the
+/// sweep's `tokens`. Each run is given 60 s before it counts as a hang.
+#[test]
+fn check_refuses_endless_sweeps_at_once() {
+    let dir = std::env::temp_dir().join(format!("strata-harness-sweeps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (i, sweep) in [
+        "{from: 1, to: 18446744073709551615}",
+        "{from: 1, to: 10000000000, step: 1}",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let path = dir.join(format!("s{i}.yaml"));
+        std::fs::write(
+            &path,
+            format!("name: t\ncases:\n  - name: small\n    prompt: {{tokens: 8}}\n  - name: big\n    sweep:\n      tokens: {sweep}\n"),
+        )
+        .unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_strata-harness"))
+            .arg("check")
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > std::time::Duration::from_secs(60) {
+                let _ = child.kill();
+                panic!("`check` on {sweep} still ran after 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+        assert_eq!(status.code(), Some(2), "{sweep}: {text}");
+        assert!(
+            text.contains(&format!("s{i}.yaml:7:7: case `big`")) && text.contains("past the largest prompt"),
+            "{sweep}: {text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
