@@ -137,6 +137,33 @@ pub fn report_folder(out: &Path, scenario: &str, rev: &str) -> std::io::Result<P
     Ok(dir)
 }
 
+/// Why a run of `s` with `opts` would send no request, or leave a case with none, so that a PASS would mean
+/// nothing: an `--arm` that names no combination, or a sweep whose every point lies above `--quick`'s cap.
+fn nothing_to_run(s: &scenario::Scenario, opts: &RunOptions) -> Option<String> {
+    let names: Vec<String> = runner::combos(s).into_iter().map(|c| c.name).collect();
+    if let Some(a) = opts.only_arms.iter().find(|a| !names.contains(a)) {
+        return Some(format!(
+            "--arm {a}: no combination of the scenario has that name (it runs {})",
+            names.join(", ")
+        ));
+    }
+    let cap = s.quick.as_ref().filter(|_| opts.quick)?.max_prompt_tokens;
+    for c in &s.cases {
+        let Some(sw) = c.sweep.as_ref().filter(|sw| !sw.find_boundary) else { continue };
+        let points = match &sw.tokens {
+            scenario::SweepValues::List(v) => v.clone(),
+            scenario::SweepValues::Range(r) => r.points(),
+        };
+        if points.iter().all(|&n| n > cap) {
+            return Some(format!(
+                "case `{}`: every point of its sweep lies above the quick cap of {cap} prompt tokens (`quick: {{max_prompt_tokens: {cap}}}`), so --quick would run nothing for it",
+                c.name
+            ));
+        }
+    }
+    None
+}
+
 /// Runs a scenario file end to end and writes its report folder.
 pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
     let fail = |code: i32, summary: String| RunOutcome {
@@ -158,6 +185,9 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
             EXIT_SCENARIO,
             format!("{}: --quick needs a `quick:` section", scenario_file.display()),
         );
+    }
+    if let Some(why) = nothing_to_run(&s, opts) {
+        return fail(EXIT_SCENARIO, format!("{}: {why}", scenario_file.display()));
     }
     let strata = match server::strata_binary(opts.strata.as_deref()) {
         Ok(p) => p,
@@ -240,8 +270,17 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         );
     }
     let all_dead = !report.arms.is_empty() && report.arms.iter().all(|a| a.error.is_some());
+    let requests: usize = report.arms.iter().map(|a| a.rows.len()).sum();
     let code = if all_dead {
         EXIT_ENGINE
+    } else if requests == 0 {
+        // Nothing was asked of the engine: not a pass (nothing_to_run catches the known ways before the run).
+        return RunOutcome {
+            exit_code: EXIT_SCENARIO,
+            folder: Some(folder),
+            report: Some(report),
+            summary: "no request ran: no arm ran a case".into(),
+        };
     } else if report.verdict.passed {
         EXIT_PASS
     } else {

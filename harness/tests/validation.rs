@@ -126,3 +126,37 @@ fn check_refuses_endless_sweeps_at_once() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `strata-harness run` with nothing to run, which printed "PASS (0 of 0)" and exited 0 on main at 9bf3496: an
+/// `--arm` that names no combination, and a sweep whose every point lies above the `--quick` cap. Both are now
+/// exit 2 before anything starts, naming why.
+#[test]
+fn run_refuses_to_pass_with_nothing_run() {
+    let dir = std::env::temp_dir().join(format!("strata-harness-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("q.yaml");
+    std::fs::write(
+        &path,
+        "name: t\nmatrix:\n  kv: [{name: f16}, {name: int8}]\nquick: {max_prompt_tokens: 64}\ncases:\n  - name: small\n    prompt: {tokens: 8}\n  - name: big\n    sweep:\n      tokens: [128, 256]\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata-harness"))
+            .arg("run")
+            .arg(&path)
+            .args(["--out", dir.join("reports").to_str().unwrap()])
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+        (out.status.code(), text)
+    };
+    let (code, text) = run(&["--arm", "kv=f61"]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("--arm kv=f61: no combination") && text.contains("kv=f16, kv=int8"), "{text}");
+    assert!(!text.contains("PASS"), "{text}");
+    let (code, text) = run(&["--quick"]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("case `big`: every point of its sweep lies above the quick cap of 64"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
