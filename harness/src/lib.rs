@@ -177,6 +177,9 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         Err(e) => return fail(EXIT_SCENARIO, format!("scenario error: {e}")),
     };
     let device = opts.device.clone().unwrap_or_else(|| s.device.clone());
+    if let Err(why) = runner::check_static(&s, &device) {
+        return fail(EXIT_SCENARIO, format!("scenario error: {}: {why}", scenario_file.display()));
+    }
     if let Err(why) = runner::device_available(&device) {
         return fail(EXIT_ENGINE, format!("cannot run on this machine: {why}"));
     }

@@ -142,7 +142,7 @@ fn main() {
             }
         }
         Cmd::Check { scenario } => match strata_harness::scenario::load(&scenario) {
-            Ok(s) if let Err(e) = strata_harness::runner::check_serve_args(&s) => {
+            Ok(s) if let Err(e) = strata_harness::runner::check_static(&s, &s.device) => {
                 eprintln!("{}: {e}", scenario.display());
                 EXIT_SCENARIO
             }

@@ -2,7 +2,7 @@
 //! case (prompts, sweeps, boundary searches, repetitions), then judges the expectations.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -463,6 +463,38 @@ pub fn check_serve_args(s: &Scenario) -> Result<(), String> {
                 "combination `{}`: strata serve would refuse its arguments: {first}",
                 c.name
             ));
+        }
+    }
+    Ok(())
+}
+
+/// What a scenario can be checked for before anything runs, beyond its schema and [`Scenario::validate`]: its
+/// device (`device`: the scenario's, or `--device`'s) parses, a model given as a file exists, every combination's
+/// `strata serve` arguments parse ([`check_serve_args`]), and every `STRATA_FAULT` in its environment (the
+/// scenario's or an arm's) is a fault plan the engine reads. These are the scenario author's mistakes: `check`
+/// and `run` report them as scenario errors (exit 2), never as an engine that could not start (125), which bisect
+/// would read as "skip this revision". Whether the device is on this machine is not checked here.
+///
+/// Errors: the first such mistake, naming it.
+pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
+    device
+        .parse::<strata_engine::device::Device>()
+        .map_err(|e| format!("device `{device}`: {e}"))?;
+    let named = s.model == "default" || s.model.starts_with("synth:");
+    if !named && !Path::new(&s.model).is_file() {
+        return Err(format!(
+            "model `{}`: no such file (a path, `default`, or `synth:PRESET`)",
+            s.model
+        ));
+    }
+    check_serve_args(s)?;
+    let arms = combos(s).into_iter().flat_map(|c| c.arms);
+    let envs = std::iter::once(("the scenario".to_string(), s.env.clone()))
+        .chain(arms.map(|a| (format!("arm `{}`", a.name), a.env)));
+    for (owner, env) in envs {
+        if let Some(v) = env.get(strata_engine::switches::FAULT) {
+            strata_engine::device::fault::FaultPlan::parse(v)
+                .map_err(|e| format!("{owner}: {}={v:?}: {e}", strata_engine::switches::FAULT))?;
         }
     }
     Ok(())

@@ -160,3 +160,43 @@ fn run_refuses_to_pass_with_nothing_run() {
     assert!(text.contains("case `big`: every point of its sweep lies above the quick cap of 64"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Scenario mistakes that `run` reported with exit 125 on main at 9bf3496 (which bisect reads as "skip this
+/// revision") and `check` accepted: a bad device string, a missing model file, an unknown `strata serve` flag in
+/// an arm's `args`, a malformed `STRATA_FAULT` in `env`. Now `check` names each and exits 2, and so does `run`,
+/// before it starts anything.
+#[test]
+fn scenario_mistakes_are_exit_2_in_check_and_run() {
+    let dir = std::env::temp_dir().join(format!("strata-harness-mistakes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let case = "cases:\n  - name: a\n    prompt: {text: hi}\n";
+    for (what, yaml, says) in [
+        ("device", format!("name: t\ndevice: cuda:zero\n{case}"), "device `cuda:zero`"),
+        ("model", format!("name: t\nmodel: /no/such/model.gguf\n{case}"), "model `/no/such/model.gguf`: no such file"),
+        (
+            "serve flag",
+            format!("name: t\nmatrix:\n  kv: [{{name: q, args: [--kv-typo, f16]}}]\n{case}"),
+            "--kv-typo",
+        ),
+        (
+            "fault",
+            format!("name: t\nmatrix:\n  f: [{{name: on, env: {{STRATA_FAULT: \"prefill_gemm:m>>64\"}}}}]\n{case}"),
+            "arm `on`: STRATA_FAULT=",
+        ),
+    ] {
+        let path = dir.join(format!("{}.yaml", what.replace(' ', "-")));
+        std::fs::write(&path, yaml).unwrap();
+        for cmd in ["check", "run"] {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata-harness"))
+                .arg(cmd)
+                .arg(&path)
+                .args(if cmd == "run" { vec!["--out", dir.to_str().unwrap()] } else { vec![] })
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+            assert_eq!(out.status.code(), Some(2), "{cmd} with a bad {what}: {text}");
+            assert!(text.contains(says), "{cmd} with a bad {what}: {text}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
