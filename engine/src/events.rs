@@ -46,6 +46,34 @@ pub enum EventKind {
     ExpertCache(ExpertCache),
     Fallback(Fallback),
     Fault(Fault),
+    Memory(Memory),
+}
+
+/// `memory`: a device's memory changed (DESIGN.md section 3): an allocation, a free, a host registration, or one
+/// that failed, with the device's free memory after it. A simulated device emits one per change, so a report can
+/// draw its timeline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Memory {
+    /// `sim:gfx1151-strix-halo`, `cuda:0`.
+    pub device: String,
+    /// `alloc`, `free`, `register`, `unregister`, `alloc_failed`, `register_failed`.
+    pub op: String,
+    /// The part (`the expert cache`, `the expert arena`).
+    pub what: String,
+    pub bytes: u64,
+    /// Host memory registered with the device, not device memory.
+    #[serde(default)]
+    pub host: bool,
+    /// The device's free memory after the change (its driver's reading), bytes.
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+    /// The simulation's scale (1 on a real device): bytes on the reported card are these over it.
+    #[serde(default = "one")]
+    pub scale: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// `expert_cache`: what the VRAM expert cache did in one phase of one request (DESIGN.md section 3, "Expert
@@ -213,6 +241,7 @@ impl EventKind {
             EventKind::ExpertCache(_) => "expert_cache",
             EventKind::Fallback(_) => "fallback",
             EventKind::Fault(_) => "fault",
+            EventKind::Memory(_) => "memory",
         }
     }
 }
@@ -333,6 +362,29 @@ impl fmt::Display for EventKind {
                 write!(f, " from now on")
             }
             EventKind::Fault(x) => write!(f, "fault: {x}"),
+            EventKind::Memory(m) => {
+                let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+                write!(
+                    f,
+                    "memory: {} {} {:.2} MiB{} for {}; {:.2} of {:.2} MiB free",
+                    m.device,
+                    m.op.replace('_', " "),
+                    mib(m.bytes),
+                    if m.host { " of host memory" } else { "" },
+                    m.what,
+                    mib(m.free_bytes),
+                    mib(m.total_bytes)
+                )?;
+                if m.scale != 1.0 {
+                    write!(
+                        f,
+                        " (scale {:.3e}: {:.2} GiB free on the reported card)",
+                        m.scale,
+                        m.free_bytes as f64 / m.scale / (1u64 << 30) as f64
+                    )?;
+                }
+                Ok(())
+            }
         }
     }
 }

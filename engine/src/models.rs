@@ -106,6 +106,10 @@ pub const SYNTH_MODELS: &[(&str, &str)] = &[
         "tiny-qwen3moe",
         "the 4-layer, 16-expert qwen3moe of the tests, Q8_0, about 15 MiB",
     ),
+    (
+        "small-qwen3moe",
+        "tiny-qwen3moe with 64 experts a layer (top-4), Q8_0, about 53 MiB: experts 96% of the weights, as in a large MoE (the simulated-device replays)",
+    ),
 ];
 
 /// `synth:NAME`: the cached file `synth/NAME.gguf`, generated there on first use (written to a temporary name,
@@ -114,6 +118,10 @@ fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
     let spec = match name {
         "qwen3-30b-a3b" => crate::fixtures::synth::SynthSpec::qwen3_30b_a3b(),
         "tiny-qwen3moe" => crate::fixtures::synth::SynthSpec::tiny_qwen3moe(),
+        "small-qwen3moe" => crate::fixtures::synth::SynthSpec {
+            n_expert: 64,
+            ..crate::fixtures::synth::SynthSpec::tiny_qwen3moe()
+        },
         _ => {
             return Err(ModelsError::UnknownSynth {
                 name: name.to_string(),

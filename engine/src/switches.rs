@@ -77,8 +77,16 @@ pub const WORKER_FAULT_AFTER_TOKENS: &str = "STRATA_WORKER_FAULT_AFTER_TOKENS";
 /// The serve worker fails before loading its model.
 pub const WORKER_FAULT_AT_LOAD: &str = "STRATA_WORKER_FAULT_AT_LOAD";
 
+/// A folder searched first for `sim:PROFILE` device profiles.
+pub const DEVICE_PROFILES: &str = "STRATA_DEVICE_PROFILES";
+
 /// Every switch, in the order `strata switches` lists them.
 pub const SWITCHES: &[Switch] = &[
+    sw(
+        DEVICE_PROFILES,
+        "",
+        "a folder searched first for sim:NAME device profiles (NAME.yaml); then ./scenarios/devices, then the built-in ones",
+    ),
     sw(
         MODELS_DIR,
         "${XDG_CACHE_HOME:-~/.cache}/strata/models",

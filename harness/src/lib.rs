@@ -149,7 +149,9 @@ fn nothing_to_run(s: &scenario::Scenario, opts: &RunOptions) -> Option<String> {
     }
     let cap = s.quick.as_ref().filter(|_| opts.quick)?.max_prompt_tokens;
     for c in &s.cases {
-        let Some(sw) = c.sweep.as_ref().filter(|sw| !sw.find_boundary) else { continue };
+        let Some(sw) = c.sweep.as_ref().filter(|sw| !sw.find_boundary) else {
+            continue;
+        };
         let points = match &sw.tokens {
             scenario::SweepValues::List(v) => v.clone(),
             scenario::SweepValues::Range(r) => r.points(),
@@ -178,7 +180,10 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
     };
     let device = opts.device.clone().unwrap_or_else(|| s.device.clone());
     if let Err(why) = runner::check_static(&s, &device) {
-        return fail(EXIT_SCENARIO, format!("scenario error: {}: {why}", scenario_file.display()));
+        return fail(
+            EXIT_SCENARIO,
+            format!("scenario error: {}: {why}", scenario_file.display()),
+        );
     }
     if let Err(why) = runner::device_available(&device) {
         return fail(EXIT_ENGINE, format!("cannot run on this machine: {why}"));

@@ -786,7 +786,11 @@ mod tests {
 
     #[test]
     fn sweeps_past_the_bounds_are_refused_at_their_line_without_looping() {
-        let case = |sweep: &str| format!("name: t\ncases:\n  - name: small\n    prompt: {{tokens: 8}}\n  - name: big\n    sweep:\n      tokens: {sweep}\n");
+        let case = |sweep: &str| {
+            format!(
+                "name: t\ncases:\n  - name: small\n    prompt: {{tokens: 8}}\n  - name: big\n    sweep:\n      tokens: {sweep}\n"
+            )
+        };
         for (sweep, says) in [
             // The doubling wrapped to 0 and looped for ever; a step of 1 asked for 80 GB of points.
             ("{from: 1, to: 18446744073709551615}", "past the largest prompt"),
@@ -796,18 +800,49 @@ mod tests {
         ] {
             let e = parse("t.yaml", &case(sweep)).unwrap_err();
             assert_eq!((e.line, e.column), (7, 7), "{sweep}: {e}");
-            assert!(e.message.contains("case `big`") && e.message.contains(says), "{sweep}: {e}");
+            assert!(
+                e.message.contains("case `big`") && e.message.contains(says),
+                "{sweep}: {e}"
+            );
         }
         // A prompt of more tokens than any context.
-        let e = parse("t.yaml", "name: t\ncases:\n  - name: huge\n    prompt: {tokens: 1000000000}\n").unwrap_err();
+        let e = parse(
+            "t.yaml",
+            "name: t\ncases:\n  - name: huge\n    prompt: {tokens: 1000000000}\n",
+        )
+        .unwrap_err();
         assert_eq!(e.line, 4, "{e}");
-        assert!(e.message.contains("case `huge`") && e.message.contains("16777216"), "{e}");
+        assert!(
+            e.message.contains("case `huge`") && e.message.contains("16777216"),
+            "{e}"
+        );
         // Bisected, only the ends are requested: a long range is fine there, and a linear step up to the cap.
-        parse("t.yaml", &case("{from: 1, to: 100000, step: 1}").replace("tokens: {from", "find_boundary: true\n      tokens: {from")).unwrap();
-        let r = Range { from: 1, to: 1024, step: Some(1) };
+        parse(
+            "t.yaml",
+            &case("{from: 1, to: 100000, step: 1}")
+                .replace("tokens: {from", "find_boundary: true\n      tokens: {from"),
+        )
+        .unwrap();
+        let r = Range {
+            from: 1,
+            to: 1024,
+            step: Some(1),
+        };
         assert_eq!(r.checked_points().unwrap().len(), MAX_SWEEP_POINTS);
-        assert!(Range { from: 1, to: 1025, step: Some(1) }.checked_points().is_err());
-        let r = Range { from: 3, to: MAX_PROMPT_TOKENS, step: None };
+        assert!(
+            Range {
+                from: 1,
+                to: 1025,
+                step: Some(1)
+            }
+            .checked_points()
+            .is_err()
+        );
+        let r = Range {
+            from: 3,
+            to: MAX_PROMPT_TOKENS,
+            step: None,
+        };
         assert_eq!(r.checked_points().unwrap().last(), Some(&MAX_PROMPT_TOKENS));
     }
 

@@ -153,11 +153,17 @@ fn run_refuses_to_pass_with_nothing_run() {
     };
     let (code, text) = run(&["--arm", "kv=f61"]);
     assert_eq!(code, Some(2), "{text}");
-    assert!(text.contains("--arm kv=f61: no combination") && text.contains("kv=f16, kv=int8"), "{text}");
+    assert!(
+        text.contains("--arm kv=f61: no combination") && text.contains("kv=f16, kv=int8"),
+        "{text}"
+    );
     assert!(!text.contains("PASS"), "{text}");
     let (code, text) = run(&["--quick"]);
     assert_eq!(code, Some(2), "{text}");
-    assert!(text.contains("case `big`: every point of its sweep lies above the quick cap of 64"), "{text}");
+    assert!(
+        text.contains("case `big`: every point of its sweep lies above the quick cap of 64"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -171,8 +177,16 @@ fn scenario_mistakes_are_exit_2_in_check_and_run() {
     std::fs::create_dir_all(&dir).unwrap();
     let case = "cases:\n  - name: a\n    prompt: {text: hi}\n";
     for (what, yaml, says) in [
-        ("device", format!("name: t\ndevice: cuda:zero\n{case}"), "device `cuda:zero`"),
-        ("model", format!("name: t\nmodel: /no/such/model.gguf\n{case}"), "model `/no/such/model.gguf`: no such file"),
+        (
+            "device",
+            format!("name: t\ndevice: cuda:zero\n{case}"),
+            "device `cuda:zero`",
+        ),
+        (
+            "model",
+            format!("name: t\nmodel: /no/such/model.gguf\n{case}"),
+            "model `/no/such/model.gguf`: no such file",
+        ),
         (
             "serve flag",
             format!("name: t\nmatrix:\n  kv: [{{name: q, args: [--kv-typo, f16]}}]\n{case}"),
@@ -190,7 +204,11 @@ fn scenario_mistakes_are_exit_2_in_check_and_run() {
             let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata-harness"))
                 .arg(cmd)
                 .arg(&path)
-                .args(if cmd == "run" { vec!["--out", dir.to_str().unwrap()] } else { vec![] })
+                .args(if cmd == "run" {
+                    vec!["--out", dir.to_str().unwrap()]
+                } else {
+                    vec![]
+                })
                 .output()
                 .unwrap();
             let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);

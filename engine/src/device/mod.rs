@@ -2,11 +2,13 @@
 //! libraries they need ([`cuda_libs`]), and the fault plan every backend obeys ([`fault`]).
 //!
 //! DESIGN.md section 3 ("Device profiles"): a `sim:` device runs its arithmetic on the CPU and takes its memory,
-//! library and fault behaviour from a YAML profile under `scenarios/devices/`. Profiles are not implemented yet:
-//! a `sim:` device parses, displays and is refused by [`Device::available`] with that message.
+//! library and fault behaviour from a YAML profile under `scenarios/devices/` ([`profile`]); [`sim`] keeps its
+//! memory account.
 
 pub mod cuda_libs;
 pub mod fault;
+pub mod profile;
+pub mod sim;
 
 use std::fmt;
 use std::str::FromStr;
@@ -31,8 +33,18 @@ pub enum DeviceError {
     NoCuda { device: String, why: String },
     #[error("{device}: this machine has {count} CUDA device(s)")]
     NoSuchCuda { device: String, count: usize },
-    #[error("{device}: simulated device profiles (scenarios/devices/{profile}.yaml) are not implemented yet")]
-    SimUnsupported { device: String, profile: String },
+    #[error("{device}: {source}")]
+    Profile {
+        device: String,
+        source: profile::ProfileError,
+    },
+    #[error("{device}: {name} ({arch}) is not an architecture the reported build was compiled for ({compiled_for})")]
+    NotCompiledFor {
+        device: String,
+        name: String,
+        arch: String,
+        compiled_for: String,
+    },
 }
 
 impl FromStr for Device {
@@ -74,7 +86,7 @@ impl fmt::Display for Device {
 
 impl Device {
     /// Whether this machine can run the device: always for `cpu`; for `cuda:N` a driver with more than N
-    /// devices; `sim:` devices are refused until device profiles exist.
+    /// devices; for `sim:PROFILE` a profile that reads and validates, of an arch its build was compiled for.
     ///
     /// Errors: [`DeviceError`] naming the device and why.
     pub fn available(&self) -> Result<(), DeviceError> {
@@ -93,10 +105,21 @@ impl Device {
                 }
                 Ok(())
             }
-            Device::Sim(p) => Err(DeviceError::SimUnsupported {
-                device: self.to_string(),
-                profile: p.clone(),
-            }),
+            Device::Sim(p) => {
+                let prof = profile::DeviceProfile::find(p).map_err(|source| DeviceError::Profile {
+                    device: self.to_string(),
+                    source,
+                })?;
+                if !prof.compiled_for_arch(&prof.arch) {
+                    return Err(DeviceError::NotCompiledFor {
+                        device: self.to_string(),
+                        name: prof.name,
+                        arch: prof.arch,
+                        compiled_for: prof.compiled_for.join(","),
+                    });
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -120,15 +143,12 @@ mod tests {
     }
 
     #[test]
-    fn cpu_is_available_and_sim_is_refused_by_name() {
+    fn cpu_and_the_builtin_profiles_are_available_and_unknown_ones_are_named() {
         assert_eq!(Device::Cpu.available(), Ok(()));
-        let e = Device::Sim("gfx1151-strix-halo".into())
-            .available()
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("sim:gfx1151-strix-halo") && e.contains("scenarios/devices/gfx1151-strix-halo.yaml"),
-            "{e}"
-        );
+        for p in ["gfx1151-strix-halo", "gfx1100-rx7900xtx", "h200"] {
+            assert_eq!(Device::Sim(p.into()).available(), Ok(()), "{p}");
+        }
+        let e = Device::Sim("rx9999".into()).available().unwrap_err().to_string();
+        assert!(e.contains("sim:rx9999") && e.contains("rx9999.yaml"), "{e}");
     }
 }

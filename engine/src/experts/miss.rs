@@ -356,7 +356,10 @@ mod tests {
             assert!(paths[2 * e..3 * e].iter().all(|&p| p == DecodePath::Host));
             assert!(paths[3 * e..].iter().all(|&p| p == want), "{device_s} vs {host_s}");
             assert_eq!(c.chosen(), Some(want));
-            assert_eq!(c.medians(), [(DecodePath::Device, device_s), (DecodePath::Host, host_s)]);
+            assert_eq!(
+                c.medians(),
+                [(DecodePath::Device, device_s), (DecodePath::Host, host_s)]
+            );
             // The next round measures both again, and follows a change.
             let paths = run(&mut c, 3 * e + 1, |p| if p == want { 1.0 } else { 1e-3 });
             assert_eq!(paths[0], DecodePath::Device);
@@ -436,7 +439,11 @@ mod tests {
         assert_eq!(c.medians(), [(DecodePath::Device, 2.0), (DecodePath::Host, 3.0)]);
         // No reading of the device's table, only the host's: the device's table still.
         let mut c = PathChooser::default();
-        let paths = run(&mut c, 3 * e + 1, |p| if p == DecodePath::Host { 1.0 } else { f64::NAN });
+        let paths = run(
+            &mut c,
+            3 * e + 1,
+            |p| if p == DecodePath::Host { 1.0 } else { f64::NAN },
+        );
         assert_eq!(paths[3 * e], DecodePath::Device);
         assert_eq!(c.medians(), [(DecodePath::Host, 1.0)]);
         // No reading at all: the device's table.

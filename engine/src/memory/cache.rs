@@ -184,6 +184,29 @@ pub struct ExpertFlags {
     /// chooses).
     #[arg(long, default_value = "off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub expert_prefetch: bool,
+    /// How the expert cache is sized on a simulated device: plan (every part, the KV cache and prefill buffers
+    /// too, against the free memory read before anything is registered; on a UMA device the host arena is a part
+    /// of the plan, and the experts are read in place when it does not fit), or original (the original Strata's:
+    /// the free memory read after the arena is registered, all of it but the reserve; it reproduces seed 001).
+    #[arg(long, default_value = "plan", value_enum)]
+    pub cache_sizing: CacheSizing,
+}
+
+/// `--cache-sizing`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CacheSizing {
+    #[default]
+    Plan,
+    Original,
+}
+
+impl std::fmt::Display for CacheSizing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CacheSizing::Plan => "plan",
+            CacheSizing::Original => "original",
+        })
+    }
 }
 
 impl Default for ExpertFlags {
@@ -200,6 +223,7 @@ impl Default for ExpertFlags {
             routing_trace: None,
             miss_policy: MissPolicy::Auto,
             expert_prefetch: false,
+            cache_sizing: CacheSizing::Plan,
         }
     }
 }
@@ -237,6 +261,9 @@ impl ExpertFlags {
         }
         if self.expert_prefetch {
             a.extend(["--expert-prefetch".into(), "on".into()]);
+        }
+        if self.cache_sizing != CacheSizing::Plan {
+            a.extend(["--cache-sizing".into(), self.cache_sizing.to_string()]);
         }
         a
     }

@@ -11,7 +11,7 @@ use std::fmt;
 
 pub mod cache;
 
-pub use cache::{CacheSize, ExpertFlags, ExpertGeometry, ExpertPlacement};
+pub use cache::{CacheSize, CacheSizing, ExpertFlags, ExpertGeometry, ExpertPlacement};
 
 use crate::gguf::GgufModel;
 use crate::model::HParams;
@@ -195,6 +195,8 @@ pub enum Part {
     PrefillBuffers,
     /// Kept free for the driver, the BLAS workspace and fragmentation.
     Reserve,
+    /// The host expert arena, registered with a UMA device, which charges it against the device's memory.
+    UmaArena,
 }
 
 impl Part {
@@ -208,6 +210,7 @@ impl Part {
             Part::KvCache => "KV cache",
             Part::PrefillBuffers => "prefill buffers",
             Part::Reserve => "reserve",
+            Part::UmaArena => "expert arena (UMA, charged)",
         }
     }
 }
@@ -322,6 +325,16 @@ impl MemoryPlan {
     /// The plan with its host side: an arena of `bytes` against `available` host memory (what
     /// [`crate::experts::store::ExpertStore::make_arena`] checks).
     pub fn with_host_arena(mut self, bytes: u64, available: Option<u64>) -> MemoryPlan {
+        self.host_arena = Some((bytes, available));
+        self
+    }
+
+    /// The plan on a UMA device where registering the host arena of `bytes` charges it against the device's free
+    /// memory: `self` must have been made against `free - bytes`; the arena becomes a part (after the dense
+    /// weights) and the plan's free memory is the device's again.
+    pub fn with_uma_arena(mut self, bytes: u64, available: Option<u64>) -> MemoryPlan {
+        self.parts.insert(1.min(self.parts.len()), (Part::UmaArena, bytes));
+        self.free = self.free.saturating_add(bytes);
         self.host_arena = Some((bytes, available));
         self
     }

@@ -673,7 +673,11 @@ fn q4_k_on_512_bit_registers_gives_the_avx2_kernels_bits() {
             let v = a.vector(0);
             let (wide, narrow) = (avx2_int8::dot_q4_k_512(&row, &v), avx2_int8::dot_q4_k_avx2(&row, &v));
             assert!(wide.is_finite(), "{n_blocks} blocks x{scale}: {wide}");
-            assert_eq!(wide.to_bits(), narrow.to_bits(), "{n_blocks} blocks x{scale}: {wide} vs {narrow}");
+            assert_eq!(
+                wide.to_bits(),
+                narrow.to_bits(),
+                "{n_blocks} blocks x{scale}: {wide} vs {narrow}"
+            );
         }
     }
 }

@@ -239,6 +239,8 @@ pub enum EngineError {
 pub struct Engine {
     /// The expert arena's page lock: first, so it is released before the model frees the arena.
     pinned: Option<HostPin>,
+    /// A simulated device's account and allocations (`--device sim:PROFILE`).
+    sim: Option<crate::runtime::sim::SimHold>,
     pub model: Model,
     pub tokenizer: Tokenizer,
     /// The chat template the GGUF declares, if any.
@@ -262,7 +264,15 @@ impl Engine {
     /// Errors: [`EngineError`], naming the flag, switch or file at fault.
     pub fn open(flags: &EngineFlags) -> Result<Engine, EngineError> {
         crate::backend::cpu::init_threads(flags.threads).map_err(|e| EngineError::Threads(e.to_string()))?;
-        let faults = FaultPlan::from_env()?;
+        let mut faults = FaultPlan::from_env()?;
+        if flags.plan.experts.cache_sizing != crate::memory::CacheSizing::Plan
+            && !matches!(flags.device, Device::Sim(_))
+        {
+            return Err(EngineError::Plan {
+                device: flags.device.clone(),
+                why: "--cache-sizing original reproduces the original Strata's sizing on a simulated device: use --device sim:PROFILE".into(),
+            });
+        }
         let start = Instant::now();
         let backend = AnyBackend::open(&flags.device).map_err(|source| EngineError::Device {
             device: flags.device.clone(),
@@ -281,7 +291,10 @@ impl Engine {
         }
         flags.check_routing_device()?;
         flags.check_expert_flags()?;
-        if backend.cuda().is_none() && flags.plan.experts != ExpertFlags::default() {
+        if backend.cuda().is_none()
+            && !matches!(flags.device, Device::Sim(_))
+            && flags.plan.experts != ExpertFlags::default()
+        {
             eprintln!(
                 "strata: the expert cache's flags apply to a GPU: on {} every expert is read where the model file keeps it",
                 flags.device
@@ -307,6 +320,14 @@ impl Engine {
         let pinned = match backend.cuda() {
             Some(c) => plan_device(c, &mut model, flags)?,
             None => None,
+        };
+        let sim = match &flags.device {
+            Device::Sim(name) => {
+                let hold = crate::runtime::sim::open(name, &mut model, flags)?;
+                faults = sim_faults(faults, &hold, flags)?;
+                Some(hold)
+            }
+            _ => None,
         };
         let cache = backend.cuda().filter(|c| c.expert_cache_config().is_some());
         if let Some(p) = &flags.plan.experts.expert_profile {
@@ -358,6 +379,7 @@ impl Engine {
         }
         Ok(Engine {
             pinned,
+            sim,
             model,
             tokenizer,
             template,
@@ -385,6 +407,11 @@ impl Engine {
             source,
         })?;
         Ok((model, tokenizer, template))
+    }
+
+    /// The simulated device, on `--device sim:PROFILE`.
+    pub fn sim_device(&self) -> Option<&std::sync::Arc<crate::device::sim::SimDevice>> {
+        self.sim.as_ref().map(|h| &h.device)
     }
 
     /// The backend every sequence of this engine computes on.
@@ -626,6 +653,36 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The fault plan on a simulated device: the environment's rules, then the profile's (`faults`, and the vendor
+/// BLAS's GEMM row limit) for what the environment leaves unset; logs what the profile added.
+///
+/// Errors: the profile's `faults` do not parse (validated when it was read, so only a profile changed since).
+fn sim_faults(
+    mut faults: FaultPlan,
+    hold: &crate::runtime::sim::SimHold,
+    flags: &EngineFlags,
+) -> Result<FaultPlan, EngineError> {
+    let p = &hold.device.profile;
+    let mut from_profile = match &p.faults {
+        Some(f) => FaultPlan::parse(f)?,
+        None => FaultPlan::default(),
+    };
+    if from_profile.prefill_gemm_max_rows.is_none() {
+        from_profile.prefill_gemm_max_rows = p.blas.gemm_fails_above_rows.map(|n| n as usize);
+    }
+    if faults.prefill_gemm_max_rows.is_none()
+        && let Some(n) = from_profile.prefill_gemm_max_rows
+    {
+        faults.prefill_gemm_max_rows = Some(n);
+        eprintln!(
+            "strata: {}: the vendor BLAS's prefill GEMM fails for batches of more than {n} rows ({})",
+            flags.device,
+            p.blas.error.as_deref().unwrap_or("the profile says so")
+        );
+    }
+    Ok(faults)
+}
 
 /// The fastest host-to-device link a reading may report, bytes per second (PCIe Gen5 x16, 64 GB/s): a reading
 /// above it is a probe bug (DESIGN.md section 1, seed 000's 9-19 TB/s), reported and never used.
@@ -950,11 +1007,14 @@ mod tests {
     }
 
     #[test]
-    fn a_sim_device_is_refused_by_name_before_the_model_is_read() {
-        let flags = Cli::parse_from(["x", "--device", "sim:gfx1100-rx7900xtx", "--model", "/nonexistent.gguf"]).flags;
+    fn an_unknown_sim_profile_is_refused_by_name_before_the_model_is_read() {
+        let flags = Cli::parse_from(["x", "--device", "sim:rx9999", "--model", "/nonexistent.gguf"]).flags;
+        let e = Engine::open(&flags).err().unwrap().to_string();
+        assert!(e.contains("--device sim:rx9999") && e.contains("rx9999.yaml"), "{e}");
+        let flags = Cli::parse_from(["x", "--cache-sizing", "original", "--model", "/nonexistent.gguf"]).flags;
         let e = Engine::open(&flags).err().unwrap().to_string();
         assert!(
-            e.contains("--device sim:gfx1100-rx7900xtx") && e.contains("not implemented"),
+            e.contains("--cache-sizing original") && e.contains("sim:PROFILE"),
             "{e}"
         );
     }

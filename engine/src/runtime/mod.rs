@@ -5,3 +5,4 @@ pub mod engine;
 pub mod generate;
 pub mod sampling;
 pub mod session;
+pub mod sim;

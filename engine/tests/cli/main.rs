@@ -8,3 +8,4 @@ mod inspect;
 mod serve_api;
 mod serve_common;
 mod serve_failures;
+mod sim_device;

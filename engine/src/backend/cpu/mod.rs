@@ -590,8 +590,7 @@ struct ExpertTuning {
 fn expert_tuning() -> ExpertTuning {
     static T: std::sync::OnceLock<ExpertTuning> = std::sync::OnceLock::new();
     *T.get_or_init(|| ExpertTuning {
-        tasks_per_thread: crate::switches::usize_in(crate::switches::EXPERT_TASKS, 1..=64)
-            .unwrap_or(TASKS_PER_THREAD),
+        tasks_per_thread: crate::switches::usize_in(crate::switches::EXPERT_TASKS, 1..=64).unwrap_or(TASKS_PER_THREAD),
         prefetch_rows: crate::switches::usize_in(crate::switches::EXPERT_PREFETCH, 0..=64).unwrap_or(PREFETCH_ROWS),
     })
 }
@@ -767,7 +766,12 @@ impl CpuBackend {
         let (hq, hs) = (&s.hq, &s.h);
         workers.run((jobs.len() * n_embd).div_ceil(r2), &|task| {
             let rows = task * r2..((task + 1) * r2).min(jobs.len() * n_embd);
-            let ahead = |i: usize| prefetch_row(&ex.down, shape.down_rows(jobs[i / n_embd].0 as usize).start + i % n_embd);
+            let ahead = |i: usize| {
+                prefetch_row(
+                    &ex.down,
+                    shape.down_rows(jobs[i / n_embd].0 as usize).start + i % n_embd,
+                )
+            };
             rows.clone().take(pf).for_each(ahead);
             for i in rows.clone() {
                 if pf > 0 && i + pf < rows.end {

@@ -338,7 +338,9 @@ impl DeviceTable {
         let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
         let cells = config.n_layer * config.n_expert;
         // A step's lookups, and as many prefetches.
-        let free_max = config.slots.min(config.n_layer * config.k * if config.prefetch { 2 } else { 1 });
+        let free_max = config
+            .slots
+            .min(config.n_layer * config.k * if config.prefetch { 2 } else { 1 });
         Ok(DeviceTable {
             ctl: DevBuf::alloc(stream, (cells + free_max + 2) * 4)?,
             ctl_host: None,
@@ -567,8 +569,7 @@ impl ExpertPool {
         t.uploaded.record(stream).map_err(e())?;
         // SAFETY: `log` and `pf_log` are this many bytes of device memory.
         for b in [&t.log, &t.pf_log, &t.pf_list] {
-            unsafe { cudarc::driver::result::memset_d8_async(b.ptr, 0xFF, b.bytes, stream.cu_stream()) }
-                .map_err(e())?;
+            unsafe { cudarc::driver::result::memset_d8_async(b.ptr, 0xFF, b.bytes, stream.cu_stream()) }.map_err(e())?;
         }
         t.prefetched_for = None;
         t.prefetching = prefetch && self.config.prefetch;
@@ -945,9 +946,7 @@ impl ExpertPool {
     /// Whether a prefetch of this step was queued and its layer's lookup never came (then the caller joins the
     /// side stream); forgets it.
     pub(super) fn take_open_prefetch(&mut self) -> bool {
-        self.table
-            .as_mut()
-            .is_some_and(|t| t.prefetched_for.take().is_some())
+        self.table.as_mut().is_some_and(|t| t.prefetched_for.take().is_some())
     }
 
     /// Before the first launch of layer `layer` that reads its experts' slots: the stream waits for the prefetch's

@@ -1,0 +1,149 @@
+//! `--device sim:PROFILE` as a user runs it: seed 001 replayed on the simulated Strix Halo (a UMA APU whose free
+//! memory collapses when the expert arena is registered), both sizings and both stores, against the CPU's tokens.
+
+use std::process::{Command, Output};
+
+fn generate(extra: &[&str]) -> Output {
+    let mut args = vec![
+        "generate",
+        "--model",
+        "synth:small-qwen3moe",
+        "--max-context",
+        "512",
+        "--prefill",
+        "64",
+        "--max-tokens",
+        "6",
+        "--temp",
+        "0",
+        "--prompt",
+        "the arena and the cache",
+    ];
+    args.extend_from_slice(extra);
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(&args)
+        .output()
+        .expect("run strata")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const HALO: &str = "sim:gfx1151-strix-halo";
+
+/// Seed 001: the original's sizing with the arena reproduces the collapse and a failed allocation after the cache,
+/// named with the driver's error and what was allocated; every other arm writes the CPU's tokens.
+#[test]
+fn seed_001_fails_only_with_the_original_sizing_and_the_arena() {
+    // The routing of every step, beside the text: equal routing means the same experts computed the same inputs.
+    let dir = tempfile::tempdir().unwrap();
+    let dump = |name: &str| dir.path().join(name).display().to_string();
+    let routing = |name: &str| {
+        let t = std::fs::read_to_string(dump(name)).unwrap();
+        t.lines().skip(1).map(str::to_string).collect::<Vec<_>>()
+    };
+    let (cpu, err) = text(&generate(&["--device", "cpu", "--dump-routing", &dump("cpu")]));
+    assert!(routing("cpu").len() > 6, "{err}");
+
+    let out = generate(&["--device", HALO, "--cache-sizing", "original"]);
+    let (_, err) = text(&out);
+    assert!(!out.status.success(), "{err}");
+    // The arena registered, the reading collapsed, the cache sized from it, then an allocation after it failed.
+    assert!(
+        err.contains("hipHostRegister ok") && err.contains("the device now reads"),
+        "{err}"
+    );
+    let sizing = err
+        .lines()
+        .find(|l| l.contains("expert cache auto:"))
+        .expect("a sizing line");
+    assert!(sizing.contains("slots") && !sizing.contains("resident"), "{sizing}");
+    assert!(err.contains("session is up"), "{err}");
+    assert!(
+        err.contains("hipErrorOutOfMemory")
+            && err.contains("allocated on the device so far")
+            && err.contains("memory plan"),
+        "{err}"
+    );
+    assert!(err.contains("registered host memory are charged"), "{err}");
+
+    for (i, arm) in [
+        vec!["--device", HALO, "--cache-sizing", "original", "--mmap-experts"],
+        vec!["--device", HALO],
+        vec!["--device", HALO, "--mmap-experts"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let file = dump(&i.to_string());
+        let out = generate(&[arm.as_slice(), &["--dump-routing", &file]].concat());
+        let (tokens, err) = text(&out);
+        assert!(out.status.success(), "{arm:?}: {err}");
+        assert_eq!(tokens, cpu, "{arm:?}: {err}");
+        assert_eq!(routing(&i.to_string()), routing("cpu"), "{arm:?}");
+        assert!(err.contains("free with everything loaded"), "{arm:?}: {err}");
+    }
+}
+
+/// Our sizing on the UMA device when the experts do not all fit: the arena, charged against the device's memory,
+/// would leave no room for the plan, so the experts are read in place (one line) and the cache takes the room.
+#[test]
+fn on_uma_an_arena_that_does_not_fit_the_plan_falls_back_to_mmap() {
+    // 30 GiB of the card: the experts (46.84 GiB at this scale) cannot all be resident.
+    let out = generate(&["--device", HALO, "--vram-budget", "30GiB"]);
+    let (_, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    let line: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("reading the experts in place"))
+        .collect();
+    assert_eq!(line.len(), 1, "{err}");
+    assert!(
+        line[0].contains("UMA device") && line[0].contains("charges it"),
+        "{err}"
+    );
+    assert!(err.contains("slots on sim:gfx1151-strix-halo"), "{err}");
+    assert!(!err.contains("hipHostRegister"), "{err}");
+}
+
+/// A profile file the user wrote, found through `STRATA_DEVICE_PROFILES`, and one with a mistake: named with its
+/// line.
+#[test]
+fn a_users_profile_is_found_and_its_mistakes_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = "name: Test Card\napi: cuda\narch: sm_89\nwave: 32\nmultiprocessors: 8\ncompiled_for: [sm_89]\n\
+        memory: {total: 1 GiB, free: 1 GiB}\nhost: {total: 8 GiB, available: 4 GiB}\nlink: {pcie_gen: 4, pcie_width: 8}\n";
+    std::fs::write(dir.path().join("mine.yaml"), good).unwrap();
+    std::fs::write(dir.path().join("bad.yaml"), good.replace("wave: 32", "wave: 33")).unwrap();
+    let run = |device: &str| {
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .env("STRATA_DEVICE_PROFILES", dir.path())
+            .args([
+                "generate",
+                "--model",
+                "synth:tiny-qwen3moe",
+                "--device",
+                device,
+                "--max-tokens",
+                "2",
+                "--prompt",
+                "hi",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = run("sim:mine");
+    let (_, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("Test Card (sm_89"), "{err}");
+    let out = run("sim:bad");
+    let (_, err) = text(&out);
+    assert!(
+        !out.status.success() && err.contains("bad.yaml") && err.contains("wave: 33"),
+        "{err}"
+    );
+}
