@@ -277,7 +277,7 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
             format!("cannot write the report into {}: {e:#}", folder.display()),
         );
     }
-    let all_dead = !report.arms.is_empty() && report.arms.iter().all(|a| a.error.is_some());
+    let all_dead = !report.arms.is_empty() && report.arms.iter().all(|a| a.unexpected_error());
     let requests: usize = report.arms.iter().map(|a| a.rows.len()).sum();
     let code = if all_dead {
         EXIT_ENGINE

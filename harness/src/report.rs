@@ -77,6 +77,10 @@ pub struct ArmReport {
     pub env: BTreeMap<String, String>,
     /// Set when the server could not start: nothing else ran.
     pub error: Option<String>,
+    /// The arm's `expect_start_error`: its server was meant not to start (a replayed failure), so `error` is its
+    /// outcome, checked among `event_checks`, not a failure of the run.
+    #[serde(default)]
+    pub start_failure_expected: bool,
     pub rows: Vec<CaseRow>,
     pub boundaries: Vec<Boundary>,
     /// Worker events by kind, over the whole arm.
@@ -95,6 +99,13 @@ pub struct ArmReport {
     pub events_file: String,
     pub metrics_before_file: String,
     pub metrics_after_file: String,
+}
+
+impl ArmReport {
+    /// The server did not start and the arm did not expect it to.
+    pub fn unexpected_error(&self) -> bool {
+        self.error.is_some() && !self.start_failure_expected
+    }
 }
 
 /// One row of the case table: a case, or one sweep point, or one boundary probe, with its repetitions.
@@ -296,7 +307,7 @@ impl Report {
     pub fn settle_verdict(&mut self) {
         let checked = self.checks().count();
         let failed = self.checks().filter(|c| !c.passed).count();
-        let errors = self.arms.iter().filter(|a| a.error.is_some()).count();
+        let errors = self.arms.iter().filter(|a| a.unexpected_error()).count();
         self.verdict = Verdict {
             passed: failed == 0 && errors == 0,
             checked,
@@ -331,8 +342,11 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
             v.failed, v.checked
         );
         for a in &r.arms {
-            if let Some(e) = &a.error {
+            if let Some(e) = a.error.as_ref().filter(|_| a.unexpected_error()) {
                 let _ = writeln!(m, "- `{}`: the engine did not start: {e}", a.name);
+            }
+            for c in a.event_checks.iter().filter(|c| !c.passed) {
+                let _ = writeln!(m, "- `{}`: {} expected {}, got {}", a.name, c.what, c.expected, c.got);
             }
             for (row, c) in a.rows.iter().flat_map(|row| row.checks.iter().map(move |c| (row, c))) {
                 if !c.passed {
@@ -416,7 +430,12 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
             let _ = writeln!(m, "`{} strata serve {}`\n", env.join(" "), a.args.join(" "));
         }
         if let Some(err) = &a.error {
-            let _ = writeln!(m, "The engine did not start: {err}\n");
+            let expected = if a.start_failure_expected {
+                " (the replayed failure this arm expects)"
+            } else {
+                ""
+            };
+            let _ = writeln!(m, "The engine did not start{expected}: {err}\n");
             continue;
         }
         let _ = writeln!(

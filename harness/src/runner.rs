@@ -545,13 +545,38 @@ pub fn run_combo(
         events_path.display().to_string(),
     ]);
     let env_list: Vec<(String, String)> = env.into_iter().collect();
+    let expected = combo.arms.iter().find_map(|a| a.expect_start_error.clone());
+    arm.start_failure_expected = expected.is_some();
     let mut server = match Server::start(&settings.strata, &full_args, &env_list, &log_path, HEALTH_TIMEOUT) {
         Ok(sv) => sv,
         Err(e) => {
-            arm.error = Some(format!("{e:#}"));
+            let cause = logged_error(&log_path);
+            arm.error = Some(match &cause {
+                Some(c) => format!("{e:#}: {c}"),
+                None => format!("{e:#}"),
+            });
+            arm.raw_events = read_events(&events_path);
+            arm.events = count_events(&arm.raw_events);
+            if let Some(want) = expected {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                arm.event_checks.push(Check {
+                    what: "the server's start fails, its log saying".into(),
+                    expected: format!("`{want}`"),
+                    got: cause.unwrap_or_else(|| "no error line in the log".into()),
+                    passed: log.contains(&want),
+                });
+            }
             return Ok(arm);
         }
     };
+    if let Some(want) = expected {
+        arm.event_checks.push(Check {
+            what: "the server's start fails, its log saying".into(),
+            expected: format!("`{want}`"),
+            got: "it started".into(),
+            passed: false,
+        });
+    }
     let sampler = MemorySampler::start(
         server.pid(),
         Duration::from_millis(s.captures.memory_sample_ms.max(10)),
@@ -651,6 +676,15 @@ pub fn run_combo(
         }
     }
     Ok(arm)
+}
+
+/// The first error line a server's log holds (`strata: error: ...`, the worker's cause of a failed start), without
+/// its prefix.
+fn logged_error(log: &std::path::Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    text.lines()
+        .find_map(|l| l.split_once("error: ").map(|(_, e)| e.trim().to_string()))
+        .filter(|e| !e.is_empty())
 }
 
 /// Milliseconds since the Unix epoch, the clock of the worker's events.

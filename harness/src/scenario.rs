@@ -91,6 +91,11 @@ pub struct Arm {
     /// `fallback: 1`).
     #[serde(default)]
     pub expect_events: BTreeMap<String, u64>,
+    /// The server of a combination containing this arm must fail to start, and the error it logs must contain
+    /// this text (a replayed start-up failure, such as seed 001's allocation after the cache). Its cases do not
+    /// run.
+    #[serde(default)]
+    pub expect_start_error: Option<String>,
 }
 
 /// One case: a prompt, or a sweep of exact token counts.
