@@ -278,7 +278,12 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         );
     }
     let all_dead = !report.arms.is_empty() && report.arms.iter().all(|a| a.unexpected_error());
-    let requests: usize = report.arms.iter().map(|a| a.rows.len()).sum();
+    // A start that failed as its arm expected is a checked outcome, like a request.
+    let requests: usize = report
+        .arms
+        .iter()
+        .map(|a| a.rows.len() + usize::from(a.start_failure_expected && a.error.is_some()))
+        .sum();
     let code = if all_dead {
         EXIT_ENGINE
     } else if requests == 0 {
