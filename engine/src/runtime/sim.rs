@@ -213,12 +213,17 @@ fn original_sizing(
         // collapsed by the arena's bytes.
         let (free, _) = dev.mem_info();
         let room = free.saturating_sub(config.reserve);
-        let placement = size_cache(
-            config.cache,
-            &g,
-            room.saturating_add(g.staging() as u64 * g.slot_bytes),
-            weights.experts,
-        );
+        // The original had no staging slots: every expert resident when they fit the room, else slots filling it.
+        let placement = if config.cache == CacheSize::Auto && weights.experts <= room {
+            ExpertPlacement::AllResident
+        } else {
+            size_cache(
+                config.cache,
+                &g,
+                room.saturating_add(g.staging() as u64 * g.slot_bytes),
+                u64::MAX,
+            )
+        };
         if config.cache == CacheSize::Auto {
             let after = if arena {
                 "were allocated and the arena registered"
