@@ -239,8 +239,9 @@ pub enum EngineError {
 pub struct Engine {
     /// The expert arena's page lock: first, so it is released before the model frees the arena.
     pinned: Option<HostPin>,
-    /// A simulated device's account and allocations (`--device sim:PROFILE`).
-    sim: Option<crate::runtime::sim::SimHold>,
+    /// A simulated device's account and allocations (`--device sim:PROFILE`), held so they are freed when the
+    /// engine is dropped.
+    _sim: Option<crate::runtime::sim::SimHold>,
     pub model: Model,
     pub tokenizer: Tokenizer,
     /// The chat template the GGUF declares, if any.
@@ -379,7 +380,7 @@ impl Engine {
         }
         Ok(Engine {
             pinned,
-            sim,
+            _sim: sim,
             model,
             tokenizer,
             template,
@@ -407,11 +408,6 @@ impl Engine {
             source,
         })?;
         Ok((model, tokenizer, template))
-    }
-
-    /// The simulated device, on `--device sim:PROFILE`.
-    pub fn sim_device(&self) -> Option<&std::sync::Arc<crate::device::sim::SimDevice>> {
-        self.sim.as_ref().map(|h| &h.device)
     }
 
     /// The backend every sequence of this engine computes on.
