@@ -315,3 +315,10 @@ extern "C" __global__ void copy_f32x4(const float4* __restrict__ src, float4* __
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (long long)gridDim.x * blockDim.x)
         dst[i] = src[i];
 }
+
+// The trap of STRATA_FAULT=trap:KERNEL@N (seed 003), launched in KERNEL's place with its grid and block: every
+// thread executes a trap instruction, so the context is poisoned as a faulting kernel poisons it, and every later
+// call on it fails with the driver's own error.
+extern "C" __global__ void strata_trap() {
+    __trap();
+}

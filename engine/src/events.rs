@@ -203,8 +203,13 @@ pub struct Fault {
 /// (`STRATA_SYNC_LAUNCHES=1`: then the faulting kernel is this one, not a later one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Launch {
-    pub grid: [u32; 3],
-    pub block: [u32; 3],
+    /// Blocks per grid; absent on a `sim:` device, whose "kernels" are CPU ops with no launch geometry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grid: Option<[u32; 3]>,
+    /// Threads per block; absent on a `sim:` device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<[u32; 3]>,
+    /// The launch's number since the process started, counting every kernel's.
     pub call: u64,
     pub synced: bool,
 }
@@ -285,13 +290,14 @@ impl fmt::Display for Fault {
             write!(f, "{k} ")?;
         }
         if let Some(l) = &self.launch {
+            if let (Some(g), Some(b)) = (l.grid, l.block) {
+                write!(f, "grid {g:?} block {b:?} ")?;
+            }
             write!(
                 f,
-                "grid {:?} block {:?} launch #{}{} ",
-                l.grid,
-                l.block,
+                "launch #{}{} ",
                 l.call,
-                if l.synced { " (synchronised)" } else { "" }
+                if l.synced { " (synchronised)" } else { " (not synchronised: an earlier launch may be at fault)" }
             )?;
         }
         if let Some(s) = &self.shape {
@@ -457,8 +463,8 @@ mod tests {
             error: "unspecified launch failure".into(),
             kernel: Some("mmv_q4_k".into()),
             launch: Some(Launch {
-                grid: [1, 2, 3],
-                block: [128, 1, 1],
+                grid: Some([1, 2, 3]),
+                block: Some([128, 1, 1]),
                 call: 9,
                 synced: true,
             }),
@@ -550,8 +556,8 @@ mod tests {
             error: "an illegal memory access".into(),
             kernel: Some("attn_decode".into()),
             launch: Some(Launch {
-                grid: [8, 1, 1],
-                block: [128, 1, 1],
+                grid: Some([8, 1, 1]),
+                block: Some([128, 1, 1]),
                 call: 4711,
                 synced: true,
             }),

@@ -2,11 +2,17 @@
 //! so the harness can replay a bug report (and the engine's recovery path) on the CPU (DESIGN.md section 1,
 //! seed 000).
 //!
-//! Grammar: a comma-separated list of rules; today one kind exists:
+//! Grammar: a comma-separated list of rules:
 //!
 //! - `prefill_gemm:m>N`: a prefill matrix multiplication over a batch of more than N rows (N ≥ 1) fails, as
 //!   rocBLAS's GEMM did on gfx1100 (`hipErrorInvalidDeviceFunction`) once a prompt passed 64 tokens. A batch of
 //!   one row is decode (a matrix-vector product) and never fails.
+//! - `sticky:KERNEL@N` (a `sim:` or `cuda:` device): the N-th launch of KERNEL (N ≥ 1) fails and leaves the device
+//!   poisoned: every later launch or copy fails with the same error, as a CUDA 719 / HIP "unspecified launch
+//!   failure" does (seed 003). The failure is asynchronous: without `STRATA_SYNC_LAUNCHES=1` it surfaces at the
+//!   next call, an innocent one; with it, at KERNEL itself. [`LaunchGate`] keeps the count.
+//! - `trap:KERNEL@N` (a `cuda:` device): the N-th launch of KERNEL runs a kernel that executes a trap instruction
+//!   in its place, with its grid and block: a real poisoned context, reported by the driver itself.
 //!
 //! The variable is parsed once, at start-up ([`FaultPlan::from_env`]); a malformed value is an error there, never
 //! ignored. The per-chunk check ([`FaultPlan::prefill_gemm_fails`]) is a comparison: no lock, no allocation.
@@ -17,18 +23,78 @@ pub const ENV_FAULT: &str = crate::switches::FAULT;
 /// The name of the operation `prefill_gemm` rules target, as fault and fallback events report it.
 pub const OP_PREFILL_GEMM: &str = "prefill_gemm";
 
+/// The name of `sticky:KERNEL@N` rules.
+pub const STICKY: &str = "sticky";
+/// The name of `trap:KERNEL@N` rules.
+pub const TRAP: &str = "trap";
+
 /// The faults to inject; the default injects none.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct FaultPlan {
     /// `prefill_gemm:m>N`: the largest prefill batch, in rows (tokens), whose GEMM still succeeds.
     pub prefill_gemm_max_rows: Option<usize>,
+    /// `sticky:KERNEL@N` or `trap:KERNEL@N`: the launch that poisons the device.
+    pub sticky: Option<StickyRule>,
 }
+
+/// A launch that fails and poisons the device for every later call (seed 003).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StickyRule {
+    /// The kernel (a CUDA kernel's name; on a `sim:` device, a backend op's, [`SIM_KERNELS`]).
+    pub kernel: String,
+    /// Which launch of that kernel fails, counting from 1.
+    pub launch: u64,
+    /// `trap:`: a real trap on a CUDA device instead of an injected error.
+    pub trap: bool,
+}
+
+impl std::fmt::Display for StickyRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.trap { TRAP } else { STICKY };
+        write!(f, "{kind}:{}@{}", self.kernel, self.launch)
+    }
+}
+
+/// The "kernels" of a `sim:` device: the backend ops, each one launch, that `sticky:KERNEL@N` can name there.
+pub const SIM_KERNELS: &[&str] = &[
+    "upload",
+    "download",
+    "copy",
+    "get_rows",
+    "matmul",
+    "matmul_many",
+    "rms_norm",
+    "rms_norm_into",
+    "add_rms_norm_into",
+    "rope",
+    "qk_norm_rope",
+    "qk_norm_rope_store",
+    "rope_store_attention",
+    "attend",
+    "attend_runs",
+    "scale",
+    "add",
+    "store_kv",
+    "attention",
+    "glu",
+    "moe",
+    "moe_add_rms_norm",
+    "routed_experts",
+    "top_logits",
+    "read_top_logits",
+];
 
 /// A malformed `STRATA_FAULT` value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FaultSpecError {
-    #[error("{ENV_FAULT}: unknown fault `{rule}`; the known one is `prefill_gemm:m>N` (for example prefill_gemm:m>64)")]
+    #[error(
+        "{ENV_FAULT}: unknown fault `{rule}`; the known ones are `prefill_gemm:m>N` (for example prefill_gemm:m>64), `sticky:KERNEL@N` and `trap:KERNEL@N` (for example sticky:moe@2)"
+    )]
     UnknownRule { rule: String },
+    #[error(
+        "{ENV_FAULT}: `{rule}` needs a kernel and a launch number N ≥ 1 (for example sticky:moe@2: the second launch of moe)"
+    )]
+    BadLaunch { rule: String },
     #[error(
         "{ENV_FAULT}: `{rule}` needs a condition `m>N` with N a positive row count (for example prefill_gemm:m>64)"
     )]
@@ -68,6 +134,26 @@ impl FaultPlan {
         let mut plan = FaultPlan::default();
         for rule in spec.split(',').map(str::trim).filter(|r| !r.is_empty()) {
             let (kind, cond) = rule.split_once(':').unwrap_or((rule, ""));
+            if matches!(kind.trim(), STICKY | TRAP) {
+                let (kernel, n) = cond.split_once('@').unwrap_or((cond, ""));
+                let kernel = kernel.trim();
+                let launch = n
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .filter(|_| !kernel.is_empty() && kernel.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+                    .ok_or_else(|| FaultSpecError::BadLaunch { rule: rule.into() })?;
+                let r = StickyRule {
+                    kernel: kernel.into(),
+                    launch,
+                    trap: kind.trim() == TRAP,
+                };
+                if plan.sticky.replace(r).is_some() {
+                    return Err(FaultSpecError::Repeated { rule: rule.into() });
+                }
+                continue;
+            }
             if kind.trim() != OP_PREFILL_GEMM {
                 return Err(FaultSpecError::UnknownRule { rule: rule.into() });
             }
@@ -100,6 +186,97 @@ impl FaultPlan {
     #[inline]
     pub fn prefill_gemm_fails(&self, rows: usize) -> bool {
         rows > 1 && self.prefill_gemm_max_rows.is_some_and(|limit| rows > limit)
+    }
+}
+
+/// What a launch does under a [`LaunchGate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Launch as usual.
+    Run,
+    /// `trap:`: launch the trap kernel in this one's place (the driver reports the failure from here on).
+    Trap,
+    /// The call fails with the driver's `error`: the poisoning launch itself when launches are synchronised,
+    /// else any call after it.
+    Fail { error: String },
+}
+
+/// Counts launches for a [`StickyRule`] and keeps the device's poisoned state (seed 003): the rule's launch
+/// poisons it; every later call fails with the same error. Shared by the `sim:` device (every backend op is one
+/// launch) and the CUDA backend (every kernel launch; `trap:` rules run a real trap instead).
+#[derive(Debug)]
+pub struct LaunchGate {
+    rule: StickyRule,
+    synced: bool,
+    error: String,
+    state: std::sync::Mutex<GateState>,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    /// Launches of the rule's kernel so far.
+    seen: u64,
+    /// Whether the rule's launch has happened.
+    poisoned: bool,
+}
+
+impl LaunchGate {
+    /// A gate for `rule`; `synced`: launches are synchronised (`STRATA_SYNC_LAUNCHES=1`), so the failure surfaces
+    /// at the poisoning launch; `error`: the driver's words for it (`hipErrorLaunchFailure: unspecified launch
+    /// failure`).
+    pub fn new(rule: StickyRule, synced: bool, error: impl Into<String>) -> LaunchGate {
+        LaunchGate {
+            rule,
+            synced,
+            error: error.into(),
+            state: std::sync::Mutex::new(GateState::default()),
+        }
+    }
+
+    /// The rule this gate applies.
+    pub fn rule(&self) -> &StickyRule {
+        &self.rule
+    }
+
+    /// Whether launches are synchronised.
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    /// Whether the poisoning launch has happened.
+    pub fn poisoned(&self) -> bool {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).poisoned
+    }
+
+    /// A launch (or copy) of `kernel`: what to do. One lock and a string comparison per launch.
+    pub fn launch(&self, kernel: &str) -> Verdict {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.poisoned {
+            // A trap's later failures are the driver's own.
+            return if self.rule.trap {
+                Verdict::Run
+            } else {
+                Verdict::Fail {
+                    error: self.error.clone(),
+                }
+            };
+        }
+        if kernel != self.rule.kernel {
+            return Verdict::Run;
+        }
+        s.seen += 1;
+        if s.seen < self.rule.launch {
+            return Verdict::Run;
+        }
+        s.poisoned = true;
+        match (self.rule.trap, self.synced) {
+            (true, _) => Verdict::Trap,
+            (false, true) => Verdict::Fail {
+                error: self.error.clone(),
+            },
+            // Asynchronous: the launch is queued fine; the error waits for the next call.
+            (false, false) => Verdict::Run,
+        }
     }
 }
 
@@ -171,5 +348,59 @@ mod tests {
         };
         let s = f.to_string();
         assert!(s.starts_with("prefill_gemm m=72 n=576 k=576"), "{s}");
+    }
+
+    #[test]
+    fn parses_sticky_and_trap_rules() {
+        let p = FaultPlan::parse("prefill_gemm:m>64, sticky:moe@2").unwrap();
+        assert_eq!(p.prefill_gemm_max_rows, Some(64));
+        let r = p.sticky.unwrap();
+        assert_eq!((r.kernel.as_str(), r.launch, r.trap), ("moe", 2, false));
+        assert_eq!(r.to_string(), "sticky:moe@2");
+        let t = FaultPlan::parse("trap:mmv_q4_k@10").unwrap().sticky.unwrap();
+        assert!(t.trap);
+        assert_eq!(t.to_string(), "trap:mmv_q4_k@10");
+        for bad in ["sticky:moe", "sticky:@2", "sticky:moe@0", "sticky:moe@x", "trap:mo e@1", "sticky:"] {
+            assert!(matches!(FaultPlan::parse(bad), Err(FaultSpecError::BadLaunch { .. })), "{bad}");
+        }
+        assert!(matches!(
+            FaultPlan::parse("sticky:moe@1,trap:add@1"),
+            Err(FaultSpecError::Repeated { .. })
+        ));
+    }
+
+    #[test]
+    fn an_asynchronous_sticky_fault_surfaces_at_the_next_call() {
+        let rule = FaultPlan::parse("sticky:moe@2").unwrap().sticky.unwrap();
+        let g = LaunchGate::new(rule, false, "hipErrorLaunchFailure");
+        assert_eq!(g.launch("add"), Verdict::Run);
+        assert_eq!(g.launch("moe"), Verdict::Run);
+        assert!(!g.poisoned());
+        // The second moe is queued without complaint; the innocent add after it fails, and so does every call.
+        assert_eq!(g.launch("moe"), Verdict::Run);
+        assert!(g.poisoned());
+        let fail = Verdict::Fail {
+            error: "hipErrorLaunchFailure".into(),
+        };
+        assert_eq!(g.launch("add"), fail);
+        assert_eq!(g.launch("download"), fail);
+    }
+
+    #[test]
+    fn a_synchronised_sticky_fault_fails_at_its_kernel() {
+        let rule = FaultPlan::parse("sticky:moe@1").unwrap().sticky.unwrap();
+        let g = LaunchGate::new(rule, true, "e");
+        assert_eq!(g.launch("rms_norm"), Verdict::Run);
+        assert_eq!(g.launch("moe"), Verdict::Fail { error: "e".into() });
+        assert_eq!(g.launch("rms_norm"), Verdict::Fail { error: "e".into() });
+    }
+
+    #[test]
+    fn a_trap_runs_once_and_leaves_the_rest_to_the_driver() {
+        let rule = FaultPlan::parse("trap:k@1").unwrap().sticky.unwrap();
+        let g = LaunchGate::new(rule, false, "e");
+        assert_eq!(g.launch("k"), Verdict::Trap);
+        assert_eq!(g.launch("k"), Verdict::Run);
+        assert_eq!(g.launch("j"), Verdict::Run);
     }
 }

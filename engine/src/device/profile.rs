@@ -79,6 +79,14 @@ impl Api {
         }
     }
 
+    /// The driver's words for a kernel that failed and poisoned the device (seed 003).
+    pub fn launch_failure(self) -> &'static str {
+        match self {
+            Api::Hip => "hipErrorLaunchFailure: unspecified launch failure",
+            Api::Cuda => "cudaErrorLaunchFailure: unspecified launch failure",
+        }
+    }
+
     /// The host-registration call.
     pub fn host_register(self) -> &'static str {
         match self {

@@ -232,6 +232,9 @@ pub enum EngineError {
     /// The memory plan does not fit the device, or a part of it could not be allocated (`why` ends with the plan).
     #[error("--device {device}: {why}")]
     Plan { device: Device, why: String },
+    /// A `STRATA_FAULT` rule the device cannot carry out (a kernel it does not have, a trap on a simulated device).
+    #[error("{}: {why}", crate::switches::FAULT)]
+    FaultRule { why: String },
 }
 
 /// An open engine: the model's weights, tokenizer and chat template, and the backend of its device, shared by
@@ -275,7 +278,7 @@ impl Engine {
             });
         }
         let start = Instant::now();
-        let backend = AnyBackend::open(&flags.device).map_err(|source| EngineError::Device {
+        let mut backend = AnyBackend::open(&flags.device).map_err(|source| EngineError::Device {
             device: flags.device.clone(),
             source,
         })?;
@@ -330,6 +333,33 @@ impl Engine {
             }
             _ => None,
         };
+        if let Some(rule) = &faults.sticky {
+            let error = match &sim {
+                Some(hold) => hold.device.profile.api.launch_failure(),
+                None => "",
+            };
+            backend
+                .arm_sticky(&flags.device, rule, error)
+                .map_err(|why| EngineError::FaultRule { why })?;
+            let synced = crate::switches::flag(crate::switches::SYNC_LAUNCHES, false);
+            eprintln!(
+                "strata: {}={rule}: launch {} of {} on {} {}; {}",
+                crate::switches::FAULT,
+                rule.launch,
+                rule.kernel,
+                flags.device,
+                if rule.trap {
+                    "runs a trap instruction in its place (a real poisoned context)"
+                } else {
+                    "fails and every call after it fails"
+                },
+                if synced {
+                    "launches are synchronised (STRATA_SYNC_LAUNCHES=1): the fault names its kernel"
+                } else {
+                    "launches are not synchronised: the failure surfaces at a later call"
+                }
+            );
+        }
         let cache = backend.cuda().filter(|c| c.expert_cache_config().is_some());
         if let Some(p) = &flags.plan.experts.expert_profile {
             let profile = read_profile(p, &model.hp)?;
@@ -493,7 +523,7 @@ impl Engine {
     /// Errors: as [`Session::new`].
     pub fn session_with(&self, config: SessionConfig) -> Result<Session<'_, AnyBackend>, SessionError> {
         let mut s = Session::new(&self.model, &self.backend, config)?;
-        s.set_fault_policy(self.faults, self.flags.gemm_fallback.is_on());
+        s.set_fault_policy(self.faults.clone(), self.flags.gemm_fallback.is_on());
         Ok(s)
     }
 

@@ -149,7 +149,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// as the plan says, and the backend either switches to its own kernel for good (one `fallback` event) or
     /// fails the request. Otherwise (the CPU) the session caps its prefill batches.
     pub fn set_fault_policy(&mut self, faults: FaultPlan, gemm_fallback: bool) {
-        if self.backend.set_fault_policy(faults, gemm_fallback) {
+        if self.backend.set_fault_policy(faults.clone(), gemm_fallback) {
             self.faults = FaultPlan::default();
             self.gemm_fallback = true;
         } else {

@@ -147,3 +147,64 @@ fn a_users_profile_is_found_and_its_mistakes_are_named() {
         "{err}"
     );
 }
+
+/// `generate` on the simulated Strix Halo with `STRATA_FAULT` set (and `STRATA_SYNC_LAUNCHES` when `synced`).
+fn generate_with_fault(fault: &str, synced: bool) -> (Output, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "generate",
+            "--model",
+            "synth:small-qwen3moe",
+            "--device",
+            HALO,
+            "--max-context",
+            "512",
+            "--max-tokens",
+            "4",
+            "--prompt",
+            "the arena and the cache",
+        ])
+        .env("STRATA_FAULT", fault)
+        .env("STRATA_SYNC_LAUNCHES", if synced { "1" } else { "0" })
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run strata");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, err)
+}
+
+/// Seed 003: the second MoE launch poisons the device. Without synchronised launches the `fault` names the next
+/// call, an innocent one, as the original's log did; with them, the MoE launch itself. Either way the process
+/// stops with the driver's error.
+#[test]
+fn seed_003_sticky_fault_names_its_kernel_only_when_launches_are_synchronised() {
+    let (out, err) = generate_with_fault("sticky:moe_add_rms_norm@2", false);
+    assert!(!out.status.success(), "{err}");
+    let fault = err.lines().find(|l| l.contains("fault: ")).unwrap_or_else(|| panic!("no fault line: {err}"));
+    assert!(fault.contains("(not synchronised"), "{fault}");
+    assert!(!fault.contains("fault: moe_add_rms_norm"), "the asynchronous fault names its own kernel: {fault}");
+    assert!(fault.contains("hipErrorLaunchFailure"), "{fault}");
+
+    let (out, err) = generate_with_fault("sticky:moe_add_rms_norm@2", true);
+    assert!(!out.status.success(), "{err}");
+    let fault = err.lines().find(|l| l.contains("fault: ")).unwrap_or_else(|| panic!("no fault line: {err}"));
+    assert!(fault.contains("fault: moe_add_rms_norm launch #") && fault.contains("(synchronised)"), "{fault}");
+
+    // A rule past what the request launches changes nothing.
+    let (out, err) = generate_with_fault("sticky:moe_add_rms_norm@100000", false);
+    assert!(out.status.success(), "{err}");
+}
+
+/// A sticky rule the device cannot carry out is an error before the model is used, naming the rule.
+#[test]
+fn sticky_rules_the_device_cannot_run_are_errors() {
+    for (rule, says) in [
+        ("sticky:no_such_op@1", "has no kernel `no_such_op`"),
+        ("trap:moe@1", "a trap needs a real GPU"),
+        ("sticky:moe@0", "a launch number N ≥ 1"),
+    ] {
+        let (out, err) = generate_with_fault(rule, false);
+        assert_eq!(out.status.code(), Some(1), "{rule}: {err}");
+        assert!(err.contains(says) && err.contains("STRATA_FAULT"), "{rule}: {err}");
+    }
+}

@@ -24,6 +24,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
 
 /// Every kernel the backend launches (each must exist in the compiled module).
 pub const KERNEL_NAMES: &[&str] = &[
+    "strata_trap",
     "top_logits_part",
     "top_logits_final",
     "mmv_f32",

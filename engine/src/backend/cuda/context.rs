@@ -82,6 +82,7 @@ impl Gpu {
             funcs,
             calls: AtomicU64::new(0),
             sync_launches: switches::flag(switches::SYNC_LAUNCHES, false),
+            sticky: std::sync::OnceLock::new(),
             pdl: major >= 9 && switches::flag(switches::PDL, true),
             skip: switches::text_lossy(switches::SKIP_KERNELS)
                 .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())

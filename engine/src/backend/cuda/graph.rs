@@ -52,6 +52,11 @@ impl Gpu {
         self.raw_launch(kernel, grid, block, args)
     }
 
+    /// Decode steps run their launches one by one from now on (a sticky fault counts every launch).
+    pub(super) fn graphs_off(&self) {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).enabled = false;
+    }
+
     /// Marks the start of a forward step with shape `key` (tokens and logits wanted). With graphs on, a decode
     /// step (`graphable`) is recorded the first time (run eagerly, then captured into a CUDA graph at
     /// [`Gpu::step_end`]) and replayed after: each launch is compared with the recorded one and skipped, and the

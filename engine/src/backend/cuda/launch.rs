@@ -13,6 +13,7 @@ use cudarc::driver::{CudaEvent, CudaFunction, LaunchConfig, PushKernelArg};
 
 use super::Gpu;
 use super::error::CudaError;
+use crate::device::fault::Verdict;
 use crate::events::{self, EventKind, Fault, Launch};
 
 /// One kernel argument (every kernel takes device pointers and scalars only).
@@ -133,9 +134,22 @@ impl Gpu {
             call,
             error: "no such kernel in the module".into(),
         })?;
+        // A sticky fault (seed 003): this launch fails as injected, or runs the trap kernel in its place.
+        let (mut f, mut args) = (f, args);
+        let injected = match self.sticky.get().map(|g| g.launch(kernel)) {
+            Some(Verdict::Fail { error }) => Some(error),
+            Some(Verdict::Trap) => {
+                f = &self.funcs["strata_trap"];
+                args = &[];
+                None
+            }
+            _ => None,
+        };
         let profiling = self.profiling.load(Ordering::Relaxed);
         let timing = if profiling { self.timing_event() } else { None };
-        let mut r = if self.pdl && !profiling {
+        let mut r = if injected.is_some() {
+            Ok(())
+        } else if self.pdl && !profiling {
             self.launch_pdl(f, grid, block, args)
         } else {
             let cfg = LaunchConfig {
@@ -168,14 +182,17 @@ impl Gpu {
         if r.is_ok() && self.sync_launches {
             r = self.current().synchronize();
         }
-        r.map_err(|e| {
-            let error = e.to_string();
+        let r = match injected {
+            Some(error) => Err(error),
+            None => r.map_err(|e| e.to_string()),
+        };
+        r.map_err(|error| {
             events::emit(EventKind::Fault(Fault {
                 error: error.clone(),
                 kernel: Some(kernel.into()),
                 launch: Some(Launch {
-                    grid: [grid.0, grid.1, grid.2],
-                    block: [block.0, block.1, block.2],
+                    grid: Some([grid.0, grid.1, grid.2]),
+                    block: Some([block.0, block.1, block.2]),
                     call,
                     synced: self.sync_launches,
                 }),

@@ -224,6 +224,8 @@ pub struct Gpu {
     funcs: HashMap<&'static str, CudaFunction>,
     calls: AtomicU64,
     sync_launches: bool,
+    /// `STRATA_FAULT=sticky:KERNEL@N` or `trap:KERNEL@N` (seed 003), once armed ([`CudaBackend::arm_sticky`]).
+    sticky: std::sync::OnceLock<crate::device::fault::LaunchGate>,
     /// Kernels are launched with programmatic dependent launch (sm_90 and later, unless `STRATA_PDL=0`): each may
     /// start while the one before it finishes, and waits in `pdl_enter()` (kernels/common.cuh) for its writes.
     pdl: bool,
@@ -338,6 +340,34 @@ impl CudaBackend {
     /// The device and how its kernels were obtained.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Arms a sticky fault: the rule's launch fails (`sticky:`, the driver's `CUDA_ERROR_LAUNCH_FAILED` injected
+    /// at it, or at the next launch when launches are not synchronised) or traps (`trap:`, a real poisoned
+    /// context), and every later launch fails. Decode steps run without CUDA graphs from here on, so every launch
+    /// is counted.
+    ///
+    /// Errors: the kernel is not in the module (the message lists the module's kernels); already armed.
+    pub fn arm_sticky(&self, rule: &crate::device::fault::StickyRule) -> Result<(), String> {
+        let g = &*self.gpu;
+        if !g.funcs.contains_key(rule.kernel.as_str()) || rule.kernel == "strata_trap" {
+            let mut names: Vec<&str> = g.funcs.keys().copied().filter(|k| *k != "strata_trap").collect();
+            names.sort_unstable();
+            return Err(format!(
+                "{rule}: cuda:{} has no kernel `{}`; its kernels: {}",
+                g.ordinal,
+                rule.kernel,
+                names.join(", ")
+            ));
+        }
+        let gate = crate::device::fault::LaunchGate::new(
+            rule.clone(),
+            g.sync_launches,
+            "CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\"",
+        );
+        g.sticky.set(gate).map_err(|_| format!("{rule}: a sticky fault is armed already"))?;
+        g.graphs_off();
+        Ok(())
     }
 
     /// Makes the VRAM expert cache the memory plan sized (`memory::ExpertPlacement::Cache`): from now on a MoE

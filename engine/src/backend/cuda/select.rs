@@ -5,7 +5,10 @@ use super::{CudaBackend, DevVec};
 use crate::backend::StepKey;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams, RunBufs};
-use crate::device::fault::FaultPlan;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::device::fault::{FaultPlan, LaunchGate, SIM_KERNELS, StickyRule, Verdict};
+use crate::events::{self, EventKind, Fault, Launch};
 use crate::device::{Device, DeviceError};
 use crate::state::batch::BatchLayout;
 use crate::state::kv::{KvCache, KvLayer, SeqSlot};
@@ -21,8 +24,39 @@ pub enum OpenError {
 
 /// The backend of a [`Device`]: every [`Backend`] call goes to the CPU or the CUDA backend.
 pub enum AnyBackend {
-    Cpu(CpuBackend),
+    /// The CPU; on a `sim:` device with a sticky fault, the launches it counts.
+    Cpu(CpuBackend, Option<Box<SimLaunches>>),
     Cuda(Box<CudaBackend>),
+}
+
+/// A `sim:` device's launches under a sticky fault (`STRATA_FAULT=sticky:KERNEL@N`, seed 003): every backend op
+/// is one launch, numbered from the start; the gate decides which fails.
+pub struct SimLaunches {
+    gate: LaunchGate,
+    device: String,
+    calls: AtomicU64,
+}
+
+impl SimLaunches {
+    /// Launch number `n` of `kernel`: nothing, or, where the gate says it fails, a `fault` event naming it and a
+    /// panic (the backends have no error path; the serve worker's panic hook exits and the server restarts it).
+    fn launch(&self, kernel: &'static str) {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Verdict::Fail { error } = self.gate.launch(kernel) {
+            events::emit(EventKind::Fault(Fault {
+                error: error.clone(),
+                kernel: Some(kernel.into()),
+                launch: Some(Launch {
+                    grid: None,
+                    block: None,
+                    call,
+                    synced: self.gate.synced(),
+                }),
+                ..Fault::default()
+            }));
+            panic!("{}: {kernel} (launch #{call}) failed: {error}", self.device);
+        }
+    }
 }
 
 impl AnyBackend {
@@ -35,20 +69,59 @@ impl AnyBackend {
     /// `sim:` profile that cannot be read or is of an arch its build was not compiled for.
     pub fn open(device: &Device) -> Result<AnyBackend, OpenError> {
         Ok(match device {
-            Device::Cpu => AnyBackend::Cpu(CpuBackend),
+            Device::Cpu => AnyBackend::Cpu(CpuBackend, None),
             Device::Cuda(n) => AnyBackend::Cuda(Box::new(CudaBackend::new(*n)?)),
             Device::Sim(_) => {
                 device.available()?;
-                AnyBackend::Cpu(CpuBackend)
+                AnyBackend::Cpu(CpuBackend, None)
             }
         })
+    }
+
+    /// Arms a sticky fault (`sticky:KERNEL@N`, `trap:KERNEL@N`) on `device`: `error` is its driver's words for a
+    /// failed launch. On CUDA the kernel must be one of the module's; on a `sim:` device one of [`SIM_KERNELS`].
+    /// Launches are synchronised (the fault surfaces at its kernel) under `STRATA_SYNC_LAUNCHES=1`.
+    ///
+    /// Errors: no such kernel (the message lists the known ones); a trap on a device that cannot trap; a sticky
+    /// fault on the plain CPU, which has no device to poison.
+    pub fn arm_sticky(&mut self, device: &Device, rule: &StickyRule, error: &str) -> Result<(), String> {
+        match self {
+            AnyBackend::Cuda(c) => c.arm_sticky(rule),
+            AnyBackend::Cpu(_, sim) => {
+                if !matches!(device, Device::Sim(_)) {
+                    return Err(format!(
+                        "{rule}: a sticky launch failure poisons a GPU; {device} has none (use --device sim:PROFILE or cuda:N)"
+                    ));
+                }
+                if rule.trap {
+                    return Err(format!(
+                        "{rule}: a trap needs a real GPU (cuda:N); on {device} write sticky:{}@{}",
+                        rule.kernel, rule.launch
+                    ));
+                }
+                if !SIM_KERNELS.contains(&rule.kernel.as_str()) {
+                    return Err(format!(
+                        "{rule}: {device} has no kernel `{}`; its kernels are the backend's ops: {}",
+                        rule.kernel,
+                        SIM_KERNELS.join(", ")
+                    ));
+                }
+                let synced = crate::switches::flag(crate::switches::SYNC_LAUNCHES, false);
+                *sim = Some(Box::new(SimLaunches {
+                    gate: LaunchGate::new(rule.clone(), synced, error),
+                    device: device.to_string(),
+                    calls: AtomicU64::new(0),
+                }));
+                Ok(())
+            }
+        }
     }
 
     /// The CUDA backend, when that is what this is.
     pub fn cuda(&self) -> Option<&CudaBackend> {
         match self {
             AnyBackend::Cuda(c) => Some(c),
-            AnyBackend::Cpu(_) => None,
+            AnyBackend::Cpu(..) => None,
         }
     }
 }
@@ -116,11 +189,15 @@ fn with_bufs<T: Default, R>(
 }
 
 /// Runs one op on whichever backend this is, each buffer argument unwrapped to that backend's type:
-/// `dispatch!(self, be, [x, out], [y], be.op(w, x, out))` with `x`, `out` taken `&mut` and `y` `&`.
+/// `dispatch!(self, be, op, [x, out], [y], be.op(w, x, out))` with `x`, `out` taken `&mut` and `y` `&`. On a
+/// `sim:` device the op is first a launch named `op` ([`SimLaunches::launch`]).
 macro_rules! dispatch {
-    ($self:ident, $be:ident, [$($m:ident),*], [$($r:ident),*], $call:expr) => {
+    ($self:ident, $be:ident, $op:ident, [$($m:ident),*], [$($r:ident),*], $call:expr) => {
         match $self {
-            AnyBackend::Cpu($be) => {
+            AnyBackend::Cpu($be, sim) => {
+                if let Some(sim) = sim {
+                    sim.launch(stringify!($op));
+                }
                 $(let $m = $m.host_mut();)*
                 $(let $r = $r.host();)*
                 $call
@@ -140,13 +217,13 @@ impl Backend for AnyBackend {
 
     fn name(&self) -> &'static str {
         match self {
-            AnyBackend::Cpu(c) => c.name(),
+            AnyBackend::Cpu(c, _) => c.name(),
             AnyBackend::Cuda(c) => c.name(),
         }
     }
     fn reserve(&self, buf: &mut AnyBuf, len: usize) {
         match self {
-            AnyBackend::Cpu(c) => {
+            AnyBackend::Cpu(c, _) => {
                 if !matches!(buf, AnyBuf::Host(_)) {
                     *buf = AnyBuf::Host(Vec::new());
                 }
@@ -161,29 +238,33 @@ impl Backend for AnyBackend {
         }
     }
     fn upload(&self, src: &[f32], dst: &mut AnyBuf) {
-        dispatch!(self, be, [dst], [], be.upload(src, dst))
+        dispatch!(self, be, upload, [dst], [], be.upload(src, dst))
     }
     fn download(&self, src: &AnyBuf, offset: usize, dst: &mut [f32]) {
-        dispatch!(self, be, [], [src], be.download(src, offset, dst))
+        dispatch!(self, be, download, [], [src], be.download(src, offset, dst))
     }
     fn copy(&self, src: &AnyBuf, src_offset: usize, dst: &mut AnyBuf, dst_offset: usize, len: usize) {
         dispatch!(
             self,
             be,
+            copy,
             [dst],
             [src],
             Backend::copy(be, src, src_offset, dst, dst_offset, len)
         )
     }
     fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut AnyBuf) {
-        dispatch!(self, be, [out], [], be.get_rows(table, ids, out))
+        dispatch!(self, be, get_rows, [out], [], be.get_rows(table, ids, out))
     }
     fn matmul(&self, w: &QMat<'_>, x: &AnyBuf, n_tok: usize, out: &mut AnyBuf) {
-        dispatch!(self, be, [out], [x], Backend::matmul(be, w, x, n_tok, out))
+        dispatch!(self, be, matmul, [out], [x], Backend::matmul(be, w, x, n_tok, out))
     }
     fn matmul_many(&self, ws: &[QMat<'_>], x: &AnyBuf, n_tok: usize, outs: &mut [&mut AnyBuf]) {
         match self {
-            AnyBackend::Cpu(be) => {
+            AnyBackend::Cpu(be, sim) => {
+                if let Some(sim) = sim {
+                    sim.launch("matmul_many");
+                }
                 let mut o: Vec<&mut Vec<f32>> = outs.iter_mut().map(|b| b.host_mut()).collect();
                 Backend::matmul_many(be, ws, x.host(), n_tok, &mut o)
             }
@@ -194,25 +275,25 @@ impl Backend for AnyBackend {
         }
     }
     fn rms_norm(&self, x: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
-        dispatch!(self, be, [x], [], Backend::rms_norm(be, x, rows, w, eps))
+        dispatch!(self, be, rms_norm, [x], [], Backend::rms_norm(be, x, rows, w, eps))
     }
     fn rms_norm_into(&self, x: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
-        dispatch!(self, be, [out], [x], be.rms_norm_into(x, out, rows, w, eps))
+        dispatch!(self, be, rms_norm_into, [out], [x], be.rms_norm_into(x, out, rows, w, eps))
     }
     fn rope(&self, x: &mut AnyBuf, n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
-        dispatch!(self, be, [x], [], Backend::rope(be, x, n_head, head_dim, positions, p))
+        dispatch!(self, be, rope, [x], [], Backend::rope(be, x, n_head, head_dim, positions, p))
     }
     fn scale(&self, x: &mut AnyBuf, len: usize, s: f32) {
-        dispatch!(self, be, [x], [], Backend::scale(be, x, len, s))
+        dispatch!(self, be, scale, [x], [], Backend::scale(be, x, len, s))
     }
     fn add(&self, x: &mut AnyBuf, y: &AnyBuf, len: usize) {
-        dispatch!(self, be, [x], [y], Backend::add(be, x, y, len))
+        dispatch!(self, be, add, [x], [y], Backend::add(be, x, y, len))
     }
     fn store_kv(&self, kv: &mut KvLayer, k: &AnyBuf, v: &AnyBuf, positions: &[u32]) {
-        dispatch!(self, be, [], [k, v], Backend::store_kv(be, kv, k, v, positions))
+        dispatch!(self, be, store_kv, [], [k, v], Backend::store_kv(be, kv, k, v, positions))
     }
     fn attention(&self, q: &AnyBuf, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut AnyBuf) {
-        dispatch!(self, be, [out], [q], Backend::attention(be, q, kv, positions, p, out))
+        dispatch!(self, be, attention, [out], [q], Backend::attention(be, q, kv, positions, p, out))
     }
     #[allow(clippy::too_many_arguments)]
     fn rope_store_attention(
@@ -231,6 +312,7 @@ impl Backend for AnyBackend {
         dispatch!(
             self,
             be,
+            rope_store_attention,
             [q, k, out],
             [v],
             be.rope_store_attention(q, k, v, kv, norms, eps, positions, rope, p, out)
@@ -247,7 +329,7 @@ impl Backend for AnyBackend {
         a: &AttnOp<'_>,
         out: &mut AnyBuf,
     ) {
-        dispatch!(self, be, [q, k, out], [v], be.attend(q, k, v, kv, positions, a, out))
+        dispatch!(self, be, attend, [q, k, out], [v], be.attend(q, k, v, kv, positions, a, out))
     }
     #[allow(clippy::too_many_arguments)]
     fn attend_runs(
@@ -263,7 +345,10 @@ impl Backend for AnyBackend {
         tmp: &mut RunBufs<AnyBuf>,
     ) {
         match self {
-            AnyBackend::Cpu(be) => {
+            AnyBackend::Cpu(be, sim) => {
+                if let Some(sim) = sim {
+                    sim.launch("attend_runs");
+                }
                 let (q, k, v, out) = (q.host_mut(), k.host_mut(), v.host(), out.host_mut());
                 let take = |b| match b {
                     AnyBuf::Host(v) => Some(v),
@@ -287,7 +372,7 @@ impl Backend for AnyBackend {
         }
     }
     fn glu(&self, gate: &mut AnyBuf, up: &AnyBuf, len: usize, act: GluKind) {
-        dispatch!(self, be, [gate], [up], Backend::glu(be, gate, up, len, act))
+        dispatch!(self, be, glu, [gate], [up], Backend::glu(be, gate, up, len, act))
     }
     #[allow(clippy::too_many_arguments)]
     fn moe(
@@ -304,6 +389,7 @@ impl Backend for AnyBackend {
         dispatch!(
             self,
             be,
+            moe,
             [logits, out],
             [x],
             be.moe(ex, logits, x, n_tok, k, normalize, out, scratch)
@@ -328,6 +414,7 @@ impl Backend for AnyBackend {
         dispatch!(
             self,
             be,
+            moe_add_rms_norm,
             [logits, h, tmp, x],
             [],
             be.moe_add_rms_norm(router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch)
@@ -351,17 +438,22 @@ impl Backend for AnyBackend {
     fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {
         match self {
             AnyBackend::Cuda(c) => c.routed_experts(scratch, n_tok, k, out),
-            AnyBackend::Cpu(c) => c.routed_experts(scratch, n_tok, k, out),
+            AnyBackend::Cpu(c, sim) => {
+                if let Some(sim) = sim {
+                    sim.launch("routed_experts");
+                }
+                c.routed_experts(scratch, n_tok, k, out)
+            }
         }
     }
     fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
         match self {
             AnyBackend::Cuda(c) => c.replay_step(key, ids, positions),
-            AnyBackend::Cpu(_) => false,
+            AnyBackend::Cpu(..) => false,
         }
     }
     fn add_rms_norm_into(&self, x: &mut AnyBuf, y: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
-        dispatch!(self, be, [x, out], [y], be.add_rms_norm_into(x, y, out, rows, w, eps))
+        dispatch!(self, be, add_rms_norm_into, [x, out], [y], be.add_rms_norm_into(x, y, out, rows, w, eps))
     }
     #[allow(clippy::too_many_arguments)]
     fn qk_norm_rope(
@@ -379,6 +471,7 @@ impl Backend for AnyBackend {
         dispatch!(
             self,
             be,
+            qk_norm_rope,
             [q, k],
             [],
             be.qk_norm_rope(q, k, n_head, n_head_kv, head_dim, norms, eps, positions, p)
@@ -401,23 +494,29 @@ impl Backend for AnyBackend {
         dispatch!(
             self,
             be,
+            qk_norm_rope_store,
             [q, k],
             [v],
             be.qk_norm_rope_store(q, k, v, kv, n_head, head_dim, norms, eps, positions, p)
         )
     }
     fn top_logits(&self, logits: &AnyBuf, n: usize) -> bool {
-        dispatch!(self, be, [], [logits], Backend::top_logits(be, logits, n))
+        dispatch!(self, be, top_logits, [], [logits], Backend::top_logits(be, logits, n))
     }
     fn read_top_logits(&self, n: usize, out: &mut crate::backend::top::TopLogits) -> bool {
         match self {
-            AnyBackend::Cpu(c) => c.read_top_logits(n, out),
+            AnyBackend::Cpu(c, sim) => {
+                if let Some(sim) = sim {
+                    sim.launch("read_top_logits");
+                }
+                c.read_top_logits(n, out)
+            }
             AnyBackend::Cuda(c) => c.read_top_logits(n, out),
         }
     }
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
         match self {
-            AnyBackend::Cpu(c) => c.set_fault_policy(faults, gemm_fallback),
+            AnyBackend::Cpu(c, _) => c.set_fault_policy(faults, gemm_fallback),
             AnyBackend::Cuda(c) => c.set_fault_policy(faults, gemm_fallback),
         }
     }
@@ -451,5 +550,28 @@ mod tests {
             n > 20,
             "found only {n} Backend methods: the parser no longer matches the trait"
         );
+    }
+
+    /// Every kernel a `sim:` sticky fault may name is one that `AnyBackend` launches there, and every op it
+    /// launches is nameable.
+    #[test]
+    fn sim_kernels_are_the_launched_ops() {
+        let here = include_str!("select.rs");
+        let mut launched: Vec<String> = Vec::new();
+        for (i, _) in here.match_indices("dispatch!(") {
+            let args: Vec<&str> = here[i + 10..].splitn(4, ',').map(str::trim).collect();
+            if args[0] == "self" && args[2] != "op" {
+                launched.push(args[2].into());
+            }
+        }
+        for (i, _) in here.match_indices("sim.launch(\"") {
+            let rest = &here[i + 12..];
+            launched.push(rest[..rest.find('"').unwrap()].into());
+        }
+        launched.sort();
+        launched.dedup();
+        let mut known: Vec<String> = crate::device::fault::SIM_KERNELS.iter().map(|s| s.to_string()).collect();
+        known.sort();
+        assert_eq!(launched, known);
     }
 }
