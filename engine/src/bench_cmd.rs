@@ -247,7 +247,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     "mmap"
                 }
                 .into(),
-                upload_gb_s: c.measure_upload(probe)?,
+                upload_gb_s: c.measure_upload(probe, false)?.into_iter().fold(0.0, f64::max),
                 miss_policy: args.engine.plan.experts.miss_policy.to_string(),
                 cpu_expert_gb_s: first_experts
                     .and_then(|ex| c.cpu_expert_rate(&ex, model.hp.n_expert_used.max(1) as usize))

@@ -47,6 +47,27 @@ pub enum EventKind {
     Fallback(Fallback),
     Fault(Fault),
     Memory(Memory),
+    Probe(Probe),
+}
+
+/// `probe`: the link probe's readings and its check against the link's physical peak (DESIGN.md section 1, seed
+/// 000): a reading above the peak is a probe bug, reported and never used.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Probe {
+    /// `sim:gfx1100-rx7900xtx`, `cuda:0`.
+    pub device: String,
+    /// The readings, GB/s (10^9 bytes per second), in the order taken.
+    pub readings_gb_s: Vec<f64>,
+    /// The best reading, GB/s.
+    pub best_gb_s: f64,
+    /// The link's physical peak host to device, GB/s.
+    pub peak_gb_s: f64,
+    /// The link (`PCIe Gen4 x16`).
+    pub link: String,
+    /// Every reading is a positive rate at most the peak.
+    pub plausible: bool,
+    /// The rate planned with, GB/s: the best reading when plausible, else the peak-derived default.
+    pub used_gb_s: f64,
 }
 
 /// `memory`: a device's memory changed (DESIGN.md section 3): an allocation, a free, a host registration, or one
@@ -247,6 +268,7 @@ impl EventKind {
             EventKind::Fallback(_) => "fallback",
             EventKind::Fault(_) => "fault",
             EventKind::Memory(_) => "memory",
+            EventKind::Probe(_) => "probe",
         }
     }
 }
@@ -297,7 +319,11 @@ impl fmt::Display for Fault {
                 f,
                 "launch #{}{} ",
                 l.call,
-                if l.synced { " (synchronised)" } else { " (not synchronised: an earlier launch may be at fault)" }
+                if l.synced {
+                    " (synchronised)"
+                } else {
+                    " (not synchronised: an earlier launch may be at fault)"
+                }
             )?;
         }
         if let Some(s) = &self.shape {
@@ -368,6 +394,27 @@ impl fmt::Display for EventKind {
                 write!(f, " from now on")
             }
             EventKind::Fault(x) => write!(f, "fault: {x}"),
+            EventKind::Probe(p) => {
+                let list: Vec<String> = p.readings_gb_s.iter().map(|r| format!("{r:.1}")).collect();
+                write!(
+                    f,
+                    "probe: {} link {:.1} GB/s host->device (best of {}); the link's peak is {:.1} GB/s ({}): ",
+                    p.device,
+                    p.best_gb_s,
+                    list.join(" "),
+                    p.peak_gb_s,
+                    p.link
+                )?;
+                if p.plausible {
+                    write!(f, "plausible, used")
+                } else {
+                    write!(
+                        f,
+                        "a reading above the peak is a probe bug, not a rate: not used; planning with {:.1} GB/s",
+                        p.used_gb_s
+                    )
+                }
+            }
             EventKind::Memory(m) => {
                 let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
                 write!(

@@ -11,6 +11,8 @@
 //!   poisoned: every later launch or copy fails with the same error, as a CUDA 719 / HIP "unspecified launch
 //!   failure" does (seed 003). The failure is asynchronous: without `STRATA_SYNC_LAUNCHES=1` it surfaces at the
 //!   next call, an innocent one; with it, at KERNEL itself. [`LaunchGate`] keeps the count.
+//! - `probe:unsynced` (a `cuda:` device): the link probe times each copy without waiting for it, so it reads the
+//!   time to queue a copy: terabytes per second, as seed 000's probe did. The probe's check must catch it.
 //! - `trap:KERNEL@N` (a `cuda:` device): the N-th launch of KERNEL runs a kernel that executes a trap instruction
 //!   in its place, with its grid and block: a real poisoned context, reported by the driver itself.
 //!
@@ -35,6 +37,9 @@ pub struct FaultPlan {
     pub prefill_gemm_max_rows: Option<usize>,
     /// `sticky:KERNEL@N` or `trap:KERNEL@N`: the launch that poisons the device.
     pub sticky: Option<StickyRule>,
+    /// `probe:unsynced`: the CUDA link probe times its copies without waiting for them (seed 000's impossible
+    /// readings, made on real hardware).
+    pub probe_unsynced: bool,
 }
 
 /// A launch that fails and poisons the device for every later call (seed 003).
@@ -88,7 +93,7 @@ pub const SIM_KERNELS: &[&str] = &[
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FaultSpecError {
     #[error(
-        "{ENV_FAULT}: unknown fault `{rule}`; the known ones are `prefill_gemm:m>N` (for example prefill_gemm:m>64), `sticky:KERNEL@N` and `trap:KERNEL@N` (for example sticky:moe@2)"
+        "{ENV_FAULT}: unknown fault `{rule}`; the known ones are `prefill_gemm:m>N` (for example prefill_gemm:m>64), `sticky:KERNEL@N`, `trap:KERNEL@N` (for example sticky:moe@2) and `probe:unsynced`"
     )]
     UnknownRule { rule: String },
     #[error(
@@ -150,6 +155,15 @@ impl FaultPlan {
                     trap: kind.trim() == TRAP,
                 };
                 if plan.sticky.replace(r).is_some() {
+                    return Err(FaultSpecError::Repeated { rule: rule.into() });
+                }
+                continue;
+            }
+            if kind.trim() == "probe" {
+                if cond.trim() != "unsynced" {
+                    return Err(FaultSpecError::UnknownRule { rule: rule.into() });
+                }
+                if std::mem::replace(&mut plan.probe_unsynced, true) {
                     return Err(FaultSpecError::Repeated { rule: rule.into() });
                 }
                 continue;
@@ -360,9 +374,24 @@ mod tests {
         let t = FaultPlan::parse("trap:mmv_q4_k@10").unwrap().sticky.unwrap();
         assert!(t.trap);
         assert_eq!(t.to_string(), "trap:mmv_q4_k@10");
-        for bad in ["sticky:moe", "sticky:@2", "sticky:moe@0", "sticky:moe@x", "trap:mo e@1", "sticky:"] {
-            assert!(matches!(FaultPlan::parse(bad), Err(FaultSpecError::BadLaunch { .. })), "{bad}");
+        for bad in [
+            "sticky:moe",
+            "sticky:@2",
+            "sticky:moe@0",
+            "sticky:moe@x",
+            "trap:mo e@1",
+            "sticky:",
+        ] {
+            assert!(
+                matches!(FaultPlan::parse(bad), Err(FaultSpecError::BadLaunch { .. })),
+                "{bad}"
+            );
         }
+        assert!(FaultPlan::parse("probe:unsynced").unwrap().probe_unsynced);
+        assert!(matches!(
+            FaultPlan::parse("probe:fast"),
+            Err(FaultSpecError::UnknownRule { .. })
+        ));
         assert!(matches!(
             FaultPlan::parse("sticky:moe@1,trap:add@1"),
             Err(FaultSpecError::Repeated { .. })

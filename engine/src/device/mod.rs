@@ -7,6 +7,7 @@
 
 pub mod cuda_libs;
 pub mod fault;
+pub mod probe;
 pub mod profile;
 pub mod sim;
 

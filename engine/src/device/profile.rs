@@ -192,6 +192,14 @@ pub struct LinkSpec {
 }
 
 impl LinkSpec {
+    /// The link in words: `PCIe Gen4 x16`, or `memory fabric` when `peak_gb_s` gives the peak.
+    pub fn what(&self) -> String {
+        match self.peak_gb_s {
+            Some(_) => "memory fabric".into(),
+            None => format!("PCIe Gen{} x{}", self.pcie_gen, self.pcie_width),
+        }
+    }
+
     /// The link's physical peak host to device, bytes per second: the lane rate after line coding times the lanes
     /// (PCI-SIG: 2.5, 5, 8, 16, 32, 64 GT/s per lane for generations 1 to 6; 8b/10b coding to Gen2, 128b/130b
     /// after; Gen6's FLIT coding counted as 242/256).

@@ -322,7 +322,7 @@ impl Engine {
         let (mut model, tokenizer, template) = loaded?;
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
         let pinned = match backend.cuda() {
-            Some(c) => plan_device(c, &mut model, flags)?,
+            Some(c) => plan_device(c, &mut model, flags, &faults)?,
             None => None,
         };
         let sim = match &flags.device {
@@ -556,7 +556,12 @@ impl Drop for Engine {
 ///
 /// Errors: [`EngineError::Plan`] when the plan does not fit (before anything is allocated) or an allocation of it
 /// fails, naming the part and the numbers.
-fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Result<Option<HostPin>, EngineError> {
+fn plan_device(
+    c: &CudaBackend,
+    model: &mut Model,
+    flags: &EngineFlags,
+    faults: &FaultPlan,
+) -> Result<Option<HostPin>, EngineError> {
     let device = flags.device.clone();
     let fail = |why: String, plan: &MemoryPlan| EngineError::Plan {
         device: device.clone(),
@@ -660,7 +665,8 @@ fn plan_device(c: &CudaBackend, model: &mut Model, flags: &EngineFlags) -> Resul
     c.preload(&model.dense_weight_bytes())
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
     if matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
-        set_miss_plan(c, model, ef.miss_policy, pinned.is_some()).map_err(|e| {
+        let link = probe_link(c, model, &flags.device, faults.probe_unsynced);
+        set_miss_plan(c, model, ef.miss_policy, pinned.is_some(), link).map_err(|e| {
             fail(
                 format!("--miss-policy {}: the CPU's threads: {e}", ef.miss_policy),
                 &plan,
@@ -710,9 +716,39 @@ fn sim_faults(
     Ok(faults)
 }
 
-/// The fastest host-to-device link a reading may report, bytes per second (PCIe Gen5 x16, 64 GB/s): a reading
-/// above it is a probe bug (DESIGN.md section 1, seed 000's 9-19 TB/s), reported and never used.
-const LINK_PEAK_BYTES_S: f64 = 64e9;
+/// The link a CUDA device is assumed to have when sysfs does not say (PCIe Gen5 x16, 63 GB/s): the H100/H200's.
+const ASSUMED_LINK: crate::device::profile::LinkSpec = crate::device::profile::LinkSpec {
+    pcie_gen: 5,
+    pcie_width: 16,
+    peak_gb_s: None,
+    probe_gb_s: Vec::new(),
+};
+
+/// The link probe on a CUDA device (DESIGN.md section 1, seed 000): copies of one layer's gate experts from the
+/// expert store (the 30B shape: 113 MB, past the H200's 50 MB L2; at most 256 MiB), checked against the link's
+/// peak read from sysfs; one `probe` event. The rate to plan with, bytes per second (the peak-derived default
+/// when the readings are impossible); `None` when there is nothing to copy or a copy failed (logged).
+fn probe_link(c: &CudaBackend, model: &Model, device: &Device, unsynced: bool) -> Option<f64> {
+    let ex = (0..model.hp.n_layer as usize).find_map(|il| model.layer_experts(il))?;
+    let probe = &ex.gate.data[..ex.gate.data.len().min(256 << 20)];
+    let readings = match c.measure_upload(probe, unsynced) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("strata: {device}: the link probe failed ({e})");
+            return None;
+        }
+    };
+    let peak = c
+        .pci_bus_id()
+        .and_then(|id| crate::device::probe::pcie_link(&id))
+        .unwrap_or_else(|| crate::device::probe::LinkPeak {
+            bytes_s: ASSUMED_LINK.peak_bytes_s(),
+            what: format!("{} (assumed: the link could not be read)", ASSUMED_LINK.what()),
+        });
+    let v = crate::device::probe::check(&readings, &peak);
+    crate::device::probe::report(&device.to_string(), &peak, &v);
+    Some(v.used_bytes_s)
+}
 
 /// Sets the miss plan of `--miss-policy` (DESIGN.md section 3, "Expert cache") and logs it in one line: `auto`
 /// measures the link (a copy of one layer's gate experts from the expert store) and the CPU's expert rate and
@@ -720,7 +756,13 @@ const LINK_PEAK_BYTES_S: f64 = 64e9;
 /// layer-step's misses by them ([`MissCost`]); a failed or impossible link reading falls back to uploading.
 ///
 /// Errors: the CPU's worker threads could not be started.
-fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: bool) -> std::io::Result<()> {
+fn set_miss_plan(
+    c: &CudaBackend,
+    model: &Model,
+    policy: MissPolicy,
+    pinned: bool,
+    link: Option<f64>,
+) -> std::io::Result<()> {
     let plan = |cost| MissPlan { policy, cost };
     match policy {
         MissPolicy::Upload => {
@@ -738,24 +780,8 @@ fn set_miss_plan(c: &CudaBackend, model: &Model, policy: MissPolicy, pinned: boo
     let Some(ex) = (0..model.hp.n_layer as usize).find_map(|il| model.layer_experts(il)) else {
         return Ok(());
     };
-    // One layer's gate experts (the 30B shape: 113 MB, past the H200's 50 MB L2), at most 256 MiB.
-    let probe = &ex.gate.data[..ex.gate.data.len().min(256 << 20)];
-    let link = match c.measure_upload(probe) {
-        Ok(gb_s) if gb_s > 0.0 && gb_s * 1e9 <= LINK_PEAK_BYTES_S => gb_s * 1e9,
-        Ok(gb_s) if gb_s > LINK_PEAK_BYTES_S / 1e9 => {
-            eprintln!(
-                "strata: expert misses: the link probe read {gb_s:.1} GB/s, above PCIe Gen5 x16's 64 GB/s: a probe bug, not used; misses are uploaded"
-            );
-            return Ok(());
-        }
-        Ok(gb_s) => {
-            eprintln!("strata: expert misses: the link probe read {gb_s} GB/s, not a rate; misses are uploaded");
-            return Ok(());
-        }
-        Err(e) => {
-            eprintln!("strata: expert misses: the link probe failed ({e}); misses are uploaded");
-            return Ok(());
-        }
+    let Some(link) = link else {
+        return Ok(());
     };
     let k = (model.hp.n_expert_used as usize).max(1);
     let Some(rate) = c.cpu_expert_rate(&ex, k) else {

@@ -69,6 +69,18 @@ pub fn open(name: &str, model: &mut Model, flags: &EngineFlags) -> Result<SimHol
             )
         }
     );
+    // The link probe at start, as the original's: the profile's readings, checked against the link's peak.
+    let peak = crate::device::probe::LinkPeak {
+        bytes_s: p.link.peak_bytes_s(),
+        what: p.link.what(),
+    };
+    let readings = if p.link.probe_gb_s.is_empty() {
+        vec![peak.bytes_s / 1e9 * crate::device::probe::DEFAULT_LINK_FRACTION]
+    } else {
+        p.link.probe_gb_s.clone()
+    };
+    let verdict = crate::device::probe::check(&readings, &peak);
+    crate::device::probe::report(&device.to_string(), &peak, &verdict);
     let ef = &flags.plan.experts;
     let mut config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
     // The reserve in the card's MiB, as the log lines quote it (the driver's floor when that is more).

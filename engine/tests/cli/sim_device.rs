@@ -180,15 +180,27 @@ fn generate_with_fault(fault: &str, synced: bool) -> (Output, String) {
 fn seed_003_sticky_fault_names_its_kernel_only_when_launches_are_synchronised() {
     let (out, err) = generate_with_fault("sticky:moe_add_rms_norm@2", false);
     assert!(!out.status.success(), "{err}");
-    let fault = err.lines().find(|l| l.contains("fault: ")).unwrap_or_else(|| panic!("no fault line: {err}"));
+    let fault = err
+        .lines()
+        .find(|l| l.contains("fault: "))
+        .unwrap_or_else(|| panic!("no fault line: {err}"));
     assert!(fault.contains("(not synchronised"), "{fault}");
-    assert!(!fault.contains("fault: moe_add_rms_norm"), "the asynchronous fault names its own kernel: {fault}");
+    assert!(
+        !fault.contains("fault: moe_add_rms_norm"),
+        "the asynchronous fault names its own kernel: {fault}"
+    );
     assert!(fault.contains("hipErrorLaunchFailure"), "{fault}");
 
     let (out, err) = generate_with_fault("sticky:moe_add_rms_norm@2", true);
     assert!(!out.status.success(), "{err}");
-    let fault = err.lines().find(|l| l.contains("fault: ")).unwrap_or_else(|| panic!("no fault line: {err}"));
-    assert!(fault.contains("fault: moe_add_rms_norm launch #") && fault.contains("(synchronised)"), "{fault}");
+    let fault = err
+        .lines()
+        .find(|l| l.contains("fault: "))
+        .unwrap_or_else(|| panic!("no fault line: {err}"));
+    assert!(
+        fault.contains("fault: moe_add_rms_norm launch #") && fault.contains("(synchronised)"),
+        "{fault}"
+    );
 
     // A rule past what the request launches changes nothing.
     let (out, err) = generate_with_fault("sticky:moe_add_rms_norm@100000", false);

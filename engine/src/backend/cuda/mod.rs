@@ -365,7 +365,9 @@ impl CudaBackend {
             g.sync_launches,
             "CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\"",
         );
-        g.sticky.set(gate).map_err(|_| format!("{rule}: a sticky fault is armed already"))?;
+        g.sticky
+            .set(gate)
+            .map_err(|_| format!("{rule}: a sticky fault is armed already"))?;
         g.graphs_off();
         Ok(())
     }
@@ -484,29 +486,46 @@ impl CudaBackend {
         self.synchronize()
     }
 
-    /// The host-to-device copy rate from `src` (the expert store's memory: page-locked or not), GB/s (1e9 bytes):
-    /// one untimed copy, then the best of three. A reading above PCIe Gen5 x16's 64 GB/s would be a probe bug
-    /// (DESIGN.md section 1, seed 000's readings), so the caller may compare it with that.
+    /// The host-to-device copy rates from `src` (the expert store's memory: page-locked or not), GB/s (1e9
+    /// bytes): one untimed copy, then three timed ones, each waited for. A reading above the link's peak is a probe
+    /// bug (DESIGN.md section 1, seed 000's readings): the caller checks them ([`crate::device::probe::check`]).
+    /// `unsynced` (`STRATA_FAULT=probe:unsynced`) times each copy without waiting for it, the bug that makes a
+    /// probe read terabytes per second from page-locked memory.
     ///
     /// Errors: the buffer could not be allocated or a copy failed.
-    pub fn measure_upload(&self, src: &[u8]) -> Result<f64, CudaError> {
+    pub fn measure_upload(&self, src: &[u8], unsynced: bool) -> Result<Vec<f64>, CudaError> {
         if src.is_empty() {
-            return Ok(0.0);
+            return Ok(vec![]);
         }
         let dst = DevBuf::alloc(&self.gpu.stream, src.len())?;
-        let mut best = f64::INFINITY;
+        let mut readings = Vec::with_capacity(3);
         for i in 0..4 {
             self.synchronize()?;
             let t = std::time::Instant::now();
-            // SAFETY: `dst` holds `src.len()` bytes; the copy is waited for before `src` can go.
+            // SAFETY: `dst` holds `src.len()` bytes; the copy is waited for before `src` can go (below, or at the
+            // next round's synchronize, or after the loop).
             unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, src, self.gpu.stream.cu_stream()) }
                 .map_err(CudaError::driver("host-to-device probe copy"))?;
-            self.synchronize()?;
+            if !unsynced {
+                self.synchronize()?;
+            }
+            let secs = t.elapsed().as_secs_f64();
             if i > 0 {
-                best = best.min(t.elapsed().as_secs_f64());
+                readings.push(src.len() as f64 / secs.max(1e-9) / 1e9);
             }
         }
-        Ok(src.len() as f64 / best / 1e9)
+        self.synchronize()?;
+        Ok(readings)
+    }
+
+    /// The PCI address of the device (`0000:19:00.0`), as Linux sysfs names it; `None` if the driver does not say.
+    pub fn pci_bus_id(&self) -> Option<String> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let ctx = &self.gpu.ctx;
+        let domain = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID).ok()?;
+        let bus = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID).ok()?;
+        let dev = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID).ok()?;
+        Some(format!("{domain:04x}:{bus:02x}:{dev:02x}.0"))
     }
 
     /// Bytes of weights resident on the device.

@@ -8,8 +8,8 @@ use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::device::fault::{FaultPlan, LaunchGate, SIM_KERNELS, StickyRule, Verdict};
-use crate::events::{self, EventKind, Fault, Launch};
 use crate::device::{Device, DeviceError};
+use crate::events::{self, EventKind, Fault, Launch};
 use crate::state::batch::BatchLayout;
 use crate::state::kv::{KvCache, KvLayer, SeqSlot};
 
@@ -278,10 +278,24 @@ impl Backend for AnyBackend {
         dispatch!(self, be, rms_norm, [x], [], Backend::rms_norm(be, x, rows, w, eps))
     }
     fn rms_norm_into(&self, x: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
-        dispatch!(self, be, rms_norm_into, [out], [x], be.rms_norm_into(x, out, rows, w, eps))
+        dispatch!(
+            self,
+            be,
+            rms_norm_into,
+            [out],
+            [x],
+            be.rms_norm_into(x, out, rows, w, eps)
+        )
     }
     fn rope(&self, x: &mut AnyBuf, n_head: usize, head_dim: usize, positions: &[u32], p: &RopeParams) {
-        dispatch!(self, be, rope, [x], [], Backend::rope(be, x, n_head, head_dim, positions, p))
+        dispatch!(
+            self,
+            be,
+            rope,
+            [x],
+            [],
+            Backend::rope(be, x, n_head, head_dim, positions, p)
+        )
     }
     fn scale(&self, x: &mut AnyBuf, len: usize, s: f32) {
         dispatch!(self, be, scale, [x], [], Backend::scale(be, x, len, s))
@@ -290,10 +304,24 @@ impl Backend for AnyBackend {
         dispatch!(self, be, add, [x], [y], Backend::add(be, x, y, len))
     }
     fn store_kv(&self, kv: &mut KvLayer, k: &AnyBuf, v: &AnyBuf, positions: &[u32]) {
-        dispatch!(self, be, store_kv, [], [k, v], Backend::store_kv(be, kv, k, v, positions))
+        dispatch!(
+            self,
+            be,
+            store_kv,
+            [],
+            [k, v],
+            Backend::store_kv(be, kv, k, v, positions)
+        )
     }
     fn attention(&self, q: &AnyBuf, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut AnyBuf) {
-        dispatch!(self, be, attention, [out], [q], Backend::attention(be, q, kv, positions, p, out))
+        dispatch!(
+            self,
+            be,
+            attention,
+            [out],
+            [q],
+            Backend::attention(be, q, kv, positions, p, out)
+        )
     }
     #[allow(clippy::too_many_arguments)]
     fn rope_store_attention(
@@ -329,7 +357,14 @@ impl Backend for AnyBackend {
         a: &AttnOp<'_>,
         out: &mut AnyBuf,
     ) {
-        dispatch!(self, be, attend, [q, k, out], [v], be.attend(q, k, v, kv, positions, a, out))
+        dispatch!(
+            self,
+            be,
+            attend,
+            [q, k, out],
+            [v],
+            be.attend(q, k, v, kv, positions, a, out)
+        )
     }
     #[allow(clippy::too_many_arguments)]
     fn attend_runs(
@@ -453,7 +488,14 @@ impl Backend for AnyBackend {
         }
     }
     fn add_rms_norm_into(&self, x: &mut AnyBuf, y: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
-        dispatch!(self, be, add_rms_norm_into, [x, out], [y], be.add_rms_norm_into(x, y, out, rows, w, eps))
+        dispatch!(
+            self,
+            be,
+            add_rms_norm_into,
+            [x, out],
+            [y],
+            be.add_rms_norm_into(x, y, out, rows, w, eps)
+        )
     }
     #[allow(clippy::too_many_arguments)]
     fn qk_norm_rope(
@@ -570,7 +612,10 @@ mod tests {
         }
         launched.sort();
         launched.dedup();
-        let mut known: Vec<String> = crate::device::fault::SIM_KERNELS.iter().map(|s| s.to_string()).collect();
+        let mut known: Vec<String> = crate::device::fault::SIM_KERNELS
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         known.sort();
         assert_eq!(launched, known);
     }
