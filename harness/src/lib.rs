@@ -185,8 +185,10 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
             format!("scenario error: {}: {why}", scenario_file.display()),
         );
     }
-    if let Err(why) = runner::device_available(&device) {
-        return fail(EXIT_ENGINE, format!("cannot run on this machine: {why}"));
+    for d in runner::devices(&s, &device) {
+        if let Err(why) = runner::device_available(&d) {
+            return fail(EXIT_ENGINE, format!("cannot run on this machine: {why}"));
+        }
     }
     if opts.quick && s.quick.is_none() {
         return fail(

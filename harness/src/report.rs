@@ -75,6 +75,9 @@ pub struct ArmReport {
     /// `strata serve` arguments and environment beyond the harness's own.
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
+    /// The device it ran on (the arm's `device`, else the scenario's or `--device`).
+    #[serde(default)]
+    pub device: String,
     /// Set when the server could not start: nothing else ran.
     pub error: Option<String>,
     /// The arm's `expect_start_error`: its server was meant not to start (a replayed failure), so `error` is its
@@ -156,6 +159,36 @@ pub struct Sample {
     /// `expert_cache` events; empty when it sent none (every expert resident, a dense model, the CPU).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub expert_cache: BTreeMap<String, CacheCounts>,
+    /// The worker's launch faults during the request (`fault` events naming a kernel), as the log says them:
+    /// `moe_add_rms_norm launch #12 (synchronised)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub faults: Vec<LaunchFault>,
+}
+
+/// A launch fault a `fault` event named.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LaunchFault {
+    pub kernel: String,
+    /// The launch's number since the worker started.
+    pub call: u64,
+    pub synced: bool,
+    pub error: String,
+}
+
+impl std::fmt::Display for LaunchFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} launch #{} ({})",
+            self.kernel,
+            self.call,
+            if self.synced {
+                "synchronised"
+            } else {
+                "not synchronised"
+            }
+        )
+    }
 }
 
 /// Counts of the VRAM expert cache over one phase of one or more requests, from the worker's `expert_cache`
@@ -329,6 +362,99 @@ fn gib(bytes: u64) -> f64 {
 }
 
 /// Renders `report.md`. `plots` are file names beside it (PNG), shown in order.
+/// The arms side by side, from their events: the device, the link probe's check, the expert cache the device
+/// gave room for, the outcome, and what was at fault (the allocation that failed, the kernel or GEMM whose fault
+/// killed the worker, the op that fell back).
+fn side_by_side(m: &mut String, arms: &[ArmReport]) {
+    let _ = writeln!(m, "\n## Side by side\n");
+    let _ = writeln!(
+        m,
+        "| arm | device | link probe | expert cache | outcome | at fault |\n|---|---|---|---|---|---|"
+    );
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    for a in arms {
+        let of = |kind: &'static str| a.raw_events.iter().filter(move |e| e["event"] == kind);
+        let probe = of("probe").next().map_or("–".to_string(), |p| {
+            format!(
+                "{:.1} GB/s, peak {:.1}: {}",
+                p["best_gb_s"].as_f64().unwrap_or(0.0),
+                p["peak_gb_s"].as_f64().unwrap_or(0.0),
+                if p["plausible"] == true {
+                    "plausible"
+                } else {
+                    "**a probe bug**"
+                }
+            )
+        });
+        let memory: Vec<&serde_json::Value> = of("memory").collect();
+        let on_card = |e: &serde_json::Value| {
+            gib(e["bytes"].as_f64().unwrap_or(0.0) / e["scale"].as_f64().filter(|s| *s > 0.0).unwrap_or(1.0))
+        };
+        let cache = memory
+            .iter()
+            .find(|e| {
+                e["op"] == "alloc"
+                    && e["what"]
+                        .as_str()
+                        .is_some_and(|w| w.starts_with("the expert cache") || w.starts_with("the experts"))
+            })
+            .map_or("–".to_string(), |e| {
+                format!(
+                    "{}: {:.2} GiB on the card",
+                    e["what"].as_str().unwrap_or(""),
+                    on_card(e)
+                )
+            });
+        let answered = a
+            .rows
+            .iter()
+            .flat_map(|r| &r.samples)
+            .filter(|s| s.status == 200)
+            .count();
+        let asked = a.rows.iter().map(|r| r.samples.len()).sum::<usize>();
+        let outcome = match &a.error {
+            Some(_) if a.start_failure_expected => "did not start (as expected)".to_string(),
+            Some(_) => "**did not start**".to_string(),
+            None => format!("{answered} of {asked} requests answered, {} restarts", a.restarts),
+        };
+        let failed_alloc = memory
+            .iter()
+            .find(|e| e["op"].as_str().is_some_and(|o| o.ends_with("_failed")));
+        let fault = of("fault").find(|e| e["kernel"].is_string() || e["op"].is_string());
+        let fallback = of("fallback").next();
+        let at_fault = if let Some(e) = failed_alloc {
+            format!(
+                "{} {} of {} B ({:.2} GiB on the card) failed",
+                e["op"].as_str().unwrap_or("").trim_end_matches("_failed"),
+                e["what"].as_str().unwrap_or(""),
+                e["bytes"],
+                on_card(e)
+            )
+        } else if let Some(f) = fault {
+            match serde_json::from_value::<strata_engine::events::Fault>(f.clone()) {
+                Ok(x) => x.to_string(),
+                Err(_) => f["error"].as_str().unwrap_or("").to_string(),
+            }
+        } else if let Some(b) = fallback {
+            format!(
+                "{} on {} failed; fell back to {}",
+                b["op"].as_str().unwrap_or(""),
+                b["from"].as_str().unwrap_or(""),
+                b["to"].as_str().unwrap_or("")
+            )
+        } else {
+            "–".to_string()
+        };
+        let _ = writeln!(
+            m,
+            "| `{}` | {} | {probe} | {cache} | {outcome} | {} |",
+            a.name,
+            a.device,
+            at_fault.replace('|', "\\|")
+        );
+    }
+}
+
 pub fn markdown(r: &Report, plots: &[String]) -> String {
     let mut m = String::new();
     let v = &r.verdict;
@@ -357,12 +483,7 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
                     );
                 }
             }
-            for c in a
-                .boundaries
-                .iter()
-                .filter_map(|b| b.check.as_ref())
-                .chain(&a.event_checks)
-            {
+            for c in a.boundaries.iter().filter_map(|b| b.check.as_ref()) {
                 if !c.passed {
                     let _ = writeln!(m, "- `{}`: {} expected {}, got {}", a.name, c.what, c.expected, c.got);
                 }
@@ -385,6 +506,9 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
     }
     if !r.description.is_empty() {
         let _ = writeln!(m, "\n{}\n", r.description.trim());
+    }
+    if r.arms.len() > 1 {
+        side_by_side(&mut m, &r.arms);
     }
     let e = &r.environment;
     let _ = writeln!(m, "\n## Environment\n");

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use crate::capture::{MemorySampler, count_events, read_events};
 use crate::prompt::PromptBuilder;
-use crate::report::{ArmReport, Boundary, CaseRow, Check, Sample, Stat};
+use crate::report::{ArmReport, Boundary, CaseRow, Check, LaunchFault, Sample, Stat};
 use crate::scenario::{Arm, BoundaryExpect, Case, Expect, Prompt, Scenario, SweepValues};
 use crate::server::Server;
 
@@ -332,6 +332,33 @@ pub fn check_row(row: &CaseRow, e: &Expect, tokenizer: Option<&strata_engine::to
         got: statuses.join(", "),
         passed: row.samples.iter().all(|s| s.status == want_status),
     });
+    if let Some(f) = &e.fault {
+        let seen: Vec<String> = row
+            .samples
+            .iter()
+            .map(|s| match s.faults.first() {
+                Some(x) => x.to_string(),
+                None => "no launch fault".into(),
+            })
+            .collect();
+        let mut want = Vec::new();
+        if let Some(k) = &f.kernel {
+            want.push(format!("kernel {k}"));
+        }
+        if let Some(sy) = f.synced {
+            want.push(if sy { "synchronised" } else { "not synchronised" }.to_string());
+        }
+        out.push(Check {
+            what: "the launch fault that killed the worker".into(),
+            expected: want.join(", "),
+            got: seen.join("; "),
+            passed: row.samples.iter().all(|s| {
+                s.faults.first().is_some_and(|x| {
+                    f.kernel.as_ref().is_none_or(|k| *k == x.kernel) && f.synced.is_none_or(|sy| sy == x.synced)
+                })
+            }),
+        });
+    }
     let want_restarts = e.restarts.unwrap_or(0);
     out.push(Check {
         what: "worker restarts per request".into(),
@@ -477,9 +504,16 @@ pub fn check_serve_args(s: &Scenario) -> Result<(), String> {
 ///
 /// Errors: the first such mistake, naming it.
 pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
-    device
-        .parse::<strata_engine::device::Device>()
-        .map_err(|e| format!("device `{device}`: {e}"))?;
+    for d in devices(s, device) {
+        let parsed = d
+            .parse::<strata_engine::device::Device>()
+            .map_err(|e| format!("device `{d}`: {e}"))?;
+        // A simulated device's profile is part of the scenario: a typo in its name or a mistake in its file is
+        // the scenario's error, found before anything starts.
+        if matches!(parsed, strata_engine::device::Device::Sim(_)) {
+            parsed.available().map_err(|e| format!("device `{d}`: {e}"))?;
+        }
+    }
     let named = s.model == "default" || s.model.starts_with("synth:");
     if !named && !Path::new(&s.model).is_file() {
         return Err(format!(
@@ -535,10 +569,16 @@ pub fn run_combo(
         metrics_after_file: format!("logs/{slug}.metrics-after.txt"),
         ..ArmReport::default()
     };
+    let device = combo
+        .arms
+        .iter()
+        .find_map(|a| a.device.clone())
+        .unwrap_or_else(|| settings.device.clone());
+    arm.device = device.clone();
     let mut full_args = args.clone();
     full_args.extend([
         "--device".into(),
-        settings.device.clone(),
+        device,
         "--model".into(),
         settings.model_path.display().to_string(),
         "--events".into(),
@@ -557,6 +597,9 @@ pub fn run_combo(
             });
             arm.raw_events = read_events(&events_path);
             arm.events = count_events(&arm.raw_events);
+            for p in combo.arms.iter().filter_map(|a| a.expect_probe.as_ref()) {
+                arm.event_checks.push(probe_check(&arm.raw_events, p.plausible));
+            }
             if let Some(want) = expected {
                 let log = std::fs::read_to_string(&log_path).unwrap_or_default();
                 arm.event_checks.push(Check {
@@ -619,6 +662,7 @@ pub fn run_combo(
         let planned: u64 = s
             .cases
             .iter()
+            .filter(|c| c.runs_in(&combo.arm_names()))
             .map(|c| {
                 let reps = u64::from(run.repetitions(c));
                 let n = match &c.sweep {
@@ -633,7 +677,10 @@ pub fn run_combo(
             })
             .sum();
         run.bar.set_length(planned);
-        s.cases.iter().try_for_each(|c| run.run_case(c))
+        s.cases
+            .iter()
+            .filter(|c| c.runs_in(&combo.arm_names()))
+            .try_for_each(|c| run.run_case(c))
     };
     bar.finish_and_clear();
     arm.restarts = server.restarts().unwrap_or(restarts_start) - restarts_start;
@@ -665,6 +712,9 @@ pub fn run_combo(
         row.checks = check_row(row, &e, Some(tok));
     }
     for a in &combo.arms {
+        if let Some(p) = &a.expect_probe {
+            arm.event_checks.push(probe_check(&arm.raw_events, p.plausible));
+        }
         for (kind, want) in &a.expect_events {
             let got = arm.events.get(kind).copied().unwrap_or(0);
             arm.event_checks.push(Check {
@@ -676,6 +726,30 @@ pub fn run_combo(
         }
     }
     Ok(arm)
+}
+
+/// The check of an arm's `expect_probe`: the worker's `probe` event says its readings were `plausible` or not.
+fn probe_check(events: &[Value], plausible: bool) -> Check {
+    let probe = events.iter().find(|e| e["event"] == "probe");
+    let got = match probe {
+        Some(p) => format!(
+            "best of {} GB/s against a peak of {:.1} GB/s: {}",
+            p["best_gb_s"].as_f64().unwrap_or(0.0),
+            p["peak_gb_s"].as_f64().unwrap_or(0.0),
+            if p["plausible"] == true {
+                "plausible"
+            } else {
+                "a probe bug"
+            }
+        ),
+        None => "no probe event".into(),
+    };
+    Check {
+        what: "the link probe's check".into(),
+        expected: if plausible { "plausible" } else { "a probe bug" }.into(),
+        got,
+        passed: probe.is_some_and(|p| p["plausible"] == plausible),
+    }
 }
 
 /// The first error line a server's log holds (`strata: error: ...`, the worker's cause of a failed start), without
@@ -717,8 +791,23 @@ fn row_expect(s: &Scenario, arm_names: &[String], case: &str) -> Expect {
 /// request at a time, so the window is the request's), summed by phase.
 pub fn attribute_cache_events(arm: &mut ArmReport) {
     let cache: Vec<&Value> = arm.raw_events.iter().filter(|e| e["event"] == "expert_cache").collect();
+    let faults: Vec<&Value> = arm
+        .raw_events
+        .iter()
+        .filter(|e| e["event"] == "fault" && e["kernel"].is_string() && e["call"].is_u64())
+        .collect();
     for smp in arm.rows.iter_mut().flat_map(|r| r.samples.iter_mut()) {
         smp.expert_cache.clear();
+        smp.faults = faults
+            .iter()
+            .filter(|e| (smp.t_start_unix_ms..=smp.t_end_unix_ms).contains(&e["ts_ms"].as_u64().unwrap_or(0)))
+            .map(|e| LaunchFault {
+                kernel: e["kernel"].as_str().unwrap_or_default().into(),
+                call: e["call"].as_u64().unwrap_or(0),
+                synced: e["synced"].as_bool().unwrap_or(false),
+                error: e["error"].as_str().unwrap_or_default().into(),
+            })
+            .collect();
         for e in &cache {
             let ts = e["ts_ms"].as_u64().unwrap_or(0);
             if ts >= smp.t_start_unix_ms && ts <= smp.t_end_unix_ms {
@@ -836,6 +925,26 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
 /// Errors: the model cannot be found or fetched.
 pub fn model_path(model: &str) -> Result<PathBuf> {
     Ok(strata_engine::models::resolve(Some(model))?)
+}
+
+/// The devices the combinations that run use: each one's arm `device`, else `default` (the scenario's or
+/// `--device`), each once, in order.
+pub fn devices(s: &Scenario, default: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for c in combos(s) {
+        let d = c
+            .arms
+            .iter()
+            .find_map(|a| a.device.clone())
+            .unwrap_or_else(|| default.to_string());
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    if out.is_empty() {
+        out.push(default.to_string());
+    }
+    out
 }
 
 /// Whether `device` can run here, and why not.

@@ -96,6 +96,34 @@ pub struct Arm {
     /// run.
     #[serde(default)]
     pub expect_start_error: Option<String>,
+    /// The device of a combination containing this arm, in place of the scenario's (and `--device`'s): a
+    /// replay of several reports runs each on its own card (`sim:gfx1100-rx7900xtx`).
+    #[serde(default)]
+    pub device: Option<String>,
+    /// The worker's `probe` event (the link probe's check) in a combination containing this arm: whether its
+    /// readings were plausible (seed 000's were not).
+    #[serde(default)]
+    pub expect_probe: Option<ProbeExpect>,
+}
+
+/// What the link probe's check must conclude.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeExpect {
+    /// Every reading at most the link's physical peak.
+    pub plausible: bool,
+}
+
+/// What the `fault` event of a request that killed its worker must say about the failed launch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FaultExpect {
+    /// The kernel (or, on a `sim:` device, the backend op) the launch fault names.
+    #[serde(default)]
+    pub kernel: Option<String>,
+    /// Whether launches were synchronised (`STRATA_SYNC_LAUNCHES=1`), so the named kernel is the culprit.
+    #[serde(default)]
+    pub synced: Option<bool>,
 }
 
 /// One case: a prompt, or a sweep of exact token counts.
@@ -123,6 +151,17 @@ pub struct Case {
     /// different axes: it applies to the combinations that hold all of them, after the single arms.
     #[serde(default)]
     pub arms: BTreeMap<String, Expect>,
+    /// Arm names: the case runs only in the combinations that hold one of them (empty: in every one). A
+    /// scenario replaying several reports keeps each report's cases to its own arms.
+    #[serde(default)]
+    pub only: Vec<String>,
+}
+
+impl Case {
+    /// Whether the case runs in the combination of arms `arm_names`.
+    pub fn runs_in(&self, arm_names: &[String]) -> bool {
+        self.only.is_empty() || self.only.iter().any(|a| arm_names.contains(a))
+    }
 }
 
 /// A prompt: exactly one of `text`, `messages` or `tokens`.
@@ -272,6 +311,10 @@ pub struct Expect {
     /// resident`). A combination that already has the arm is not checked against itself.
     #[serde(default)]
     pub same_output_as: Option<String>,
+    /// Each request killed its worker with a launch fault, and the worker's `fault` event says this about it
+    /// (seed 003: which kernel, and whether launches were synchronised).
+    #[serde(default)]
+    pub fault: Option<FaultExpect>,
 }
 
 /// An expected boundary: a token count, or `none`.
@@ -305,6 +348,7 @@ impl Expect {
             boundary: over.boundary.clone().or_else(|| self.boundary.clone()),
             min_decode_hit_rate: over.min_decode_hit_rate.or(self.min_decode_hit_rate),
             same_output_as: over.same_output_as.clone().or_else(|| self.same_output_as.clone()),
+            fault: over.fault.clone().or_else(|| self.fault.clone()),
         }
     }
 }
@@ -563,6 +607,12 @@ impl Scenario {
             }
         }
         self.check_expect("expect", &self.expect, &arm_names)?;
+        for arm in self.matrix.values().flatten() {
+            if let Some(d) = &arm.device {
+                d.parse::<strata_engine::device::Device>()
+                    .map_err(|e| format!("arm `{}`: device `{d}`: {e}", arm.name))?;
+            }
+        }
         let running = self.running_arm_names();
         let mut case_names = Vec::new();
         for c in &self.cases {
@@ -610,6 +660,20 @@ impl Scenario {
             }
             if c.repetitions == Some(0) || c.max_tokens == Some(0) {
                 return Err(format!("{at}: repetitions and max_tokens must be at least 1"));
+            }
+            for arm in &c.only {
+                if !arm_names.contains(arm) {
+                    return Err(format!(
+                        "{at}: only: `{arm}` names no arm of the matrix (arms: {})",
+                        arm_names.join(", ")
+                    ));
+                }
+            }
+            if !c.only.is_empty() && !running.iter().any(|names| c.runs_in(names)) {
+                return Err(format!(
+                    "{at}: only: {} run in no combination that runs (`exclude` drops them)",
+                    c.only.join(", ")
+                ));
             }
             let mut joined: Vec<(Vec<&str>, &String)> = Vec::new();
             for key in c.arms.keys() {

@@ -107,10 +107,14 @@ fn main() {
                 continue;
             }
         };
-        let unavailable = runner::device_available(&s.device).err();
         for combo in runner::combos(&s) {
             let name = format!("{stem}::{}", combo.name);
-            match &unavailable {
+            let device = combo
+                .arms
+                .iter()
+                .find_map(|a| a.device.clone())
+                .unwrap_or_else(|| s.device.clone());
+            match &runner::device_available(&device).err() {
                 Some(why) => {
                     trials.push(Trial::test(format!("{name} (ignored: {why})"), || Ok(())).with_ignored_flag(true))
                 }
