@@ -420,7 +420,10 @@ fn side_by_side(m: &mut String, arms: &[ArmReport]) {
         let failed_alloc = memory
             .iter()
             .find(|e| e["op"].as_str().is_some_and(|o| o.ends_with("_failed")));
-        let fault = of("fault").find(|e| e["kernel"].is_string() || e["op"].is_string());
+        // The launch or operation a fault names, else the first fault's words (a failed copy, a panic).
+        let fault = of("fault")
+            .find(|e| e["kernel"].is_string() || e["op"].is_string())
+            .or_else(|| of("fault").next());
         let fallback = of("fallback").next();
         let at_fault = if let Some(e) = failed_alloc {
             format!(
@@ -507,7 +510,7 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
     if !r.description.is_empty() {
         let _ = writeln!(m, "\n{}\n", r.description.trim());
     }
-    if r.arms.len() > 1 {
+    if !r.arms.is_empty() {
         side_by_side(&mut m, &r.arms);
     }
     let e = &r.environment;

@@ -61,11 +61,13 @@ fn run_arm(file: &Path, combo: &str, name: &str) -> Result<(), Failed> {
         ..RunOptions::default()
     };
     let o = strata_harness::run(file, &opts);
-    // An arm whose server fails to start as it expects has no requests to plot.
-    let plotted = o
-        .report
-        .as_ref()
-        .is_none_or(|r| r.arms.iter().any(|a| !a.rows.is_empty()));
+    // An arm whose server fails to start as it expects, or whose every request kills its worker as it expects,
+    // has no answered request to plot.
+    let plotted = o.report.as_ref().is_none_or(|r| {
+        r.arms
+            .iter()
+            .any(|a| a.rows.iter().flat_map(|row| &row.samples).any(|s| s.status == 200))
+    });
     let folder = o.folder.ok_or_else(|| format!("no report: {}", o.summary))?;
     let md = std::fs::read_to_string(folder.join("report.md")).map_err(|e| e.to_string())?;
     if o.exit_code != 0 {

@@ -45,6 +45,18 @@ fn validation_errors() {
             "name: t\ncases:\n  - name: a\n    prompt: {text: hi}\n    expect: {regex: \"(\"}\n",
         ),
         ("not yaml", "name: [t\n"),
+        (
+            "a case kept to an unknown arm",
+            "name: t\nmatrix:\n  kv: [{name: f16}]\ncases:\n  - name: a\n    prompt: {text: hi}\n    only: [f61]\n",
+        ),
+        (
+            "an arm's unknown device",
+            "name: t\nmatrix:\n  kv: [{name: f16, device: gpu:0}]\ncases:\n  - name: a\n    prompt: {text: hi}\n",
+        ),
+        (
+            "a typo in a fault expectation",
+            "name: t\ncases:\n  - name: a\n    prompt: {text: hi}\n    expect: {fault: {kernal: moe}}\n",
+        ),
     ];
     let text: String = cases
         .iter()

@@ -363,7 +363,7 @@ impl CudaBackend {
         let gate = crate::device::fault::LaunchGate::new(
             rule.clone(),
             g.sync_launches,
-            "CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\"",
+            "DriverError(CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\")",
         );
         g.sticky
             .set(gate)
