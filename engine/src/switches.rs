@@ -111,12 +111,12 @@ pub const SWITCHES: &[Switch] = &[
     sw(
         FAULT,
         "",
-        "injected faults, e.g. prefill_gemm:m>64 (a prefill GEMM of more than 64 rows fails, seed 000)",
+        "injected faults, comma-separated: prefill_gemm:m>64 (a prefill GEMM of more than 64 rows fails, seed 000), sticky:KERNEL@N (the N-th launch of KERNEL poisons the device, seed 003), trap:KERNEL@N (a real trap on CUDA), probe:unsynced (the CUDA link probe times copies it did not wait for)",
     ),
     sw(
         SYNC_LAUNCHES,
         "0",
-        "1: synchronise after every CUDA kernel so a fault names its kernel, grid, block and launch number",
+        "1: synchronise after every CUDA kernel (every op of a sim: device) so a fault names its kernel, grid, block and launch number",
     ),
     sw(
         PDL,
