@@ -212,7 +212,7 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         Err(e) => return fail(EXIT_SCENARIO, format!("cannot build prompts for this model: {e:#}")),
     };
     let source = opts.source.clone().unwrap_or_else(|| PathBuf::from("."));
-    let environment = fingerprint(&source, &strata, &device);
+    let environment = fingerprint(&source, &strata, &runner::devices(&s, &device).join(", "));
     let folder = match report_folder(&opts.out, &s.name, &environment.git_rev) {
         Ok(f) => f,
         Err(e) => {
