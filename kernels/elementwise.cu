@@ -320,5 +320,6 @@ extern "C" __global__ void copy_f32x4(const float4* __restrict__ src, float4* __
 // thread executes a trap instruction, so the context is poisoned as a faulting kernel poisons it, and every later
 // call on it fails with the driver's own error.
 extern "C" __global__ void strata_trap() {
+    pdl_enter();
     __trap();
 }

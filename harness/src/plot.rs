@@ -251,6 +251,116 @@ fn draw_hit_rate<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) 
     Ok(())
 }
 
+/// One arm's device memory from its worker's `memory` events (issue 17, point 7): the free memory after each
+/// allocation, registration or failure, in GiB of the card (the simulation's scale undone), with the card's total
+/// and what each step was.
+struct DeviceMemory {
+    arm: String,
+    total_gib: f64,
+    /// (step, free GiB after it, what, whether it failed).
+    steps: Vec<(f64, f64, String, bool)>,
+}
+
+fn device_memory_series(r: &Report) -> Vec<DeviceMemory> {
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let mut out = Vec::new();
+    for a in &r.arms {
+        let mut d = DeviceMemory {
+            arm: a.name.clone(),
+            total_gib: 0.0,
+            steps: Vec::new(),
+        };
+        // The worker restarts after a fault and replays its start: the first start is the one drawn.
+        for e in a.raw_events.iter().filter(|e| e["event"] == "memory") {
+            let scale = e["scale"].as_f64().filter(|s| *s > 0.0).unwrap_or(1.0);
+            let free = gib(e["free_bytes"].as_f64().unwrap_or(0.0) / scale);
+            let (op, what) = (e["op"].as_str().unwrap_or(""), e["what"].as_str().unwrap_or(""));
+            if d.steps.iter().any(|(_, _, w, _)| w == &format!("{op} {what}")) {
+                break;
+            }
+            d.total_gib = gib(e["total_bytes"].as_f64().unwrap_or(0.0) / scale);
+            if d.steps.is_empty() {
+                // The free memory before the first change: the first change's free plus what it took.
+                let before =
+                    free + gib(e["bytes"].as_f64().unwrap_or(0.0) / scale) * f64::from(!op.ends_with("_failed"));
+                d.steps.push((0.0, before, "start".into(), false));
+            }
+            let failed = op.ends_with("_failed");
+            d.steps
+                .push((d.steps.len() as f64, free, format!("{op} {what}"), failed));
+            if failed {
+                // What follows is the failed start's teardown.
+                break;
+            }
+        }
+        if !d.steps.is_empty() {
+            out.push(d);
+        }
+    }
+    out
+}
+
+fn draw_device_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> Result<()> {
+    let series = device_memory_series(r);
+    area.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let ymax = series.iter().map(|d| d.total_gib).fold(1.0, f64::max);
+    let xmax = series.iter().map(|d| d.steps.len() as f64).fold(2.0, f64::max);
+    let mut chart = frame(
+        area,
+        format!(
+            "{}: device memory free after each allocation (GiB of the card)",
+            r.scenario
+        ),
+        0.0..xmax,
+        0.0..ymax * 1.1,
+        ("allocations and registrations, in order", "GiB free"),
+    )?;
+    for (i, d) in series.iter().enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        let pts: Vec<(f64, f64)> = d.steps.iter().map(|s| (s.0, s.1)).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(format!("{} (card {:.1} GiB)", d.arm, d.total_gib))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart
+            .draw_series(d.steps.iter().map(|s| {
+                let style = if s.3 { RED.filled() } else { c.filled() };
+                Circle::new((s.0, s.1), if s.3 { 6 } else { 3 }, style)
+            }))
+            .map_err(|e| anyhow!("{e}"))?;
+        // Name the step that took the most free memory, and a failure.
+        let biggest = d
+            .steps
+            .windows(2)
+            .map(|w| w[0].1 - w[1].1)
+            .enumerate()
+            .fold(
+                (0, 0.0),
+                |best, (j, drop)| if drop > best.1 { (j + 1, drop) } else { best },
+            );
+        let labels = d.steps.iter().enumerate().filter_map(|(j, s)| {
+            ((j == biggest.0 && biggest.1 >= d.total_gib * 0.1) || s.3).then(|| {
+                Text::new(
+                    s.2.clone(),
+                    (s.0, s.1 + ymax * (0.02 + 0.03 * (i % 3) as f64)),
+                    ("sans-serif", 11).into_font().color(&c),
+                )
+            })
+        });
+        chart.draw_series(labels).map_err(|e| anyhow!("{e}"))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 11))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
 /// Draws every plot of `r` into `dir`; returns the PNG file names.
 ///
 /// Errors: a file cannot be written.
@@ -269,6 +379,13 @@ pub fn write_all(dir: &Path, r: &Report) -> Result<Vec<String>> {
             draw_memory(p, r)
         })?;
         out.push("memory_timeline.png".to_string());
+    }
+    if !device_memory_series(r).is_empty() {
+        both(dir, "device_memory", |s, p| {
+            draw_device_memory(s, r)?;
+            draw_device_memory(p, r)
+        })?;
+        out.push("device_memory.png".to_string());
     }
     if !hit_rate_series(r).is_empty() {
         both(dir, "hit_rate_over_time", |s, p| {

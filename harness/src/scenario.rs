@@ -608,6 +608,12 @@ impl Scenario {
         }
         self.check_expect("expect", &self.expect, &arm_names)?;
         for arm in self.matrix.values().flatten() {
+            if arm.expect_start_error.as_ref().is_some_and(|t| t.trim().is_empty()) {
+                return Err(format!(
+                    "arm `{}`: expect_start_error is empty, which any log contains: give the text the error must hold",
+                    arm.name
+                ));
+            }
             if let Some(d) = &arm.device {
                 d.parse::<strata_engine::device::Device>()
                     .map_err(|e| format!("arm `{}`: device `{d}`: {e}", arm.name))?;

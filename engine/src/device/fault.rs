@@ -35,6 +35,9 @@ pub const TRAP: &str = "trap";
 pub struct FaultPlan {
     /// `prefill_gemm:m>N`: the largest prefill batch, in rows (tokens), whose GEMM still succeeds.
     pub prefill_gemm_max_rows: Option<usize>,
+    /// The failing GEMM's error as the vendor library said it, when a `sim:` profile's `blas` gave the limit
+    /// (`None`: the rule came from `STRATA_FAULT`).
+    pub prefill_gemm_error: Option<std::sync::Arc<str>>,
     /// `sticky:KERNEL@N` or `trap:KERNEL@N`: the launch that poisons the device.
     pub sticky: Option<StickyRule>,
     /// `probe:unsynced`: the CUDA link probe times its copies without waiting for them (seed 000's impossible
@@ -109,7 +112,7 @@ pub enum FaultSpecError {
 }
 
 /// A prefill GEMM that the plan made fail: the operation and its shape (`m` rows × `k` inputs → `n` outputs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GemmFault {
     /// Rows of the batch (tokens in the prefill chunk).
     pub m: usize,
@@ -119,15 +122,24 @@ pub struct GemmFault {
     pub n: usize,
     /// The row limit the plan set (`m>limit` fails).
     pub limit: usize,
+    /// The vendor library's error, when a device profile set the limit ([`FaultPlan::prefill_gemm_error`]).
+    pub vendor_error: Option<std::sync::Arc<str>>,
 }
 
 impl std::fmt::Display for GemmFault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{OP_PREFILL_GEMM} m={} n={} k={}: injected GEMM failure ({ENV_FAULT}={OP_PREFILL_GEMM}:m>{})",
-            self.m, self.n, self.k, self.limit
-        )
+        match &self.vendor_error {
+            Some(e) => write!(
+                f,
+                "{OP_PREFILL_GEMM} m={} n={} k={}: {e} (the device profile's BLAS fails above {} rows)",
+                self.m, self.n, self.k, self.limit
+            ),
+            None => write!(
+                f,
+                "{OP_PREFILL_GEMM} m={} n={} k={}: injected GEMM failure ({ENV_FAULT}={OP_PREFILL_GEMM}:m>{})",
+                self.m, self.n, self.k, self.limit
+            ),
+        }
     }
 }
 
@@ -359,6 +371,7 @@ mod tests {
             k: 576,
             n: 576,
             limit: 64,
+            vendor_error: None,
         };
         let s = f.to_string();
         assert!(s.starts_with("prefill_gemm m=72 n=576 k=576"), "{s}");

@@ -26,16 +26,26 @@ pub struct Size(pub u64);
 
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Size, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Bytes(u64),
-            Text(String),
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = u64;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a byte count or a size such as `24 GiB`")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<u64, E> {
+                Ok(v)
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<u64, E> {
+                parse_size("a size", v).map_err(E::custom)
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::Bytes(b) => Ok(Size(b)),
-            Raw::Text(t) => parse_size("a size", &t).map(Size).map_err(serde::de::Error::custom),
+        let b = d.deserialize_any(V)?;
+        if b > MAX_SIZE {
+            return Err(serde::de::Error::custom(format!(
+                "{b} bytes is more than any card or host has (at most 1 PiB)"
+            )));
         }
+        Ok(Size(b))
     }
 }
 
@@ -281,7 +291,7 @@ pub enum ProfileError {
         searched: String,
         builtin: String,
     },
-    #[error("{file}:{line}:{column}: {message}")]
+    #[error("{file}{}: {message}", if *line > 0 { format!(":{line}:{column}") } else { String::new() })]
     Invalid {
         file: String,
         line: usize,
@@ -289,6 +299,16 @@ pub enum ProfileError {
         message: String,
     },
 }
+
+/// The largest profile file read, bytes.
+pub const MAX_PROFILE_BYTES: u64 = 1 << 20;
+
+/// The deepest nesting of YAML flow collections (`[...]`, `{...}`) a profile may have.
+const MAX_FLOW_DEPTH: usize = 16;
+
+/// The largest size a profile may give (1 PiB): anything larger is a typo, and sums of such sizes would
+/// overflow.
+pub const MAX_SIZE: u64 = 1 << 50;
 
 /// The profiles that ship inside the binary, so `sim:NAME` works from any folder: (name, YAML).
 pub const BUILTIN: &[(&str, &str)] = &[
@@ -325,6 +345,16 @@ impl DeviceProfile {
             if p.is_file() {
                 return DeviceProfile::load(&p);
             }
+            if p.exists() {
+                // A folder or a device node by the profile's name is a mistake to name, not a reason to fall back
+                // to the built-in profile silently.
+                return Err(ProfileError::Invalid {
+                    file: p.display().to_string(),
+                    line: 0,
+                    column: 0,
+                    message: "not a regular file".into(),
+                });
+            }
         }
         if let Some((_, text)) = BUILTIN.iter().find(|(n, _)| *n == name) {
             return DeviceProfile::parse(&format!("(built in) scenarios/devices/{name}.yaml"), text);
@@ -344,12 +374,21 @@ impl DeviceProfile {
     ///
     /// Errors: [`ProfileError::Invalid`] for an unreadable file or one that does not parse or validate.
     pub fn load(path: &Path) -> Result<DeviceProfile, ProfileError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ProfileError::Invalid {
+        let bad = |message: String| ProfileError::Invalid {
             file: path.display().to_string(),
             line: 0,
             column: 0,
-            message: format!("cannot read the profile: {e}"),
-        })?;
+            message,
+        };
+        let len = std::fs::metadata(path)
+            .map_err(|e| bad(format!("cannot read the profile: {e}")))?
+            .len();
+        if len > MAX_PROFILE_BYTES {
+            return Err(bad(format!(
+                "{len} bytes; a profile is a page of YAML (at most {MAX_PROFILE_BYTES} bytes)"
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read the profile: {e}")))?;
         DeviceProfile::parse(&path.display().to_string(), &text)
     }
 
@@ -358,6 +397,24 @@ impl DeviceProfile {
     ///
     /// Errors: [`ProfileError::Invalid`].
     pub fn parse(file: &str, text: &str) -> Result<DeviceProfile, ProfileError> {
+        // Flow collections nested deeper than any profile needs make the YAML parser's time grow fast: refuse
+        // them before parsing.
+        let mut depth = 0usize;
+        for c in text.chars() {
+            match c {
+                '[' | '{' => depth += 1,
+                ']' | '}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            if depth > MAX_FLOW_DEPTH {
+                return Err(ProfileError::Invalid {
+                    file: file.into(),
+                    line: 0,
+                    column: 0,
+                    message: format!("brackets nested more than {MAX_FLOW_DEPTH} deep: not a device profile"),
+                });
+            }
+        }
         let de = yaml_serde::Deserializer::from_str(text);
         let p: DeviceProfile = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
@@ -530,6 +587,18 @@ mod tests {
                 "gemm_fails_above_rows",
             ),
             (MIN.to_string() + "index: 2\n", "index 2"),
+            (
+                MIN.replace("free: 23 GiB", "free: -5"),
+                "a byte count or a size such as `24 GiB`",
+            ),
+            (
+                MIN.replace("free: 23 GiB", "free: 18446744073709551615"),
+                "at most 1 PiB",
+            ),
+            (
+                MIN.to_string() + "other_devices: " + &"[".repeat(40) + "\n",
+                "nested more than 16 deep",
+            ),
         ];
         for (text, want) in cases {
             let e = DeviceProfile::parse("bad.yaml", &text).unwrap_err().to_string();

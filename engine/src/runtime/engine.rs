@@ -707,6 +707,7 @@ fn sim_faults(
         && let Some(n) = from_profile.prefill_gemm_max_rows
     {
         faults.prefill_gemm_max_rows = Some(n);
+        faults.prefill_gemm_error = p.blas.error.as_deref().map(std::sync::Arc::from);
         eprintln!(
             "strata: {}: the vendor BLAS's prefill GEMM fails for batches of more than {n} rows ({})",
             flags.device,

@@ -25,7 +25,7 @@ pub enum StopReason {
 }
 
 /// Counts and timings of one request (the summary line's numbers).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct GenerateStats {
     pub prefill: PrefillStats,
     /// Tokens sampled (including a final end-of-generation token).

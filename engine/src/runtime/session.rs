@@ -57,7 +57,7 @@ impl Default for SessionConfig {
 }
 
 /// What a prefill did.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillStats {
     pub prompt_tokens: usize,
     /// Tokens whose cache cells were kept from the previous request.
@@ -173,6 +173,7 @@ impl<'m, B: Backend> Session<'m, B> {
             k: n_embd,
             n: (self.model.hp.n_head * self.model.hp.head_dim) as usize,
             limit,
+            vendor_error: self.faults.prefill_gemm_error.clone(),
         };
         if !self.gemm_fallback {
             return Err(SessionError::GemmFault(fault));

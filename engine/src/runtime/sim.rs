@@ -43,6 +43,12 @@ pub struct SimHold {
 /// and planned).
 pub fn open(name: &str, model: &mut Model, flags: &EngineFlags) -> Result<SimHold, EngineError> {
     let device = flags.device.clone();
+    if flags.plan.experts.cache_sizing == CacheSizing::Original && flags.plan.experts.vram_budget.is_some() {
+        return Err(EngineError::Plan {
+            device,
+            why: "--vram-budget with --cache-sizing original: the original Strata had no budget (it sized the cache from the free memory it read); drop one of them".into(),
+        });
+    }
     let weights = WeightBytes::of(&model.gguf);
     let dev =
         SimDevice::open(name, (weights.experts > 0).then_some(weights.experts)).map_err(|e| EngineError::Plan {

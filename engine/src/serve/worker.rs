@@ -217,7 +217,7 @@ fn run_job(
     );
     match result {
         Ok((_, stats)) => {
-            if let Some(f) = stats.prefill.gemm_fallback {
+            if let Some(f) = &stats.prefill.gemm_fallback {
                 events::emit(EventKind::Fallback(Fallback {
                     op: OP_PREFILL_GEMM.into(),
                     from: "blas".into(),
