@@ -9,6 +9,7 @@ use strata_engine::backend::cuda::buffer::{Arena, DevBuf};
 use strata_engine::backend::cuda::{Gpu, compile, context};
 use strata_engine::device::Device;
 use strata_engine::device::cuda_libs as loader;
+use strata_engine::device::sim::SimDevice;
 use strata_engine::experts::store::host_available_bytes;
 use strata_engine::memory::{ExpertGeometry, MemoryPlan, PlanConfig, PlanFlags, WeightBytes, gib};
 use strata_engine::{gguf::GgufModel, model::HParams, models};
@@ -25,7 +26,7 @@ pub struct DeviceArgs {
     /// Compile every kernel with NVRTC for sm_90 and sm_80 (needs NVRTC only, no GPU or driver).
     #[arg(long)]
     check_kernels: bool,
-    /// The device of --selftest.
+    /// The device of --selftest; with --list-devices, a `sim:PROFILE` lists the reported machine's devices.
     #[arg(long, default_value = "cuda:0")]
     device: Device,
     /// A model whose memory plan --selftest prints (`default` for the default model).
@@ -40,10 +41,136 @@ pub fn run(a: DeviceArgs) -> Result<()> {
     if a.check_kernels {
         return check_kernels();
     }
+    if let Device::Sim(name) = &a.device {
+        return if a.selftest {
+            sim_selftest(name, &a)
+        } else {
+            sim_list_devices(name)
+        };
+    }
     if a.selftest {
         return selftest(&a);
     }
     list_devices()
+}
+
+/// `--list-devices --device sim:NAME`: the devices the reported machine's driver listed, as the original's
+/// `strata-device --list-devices` printed them (seed 000): the profile's card at its index among the others, each
+/// with its arch and whether the reported build was compiled for it.
+fn sim_list_devices(name: &str) -> Result<()> {
+    let dev = SimDevice::open(name, None)?;
+    let p = &dev.profile;
+    println!(
+        "sim:{name}: the devices of the reported machine ({}; simulated: the CPU computes)",
+        api_name(p)
+    );
+    let mut others = p.other_devices.iter();
+    let total = p.other_devices.len() + 1;
+    for i in 0..total {
+        if i == p.index {
+            println!("device {i}: {}", p.name);
+            println!(
+                "  arch {}, {} ({} free), wave{}, {} compute units{}",
+                p.arch,
+                gib(p.memory.total.0),
+                gib(p.memory.free.0),
+                p.wave,
+                p.multiprocessors,
+                if p.memory.uma { ", UMA" } else { "" }
+            );
+            println!("  link {}, peak {:.1} GB/s", p.link.what(), p.link.peak_bytes_s() / 1e9);
+            println!("  runs as --device sim:{name}");
+        } else if let Some(o) = others.next() {
+            println!("device {i}: {}", o.name);
+            println!("  arch {}, {}, wave{}", o.arch, gib(o.memory.0), o.wave);
+            if !p.compiled_for.contains(&o.arch) {
+                println!(
+                    "  cannot run: {} is not an architecture this build was compiled for ({})",
+                    o.arch,
+                    p.compiled_for.join(", ")
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The profile's API as its vendor writes it.
+fn api_name(p: &strata_engine::device::profile::DeviceProfile) -> &'static str {
+    match p.api {
+        strata_engine::device::profile::Api::Hip => "HIP",
+        strata_engine::device::profile::Api::Cuda => "CUDA",
+    }
+}
+
+/// `--selftest --device sim:NAME`: the original's self-test on the simulated memory account (DESIGN.md section
+/// 1, seed 000): the card, an allocation test, an over-allocation that the driver must refuse with its error, and
+/// the memory plan of `--model` against the free memory.
+fn sim_selftest(name: &str, a: &DeviceArgs) -> Result<()> {
+    let experts = match &a.model {
+        Some(m) => {
+            let gguf = GgufModel::open(&models::resolve(Some(m))?)?;
+            Some(WeightBytes::of(&gguf).experts).filter(|&b| b > 0)
+        }
+        None => None,
+    };
+    let dev = SimDevice::open(name, experts)?;
+    let p = &dev.profile;
+    let (free, total) = dev.mem_info();
+    println!("device {}: {} (sim:{name}, simulated)", p.index, p.name);
+    println!(
+        "  {} arch            {} wave{} (compiled for {})",
+        api_name(p),
+        p.arch,
+        p.wave,
+        p.compiled_for.join(",")
+    );
+    println!("  multiprocessors     {}", p.multiprocessors);
+    println!("  VRAM total / free   {} / {}", gib(total), gib(free));
+    if dev.scale() != 1.0 {
+        println!(
+            "  scale               x{:.3e} (sizes above are the simulation's)",
+            dev.scale()
+        );
+    }
+    let arena_bytes = (ARENA_BYTES as u64).min(free / 2);
+    let arena = dev.alloc("the selftest arena", arena_bytes)?;
+    let two = dev
+        .alloc("a 1 MiB allocation", 1 << 20)
+        .and_then(|x| Ok((x, dev.alloc("a 1 MiB allocation", 1 << 20)?)));
+    let over = total + (1u64 << 30);
+    let refused = dev.alloc("an over-allocation", over);
+    let usable = dev.alloc("a 1 MiB allocation after it", 1 << 20).is_ok();
+    if let Some(m) = &a.model {
+        plan(
+            m,
+            a,
+            dev.mem_info().0 as usize + arena_bytes as usize + (2 << 20),
+            Some(&dev),
+        )?;
+    }
+    let two_ok = two.is_ok();
+    drop((two, arena));
+    println!(
+        "\nselftest: arena {}, two 1 MiB allocations: {}",
+        gib(arena_bytes),
+        if two_ok { "ok" } else { "failed" }
+    );
+    match refused {
+        Err(e) if usable && two_ok => {
+            println!(
+                "selftest: over-allocation of {} refused as required ({})",
+                gib(over),
+                e.error
+            );
+            println!("strata device selftest OK");
+            Ok(())
+        }
+        _ => bail!(
+            "selftest: over-allocation of {} was not refused as required, or the device was unusable after it",
+            gib(over)
+        ),
+    }
 }
 
 fn check_kernels() -> Result<()> {
@@ -163,7 +290,7 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
     drop(arena);
 
     if let Some(m) = &a.model {
-        plan(m, a, free)?;
+        plan(m, a, free, None)?;
     }
     println!(
         "\nselftest: arena {}, used {} after two 1 MiB allocations",
@@ -184,12 +311,17 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
     Ok(())
 }
 
-/// The memory plan of `model` under the plan flags, against `free` bytes.
-fn plan(model: &str, a: &DeviceArgs, free: usize) -> Result<()> {
+/// The memory plan of `model` under the plan flags, against `free` bytes; on a simulated device `sim`, the reserve
+/// and budget scaled and the reserve raised to the driver's floor, as the engine plans there.
+fn plan(model: &str, a: &DeviceArgs, free: usize, sim: Option<&SimDevice>) -> Result<()> {
     let path = models::resolve(Some(model))?;
     let gguf = GgufModel::open(&path)?;
     let hp = HParams::from_metadata(gguf.metadata())?;
-    let config = PlanConfig::from_flags(&a.plan, hp.n_ctx_train);
+    let mut config = PlanConfig::from_flags(&a.plan, hp.n_ctx_train);
+    if let Some(d) = sim {
+        config.reserve = d.scaled(config.reserve).max(d.driver_keeps_free());
+        config.budget = config.budget.map(|b| d.scaled(b));
+    }
     let geometry = ExpertGeometry::of(&gguf, &hp);
     let weights = WeightBytes::of(&gguf);
     let mut plan = MemoryPlan::new(&weights, &hp, geometry.as_ref(), &config, free as u64)

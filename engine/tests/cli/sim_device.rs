@@ -220,3 +220,45 @@ fn sticky_rules_the_device_cannot_run_are_errors() {
         assert!(err.contains(says) && err.contains("STRATA_FAULT"), "{rule}: {err}");
     }
 }
+
+/// `strata device` on a simulated card prints what the reported machine's driver listed (seed 000: an iGPU the
+/// build was not compiled for as device 0, the RX 7900 XTX as device 1), and its self-test refuses an
+/// over-allocation with the driver's error.
+#[test]
+fn device_lists_and_selftests_a_simulated_card() {
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .arg("device")
+            .args(args)
+            .output()
+            .expect("run strata");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let list = run(&["--list-devices", "--device", "sim:gfx1100-rx7900xtx"]);
+    let igpu = list.find("device 0: AMD Radeon(TM) Graphics").expect(&list);
+    let card = list.find("device 1: AMD Radeon RX 7900 XTX").expect(&list);
+    assert!(
+        igpu < card && list.contains("cannot run: gfx1036 is not an architecture"),
+        "{list}"
+    );
+    assert!(!list[card..].contains("cannot run"), "{list}");
+    let test = run(&[
+        "--selftest",
+        "--device",
+        HALO,
+        "--model",
+        "synth:small-qwen3moe",
+        "--max-context",
+        "512",
+    ]);
+    assert!(
+        test.contains("refused as required (hipErrorOutOfMemory)") && test.contains("selftest OK"),
+        "{test}"
+    );
+    assert!(test.contains("plan vs free") && test.contains("FITS"), "{test}");
+}
