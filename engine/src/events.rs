@@ -9,8 +9,15 @@
 //! - `expert_cache`: what the VRAM expert cache did in one phase (prefill or decode) of one request
 //!   ([`ExpertCache`]);
 //! - `fallback`: something failed and something else runs instead, for good ([`Fallback`]);
-//! - `fault`: something failed and the process cannot go on ([`Fault`]): a kernel launch, a library GEMM with
-//!   the fallback off, a panic.
+//! - `fault`: something failed and the process cannot go on ([`Fault`]): a kernel launch (its grid and block
+//!   absent on a `sim:` device, whose kernels are CPU ops), a copy on a poisoned device, a library GEMM with the
+//!   fallback off, a panic;
+//! - `memory`: a device's memory changed (an allocation, a free, a host registration, one that failed) with its
+//!   free memory after it ([`Memory`]; a `sim:` device sends one per change);
+//! - `probe`: the link probe's readings checked against the link's physical peak ([`Probe`]).
+//!
+//! Fields added within a version are optional (`memory` and `probe` are kinds added in version 2, and a `fault`'s
+//! launch `grid` and `block` may be absent), so a reader of version 2 reads them all.
 //!
 //! Producers call [`emit`]: the human line goes to stderr, the event to the process's sink, which the serve
 //! worker installs ([`set_sink`]) to forward events over its protocol and into its `--events` file. Any layer may

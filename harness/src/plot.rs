@@ -270,14 +270,23 @@ fn device_memory_series(r: &Report) -> Vec<DeviceMemory> {
             total_gib: 0.0,
             steps: Vec::new(),
         };
-        // The worker restarts after a fault and replays its start: the first start is the one drawn.
-        for e in a.raw_events.iter().filter(|e| e["event"] == "memory") {
+        // The worker restarts after a fault and replays its start: the first start is the one drawn, up to the
+        // first worker's `load` event.
+        let mut loaded = false;
+        for e in &a.raw_events {
+            if e["event"] == "load" {
+                loaded |= !d.steps.is_empty();
+                continue;
+            }
+            if e["event"] != "memory" {
+                continue;
+            }
+            if loaded {
+                break;
+            }
             let scale = e["scale"].as_f64().filter(|s| *s > 0.0).unwrap_or(1.0);
             let free = gib(e["free_bytes"].as_f64().unwrap_or(0.0) / scale);
             let (op, what) = (e["op"].as_str().unwrap_or(""), e["what"].as_str().unwrap_or(""));
-            if d.steps.iter().any(|(_, _, w, _)| w == &format!("{op} {what}")) {
-                break;
-            }
             d.total_gib = gib(e["total_bytes"].as_f64().unwrap_or(0.0) / scale);
             if d.steps.is_empty() {
                 // The free memory before the first change: the first change's free plus what it took.

@@ -361,7 +361,6 @@ fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
-/// Renders `report.md`. `plots` are file names beside it (PNG), shown in order.
 /// The arms side by side, from their events: the device, the link probe's check, the expert cache the device
 /// gave room for, the outcome, and what was at fault (the allocation that failed, the kernel or GEMM whose fault
 /// killed the worker, the op that fell back).
@@ -458,6 +457,7 @@ fn side_by_side(m: &mut String, arms: &[ArmReport]) {
     }
 }
 
+/// Renders `report.md`. `plots` are file names beside it (PNG), shown in order.
 pub fn markdown(r: &Report, plots: &[String]) -> String {
     let mut m = String::new();
     let v = &r.verdict;

@@ -352,11 +352,12 @@ pub fn check_row(row: &CaseRow, e: &Expect, tokenizer: Option<&strata_engine::to
             what: "the launch fault that killed the worker".into(),
             expected: want.join(", "),
             got: seen.join("; "),
-            passed: row.samples.iter().all(|s| {
-                s.faults.first().is_some_and(|x| {
-                    f.kernel.as_ref().is_none_or(|k| *k == x.kernel) && f.synced.is_none_or(|sy| sy == x.synced)
-                })
-            }),
+            passed: !row.samples.is_empty()
+                && row.samples.iter().all(|s| {
+                    s.faults.first().is_some_and(|x| {
+                        f.kernel.as_ref().is_none_or(|k| *k == x.kernel) && f.synced.is_none_or(|sy| sy == x.synced)
+                    })
+                }),
         });
     }
     let want_restarts = e.restarts.unwrap_or(0);

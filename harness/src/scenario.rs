@@ -620,6 +620,20 @@ impl Scenario {
             }
         }
         let running = self.running_arm_names();
+        for names in &running {
+            let devices: Vec<(&String, &String)> = self
+                .matrix
+                .values()
+                .flatten()
+                .filter(|a| names.contains(&a.name))
+                .filter_map(|a| a.device.as_ref().map(|d| (&a.name, d)))
+                .collect();
+            if let Some(((a, da), (b, db))) = devices.iter().zip(devices.iter().skip(1)).find(|(x, y)| x.1 != y.1) {
+                return Err(format!(
+                    "arms `{a}` (device {da}) and `{b}` (device {db}) are in one combination: a combination runs on one device"
+                ));
+            }
+        }
         let mut case_names = Vec::new();
         for c in &self.cases {
             let at = format!("case `{}`", c.name);

@@ -238,6 +238,20 @@ pub struct LaunchGate {
     state: std::sync::Mutex<GateState>,
 }
 
+impl Drop for LaunchGate {
+    /// A rule that never fired says so: a kernel the run never launched, or fewer launches than N, is a replay
+    /// that reproduced nothing.
+    fn drop(&mut self) {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if !s.poisoned {
+            eprintln!(
+                "strata: {ENV_FAULT}={}: {} launch(es) of {} ran, fewer than {}: the fault never fired",
+                self.rule, s.seen, self.rule.kernel, self.rule.launch
+            );
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct GateState {
     /// Launches of the rule's kernel so far.
@@ -272,6 +286,19 @@ impl LaunchGate {
     /// Whether the poisoning launch has happened.
     pub fn poisoned(&self) -> bool {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).poisoned
+    }
+
+    /// A call that is no launch (a copy, a synchronisation): it fails once an injected sticky fault has fired, as
+    /// every call on a poisoned context does; it runs otherwise (and after a trap, whose failures are the
+    /// driver's).
+    pub fn call(&self) -> Verdict {
+        if !self.rule.trap && self.poisoned() {
+            Verdict::Fail {
+                error: self.error.clone(),
+            }
+        } else {
+            Verdict::Run
+        }
     }
 
     /// A launch (or copy) of `kernel`: what to do. One lock and a string comparison per launch.

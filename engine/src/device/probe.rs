@@ -67,14 +67,27 @@ pub fn report(device: &str, peak: &LinkPeak, v: &ProbeVerdict) {
     }));
 }
 
-/// The PCIe link of the device at PCI address `bus_id` (`0000:19:00.0`), read from Linux sysfs
-/// (`current_link_speed`, `current_link_width`); `None` where it cannot be read.
+/// The PCIe link of the device at PCI address `bus_id` (`0000:19:00.0`), read from Linux sysfs: the card's
+/// maximum (`max_link_speed`, `max_link_width`), an upper bound no honest reading passes (the current link can be
+/// slower while the card idles, so it would condemn honest readings), else the current link; `None` where neither
+/// can be read.
 pub fn pcie_link(bus_id: &str) -> Option<LinkPeak> {
     let dir = std::path::Path::new("/sys/bus/pci/devices").join(bus_id.to_ascii_lowercase());
     let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
-    let speed = read("current_link_speed")?;
-    let gt_s: f64 = speed.split_whitespace().next()?.parse().ok()?;
-    let width: u32 = read("current_link_width")?.trim().parse().ok()?;
+    let parse = |speed: String, width: String| -> Option<(f64, u32)> {
+        Some((
+            speed.split_whitespace().next()?.parse().ok()?,
+            width.trim().parse().ok()?,
+        ))
+    };
+    let (gt_s, width) = read("max_link_speed")
+        .zip(read("max_link_width"))
+        .and_then(|(s, w)| parse(s, w))
+        .or_else(|| {
+            read("current_link_speed")
+                .zip(read("current_link_width"))
+                .and_then(|(s, w)| parse(s, w))
+        })?;
     let generation = match gt_s {
         x if x <= 2.5 => 1,
         x if x <= 5.0 => 2,

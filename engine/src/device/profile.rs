@@ -388,7 +388,21 @@ impl DeviceProfile {
                 "{len} bytes; a profile is a page of YAML (at most {MAX_PROFILE_BYTES} bytes)"
             )));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read the profile: {e}")))?;
+        // The length read above may be stale (a growing file, a device node): read at most one byte past it.
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut std::io::Read::take(
+                std::fs::File::open(path).map_err(|e| bad(format!("cannot read the profile: {e}")))?,
+                MAX_PROFILE_BYTES + 1,
+            ),
+            &mut text,
+        )
+        .map_err(|e| bad(format!("cannot read the profile: {e}")))?;
+        if text.len() as u64 > MAX_PROFILE_BYTES {
+            return Err(bad(format!(
+                "more than {MAX_PROFILE_BYTES} bytes; a profile is a page of YAML"
+            )));
+        }
         DeviceProfile::parse(&path.display().to_string(), &text)
     }
 

@@ -333,6 +333,14 @@ impl Engine {
             }
             _ => None,
         };
+        if faults.probe_unsynced && backend.cuda().is_none() {
+            return Err(EngineError::FaultRule {
+                why: format!(
+                    "probe:unsynced: the link probe that times copies it did not wait for is a CUDA device's; {} has none (a sim: profile's link.probe_gb_s gives its readings)",
+                    flags.device
+                ),
+            });
+        }
         if let Some(rule) = &faults.sticky {
             let error = match &sim {
                 Some(hold) => hold.device.profile.api.launch_failure(),
@@ -664,6 +672,12 @@ fn plan_device(
     }
     c.preload(&model.dense_weight_bytes())
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
+    if faults.probe_unsynced && !matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
+        eprintln!(
+            "strata: {}=probe:unsynced does nothing here: every expert is resident, so no link probe runs (it runs for the expert cache)",
+            crate::switches::FAULT
+        );
+    }
     if matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
         let link = probe_link(c, model, &flags.device, faults.probe_unsynced);
         set_miss_plan(c, model, ef.miss_policy, pinned.is_some(), link).map_err(|e| {
@@ -700,14 +714,24 @@ fn sim_faults(
         Some(f) => FaultPlan::parse(f)?,
         None => FaultPlan::default(),
     };
-    if from_profile.prefill_gemm_max_rows.is_none() {
+    let from_blas = from_profile.prefill_gemm_max_rows.is_none() && p.blas.gemm_fails_above_rows.is_some();
+    if from_blas {
         from_profile.prefill_gemm_max_rows = p.blas.gemm_fails_above_rows.map(|n| n as usize);
     }
+    if faults.sticky.is_none()
+        && let Some(rule) = from_profile.sticky
+    {
+        eprintln!("strata: {}: the profile's faults add {rule}", flags.device);
+        faults.sticky = Some(rule);
+    }
+    faults.probe_unsynced |= from_profile.probe_unsynced;
     if faults.prefill_gemm_max_rows.is_none()
         && let Some(n) = from_profile.prefill_gemm_max_rows
     {
         faults.prefill_gemm_max_rows = Some(n);
-        faults.prefill_gemm_error = p.blas.error.as_deref().map(std::sync::Arc::from);
+        if from_blas {
+            faults.prefill_gemm_error = p.blas.error.as_deref().map(std::sync::Arc::from);
+        }
         eprintln!(
             "strata: {}: the vendor BLAS's prefill GEMM fails for batches of more than {n} rows ({})",
             flags.device,
@@ -754,7 +778,8 @@ fn probe_link(c: &CudaBackend, model: &Model, device: &Device, unsynced: bool) -
 /// Sets the miss plan of `--miss-policy` (DESIGN.md section 3, "Expert cache") and logs it in one line: `auto`
 /// measures the link (a copy of one layer's gate experts from the expert store) and the CPU's expert rate and
 /// per-step cost on the threads misses use ([`CudaBackend::cpu_expert_rate`]), and splits each decode
-/// layer-step's misses by them ([`MissCost`]); a failed or impossible link reading falls back to uploading.
+/// layer-step's misses by them ([`MissCost`]); `link` is the probe's rate ([`probe_link`]: the peak-derived
+/// default when its readings were impossible), and without one (no probe ran, or it failed) misses are uploaded.
 ///
 /// Errors: the CPU's worker threads could not be started.
 fn set_miss_plan(

@@ -202,9 +202,10 @@ fn seed_003_sticky_fault_names_its_kernel_only_when_launches_are_synchronised() 
         "{fault}"
     );
 
-    // A rule past what the request launches changes nothing.
+    // A rule past what the request launches changes nothing, and says that it never fired.
     let (out, err) = generate_with_fault("sticky:moe_add_rms_norm@100000", false);
     assert!(out.status.success(), "{err}");
+    assert!(err.contains("fewer than 100000: the fault never fired"), "{err}");
 }
 
 /// A sticky rule the device cannot carry out is an error before the model is used, naming the rule.
@@ -214,6 +215,7 @@ fn sticky_rules_the_device_cannot_run_are_errors() {
         ("sticky:no_such_op@1", "has no kernel `no_such_op`"),
         ("trap:moe@1", "a trap needs a real GPU"),
         ("sticky:moe@0", "a launch number N ≥ 1"),
+        ("probe:unsynced", "has none (a sim: profile's link.probe_gb_s"),
     ] {
         let (out, err) = generate_with_fault(rule, false);
         assert_eq!(out.status.code(), Some(1), "{rule}: {err}");

@@ -22,6 +22,10 @@ pub enum CudaError {
         call: u64,
         error: String,
     },
+    /// A call on a context an injected sticky fault poisoned (`STRATA_FAULT=sticky:KERNEL@N`): `what` failed with
+    /// the driver's error, as every call after a real launch failure does.
+    #[error("CUDA {what}: {error}")]
+    Poisoned { what: String, error: String },
     /// The device's copy of the expert slot table and the host's disagree (`backend::cuda::experts`): a bug.
     #[error("the device's expert slot table and the host's diverged: {0}")]
     ExpertTable(String),

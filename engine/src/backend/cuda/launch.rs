@@ -115,6 +115,26 @@ impl Gpu {
         Ok(())
     }
 
+    /// A call that is no launch (`what`: `device-to-host copy`, `stream synchronize`) on a context an injected
+    /// sticky fault has poisoned fails as the driver would, with a `fault` event naming the call; otherwise
+    /// nothing.
+    ///
+    /// Errors: [`CudaError::Poisoned`].
+    pub(super) fn poisoned(&self, what: &'static str) -> Result<(), CudaError> {
+        if let Some(Verdict::Fail { error }) = self.sticky.get().map(|g| g.call()) {
+            events::emit(EventKind::Fault(Fault {
+                error: error.clone(),
+                op: Some(what.into()),
+                ..Fault::default()
+            }));
+            return Err(CudaError::Poisoned {
+                what: what.into(),
+                error,
+            });
+        }
+        Ok(())
+    }
+
     /// Launches a kernel now (no graph bookkeeping), on the current stream (see [`Gpu::fork`]).
     pub(super) fn raw_launch(
         &self,
@@ -146,7 +166,12 @@ impl Gpu {
             _ => None,
         };
         let profiling = self.profiling.load(Ordering::Relaxed);
-        let timing = if profiling { self.timing_event() } else { None };
+        // A launch that failed as injected never ran: nothing to time.
+        let timing = if profiling && injected.is_none() {
+            self.timing_event()
+        } else {
+            None
+        };
         let mut r = if injected.is_some() {
             Ok(())
         } else if self.pdl && !profiling {

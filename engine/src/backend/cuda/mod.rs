@@ -498,23 +498,30 @@ impl CudaBackend {
             return Ok(vec![]);
         }
         let dst = DevBuf::alloc(&self.gpu.stream, src.len())?;
+        let stream = &self.gpu.stream;
+        let sync = || stream.synchronize().map_err(CudaError::driver("stream synchronize"));
         let mut readings = Vec::with_capacity(3);
-        for i in 0..4 {
-            self.synchronize()?;
-            let t = std::time::Instant::now();
-            // SAFETY: `dst` holds `src.len()` bytes; the copy is waited for before `src` can go (below, or at the
-            // next round's synchronize, or after the loop).
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, src, self.gpu.stream.cu_stream()) }
-                .map_err(CudaError::driver("host-to-device probe copy"))?;
-            if !unsynced {
-                self.synchronize()?;
+        let copies = (|| {
+            for i in 0..4 {
+                sync()?;
+                let t = std::time::Instant::now();
+                // SAFETY: `dst` holds `src.len()` bytes; every copy is waited for before this function returns
+                // (the synchronize after this closure runs on every path), so `src` outlives them.
+                unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, src, stream.cu_stream()) }
+                    .map_err(CudaError::driver("host-to-device probe copy"))?;
+                if !unsynced {
+                    sync()?;
+                }
+                let secs = t.elapsed().as_secs_f64();
+                if i > 0 {
+                    readings.push(src.len() as f64 / secs.max(1e-9) / 1e9);
+                }
             }
-            let secs = t.elapsed().as_secs_f64();
-            if i > 0 {
-                readings.push(src.len() as f64 / secs.max(1e-9) / 1e9);
-            }
-        }
-        self.synchronize()?;
+            Ok::<(), CudaError>(())
+        })();
+        let waited = sync();
+        copies?;
+        waited?;
         Ok(readings)
     }
 
@@ -537,6 +544,7 @@ impl CudaBackend {
     ///
     /// Errors: a kernel failed.
     pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.gpu.poisoned("stream synchronize")?;
         if let Some(p) = self.lock().experts.as_ref() {
             p.synchronize()?;
         }
@@ -680,6 +688,7 @@ impl Backend for CudaBackend {
             src.len(),
             dst.capacity()
         );
+        Self::check(self.gpu.poisoned("host-to-device copy"));
         // Host-computed data in the middle of a step (a CPU fallback): the step must not become a graph.
         Self::check(self.gpu.flush_step());
         if let Some(b) = dst.buf.as_mut() {
@@ -692,6 +701,7 @@ impl Backend for CudaBackend {
             return;
         }
         let b = src.buf.as_ref().expect("download: a buffer never sized");
+        Self::check(self.gpu.poisoned("device-to-host copy"));
         Self::check(self.gpu.flush_step());
         if self.lock().experts.as_ref().is_some_and(|p| p.join_armed()) {
             // The step's CPU join answers on every core but one: wait for the step asleep, not spinning on a core.

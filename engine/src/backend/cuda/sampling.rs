@@ -62,6 +62,7 @@ impl CudaBackend {
         if n == 0 || n.div_ceil(TOP_SORT) * TOP_LOGITS > TOP_SORT {
             return false;
         }
+        Self::check(self.gpu.poisoned("device-to-host copy"));
         Self::check(self.gpu.flush_step());
         let mut keys = [0u64; TOP_LOGITS + 1];
         let s = self.lock();
