@@ -18,4 +18,4 @@ timeout 400 carry/strata-harness run scenarios/h200-faults.yaml --strata carry/s
 echo "== harness rc=$?"; tail -3 $OUT/harness.txt
 R=$(ls -d $OUT/r/*/ | head -1); sed -n '/## Side by side/,/## Environment/p' $R/report.md
 grep -E "^- " $R/report.md | head -20
-tar czf $OUT/faults-report.tgz -C $OUT r gen-*.txt harness.txt && rm -rf $OUT/r $OUT/gen-*.txt
+(cd $OUT && tar czf faults-report.tgz r gen-*.txt harness.txt && rm -rf r gen-*.txt)
