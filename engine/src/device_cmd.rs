@@ -79,7 +79,15 @@ fn sim_list_devices(name: &str) -> Result<()> {
                 if p.memory.uma { ", UMA" } else { "" }
             );
             println!("  link {}, peak {:.1} GB/s", p.link.what(), p.link.peak_bytes_s() / 1e9);
-            println!("  runs as --device sim:{name}");
+            if p.compiled_for.contains(&p.arch) {
+                println!("  runs as --device sim:{name}");
+            } else {
+                println!(
+                    "  cannot run: {} is not an architecture this build was compiled for ({})",
+                    p.arch,
+                    p.compiled_for.join(", ")
+                );
+            }
         } else if let Some(o) = others.next() {
             println!("device {i}: {}", o.name);
             println!("  arch {}, {}, wave{}", o.arch, gib(o.memory.0), o.wave);
@@ -115,8 +123,16 @@ fn sim_selftest(name: &str, a: &DeviceArgs) -> Result<()> {
         None => None,
     };
     let dev = SimDevice::open(name, experts)?;
+    // A card of an arch the reported build was not compiled for fails here as the engine would.
+    a.device.available()?;
     let p = &dev.profile;
     let (free, total) = dev.mem_info();
+    if total < 1 << 20 {
+        bail!(
+            "sim:{name}: the profile's scale (x{:.3e}) leaves the card {total} B: too small to test (a simulated card needs at least 1 MiB)",
+            dev.scale()
+        );
+    }
     println!("device {}: {} (sim:{name}, simulated)", p.index, p.name);
     println!(
         "  {} arch            {} wave{} (compiled for {})",

@@ -6,7 +6,8 @@
 //! DESIGN.md section 1). [`SWITCHES`] lists each with its default and what it does; `strata switches` prints
 //! that table with the values this process sees.
 //!
-//! A boolean switch is on when set to anything but `0` (and off when unset, unless its default is on).
+//! A boolean switch is off when set to `0`, `false`, `off` or `no`, on when set to anything else, and at its
+//! default when unset or empty.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -212,9 +213,17 @@ fn raw(name: &str) -> Option<OsString> {
     std::env::var_os(name)
 }
 
-/// A boolean switch: on when set to anything but `0`; `default` when unset.
+/// A boolean switch: off when set to `0`, `false`, `off` or `no` (any case), on when set to anything else;
+/// `default` when unset or empty.
 pub fn flag(name: &str, default: bool) -> bool {
-    raw(name).map_or(default, |v| v != "0")
+    raw(name).map_or(default, |v| {
+        let v = v.to_string_lossy().trim().to_ascii_lowercase();
+        match v.as_str() {
+            "" => default,
+            "0" | "false" | "off" | "no" => false,
+            _ => true,
+        }
+    })
 }
 
 /// A text switch; `None` when unset.

@@ -512,7 +512,44 @@ pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
         // A simulated device's profile is part of the scenario: a typo in its name or a mistake in its file is
         // the scenario's error, found before anything starts.
         if matches!(parsed, strata_engine::device::Device::Sim(_)) {
-            parsed.available().map_err(|e| format!("device `{d}`: {e}"))?;
+            parsed.available().map_err(|e| e.to_string())?;
+        }
+    }
+    // A sticky rule a simulated device cannot carry out (an op it does not have, a trap) is the scenario's error.
+    for c in combos(s) {
+        let d = c
+            .arms
+            .iter()
+            .find_map(|a| a.device.clone())
+            .unwrap_or_else(|| device.to_string());
+        if !d.starts_with("sim:") {
+            continue;
+        }
+        let fault = c
+            .arms
+            .iter()
+            .rev()
+            .find_map(|a| a.env.get(strata_engine::switches::FAULT))
+            .or_else(|| s.env.get(strata_engine::switches::FAULT));
+        let Some(rule) = fault.and_then(|v| strata_engine::device::fault::FaultPlan::parse(v).ok()?.sticky) else {
+            continue;
+        };
+        let known = strata_engine::device::fault::SIM_KERNELS;
+        if rule.trap || !known.contains(&rule.kernel.as_str()) {
+            return Err(format!(
+                "combination {}: {}={rule} on {d}: {}",
+                c.name,
+                strata_engine::switches::FAULT,
+                if rule.trap {
+                    "a trap needs a real GPU (cuda:N); write sticky:KERNEL@N".to_string()
+                } else {
+                    format!(
+                        "no kernel `{}`; its kernels are the backend's ops: {}",
+                        rule.kernel,
+                        known.join(", ")
+                    )
+                }
+            ));
         }
     }
     let named = s.model == "default" || s.model.starts_with("synth:");

@@ -634,6 +634,19 @@ impl Scenario {
                 ));
             }
         }
+        for names in &running {
+            let starts = !self
+                .matrix
+                .values()
+                .flatten()
+                .any(|a| names.contains(&a.name) && a.expect_start_error.is_some());
+            if starts && !self.cases.iter().any(|c| c.runs_in(names)) {
+                return Err(format!(
+                    "the combination of arms {} runs no case (every case's `only` leaves it out): give it a case, or exclude it",
+                    names.join(" + ")
+                ));
+            }
+        }
         let mut case_names = Vec::new();
         for c in &self.cases {
             let at = format!("case `{}`", c.name);
@@ -742,6 +755,11 @@ impl Scenario {
             }
             for e in std::iter::once(&c.expect).chain(c.arms.values()) {
                 self.check_expect(&at, e, &arm_names)?;
+                if e.fault.is_some() && c.sweep.as_ref().is_some_and(|s| s.find_boundary) {
+                    return Err(format!(
+                        "{at}: `fault` checks the requests a worker died of, and a boundary search's requests are probes that are not checked one by one: put it on a prompt or a plain sweep"
+                    ));
+                }
             }
         }
         Ok(())

@@ -54,6 +54,18 @@ fn validation_errors() {
             "name: t\nmatrix:\n  kv: [{name: f16, device: gpu:0}]\ncases:\n  - name: a\n    prompt: {text: hi}\n",
         ),
         (
+            "a fault expectation on a boundary search",
+            "name: t\ncases:\n  - name: a\n    sweep: {tokens: {from: 1, to: 8}, find_boundary: true}\n    expect: {fault: {synced: true}}\n",
+        ),
+        (
+            "an arm that runs no case",
+            "name: t\nmatrix:\n  kv: [{name: f16}, {name: int8}]\ncases:\n  - name: a\n    prompt: {text: hi}\n    only: [f16]\n",
+        ),
+        (
+            "two devices in one combination",
+            "name: t\nmatrix:\n  a: [{name: x, device: cpu}]\n  b: [{name: y, device: \"sim:h200\"}]\ncases:\n  - name: a\n    prompt: {text: hi}\n",
+        ),
+        (
             "a typo in a fault expectation",
             "name: t\ncases:\n  - name: a\n    prompt: {text: hi}\n    expect: {fault: {kernal: moe}}\n",
         ),

@@ -107,7 +107,9 @@ pub enum FaultSpecError {
         "{ENV_FAULT}: `{rule}` needs a condition `m>N` with N a positive row count (for example prefill_gemm:m>64)"
     )]
     BadCondition { rule: String },
-    #[error("{ENV_FAULT}: `{rule}` repeats a fault already given")]
+    #[error(
+        "{ENV_FAULT}: `{rule}`: a second rule of its kind; give one prefill_gemm rule, one sticky or trap rule, one probe rule"
+    )]
     Repeated { rule: String },
 }
 

@@ -485,14 +485,26 @@ impl DeviceProfile {
                 self.link.pcie_gen, self.link.pcie_width
             ));
         }
+        // Readings may be impossible (seed 000's were terabytes per second: the probe's check is what flags them),
+        // but they are rates a probe can print: between a kilobyte and a petabyte per second.
         if let Some(r) = self
             .link
             .probe_gb_s
             .iter()
-            .chain(&self.link.peak_gb_s)
-            .find(|r| !(r.is_finite() && **r > 0.0))
+            .find(|r| !(r.is_finite() && (1e-6..=1e6).contains(*r)))
         {
-            return Err(format!("link.probe_gb_s: {r} is not a rate"));
+            return Err(format!(
+                "link.probe_gb_s: {r} is not a reading (a rate in GB/s, from 0.000001 to 1000000)"
+            ));
+        }
+        if let Some(r) = self
+            .link
+            .peak_gb_s
+            .filter(|r| !(r.is_finite() && (0.001..=10_000.0).contains(r)))
+        {
+            return Err(format!(
+                "link.peak_gb_s: {r} is not a link's peak (a rate in GB/s, from 0.001 to 10000)"
+            ));
         }
         if self.index > self.other_devices.len() {
             return Err(format!(
@@ -502,8 +514,8 @@ impl DeviceProfile {
             ));
         }
         match self.scale {
-            Scale::Factor(f) if !(f > 0.0 && f <= 1.0) => {
-                return Err(format!("scale: {f}; a factor is above 0 and at most 1"));
+            Scale::Factor(f) if !(1e-9..=1.0).contains(&f) => {
+                return Err(format!("scale: {f}; a factor is from 1e-9 to 1"));
             }
             Scale::Experts { experts } if experts.0 == 0 => return Err("scale.experts: 0 bytes".into()),
             _ => {}

@@ -700,8 +700,9 @@ fn plan_device(
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// The fault plan on a simulated device: the environment's rules, then the profile's (`faults`, and the vendor
-/// BLAS's GEMM row limit) for what the environment leaves unset; logs what the profile added.
+/// The fault plan on a simulated device: the environment's rules and the profile's (`faults`, and the vendor
+/// BLAS's GEMM row limit): the tighter GEMM row limit of the two, the environment's sticky rule else the
+/// profile's; logs what the profile added.
 ///
 /// Errors: the profile's `faults` do not parse (validated when it was read, so only a profile changed since).
 fn sim_faults(
@@ -725,17 +726,25 @@ fn sim_faults(
         faults.sticky = Some(rule);
     }
     faults.probe_unsynced |= from_profile.probe_unsynced;
-    if faults.prefill_gemm_max_rows.is_none()
-        && let Some(n) = from_profile.prefill_gemm_max_rows
+    // The device's limit holds whatever the environment adds: the tighter of the two fails first.
+    if let Some(n) = from_profile.prefill_gemm_max_rows
+        && faults.prefill_gemm_max_rows.is_none_or(|env| n < env)
     {
         faults.prefill_gemm_max_rows = Some(n);
-        if from_blas {
-            faults.prefill_gemm_error = p.blas.error.as_deref().map(std::sync::Arc::from);
-        }
+        faults.prefill_gemm_error = if from_blas {
+            p.blas.error.as_deref().map(std::sync::Arc::from)
+        } else {
+            None
+        };
         eprintln!(
-            "strata: {}: the vendor BLAS's prefill GEMM fails for batches of more than {n} rows ({})",
+            "strata: {}: the {} prefill GEMM fails for batches of more than {n} rows ({})",
             flags.device,
-            p.blas.error.as_deref().unwrap_or("the profile says so")
+            if from_blas { "vendor BLAS's" } else { "profile's" },
+            if from_blas {
+                p.blas.error.as_deref().unwrap_or("the profile says so")
+            } else {
+                "its faults"
+            }
         );
     }
     Ok(faults)
