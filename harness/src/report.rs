@@ -502,8 +502,13 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
             };
             let _ = writeln!(
                 m,
-                "- Boundary `{}` / {}: {found} (searched {}..{} in {} requests)",
-                a.name, b.case, b.from, b.to, b.probes
+                "- Boundary `{}` / {}: {found} (searched {}..{} in {} request{})",
+                a.name,
+                b.case,
+                b.from,
+                b.to,
+                b.probes,
+                if b.probes == 1 { "" } else { "s" }
             );
         }
     }
@@ -586,7 +591,7 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
                 if row.samples.iter().all(|s| s.status == 200 && s.restarts == 0) {
                     "ok"
                 } else {
-                    "fails (probe)"
+                    "fails (boundary search)"
                 }
             } else if row.checks.iter().all(|c| c.passed) {
                 "pass"

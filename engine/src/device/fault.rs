@@ -128,20 +128,27 @@ pub struct GemmFault {
     pub vendor_error: Option<std::sync::Arc<str>>,
 }
 
+impl GemmFault {
+    /// Why it failed, without the operation and shape (a `fault` event carries those in fields of their own): the
+    /// vendor library's error, or the injected rule.
+    pub fn reason(&self) -> String {
+        match &self.vendor_error {
+            Some(e) => format!("{e} (the device profile's BLAS fails above {} rows)", self.limit),
+            None => format!("injected GEMM failure ({ENV_FAULT}={OP_PREFILL_GEMM}:m>{})", self.limit),
+        }
+    }
+}
+
 impl std::fmt::Display for GemmFault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.vendor_error {
-            Some(e) => write!(
-                f,
-                "{OP_PREFILL_GEMM} m={} n={} k={}: {e} (the device profile's BLAS fails above {} rows)",
-                self.m, self.n, self.k, self.limit
-            ),
-            None => write!(
-                f,
-                "{OP_PREFILL_GEMM} m={} n={} k={}: injected GEMM failure ({ENV_FAULT}={OP_PREFILL_GEMM}:m>{})",
-                self.m, self.n, self.k, self.limit
-            ),
-        }
+        write!(
+            f,
+            "{OP_PREFILL_GEMM} m={} n={} k={}: {}",
+            self.m,
+            self.n,
+            self.k,
+            self.reason()
+        )
     }
 }
 

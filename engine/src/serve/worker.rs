@@ -246,7 +246,7 @@ fn run_job(
             // The original engine died here (seed 000); with --gemm-fallback off so does the worker, after saying
             // which operation and shape failed.
             events::emit(EventKind::Fault(Fault {
-                error: f.to_string(),
+                error: f.reason(),
                 op: Some(OP_PREFILL_GEMM.into()),
                 shape: Some(GemmShape { m: f.m, n: f.n, k: f.k }),
                 request: Some(job.id),
