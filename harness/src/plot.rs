@@ -102,6 +102,26 @@ fn frame<'a, DB: DrawingBackend>(
     Ok(chart)
 }
 
+/// Draws the chart's series labels at `pos` in `size`-point type.
+fn legend<'a, DB: DrawingBackend + 'a>(
+    chart: &mut ChartContext<
+        'a,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    pos: SeriesLabelPosition,
+    size: u32,
+) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(pos)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", size))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))
+}
+
 fn draw_rates<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> Result<()> {
     let series = rate_series(r);
     area.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
@@ -125,13 +145,7 @@ fn draw_rates<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> 
             .draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled())))
             .map_err(|e| anyhow!("{e}"))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    legend(&mut chart, SeriesLabelPosition::MiddleRight, 13)?;
     Ok(())
 }
 
@@ -183,14 +197,7 @@ fn draw_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) ->
                 .map_err(|e| anyhow!("{e}"))?;
         }
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    legend(&mut chart, SeriesLabelPosition::LowerRight, 13)?;
     Ok(())
 }
 
@@ -244,14 +251,7 @@ fn draw_hit_rate<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) 
             .label(name.clone())
             .legend(move |(x, y)| Circle::new((x + 10, y), 4, c.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 11))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    legend(&mut chart, SeriesLabelPosition::LowerRight, 11)?;
     Ok(())
 }
 
@@ -363,14 +363,7 @@ fn draw_device_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Rep
         });
         chart.draw_series(labels).map_err(|e| anyhow!("{e}"))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 11))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    legend(&mut chart, SeriesLabelPosition::LowerLeft, 11)?;
     Ok(())
 }
 

@@ -361,6 +361,20 @@ fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
+/// A `probe` event in a few words: `19416.7 GB/s, peak 31.5: a probe bug`.
+pub fn probe_summary(p: &serde_json::Value) -> String {
+    format!(
+        "{:.1} GB/s, peak {:.1}: {}",
+        p["best_gb_s"].as_f64().unwrap_or(0.0),
+        p["peak_gb_s"].as_f64().unwrap_or(0.0),
+        if p["plausible"] == true {
+            "plausible"
+        } else {
+            "a probe bug"
+        }
+    )
+}
+
 /// The arms side by side, from their events: the device, the link probe's check, the expert cache the device
 /// gave room for, the outcome, and what was at fault (the allocation that failed, the kernel or GEMM whose fault
 /// killed the worker, the op that fell back).
@@ -374,16 +388,7 @@ fn side_by_side(m: &mut String, arms: &[ArmReport]) {
     for a in arms {
         let of = |kind: &'static str| a.raw_events.iter().filter(move |e| e["event"] == kind);
         let probe = of("probe").next().map_or("–".to_string(), |p| {
-            format!(
-                "{:.1} GB/s, peak {:.1}: {}",
-                p["best_gb_s"].as_f64().unwrap_or(0.0),
-                p["peak_gb_s"].as_f64().unwrap_or(0.0),
-                if p["plausible"] == true {
-                    "plausible"
-                } else {
-                    "**a probe bug**"
-                }
-            )
+            probe_summary(p).replace("a probe bug", "**a probe bug**")
         });
         let memory: Vec<&serde_json::Value> = of("memory").collect();
         let on_card = |e: &serde_json::Value| {

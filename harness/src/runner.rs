@@ -769,19 +769,7 @@ pub fn run_combo(
 /// The check of an arm's `expect_probe`: the worker's `probe` event says its readings were `plausible` or not.
 fn probe_check(events: &[Value], plausible: bool) -> Check {
     let probe = events.iter().find(|e| e["event"] == "probe");
-    let got = match probe {
-        Some(p) => format!(
-            "best of {} GB/s against a peak of {:.1} GB/s: {}",
-            p["best_gb_s"].as_f64().unwrap_or(0.0),
-            p["peak_gb_s"].as_f64().unwrap_or(0.0),
-            if p["plausible"] == true {
-                "plausible"
-            } else {
-                "a probe bug"
-            }
-        ),
-        None => "no probe event".into(),
-    };
+    let got = probe.map_or("no probe event".into(), crate::report::probe_summary);
     Check {
         what: "the link probe's check".into(),
         expected: if plausible { "plausible" } else { "a probe bug" }.into(),
