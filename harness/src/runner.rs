@@ -28,6 +28,14 @@ pub struct Combo {
 }
 
 impl Combo {
+    /// The device it runs on: its arms' `device`, else `default` (the scenario's or `--device`).
+    pub fn device(&self, default: &str) -> String {
+        self.arms
+            .iter()
+            .find_map(|a| a.device.clone())
+            .unwrap_or_else(|| default.to_string())
+    }
+
     /// The arm names, in axis order.
     pub fn arm_names(&self) -> Vec<String> {
         self.arms.iter().map(|a| a.name.clone()).collect()
@@ -517,11 +525,7 @@ pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
     }
     // A sticky rule a simulated device cannot carry out (an op it does not have, a trap) is the scenario's error.
     for c in combos(s) {
-        let d = c
-            .arms
-            .iter()
-            .find_map(|a| a.device.clone())
-            .unwrap_or_else(|| device.to_string());
+        let d = c.device(device);
         if !d.starts_with("sim:") {
             continue;
         }
@@ -534,23 +538,13 @@ pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
         let Some(rule) = fault.and_then(|v| strata_engine::device::fault::FaultPlan::parse(v).ok()?.sticky) else {
             continue;
         };
-        let known = strata_engine::device::fault::SIM_KERNELS;
-        if rule.trap || !known.contains(&rule.kernel.as_str()) {
-            return Err(format!(
-                "combination {}: {}={rule} on {d}: {}",
+        rule.check_sim().map_err(|why| {
+            format!(
+                "combination {}: {} on {d}: {why}",
                 c.name,
-                strata_engine::switches::FAULT,
-                if rule.trap {
-                    "a trap needs a real GPU (cuda:N); write sticky:KERNEL@N".to_string()
-                } else {
-                    format!(
-                        "no kernel `{}`; its kernels are the backend's ops: {}",
-                        rule.kernel,
-                        known.join(", ")
-                    )
-                }
-            ));
-        }
+                strata_engine::switches::FAULT
+            )
+        })?;
     }
     let named = s.model == "default" || s.model.starts_with("synth:");
     if !named && !Path::new(&s.model).is_file() {
@@ -607,11 +601,7 @@ pub fn run_combo(
         metrics_after_file: format!("logs/{slug}.metrics-after.txt"),
         ..ArmReport::default()
     };
-    let device = combo
-        .arms
-        .iter()
-        .find_map(|a| a.device.clone())
-        .unwrap_or_else(|| settings.device.clone());
+    let device = combo.device(&settings.device);
     arm.device = device.clone();
     let mut full_args = args.clone();
     full_args.extend([
@@ -958,11 +948,7 @@ pub fn model_path(model: &str) -> Result<PathBuf> {
 pub fn devices(s: &Scenario, default: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for c in combos(s) {
-        let d = c
-            .arms
-            .iter()
-            .find_map(|a| a.device.clone())
-            .unwrap_or_else(|| default.to_string());
+        let d = c.device(default);
         if !out.contains(&d) {
             out.push(d);
         }

@@ -111,11 +111,7 @@ fn main() {
         };
         for combo in runner::combos(&s) {
             let name = format!("{stem}::{}", combo.name);
-            let device = combo
-                .arms
-                .iter()
-                .find_map(|a| a.device.clone())
-                .unwrap_or_else(|| s.device.clone());
+            let device = combo.device(&s.device);
             match &runner::device_available(&device).err() {
                 Some(why) => {
                     trials.push(Trial::test(format!("{name} (ignored: {why})"), || Ok(())).with_ignored_flag(true))

@@ -224,6 +224,29 @@ impl FaultPlan {
     }
 }
 
+impl StickyRule {
+    /// Whether a `sim:` device can carry the rule out: a `sticky:` rule on one of [`SIM_KERNELS`] (a trap needs a
+    /// real GPU).
+    ///
+    /// Errors: why not, in words that list the known kernels.
+    pub fn check_sim(&self) -> Result<(), String> {
+        if self.trap {
+            return Err(format!(
+                "{self}: a trap needs a real GPU (cuda:N); on a sim: device write sticky:{}@{}",
+                self.kernel, self.launch
+            ));
+        }
+        if !SIM_KERNELS.contains(&self.kernel.as_str()) {
+            return Err(format!(
+                "{self}: a sim: device has no kernel `{}`; its kernels are the backend's ops: {}",
+                self.kernel,
+                SIM_KERNELS.join(", ")
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// What a launch does under a [`LaunchGate`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -280,11 +303,6 @@ impl LaunchGate {
             error: error.into(),
             state: std::sync::Mutex::new(GateState::default()),
         }
-    }
-
-    /// The rule this gate applies.
-    pub fn rule(&self) -> &StickyRule {
-        &self.rule
     }
 
     /// Whether launches are synchronised.

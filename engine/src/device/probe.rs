@@ -5,6 +5,7 @@
 //! takes [`ProbeVerdict::used_bytes_s`]: the best reading when every reading is plausible, else the peak-derived
 //! default.
 
+use crate::device::profile::LinkSpec;
 use crate::events::{self, EventKind, Probe};
 
 /// The share of a link's physical peak a host-to-device copy of pinned memory reaches, used when the probe
@@ -18,6 +19,16 @@ pub struct LinkPeak {
     pub bytes_s: f64,
     /// What it is (`PCIe Gen4 x16`, `memory fabric`, `PCIe Gen5 x16 (assumed: the link could not be read)`).
     pub what: String,
+}
+
+impl LinkPeak {
+    /// The peak of a profile's link ([`LinkSpec::peak_bytes_s`], [`LinkSpec::what`]).
+    pub fn of(link: &LinkSpec) -> LinkPeak {
+        LinkPeak {
+            bytes_s: link.peak_bytes_s(),
+            what: link.what(),
+        }
+    }
 }
 
 /// The probe's verdict.
@@ -54,8 +65,15 @@ pub fn check(readings_gb_s: &[f64], peak: &LinkPeak) -> ProbeVerdict {
     }
 }
 
-/// Sends the `probe` event for `device`, which the log shows as one line (`strata: probe: ...`).
-pub fn report(device: &str, peak: &LinkPeak, v: &ProbeVerdict) {
+/// Judges `readings_gb_s` against `peak` ([`check`]) and sends the verdict as `device`'s `probe` event, which the
+/// log shows as one line (`strata: probe: ...`).
+pub fn judge(device: &str, readings_gb_s: &[f64], peak: &LinkPeak) -> ProbeVerdict {
+    let v = check(readings_gb_s, peak);
+    report(device, peak, &v);
+    v
+}
+
+fn report(device: &str, peak: &LinkPeak, v: &ProbeVerdict) {
     events::emit(EventKind::Probe(Probe {
         device: device.into(),
         readings_gb_s: v.readings_gb_s.clone(),
@@ -96,16 +114,14 @@ pub fn pcie_link(bus_id: &str) -> Option<LinkPeak> {
         x if x <= 32.0 => 5,
         _ => 6,
     };
-    let spec = crate::device::profile::LinkSpec {
+    let mut peak = LinkPeak::of(&LinkSpec {
         pcie_gen: generation,
         pcie_width: width.clamp(1, 16),
         peak_gb_s: None,
         probe_gb_s: vec![],
-    };
-    Some(LinkPeak {
-        bytes_s: spec.peak_bytes_s(),
-        what: format!("PCIe Gen{generation} x{width}, {bus_id}"),
-    })
+    });
+    peak.what += &format!(", {bus_id}");
+    Some(peak)
 }
 
 #[cfg(test)]

@@ -159,15 +159,7 @@ impl SimDevice {
             let free = self.free_of(&a);
             if free < keeps || bytes > free - keeps {
                 drop(a);
-                self.event("alloc_failed", what, bytes, free, false);
-                return Err(SimAllocError {
-                    call: self.profile.api.malloc(),
-                    what: what.into(),
-                    bytes,
-                    error: self.profile.api.out_of_memory(),
-                    free,
-                    keeps,
-                });
+                return Err(self.refused(false, what, bytes, free));
             }
             a.allocated += bytes;
             self.free_of(&a)
@@ -188,16 +180,7 @@ impl SimDevice {
     /// refuses to lock what is not there).
     pub fn register_host(self: &Arc<Self>, what: &str, bytes: u64) -> Result<SimAlloc, SimAllocError> {
         if bytes > self.host_available() {
-            let free = self.mem_info().0;
-            self.event("register_failed", what, bytes, free, true);
-            return Err(SimAllocError {
-                call: self.profile.api.host_register(),
-                what: what.into(),
-                bytes,
-                error: self.profile.api.out_of_memory(),
-                free,
-                keeps: self.driver_keeps_free(),
-            });
+            return Err(self.refused(true, what, bytes, self.mem_info().0));
         }
         let free = {
             let mut a = self.account();
@@ -211,6 +194,26 @@ impl SimDevice {
             bytes,
             registered: true,
         })
+    }
+
+    /// A refused allocation (`host`: a registration) of `bytes` for `what` with `free` bytes free: its `memory`
+    /// event, and the driver's error.
+    fn refused(&self, host: bool, what: &str, bytes: u64, free: u64) -> SimAllocError {
+        let api = self.profile.api;
+        let (op, call) = if host {
+            ("register_failed", api.host_register())
+        } else {
+            ("alloc_failed", api.malloc())
+        };
+        self.event(op, what, bytes, free, host);
+        SimAllocError {
+            call,
+            what: what.into(),
+            bytes,
+            error: api.out_of_memory(),
+            free,
+            keeps: self.driver_keeps_free(),
+        }
     }
 
     fn event(&self, op: &str, what: &str, bytes: u64, free: u64, host: bool) {

@@ -346,10 +346,9 @@ impl Engine {
                 Some(hold) => hold.device.profile.api.launch_failure(),
                 None => "",
             };
-            backend
+            let synced = backend
                 .arm_sticky(&flags.device, rule, error)
                 .map_err(|why| EngineError::FaultRule { why })?;
-            let synced = crate::switches::flag(crate::switches::SYNC_LAUNCHES, false);
             eprintln!(
                 "strata: {}={rule}: launch {} of {} on {} {}; {}",
                 crate::switches::FAULT,
@@ -698,7 +697,8 @@ fn plan_device(
     Ok(pinned)
 }
 
-const GIB: f64 = (1u64 << 30) as f64;
+/// Bytes in a GiB, for log lines in GiB.
+pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
 /// The fault plan on a simulated device: the environment's rules and the profile's (`faults`, and the vendor
 /// BLAS's GEMM row limit): the tighter GEMM row limit of the two, the environment's sticky rule else the
@@ -775,13 +775,12 @@ fn probe_link(c: &CudaBackend, model: &Model, device: &Device, unsynced: bool) -
     let peak = c
         .pci_bus_id()
         .and_then(|id| crate::device::probe::pcie_link(&id))
-        .unwrap_or_else(|| crate::device::probe::LinkPeak {
-            bytes_s: ASSUMED_LINK.peak_bytes_s(),
-            what: format!("{} (assumed: the link could not be read)", ASSUMED_LINK.what()),
+        .unwrap_or_else(|| {
+            let mut p = crate::device::probe::LinkPeak::of(&ASSUMED_LINK);
+            p.what += " (assumed: the link could not be read)";
+            p
         });
-    let v = crate::device::probe::check(&readings, &peak);
-    crate::device::probe::report(&device.to_string(), &peak, &v);
-    Some(v.used_bytes_s)
+    Some(crate::device::probe::judge(&device.to_string(), &readings, &peak).used_bytes_s)
 }
 
 /// Sets the miss plan of `--miss-policy` (DESIGN.md section 3, "Expert cache") and logs it in one line: `auto`

@@ -20,9 +20,7 @@ use crate::memory::{
     cache::size_cache, gib, human_bytes,
 };
 use crate::model::Model;
-use crate::runtime::engine::{EngineError, EngineFlags};
-
-const GIB: f64 = (1u64 << 30) as f64;
+use crate::runtime::engine::{EngineError, EngineFlags, GIB};
 
 /// What the engine holds on a simulated device: the device and its live allocations (freed when dropped).
 #[derive(Debug)]
@@ -76,17 +74,13 @@ pub fn open(name: &str, model: &mut Model, flags: &EngineFlags) -> Result<SimHol
         }
     );
     // The link probe at start, as the original's: the profile's readings, checked against the link's peak.
-    let peak = crate::device::probe::LinkPeak {
-        bytes_s: p.link.peak_bytes_s(),
-        what: p.link.what(),
-    };
+    let peak = crate::device::probe::LinkPeak::of(&p.link);
     let readings = if p.link.probe_gb_s.is_empty() {
         vec![peak.bytes_s / 1e9 * crate::device::probe::DEFAULT_LINK_FRACTION]
     } else {
         p.link.probe_gb_s.clone()
     };
-    let verdict = crate::device::probe::check(&readings, &peak);
-    crate::device::probe::report(&device.to_string(), &peak, &verdict);
+    crate::device::probe::judge(&device.to_string(), &readings, &peak);
     let ef = &flags.plan.experts;
     let mut config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
     // The reserve in the card's MiB, as the log lines quote it (the driver's floor when that is more).

@@ -343,12 +343,12 @@ impl CudaBackend {
     }
 
     /// Arms a sticky fault: the rule's launch fails (`sticky:`, the driver's `CUDA_ERROR_LAUNCH_FAILED` injected
-    /// at it, or at the next launch when launches are not synchronised) or traps (`trap:`, a real poisoned
-    /// context), and every later launch fails. Decode steps run without CUDA graphs from here on, so every launch
-    /// is counted.
+    /// at it, or at the next call when launches are not synchronised) or traps (`trap:`, a real poisoned
+    /// context), and every later launch, copy and synchronisation fails. Decode steps run without CUDA graphs from
+    /// here on, so every launch is counted. Returns whether launches are synchronised.
     ///
     /// Errors: the kernel is not in the module (the message lists the module's kernels); already armed.
-    pub fn arm_sticky(&self, rule: &crate::device::fault::StickyRule) -> Result<(), String> {
+    pub fn arm_sticky(&self, rule: &crate::device::fault::StickyRule) -> Result<bool, String> {
         let g = &*self.gpu;
         if !g.funcs.contains_key(rule.kernel.as_str()) || rule.kernel == "strata_trap" {
             let mut names: Vec<&str> = g.funcs.keys().copied().filter(|k| *k != "strata_trap").collect();
@@ -369,7 +369,7 @@ impl CudaBackend {
             .set(gate)
             .map_err(|_| format!("{rule}: a sticky fault is armed already"))?;
         g.graphs_off();
-        Ok(())
+        Ok(g.sync_launches)
     }
 
     /// Makes the VRAM expert cache the memory plan sized (`memory::ExpertPlacement::Cache`): from now on a MoE

@@ -7,7 +7,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams, RunBufs};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::device::fault::{FaultPlan, LaunchGate, SIM_KERNELS, StickyRule, Verdict};
+use crate::device::fault::{FaultPlan, LaunchGate, StickyRule, Verdict};
 use crate::device::{Device, DeviceError};
 use crate::events::{self, EventKind, Fault, Launch};
 use crate::state::batch::BatchLayout;
@@ -79,12 +79,13 @@ impl AnyBackend {
     }
 
     /// Arms a sticky fault (`sticky:KERNEL@N`, `trap:KERNEL@N`) on `device`: `error` is its driver's words for a
-    /// failed launch. On CUDA the kernel must be one of the module's; on a `sim:` device one of [`SIM_KERNELS`].
-    /// Launches are synchronised (the fault surfaces at its kernel) under `STRATA_SYNC_LAUNCHES=1`.
+    /// failed launch (a `sim:` device's; CUDA's are the driver's own). On CUDA the kernel must be one of the
+    /// module's; on a `sim:` device one of [`crate::device::fault::SIM_KERNELS`]. Returns whether launches are
+    /// synchronised (`STRATA_SYNC_LAUNCHES=1`: the fault surfaces at its kernel).
     ///
     /// Errors: no such kernel (the message lists the known ones); a trap on a device that cannot trap; a sticky
     /// fault on the plain CPU, which has no device to poison.
-    pub fn arm_sticky(&mut self, device: &Device, rule: &StickyRule, error: &str) -> Result<(), String> {
+    pub fn arm_sticky(&mut self, device: &Device, rule: &StickyRule, error: &str) -> Result<bool, String> {
         match self {
             AnyBackend::Cuda(c) => c.arm_sticky(rule),
             AnyBackend::Cpu(_, sim) => {
@@ -93,26 +94,14 @@ impl AnyBackend {
                         "{rule}: a sticky launch failure poisons a GPU; {device} has none (use --device sim:PROFILE or cuda:N)"
                     ));
                 }
-                if rule.trap {
-                    return Err(format!(
-                        "{rule}: a trap needs a real GPU (cuda:N); on {device} write sticky:{}@{}",
-                        rule.kernel, rule.launch
-                    ));
-                }
-                if !SIM_KERNELS.contains(&rule.kernel.as_str()) {
-                    return Err(format!(
-                        "{rule}: {device} has no kernel `{}`; its kernels are the backend's ops: {}",
-                        rule.kernel,
-                        SIM_KERNELS.join(", ")
-                    ));
-                }
+                rule.check_sim()?;
                 let synced = crate::switches::flag(crate::switches::SYNC_LAUNCHES, false);
                 *sim = Some(Box::new(SimLaunches {
                     gate: LaunchGate::new(rule.clone(), synced, error),
                     device: device.to_string(),
                     calls: AtomicU64::new(0),
                 }));
-                Ok(())
+                Ok(synced)
             }
         }
     }
