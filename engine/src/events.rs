@@ -172,6 +172,14 @@ pub struct Request {
     pub decode_ms: f64,
     /// Why it ended: `eog`, `stop_string`, `limit`, `context`, `cancelled`.
     pub stop: String,
+    /// The generated token ids, in order (a final end-of-generation token included).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<u32>,
+    /// With `STRATA_LOGITS_DIGEST=1`: one digest per sampled token of the logits it was sampled from (FNV-1a,
+    /// 64 bits, over the `vocab` f32 values' little-endian bytes), as 16 hex digits. Equal digests: bit-identical
+    /// logits (up to a 2^-64 chance).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logits_fnv: Vec<String>,
 }
 
 /// The shape of a matrix multiplication: `m` rows (tokens) × `k` inputs → `n` outputs.
@@ -533,6 +541,8 @@ mod tests {
             generated: 47,
             decode_ms: 775.0,
             stop: "eog".into(),
+            tokens: vec![3, 1, 4],
+            logits_fnv: vec!["cbf29ce484222325".into()],
         };
         assert_eq!(
             r.to_string(),

@@ -78,10 +78,7 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
     };
     let tokens = l.tokenizer.encode(&prompt_text, true, args.chat)?;
     let mut session = l.session()?;
-    let opts = GenerateOptions {
-        max_tokens: args.engine.max_tokens,
-        stop: args.engine.sampling.stop.clone(),
-    };
+    let opts = GenerateOptions::new(args.engine.max_tokens, args.engine.sampling.stop.clone());
     let mut s = sampler(&args.engine.sampling, l.model.weights.output.rows)?;
     let (_, stats) = generate(&mut session, &l.tokenizer, &tokens, &opts, &mut s, &mut |t| {
         stream_to_stdout(t)
@@ -100,10 +97,7 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
         bail!("`strata chat` needs a chat template, and this model has none (tokenizer.chat_template)");
     };
     let mut session = l.session()?;
-    let opts = GenerateOptions {
-        max_tokens: args.max_tokens,
-        stop: args.sampling.stop.clone(),
-    };
+    let opts = GenerateOptions::new(args.max_tokens, args.sampling.stop.clone());
     let mut s = sampler(&args.sampling, l.model.weights.output.rows)?;
     let mut messages: Vec<ChatMessage> = system_messages(&args);
     eprintln!("strata chat: type a message; an empty line or end of input quits");

@@ -20,6 +20,8 @@ pub struct Switch {
     pub what: &'static str,
     /// Its value is a secret: listed as `(set)`, never printed.
     pub secret: bool,
+    /// A speed switch: a faster path that computes the same thing, whose default depends on the hardware.
+    pub speed: Option<Speed>,
 }
 
 const fn sw(name: &'static str, default: &'static str, what: &'static str) -> Switch {
@@ -28,7 +30,98 @@ const fn sw(name: &'static str, default: &'static str, what: &'static str) -> Sw
         default,
         what,
         secret: false,
+        speed: None,
     }
+}
+
+/// A speed switch of [`SWITCHES`] (seeds 001 and 003 print the original's: "gfx1151 (Strix Halo): 18 exact speed
+/// switches on by default (STRATA_GFX1151_DEFAULTS=0 turns them off; a switch you set is kept)").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speed {
+    /// On and off give bit-identical logits, hence tokens (checked by `scenarios/switches.yaml` on the CPU and
+    /// `scenarios/h200-switches.yaml` on the H200: `same_logits_as`). A switch that is not exact computes
+    /// within the backends' tolerance, by another route (for example another device's kernels).
+    pub exact: bool,
+    /// The targets it changes anything on (PDL needs sm_90; the CPU's 512-bit kernel needs AVX-512BW).
+    pub applies: Applies,
+    /// Whether it is on by default where it applies, unless [`ARCH_DEFAULTS`] is off.
+    pub on: bool,
+}
+
+/// The targets a speed switch changes anything on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applies {
+    /// Every CUDA device.
+    Cuda,
+    /// CUDA devices of compute capability 9.0 and later.
+    CudaSm90,
+    /// Every target, where the host CPU has AVX-512F and BW (a CUDA device's expert misses run on the CPU too).
+    HostAvx512bw,
+}
+
+impl Applies {
+    /// Whether `target` is one of them.
+    pub fn to(self, target: &Target) -> bool {
+        match self {
+            Applies::Cuda => matches!(target, Target::Cuda { .. }),
+            Applies::CudaSm90 => matches!(target, Target::Cuda { major, .. } if *major >= 9),
+            Applies::HostAvx512bw => host_avx512bw(),
+        }
+    }
+}
+
+const fn speed(
+    name: &'static str,
+    default: &'static str,
+    exact: bool,
+    applies: Applies,
+    on: bool,
+    what: &'static str,
+) -> Switch {
+    Switch {
+        name,
+        default,
+        what,
+        secret: false,
+        speed: Some(Speed { exact, applies, on }),
+    }
+}
+
+/// The hardware a speed switch's default is decided for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// A CUDA device of compute capability `major.minor`.
+    Cuda { major: u32, minor: u32 },
+    /// The CPU backend, named by the architecture it runs as: the host's (`x86_64`), or a `sim:` device's
+    /// (`gfx1151`: its arithmetic runs on the CPU backend).
+    Cpu { arch: String },
+}
+
+impl Target {
+    /// The CPU backend on this host.
+    pub fn host() -> Target {
+        Target::Cpu {
+            arch: std::env::consts::ARCH.to_string(),
+        }
+    }
+
+    /// `sm_90`, `x86_64`, `gfx1151`.
+    pub fn name(&self) -> String {
+        match self {
+            Target::Cuda { major, minor } => format!("sm_{major}{minor}"),
+            Target::Cpu { arch } => arch.clone(),
+        }
+    }
+}
+
+/// The host CPU has AVX-512F and BW.
+fn host_avx512bw() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// The model cache folder.
@@ -65,6 +158,10 @@ pub const EXPERT_PREFETCH: &str = "STRATA_EXPERT_PREFETCH";
 pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
 /// The CPU's 512-bit Q4_K kernel, where the CPU has AVX-512BW (off by default).
 pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
+/// Off: every speed switch the user did not set is off, whatever the arch's default.
+pub const ARCH_DEFAULTS: &str = "STRATA_ARCH_DEFAULTS";
+/// A digest of every step's logits in each `request` event (for `same_logits_as`).
+pub const LOGITS_DIGEST: &str = "STRATA_LOGITS_DIGEST";
 /// Per-launch timing.
 pub const PROFILE_KERNELS: &str = "STRATA_PROFILE_KERNELS";
 /// Kernels left out of decode graphs.
@@ -108,6 +205,7 @@ pub const SWITCHES: &[Switch] = &[
         default: "",
         what: "strata serve's API key when --api-key is not given",
         secret: true,
+        speed: None,
     },
     sw(
         FAULT,
@@ -119,29 +217,44 @@ pub const SWITCHES: &[Switch] = &[
         "0",
         "1: synchronise after every CUDA kernel (every op of a sim: device) so a fault names its kernel, grid, block and launch number",
     ),
-    sw(
+    speed(
         PDL,
-        "1",
+        "1 on sm_90 and later",
+        true,
+        Applies::CudaSm90,
+        true,
         "0: no programmatic dependent launch (sm_90 and later launch each kernel while the one before it ends)",
     ),
-    sw(
+    speed(
         CUDA_GRAPHS,
-        "1",
+        "1 on CUDA",
+        true,
+        Applies::Cuda,
+        true,
         "0: decode steps launch their kernels one by one instead of replaying a CUDA graph",
     ),
-    sw(
+    speed(
         DEVICE_SLOT_TABLE,
-        "1",
+        "1 on CUDA",
+        true,
+        Applies::Cuda,
+        true,
         "0: decode steps through the expert cache decide on the host, layer by layer (a round trip each), instead of on the device inside the CUDA graph",
     ),
-    sw(
+    speed(
         FETCH_OVERLAP,
-        "1",
+        "1 on CUDA",
+        true,
+        Applies::Cuda,
+        true,
         "0: on the device's slot table, a MoE layer's misses are copied in before any of its experts is computed, instead of on a second stream while the hits are computed",
     ),
-    sw(
+    speed(
         CPU_JOIN,
-        "1",
+        "1 on CUDA",
+        false,
+        Applies::Cuda,
+        true,
         "0: decode steps whose miss policy gives the CPU expert misses decide on the host, layer by layer, instead of on the device's slot table with the CPU answering inside the CUDA graph",
     ),
     sw(
@@ -164,15 +277,28 @@ pub const SWITCHES: &[Switch] = &[
         "2",
         "N (1-64): experts --expert-prefetch copies per MoE layer at most, the router's surest first (tuning)",
     ),
-    sw(
+    speed(
         CPU_AVX512,
         "0",
+        true,
+        Applies::HostAvx512bw,
+        false,
         "1: the CPU's Q4_K dot products on 512-bit registers where the CPU has AVX-512BW (the same results; on the H200 machine's Xeon slower with all cores busy; for comparing speed)",
     ),
     sw(
         JOIN_ROUND_TRIP_US,
         "20",
         "N (0-1000): microseconds --miss-policy auto's cost model adds to the CPU's share of a layer-step when the CPU joins the device's slot table (the mapped memory's round trip: the GPU's request, the rows' read; tuning)",
+    ),
+    sw(
+        ARCH_DEFAULTS,
+        "1",
+        "0: every speed switch you did not set is off, whatever this device's defaults (the start line lists them; a bisection of a wrong answer starts here)",
+    ),
+    sw(
+        LOGITS_DIGEST,
+        "0",
+        "1: each request event carries an FNV-1a digest of every step's logits (their f32 bits; decode reads whole logits back, not the best candidates), so two runs can be shown bit-identical (the harness's same_logits_as sets it)",
     ),
     sw(
         PROFILE_KERNELS,
@@ -216,14 +342,131 @@ fn raw(name: &str) -> Option<OsString> {
 /// A boolean switch: off when set to `0`, `false`, `off` or `no` (any case), on when set to anything else;
 /// `default` when unset or empty.
 pub fn flag(name: &str, default: bool) -> bool {
-    raw(name).map_or(default, |v| {
-        let v = v.to_string_lossy().trim().to_ascii_lowercase();
-        match v.as_str() {
-            "" => default,
-            "0" | "false" | "off" | "no" => false,
-            _ => true,
+    parse_flag(text_lossy(name).as_deref()).unwrap_or(default)
+}
+
+/// Whether speed switch `name` (one of [`SWITCHES`] with [`Switch::speed`]) is on for `target`: off where it does
+/// not apply; else the user's value when set (as [`flag`] reads it); else off when [`ARCH_DEFAULTS`] is off; else the
+/// switch's default.
+pub fn speed_on(name: &str, target: &Target) -> bool {
+    speed_on_in(name, target, &env_text)
+}
+
+/// [`speed_on`] with the environment `env` (a switch's value, `None` when unset).
+fn speed_on_in(name: &str, target: &Target, env: &dyn Fn(&str) -> Option<String>) -> bool {
+    let Some(sp) = SWITCHES.iter().find(|s| s.name == name).and_then(|s| s.speed) else {
+        debug_assert!(false, "{name} is not a speed switch of SWITCHES");
+        return false;
+    };
+    if !sp.applies.to(target) {
+        return false;
+    }
+    match parse_flag(env(name).as_deref()) {
+        Some(user) => user,
+        None => parse_flag(env(ARCH_DEFAULTS).as_deref()).unwrap_or(true) && sp.on,
+    }
+}
+
+/// The process environment's value of `name`, lossily as text.
+fn env_text(name: &str) -> Option<String> {
+    text_lossy(name)
+}
+
+/// A boolean switch's value: `None` when unset or empty; off for `0`, `false`, `off` or `no` (any case); else on.
+fn parse_flag(v: Option<&str>) -> Option<bool> {
+    let v = v?.trim().to_ascii_lowercase();
+    match v.as_str() {
+        "" => None,
+        "0" | "false" | "off" | "no" => Some(false),
+        _ => Some(true),
+    }
+}
+
+/// The speed switches as they stand for one target: the start line every engine prints ([`SpeedReport`]'s
+/// Display) and the `switches` event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpeedReport {
+    /// [`Target::name`].
+    pub target: String,
+    /// Short names (`PDL` for `STRATA_PDL`) of the switches that apply, with their state.
+    pub on_exact: Vec<String>,
+    pub on_inexact: Vec<String>,
+    pub off: Vec<String>,
+    /// Switches the user set, as `NAME=value`.
+    pub set: Vec<String>,
+    /// Whether [`ARCH_DEFAULTS`] left the defaults on.
+    pub defaults: bool,
+}
+
+/// `PDL` for `STRATA_PDL`.
+pub fn short_name(name: &str) -> &str {
+    name.strip_prefix("STRATA_").unwrap_or(name)
+}
+
+impl SpeedReport {
+    /// The speed switches that apply to `target`, as [`speed_on`] decides them.
+    pub fn of(target: &Target) -> SpeedReport {
+        Self::of_in(target, &env_text)
+    }
+
+    /// [`SpeedReport::of`] with the environment `env`.
+    fn of_in(target: &Target, env: &dyn Fn(&str) -> Option<String>) -> SpeedReport {
+        let mut r = SpeedReport {
+            target: target.name(),
+            on_exact: vec![],
+            on_inexact: vec![],
+            off: vec![],
+            set: vec![],
+            defaults: parse_flag(env(ARCH_DEFAULTS).as_deref()).unwrap_or(true),
+        };
+        for s in SWITCHES {
+            let Some(sp) = s.speed else { continue };
+            if !sp.applies.to(target) {
+                continue;
+            }
+            let short = short_name(s.name).to_string();
+            if let Some(v) = env(s.name).filter(|v| parse_flag(Some(v)).is_some()) {
+                r.set.push(format!("{short}={}", v.trim()));
+            }
+            match (speed_on_in(s.name, target, env), sp.exact) {
+                (true, true) => r.on_exact.push(short),
+                (true, false) => r.on_inexact.push(short),
+                (false, _) => r.off.push(short),
+            }
         }
-    })
+        r
+    }
+}
+
+impl std::fmt::Display for SpeedReport {
+    /// `sm_90: 4 exact speed switches on by default (STRATA_ARCH_DEFAULTS=0 turns them off; a switch you set is
+    /// kept): PDL CUDA_GRAPHS DEVICE_SLOT_TABLE FETCH_OVERLAP; on, not exact: CPU_JOIN; off: CPU_AVX512`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |v: &[String]| if v.is_empty() { "none".to_string() } else { v.join(" ") };
+        write!(
+            f,
+            "{}: {} exact speed switch{} on ({}; a switch you set is kept): {}",
+            self.target,
+            self.on_exact.len(),
+            if self.on_exact.len() == 1 { "" } else { "es" },
+            if self.defaults {
+                format!("{ARCH_DEFAULTS}=0 turns the defaults off")
+            } else {
+                format!("{ARCH_DEFAULTS}=0: the defaults are off")
+            },
+            list(&self.on_exact)
+        )?;
+        if !self.on_inexact.is_empty() {
+            write!(f, "; on, not exact: {}", list(&self.on_inexact))?;
+        }
+        if !self.off.is_empty() {
+            write!(f, "; off: {}", list(&self.off))?;
+        }
+        if !self.set.is_empty() {
+            write!(f, "; set by you: {}", self.set.join(" "))?;
+        }
+        Ok(())
+    }
 }
 
 /// A text switch; `None` when unset.
@@ -300,5 +543,50 @@ mod tests {
         for s in SWITCHES {
             assert!(t.contains(s.name), "{t}");
         }
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: std::collections::HashMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| m.get(k).cloned()
+    }
+
+    const H200: Target = Target::Cuda { major: 9, minor: 0 };
+    const A100: Target = Target::Cuda { major: 8, minor: 0 };
+
+    #[test]
+    fn speed_switches_follow_the_arch_then_the_master_switch_then_the_user() {
+        let none = env(&[]);
+        assert!(speed_on_in(PDL, &H200, &none));
+        assert!(!speed_on_in(PDL, &A100, &none), "no PDL before sm_90");
+        assert!(speed_on_in(CUDA_GRAPHS, &A100, &none));
+        let cpu = Target::Cpu { arch: "gfx1151".into() };
+        assert!(!speed_on_in(CUDA_GRAPHS, &cpu, &none), "a CUDA switch does nothing on the CPU backend");
+        assert!(!speed_on_in(CPU_AVX512, &cpu, &none), "off by default");
+        let off = env(&[(ARCH_DEFAULTS, "0")]);
+        assert!(!speed_on_in(PDL, &H200, &off) && !speed_on_in(CUDA_GRAPHS, &H200, &off));
+        // A switch the user set is kept, either way, whatever the master switch says.
+        let kept = env(&[(ARCH_DEFAULTS, "off"), (CUDA_GRAPHS, "1"), (PDL, " ")]);
+        assert!(speed_on_in(CUDA_GRAPHS, &H200, &kept));
+        assert!(!speed_on_in(PDL, &H200, &kept), "an empty value is unset: the master switch decides");
+        let user_off = env(&[(FETCH_OVERLAP, "no")]);
+        assert!(!speed_on_in(FETCH_OVERLAP, &H200, &user_off) && speed_on_in(PDL, &H200, &user_off));
+        // Set on where it does not apply: still off.
+        assert!(!speed_on_in(PDL, &A100, &env(&[(PDL, "1")])));
+    }
+
+    #[test]
+    fn the_start_line_names_every_switch_that_applies_once() {
+        let r = SpeedReport::of_in(&H200, &env(&[(CUDA_GRAPHS, "0")]));
+        let line = r.to_string();
+        assert!(line.starts_with("sm_90: 3 exact speed switches on (STRATA_ARCH_DEFAULTS=0 turns the defaults off"), "{line}");
+        assert_eq!(r.on_exact, ["PDL", "DEVICE_SLOT_TABLE", "FETCH_OVERLAP"]);
+        assert_eq!(r.on_inexact, ["CPU_JOIN"]);
+        assert!(r.off.contains(&"CUDA_GRAPHS".to_string()), "{line}");
+        assert_eq!(r.set, ["CUDA_GRAPHS=0"]);
+        assert!(line.ends_with("; set by you: CUDA_GRAPHS=0"), "{line}");
+        let cpu = SpeedReport::of_in(&Target::Cpu { arch: "x86_64".into() }, &env(&[(ARCH_DEFAULTS, "0")]));
+        assert!(cpu.on_exact.is_empty() && cpu.on_inexact.is_empty(), "{cpu}");
+        assert!(cpu.to_string().starts_with("x86_64: 0 exact speed switches on (STRATA_ARCH_DEFAULTS=0: the defaults are off"), "{cpu}");
     }
 }

@@ -163,6 +163,13 @@ pub struct Sample {
     /// `moe_add_rms_norm launch #12 (synchronised)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub faults: Vec<LaunchFault>,
+    /// The generated token ids, from the worker's `request` event of this request.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<u32>,
+    /// One digest per generated token of the logits it was sampled from (`STRATA_LOGITS_DIGEST=1`; the `request`
+    /// event's `logits_fnv`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logits_fnv: Vec<String>,
 }
 
 /// A launch fault a `fault` event named.

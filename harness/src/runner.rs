@@ -590,6 +590,10 @@ pub fn run_combo(
         env.extend(a.env.clone());
         args.extend(a.args.clone());
     }
+    if s.compares_logits() {
+        env.entry(strata_engine::switches::LOGITS_DIGEST.to_string())
+            .or_insert_with(|| "1".into());
+    }
     let mut arm = ArmReport {
         name: combo.name.clone(),
         arm_names: combo.arm_names(),
@@ -812,8 +816,19 @@ pub fn attribute_cache_events(arm: &mut ArmReport) {
         .iter()
         .filter(|e| e["event"] == "fault" && e["kernel"].is_string() && e["call"].is_u64())
         .collect();
+    let requests: Vec<&Value> = arm.raw_events.iter().filter(|e| e["event"] == "request").collect();
     for smp in arm.rows.iter_mut().flat_map(|r| r.samples.iter_mut()) {
         smp.expert_cache.clear();
+        let within = |e: &&&Value| (smp.t_start_unix_ms..=smp.t_end_unix_ms).contains(&e["ts_ms"].as_u64().unwrap_or(0));
+        let done = requests.iter().find(within);
+        smp.tokens = done
+            .and_then(|e| e["tokens"].as_array())
+            .map(|v| v.iter().filter_map(|t| t.as_u64().map(|t| t as u32)).collect())
+            .unwrap_or_default();
+        smp.logits_fnv = done
+            .and_then(|e| e["logits_fnv"].as_array())
+            .map(|v| v.iter().filter_map(|d| d.as_str().map(str::to_string)).collect())
+            .unwrap_or_default();
         smp.faults = faults
             .iter()
             .filter(|e| (smp.t_start_unix_ms..=smp.t_end_unix_ms).contains(&e["ts_ms"].as_u64().unwrap_or(0)))
@@ -834,106 +849,199 @@ pub fn attribute_cache_events(arm: &mut ArmReport) {
     }
 }
 
-/// The `same_output_as` checks, which compare combinations with each other, so they run after every
-/// combination: each row whose expectation names an arm X is compared, request by request, with the same case's
-/// row in the combination that has X in place of this one's arm on X's axis, or, when the scenario excludes
-/// that one, the combination with X that the scenario runs and that shares the most of this one's other arms.
-/// `ran_all` is false when some combinations were left out on purpose (`--arm`): a row whose reference was left
-/// out that way is not judged. A reference excluded with no single closest stand-in, or whose server did not
-/// start, fails the check.
+/// What a `same_*_as` expectation compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Same {
+    /// `same_output_as`: the text.
+    Output,
+    /// `same_tokens_as`: the generated token ids.
+    Tokens,
+    /// `same_logits_as`: each step's logits digest.
+    Logits,
+}
+
+impl Same {
+    const ALL: [Same; 3] = [Same::Output, Same::Tokens, Same::Logits];
+
+    /// The arm this kind's expectation names.
+    fn arm(self, e: &Expect) -> Option<String> {
+        match self {
+            Same::Output => e.same_output_as.clone(),
+            Same::Tokens => e.same_tokens_as.clone(),
+            Same::Logits => e.same_logits_as.clone(),
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Same::Output => "output equals",
+            Same::Tokens => "token ids equal",
+            Same::Logits => "logits equal",
+        }
+    }
+
+    /// `got` against `want` (answered requests): `None` when equal, else what differs.
+    fn differs(self, got: &Sample, want: &Sample) -> Option<String> {
+        fn first_difference<T: PartialEq>(a: &[T], b: &[T]) -> Option<usize> {
+            (a != b).then(|| a.iter().zip(b).take_while(|(p, q)| p == q).count())
+        }
+        match self {
+            Same::Output => {
+                let short = |t: &str| format!("{:?}", t.chars().take(80).collect::<String>());
+                let (a, b): (Vec<char>, Vec<char>) = (got.output.chars().collect(), want.output.chars().collect());
+                first_difference(&a, &b).map(|at| format!("differs from character {at}: {}", short(&got.output)))
+            }
+            Same::Tokens => {
+                if got.tokens.is_empty() || want.tokens.is_empty() {
+                    return Some("no token ids: a request event without them (a worker older than the harness?)".into());
+                }
+                first_difference(&got.tokens, &want.tokens).map(|at| {
+                    format!(
+                        "differs from token {at}: {} against {}",
+                        got.tokens.get(at).map_or("(end)".into(), |t| t.to_string()),
+                        want.tokens.get(at).map_or("(end)".into(), |t| t.to_string())
+                    )
+                })
+            }
+            Same::Logits => {
+                if got.logits_fnv.is_empty() || want.logits_fnv.is_empty() {
+                    return Some(format!(
+                        "no logits digests: the request events have none ({}=1 was unset for a combination?)",
+                        strata_engine::switches::LOGITS_DIGEST
+                    ));
+                }
+                first_difference(&got.logits_fnv, &want.logits_fnv)
+                    .map(|at| format!("differ from token {at} of {}", got.logits_fnv.len()))
+            }
+        }
+    }
+
+    /// The check's `expected` column: what the reference holds.
+    fn expected(self, want: &Sample) -> String {
+        match self {
+            Same::Output => format!("{:?}", want.output.chars().take(80).collect::<String>()),
+            Same::Tokens => format!("the same {} tokens", want.tokens.len()),
+            Same::Logits => format!("bit-identical logits at {} steps", want.logits_fnv.len()),
+        }
+    }
+
+    fn same(self) -> &'static str {
+        match self {
+            Same::Output => "the same text",
+            Same::Tokens => "the same tokens",
+            Same::Logits => "the same logits",
+        }
+    }
+}
+
+/// The `same_output_as`, `same_tokens_as` and `same_logits_as` checks, which compare combinations with each
+/// other, so they run after every combination: each row whose expectation names an arm X is compared, request by
+/// request, with the same case's row in the combination that has X in place of this one's arm on X's axis, or,
+/// when the scenario excludes that one, the combination with X that the scenario runs and that shares the most of
+/// this one's other arms. `ran_all` is false when some combinations were left out on purpose (`--arm`): a row
+/// whose reference was left out that way is not judged. A reference excluded with no single closest stand-in, or
+/// whose server did not start, fails the check.
 pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
     let running = s.running_arm_names();
     let axes: Vec<&String> = s.matrix.keys().collect();
     let mut found: Vec<(usize, usize, Check)> = Vec::new();
     for (ai, a) in arms.iter().enumerate() {
         for (ri, row) in a.rows.iter().enumerate() {
-            let Some(x) = row_expect(s, &a.arm_names, &row.case).same_output_as else {
-                continue;
-            };
-            if row.kind == "probe" || a.arm_names.contains(&x) {
-                continue;
+            let expect = row_expect(s, &a.arm_names, &row.case);
+            for kind in Same::ALL {
+                let Some(x) = kind.arm(&expect) else {
+                    continue;
+                };
+                if let Some(check) = same_check(s, arms, a, row, kind, &x, &running, &axes, ran_all) {
+                    found.push((ai, ri, check));
+                }
             }
-            let Some(pos) = s.axis_of(&x).and_then(|ax| axes.iter().position(|a| *a == ax)) else {
-                continue;
-            };
-            let mut want = a.arm_names.clone();
-            if pos >= want.len() {
-                continue;
-            }
-            want[pos] = x.clone();
-            let label = |names: &[String]| {
-                let w: Vec<String> = axes.iter().zip(names).map(|(ax, n)| format!("{ax}={n}")).collect();
-                w.join(",")
-            };
-            // The combination with X in place of this one's arm; when the scenario excludes it, the combination
-            // with X (among those the scenario runs, whether or not `--arm` ran them) that shares the most of
-            // this one's other arms, if one alone does (X's arm runs in fewer combinations, as an all-resident
-            // reference usually does).
-            let shared = |names: &[String]| names.iter().zip(&want).filter(|(p, q)| p == q).count();
-            let with_x: Vec<&Vec<String>> = running.iter().filter(|c| c.contains(&x)).collect();
-            let most = with_x.iter().map(|c| shared(c)).max().unwrap_or(0);
-            let closest: Vec<&Vec<String>> = with_x.into_iter().filter(|c| shared(c) == most).collect();
-            let target = if s.excludes(&want) && closest.len() == 1 {
-                closest[0].clone()
-            } else {
-                want.clone()
-            };
-            let reference = arms.iter().find(|b| b.arm_names == target);
-            let what = format!("output equals arm `{x}`'s ({})", label(&target));
-            let fail = |got: String| Check {
-                what: what.clone(),
-                expected: "the same text".into(),
-                got,
-                passed: false,
-            };
-            let check = match reference {
-                None if !ran_all && !s.excludes(&target) => continue,
-                None if s.excludes(&target) => fail(format!(
-                    "that combination is excluded, and {} others with arm `{x}` share as many of its arms: name one by excluding the rest",
-                    closest.len()
-                )),
-                None => fail("that combination was not run".into()),
-                Some(b) if b.error.is_some() => fail("that combination's engine did not start".into()),
-                Some(b) => match b
-                    .rows
-                    .iter()
-                    .find(|r| r.case == row.case && r.kind == row.kind && r.tokens_requested == row.tokens_requested)
-                    .and_then(|r| r.samples.iter().find(|s| s.status == 200))
-                {
-                    None => fail("that combination has no answered request for this row".into()),
-                    Some(refs) => {
-                        let short = |t: &str| format!("{:?}", t.chars().take(80).collect::<String>());
-                        let bad = row
-                            .samples
-                            .iter()
-                            .find(|smp| smp.status != 200 || smp.output != refs.output);
-                        Check {
-                            what: what.clone(),
-                            expected: short(&refs.output),
-                            got: match bad {
-                                None => "the same text".into(),
-                                Some(smp) if smp.status != 200 => format!("status {}", smp.status),
-                                Some(smp) => {
-                                    let at = smp
-                                        .output
-                                        .chars()
-                                        .zip(refs.output.chars())
-                                        .take_while(|(p, q)| p == q)
-                                        .count();
-                                    format!("differs from character {at}: {}", short(&smp.output))
-                                }
-                            },
-                            passed: bad.is_none(),
-                        }
-                    }
-                },
-            };
-            found.push((ai, ri, check));
         }
     }
     for (ai, ri, c) in found {
         arms[ai].rows[ri].checks.push(c);
     }
+}
+
+/// One `same_*_as` check of `row` of combination `a` against arm `x` ([`check_same_outputs`]); `None` when it is
+/// not judged.
+#[allow(clippy::too_many_arguments)]
+fn same_check(
+    s: &Scenario,
+    arms: &[ArmReport],
+    a: &ArmReport,
+    row: &CaseRow,
+    kind: Same,
+    x: &String,
+    running: &[Vec<String>],
+    axes: &[&String],
+    ran_all: bool,
+) -> Option<Check> {
+    if row.kind == "probe" || a.arm_names.contains(x) {
+        return None;
+    }
+    let pos = s.axis_of(x).and_then(|ax| axes.iter().position(|a| *a == ax))?;
+    let mut want = a.arm_names.clone();
+    if pos >= want.len() {
+        return None;
+    }
+    want[pos] = x.clone();
+    let label = |names: &[String]| {
+        let w: Vec<String> = axes.iter().zip(names).map(|(ax, n)| format!("{ax}={n}")).collect();
+        w.join(",")
+    };
+    // The combination with X in place of this one's arm; when the scenario excludes it, the combination with X
+    // (among those the scenario runs, whether or not `--arm` ran them) that shares the most of this one's other
+    // arms, if one alone does (X's arm runs in fewer combinations, as an all-resident reference usually does).
+    let shared = |names: &[String]| names.iter().zip(&want).filter(|(p, q)| p == q).count();
+    let with_x: Vec<&Vec<String>> = running.iter().filter(|c| c.contains(x)).collect();
+    let most = with_x.iter().map(|c| shared(c)).max().unwrap_or(0);
+    let closest: Vec<&Vec<String>> = with_x.into_iter().filter(|c| shared(c) == most).collect();
+    let target = if s.excludes(&want) && closest.len() == 1 {
+        closest[0].clone()
+    } else {
+        want.clone()
+    };
+    let reference = arms.iter().find(|b| b.arm_names == target);
+    let what = format!("{} arm `{x}`'s ({})", kind.what(), label(&target));
+    let fail = |got: String| Check {
+        what: what.clone(),
+        expected: kind.same().into(),
+        got,
+        passed: false,
+    };
+    Some(match reference {
+        None if !ran_all && !s.excludes(&target) => return None,
+        None if s.excludes(&target) => fail(format!(
+            "that combination is excluded, and {} others with arm `{x}` share as many of its arms: name one by excluding the rest",
+            closest.len()
+        )),
+        None => fail("that combination was not run".into()),
+        Some(b) if b.error.is_some() => fail("that combination's engine did not start".into()),
+        Some(b) => match b
+            .rows
+            .iter()
+            .find(|r| r.case == row.case && r.kind == row.kind && r.tokens_requested == row.tokens_requested)
+            .and_then(|r| r.samples.iter().find(|s| s.status == 200))
+        {
+            None => fail("that combination has no answered request for this row".into()),
+            Some(refs) => {
+                let bad = row.samples.iter().find_map(|smp| {
+                    if smp.status != 200 {
+                        Some(format!("status {}", smp.status))
+                    } else {
+                        kind.differs(smp, refs)
+                    }
+                });
+                Check {
+                    what: what.clone(),
+                    expected: kind.expected(refs),
+                    passed: bad.is_none(),
+                    got: bad.unwrap_or_else(|| kind.same().into()),
+                }
+            }
+        },
+    })
 }
 
 /// The scenario's model as a local path (fetching the default model on first use).
@@ -1077,6 +1185,42 @@ mod tests {
             }],
             ..ArmReport::default()
         }
+    }
+
+    /// `same_tokens_as` and `same_logits_as` compare the `request` events' token ids and logits digests, name the
+    /// first step that differs, and fail when a request event had none (a check that cannot pass vacuously).
+    #[test]
+    fn tokens_and_logits_are_compared_step_by_step() {
+        let s = crate::scenario::parse(
+            "t",
+            "name: t\nswitches: {switches: [PDL, CPU_AVX512]}\ncases:\n  - name: a\n    prompt: {text: x}\n    expect: {same_tokens_as: defaults, same_logits_as: defaults}\n",
+        )
+        .unwrap();
+        let with = |names: &[&str], tokens: &[u32], fnv: &[&str]| {
+            let mut a = arm(names, &["same text"]);
+            a.rows[0].samples[0].tokens = tokens.to_vec();
+            a.rows[0].samples[0].logits_fnv = fnv.iter().map(|d| d.to_string()).collect();
+            a
+        };
+        let mut arms = vec![
+            with(&["defaults"], &[5, 6, 7], &["a", "b", "c"]),
+            with(&["PDL-off"], &[5, 6, 7], &["a", "b", "c"]),
+            with(&["CPU_AVX512-on"], &[5, 9, 7], &["a", "x", "c"]),
+        ];
+        check_same_outputs(&s, &mut arms, true);
+        assert!(arms[0].rows[0].checks.is_empty());
+        let c = &arms[1].rows[0].checks;
+        assert_eq!(c.len(), 2, "{c:?}");
+        assert!(c.iter().all(|c| c.passed), "{c:?}");
+        let c = &arms[2].rows[0].checks;
+        assert!(!c[0].passed && c[0].what.starts_with("token ids equal arm `defaults`"), "{c:?}");
+        assert_eq!(c[0].got, "differs from token 1: 9 against 6");
+        assert!(!c[1].passed && c[1].got == "differ from token 1 of 3", "{c:?}");
+        // No digests in the events: a failure that says so, not a pass.
+        let mut arms = vec![with(&["defaults"], &[5], &[]), with(&["PDL-off"], &[5], &[])];
+        check_same_outputs(&s, &mut arms, true);
+        let c = &arms[1].rows[0].checks;
+        assert!(c[0].passed && !c[1].passed && c[1].got.contains("no logits digests"), "{c:?}");
     }
 
     #[test]

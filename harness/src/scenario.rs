@@ -36,6 +36,13 @@ pub struct Scenario {
     /// Axes of named arms; the runs are their Cartesian product, in file order (axes sorted by name).
     #[serde(default)]
     pub matrix: BTreeMap<String, Vec<Arm>>,
+    /// A matrix axis of the engine's speed switches (`strata switches`), added to `matrix`: arm `defaults` (the
+    /// device's defaults), then one arm per switch that flips it (`PDL-off`: `STRATA_PDL=0`; `CPU_AVX512-on`),
+    /// and, for `exact`, arm `all-exact-off` (`STRATA_ARCH_DEFAULTS=0`, the inexact switches kept at their
+    /// defaults). With `same_tokens_as: defaults` and `same_logits_as: defaults`, it checks that an exact switch
+    /// changes nothing.
+    #[serde(default)]
+    pub switches: Option<SwitchAxis>,
     /// Combinations of the matrix not to run: each entry maps axes to arm names (`{cache: resident, store:
     /// mmap}`), and drops every combination that has all of them (as GitHub Actions' `matrix.exclude`).
     #[serde(default)]
@@ -104,6 +111,99 @@ pub struct Arm {
     /// readings were plausible (seed 000's were not).
     #[serde(default)]
     pub expect_probe: Option<ProbeExpect>,
+}
+
+/// [`Scenario::switches`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SwitchAxis {
+    /// The axis's name in the matrix.
+    #[serde(default = "default_switch_axis")]
+    pub axis: String,
+    /// `exact` (every speed switch declared exact), `all` (every speed switch), or a list of names (`PDL` or
+    /// `STRATA_PDL`).
+    pub switches: SwitchSet,
+}
+
+fn default_switch_axis() -> String {
+    "switch".into()
+}
+
+/// Which speed switches a [`SwitchAxis`] sweeps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum SwitchSet {
+    /// `exact` or `all`.
+    Word(SwitchWord),
+    /// Switch names.
+    List(Vec<String>),
+}
+
+/// `exact` or `all`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SwitchWord {
+    Exact,
+    All,
+}
+
+impl SwitchAxis {
+    /// The axis's arms (see [`Scenario::switches`]).
+    ///
+    /// Errors: a name that is not a speed switch (with the list of those that are), or one named twice.
+    pub fn arms(&self) -> Result<Vec<Arm>, String> {
+        use strata_engine::switches::{self, ARCH_DEFAULTS, SWITCHES};
+        let speed: Vec<_> = SWITCHES.iter().filter_map(|s| s.speed.map(|sp| (s.name, sp))).collect();
+        let chosen: Vec<_> = match &self.switches {
+            SwitchSet::Word(SwitchWord::All) => speed.clone(),
+            SwitchSet::Word(SwitchWord::Exact) => speed.iter().copied().filter(|(_, sp)| sp.exact).collect(),
+            SwitchSet::List(names) => {
+                let mut v = Vec::new();
+                for n in names {
+                    let full = if n.starts_with("STRATA_") { n.clone() } else { format!("STRATA_{n}") };
+                    let Some(&found) = speed.iter().find(|(s, _)| *s == full) else {
+                        let known: Vec<&str> = speed.iter().map(|(s, _)| switches::short_name(s)).collect();
+                        return Err(format!(
+                            "switches: `{n}` is not a speed switch (speed switches: {}; `strata switches` lists every switch)",
+                            known.join(", ")
+                        ));
+                    };
+                    if v.iter().any(|(s, _)| *s == found.0) {
+                        return Err(format!("switches: `{n}` is named twice"));
+                    }
+                    v.push(found);
+                }
+                v
+            }
+        };
+        let arm = |name: String, env: BTreeMap<String, String>| Arm {
+            name,
+            args: vec![],
+            env,
+            expect_events: BTreeMap::new(),
+            expect_start_error: None,
+            device: None,
+            expect_probe: None,
+        };
+        let mut arms = vec![arm("defaults".into(), BTreeMap::new())];
+        for (name, sp) in &chosen {
+            let (word, value) = if sp.on { ("off", "0") } else { ("on", "1") };
+            arms.push(arm(
+                format!("{}-{word}", switches::short_name(name)),
+                BTreeMap::from([(name.to_string(), value.to_string())]),
+            ));
+        }
+        if self.switches == SwitchSet::Word(SwitchWord::Exact) {
+            let mut env = BTreeMap::from([(ARCH_DEFAULTS.to_string(), "0".to_string())]);
+            for (name, sp) in &speed {
+                if !sp.exact && sp.on {
+                    env.insert(name.to_string(), "1".into());
+                }
+            }
+            arms.push(arm("all-exact-off".into(), env));
+        }
+        Ok(arms)
+    }
 }
 
 /// What the link probe's check must conclude.
@@ -311,6 +411,15 @@ pub struct Expect {
     /// resident`). A combination that already has the arm is not checked against itself.
     #[serde(default)]
     pub same_output_as: Option<String>,
+    /// As `same_output_as`, for the generated token ids (the worker's `request` events): an exact speed switch
+    /// writes the tokens its `defaults` arm writes.
+    #[serde(default)]
+    pub same_tokens_as: Option<String>,
+    /// As `same_tokens_as`, for every step's logits, bit for bit (digests of them: the harness runs every
+    /// combination with `STRATA_LOGITS_DIGEST=1` when a scenario uses this). A mismatch names the first step
+    /// that differs.
+    #[serde(default)]
+    pub same_logits_as: Option<String>,
     /// Each request killed its worker with a launch fault, and the worker's `fault` event says this about it
     /// (seed 003: which kernel, and whether launches were synchronised).
     #[serde(default)]
@@ -348,6 +457,8 @@ impl Expect {
             boundary: over.boundary.clone().or_else(|| self.boundary.clone()),
             min_decode_hit_rate: over.min_decode_hit_rate.or(self.min_decode_hit_rate),
             same_output_as: over.same_output_as.clone().or_else(|| self.same_output_as.clone()),
+            same_tokens_as: over.same_tokens_as.clone().or_else(|| self.same_tokens_as.clone()),
+            same_logits_as: over.same_logits_as.clone().or_else(|| self.same_logits_as.clone()),
             fault: over.fault.clone().or_else(|| self.fault.clone()),
         }
     }
@@ -439,6 +550,13 @@ pub fn parse(file: &str, text: &str) -> Result<Scenario, ScenarioError> {
             message: format!("{msg}{}", suggestion(&msg)),
         }
     })?;
+    let mut scenario = scenario;
+    scenario.expand_switches().map_err(|message| ScenarioError {
+        file: file.to_string(),
+        line: locate_key(text, "switches"),
+        column: if locate_key(text, "switches") > 0 { 1 } else { 0 },
+        message,
+    })?;
     if let Some((case, message)) = scenario.token_bounds() {
         let (line, column) = locate(text, case, "tokens");
         return Err(ScenarioError {
@@ -507,7 +625,49 @@ fn suggestion(msg: &str) -> String {
         .unwrap_or_default()
 }
 
+/// The 1-based line of top-level key `key` in `text`, or 0.
+fn locate_key(text: &str, key: &str) -> usize {
+    let pattern = format!("{key}:");
+    text.lines().position(|l| l.starts_with(&pattern)).map_or(0, |i| i + 1)
+}
+
 impl Scenario {
+    /// Adds [`Scenario::switches`]'s axis to the matrix (once: the field is then `None`).
+    ///
+    /// Errors: the axis's name is already an axis of the matrix; [`SwitchAxis::arms`]'s errors.
+    pub fn expand_switches(&mut self) -> Result<(), String> {
+        let Some(sw) = self.switches.take() else {
+            return Ok(());
+        };
+        if self.matrix.contains_key(&sw.axis) {
+            return Err(format!(
+                "switches: the matrix already has an axis `{}`: name the switches' axis otherwise (`axis: NAME`)",
+                sw.axis
+            ));
+        }
+        self.matrix.insert(sw.axis.clone(), sw.arms()?);
+        Ok(())
+    }
+
+    /// Every expectation: the scenario's, each case's and each case's per-arm ones.
+    fn expectations(&self) -> impl Iterator<Item = &Expect> {
+        std::iter::once(&self.expect)
+            .chain(self.cases.iter().flat_map(|c| std::iter::once(&c.expect).chain(c.arms.values())))
+    }
+
+    /// Whether an expectation compares combinations with each other (`same_output_as`, `same_tokens_as`,
+    /// `same_logits_as`): such a scenario's checks are judged only when the combinations run together.
+    pub fn compares_combinations(&self) -> bool {
+        self.expectations()
+            .any(|e| e.same_output_as.is_some() || e.same_tokens_as.is_some() || e.same_logits_as.is_some())
+    }
+
+    /// Whether an expectation anywhere compares logits (`same_logits_as`): every combination then runs with
+    /// `STRATA_LOGITS_DIGEST=1`.
+    pub fn compares_logits(&self) -> bool {
+        self.expectations().any(|e| e.same_logits_as.is_some())
+    }
+
     /// The first case whose prompt or sweep asks for more than a scenario may ([`MAX_PROMPT_TOKENS`] tokens, or
     /// [`MAX_SWEEP_POINTS`] points): its name and the error, which names it.
     fn token_bounds(&self) -> Option<(&str, String)> {
@@ -777,17 +937,23 @@ impl Scenario {
                 "{at}: min_decode_hit_rate {h} is not a fraction in 0..=1 (write 0.85 for 85%)"
             ));
         }
-        if let Some(x) = &e.same_output_as
-            && !arm_names.contains(x)
-        {
-            return Err(format!(
-                "{at}: same_output_as `{x}` names no arm of the matrix (arms: {})",
-                if arm_names.is_empty() {
-                    "none".to_string()
-                } else {
-                    arm_names.join(", ")
-                }
-            ));
+        for (key, x) in [
+            ("same_output_as", &e.same_output_as),
+            ("same_tokens_as", &e.same_tokens_as),
+            ("same_logits_as", &e.same_logits_as),
+        ] {
+            if let Some(x) = x
+                && !arm_names.contains(x)
+            {
+                return Err(format!(
+                    "{at}: {key} `{x}` names no arm of the matrix (arms: {})",
+                    if arm_names.is_empty() {
+                        "none".to_string()
+                    } else {
+                        arm_names.join(", ")
+                    }
+                ));
+            }
         }
         Ok(())
     }
@@ -853,6 +1019,37 @@ mod tests {
     use super::*;
 
     const MIN: &str = "name: t\ncases:\n  - name: a\n    prompt: {text: hi}\n";
+
+    /// `switches:` adds an axis generated from the engine's registry: `defaults`, each switch flipped from its
+    /// default, and for `exact` all of them off with the inexact ones kept; `same_logits_as` makes every
+    /// combination digest its logits.
+    #[test]
+    fn a_switch_axis_flips_each_speed_switch_from_its_default() {
+        let case = "cases:\n  - name: a\n    prompt: {text: hi}\n    expect: {same_logits_as: defaults}\n";
+        let s = parse("t.yaml", &format!("name: t\nswitches: {{switches: exact}}\n{case}")).unwrap();
+        assert!(s.switches.is_none() && s.compares_logits());
+        let arms = &s.matrix["switch"];
+        let names: Vec<&str> = arms.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["defaults", "PDL-off", "CUDA_GRAPHS-off", "DEVICE_SLOT_TABLE-off", "FETCH_OVERLAP-off", "CPU_AVX512-on", "all-exact-off"]
+        );
+        assert_eq!(arms[1].env["STRATA_PDL"], "0");
+        assert_eq!(arms[5].env["STRATA_CPU_AVX512"], "1");
+        let all_off = &arms[6].env;
+        assert_eq!((all_off["STRATA_ARCH_DEFAULTS"].as_str(), all_off["STRATA_CPU_JOIN"].as_str()), ("0", "1"));
+        let all = parse("t.yaml", &format!("name: t\nswitches: {{switches: all, axis: sw}}\n{}", case.replace("defaults}", "defaults}"))).unwrap();
+        assert!(all.matrix["sw"].iter().any(|a| a.name == "CPU_JOIN-off"));
+        assert!(!all.matrix["sw"].iter().any(|a| a.name == "all-exact-off"));
+        let e = parse("t.yaml", &format!("name: t\nswitches: {{switches: [PDL, GRAPHS]}}\n{case}")).unwrap_err();
+        assert!(e.line == 2 && e.message.contains("`GRAPHS` is not a speed switch (speed switches: PDL, CUDA_GRAPHS"), "{e}");
+        let e = parse("t.yaml", &format!("name: t\nmatrix:\n  switch: [{{name: x}}]\nswitches: {{switches: [STRATA_PDL]}}\n{case}")).unwrap_err();
+        assert!(e.message.contains("already has an axis `switch`"), "{e}");
+        let e = parse("t.yaml", &format!("name: t\nswitches: {{switches: [PDL]}}\n{}", case.replace("defaults}", "default}"))).unwrap_err();
+        assert!(e.message.contains("same_logits_as `default` names no arm"), "{e}");
+        let plain = parse("t.yaml", MIN).unwrap();
+        assert!(!plain.compares_logits());
+    }
 
     #[test]
     fn minimal_scenario_gets_defaults() {

@@ -1,5 +1,7 @@
 //! Scenarios as tests: every `scenarios/*.yaml` runs with its `quick:` settings, one trial per matrix combination
-//! (libtest-mimic). A scenario whose device this machine lacks is listed as ignored, with the reason in its name.
+//! (libtest-mimic), or one trial for the whole matrix when its expectations compare combinations with each other
+//! (`same_output_as`, `same_tokens_as`, `same_logits_as`: judged only when the reference runs too). A scenario
+//! whose device this machine lacks is listed as ignored, with the reason in its name.
 //! Each run's report.md is snapshotted (insta) with the volatile fields (rates, times, memory, host) redacted.
 //!
 //! The engine binary comes from the same target folder (`cargo test --workspace` builds it).
@@ -50,13 +52,14 @@ fn redact(md: &str) -> String {
     out.join("\n") + "\n"
 }
 
-fn run_arm(file: &Path, combo: &str, name: &str) -> Result<(), Failed> {
+/// Runs combination `combo` of `file` (every combination when `None`) and snapshots its report as `name`.
+fn run_arm(file: &Path, combo: Option<&str>, name: &str) -> Result<(), Failed> {
     let out = tempfile::tempdir().map_err(|e| e.to_string())?;
     let opts = RunOptions {
         out: out.path().to_path_buf(),
         quick: true,
         source: Some(root()),
-        only_arms: vec![combo.to_string()],
+        only_arms: combo.map(str::to_string).into_iter().collect(),
         command: format!("cargo test -p strata-harness --test scenarios {name}"),
         ..RunOptions::default()
     };
@@ -109,10 +112,17 @@ fn main() {
                 continue;
             }
         };
-        for combo in runner::combos(&s) {
-            let name = format!("{stem}::{}", combo.name);
-            let device = combo.device(&s.device);
-            match &runner::device_available(&device).err() {
+        // (trial name, the combination it runs (None: all), the devices it needs)
+        let runs: Vec<(String, Option<String>, Vec<String>)> = if s.compares_combinations() {
+            vec![(format!("{stem}::all"), None, runner::devices(&s, &s.device))]
+        } else {
+            runner::combos(&s)
+                .into_iter()
+                .map(|c| (format!("{stem}::{}", c.name), Some(c.name.clone()), vec![c.device(&s.device)]))
+                .collect()
+        };
+        for (name, combo, devices) in runs {
+            match devices.iter().find_map(|d| runner::device_available(d).err()) {
                 Some(why) => {
                     trials.push(Trial::test(format!("{name} (ignored: {why})"), || Ok(())).with_ignored_flag(true))
                 }
@@ -120,8 +130,8 @@ fn main() {
                     Err(format!("{name}: the scenario needs a `quick:` section to run as a test").into())
                 })),
                 None => {
-                    let (file, combo_name) = (file.clone(), combo.name.clone());
-                    trials.push(Trial::test(name.clone(), move || run_arm(&file, &combo_name, &name)));
+                    let file = file.clone();
+                    trials.push(Trial::test(name.clone(), move || run_arm(&file, combo.as_deref(), &name)));
                 }
             }
         }

@@ -418,7 +418,7 @@ fn k_q4_k_512(row: &[u8], x: &ActivationVector<'_>) -> f32 {
 fn avx512bw() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        crate::switches::flag(crate::switches::CPU_AVX512, false)
+        crate::switches::speed_on(crate::switches::CPU_AVX512, &crate::switches::Target::host())
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
     })

@@ -333,6 +333,14 @@ impl Engine {
             }
             _ => None,
         };
+        let target = match (backend.cuda(), &sim) {
+            (Some(c), _) => c.gpu().target.clone(),
+            (None, Some(hold)) => crate::switches::Target::Cpu {
+                arch: hold.device.profile.arch.clone(),
+            },
+            (None, None) => crate::switches::Target::host(),
+        };
+        eprintln!("strata: {}", crate::switches::SpeedReport::of(&target));
         if faults.probe_unsynced && backend.cuda().is_none() {
             return Err(EngineError::FaultRule {
                 why: format!(
@@ -529,7 +537,18 @@ impl Engine {
     ///
     /// Errors: as [`Session::new`].
     pub fn session_with(&self, config: SessionConfig) -> Result<Session<'_, AnyBackend>, SessionError> {
+        let free = || self.backend.cuda().and_then(|c| c.gpu().mem_info().ok()).map(|(f, _)| f);
+        let before = free();
         let mut s = Session::new(&self.model, &self.backend, config)?;
+        if let (Some(c), Some(before), Some(after)) = (self.backend.cuda(), before, free()) {
+            cuda_memory(
+                c,
+                &self.flags.device,
+                "a sequence's KV cache and buffers",
+                before.saturating_sub(after) as u64,
+                false,
+            );
+        }
         s.set_fault_policy(self.faults.clone(), self.flags.gemm_fallback.is_on());
         Ok(s)
     }
@@ -629,6 +648,9 @@ fn plan_device(
             );
         } else {
             pinned = make_arena(c, model, weights.experts);
+            if pinned.is_some() {
+                cuda_memory(c, &device, "the expert arena", weights.experts, true);
+            }
         }
         let bytes = c
             .configure_expert_cache(ExpertCacheConfig {
@@ -640,15 +662,16 @@ fn plan_device(
                 policy: ef.expert_policy,
                 k: model.hp.n_expert_used as usize,
                 arena: pinned.as_ref().and_then(HostPin::mapping),
-                device_table: crate::switches::flag(crate::switches::DEVICE_SLOT_TABLE, true),
-                fetch_overlap: crate::switches::flag(crate::switches::FETCH_OVERLAP, true),
-                cpu_join: crate::switches::flag(crate::switches::CPU_JOIN, true),
+                device_table: crate::switches::speed_on(crate::switches::DEVICE_SLOT_TABLE, &c.gpu().target),
+                fetch_overlap: crate::switches::speed_on(crate::switches::FETCH_OVERLAP, &c.gpu().target),
+                cpu_join: crate::switches::speed_on(crate::switches::CPU_JOIN, &c.gpu().target),
                 n_embd: model.hp.n_embd as usize,
                 upload_cap: ef.upload_cap.unwrap_or(u32::MAX),
                 // The router's guess of a layer that a trace routes would name other experts.
                 prefetch: ef.expert_prefetch && ef.routing_trace.is_none(),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
+        cuda_memory(c, &device, "the expert cache", bytes as u64, false);
         eprintln!(
             "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction{}, {})",
             g.all(),
@@ -669,8 +692,11 @@ fn plan_device(
             }
         );
     }
+    let before = c.gpu().mem_info().map_or(0, |(f, _)| f);
     c.preload(&model.dense_weight_bytes())
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
+    let after = c.gpu().mem_info().map_or(0, |(f, _)| f);
+    cuda_memory(c, &device, "the dense weights", before.saturating_sub(after) as u64, false);
     if faults.probe_unsynced && !matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
         eprintln!(
             "strata: {}=probe:unsynced does nothing here: every expert is resident, so no link probe runs (it runs for the expert cache)",
@@ -992,6 +1018,25 @@ fn replay_for(source: &RoutingSource, hp: &crate::model::HParams) -> Result<Rout
     }
     let trace = source.trace(hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)?;
     RoutingReplay::new(&trace, hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)
+}
+
+/// Emits a `memory` event for a CUDA device: `what` took `bytes` (device memory; with `host`, page-locked host
+/// memory registered with it), and the driver's free and total memory after it. The device-memory plot of a
+/// `cuda:` run draws these, as it draws a `sim:` device's (DESIGN.md section 3, "Device profiles").
+fn cuda_memory(c: &CudaBackend, device: &Device, what: &str, bytes: u64, host: bool) {
+    let Ok((free, total)) = c.gpu().mem_info() else {
+        return;
+    };
+    crate::events::emit(crate::events::EventKind::Memory(crate::events::Memory {
+        device: device.to_string(),
+        op: if host { "register" } else { "alloc" }.into(),
+        what: what.into(),
+        bytes,
+        host,
+        free_bytes: free as u64,
+        total_bytes: total as u64,
+        scale: 1.0,
+    }));
 }
 
 /// Copies the experts into a host arena and page-locks it, with a progress bar on a terminal and the rate in one

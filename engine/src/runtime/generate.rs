@@ -32,6 +32,10 @@ pub struct GenerateStats {
     pub generated: usize,
     pub decode_ms: f64,
     pub stop: StopReason,
+    /// The generated token ids ([`generate`] returns them too).
+    pub tokens: Vec<u32>,
+    /// With [`GenerateOptions::logits_digest`]: [`logits_digest`] of each sampled token's logits, in order.
+    pub logits_digests: Vec<u64>,
 }
 
 impl StopReason {
@@ -61,6 +65,8 @@ impl GenerateStats {
             generated: self.generated,
             decode_ms: self.decode_ms,
             stop: self.stop.name().to_string(),
+            tokens: self.tokens.clone(),
+            logits_fnv: self.logits_digests.iter().map(|d| format!("{d:016x}")).collect(),
         }
     }
 
@@ -137,6 +143,31 @@ pub fn argmax(x: &[f32]) -> u32 {
 pub struct GenerateOptions {
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    /// Digest every sampled token's logits ([`GenerateStats::logits_digests`]; `STRATA_LOGITS_DIGEST`): decode
+    /// steps then read whole logits back ([`Session::decode`]), never only the best candidates.
+    pub logits_digest: bool,
+}
+
+impl GenerateOptions {
+    /// `max_tokens` and `stop`, with [`GenerateOptions::logits_digest`] as `STRATA_LOGITS_DIGEST` says.
+    pub fn new(max_tokens: usize, stop: Vec<String>) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens,
+            stop,
+            logits_digest: crate::switches::flag(crate::switches::LOGITS_DIGEST, false),
+        }
+    }
+}
+
+/// FNV-1a (64 bits) of `logits`' f32 values as little-endian bytes: equal for bit-identical logits, so two runs'
+/// steps can be compared without keeping `vocab` floats per token.
+pub fn logits_digest(logits: &[f32]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    for v in logits {
+        h.write(&v.to_le_bytes());
+    }
+    h.finish()
 }
 
 /// Prefills `prompt`, then samples up to `opts.max_tokens` tokens, calling `on_text` with each printable
@@ -184,12 +215,19 @@ pub fn generate_cancellable<B: Backend>(
     let mut bytes: Vec<u8> = Vec::new();
     let mut stops = StopMatcher::new(opts.stop.iter().cloned());
     let mut stop = StopReason::Limit;
+    let mut digests = Vec::new();
     while out.len() < opts.max_tokens {
         if cancel.load(Ordering::Relaxed) {
             stop = StopReason::Cancelled;
             break;
         }
-        let tok = sampler.next_token(session.step_logits(), &history);
+        let logits = session.step_logits();
+        if opts.logits_digest
+            && let StepLogits::Full(l) = logits
+        {
+            digests.push(logits_digest(l));
+        }
+        let tok = sampler.next_token(logits, &history);
         out.push(tok);
         history.push(tok);
         if tokenizer.is_eog(tok) {
@@ -220,7 +258,7 @@ pub fn generate_cancellable<B: Backend>(
             stop = StopReason::Context;
             break;
         }
-        if sampler.top_suffices() {
+        if sampler.top_suffices() && !opts.logits_digest {
             session.decode_top(tok)?;
         } else {
             session.decode(tok)?;
@@ -239,6 +277,8 @@ pub fn generate_cancellable<B: Backend>(
             generated: out.len(),
             decode_ms: start.elapsed().as_secs_f64() * 1e3,
             stop,
+            tokens: out.clone(),
+            logits_digests: digests,
         },
     ))
 }

@@ -192,10 +192,7 @@ fn run_job(
             return;
         }
     };
-    let opts = GenerateOptions {
-        max_tokens: job.max_tokens,
-        stop: job.stop.clone(),
-    };
+    let opts = GenerateOptions::new(job.max_tokens, job.stop.clone());
     let mut sent = 0usize;
     let result = generate_cancellable(
         session,

@@ -10,7 +10,7 @@ use strata_engine::fixtures::upcycle::{UpcycleMode, UpcycleSpec, upcycle};
 use strata_engine::gguf::GgufModel;
 use strata_engine::model::Model;
 use strata_engine::models;
-use strata_engine::runtime::generate::{GenerateOptions, Greedy, StopReason, generate};
+use strata_engine::runtime::generate::{GenerateOptions, Greedy, StopReason, generate, logits_digest};
 use strata_engine::runtime::sampling::{Sampler, SamplingParams};
 use strata_engine::runtime::session::{Session, SessionConfig, SessionError};
 use strata_engine::state::kv::KvType;
@@ -85,6 +85,7 @@ fn smollm2_answers_paris_through_the_chat_template() {
     let opts = GenerateOptions {
         max_tokens: 24,
         stop: vec![],
+        logits_digest: false,
     };
     let mut text = String::new();
     let (out, stats) = generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |t| text.push_str(t)).unwrap();
@@ -102,11 +103,47 @@ fn smollm2_answers_paris_through_the_chat_template() {
     let opts = GenerateOptions {
         max_tokens: 24,
         stop: vec!["Paris".into()],
+        logits_digest: false,
     };
     let mut cut = String::new();
     let (_, stats3) = generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |t| cut.push_str(t)).unwrap();
     assert_eq!(stats3.stop, StopReason::StopString);
     assert_eq!(cut, text[..text.find("Paris").unwrap()]);
+}
+
+/// `STRATA_LOGITS_DIGEST`'s digests: one per token, each that of the whole logits the token was sampled from
+/// (recomputed here step by step with `Session::decode`), and the greedy tokens are those of the path without them.
+#[test]
+fn logits_digests_are_those_of_each_steps_logits() {
+    let model = Model::load(smollm2_path()).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let ids = tok.encode("The capital of France is", true, false).unwrap();
+    let run = |digest: bool| {
+        let opts = GenerateOptions {
+            max_tokens: 6,
+            stop: vec![],
+            logits_digest: digest,
+        };
+        let mut session = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
+        generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |_| {}).unwrap()
+    };
+    let (plain, stats) = run(false);
+    assert!(stats.logits_digests.is_empty());
+    let (out, stats) = run(true);
+    assert_eq!(out, plain);
+    assert_eq!(stats.tokens, out);
+    assert_eq!(stats.logits_digests.len(), out.len());
+    let mut session = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
+    session.prefill(&ids).unwrap();
+    for (i, &t) in out.iter().enumerate() {
+        assert_eq!(stats.logits_digests[i], logits_digest(session.logits()), "step {i}");
+        if i + 1 < out.len() {
+            session.decode(t).unwrap();
+        }
+    }
+    let e = stats.request_event(1);
+    assert_eq!(e.logits_fnv.len(), out.len());
+    assert!(e.logits_fnv.iter().all(|d| d.len() == 16), "{:?}", e.logits_fnv);
 }
 
 #[test]
@@ -117,6 +154,7 @@ fn the_same_seed_gives_the_same_tokens() {
     let opts = GenerateOptions {
         max_tokens: 24,
         stop: vec![],
+        logits_digest: false,
     };
     let run = |seed: u64| {
         let params = SamplingParams {

@@ -49,6 +49,10 @@ impl Gpu {
             .compute_capability()
             .map_err(CudaError::driver("compute capability"))?;
         let arch = arch_name(major, minor);
+        let target = switches::Target::Cuda {
+            major: major as u32,
+            minor: minor as u32,
+        };
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(CudaError::driver("multiprocessor count"))? as usize;
@@ -83,16 +87,17 @@ impl Gpu {
             calls: AtomicU64::new(0),
             sync_launches: switches::flag(switches::SYNC_LAUNCHES, false),
             sticky: std::sync::OnceLock::new(),
-            pdl: major >= 9 && switches::flag(switches::PDL, true),
+            pdl: switches::speed_on(switches::PDL, &target),
             skip: switches::text_lossy(switches::SKIP_KERNELS)
                 .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
                 .unwrap_or_default(),
             profile: Mutex::new(Profile::default()),
-            graphs: Mutex::new(Graphs::new(switches::flag(switches::CUDA_GRAPHS, true))),
+            graphs: Mutex::new(Graphs::new(switches::speed_on(switches::CUDA_GRAPHS, &target))),
             profiling: switches::flag(switches::PROFILE_KERNELS, false).into(),
             compile,
             ordinal,
             sms,
+            target,
         })
     }
 

@@ -209,6 +209,8 @@ pub struct CudaBackend {
 /// An open device with the kernels loaded: opened in [`context`], launching in [`launch`] and `graph`.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
+    /// The device's compute capability, as the speed switches' defaults read it.
+    pub target: crate::switches::Target,
     pub stream: Arc<CudaStream>,
     /// A second stream for work beside `stream`'s inside a step ([`Gpu::fork`], [`Gpu::join`]).
     side: Arc<CudaStream>,
