@@ -692,11 +692,10 @@ fn plan_device(
             }
         );
     }
-    let before = c.gpu().mem_info().map_or(0, |(f, _)| f);
-    c.preload(&model.dense_weight_bytes())
+    let dense = model.dense_weight_bytes();
+    c.preload(&dense)
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
-    let after = c.gpu().mem_info().map_or(0, |(f, _)| f);
-    cuda_memory(c, &device, "the dense weights", before.saturating_sub(after) as u64, false);
+    cuda_memory(c, &device, "the dense weights", dense.iter().map(|w| w.len() as u64).sum(), false);
     if faults.probe_unsynced && !matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
         eprintln!(
             "strata: {}=probe:unsynced does nothing here: every expert is resident, so no link probe runs (it runs for the expert cache)",
@@ -1021,7 +1020,8 @@ fn replay_for(source: &RoutingSource, hp: &crate::model::HParams) -> Result<Rout
 }
 
 /// Emits a `memory` event for a CUDA device: `what` took `bytes` (device memory; with `host`, page-locked host
-/// memory registered with it), and the driver's free and total memory after it. The device-memory plot of a
+/// memory registered with it), and the driver's free and total memory after it (CUDA's stream-ordered pool
+/// reserves in chunks of tens of MiB, so small parts may leave the free memory where it was). The device-memory plot of a
 /// `cuda:` run draws these, as it draws a `sim:` device's (DESIGN.md section 3, "Device profiles").
 fn cuda_memory(c: &CudaBackend, device: &Device, what: &str, bytes: u64, host: bool) {
     let Ok((free, total)) = c.gpu().mem_info() else {
