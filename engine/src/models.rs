@@ -110,6 +110,10 @@ pub const SYNTH_MODELS: &[(&str, &str)] = &[
         "small-qwen3moe",
         "tiny-qwen3moe with 64 experts a layer (top-4), Q8_0, about 53 MiB: experts 96% of the weights, as in a large MoE (the simulated-device replays)",
     ),
+    (
+        "small-qwen3moe-q4k",
+        "small-qwen3moe with Q4_K experts, about 29 MiB: the CPU's Q4_K expert rows, as the 30B shape's (the speed-switch checks)",
+    ),
 ];
 
 /// `synth:NAME`: the cached file `synth/NAME.gguf`, generated there on first use (written to a temporary name,
@@ -122,6 +126,14 @@ fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
             n_expert: 64,
             ..crate::fixtures::synth::SynthSpec::tiny_qwen3moe()
         },
+        "small-qwen3moe-q4k" => {
+            let mut spec = crate::fixtures::synth::SynthSpec {
+                n_expert: 64,
+                ..crate::fixtures::synth::SynthSpec::tiny_qwen3moe()
+            };
+            spec.types.experts = crate::quant::GgmlType::Q4_K;
+            spec
+        }
         _ => {
             return Err(ModelsError::UnknownSynth {
                 name: name.to_string(),
