@@ -6,8 +6,8 @@
 //! DESIGN.md section 1). [`SWITCHES`] lists each with its default and what it does; `strata switches` prints
 //! that table with the values this process sees.
 //!
-//! A boolean switch is off when set to `0`, `false`, `off` or `no`, on when set to anything else, and at its
-//! default when unset or empty.
+//! A boolean switch is off when set to `0`, `false`, `off` or `no`, on when set to `1`, `true`, `on` or `yes`
+//! (any case), and at its default when unset or empty; any other value is said once on stderr and ignored.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -343,7 +343,7 @@ fn raw(name: &str) -> Option<OsString> {
 /// A boolean switch: off when set to `0`, `false`, `off` or `no` (any case), on when set to anything else;
 /// `default` when unset or empty.
 pub fn flag(name: &str, default: bool) -> bool {
-    parse_flag(text_lossy(name).as_deref()).unwrap_or(default)
+    read_flag(name, &env_text).unwrap_or(default)
 }
 
 /// Whether speed switch `name` (one of [`SWITCHES`] with [`Switch::speed`]) is on for `target`: off where it does
@@ -362,9 +362,9 @@ fn speed_on_in(name: &str, target: &Target, env: &dyn Fn(&str) -> Option<String>
     if !sp.applies.to(target) {
         return false;
     }
-    match parse_flag(env(name).as_deref()) {
+    match read_flag(name, env) {
         Some(user) => user,
-        None => parse_flag(env(ARCH_DEFAULTS).as_deref()).unwrap_or(true) && sp.on,
+        None => read_flag(ARCH_DEFAULTS, env).unwrap_or(true) && sp.on,
     }
 }
 
@@ -373,18 +373,38 @@ fn env_text(name: &str) -> Option<String> {
     text_lossy(name)
 }
 
-/// A boolean switch's value: `None` when unset or empty; off for `0`, `false`, `off` or `no` (any case); else on.
-fn parse_flag(v: Option<&str>) -> Option<bool> {
-    let v = v?.trim().to_ascii_lowercase();
-    match v.as_str() {
-        "" => None,
-        "0" | "false" | "off" | "no" => Some(false),
-        _ => Some(true),
+/// A boolean switch's value: `Ok(None)` when unset or empty; off for `0`, `false`, `off`, `no`; on for `1`,
+/// `true`, `on`, `yes` (any case). Errors: any other value.
+fn parse_flag(v: Option<&str>) -> Result<Option<bool>, ()> {
+    let Some(v) = v else { return Ok(None) };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" => Ok(None),
+        "0" | "false" | "off" | "no" => Ok(Some(false)),
+        "1" | "true" | "on" | "yes" => Ok(Some(true)),
+        _ => Err(()),
     }
 }
 
+/// Boolean switch `name` in `env`; a value [`parse_flag`] refuses is said once on stderr, naming the switch and
+/// the value, and counts as unset.
+fn read_flag(name: &str, env: &dyn Fn(&str) -> Option<String>) -> Option<bool> {
+    let v = env(name);
+    parse_flag(v.as_deref()).unwrap_or_else(|()| {
+        static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+        let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
+        if !said.iter().any(|n| n == name) {
+            said.push(name.to_string());
+            eprintln!(
+                "strata: {name}={:?} is not 0/1, false/true, off/on or no/yes: ignored (its default holds)",
+                v.unwrap_or_default()
+            );
+        }
+        None
+    })
+}
+
 /// The speed switches as they stand for one target: the start line every engine prints ([`SpeedReport`]'s
-/// Display) and the `switches` event.
+/// Display).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpeedReport {
     /// [`Target::name`].
@@ -397,6 +417,8 @@ pub struct SpeedReport {
     pub set: Vec<String>,
     /// Whether [`ARCH_DEFAULTS`] left the defaults on.
     pub defaults: bool,
+    /// Switches the user set that do not apply to the target (`PDL=1` on the CPU), as `NAME=value`.
+    pub unapplied: Vec<String>,
 }
 
 /// `PDL` for `STRATA_PDL`.
@@ -418,15 +440,20 @@ impl SpeedReport {
             on_inexact: vec![],
             off: vec![],
             set: vec![],
-            defaults: parse_flag(env(ARCH_DEFAULTS).as_deref()).unwrap_or(true),
+            defaults: read_flag(ARCH_DEFAULTS, env).unwrap_or(true),
+            unapplied: vec![],
         };
         for s in SWITCHES {
             let Some(sp) = s.speed else { continue };
+            let short = short_name(s.name).to_string();
+            let set = env(s.name).filter(|v| matches!(parse_flag(Some(v)), Ok(Some(_))));
             if !sp.applies.to(target) {
+                if let Some(v) = set {
+                    r.unapplied.push(format!("{short}={}", v.trim()));
+                }
                 continue;
             }
-            let short = short_name(s.name).to_string();
-            if let Some(v) = env(s.name).filter(|v| parse_flag(Some(v)).is_some()) {
+            if let Some(v) = set {
                 r.set.push(format!("{short}={}", v.trim()));
             }
             match (speed_on_in(s.name, target, env), sp.exact) {
@@ -440,8 +467,8 @@ impl SpeedReport {
 }
 
 impl std::fmt::Display for SpeedReport {
-    /// `sm_90: 4 exact speed switches on by default (STRATA_ARCH_DEFAULTS=0 turns them off; a switch you set is
-    /// kept): PDL CUDA_GRAPHS DEVICE_SLOT_TABLE FETCH_OVERLAP; on, not exact: CPU_JOIN; off: CPU_AVX512`.
+    /// `sm_90: 3 exact speed switches on (STRATA_ARCH_DEFAULTS=0 turns the defaults off; a switch you set is kept):
+    /// PDL CUDA_GRAPHS FETCH_OVERLAP; on, not exact: DEVICE_SLOT_TABLE CPU_JOIN; off: CPU_AVX512`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let list = |v: &[String]| if v.is_empty() { "none".to_string() } else { v.join(" ") };
         write!(
@@ -465,6 +492,9 @@ impl std::fmt::Display for SpeedReport {
         }
         if !self.set.is_empty() {
             write!(f, "; set by you: {}", self.set.join(" "))?;
+        }
+        if !self.unapplied.is_empty() {
+            write!(f, "; set by you, no effect here: {}", self.unapplied.join(" "))?;
         }
         Ok(())
     }
@@ -518,7 +548,15 @@ pub fn table() -> String {
             Some(_) if s.secret => "(set)".to_string(),
             Some(v) => format!("{:?}", v.to_string_lossy()),
         };
-        let default = if s.default.is_empty() { "unset" } else { s.default };
+        let default = match (s.default.is_empty(), s.speed) {
+            (true, _) => "unset".to_string(),
+            (false, None) => s.default.to_string(),
+            (false, Some(sp)) => format!(
+                "{} (a speed switch, {})",
+                s.default,
+                if sp.exact { "exact" } else { "not exact" }
+            ),
+        };
         out.push_str(&format!(
             "{:width$}  {value}\n{:width$}  default {default}: {}\n",
             s.name, "", s.what
@@ -567,13 +605,17 @@ mod tests {
         let off = env(&[(ARCH_DEFAULTS, "0")]);
         assert!(!speed_on_in(PDL, &H200, &off) && !speed_on_in(CUDA_GRAPHS, &H200, &off));
         // A switch the user set is kept, either way, whatever the master switch says.
-        let kept = env(&[(ARCH_DEFAULTS, "off"), (CUDA_GRAPHS, "1"), (PDL, " ")]);
+        let kept = env(&[(ARCH_DEFAULTS, "off"), (CUDA_GRAPHS, "yes"), (PDL, " ")]);
         assert!(speed_on_in(CUDA_GRAPHS, &H200, &kept));
         assert!(!speed_on_in(PDL, &H200, &kept), "an empty value is unset: the master switch decides");
         let user_off = env(&[(FETCH_OVERLAP, "no")]);
         assert!(!speed_on_in(FETCH_OVERLAP, &H200, &user_off) && speed_on_in(PDL, &H200, &user_off));
         // Set on where it does not apply: still off.
         assert!(!speed_on_in(PDL, &A100, &env(&[(PDL, "1")])));
+        // A value that is no boolean is ignored (said once): the default holds, either way.
+        assert!(!speed_on_in(CPU_AVX512, &H200, &env(&[(CPU_AVX512, "disabled")])));
+        assert!(speed_on_in(PDL, &H200, &env(&[(PDL, "nope")])));
+        assert!(speed_on_in(PDL, &H200, &env(&[(ARCH_DEFAULTS, "garbage")])));
     }
 
     #[test]
@@ -586,6 +628,8 @@ mod tests {
         assert!(r.off.contains(&"CUDA_GRAPHS".to_string()), "{line}");
         assert_eq!(r.set, ["CUDA_GRAPHS=0"]);
         assert!(line.ends_with("; set by you: CUDA_GRAPHS=0"), "{line}");
+        let cpu = SpeedReport::of_in(&Target::Cpu { arch: "x86_64".into() }, &env(&[(PDL, "1")]));
+        assert!(cpu.to_string().ends_with("; set by you, no effect here: PDL=1"), "{cpu}");
         let cpu = SpeedReport::of_in(&Target::Cpu { arch: "x86_64".into() }, &env(&[(ARCH_DEFAULTS, "0")]));
         assert!(cpu.on_exact.is_empty() && cpu.on_inexact.is_empty(), "{cpu}");
         assert!(cpu.to_string().starts_with("x86_64: 0 exact speed switches on (STRATA_ARCH_DEFAULTS=0: the defaults are off"), "{cpu}");

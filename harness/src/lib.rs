@@ -230,6 +230,13 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         out_dir: folder.clone(),
         progress: std::io::stderr().is_terminal(),
     };
+    let inherited = server::inherited_switches();
+    if !inherited.is_empty() {
+        eprintln!(
+            "strata-harness: not passed to the servers, from your environment: {} (a run depends on its scenario alone: set a switch in the scenario's or an arm's `env`)",
+            inherited.join(", ")
+        );
+    }
     let started = now_secs();
     let epoch = Instant::now();
     let mut arms = Vec::new();
@@ -263,8 +270,9 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         verdict: Verdict::default(),
         arms,
     };
-    runner::check_same_outputs(&s, &mut report.arms, opts.only_arms.is_empty());
+    let unjudged = runner::check_same_outputs(&s, &mut report.arms, opts.only_arms.is_empty());
     report.settle_verdict();
+    report.verdict.unjudged = unjudged;
     let plots = plot::write_all(&folder, &report).unwrap_or_else(|e| {
         eprintln!("strata-harness: plots not drawn: {e:#}");
         Vec::new()
@@ -315,11 +323,15 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         })
         .collect();
     let summary = format!(
-        "{}: {} ({} of {} expectations failed){}; report {}",
+        "{}: {} ({} of {} expectations failed{}){}; report {}",
         s.name,
         if report.verdict.passed { "PASS" } else { "FAIL" },
         report.verdict.failed,
         report.verdict.checked,
+        match report.verdict.unjudged {
+            0 => String::new(),
+            n => format!("; {n} comparisons not judged: their references were left out by --arm"),
+        },
         if boundaries.is_empty() {
             String::new()
         } else {

@@ -37,11 +37,21 @@ fn both(
     stem: &str,
     draw: impl Fn(&DrawingArea<SVGBackend<'_>, Shift>, &DrawingArea<BitMapBackend<'_>, Shift>) -> Result<()>,
 ) -> Result<()> {
+    both_sized(dir, stem, (900, 500), draw)
+}
+
+/// [`both`] on a canvas of `size` pixels.
+fn both_sized(
+    dir: &Path,
+    stem: &str,
+    size: (u32, u32),
+    draw: impl Fn(&DrawingArea<SVGBackend<'_>, Shift>, &DrawingArea<BitMapBackend<'_>, Shift>) -> Result<()>,
+) -> Result<()> {
     register_font();
     let svg_path = dir.join(format!("{stem}.svg"));
     let png_path = dir.join(format!("{stem}.png"));
-    let svg = SVGBackend::new(&svg_path, (900, 500)).into_drawing_area();
-    let png = BitMapBackend::new(&png_path, (900, 500)).into_drawing_area();
+    let svg = SVGBackend::new(&svg_path, size).into_drawing_area();
+    let png = BitMapBackend::new(&png_path, size).into_drawing_area();
     draw(&svg, &png)?;
     svg.present().map_err(|e| anyhow!("{e}"))?;
     png.present().map_err(|e| anyhow!("{e}"))?;
@@ -149,7 +159,142 @@ fn draw_rates<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> 
     Ok(())
 }
 
+/// The memory timeline: the host's (RSS) above, and, where workers read their device's memory, the device's
+/// below ([`device_readings`]).
 fn draw_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> Result<()> {
+    let readings = device_readings(r);
+    if readings.is_empty() {
+        return draw_host_memory(area, r);
+    }
+    let (top, bottom) = area.split_vertically(area.dim_in_pixel().1 / 2);
+    draw_host_memory(&top, r)?;
+    draw_device_readings(&bottom, r, &readings)
+}
+
+/// One arm's device memory over time: its worker's `memory` readings (op `reading`) on the run's clock, and the
+/// parts its start allocated as reference levels.
+struct DeviceReadings {
+    arm: String,
+    total_gib: f64,
+    /// (seconds since the run started, GiB of the card in use).
+    used: Vec<(f64, f64)>,
+    /// (GiB of the card in use once the part was allocated, the part): the memory plan's parts as the start
+    /// allocated them, in order.
+    parts: Vec<(f64, String)>,
+}
+
+/// The run's clock of arm `a` (ms since it started) minus the wall clock (ms since the Unix epoch), from any
+/// request that has both: what puts a worker's event (`ts_ms`) on the run's clock.
+fn run_clock_offset(a: &crate::report::ArmReport) -> Option<i64> {
+    a.rows
+        .iter()
+        .flat_map(|row| &row.samples)
+        .find(|s| s.t_start_unix_ms > 0)
+        .map(|s| s.t_start_unix_ms as i64 - s.t_start_ms as i64)
+}
+
+fn device_readings(r: &Report) -> Vec<DeviceReadings> {
+    let gib = |b: f64, scale: f64| b / scale / (1u64 << 30) as f64;
+    let mut out = Vec::new();
+    for a in &r.arms {
+        let Some(offset) = run_clock_offset(a) else {
+            continue;
+        };
+        let mut d = DeviceReadings {
+            arm: a.name.clone(),
+            total_gib: 0.0,
+            used: vec![],
+            parts: vec![],
+        };
+        let mut loaded = false;
+        for e in &a.raw_events {
+            if e["event"] == "load" {
+                loaded = true;
+            }
+            if e["event"] != "memory" {
+                continue;
+            }
+            let scale = e["scale"].as_f64().filter(|s| *s > 0.0).unwrap_or(1.0);
+            let total = e["total_bytes"].as_f64().unwrap_or(0.0);
+            let used = total - e["free_bytes"].as_f64().unwrap_or(0.0);
+            d.total_gib = gib(total, scale);
+            match e["op"].as_str() {
+                Some("reading") => {
+                    if let Some(ts) = e["ts_ms"].as_i64() {
+                        d.used.push(((ts - offset) as f64 / 1e3, gib(used, scale)));
+                    }
+                }
+                // The first start's parts (a restarted worker allocates them again).
+                Some("alloc" | "register") if !loaded => {
+                    d.parts.push((gib(used, scale), e["what"].as_str().unwrap_or("").to_string()));
+                }
+                _ => {}
+            }
+        }
+        if !d.used.is_empty() {
+            out.push(d);
+        }
+    }
+    out
+}
+
+fn draw_device_readings<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    r: &Report,
+    series: &[DeviceReadings],
+) -> Result<()> {
+    area.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let tmax = r
+        .arms
+        .iter()
+        .flat_map(|a| a.memory.iter().map(|m| m.t_ms as f64 / 1e3))
+        .chain(series.iter().flat_map(|d| d.used.iter().map(|p| p.0)))
+        .fold(1.0, f64::max);
+    let ymax = series.iter().map(|d| d.total_gib).fold(0.001, f64::max);
+    let mut chart = frame(
+        area,
+        format!("{}: device memory in use over time (GiB of the card)", r.scenario),
+        0.0..tmax * 1.02,
+        0.0..ymax * 1.1,
+        ("seconds since start", "GiB in use"),
+    )?;
+    for (i, d) in series.iter().enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        // A reading holds until the next one; the last holds to the end of the run.
+        let mut pts = Vec::new();
+        for (j, p) in d.used.iter().enumerate() {
+            if j > 0 {
+                pts.push((p.0, d.used[j - 1].1));
+            }
+            pts.push(*p);
+        }
+        if let Some(&(_, y)) = d.used.last() {
+            pts.push((tmax, y));
+        }
+        chart
+            .draw_series(LineSeries::new(pts, c.stroke_width(2)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(format!("{} (card {:.1} GiB)", d.arm, d.total_gib))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        // The plan's parts: a dashed level where each part's allocation left the card, named at the right.
+        for (level, what) in &d.parts {
+            chart
+                .draw_series(DashedLineSeries::new(vec![(0.0, *level), (tmax, *level)], 6, 4, c.mix(0.5).stroke_width(1)))
+                .map_err(|e| anyhow!("{e}"))?;
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    what.clone(),
+                    (tmax * 0.75, *level + ymax * 0.02),
+                    ("sans-serif", 10).into_font().color(&c),
+                )))
+                .map_err(|e| anyhow!("{e}"))?;
+        }
+    }
+    legend(&mut chart, SeriesLabelPosition::LowerRight, 11)?;
+    Ok(())
+}
+
+fn draw_host_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> Result<()> {
     area.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let mib = |b: u64| b as f64 / 1048576.0;
     let tmax = r
@@ -206,14 +351,7 @@ fn draw_memory<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) ->
 fn hit_rate_series(r: &Report) -> Vec<(String, Vec<(f64, f64)>)> {
     let mut out = Vec::new();
     for a in &r.arms {
-        // The run's clock against the wall clock, from any request that has both.
-        let Some(offset) = a
-            .rows
-            .iter()
-            .flat_map(|row| &row.samples)
-            .find(|s| s.t_start_unix_ms > 0)
-            .map(|s| s.t_start_unix_ms as i64 - s.t_start_ms as i64)
-        else {
+        let Some(offset) = run_clock_offset(a) else {
             continue;
         };
         let pts: Vec<(f64, f64)> = a
@@ -282,7 +420,7 @@ fn device_memory_series(r: &Report) -> Vec<DeviceMemory> {
                 loaded |= !d.steps.is_empty();
                 continue;
             }
-            if e["event"] != "memory" {
+            if e["event"] != "memory" || e["op"] == "reading" {
                 continue;
             }
             if loaded {
@@ -380,7 +518,8 @@ pub fn write_all(dir: &Path, r: &Report) -> Result<Vec<String>> {
         out.push("tok_s_vs_prompt.png".to_string());
     }
     if r.arms.iter().any(|a| !a.memory.is_empty()) {
-        both(dir, "memory_timeline", |s, p| {
+        let tall = if device_readings(r).is_empty() { 500 } else { 800 };
+        both_sized(dir, "memory_timeline", (900, tall), |s, p| {
             draw_memory(s, r)?;
             draw_memory(p, r)
         })?;

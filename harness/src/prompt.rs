@@ -17,12 +17,19 @@ const FILLER: &[&str] = &[
     " quiet", " sky", " while", " birds", " sing", " in", " tall", " trees",
 ];
 
+/// Prefixes between the first prompts of consecutive cases ([`PromptBuilder::start_case`]): a prime, so cases
+/// spread over the whole list; a case with more requests than this reuses words of the next case's, which only
+/// matters for two consecutive requests (checked there).
+const CASE_STRIDE: usize = 37;
+
 /// Builds exact-token prompts for one model.
 pub struct PromptBuilder {
     tokenizer: Tokenizer,
     /// Single-token words usable as unique first tokens, in vocabulary order.
     prefixes: Vec<String>,
     next_prefix: usize,
+    /// The prefix of the last prompt built (an index into `prefixes`).
+    last_prefix: Option<usize>,
     /// The vocabulary has no merges (every byte is a token, as in the generator's synthetic models): prefixes
     /// are single characters and the filler is cut to the exact number of characters.
     byte_level: bool,
@@ -33,6 +40,21 @@ impl PromptBuilder {
     /// (each against its own server, so no cell of one combination's prompts is reused by another's).
     pub fn restart(&mut self) {
         self.next_prefix = 0;
+        self.last_prefix = None;
+    }
+
+    /// Starts case number `case` (its position in the scenario): its prompts' prefixes go on from one chosen by
+    /// that position alone, so a case is sent the same prompts in every combination whatever ran before it (a
+    /// case that `only:` left out elsewhere, a boundary search's varying probes), and the `same_*_as` checks
+    /// compare answers to the same prompts. The first prefix still differs from the last prompt's (then it is
+    /// the next one).
+    pub fn start_case(&mut self, case: usize) {
+        let len = self.prefixes.len();
+        let mut next = case.wrapping_mul(CASE_STRIDE) % len;
+        if self.last_prefix == Some(next) {
+            next = (next + 1) % len;
+        }
+        self.next_prefix = next;
     }
 
     /// Reads the tokenizer of the model at `path`.
@@ -90,6 +112,7 @@ impl PromptBuilder {
             tokenizer,
             prefixes,
             next_prefix: 0,
+            last_prefix: None,
             byte_level,
         })
     }
@@ -110,8 +133,10 @@ impl PromptBuilder {
     ///
     /// Errors: `n` is smaller than the prefix (BOS + one word), or no filler reaches exactly `n`.
     pub fn exact(&mut self, n: usize) -> Result<String> {
-        let prefix = self.prefixes[self.next_prefix % self.prefixes.len()].clone();
-        self.next_prefix += 1;
+        let at = self.next_prefix % self.prefixes.len();
+        let prefix = self.prefixes[at].clone();
+        self.next_prefix = at + 1;
+        self.last_prefix = Some(at);
         let base = self.count(&prefix)?;
         if n < base {
             bail!("cannot build a {n}-token prompt: the unique prefix alone is {base} tokens");
@@ -167,5 +192,25 @@ mod tests {
             assert_eq!(ids.len(), n, "{text:?}");
             assert!(firsts.insert(ids[0]), "first token repeated: {text:?}");
         }
+        // A case's prompts depend on its position, not on what ran before it; consecutive first words differ.
+        b.restart();
+        b.start_case(2);
+        let third = b.exact(20).unwrap();
+        b.restart();
+        b.start_case(0);
+        b.exact(20).unwrap();
+        b.exact(20).unwrap();
+        b.start_case(2);
+        assert_eq!(b.exact(20).unwrap(), third);
+        b.restart();
+        b.start_case(1);
+        let last = b.exact(5).unwrap();
+        for _ in 0..CASE_STRIDE - 1 {
+            b.exact(5).unwrap();
+        }
+        let before = b.exact(5).unwrap();
+        b.start_case(2);
+        let after = b.exact(5).unwrap();
+        assert_ne!(before[..1], after[..1], "{before:?} then {after:?} ({last:?})");
     }
 }

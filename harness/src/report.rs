@@ -63,6 +63,9 @@ pub struct Verdict {
     pub checked: usize,
     /// Expectations not met.
     pub failed: usize,
+    /// `same_*_as` checks not judged: their reference combination was left out of the run (`--arm`).
+    #[serde(default)]
+    pub unjudged: usize,
 }
 
 /// One combination of the matrix.
@@ -352,6 +355,7 @@ impl Report {
             passed: failed == 0 && errors == 0,
             checked,
             failed: failed + errors,
+            unjudged: self.verdict.unjudged,
         };
     }
 }
@@ -476,7 +480,17 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
     let _ = writeln!(m, "# {} — {}\n", r.scenario, if v.passed { "PASS" } else { "FAIL" });
     if v.passed {
         let _ = writeln!(m, "**Verdict: PASS.** All {} expectations met.\n", v.checked);
-    } else {
+    }
+    if v.unjudged > 0 {
+        let _ = writeln!(
+            m,
+            "**{} comparison{} not judged**: the combinations {} against were left out of this run (`--arm`).\n",
+            v.unjudged,
+            if v.unjudged == 1 { "" } else { "s" },
+            if v.unjudged == 1 { "it compares" } else { "they compare" }
+        );
+    }
+    if !v.passed {
         let _ = writeln!(
             m,
             "**Verdict: FAIL.** {} of {} expectations not met.\n",

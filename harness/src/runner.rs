@@ -711,8 +711,12 @@ pub fn run_combo(
         run.bar.set_length(planned);
         s.cases
             .iter()
-            .filter(|c| c.runs_in(&combo.arm_names()))
-            .try_for_each(|c| run.run_case(c))
+            .enumerate()
+            .filter(|(_, c)| c.runs_in(&combo.arm_names()))
+            .try_for_each(|(i, c)| {
+                run.prompts.start_case(i);
+                run.run_case(c)
+            })
     };
     bar.finish_and_clear();
     arm.restarts = server.restarts().unwrap_or(restarts_start) - restarts_start;
@@ -897,7 +901,7 @@ impl Same {
                 }
                 first_difference(&got.tokens, &want.tokens).map(|at| {
                     format!(
-                        "differs from token {at}: {} against {}",
+                        "token {at} (counting from 0) differs: {} against {}",
                         got.tokens.get(at).map_or("(end)".into(), |t| t.to_string()),
                         want.tokens.get(at).map_or("(end)".into(), |t| t.to_string())
                     )
@@ -910,8 +914,12 @@ impl Same {
                         strata_engine::switches::LOGITS_DIGEST
                     ));
                 }
-                first_difference(&got.logits_fnv, &want.logits_fnv)
-                    .map(|at| format!("differ from token {at} of {}", got.logits_fnv.len()))
+                first_difference(&got.logits_fnv, &want.logits_fnv).map(|at| {
+                    format!(
+                        "the logits of token {at} (counting from 0) of {} differ",
+                        got.logits_fnv.len()
+                    )
+                })
             }
         }
     }
@@ -941,10 +949,13 @@ impl Same {
 /// this one's other arms. `ran_all` is false when some combinations were left out on purpose (`--arm`): a row
 /// whose reference was left out that way is not judged. A reference excluded with no single closest stand-in, or
 /// whose server did not start, fails the check.
-pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
+///
+/// Returns how many checks were not judged (their reference left out by `--arm`).
+pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) -> usize {
     let running = s.running_arm_names();
     let axes: Vec<&String> = s.matrix.keys().collect();
     let mut found: Vec<(usize, usize, Check)> = Vec::new();
+    let mut unjudged = 0;
     for (ai, a) in arms.iter().enumerate() {
         for (ri, row) in a.rows.iter().enumerate() {
             let expect = row_expect(s, &a.arm_names, &row.case);
@@ -952,8 +963,10 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
                 let Some(x) = kind.arm(&expect) else {
                     continue;
                 };
-                if let Some(check) = same_check(s, arms, a, row, kind, &x, &running, &axes, ran_all) {
-                    found.push((ai, ri, check));
+                match same_check(s, arms, a, row, kind, &x, &running, &axes, ran_all) {
+                    Judged::Check(check) => found.push((ai, ri, check)),
+                    Judged::LeftOut => unjudged += 1,
+                    Judged::NotApplicable => {}
                 }
             }
         }
@@ -961,10 +974,19 @@ pub fn check_same_outputs(s: &Scenario, arms: &mut [ArmReport], ran_all: bool) {
     for (ai, ri, c) in found {
         arms[ai].rows[ri].checks.push(c);
     }
+    unjudged
 }
 
-/// One `same_*_as` check of `row` of combination `a` against arm `x` ([`check_same_outputs`]); `None` when it is
-/// not judged.
+/// What [`same_check`] made of one expectation.
+enum Judged {
+    Check(Check),
+    /// The reference combination was left out of the run (`--arm`).
+    LeftOut,
+    /// Nothing to compare: the row is a boundary probe, or the combination holds the arm itself.
+    NotApplicable,
+}
+
+/// One `same_*_as` check of `row` of combination `a` against arm `x` ([`check_same_outputs`]).
 #[allow(clippy::too_many_arguments)]
 fn same_check(
     s: &Scenario,
@@ -976,14 +998,16 @@ fn same_check(
     running: &[Vec<String>],
     axes: &[&String],
     ran_all: bool,
-) -> Option<Check> {
+) -> Judged {
     if row.kind == "probe" || a.arm_names.contains(x) {
-        return None;
+        return Judged::NotApplicable;
     }
-    let pos = s.axis_of(x).and_then(|ax| axes.iter().position(|a| *a == ax))?;
+    let Some(pos) = s.axis_of(x).and_then(|ax| axes.iter().position(|a| *a == ax)) else {
+        return Judged::NotApplicable;
+    };
     let mut want = a.arm_names.clone();
     if pos >= want.len() {
-        return None;
+        return Judged::NotApplicable;
     }
     want[pos] = x.clone();
     let label = |names: &[String]| {
@@ -1010,32 +1034,43 @@ fn same_check(
         got,
         passed: false,
     };
-    Some(match reference {
-        None if !ran_all && !s.excludes(&target) => return None,
+    Judged::Check(match reference {
+        None if !ran_all && !s.excludes(&target) => return Judged::LeftOut,
         None if s.excludes(&target) => fail(format!(
             "that combination is excluded, and {} others with arm `{x}` share as many of its arms: name one by excluding the rest",
             closest.len()
         )),
         None => fail("that combination was not run".into()),
         Some(b) if b.error.is_some() => fail("that combination's engine did not start".into()),
+        // Request by request: repetition i against the reference's repetition i (the same prompt: a case's
+        // prompts depend on its position alone, PromptBuilder::start_case).
         Some(b) => match b
             .rows
             .iter()
             .find(|r| r.case == row.case && r.kind == row.kind && r.tokens_requested == row.tokens_requested)
-            .and_then(|r| r.samples.iter().find(|s| s.status == 200))
+            .filter(|r| r.samples.iter().any(|s| s.status == 200))
         {
             None => fail("that combination has no answered request for this row".into()),
             Some(refs) => {
-                let bad = row.samples.iter().find_map(|smp| {
-                    if smp.status != 200 {
-                        Some(format!("status {}", smp.status))
-                    } else {
-                        kind.differs(smp, refs)
+                let bad = row.samples.iter().enumerate().find_map(|(i, smp)| {
+                    let rep = |m: String| {
+                        if row.samples.len() > 1 {
+                            format!("repetition {}: {m}", i + 1)
+                        } else {
+                            m
+                        }
+                    };
+                    match refs.samples.get(i) {
+                        _ if smp.status != 200 => Some(rep(format!("status {}", smp.status))),
+                        None => Some(rep("the reference has no such repetition".into())),
+                        Some(r) if r.status != 200 => Some(rep(format!("the reference's status {}", r.status))),
+                        Some(r) => kind.differs(smp, r).map(rep),
                     }
                 });
+                let first = refs.samples.iter().find(|s| s.status == 200).expect("filtered");
                 Check {
                     what: what.clone(),
-                    expected: kind.expected(refs),
+                    expected: kind.expected(first),
                     passed: bad.is_none(),
                     got: bad.unwrap_or_else(|| kind.same().into()),
                 }
@@ -1214,8 +1249,8 @@ mod tests {
         assert!(c.iter().all(|c| c.passed), "{c:?}");
         let c = &arms[2].rows[0].checks;
         assert!(!c[0].passed && c[0].what.starts_with("token ids equal arm `defaults`"), "{c:?}");
-        assert_eq!(c[0].got, "differs from token 1: 9 against 6");
-        assert!(!c[1].passed && c[1].got == "differ from token 1 of 3", "{c:?}");
+        assert_eq!(c[0].got, "token 1 (counting from 0) differs: 9 against 6");
+        assert!(!c[1].passed && c[1].got == "the logits of token 1 (counting from 0) of 3 differ", "{c:?}");
         // No digests in the events: a failure that says so, not a pass.
         let mut arms = vec![with(&["defaults"], &[5], &[]), with(&["PDL-off"], &[5], &[])];
         check_same_outputs(&s, &mut arms, true);
@@ -1223,11 +1258,27 @@ mod tests {
         assert!(c[0].passed && !c[1].passed && c[1].got.contains("no logits digests"), "{c:?}");
     }
 
+    /// Repetition i is compared with the reference's repetition i (each repetition of a `tokens:` case is sent
+    /// its own prompt, the same in every combination).
+    #[test]
+    fn repetitions_are_compared_in_order() {
+        let s = crate::scenario::parse("t", OFFLOAD).unwrap();
+        let mut arms = vec![
+            arm(&["resident", "arena"], &["one", "two"]),
+            arm(&["small", "arena"], &["one", "two"]),
+            arm(&["small", "mmap"], &["one", "one"]),
+        ];
+        check_same_outputs(&s, &mut arms, true);
+        assert!(arms[1].rows[0].checks[0].passed, "{:?}", arms[1].rows[0].checks);
+        let c = &arms[2].rows[0].checks[0];
+        assert!(!c.passed && c.got.starts_with("repetition 2: differs from character 0"), "{c:?}");
+    }
+
     #[test]
     fn outputs_are_compared_with_the_named_arm_on_its_axis() {
         let s = crate::scenario::parse("t", OFFLOAD).unwrap();
         let mut arms = vec![
-            arm(&["resident", "arena"], &["Paris is"]),
+            arm(&["resident", "arena"], &["Paris is", "Paris is"]),
             arm(&["small", "arena"], &["Paris is", "Paris is"]),
             arm(&["small", "mmap"], &["Paris is", "Paris was"]),
         ];
@@ -1260,7 +1311,7 @@ mod tests {
         assert!(arms[2].rows[0].checks[0].passed, "{:?}", arms[2].rows[0].checks);
         // Left out by --arm: not judged; present but different: fails, naming where.
         let mut arms = vec![arm(&["small", "arena"], &["Paris is"])];
-        check_same_outputs(&s, &mut arms, false);
+        assert_eq!(check_same_outputs(&s, &mut arms, false), 1, "one comparison not judged");
         assert!(arms[0].rows[0].checks.is_empty());
         let mut arms = vec![
             arm(&["resident", "arena"], &["Paris is"]),

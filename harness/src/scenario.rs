@@ -157,6 +157,9 @@ impl SwitchAxis {
         let chosen: Vec<_> = match &self.switches {
             SwitchSet::Word(SwitchWord::All) => speed.clone(),
             SwitchSet::Word(SwitchWord::Exact) => speed.iter().copied().filter(|(_, sp)| sp.exact).collect(),
+            SwitchSet::List(names) if names.is_empty() => {
+                return Err("switches: the list names no switch: name at least one, or write `exact` or `all`".into());
+            }
             SwitchSet::List(names) => {
                 let mut v = Vec::new();
                 for n in names {
@@ -542,7 +545,12 @@ pub fn parse(file: &str, text: &str) -> Result<Scenario, ScenarioError> {
         let raw = inner.to_string();
         // yaml_serde appends " at line L column C"; we print the location up front instead.
         // Its message already starts with the path (`cases[0].expect: ...`).
-        let msg = raw.split(" at line ").next().unwrap_or(&raw).to_string();
+        let mut msg = raw.split(" at line ").next().unwrap_or(&raw).to_string();
+        if msg.contains("untagged enum SwitchSet") {
+            msg = "switches.switches: give `exact`, `all`, or a list of speed switch names (`[PDL, CPU_AVX512]`; `strata switches` lists them)".into();
+        } else if msg.starts_with("switches:") && msg.contains("expected struct SwitchAxis") {
+            msg.push_str(": write `switches: {switches: exact}` (or `all`, or a list of names), with `axis: NAME` to name the axis");
+        }
         ScenarioError {
             file: file.to_string(),
             line,
@@ -645,7 +653,31 @@ impl Scenario {
                 sw.axis
             ));
         }
-        self.matrix.insert(sw.axis.clone(), sw.arms()?);
+        let arms = sw.arms()?;
+        // What the axis sets (the switches it flips, and the master switch) must not be set for every arm alike.
+        let flipped: Vec<&String> = arms.iter().flat_map(|a| a.env.keys()).collect();
+        let owners = std::iter::once(("the scenario's env".to_string(), &self.env)).chain(
+            self.matrix
+                .iter()
+                .flat_map(|(axis, arms)| arms.iter().map(move |a| (format!("arm `{}` of axis `{axis}`", a.name), &a.env))),
+        );
+        for (owner, env) in owners {
+            if let Some(k) = env.keys().find(|k| flipped.contains(k)) {
+                return Err(format!(
+                    "switches: {owner} sets {k}, which the `{}` axis sets per arm: with it the arms would not differ as their names say; drop it",
+                    sw.axis
+                ));
+            }
+        }
+        for a in &arms {
+            if let Some(axis) = self.axis_of(&a.name) {
+                return Err(format!(
+                    "switches: the `{}` axis's arm `{}` has the name of an arm of axis `{axis}`: rename that arm",
+                    sw.axis, a.name
+                ));
+            }
+        }
+        self.matrix.insert(sw.axis.clone(), arms);
         Ok(())
     }
 
@@ -725,6 +757,11 @@ impl Scenario {
         }
         let mut arm_names = Vec::new();
         for (axis, arms) in &self.matrix {
+            if !ok_name(axis) {
+                return Err(format!(
+                    "matrix: axis name `{axis}` must be non-empty and use only letters, digits, `-` and `_` (it names the logs' files)"
+                ));
+            }
             if arms.is_empty() {
                 return Err(format!("matrix.{axis}: an axis needs at least one arm"));
             }
@@ -780,6 +817,35 @@ impl Scenario {
             }
         }
         let running = self.running_arm_names();
+        if self.compares_logits() {
+            let off = |v: &String| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no");
+            let digest = strata_engine::switches::LOGITS_DIGEST;
+            let envs = std::iter::once(("the scenario's env".to_string(), &self.env))
+                .chain(self.matrix.values().flatten().map(|a| (format!("arm `{}`", a.name), &a.env)));
+            for (owner, env) in envs {
+                if env.get(digest).is_some_and(off) {
+                    return Err(format!(
+                        "{owner} sets {digest} off, and a `same_logits_as` compares the logits digests it turns on: drop it"
+                    ));
+                }
+            }
+        }
+        for (key, x) in self.expectations().flat_map(|e| {
+            [
+                ("same_output_as", &e.same_output_as),
+                ("same_tokens_as", &e.same_tokens_as),
+                ("same_logits_as", &e.same_logits_as),
+            ]
+        }) {
+            if let Some(x) = x
+                && arm_names.contains(x)
+                && !running.iter().any(|c| c.contains(x))
+            {
+                return Err(format!(
+                    "{key} `{x}`: `exclude` drops every combination with arm `{x}`, so there is nothing to compare with"
+                ));
+            }
+        }
         for names in &running {
             let devices: Vec<(&String, &String)> = self
                 .matrix
@@ -1052,6 +1118,26 @@ mod tests {
         assert!(e.message.contains("same_logits_as `default` names no arm"), "{e}");
         let plain = parse("t.yaml", MIN).unwrap();
         assert!(!plain.compares_logits());
+        // Refused: a list naming nothing; a switch the axis flips set for every arm; a generated arm's name
+        // taken; the digests turned off; an axis name that is not a file name; a reference every combination
+        // of which is excluded; a word that is neither `exact` nor `all`; a bare word.
+        let bad = |yaml: String, want: &str| {
+            let e = parse("t.yaml", &yaml).unwrap_err();
+            assert!(e.message.contains(want), "{e}\n{yaml}");
+        };
+        bad(format!("name: t\nswitches: {{switches: []}}\n{case}"), "the list names no switch");
+        bad(format!("name: t\nenv: {{STRATA_CPU_AVX512: '1'}}\nswitches: {{switches: exact}}\n{case}"), "the scenario's env sets STRATA_CPU_AVX512");
+        bad(format!("name: t\nenv: {{STRATA_ARCH_DEFAULTS: '0'}}\nswitches: {{switches: exact}}\n{case}"), "sets STRATA_ARCH_DEFAULTS");
+        bad(
+            format!("name: t\nmatrix:\n  kv: [{{name: f16, env: {{STRATA_PDL: '0'}}}}]\nswitches: {{switches: [PDL]}}\n{case}"),
+            "arm `f16` of axis `kv` sets STRATA_PDL",
+        );
+        bad(format!("name: t\nmatrix:\n  kv: [{{name: defaults}}]\nswitches: {{switches: [PDL]}}\n{case}"), "rename that arm");
+        bad(format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_LOGITS_DIGEST off");
+        bad(format!("name: t\nswitches: {{switches: [PDL], axis: '../x'}}\n{case}"), "axis name `../x`");
+        bad(format!("name: t\nswitches: {{switches: [PDL]}}\nexclude: [{{switch: defaults}}]\n{case}"), "drops every combination with arm `defaults`");
+        bad(format!("name: t\nswitches: {{switches: exakt}}\n{case}"), "give `exact`, `all`, or a list");
+        bad(format!("name: t\nswitches: exact\n{case}"), "write `switches: {switches: exact}`");
     }
 
     #[test]

@@ -81,14 +81,27 @@ pub struct Answer {
     pub body: Value,
 }
 
+/// The `STRATA_*` switches of the harness's own environment that a server is started without: every one but
+/// the folders where things are found (models, compiled kernels, CUDA's libraries, device profiles). A run
+/// depends on its scenario file alone (its `env` sets switches): a speed switch or a fault rule left set in a
+/// shell cannot change every arm at once unseen.
+pub fn inherited_switches() -> Vec<String> {
+    use strata_engine::switches as sw;
+    let keep = [sw::MODELS_DIR, sw::KERNEL_CACHE, sw::CUDA_LIB_DIR, sw::DEVICE_PROFILES];
+    std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .filter(|k| k.starts_with("STRATA_") && !keep.contains(&k.as_str()))
+        .collect()
+}
+
 fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("cannot find a free local port")?;
     Ok(l.local_addr()?.port())
 }
 
 impl Server {
-    /// Starts `strata serve` with `args` and `env`, its stderr (the human log) appended to `log`, and waits up to
-    /// `timeout` for /health to answer 200.
+    /// Starts `strata serve` with `args` and `env` (and none of [`inherited_switches`]), its stderr (the human
+    /// log) appended to `log`, and waits up to `timeout` for /health to answer 200.
     ///
     /// Errors: the process cannot start, exits, or never becomes healthy.
     pub fn start(
@@ -105,6 +118,9 @@ impl Server {
             .open(log)
             .with_context(|| format!("cannot open {}", log.display()))?;
         let mut cmd = Command::new(strata);
+        for name in inherited_switches() {
+            cmd.env_remove(name);
+        }
         cmd.arg("serve")
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(args)

@@ -335,8 +335,9 @@ impl Engine {
         };
         let target = match (backend.cuda(), &sim) {
             (Some(c), _) => c.gpu().target.clone(),
+            // A simulated card's arithmetic is the CPU backend's: its own arch's switches do not apply.
             (None, Some(hold)) => crate::switches::Target::Cpu {
-                arch: hold.device.profile.arch.clone(),
+                arch: format!("{} ({}, arithmetic on the CPU)", hold.device.profile.arch, flags.device),
             },
             (None, None) => crate::switches::Target::host(),
         };
@@ -551,6 +552,64 @@ impl Engine {
         }
         s.set_fault_policy(self.faults.clone(), self.flags.gemm_fallback.is_on());
         Ok(s)
+    }
+
+    /// Starts a thread that reads the device's memory every `period` and emits a `memory` event of op `reading`
+    /// (what: `device memory`, bytes: in use) at once and then whenever the free memory changed, until the
+    /// returned guard is dropped (a reading holds until the next: an idle device adds no events). `None` on the CPU (no device memory). The harness draws these over time
+    /// beside the host's memory (DESIGN.md section 3, "Device profiles"; issue 17 point 7). A reading that fails
+    /// (a CUDA context a fault poisoned) ends the thread.
+    pub fn memory_readings(&self, period: Duration) -> Option<MemoryReadings> {
+        let device = self.flags.device.to_string();
+        let read: Box<dyn Fn() -> Option<(u64, u64, f64)> + Send> = match (self.backend.cuda(), &self._sim) {
+            (Some(c), _) => {
+                let ctx = c.gpu().ctx.clone();
+                Box::new(move || ctx.mem_get_info().ok().map(|(f, t)| (f as u64, t as u64, 1.0)))
+            }
+            (None, Some(hold)) => {
+                let dev = hold.device.clone();
+                Box::new(move || {
+                    let (f, t) = dev.mem_info();
+                    Some((f, t, dev.scale()))
+                })
+            }
+            (None, None) => return None,
+        };
+        let emit = move |(free, total, scale): (u64, u64, f64)| {
+            crate::events::emit(crate::events::EventKind::Memory(crate::events::Memory {
+                device: device.clone(),
+                op: "reading".into(),
+                what: "device memory".into(),
+                bytes: total.saturating_sub(free),
+                host: false,
+                free_bytes: free,
+                total_bytes: total,
+                scale,
+            }));
+        };
+        // The first reading here, before any request can run (a worker a fault kills still has it).
+        let first = read()?;
+        emit(first);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let mut last = first.0;
+            loop {
+                std::thread::park_timeout(period);
+                if stop2.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let Some(r) = read() else { break };
+                if r.0 != last {
+                    emit(r);
+                    last = r.0;
+                }
+            }
+        });
+        Some(MemoryReadings {
+            stop,
+            handle: Some(handle),
+        })
     }
 
     /// The one-line summary of what was loaded: `loaded PATH (llama, 30 layers) in 98 ms`.
@@ -1017,6 +1076,22 @@ fn replay_for(source: &RoutingSource, hp: &crate::model::HParams) -> Result<Rout
     }
     let trace = source.trace(hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)?;
     RoutingReplay::new(&trace, hp.n_layer, hp.n_expert, hp.n_expert_used).map_err(bad)
+}
+
+/// The thread of [`Engine::memory_readings`]; dropping this stops it.
+pub struct MemoryReadings {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for MemoryReadings {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            h.thread().unpark();
+            let _ = h.join();
+        }
+    }
 }
 
 /// Emits a `memory` event for a CUDA device: `what` took `bytes` (device memory; with `host`, page-locked host

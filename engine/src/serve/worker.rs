@@ -121,6 +121,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         rss_bytes: rss_bytes(None),
         pid: std::process::id(),
     }));
+    let _readings = engine.memory_readings(READING_PERIOD);
 
     // The reader thread turns stdin lines into jobs and sets the cancel flag of the running one, so a cancel
     // reaches a generation in progress. Stdin closing means the front is gone.
@@ -167,6 +168,9 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     }
     Ok(())
 }
+
+/// How often the worker reads its device's memory ([`Engine::memory_readings`]).
+const READING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);
 
 fn run_job(
     session: &mut Session<'_, AnyBackend>,
