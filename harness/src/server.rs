@@ -121,6 +121,16 @@ impl Server {
         for name in inherited_switches() {
             cmd.env_remove(name);
         }
+        // The server dies with the harness, whatever kills it (SIGINT, SIGTERM, an abort): no orphan keeps a port,
+        // a GPU or its memory.
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: the hook calls only async-signal-safe functions (orphan::die_with_parent).
+            unsafe {
+                cmd.pre_exec(strata_engine::serve::orphan::die_with_parent());
+            }
+        }
         cmd.arg("serve")
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(args)

@@ -14,6 +14,7 @@ pub mod anthropic;
 pub mod api;
 pub mod metrics;
 pub mod openai;
+pub mod orphan;
 pub mod protocol;
 pub mod supervisor;
 pub mod worker;

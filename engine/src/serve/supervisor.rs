@@ -160,6 +160,12 @@ fn spawn_worker(flags: &WorkerFlags) -> std::io::Result<Worker> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     cmd.kill_on_drop(true);
+    // SAFETY: the hook calls only async-signal-safe functions (orphan::die_with_parent). It is spawned from a
+    // runtime worker thread, which lives as long as the server.
+    #[cfg(unix)]
+    unsafe {
+        cmd.pre_exec(super::orphan::die_with_parent());
+    }
     let mut child = cmd.spawn()?;
     let stdin = child.stdin.take().expect("piped stdin");
     let stdout = child.stdout.take().expect("piped stdout");
