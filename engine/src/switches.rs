@@ -446,7 +446,8 @@ impl SpeedReport {
         for s in SWITCHES {
             let Some(sp) = s.speed else { continue };
             let short = short_name(s.name).to_string();
-            let set = env(s.name).filter(|v| matches!(parse_flag(Some(v)), Ok(Some(_))));
+            // Read as the engine reads it (a value that is no boolean is said once), applying here or not.
+            let set = read_flag(s.name, env).and(env(s.name));
             if !sp.applies.to(target) {
                 if let Some(v) = set {
                     r.unapplied.push(format!("{short}={}", v.trim()));

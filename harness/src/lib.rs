@@ -248,11 +248,16 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
         match runner::run_combo(&s, &combo, &settings, &mut prompts, epoch) {
             Ok(a) => arms.push(a),
             Err(e) => {
+                let mistake = e.downcast_ref::<runner::ScenarioMistake>().is_some();
                 return RunOutcome {
-                    exit_code: EXIT_FAIL,
+                    exit_code: if mistake { EXIT_SCENARIO } else { EXIT_FAIL },
                     folder: Some(folder),
                     report: None,
-                    summary: format!("arm {} stopped: {e:#}", combo.name),
+                    summary: if mistake {
+                        format!("scenario error: {}: {e:#}", scenario_file.display())
+                    } else {
+                        format!("arm {} stopped: {e:#}", combo.name)
+                    },
                 };
             }
         }

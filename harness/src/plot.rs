@@ -181,6 +181,8 @@ struct DeviceReadings {
     /// (GiB of the card in use once the part was allocated, the part): the memory plan's parts as the start
     /// allocated them, in order.
     parts: Vec<(f64, String)>,
+    /// The arm's last host-memory sample, seconds since the run started (where its line ends).
+    end: f64,
 }
 
 /// The run's clock of arm `a` (ms since it started) minus the wall clock (ms since the Unix epoch), from any
@@ -205,6 +207,7 @@ fn device_readings(r: &Report) -> Vec<DeviceReadings> {
             total_gib: 0.0,
             used: vec![],
             parts: vec![],
+            end: a.memory.last().map_or(0.0, |m| m.t_ms as f64 / 1e3),
         };
         let mut loaded = false;
         for e in &a.raw_events {
@@ -268,8 +271,9 @@ fn draw_device_readings<DB: DrawingBackend>(
             }
             pts.push(*p);
         }
-        if let Some(&(_, y)) = d.used.last() {
-            pts.push((tmax, y));
+        // To the arm's last host sample: its server's end.
+        if let Some(&(t, y)) = d.used.last() {
+            pts.push((d.end.max(t), y));
         }
         chart
             .draw_series(LineSeries::new(pts, c.stroke_width(2)))

@@ -245,9 +245,27 @@ impl ArmRun<'_> {
             messages: None,
             tokens,
         });
+        // A prompt past the server's context is answered 400 however long it is: one token past the context is
+        // sent in its place (a billion-token prompt is never built). Expected anything but 400, it is the
+        // scenario's mistake, said before anything is sent; a boundary search's probe past it simply fails.
+        let asked = tokens.or(prompt.tokens);
+        let n_ctx = self.server.n_ctx;
+        let sent = match asked {
+            Some(n) if n_ctx > 0 && n > n_ctx => {
+                if kind != "probe" && self.expect(c).status != Some(400) {
+                    return Err(ScenarioMistake(format!(
+                        "case `{}`: a prompt of {n} tokens is past the server's context of {n_ctx} tokens: lower it, raise --max-context, or expect `status: 400`",
+                        c.name
+                    ))
+                    .into());
+                }
+                Some(n_ctx + 1)
+            }
+            _ => tokens,
+        };
         let mut samples = Vec::new();
         for _ in 0..reps {
-            samples.push(self.request(c, &prompt, tokens)?);
+            samples.push(self.request(c, &prompt, sent)?);
         }
         let stat = |f: fn(&Sample) -> Option<f64>| Stat::of(&samples.iter().filter_map(f).collect::<Vec<_>>());
         Ok(CaseRow {
@@ -824,7 +842,8 @@ pub fn attribute_cache_events(arm: &mut ArmReport) {
     for smp in arm.rows.iter_mut().flat_map(|r| r.samples.iter_mut()) {
         smp.expert_cache.clear();
         let within = |e: &&&Value| (smp.t_start_unix_ms..=smp.t_end_unix_ms).contains(&e["ts_ms"].as_u64().unwrap_or(0));
-        let done = requests.iter().find(within);
+        // The last in the window: the previous request's event may carry the millisecond this one started in.
+        let done = requests.iter().rfind(within);
         smp.tokens = done
             .and_then(|e| e["tokens"].as_array())
             .map(|v| v.iter().filter_map(|t| t.as_u64().map(|t| t as u32)).collect())
@@ -852,6 +871,12 @@ pub fn attribute_cache_events(arm: &mut ArmReport) {
         }
     }
 }
+
+/// A mistake in the scenario that only the run can see (a prompt past the server's context): the run stops with
+/// exit 2, as `check`'s errors do, not as an engine failure.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ScenarioMistake(pub String);
 
 /// What a `same_*_as` expectation compares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1026,8 +1051,16 @@ fn same_check(
     } else {
         want.clone()
     };
+    // A case that `only:` keeps out of the reference's combination has nothing to compare with there.
+    if s.cases.iter().any(|c| c.name == row.case && !c.runs_in(&target)) {
+        return Judged::NotApplicable;
+    }
     let reference = arms.iter().find(|b| b.arm_names == target);
-    let what = format!("{} arm `{x}`'s ({})", kind.what(), label(&target));
+    let at = match (row.kind.as_str(), row.tokens_requested) {
+        ("sweep", Some(n)) => format!(" at {n} prompt tokens"),
+        _ => String::new(),
+    };
+    let what = format!("{}{at} arm `{x}`'s ({})", kind.what(), label(&target));
     let fail = |got: String| Check {
         what: what.clone(),
         expected: kind.same().into(),
@@ -1359,6 +1392,25 @@ mod tests {
         ];
         check_same_outputs(&s, &mut arms, false);
         assert!(arms[1].rows[0].checks.is_empty(), "{:?}", arms[1].rows[0].checks);
+    }
+
+    /// A request's token ids come from its own `request` event, even when the one before it ended in the
+    /// millisecond it started in.
+    #[test]
+    fn request_events_go_to_their_own_request() {
+        let mut a = arm(&["small", "arena"], &["x", "y"]);
+        a.rows[0].samples[0].t_start_unix_ms = 100;
+        a.rows[0].samples[0].t_end_unix_ms = 200;
+        a.rows[0].samples[1].t_start_unix_ms = 200;
+        a.rows[0].samples[1].t_end_unix_ms = 300;
+        a.raw_events = vec![
+            json!({"event": "request", "ts_ms": 200, "id": 1, "tokens": [1, 2]}),
+            json!({"event": "request", "ts_ms": 290, "id": 2, "tokens": [3, 4], "logits_fnv": ["ab", "cd"]}),
+        ];
+        attribute_cache_events(&mut a);
+        assert_eq!(a.rows[0].samples[0].tokens, [1, 2]);
+        assert_eq!(a.rows[0].samples[1].tokens, [3, 4]);
+        assert_eq!(a.rows[0].samples[1].logits_fnv, ["ab", "cd"]);
     }
 
     #[test]

@@ -655,7 +655,8 @@ impl Scenario {
         }
         let arms = sw.arms()?;
         // What the axis sets (the switches it flips, and the master switch) must not be set for every arm alike.
-        let flipped: Vec<&String> = arms.iter().flat_map(|a| a.env.keys()).collect();
+        let master = strata_engine::switches::ARCH_DEFAULTS.to_string();
+        let flipped: Vec<&String> = arms.iter().flat_map(|a| a.env.keys()).chain([&master]).collect();
         let owners = std::iter::once(("the scenario's env".to_string(), &self.env)).chain(
             self.matrix
                 .iter()
@@ -818,14 +819,13 @@ impl Scenario {
         }
         let running = self.running_arm_names();
         if self.compares_logits() {
-            let off = |v: &String| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "off" | "no");
             let digest = strata_engine::switches::LOGITS_DIGEST;
             let envs = std::iter::once(("the scenario's env".to_string(), &self.env))
                 .chain(self.matrix.values().flatten().map(|a| (format!("arm `{}`", a.name), &a.env)));
             for (owner, env) in envs {
-                if env.get(digest).is_some_and(off) {
+                if let Some(v) = env.get(digest) {
                     return Err(format!(
-                        "{owner} sets {digest} off, and a `same_logits_as` compares the logits digests it turns on: drop it"
+                        "{owner} sets {digest} ({v:?}), and a `same_logits_as` compares the digests the harness turns on with it: drop it"
                     ));
                 }
             }
@@ -1133,7 +1133,9 @@ mod tests {
             "arm `f16` of axis `kv` sets STRATA_PDL",
         );
         bad(format!("name: t\nmatrix:\n  kv: [{{name: defaults}}]\nswitches: {{switches: [PDL]}}\n{case}"), "rename that arm");
-        bad(format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_LOGITS_DIGEST off");
+        bad(format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_LOGITS_DIGEST (\"0\")");
+        bad(format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: ''}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_LOGITS_DIGEST");
+        bad(format!("name: t\nenv: {{STRATA_ARCH_DEFAULTS: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_ARCH_DEFAULTS");
         bad(format!("name: t\nswitches: {{switches: [PDL], axis: '../x'}}\n{case}"), "axis name `../x`");
         bad(format!("name: t\nswitches: {{switches: [PDL]}}\nexclude: [{{switch: defaults}}]\n{case}"), "drops every combination with arm `defaults`");
         bad(format!("name: t\nswitches: {{switches: exakt}}\n{case}"), "give `exact`, `all`, or a list");

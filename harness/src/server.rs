@@ -72,6 +72,8 @@ pub struct Server {
     /// `http://127.0.0.1:PORT`.
     pub base: String,
     http: reqwest::blocking::Client,
+    /// The context in tokens a request may use (`/health`'s `n_ctx`; 0 from an engine that does not say).
+    pub n_ctx: usize,
 }
 
 /// One HTTP answer: status and JSON body (`Value::Null` when the body is not JSON).
@@ -149,6 +151,7 @@ impl Server {
             child,
             base: format!("http://127.0.0.1:{port}"),
             http,
+            n_ctx: 0,
         };
         server.wait_healthy(timeout)?;
         Ok(server)
@@ -166,6 +169,8 @@ impl Server {
             if let Ok(r) = self.http.get(format!("{}/health", self.base)).send()
                 && r.status().as_u16() == 200
             {
+                let body: Value = r.json().unwrap_or(Value::Null);
+                self.n_ctx = body["n_ctx"].as_u64().unwrap_or(0) as usize;
                 return Ok(());
             }
             if start.elapsed() > timeout {

@@ -307,6 +307,7 @@ async fn health(State(s): State<Shared>) -> Response {
     let body = serde_json::json!({
         "status": if w.ready { "ok" } else { "loading" },
         "model": s.model.id,
+        "n_ctx": s.model.n_ctx,
         "worker_pid": w.pid,
         "last_worker_death": w.last_death,
     });
