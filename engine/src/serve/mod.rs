@@ -253,8 +253,8 @@ async fn read_body_in_time(req: Request, next: Next, limit: usize, deadline: Dur
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        // Refused before a byte of it is read.
-        return too_large();
+        // Refused before a byte of it is read: the connection cannot be reused.
+        return closing(too_large());
     }
     match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(bytes)) => {
@@ -263,7 +263,8 @@ async fn read_body_in_time(req: Request, next: Next, limit: usize, deadline: Dur
         }
         Ok(Err(e)) => {
             if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) {
-                too_large()
+                // The rest of the body is unread.
+                closing(too_large())
             } else {
                 ApiError::invalid(api, format!("cannot read the request body: {e}")).into_response()
             }
@@ -273,12 +274,25 @@ async fn read_body_in_time(req: Request, next: Next, limit: usize, deadline: Dur
                 "the request body did not arrive within {} s (--body-timeout-s)",
                 deadline.as_secs()
             );
-            let mut r = ApiError::new(api, ErrorKind::Timeout, msg).into_response();
-            r.headers_mut()
-                .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
-            r
+            closing(ApiError::new(api, ErrorKind::Timeout, msg).into_response())
         }
     }
+}
+
+/// `r` with `Connection: close`: an answer sent before the request's body was read whole (issue 19, point 7).
+fn closing(mut r: Response) -> Response {
+    r.headers_mut()
+        .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    r
+}
+
+/// Whether a request announces a body (a `Content-Length` above 0, or a `Transfer-Encoding`).
+fn carries_body(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
 }
 
 /// The API a path belongs to, for the shape of its error answers.
@@ -348,12 +362,15 @@ async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> Respo
         let ok = presented_key(req.headers()).is_some_and(|p| key_matches(p, key.as_bytes()));
         if !ok {
             let api = Api::for_path(req.uri().path());
-            return ApiError::new(
+            let r = ApiError::new(
                 api,
                 ErrorKind::Authentication,
                 "missing or wrong API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
             )
             .into_response();
+            // Answered without reading the body: a client reusing the connection would send its next request
+            // into the rest of this one's body.
+            return if carries_body(req.headers()) { closing(r) } else { r };
         }
     }
     next.run(req).await

@@ -390,6 +390,8 @@ fn api_key_is_required_when_set_and_public_addresses_need_one() {
         .send()
         .unwrap();
     assert_eq!(r.status(), 401);
+    // Answered before the body is read: the connection is closed, so a client cannot reuse it mid-body.
+    assert_eq!(r.headers().get("connection").map(|v| v.to_str().unwrap()), Some("close"));
     let r = s
         .client
         .post(s.url("/v1/chat/completions"))
@@ -460,6 +462,7 @@ fn a_stalled_body_gets_408_within_the_body_timeout() {
     let n = c.read(&mut head).expect("an answer");
     let head = String::from_utf8_lossy(&head[..n]);
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("connection: close"), "unread body, reused connection: {head}");
     assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
     let (status, _) = s.post(
         "/v1/chat/completions",
