@@ -62,6 +62,10 @@ pub enum ErrorKind {
     Overloaded,
     /// 503 with Retry-After: the engine worker died or is restarting.
     EngineDown,
+    /// 403: a `Host` that is not this keyless loopback server's (DNS rebinding).
+    Forbidden,
+    /// 415: a JSON route's body sent as something other than `application/json` (a browser's cross-site form).
+    UnsupportedMediaType,
 }
 
 impl ErrorKind {
@@ -74,15 +78,23 @@ impl ErrorKind {
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::Timeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::Overloaded | ErrorKind::EngineDown => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Forbidden => StatusCode::FORBIDDEN,
+            ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         }
     }
 
     /// The error's `type` string in `api`'s vocabulary.
     fn type_name(self, api: Api) -> &'static str {
         match (api, self) {
-            (_, ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed | ErrorKind::Timeout) => {
-                "invalid_request_error"
-            }
+            (
+                _,
+                ErrorKind::InvalidRequest
+                | ErrorKind::MethodNotAllowed
+                | ErrorKind::Timeout
+                | ErrorKind::UnsupportedMediaType,
+            ) => "invalid_request_error",
+            (Api::OpenAi, ErrorKind::Forbidden) => "invalid_request_error",
+            (Api::Anthropic, ErrorKind::Forbidden) => "permission_error",
             (_, ErrorKind::Authentication) => "authentication_error",
             (Api::OpenAi, ErrorKind::NotFound) => "invalid_request_error",
             (Api::Anthropic, ErrorKind::NotFound) => "not_found_error",

@@ -94,6 +94,15 @@ pub struct ServeArgs {
     /// Allow a non-loopback address without an API key.
     #[arg(long)]
     pub insecure_public: bool,
+    /// A host name a keyless loopback server also answers (repeatable). Without an API key such a server
+    /// answers only loopback names in `Host` (`localhost`, `127.0.0.1`, `[::1]`): a web page whose name a DNS
+    /// rebinding points at 127.0.0.1 is refused with 403.
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    pub allowed_hosts: Vec<String>,
+    /// A web origin whose pages may call the API from a browser (repeatable; `https://app.example.com`): CORS
+    /// preflights from it are answered, and its answers carry `Access-Control-Allow-Origin`. No other origin's.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    pub cors_origins: Vec<String>,
 }
 
 /// Everything the handlers share.
@@ -102,6 +111,11 @@ pub struct AppState {
     pub supervisor: Supervisor,
     pub metrics: Arc<Metrics>,
     api_key: Option<String>,
+    /// Host names answered besides loopback ones, lower-case; `None`: any (a key is required, or the server
+    /// was bound to a public address on purpose).
+    allowed_hosts: Option<Vec<String>>,
+    /// Origins answered CORS (`--cors-origin`).
+    cors_origins: Vec<axum::http::HeaderValue>,
 }
 
 /// Shared handler state.
@@ -152,6 +166,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // A routing trace the worker would refuse is an error now, not a worker restarted for ever.
     args.engine.check_routing_trace(&path)?;
     let model = ModelInfo::open(&path, args.engine.max_context())?;
+    let cors_origins = args
+        .cors_origins
+        .iter()
+        .map(|o| {
+            let o = o.trim().trim_end_matches('/');
+            if !(o.starts_with("http://") || o.starts_with("https://")) || o.len() <= "https://".len() {
+                bail!("--cors-origin {o:?}: an origin is a scheme and a host, such as https://app.example.com");
+            }
+            axum::http::HeaderValue::from_str(o).with_context(|| format!("--cors-origin {o:?}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -180,7 +205,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
             model,
             supervisor,
             metrics,
+            allowed_hosts: (api_key.is_none() && addr.ip().is_loopback())
+                .then(|| args.allowed_hosts.iter().map(|h| h.trim().to_ascii_lowercase()).collect()),
             api_key,
+            cors_origins,
         });
         eprintln!(
             "strata serve: listening on http://{} (model {}, context {} tokens{})",
@@ -230,9 +258,76 @@ pub fn router(state: Shared, max_body_bytes: usize, body_timeout: Duration) -> R
         }))
         .layer(middleware::from_fn_with_state(state.clone(), require_key))
         .route("/health", get(health))
+        .layer(middleware::from_fn_with_state(state.clone(), guard_browser))
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(cors(&state.cors_origins))
         .with_state(state)
+}
+
+/// CORS for `origins` alone (`--cors-origin`): their preflights are answered and their answers carry
+/// `Access-Control-Allow-Origin`; with none, no answer carries CORS headers, so a browser keeps other sites'
+/// scripts from reading any.
+fn cors(origins: &[axum::http::HeaderValue]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    CorsLayer::new()
+        .allow_origin(AllowOrigin::list(origins.iter().cloned()))
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers([
+            header::CONTENT_TYPE,
+            header::AUTHORIZATION,
+            header::HeaderName::from_static("x-api-key"),
+            header::HeaderName::from_static("anthropic-version"),
+        ])
+}
+
+/// What keeps web pages from using a keyless server (issue 19, point 6): on a loopback address without an API
+/// key, a `Host` that is not a loopback name or an `--allowed-host` gets 403 (DNS rebinding); and, without an API
+/// key, a POST to the API whose body is not declared `application/json` gets 415 (a cross-site form or
+/// `text/plain` fetch needs no CORS preflight, a JSON one does).
+async fn guard_browser(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    let api = api_of(req.uri());
+    if let Some(allowed) = &s.allowed_hosts
+        && let Some(host) = req.headers().get(header::HOST)
+    {
+        let name = host_name(host.to_str().unwrap_or("")).to_ascii_lowercase();
+        if !loopback_name(&name) && !allowed.contains(&name) {
+            let msg = format!(
+                "Host {name:?} is not this server's: without an API key, strata serve on a loopback address answers only loopback names (localhost, 127.0.0.1, [::1]); start it with --allowed-host {name} to answer that name too"
+            );
+            return ApiError::new(api, ErrorKind::Forbidden, msg).into_response();
+        }
+    }
+    if s.api_key.is_none() && req.method() == Method::POST && req.uri().path().starts_with("/v1/") {
+        let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if essence != "application/json" {
+            let msg = format!(
+                "the body must be sent as Content-Type: application/json, not {:?} (curl: -H 'Content-Type: application/json')",
+                if ct.is_empty() { "none" } else { ct }
+            );
+            return closing(ApiError::new(api, ErrorKind::UnsupportedMediaType, msg).into_response());
+        }
+    }
+    next.run(req).await
+}
+
+/// The host of a `Host` header value: `localhost` of `localhost:8080`, `::1` of `[::1]:8080`.
+fn host_name(value: &str) -> &str {
+    let v = value.trim();
+    if let Some(rest) = v.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or("");
+    }
+    v.rsplit_once(':')
+        .filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit()))
+        .map_or(v, |(h, _)| h)
+}
+
+/// `localhost` (or a name under it), or a loopback IP address.
+fn loopback_name(name: &str) -> bool {
+    name == "localhost"
+        || name.ends_with(".localhost")
+        || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Reads the whole request body before routing, within `deadline`: a body still incomplete then gets 408 (the

@@ -470,3 +470,81 @@ fn a_stalled_body_gets_408_within_the_body_timeout() {
     );
     assert_eq!(status, 200);
 }
+
+/// A keyless loopback server is not usable from web pages (issue 19, point 6): a rebound `Host` gets 403 unless
+/// `--allowed-host` names it; a POST not declared `application/json` (a cross-site form, a `text/plain` fetch)
+/// gets 415; CORS preflights are answered for `--cors-origin`'s origins alone. With an API key, the key decides.
+#[test]
+fn a_keyless_server_refuses_rebound_hosts_form_posts_and_unknown_origins() {
+    let s = Server::start_with(&["--allowed-host", "strata.lan", "--cors-origin", "https://app.example"], &[]);
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1});
+    let with_host = |host: &str| {
+        s.client
+            .post(s.url("/v1/chat/completions"))
+            .header("host", host)
+            .json(&chat)
+            .send()
+            .unwrap()
+    };
+    let r = with_host("evil.example:8080");
+    assert_eq!(r.status(), 403);
+    let v: Value = r.json().unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("--allowed-host evil.example"), "{v}");
+    assert_eq!(s.client.get(s.url("/health")).header("host", "evil.example").send().unwrap().status(), 403);
+    for ok in ["localhost:1234", "127.0.0.1", "[::1]:80", "STRATA.LAN:9"] {
+        assert_eq!(with_host(ok).status(), 200, "{ok}");
+    }
+    // A form or text/plain POST, what a web page may send anywhere without a preflight.
+    for ct in ["text/plain", "application/x-www-form-urlencoded", ""] {
+        let mut req = s.client.post(s.url("/v1/chat/completions")).body(chat.to_string());
+        if !ct.is_empty() {
+            req = req.header("content-type", ct);
+        }
+        let r = req.send().unwrap();
+        assert_eq!(r.status(), 415, "{ct:?}");
+        assert_eq!(r.headers().get("connection").map(|v| v.to_str().unwrap()), Some("close"));
+    }
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .header("content-type", "Application/JSON; charset=utf-8")
+        .body(chat.to_string())
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // CORS: the allowed origin's preflight is answered; another's gets no CORS header.
+    let preflight = |origin: &str| {
+        s.client
+            .request(reqwest::Method::OPTIONS, s.url("/v1/chat/completions"))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "content-type")
+            .send()
+            .unwrap()
+    };
+    let r = preflight("https://app.example");
+    assert_eq!(
+        r.headers().get("access-control-allow-origin").map(|v| v.to_str().unwrap()),
+        Some("https://app.example")
+    );
+    assert!(preflight("https://evil.example").headers().get("access-control-allow-origin").is_none());
+
+    // With a key, the key is what protects the server: any Host, any content type reach the key check.
+    let k = Server::start_with(&["--api-key", "sekret"], &[]);
+    let r = k
+        .client
+        .post(k.url("/v1/chat/completions"))
+        .header("host", "evil.example")
+        .bearer_auth("sekret")
+        .json(&chat)
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // A bad --cors-origin is refused at start.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--port", "0", "--cors-origin", "app.example"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--cors-origin"), "{}", String::from_utf8_lossy(&out.stderr));
+}
