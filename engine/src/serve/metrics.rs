@@ -25,6 +25,8 @@ pub struct Metrics {
     pub queue_depth: IntGauge,
     /// `strata_queue_rejected_total`: requests answered 503 because the queue was full.
     pub queue_rejected: IntCounter,
+    /// `strata_connections_refused_total`: connections closed at once because the connection limit was reached.
+    pub connections_refused: IntCounter,
     /// `strata_worker_restarts_total`: worker deaths, each followed by a restart.
     pub worker_restarts: IntCounter,
     /// `strata_worker_deaths_total{cause}`: the same deaths by cause (`exit_code_N`, `signal_N`, `watchdog`).
@@ -111,6 +113,10 @@ impl Metrics {
                 "strata_queue_rejected_total",
                 "requests refused because the queue was full",
             ),
+            connections_refused: counter(
+                "strata_connections_refused_total",
+                "connections closed at once because the connection limit was reached",
+            ),
             worker_restarts: counter(
                 "strata_worker_restarts_total",
                 "engine worker deaths, each followed by a restart",
@@ -144,7 +150,7 @@ impl Metrics {
             }
         }
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 19] = [
+        let all: [Box<dyn prometheus::core::Collector>; 20] = [
             Box::new(m.expert_cache_lookups.clone()),
             Box::new(m.expert_cache_cpu_computed.clone()),
             Box::new(m.expert_cache_prefetched.clone()),
@@ -159,6 +165,7 @@ impl Metrics {
             Box::new(m.decode_seconds.clone()),
             Box::new(m.queue_depth.clone()),
             Box::new(m.queue_rejected.clone()),
+            Box::new(m.connections_refused.clone()),
             Box::new(m.worker_restarts.clone()),
             Box::new(m.worker_deaths.clone()),
             Box::new(m.worker_faults.clone()),

@@ -12,6 +12,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod listen;
 pub mod metrics;
 pub mod openai;
 pub mod orphan;
@@ -94,6 +95,9 @@ pub struct ServeArgs {
     /// Allow a non-loopback address without an API key.
     #[arg(long)]
     pub insecure_public: bool,
+    /// Seconds Ctrl-C or SIGTERM waits for the answers in flight to finish before the server exits.
+    #[arg(long, default_value_t = 5)]
+    pub drain_s: u64,
     /// A host name a keyless loopback server also answers (repeatable). Without an API key such a server
     /// answers only loopback names in `Host` (`localhost`, `127.0.0.1`, `[::1]`): a web page whose name a DNS
     /// rebinding points at 127.0.0.1 is refused with 403.
@@ -223,23 +227,47 @@ pub fn run(args: ServeArgs) -> Result<()> {
         );
         let watched = state.clone();
         let supervisor = state.supervisor.clone();
-        axum::serve(
+        let refused = state.metrics.connections_refused.clone();
+        let ender = state.supervisor.clone();
+        let app = router(state, args.max_body_bytes, Duration::from_secs(args.body_timeout_s));
+        let drain = Duration::from_secs(args.drain_s);
+        listen::serve(
             listener,
-            router(state, args.max_body_bytes, Duration::from_secs(args.body_timeout_s)),
+            app,
+            listen::connection_limit(),
+            drain,
+            async move {
+                let why = tokio::select! {
+                    _ = tokio::signal::ctrl_c() => "interrupted (Ctrl-C)",
+                    _ = terminated() => "terminated (SIGTERM)",
+                    _ = watched.supervisor.given_up() => return,
+                };
+                eprintln!(
+                    "strata serve: {why}: no new connections; finishing the answers in flight, at most {} s (--drain-s)",
+                    drain.as_secs()
+                );
+            },
+            move || ender.end_all(),
+            move || refused.inc(),
         )
-        .with_graceful_shutdown(async move {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = watched.supervisor.given_up() => {}
-            }
-        })
-        .await
-        .context("the HTTP server failed")?;
+        .await;
         match supervisor.state().gave_up {
             Some(why) => anyhow::bail!("{why}; its error is above"),
             None => Ok(()),
         }
     })
+}
+
+/// Resolves when the process gets SIGTERM (what systemd, docker and Kubernetes send); never elsewhere.
+async fn terminated() {
+    #[cfg(unix)]
+    {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+            return;
+        }
+    }
+    std::future::pending::<()>().await
 }
 
 /// The routes, with the body limit and deadline, the API-key check and the request counter.

@@ -77,6 +77,8 @@ pub struct Supervisor {
     state: watch::Receiver<WorkerState>,
     metrics: Arc<Metrics>,
     max_queue: usize,
+    /// Set by [`Supervisor::end_all`].
+    ending: Arc<watch::Sender<bool>>,
 }
 
 /// Settings of the supervision loop.
@@ -96,13 +98,22 @@ impl Supervisor {
         let max_queue = config.max_queue.max(1);
         let (jobs_tx, jobs_rx) = mpsc::channel(max_queue);
         let (state_tx, state_rx) = watch::channel(WorkerState::default());
-        tokio::spawn(supervise(config, jobs_rx, state_tx, metrics.clone()));
+        let (ending, ending_rx) = watch::channel(false);
+        tokio::spawn(supervise(config, jobs_rx, state_tx, metrics.clone(), ending_rx));
         Supervisor {
             jobs: jobs_tx,
             state: state_rx,
             metrics,
             max_queue,
+            ending: Arc::new(ending),
         }
+    }
+
+    /// Ends every request now, at a shutdown's drain deadline: the running one is cancelled on the worker and
+    /// its handler gets [`JobEvent::Failed`] (503, [`ENDING`]: a stream that answered 200 ends with an error event,
+    /// not cut), and so does every queued one.
+    pub fn end_all(&self) {
+        let _ = self.ending.send(true);
     }
 
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver cancels the request
@@ -241,11 +252,15 @@ fn death_message(cause: &str) -> String {
     format!("the engine stopped unexpectedly ({cause}); the next request restarts it")
 }
 
+/// The message of a request [`Supervisor::end_all`] ended.
+pub const ENDING: &str = "the server is shutting down: this answer was cut at its drain deadline (--drain-s)";
+
 async fn supervise(
     config: SupervisorConfig,
     mut jobs: mpsc::Receiver<Job>,
     state: watch::Sender<WorkerState>,
     metrics: Arc<Metrics>,
+    ending: watch::Receiver<bool>,
 ) {
     let mut next_id: u64 = 0;
     let mut backoff = Duration::from_millis(250);
@@ -317,8 +332,15 @@ async fn supervise(
             if job.events.is_closed() {
                 continue;
             }
+            if *ending.borrow() {
+                let _ = job.events.send(JobEvent::Failed {
+                    status: 503,
+                    message: ENDING.into(),
+                });
+                continue;
+            }
             next_id += 1;
-            match run_job(&mut worker, &config, &metrics, next_id, &job).await {
+            match run_job(&mut worker, &config, &metrics, next_id, &job, ending.clone()).await {
                 Ok(()) => {}
                 Err(JobEnd::Died) => {
                     let d = bury(worker, None).await;
@@ -417,6 +439,7 @@ async fn run_job(
     metrics: &Metrics,
     id: u64,
     job: &Job,
+    mut ending: watch::Receiver<bool>,
 ) -> Result<(), JobEnd> {
     let r = &job.request;
     let cmd = Command::Generate(GenerateJob {
@@ -461,6 +484,11 @@ async fn run_job(
                 }
             }
             _ = tokio::time::sleep_until(deadline) => return Err(JobEnd::Silent),
+            _ = async { let _ = ending.wait_for(|e| *e).await; } => {
+                let _ = job.events.send(JobEvent::Failed { status: 503, message: ENDING.into() });
+                let _ = write_command(&mut worker.stdin, &Command::Cancel { id }).await;
+                return Ok(());
+            }
         }
     }
 }

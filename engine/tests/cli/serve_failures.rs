@@ -208,3 +208,65 @@ fn a_closed_stream_stops_its_generation() {
         .unwrap();
     assert!(generated < 200.0, "the cancelled request went on: {generated} tokens");
 }
+
+/// Silent and slow clients (issue 19, point 1): 300 connections that send nothing, to a server limited to 256 open
+/// files, do not keep `/health` or a chat from being answered (a new connection takes the oldest silent one's
+/// place), and a connection that sends part of a header is closed at the header deadline (10 s).
+#[test]
+fn silent_connections_do_not_lock_clients_out() {
+    use std::io::{Read, Write};
+    let s = Server::start_with_files(&[], &[], Some(256));
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let silent: Vec<std::net::TcpStream> = (0..300)
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let fresh = reqwest::blocking::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let r = fresh.get(s.url("/health")).send().expect("/health answers");
+    assert_eq!(r.status(), 200);
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    let r = fresh.post(s.url("/v1/chat/completions")).json(&short_request()).send().unwrap();
+    assert_eq!(r.status(), 200);
+    // Part of a header, then nothing: closed at the deadline, not held.
+    let mut slow = std::net::TcpStream::connect(&addr).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n").unwrap();
+    let start = Instant::now();
+    let mut buf = Vec::new();
+    let _ = slow.read_to_end(&mut buf);
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_secs(8) && waited < Duration::from_secs(20), "closed after {waited:?}");
+    assert!(s.metrics().contains("strata_connections_refused_total"));
+    drop(silent);
+}
+
+/// SIGTERM (issue 19, point 4) drains as Ctrl-C does: no new connection is taken, a stream in flight runs on
+/// until the drain deadline and then ends with an error event (never cut mid-chunk), and the server exits 0.
+#[test]
+fn sigterm_drains_and_ends_streams_properly() {
+    let mut s = Server::start_with(&["--drain-s", "2"], &[]);
+    let r = s.client.post(s.url("/v1/chat/completions")).json(&long_request(true)).send().unwrap();
+    assert_eq!(r.status(), 200);
+    let mut sse = SseReader::new(r);
+    for _ in 0..3 {
+        sse.next_event().expect("a chunk before the signal");
+    }
+    let start = Instant::now();
+    signal(s.pid(), "TERM");
+    let rest = sse.rest();
+    let last = rest.last().expect("an ending event");
+    assert_ne!(last.data, "[DONE]", "a 2000-token story does not finish in 2 s");
+    let err: Value = serde_json::from_str(&last.data).unwrap();
+    assert!(err["error"]["message"].as_str().unwrap().contains("--drain-s"), "{err}");
+    let st = s.wait_exit(Duration::from_secs(10)).expect("strata serve exits after the drain");
+    assert!(st.success(), "{st:?}");
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(8), "{took:?}");
+    // Nothing listens any more.
+    assert!(std::net::TcpStream::connect(s.base.trim_start_matches("http://")).is_err());
+}

@@ -26,6 +26,11 @@ fn free_port() -> u16 {
 impl Server {
     /// Starts `strata serve` with `extra` flags and `env`, and waits (up to 120 s) until it is ready.
     pub fn start_with(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Server::start_with_files(extra, env, None)
+    }
+
+    /// [`Server::start_with`], the server (and its worker) limited to `files` open files when given.
+    pub fn start_with_files(extra: &[&str], env: &[(&str, &str)], files: Option<u64>) -> Server {
         let model = models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"));
         let port = free_port();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
@@ -39,6 +44,22 @@ impl Server {
         for (k, v) in env {
             cmd.env(k, v);
         }
+        if let Some(n) = files {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let r = libc::rlimit {
+                        rlim_cur: n as libc::rlim_t,
+                        rlim_max: n as libc::rlim_t,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         let child = cmd.spawn().expect("strata serve starts");
         let s = Server {
             child,
@@ -50,6 +71,25 @@ impl Server {
         };
         s.wait_ready(Duration::from_secs(120));
         s
+    }
+
+    /// The `strata serve` process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits up to `limit` for `strata serve` to exit; its exit status, or `None` if it still runs.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().expect("try_wait") {
+                return Some(st);
+            }
+            if start.elapsed() > limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     pub fn start() -> Server {
