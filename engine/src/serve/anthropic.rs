@@ -73,7 +73,7 @@ struct InMessage {
 }
 
 /// The conversation fields shared by `messages` and `count_tokens`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 struct Conversation {
     model: Option<String>,
     messages: Vec<InMessage>,
@@ -125,10 +125,14 @@ fn prompt(state: &Shared, c: Conversation) -> Result<Vec<u32>, ApiError> {
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt exactly as `/v1/messages` would send it.
 pub async fn count_tokens(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
-    let r = (|| {
-        let c: Conversation = parse_body(API, body)?;
-        prompt(&state, c)
-    })();
+    let st = state.clone();
+    let r = state
+        .cpu
+        .run(API, move || {
+            let c: Conversation = parse_body(API, body)?;
+            prompt(&st, c)
+        })
+        .await;
     match r {
         Ok(p) => Json(json!({ "input_tokens": p.len() })).into_response(),
         Err(e) => e.into_response(),
@@ -169,12 +173,20 @@ pub async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesReje
 }
 
 async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: MessagesRequest = parse_body(API, body)?;
-    api::refuse_tools(API, req.tools.as_ref(), req.tool_choice.as_ref())?;
-    let Some(max_tokens) = req.max_tokens else {
-        return Err(ApiError::invalid(API, "max_tokens is required"));
-    };
-    let prompt = prompt(&state, req.conversation)?;
+    let st = state.clone();
+    let (req, max_tokens, prompt) = state
+        .cpu
+        .run(API, move || {
+            let mut req: MessagesRequest = parse_body(API, body)?;
+            api::refuse_tools(API, req.tools.as_ref(), req.tool_choice.as_ref())?;
+            let Some(max_tokens) = req.max_tokens else {
+                return Err(ApiError::invalid(API, "max_tokens is required"));
+            };
+            let conversation = std::mem::take(&mut req.conversation);
+            let prompt = prompt(&st, conversation)?;
+            Ok((req, max_tokens, prompt))
+        })
+        .await?;
     let n_prompt = prompt.len();
     let max_tokens = state.model.limit(API, &prompt, Some(max_tokens))?;
     let stops = req.stop_sequences;

@@ -2,6 +2,8 @@
 //! place), body parsing, the served model's identity and prompt building, and running a request on the engine.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -12,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokio::sync::Semaphore;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::Shared;
@@ -366,6 +369,60 @@ pub fn sampling(
 pub const STREAM_COMMIT_WAIT: Duration = Duration::from_secs(2);
 /// Interval of SSE keep-alive comments while nothing else is sent (a long prefill, a wait in the queue).
 pub const STREAM_KEEPALIVE: Duration = Duration::from_secs(2);
+
+/// The HTTP front's CPU work (parsing a body, rendering the chat template, tokenizing) off the async runtime's
+/// threads (issue 19, point 3): run on the blocking pool, `parallel` at a time, at most `max_waiting` waiting for
+/// their turn. Two clients posting 4 MB `count_tokens` bodies then cannot stall `/health` or other streams, whose
+/// tasks keep the runtime's threads.
+pub struct CpuGate {
+    permits: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    max_waiting: usize,
+}
+
+impl CpuGate {
+    pub fn new(parallel: usize, max_waiting: usize) -> CpuGate {
+        CpuGate {
+            permits: Arc::new(Semaphore::new(parallel.max(1))),
+            waiting: AtomicUsize::new(0),
+            max_waiting,
+        }
+    }
+
+    /// Runs `f` on the blocking pool when a permit is free.
+    ///
+    /// Errors: `f`'s; 503 (with Retry-After) when `max_waiting` requests already wait; a panic in `f` as a 400
+    /// naming it.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        api: Api,
+        f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_waiting {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::new(
+                api,
+                ErrorKind::Overloaded,
+                format!(
+                    "the server is busy: {} requests are already waiting to be read and tokenized; retry later",
+                    self.max_waiting
+                ),
+            ));
+        }
+        let permit = self.permits.clone().acquire_owned().await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        let permit = permit.expect("the semaphore is never closed");
+        match tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            f()
+        })
+        .await
+        {
+            Ok(r) => r,
+            Err(e) => Err(ApiError::invalid(api, format!("reading the request failed: {e}"))),
+        }
+    }
+}
 
 /// Queues a request on the engine.
 ///

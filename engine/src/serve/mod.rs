@@ -120,6 +120,8 @@ pub struct AppState {
     allowed_hosts: Option<Vec<String>>,
     /// Origins answered CORS (`--cors-origin`).
     cors_origins: Vec<axum::http::HeaderValue>,
+    /// Where requests are parsed and tokenized (off the async threads).
+    pub cpu: api::CpuGate,
 }
 
 /// Shared handler state.
@@ -213,6 +215,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 .then(|| args.allowed_hosts.iter().map(|h| h.trim().to_ascii_lowercase()).collect()),
             api_key,
             cors_origins,
+            cpu: api::CpuGate::new(CPU_JOBS, args.max_queue.max(1) * 2),
         });
         eprintln!(
             "strata serve: listening on http://{} (model {}, context {} tokens{})",
@@ -257,6 +260,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
     })
 }
+
+/// Requests parsed and tokenized at once, on the blocking pool ([`api::CpuGate`]).
+const CPU_JOBS: usize = 2;
 
 /// Resolves when the process gets SIGTERM (what systemd, docker and Kubernetes send); never elsewhere.
 async fn terminated() {

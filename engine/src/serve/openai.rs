@@ -164,12 +164,18 @@ pub async fn chat_completions(State(state): State<Shared>, body: Result<Bytes, B
 }
 
 async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: ChatCompletionRequest = parse_body(API, body)?;
-    state.model.check_name(API, req.common.model.as_deref())?;
-    let messages = flatten_content(API, req.messages)?;
-    let prompt = state.model.chat_prompt(API, messages)?;
-    let engine = engine_request(&state, &req.common, prompt, None)?;
-    respond(state, &req.common, engine, Kind::Chat).await
+    let st = state.clone();
+    let (common, prompt) = state
+        .cpu
+        .run(API, move || {
+            let req: ChatCompletionRequest = parse_body(API, body)?;
+            st.model.check_name(API, req.common.model.as_deref())?;
+            let messages = flatten_content(API, req.messages)?;
+            Ok((req.common, st.model.chat_prompt(API, messages)?))
+        })
+        .await?;
+    let engine = engine_request(&state, &common, prompt, None)?;
+    respond(state, &common, engine, Kind::Chat).await
 }
 
 /// `POST /v1/completions`.
@@ -181,21 +187,27 @@ pub async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesR
 }
 
 async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_body(API, body)?;
-    state.model.check_name(API, req.common.model.as_deref())?;
-    let text = match req.prompt.into_vec() {
-        v if v.len() == 1 => v.into_iter().next().expect("one"),
-        v => {
-            return Err(ApiError::invalid(
-                API,
-                format!("prompt must be one string (batches are not supported), got {}", v.len()),
-            ));
-        }
-    };
-    let prompt = state.model.text_prompt(API, &text)?;
+    let st = state.clone();
+    let (common, prompt) = state
+        .cpu
+        .run(API, move || {
+            let req: CompletionRequest = parse_body(API, body)?;
+            st.model.check_name(API, req.common.model.as_deref())?;
+            let text = match req.prompt.into_vec() {
+                v if v.len() == 1 => v.into_iter().next().expect("one"),
+                v => {
+                    return Err(ApiError::invalid(
+                        API,
+                        format!("prompt must be one string (batches are not supported), got {}", v.len()),
+                    ));
+                }
+            };
+            Ok((req.common, st.model.text_prompt(API, &text)?))
+        })
+        .await?;
     // OpenAI's default for completions is 16 tokens.
-    let engine = engine_request(&state, &req.common, prompt, Some(16))?;
-    respond(state, &req.common, engine, Kind::Text).await
+    let engine = engine_request(&state, &common, prompt, Some(16))?;
+    respond(state, &common, engine, Kind::Text).await
 }
 
 #[derive(Clone, Copy)]

@@ -548,3 +548,50 @@ fn a_keyless_server_refuses_rebound_hosts_form_posts_and_unknown_origins() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--cors-origin"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// Parsing and tokenizing run off the async threads (issue 19, point 3): while two clients post 3.5 MB
+/// `count_tokens` bodies over and over, `/health` keeps answering within a second.
+#[test]
+fn big_bodies_being_tokenized_do_not_stall_health() {
+    let s = Server::start();
+    let text = "the river runs past old stone walls ".repeat(100_000);
+    let body = json!({"model": "default", "messages": [{"role": "user", "content": text}]}).to_string();
+    assert!(body.len() > 3_000_000 && body.len() < 4 * 1024 * 1024);
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let posters: Vec<_> = (0..2)
+        .map(|_| {
+            let (url, body, done) = (s.url("/v1/messages/count_tokens"), body.clone(), done.clone());
+            std::thread::spawn(move || {
+                let c = reqwest::blocking::Client::builder()
+                    .timeout(Duration::from_secs(300))
+                    .build()
+                    .unwrap();
+                let mut answered = 0;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let r = c
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(body.clone())
+                        .send()
+                        .unwrap();
+                    assert!(r.status() == 200 || r.status() == 503, "{}", r.status());
+                    answered += 1;
+                }
+                answered
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut worst = Duration::ZERO;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(8) {
+        let t = Instant::now();
+        assert_eq!(s.client.get(s.url("/health")).send().unwrap().status(), 200);
+        worst = worst.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answered: usize = posters.into_iter().map(|p| p.join().unwrap()).sum();
+    assert!(answered >= 2, "the big bodies were not answered: {answered}");
+    assert!(worst < Duration::from_secs(1), "/health took {worst:?} while big bodies were tokenized");
+}
