@@ -14,6 +14,25 @@
 
 pub mod cpu;
 pub mod cuda;
+
+/// Work started by the engine, counted so `strata serve`'s worker can show its watchdog a long step is computing.
+pub mod progress {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    static TICKS: AtomicU64 = AtomicU64::new(0);
+
+    /// Counts one piece of work started (a layer, a task of a prefill matmul or of attention).
+    #[inline]
+    pub fn tick() {
+        TICKS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Pieces of work started in this process: a count that moves while the engine computes and stops when it
+    /// hangs (`strata serve`'s heartbeat, issue 19 point 5).
+    pub fn ticks() -> u64 {
+        TICKS.load(Ordering::Relaxed)
+    }
+}
 pub mod top;
 
 pub use crate::device::Device;

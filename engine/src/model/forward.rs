@@ -355,6 +355,7 @@ impl Model {
             be.rms_norm_into(&s.x, &mut s.h, n, &l0.attn_norm, hp.rms_eps);
         }
         for (il, layer) in w.layers.iter().enumerate() {
+            crate::backend::progress::tick();
             trace(be, "attn_norm", Some(il), &s.h, n * e);
             // The mixer: attention (the one mixer so far).
             let Mixer::Attention(at) = &layer.mixer;

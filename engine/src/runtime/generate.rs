@@ -194,8 +194,8 @@ pub fn generate<B: Backend>(
     )
 }
 
-/// [`generate`] that also ends, with [`StopReason::Cancelled`], once `cancel` is set: it is read before each
-/// token is sampled, so at most one more token is computed after it is set (`strata serve` sets it from another
+/// [`generate`] that also ends, with [`StopReason::Cancelled`], once `cancel` is set: it is read between prefill
+/// chunks and before each token is sampled, so at most one more chunk or token is computed after it is set (`strata serve` sets it from another
 /// thread when a client closes its stream). Text held back for a possible stop string is dropped on cancel.
 ///
 /// Errors: as [`generate`].
@@ -208,8 +208,21 @@ pub fn generate_cancellable<B: Backend>(
     cancel: &AtomicBool,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<(Vec<u32>, GenerateStats), GenerateError> {
-    let prefill = session.prefill(prompt)?;
+    let prefill = session.prefill_cancellable(prompt, cancel)?;
     let start = Instant::now();
+    if prefill.cancelled {
+        return Ok((
+            vec![],
+            GenerateStats {
+                prefill,
+                generated: 0,
+                decode_ms: 0.0,
+                stop: StopReason::Cancelled,
+                tokens: vec![],
+                logits_digests: vec![],
+            },
+        ));
+    }
     let mut history: Vec<u32> = prompt.to_vec();
     let mut out = Vec::new();
     let mut bytes: Vec<u8> = Vec::new();

@@ -68,6 +68,9 @@ pub struct PrefillStats {
     /// Set on the one prefill whose GEMM failed and switched the session to its own kernel path for good
     /// (batches of at most `limit` rows): the caller reports it once, as a `fallback` event.
     pub gemm_fallback: Option<GemmFault>,
+    /// The prefill stopped between two chunks because it was cancelled ([`Session::prefill_cancellable`]): the
+    /// cache holds the prompt's first `reused + read` tokens, and no logits were computed.
+    pub cancelled: bool,
 }
 
 /// One step's output for the sampler: the last token's logits, or the best of them as the backend selected them
@@ -253,6 +256,19 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Errors: an empty prompt; a prompt longer than the context (never truncated); an id outside the
     /// vocabulary.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<PrefillStats, SessionError> {
+        self.prefill_cancellable(prompt, &std::sync::atomic::AtomicBool::new(false))
+    }
+
+    /// [`Session::prefill`] that stops before its next chunk once `cancel` is set (`strata serve` sets it when
+    /// the client leaves): at most one chunk is computed after it is set, and what was computed stays cached
+    /// for a request with the same prefix ([`PrefillStats::cancelled`]).
+    ///
+    /// Errors: as [`Session::prefill`].
+    pub fn prefill_cancellable(
+        &mut self,
+        prompt: &[u32],
+        cancel: &std::sync::atomic::AtomicBool,
+    ) -> Result<PrefillStats, SessionError> {
         let start = Instant::now();
         if prompt.is_empty() {
             return Err(SessionError::EmptyPrompt);
@@ -271,7 +287,12 @@ impl<'m, B: Backend> Session<'m, B> {
         let rest = &prompt[reused..];
         let mut gemm_fallback = None;
         let mut done = 0;
+        let mut cancelled = false;
         while done < rest.len() {
+            if done > 0 && cancel.load(std::sync::atomic::Ordering::Relaxed) {
+                cancelled = true;
+                break;
+            }
             let (rows, switched) = self.next_batch_rows(rest.len() - done)?;
             gemm_fallback = gemm_fallback.or(switched);
             let chunk = &rest[done..done + rows];
@@ -288,9 +309,10 @@ impl<'m, B: Backend> Session<'m, B> {
         Ok(PrefillStats {
             prompt_tokens: prompt.len(),
             reused,
-            read: rest.len(),
+            read: done,
             ms: start.elapsed().as_secs_f64() * 1e3,
             gemm_fallback,
+            cancelled,
         })
     }
 

@@ -62,6 +62,10 @@ pub enum Message {
     /// prefill chunk but the last. Any message also tells the front's watchdog the worker is alive, so a long
     /// prefill is not taken for a hang.
     Progress { read: usize, total: usize },
+    /// The worker is computing request `id`: sent every [`HEARTBEAT`] while it starts work
+    /// ([`crate::backend::progress`]), so the front's watchdog tells a long prefill chunk from a hang (a hung
+    /// engine starts nothing and sends none).
+    Busy { id: u64 },
     /// Request `id` ended normally.
     Done { id: u64, stop: Finish, timings: Timings },
     /// Request `id` could not run (an error about the request itself, e.g. an id outside the vocabulary).
@@ -69,6 +73,9 @@ pub enum Message {
     /// A structured event (see [`Event`]).
     Event(Event),
 }
+
+/// How often a computing worker says [`Message::Busy`].
+pub const HEARTBEAT: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Why a generation ended (the wire form of [`crate::runtime::generate::StopReason`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -164,6 +164,21 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         pid: std::process::id(),
     });
 
+    // The heartbeat: while a request runs and the engine starts work, the front hears so every HEARTBEAT.
+    {
+        let running_id = running_id.clone();
+        std::thread::spawn(move || {
+            let mut seen = crate::backend::progress::ticks();
+            loop {
+                std::thread::sleep(super::protocol::HEARTBEAT);
+                let (id, now) = (running_id.load(Ordering::SeqCst), crate::backend::progress::ticks());
+                if id != 0 && now != seen {
+                    send(&Message::Busy { id });
+                }
+                seen = now;
+            }
+        });
+    }
     let fault_after: Option<usize> = crate::switches::text_lossy(ENV_FAULT_AFTER_TOKENS).and_then(|v| v.parse().ok());
     let vocab = model.weights.output.rows;
     while let Ok(job) = jobs_rx.recv() {

@@ -270,3 +270,47 @@ fn sigterm_drains_and_ends_streams_properly() {
     // Nothing listens any more.
     assert!(std::net::TcpStream::connect(s.base.trim_start_matches("http://")).is_err());
 }
+
+/// About 3,300 tokens of plain text for the default model.
+fn long_prompt() -> String {
+    "the river runs past old stone walls and green fields ".repeat(300)
+}
+
+/// A client that leaves during a long prefill stops it at the next chunk (issue 19, point 5): the prompt tokens
+/// the engine computed for it are a small part of the prompt, and the next client is not kept waiting.
+#[test]
+fn a_client_that_leaves_during_prefill_stops_it() {
+    let s = Server::start_with(&["--prefill", "64", "--max-context", "4096"], &[]);
+    let r = s
+        .client
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": long_prompt(), "max_tokens": 4, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    drop(r);
+    let (status, v) = s.post("/v1/chat/completions", &short_request());
+    assert_eq!(status, 200, "{v}");
+    let metrics = s.metrics();
+    assert!(metrics.contains("strata_requests_cancelled_total 1"), "{metrics}");
+    let prompt_tokens: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("strata_prompt_tokens_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(prompt_tokens < 2000.0, "the abandoned prefill went on: {prompt_tokens} prompt tokens computed");
+}
+
+/// A single long prefill chunk is not taken for a hang (issue 19, point 5): the worker says it is busy while its
+/// layers advance, so a watchdog shorter than the chunk lets it finish.
+#[test]
+fn a_long_prefill_chunk_outlives_a_short_watchdog() {
+    let s = Server::start_with(&["--watchdog-s", "1", "--prefill", "4096", "--max-context", "4096"], &[]);
+    let prompt = "the river runs past old stone walls and green fields ".repeat(100);
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 2}));
+    assert_eq!(status, 200, "{v}");
+    let prompt_ms = v["timings"]["prompt_ms"].as_f64().unwrap();
+    assert!(prompt_ms > 2500.0, "the chunk took {prompt_ms} ms: too short to test a 1 s watchdog");
+    assert!(s.metrics().contains("strata_worker_restarts_total 0"), "{}", s.metrics());
+}

@@ -134,6 +134,7 @@ impl CpuBackend {
             let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
             let shared = SharedOut(out.as_mut_ptr());
             (0..row_blocks * tok_tiles).into_par_iter().for_each(|task| {
+                super::progress::tick();
                 let (rb, tt) = (task / tok_tiles, task % tok_tiles);
                 let r0 = rb * PREFILL_ROWS;
                 let r1 = (r0 + PREFILL_ROWS).min(rows);
@@ -199,6 +200,7 @@ impl CpuBackend {
         (0..row_blocks * tok_tiles).into_par_iter().for_each_init(
             || vec![0f32; PREFILL_ROWS * cols],
             |deq, task| {
+                super::progress::tick();
                 let (rb, tt) = (task / tok_tiles, task % tok_tiles);
                 let r0 = rb * PREFILL_ROWS;
                 let nr = PREFILL_ROWS.min(rows - r0);
@@ -408,6 +410,7 @@ impl CpuBackend {
                 v: vec![0.0; dv],
             },
             |s, task| {
+                super::progress::tick();
                 let (ti, rest) = (task / (p.n_head_kv * subs), task % (p.n_head_kv * subs));
                 let (g, sub) = (rest / subs, rest % subs);
                 let h0 = g * group + sub * hpt;
