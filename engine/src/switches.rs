@@ -330,7 +330,7 @@ pub const SWITCHES: &[Switch] = &[
         WORKER_FAULT_AT_LOAD,
         "0",
         "1: the serve worker exits with an error before loading its model (a test of `strata serve` giving up \
-         when its first worker cannot load)",
+         when its first worker cannot load); hang: it never loads (a test of --load-timeout-s)",
     ),
 ];
 

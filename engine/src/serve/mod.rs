@@ -95,6 +95,10 @@ pub struct ServeArgs {
     /// Allow a non-loopback address without an API key.
     #[arg(long)]
     pub insecure_public: bool,
+    /// Seconds a worker may take to load the model before it is taken for hung, killed and restarted (default:
+    /// 120 plus 20 a GiB of the model file).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub load_timeout_s: Option<u64>,
     /// Seconds Ctrl-C or SIGTERM waits for the answers in flight to finish before the server exits.
     #[arg(long, default_value_t = 5)]
     pub drain_s: u64,
@@ -204,6 +208,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 },
                 max_queue: args.max_queue,
                 watchdog: Duration::from_secs(args.watchdog_s.max(1)),
+                load_timeout: Duration::from_secs(args.load_timeout_s.unwrap_or_else(|| default_load_timeout_s(&path))),
             },
             metrics.clone(),
         );
@@ -259,6 +264,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
             None => Ok(()),
         }
     })
+}
+
+/// `--load-timeout-s`'s default for the model at `path`: 120 s, plus 20 s a GiB of its file (a 17 GB model: 7.5
+/// minutes; reading it from a slow disk and copying its experts into the arena fit in that).
+fn default_load_timeout_s(path: &std::path::Path) -> u64 {
+    let gib = std::fs::metadata(path).map_or(0, |m| m.len()) as f64 / (1u64 << 30) as f64;
+    120 + (20.0 * gib).ceil() as u64
 }
 
 /// Requests parsed and tokenized at once, on the blocking pool ([`api::CpuGate`]).

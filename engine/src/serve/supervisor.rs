@@ -90,6 +90,18 @@ pub struct SupervisorConfig {
     pub max_queue: usize,
     /// A worker silent this long while a request is in flight is killed.
     pub watchdog: Duration,
+    /// A worker that has not loaded the model this long after it started is killed and restarted.
+    pub load_timeout: Duration,
+}
+
+/// How a worker's load ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    Ready,
+    /// It exited (or closed its stdout) first.
+    Exited,
+    /// `load_timeout` passed first.
+    TimedOut,
 }
 
 impl Supervisor {
@@ -217,17 +229,11 @@ fn exit_cause(status: Option<std::process::ExitStatus>) -> (String, String) {
 }
 
 /// Stops the worker (if it still runs), reaps it and returns (message, metric label).
-async fn bury(mut w: Worker, watchdog: Option<Duration>) -> (String, String, Option<String>) {
-    let (text, label) = if let Some(limit) = watchdog {
+async fn bury(mut w: Worker, killed: Option<(String, &str)>) -> (String, String, Option<String>) {
+    let (text, label) = if let Some((why, label)) = killed {
         let _ = w.child.start_kill();
         let _ = w.child.wait().await;
-        (
-            format!(
-                "silent for {} s, stopped by the watchdog (--watchdog-s)",
-                limit.as_secs()
-            ),
-            "watchdog".to_string(),
-        )
+        (why, label.to_string())
     } else {
         // Give the process a moment to be reaped after closing its stdout, then make sure it is gone.
         let status = match tokio::time::timeout(Duration::from_secs(5), w.child.wait()).await {
@@ -285,15 +291,33 @@ async fn supervise(
             }
         };
         state.send_modify(|s| s.pid = worker.pid);
+        let load_deadline = Instant::now() + config.load_timeout;
         let ready = loop {
-            match worker.lines.recv().await {
-                Some(Message::Ready { .. }) => break true,
-                Some(Message::Event(e)) => note_event(&mut worker, &e, Some(&metrics)),
-                Some(_) => {}
-                None => break false,
+            tokio::select! {
+                msg = worker.lines.recv() => match msg {
+                    Some(Message::Ready { .. }) => break Load::Ready,
+                    Some(Message::Event(e)) => note_event(&mut worker, &e, Some(&metrics)),
+                    Some(_) => {}
+                    None => break Load::Exited,
+                },
+                _ = tokio::time::sleep_until(load_deadline) => break Load::TimedOut,
             }
         };
-        if !ready {
+        if ready == Load::TimedOut {
+            // A hung load is a dead worker: its cause in /health and the log, 503 to the waiting, a restart.
+            let why = format!(
+                "did not load within {} s, stopped (--load-timeout-s)",
+                config.load_timeout.as_secs()
+            );
+            eprintln!("strata serve: the engine worker {why}");
+            let (cause, label, fault) = bury(worker, Some((why, "load_timeout"))).await;
+            report_death(&metrics, &state, &cause, &label, fault.as_deref(), "while loading");
+            fail_queued(&mut jobs, &metrics, &death_message(&cause));
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(30));
+            continue;
+        }
+        if ready == Load::Exited {
             let (cause, label, fault) = bury(worker, None).await;
             if !ever_ready {
                 let why = format!("the engine worker could not load the model ({cause})");
@@ -351,7 +375,11 @@ async fn supervise(
                     break d;
                 }
                 Err(JobEnd::Silent) => {
-                    let d = bury(worker, Some(config.watchdog)).await;
+                    let why = format!(
+                        "silent for {} s, stopped by the watchdog (--watchdog-s)",
+                        config.watchdog.as_secs()
+                    );
+                    let d = bury(worker, Some((why, "watchdog"))).await;
                     let _ = job.events.send(JobEvent::Failed {
                         status: 503,
                         message: death_message(&d.0),

@@ -108,6 +108,12 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     if let Some(path) = &flags.events {
         let _ = EVENTS_FILE.set(Mutex::new(open_events_file(path)?));
     }
+    if crate::switches::text_lossy(crate::switches::WORKER_FAULT_AT_LOAD).is_some_and(|v| v == "hang") {
+        // A load that never ends (a test of --load-timeout-s).
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
     if crate::switches::text_lossy(crate::switches::WORKER_FAULT_AT_LOAD).is_some_and(|v| v == "1") {
         anyhow::bail!(
             "injected fault before loading ({})",

@@ -314,3 +314,42 @@ fn a_long_prefill_chunk_outlives_a_short_watchdog() {
     assert!(prompt_ms > 2500.0, "the chunk took {prompt_ms} ms: too short to test a 1 s watchdog");
     assert!(s.metrics().contains("strata_worker_restarts_total 0"), "{}", s.metrics());
 }
+
+/// A worker that hangs while loading is noticed (issue 19, point 2): after `--load-timeout-s` it is killed, the
+/// cause is in `/health` and the log, a waiting request gets 503 naming it, and a new worker is started.
+#[test]
+fn a_worker_that_hangs_while_loading_is_killed_and_restarted() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--port", &port.to_string(), "--load-timeout-s", "2"])
+        .env("STRATA_WORKER_FAULT_AT_LOAD", "hang")
+        .env_remove("STRATA_API_KEY")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let up = Instant::now();
+    while client.get(format!("{base}/health")).send().is_err() {
+        assert!(up.elapsed() < Duration::from_secs(60), "serve did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let start = Instant::now();
+    let r = client.post(format!("{base}/v1/chat/completions")).json(&short_request()).send().unwrap();
+    let waited = start.elapsed();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("did not load within 2 s"), "{v}");
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    let h: Value = client.get(format!("{base}/health")).send().unwrap().json().unwrap();
+    assert_eq!(h["status"], "loading");
+    assert!(h["last_worker_death"].as_str().unwrap().contains("--load-timeout-s"), "{h}");
+    let metrics = client.get(format!("{base}/metrics")).send().unwrap().text().unwrap();
+    assert!(metrics.contains("strata_worker_deaths_total{cause=\"load_timeout\"}"), "{metrics}");
+    child.kill().unwrap();
+    let _ = child.wait();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("did not load within 2 s"), "{err}");
+}
