@@ -1,13 +1,19 @@
-//! `strata-harness compare OLD NEW`: per-metric ratios between two reports of the same scenario, with a noise
-//! threshold taken from the repetition spread; regressions are listed first.
+//! `strata-harness compare OLD NEW`: per-metric ratios between two reports of the same scenario; regressions are
+//! listed first. A metric is judged only with [`MIN_SAMPLES`] requests or more on each side (one request's rate on
+//! a shared machine moves by a fifth from run to run), and a regression needs both a drop past the noise
+//! threshold (the repetitions' spread, at least [`MIN_NOISE`]) and ranges that do not overlap: identical runs
+//! compare clean.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::report::{Report, Stat};
 
-/// Smallest noise threshold, as a fraction (5 %), for runs without repetitions.
+/// Smallest noise threshold, as a fraction (5 %).
 pub const MIN_NOISE: f64 = 0.05;
+
+/// Requests a metric needs on each side to be judged (`repetitions:`).
+pub const MIN_SAMPLES: usize = 3;
 
 /// One metric of one row in both reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,16 +26,25 @@ pub struct Delta {
     pub ratio: f64,
     /// The noise threshold for this metric, as a fraction.
     pub threshold: f64,
+    /// The old and new values' ranges (min, max) and counts.
+    pub old_range: (f64, f64),
+    pub new_range: (f64, f64),
+    pub samples: (usize, usize),
 }
 
 impl Delta {
-    /// A slowdown beyond the threshold (every metric compared is a rate: higher is better).
-    pub fn is_regression(&self) -> bool {
-        self.ratio < 1.0 - self.threshold
+    /// Whether both sides have [`MIN_SAMPLES`] values or more.
+    pub fn judged(&self) -> bool {
+        self.samples.0 >= MIN_SAMPLES && self.samples.1 >= MIN_SAMPLES
     }
-    /// A speed-up beyond the threshold.
+    /// A judged slowdown beyond the threshold whose values all lie below the old ones (every metric compared is
+    /// a rate: higher is better).
+    pub fn is_regression(&self) -> bool {
+        self.judged() && self.ratio < 1.0 - self.threshold && self.new_range.1 < self.old_range.0
+    }
+    /// A judged speed-up beyond the threshold whose values all lie above the old ones.
     pub fn is_improvement(&self) -> bool {
-        self.ratio > 1.0 + self.threshold
+        self.judged() && self.ratio > 1.0 + self.threshold && self.new_range.0 > self.old_range.1
     }
 }
 
@@ -61,6 +76,9 @@ pub fn compare(old: &Report, new: &Report) -> Vec<Delta> {
                 new: b.median,
                 ratio: b.median / a.median,
                 threshold: a.spread().max(b.spread()).max(MIN_NOISE),
+                old_range: (a.min, a.max),
+                new_range: (b.min, b.max),
+                samples: (a.n, b.n),
             })
         })
         .collect();
@@ -80,13 +98,21 @@ pub fn compare(old: &Report, new: &Report) -> Vec<Delta> {
 /// The comparison as a Markdown table, with a one-line summary first.
 pub fn render(old: &Report, new: &Report, deltas: &[Delta]) -> String {
     let regressions = deltas.iter().filter(|d| d.is_regression()).count();
+    let unjudged = deltas.iter().filter(|d| !d.judged()).count();
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{}: {} regression(s) beyond the noise threshold among {} metrics ({} `{}` -> {} `{}`)\n",
+        "{}: {} regression(s) beyond the noise threshold among {} metrics judged{} ({} `{}` -> {} `{}`)\n",
         new.scenario,
         regressions,
-        deltas.len(),
+        deltas.len() - unjudged,
+        if unjudged > 0 {
+            format!(
+                "; {unjudged} with fewer than {MIN_SAMPLES} requests a side, too few to judge (give their cases `repetitions: {MIN_SAMPLES}`)"
+            )
+        } else {
+            String::new()
+        },
         old.started_utc,
         &old.environment.git_rev[..old.environment.git_rev.len().min(10)],
         new.started_utc,
@@ -97,12 +123,14 @@ pub fn render(old: &Report, new: &Report, deltas: &[Delta]) -> String {
         "| metric | old | new | new/old | noise | |\n|---|---:|---:|---:|---:|---|"
     );
     for d in deltas {
-        let tag = if d.is_regression() {
-            "**REGRESSION**"
+        let tag = if !d.judged() {
+            format!("too few samples ({} and {})", d.samples.0, d.samples.1)
+        } else if d.is_regression() {
+            "**REGRESSION**".into()
         } else if d.is_improvement() {
-            "faster"
+            "faster".into()
         } else {
-            "within noise"
+            "within noise".into()
         };
         let _ = writeln!(
             s,
@@ -149,5 +177,24 @@ mod tests {
         let noisy = report([100.0, 70.0, 130.0]);
         assert!(!compare(&noisy, &report([90.0, 89.0, 91.0]))[0].is_regression());
         assert!(render(&old, &old, &compare(&old, &old)).contains("0 regression(s)"));
+        // Overlapping ranges are noise, however far the medians moved.
+        assert!(!compare(&old, &report([80.0, 79.0, 99.0]))[0].is_regression());
+    }
+
+    /// Single requests are not judged (issue 19, point 13: identical --quick runs must compare clean): a 23 %
+    /// drop of one request is reported as too few samples, not a regression.
+    #[test]
+    fn single_requests_are_too_few_to_judge() {
+        let one = |v: f64| {
+            let mut r = report([v, v, v]);
+            r.arms[0].rows[0].prefill_tok_s = Stat::of(&[v]);
+            r
+        };
+        let (a, b) = (one(100.0), one(77.0));
+        let d = compare(&a, &b);
+        assert!(!d[0].judged() && !d[0].is_regression(), "{d:?}");
+        let text = render(&a, &b, &d);
+        assert!(text.contains("0 regression(s)") && text.contains("1 with fewer than 3 requests"), "{text}");
+        assert!(text.contains("too few samples (1 and 1)"), "{text}");
     }
 }

@@ -261,6 +261,9 @@ pub struct Stat {
     pub median: f64,
     pub min: f64,
     pub max: f64,
+    /// How many values (0 in reports older than this field).
+    #[serde(default)]
+    pub n: usize,
 }
 
 impl Stat {
@@ -281,6 +284,7 @@ impl Stat {
             median,
             min: v[0],
             max: v[n - 1],
+            n,
         })
     }
 

@@ -45,8 +45,9 @@ fn outcome(r: &Report, md: &str) -> String {
 fn windows_hip_gives_the_same_verdict_and_boundaries_three_times() {
     let file = root().join("scenarios/windows-hip.yaml");
     let mut seen: Vec<String> = Vec::new();
-    for i in 0..3 {
-        let out = tempfile::tempdir().unwrap();
+    let mut folders = Vec::new();
+    let outs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    for (i, out) in outs.iter().enumerate() {
         let opts = RunOptions {
             out: out.path().to_path_buf(),
             quick: true,
@@ -57,7 +58,9 @@ fn windows_hip_gives_the_same_verdict_and_boundaries_three_times() {
         let o = strata_harness::run(&file, &opts);
         assert_eq!(o.exit_code, 0, "run {i}: {}", o.summary);
         let r = o.report.expect("a report");
-        let md = std::fs::read_to_string(o.folder.unwrap().join("report.md")).unwrap();
+        let folder = o.folder.unwrap();
+        let md = std::fs::read_to_string(folder.join("report.md")).unwrap();
+        folders.push(folder);
         assert!(r.verdict.passed && r.verdict.checked > 20, "run {i}: {}", o.summary);
         assert!(
             r.arms
@@ -69,5 +72,17 @@ fn windows_hip_gives_the_same_verdict_and_boundaries_three_times() {
     }
     for (i, s) in seen.iter().enumerate().skip(1) {
         assert_eq!(s, &seen[0], "run {i} differs from run 0");
+    }
+    // Issue 19, point 13: the same runs compared pairwise with `strata-harness compare` flag no regression.
+    for (a, b) in [(0, 1), (1, 2), (0, 2)] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_strata-harness"))
+            .arg("compare")
+            .arg(folders[a].join("report.json"))
+            .arg(folders[b].join("report.json"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "runs {a} and {b}:\n{text}");
+        assert!(text.contains(" 0 regression(s)"), "{text}");
     }
 }
