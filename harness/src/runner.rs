@@ -541,28 +541,38 @@ pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
             parsed.available().map_err(|e| e.to_string())?;
         }
     }
-    // A sticky rule a simulated device cannot carry out (an op it does not have, a trap) is the scenario's error.
+    // A fault rule the combination's device cannot carry out is the scenario's error: a sticky launch failure or
+    // a trap on the CPU (no device to poison), a trap or an op it does not have on a simulated device, the
+    // unsynchronised probe anywhere but CUDA (the engine refuses each at start, which would read as exit 125).
     for c in combos(s) {
         let d = c.device(device);
-        if !d.starts_with("sim:") {
-            continue;
-        }
         let fault = c
             .arms
             .iter()
             .rev()
             .find_map(|a| a.env.get(strata_engine::switches::FAULT))
             .or_else(|| s.env.get(strata_engine::switches::FAULT));
-        let Some(rule) = fault.and_then(|v| strata_engine::device::fault::FaultPlan::parse(v).ok()?.sticky) else {
+        let Some(plan) = fault.and_then(|v| strata_engine::device::fault::FaultPlan::parse(v).ok()) else {
             continue;
         };
-        rule.check_sim().map_err(|why| {
-            format!(
-                "combination {}: {} on {d}: {why}",
-                c.name,
-                strata_engine::switches::FAULT
-            )
-        })?;
+        let bad = |why: String| format!("combination {}: {} on {d}: {why}", c.name, strata_engine::switches::FAULT);
+        if d.starts_with("cuda:") {
+            continue;
+        }
+        if plan.probe_unsynced {
+            return Err(bad(
+                "probe:unsynced makes the CUDA link probe time copies it did not wait for; only a cuda: device has that probe (a sim: profile's link.probe_gb_s gives its readings)".into(),
+            ));
+        }
+        if let Some(rule) = &plan.sticky {
+            if d.starts_with("sim:") {
+                rule.check_sim().map_err(bad)?;
+            } else {
+                return Err(bad(format!(
+                    "{rule}: a sticky launch failure poisons a GPU, and {d} has none (use a sim: or cuda: device)"
+                )));
+            }
+        }
     }
     let named = s.model == "default" || s.model.starts_with("synth:");
     if !named && !Path::new(&s.model).is_file() {
@@ -1215,6 +1225,28 @@ mod tests {
                 check_serve_args(&s).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
             }
         }
+    }
+
+    /// A fault rule the device cannot carry out is the scenario's error in `check` (exit 2), not a start failure
+    /// (exit 125) at run time (issue 19, point 11).
+    #[test]
+    fn fault_rules_the_device_cannot_carry_out_are_scenario_errors() {
+        let with = |device: &str, rule: &str| {
+            let s = crate::scenario::parse(
+                "t",
+                &format!("name: t\nmodel: synth:tiny-qwen3moe\ndevice: {device}\nenv: {{STRATA_FAULT: \"{rule}\"}}\ncases:\n  - name: a\n    prompt: {{text: x}}\n"),
+            )
+            .unwrap();
+            check_static(&s, device)
+        };
+        assert!(with("cpu", "probe:unsynced").unwrap_err().contains("only a cuda: device"));
+        assert!(with("cpu", "sticky:matmul@1").unwrap_err().contains("cpu has none"));
+        assert!(with("cpu", "trap:matmul@1").is_err());
+        assert!(with("sim:gfx1151-strix-halo", "trap:rms_norm@1").is_err());
+        assert!(with("sim:gfx1151-strix-halo", "probe:unsynced").is_err());
+        with("sim:gfx1151-strix-halo", "sticky:moe_add_rms_norm@2").unwrap();
+        with("cuda:0", "trap:rms_norm@1").unwrap();
+        with("cpu", "prefill_gemm:m>64").unwrap();
     }
 
     const OFFLOAD: &str = "name: t\nmatrix:\n  cache: [{name: resident}, {name: small}]\n  store: [{name: arena}, {name: mmap}]\nexclude:\n  - {cache: resident, store: mmap}\ncases:\n  - name: a\n    prompt: {text: x}\n    expect: {same_output_as: resident}\n";

@@ -4,7 +4,8 @@
 //!   nothing, or sits idle between keep-alive requests, is closed, so silent clients cannot hold sockets for ever;
 //! - a limit on open connections below the process's file limit ([`connection_limit`]), so the server keeps the
 //!   descriptors it needs (the worker's pipes, the model file). At the limit, a new connection takes the place of
-//!   the oldest one that has not sent a request yet (a silent client's); when every one has, it is closed at once;
+//!   the oldest idle one: one that has sent nothing yet (a silent client's) first, else one between keep-alive
+//!   requests; when every one is answering a request, the new one is closed at once;
 //! - a drain: on Ctrl-C or SIGTERM the listener closes and connections finish what they are answering; at the
 //!   `drain` deadline the answers still running are ended (`at_deadline`: an error event for a stream), given
 //!   [`FLUSH`] to reach their clients, and the rest dropped.
@@ -15,7 +16,7 @@ use std::time::Duration;
 use axum::Router;
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
@@ -23,19 +24,40 @@ use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinSet;
 use tower_service::Service;
 
-/// An open connection as the accept loop sees it: whether it has started a request, and how to close it.
+/// An open connection as the accept loop sees it: whether it has started a request, how many of its answers are
+/// being made or sent, and how to close it.
 struct Open {
     started: Arc<AtomicBool>,
+    active: Arc<AtomicUsize>,
     /// Set when the connection has ended (its entry is then dropped from the queue).
     ended: Arc<AtomicBool>,
     evict: Arc<Notify>,
 }
 
-/// Closes the oldest open connection that has not started a request; whether there was one.
-fn evict_silent(open: &Mutex<VecDeque<Open>>) -> bool {
+/// One answer under way on a connection: counted in its `active` while alive.
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn new(active: Arc<AtomicUsize>) -> Busy {
+        active.fetch_add(1, Ordering::SeqCst);
+        Busy(active)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Closes the oldest idle connection: one that has not started a request, else one with no answer under way;
+/// whether there was one.
+fn evict_idle(open: &Mutex<VecDeque<Open>>) -> bool {
     let mut q = open.lock().unwrap_or_else(|p| p.into_inner());
     q.retain(|o| !o.ended.load(Ordering::Relaxed));
-    match q.iter().position(|o| !o.started.load(Ordering::Relaxed)) {
+    let idle = |o: &Open| o.active.load(Ordering::SeqCst) == 0;
+    let silent = q.iter().position(|o| !o.started.load(Ordering::Relaxed) && idle(o));
+    match silent.or_else(|| q.iter().position(idle)) {
         Some(i) => {
             let o = q.remove(i).expect("found");
             o.evict.notify_one();
@@ -107,8 +129,8 @@ pub async fn serve(
         };
         let permit = match slots.clone().try_acquire_owned() {
             Ok(p) => p,
-            // Full: a silent connection makes room, if there is one.
-            Err(_) if evict_silent(&open) => {
+            // Full: an idle connection makes room, if there is one.
+            Err(_) if evict_idle(&open) => {
                 match tokio::time::timeout(Duration::from_secs(1), slots.clone().acquire_owned()).await {
                     Ok(Ok(p)) => p,
                     _ => {
@@ -125,10 +147,11 @@ pub async fn serve(
         };
         let me = Open {
             started: Arc::new(AtomicBool::new(false)),
+            active: Arc::new(AtomicUsize::new(0)),
             ended: Arc::new(AtomicBool::new(false)),
             evict: Arc::new(Notify::new()),
         };
-        let (started, ended, evict) = (me.started.clone(), me.ended.clone(), me.evict.clone());
+        let (started, active, ended, evict) = (me.started.clone(), me.active.clone(), me.ended.clone(), me.evict.clone());
         {
             let mut q = open.lock().unwrap_or_else(|p| p.into_inner());
             q.retain(|o| !o.ended.load(Ordering::Relaxed));
@@ -137,8 +160,19 @@ pub async fn serve(
         let app = app.clone();
         let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
             started.store(true, Ordering::Relaxed);
+            // Under way until the answer's body has been sent (or dropped): a stream keeps its connection busy.
+            let busy = Busy::new(active.clone());
             // A Router is always ready: `call` needs no `poll_ready` first.
-            app.clone().call(req)
+            let answer = app.clone().call(req);
+            async move {
+                let resp = answer.await?;
+                Ok::<_, std::convert::Infallible>(resp.map(|body| {
+                    axum::body::Body::new(http_body_util::BodyExt::map_frame(body, move |frame| {
+                        let _ = &busy;
+                        frame
+                    }))
+                }))
+            }
         });
         let mut stopping = stopping.clone();
         conns.spawn(async move {

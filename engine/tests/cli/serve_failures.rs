@@ -243,6 +243,22 @@ fn silent_connections_do_not_lock_clients_out() {
     assert!(waited >= Duration::from_secs(8) && waited < Duration::from_secs(20), "closed after {waited:?}");
     assert!(s.metrics().contains("strata_connections_refused_total"));
     drop(silent);
+    // Keep-alive connections that asked once and now sit idle cannot lock others out either.
+    let idle: Vec<std::net::TcpStream> = (0..250)
+        .filter_map(|_| {
+            let mut c = std::net::TcpStream::connect(&addr).ok()?;
+            c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+            c.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+            let mut head = [0u8; 64];
+            let n = c.read(&mut head).ok()?;
+            (n > 0).then_some(c)
+        })
+        .collect();
+    assert!(idle.len() > 100, "{} keep-alive connections", idle.len());
+    let start = Instant::now();
+    let r = fresh.get(s.url("/health")).send().expect("/health answers past idle keep-alive connections");
+    assert_eq!(r.status(), 200);
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
 }
 
 /// SIGTERM (issue 19, point 4) drains as Ctrl-C does: no new connection is taken, a stream in flight runs on
