@@ -32,6 +32,60 @@ pub mod progress {
     pub fn ticks() -> u64 {
         TICKS.load(Ordering::Relaxed)
     }
+
+    use std::cell::Cell;
+    use std::sync::atomic::AtomicBool;
+
+    thread_local! {
+        /// The cancel flag a forward pass on this thread reads between layers (null: none).
+        static CANCEL: Cell<*const AtomicBool> = const { Cell::new(std::ptr::null()) };
+        /// A forward pass on this thread stopped between layers because of it.
+        static ABORTED: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// While alive, forward passes on this thread stop between layers once `flag` is set ([`stop_here`]); the
+    /// previous flag comes back on drop.
+    pub struct CancelScope<'a> {
+        previous: *const AtomicBool,
+        _flag: std::marker::PhantomData<&'a AtomicBool>,
+    }
+
+    /// Arms `flag` for this thread's forward passes ([`CancelScope`]).
+    pub fn cancel_scope(flag: &AtomicBool) -> CancelScope<'_> {
+        let previous = CANCEL.replace(flag as *const AtomicBool);
+        CancelScope {
+            previous,
+            _flag: std::marker::PhantomData,
+        }
+    }
+
+    impl Drop for CancelScope<'_> {
+        fn drop(&mut self) {
+            CANCEL.set(self.previous);
+        }
+    }
+
+    /// Whether a forward pass should stop here: the armed flag is set. Records that it did ([`take_aborted`]).
+    pub fn stop_here() -> bool {
+        let p = CANCEL.get();
+        // SAFETY: a non-null pointer was set by a CancelScope that borrows the flag and resets it on drop, so the
+        // flag outlives every read here.
+        let stop = !p.is_null() && unsafe { (*p).load(Ordering::Relaxed) };
+        if stop {
+            ABORTED.set(true);
+        }
+        stop
+    }
+
+    /// Whether a forward pass on this thread stopped early since the last call (and clears it).
+    pub fn take_aborted() -> bool {
+        ABORTED.replace(false)
+    }
+
+    /// [`take_aborted`] without clearing it.
+    pub fn aborted() -> bool {
+        ABORTED.get()
+    }
 }
 pub mod top;
 

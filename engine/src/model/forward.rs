@@ -356,6 +356,10 @@ impl Model {
         }
         for (il, layer) in w.layers.iter().enumerate() {
             crate::backend::progress::tick();
+            if crate::backend::progress::stop_here() {
+                // A cancelled prefill chunk (Session::prefill_cancellable): the caller drops the whole chunk.
+                return ForwardOut { topped: false };
+            }
             trace(be, "attn_norm", Some(il), &s.h, n * e);
             // The mixer: attention (the one mixer so far).
             let Mixer::Attention(at) = &layer.mixer;

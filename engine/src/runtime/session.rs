@@ -239,6 +239,8 @@ impl<'m, B: Backend> Session<'m, B> {
         if graphable {
             be.step_end();
         }
+        // A forward pass cancelled between layers computed no logits to read.
+        let want = if crate::backend::progress::aborted() { Logits::None } else { want };
         self.model.read_logits(be, &mut self.scratch, want, layout, out.topped)
     }
 
@@ -259,9 +261,9 @@ impl<'m, B: Backend> Session<'m, B> {
         self.prefill_cancellable(prompt, &std::sync::atomic::AtomicBool::new(false))
     }
 
-    /// [`Session::prefill`] that stops before its next chunk once `cancel` is set (`strata serve` sets it when
-    /// the client leaves): at most one chunk is computed after it is set, and what was computed stays cached
-    /// for a request with the same prefix ([`PrefillStats::cancelled`]).
+    /// [`Session::prefill`] that stops once `cancel` is set (`strata serve` sets it when the client leaves):
+    /// before its next chunk, and on the CPU also between two layers of the running chunk (which is then dropped
+    /// whole); what was computed stays cached for a request with the same prefix ([`PrefillStats::cancelled`]).
     ///
     /// Errors: as [`Session::prefill`].
     pub fn prefill_cancellable(
@@ -288,6 +290,11 @@ impl<'m, B: Backend> Session<'m, B> {
         let mut gemm_fallback = None;
         let mut done = 0;
         let mut cancelled = false;
+        // On the CPU a chunk can take seconds: its forward pass also stops between layers, and the chunk is then
+        // dropped whole (its cells past the cached tokens are rewritten by the next prefill). A GPU's chunk is
+        // queued in milliseconds, and its steps may be captured in graphs: it stops between chunks only.
+        let _scope = (self.backend.name() == "cpu").then(|| crate::backend::progress::cancel_scope(cancel));
+        crate::backend::progress::take_aborted();
         while done < rest.len() {
             if done > 0 && cancel.load(std::sync::atomic::Ordering::Relaxed) {
                 cancelled = true;
@@ -299,6 +306,11 @@ impl<'m, B: Backend> Session<'m, B> {
             done += rows;
             let want = if done == rest.len() { Logits::Last } else { Logits::None };
             self.run_step(chunk, want);
+            if crate::backend::progress::take_aborted() {
+                done -= rows;
+                cancelled = true;
+                break;
+            }
             self.tokens.extend_from_slice(chunk);
             if done < rest.len()
                 && let Some(f) = self.progress.as_mut()

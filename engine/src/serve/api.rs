@@ -398,8 +398,16 @@ impl CpuGate {
         api: Api,
         f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
     ) -> Result<T, ApiError> {
+        // Counted while it waits, however the wait ends: a client that leaves mid-wait drops this future, and
+        // the guard gives its place back.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        let waiting = Waiting(&self.waiting);
         if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_waiting {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::new(
                 api,
                 ErrorKind::Overloaded,
@@ -410,7 +418,7 @@ impl CpuGate {
             ));
         }
         let permit = self.permits.clone().acquire_owned().await;
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        drop(waiting);
         let permit = permit.expect("the semaphore is never closed");
         match tokio::task::spawn_blocking(move || {
             let _permit = permit;
@@ -538,4 +546,36 @@ pub fn refuse_tools(api: Api, tools: Option<&Value>, tool_choice: Option<&Value>
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request that waits for the CPU gate and is dropped (its client left) gives its place back: the gate
+    /// does not fill up with ghosts and answer 503 for ever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_dropped_while_waiting_for_the_cpu_gate_frees_its_place() {
+        let gate = Arc::new(CpuGate::new(1, 1));
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let busy = {
+            let g = gate.clone();
+            tokio::spawn(async move {
+                g.run(Api::OpenAi, move || {
+                    let _ = hold.recv();
+                    Ok(())
+                })
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for _ in 0..3 {
+            // Waits behind `busy`, then its client leaves.
+            let r = tokio::time::timeout(Duration::from_millis(20), gate.run(Api::OpenAi, || Ok(()))).await;
+            assert!(r.is_err(), "it waited");
+        }
+        release.send(()).unwrap();
+        busy.await.unwrap().unwrap();
+        gate.run(Api::OpenAi, || Ok(())).await.expect("a place is free");
+    }
 }

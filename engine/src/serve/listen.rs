@@ -95,7 +95,8 @@ pub fn connection_limit() -> usize {
     lim.max(16) as usize
 }
 
-/// Serves `app` on `listener` until `stop` resolves, then drains for at most `drain` (see the module's doc).
+/// Serves `app` on `listener` until `stop` resolves, then drains for at most `drain`, or until `again` resolves
+/// (a second interrupt), whichever comes first (see the module's doc).
 /// `on_refused` is called for each connection closed at once because `limit` were open.
 ///
 /// Errors: none once serving; accept errors (a full file table) are waited out.
@@ -105,6 +106,7 @@ pub async fn serve(
     limit: usize,
     drain: Duration,
     stop: impl std::future::Future<Output = ()>,
+    again: impl std::future::Future<Output = ()>,
     at_deadline: impl FnOnce(),
     on_refused: impl Fn() + Send + Sync + 'static,
 ) {
@@ -195,11 +197,14 @@ pub async fn serve(
     }
     drop(listener);
     let _ = stopping_tx.send(true);
-    let finished = tokio::time::timeout(drain, async {
-        while conns.join_next().await.is_some() {}
-    })
-    .await;
-    if finished.is_err() {
+    // A second Ctrl-C or SIGTERM ends the drain at once.
+    let finished = tokio::select! {
+        r = tokio::time::timeout(drain, async {
+            while conns.join_next().await.is_some() {}
+        }) => r.is_ok(),
+        _ = again => false,
+    };
+    if !finished {
         at_deadline();
         let _ = tokio::time::timeout(FLUSH, async {
             while conns.join_next().await.is_some() {}

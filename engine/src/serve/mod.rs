@@ -79,8 +79,8 @@ pub struct ServeArgs {
     /// Requests allowed to wait behind the running one; beyond it the answer is 503 with Retry-After.
     #[arg(long, default_value_t = 16)]
     pub max_queue: usize,
-    /// A worker silent this many seconds while a request is in flight is killed and restarted.
-    #[arg(long, default_value_t = 120)]
+    /// A worker silent this many seconds while a request is in flight is killed and restarted (at most a week).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=604_800))]
     pub watchdog_s: u64,
     /// Largest request body in bytes; a larger one gets 413.
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
@@ -96,11 +96,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub insecure_public: bool,
     /// Seconds a worker may take to load the model before it is taken for hung, killed and restarted (default:
-    /// 120 plus 20 a GiB of the model file).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    /// 120 plus 20 a GiB of the model file; at most a week).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=604_800))]
     pub load_timeout_s: Option<u64>,
-    /// Seconds Ctrl-C or SIGTERM waits for the answers in flight to finish before the server exits.
-    #[arg(long, default_value_t = 5)]
+    /// Seconds Ctrl-C or SIGTERM waits for the answers in flight to finish before the server exits (at most an
+    /// hour; a second interrupt ends the wait).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub drain_s: u64,
     /// A host name a keyless loopback server also answers (repeatable). Without an API key such a server
     /// answers only loopback names in `Host` (`localhost`, `127.0.0.1`, `[::1]`): a web page whose name a DNS
@@ -180,11 +181,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .cors_origins
         .iter()
         .map(|o| {
-            let o = o.trim().trim_end_matches('/');
-            if !(o.starts_with("http://") || o.starts_with("https://")) || o.len() <= "https://".len() {
-                bail!("--cors-origin {o:?}: an origin is a scheme and a host, such as https://app.example.com");
+            // What a browser sends: the scheme and the host in lower case, a port only when not the default.
+            let o = o.trim().trim_end_matches('/').to_ascii_lowercase();
+            let host = o.strip_prefix("https://").or_else(|| o.strip_prefix("http://"));
+            let bad = || anyhow::anyhow!("--cors-origin {o:?}: an origin is a scheme and a host (and a port), such as https://app.example.com, with no path");
+            let host = host.filter(|h| !h.is_empty() && !h.contains('/')).ok_or_else(bad)?;
+            if (o.starts_with("https://") && host.ends_with(":443")) || (o.starts_with("http://") && host.ends_with(":80")) {
+                bail!("--cors-origin {o:?}: a browser leaves the default port out of its Origin; write it without");
             }
-            axum::http::HeaderValue::from_str(o).with_context(|| format!("--cors-origin {o:?}"))
+            axum::http::HeaderValue::from_str(&o).with_context(|| format!("--cors-origin {o:?}"))
         })
         .collect::<Result<Vec<_>>>()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -217,7 +222,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             supervisor,
             metrics,
             allowed_hosts: (api_key.is_none() && addr.ip().is_loopback())
-                .then(|| args.allowed_hosts.iter().map(|h| h.trim().to_ascii_lowercase()).collect()),
+                .then(|| args.allowed_hosts.iter().map(|h| host_name(h).to_ascii_lowercase()).collect()),
             api_key,
             cors_origins,
             cpu: api::CpuGate::new(CPU_JOBS, args.max_queue.max(1) * 2),
@@ -251,9 +256,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
                     _ = watched.supervisor.given_up() => return,
                 };
                 eprintln!(
-                    "strata serve: {why}: no new connections; finishing the answers in flight, at most {} s (--drain-s)",
+                    "strata serve: {why}: no new connections; finishing the answers in flight, at most {} s (--drain-s; interrupt again to stop now)",
                     drain.as_secs()
                 );
+            },
+            async {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminated() => {}
+                }
+                eprintln!("strata serve: interrupted again: ending the answers in flight now");
             },
             move || ender.end_all(),
             move || refused.inc(),

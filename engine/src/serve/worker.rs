@@ -98,12 +98,14 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     events::set_log_prefix("strata serve");
     events::set_sink(|ev| send(&Message::Event(ev.clone())));
     install_fault_hook();
-    // Ctrl-C in a terminal reaches the whole process group: the front drains and ends the requests (--drain-s),
-    // and this worker ends when its stdin closes (or its parent dies), so the interrupt is the front's alone.
+    // Ctrl-C in a terminal, and systemd's SIGTERM to the control group, reach the whole process group: the front
+    // drains and ends the requests (--drain-s), and this worker ends when its stdin closes, its parent dies or the
+    // front kills it, so those signals are the front's alone.
     #[cfg(unix)]
     // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code.
     unsafe {
         libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
     }
     if let Some(path) = &flags.events {
         let _ = EVENTS_FILE.set(Mutex::new(open_events_file(path)?));

@@ -369,3 +369,30 @@ fn a_worker_that_hangs_while_loading_is_killed_and_restarted() {
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert!(err.contains("did not load within 2 s"), "{err}");
 }
+
+/// On the CPU a client that leaves stops the prefill inside its chunk too (issue 19, point 5): with one chunk of
+/// the whole prompt, the next client is answered in seconds, not after the chunk.
+#[test]
+fn a_client_that_leaves_stops_even_a_single_long_chunk() {
+    let s = Server::start_with(&["--prefill", "4096", "--max-context", "4096"], &[]);
+    let r = s
+        .client
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": long_prompt(), "max_tokens": 4, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    drop(r);
+    let start = Instant::now();
+    let (status, v) = s.post("/v1/chat/completions", &short_request());
+    assert_eq!(status, 200, "{v}");
+    assert!(start.elapsed() < Duration::from_secs(10), "waited {:?} behind the abandoned chunk", start.elapsed());
+    let metrics = s.metrics();
+    let prompt_tokens: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("strata_prompt_tokens_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(prompt_tokens < 200.0, "the abandoned chunk counted: {prompt_tokens} prompt tokens");
+}

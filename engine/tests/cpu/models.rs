@@ -370,6 +370,45 @@ fn a_reused_prefix_gives_the_same_logits_bits_as_a_fresh_prefill() {
     );
 }
 
+/// A prefill cancelled in the middle of a chunk (between two of its layers) drops that chunk whole, and the
+/// same prompt read again afterwards gives the logits of a fresh prefill, bit for bit: the half-written cells are
+/// rewritten, never read.
+#[test]
+fn a_prefill_cancelled_inside_a_chunk_leaves_the_cache_as_good_as_new() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let model = Model::load(smollm2_path()).unwrap();
+    let prompt: Vec<u32> = (300..1000).collect();
+    let big = SessionConfig {
+        prefill_chunk: Some(1024),
+        ..config(KvType::F16)
+    };
+    let mut fresh = Session::new(&model, &CpuBackend, big).unwrap();
+    fresh.prefill(&prompt).unwrap();
+    let want = fresh.logits().to_vec();
+    // Cancelled before the prefill starts: the one chunk stops at its first layer.
+    let mut s = Session::new(&model, &CpuBackend, big).unwrap();
+    s.prefill(&prompt[..40]).unwrap();
+    let cancel = AtomicBool::new(true);
+    let stats = s.prefill_cancellable(&prompt, &cancel).unwrap();
+    assert!(stats.cancelled && stats.read == 0, "{stats:?}");
+    assert_eq!(s.tokens().len(), 40);
+    // Cancelled by another thread while the chunk runs: it stops between layers.
+    let cancel = AtomicBool::new(false);
+    let started = std::time::Instant::now();
+    let stats = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            cancel.store(true, Ordering::Relaxed);
+        });
+        s.prefill_cancellable(&prompt, &cancel).unwrap()
+    });
+    assert!(stats.cancelled, "{stats:?} in {:?}", started.elapsed());
+    assert_eq!(s.tokens().len(), 40);
+    let again = s.prefill(&prompt).unwrap();
+    assert_eq!((again.reused, again.read), (40, prompt.len() - 40));
+    assert!(s.logits() == want.as_slice(), "logits differ after a cancelled chunk");
+}
+
 #[path = "../common/interleave.rs"]
 mod interleave;
 
