@@ -1107,7 +1107,7 @@ mod tests {
             (all_off["STRATA_ARCH_DEFAULTS"].as_str(), all_off["STRATA_CPU_JOIN"].as_str(), all_off["STRATA_DEVICE_SLOT_TABLE"].as_str()),
             ("0", "1", "1")
         );
-        let all = parse("t.yaml", &format!("name: t\nswitches: {{switches: all, axis: sw}}\n{}", case.replace("defaults}", "defaults}"))).unwrap();
+        let all = parse("t.yaml", &format!("name: t\nswitches: {{switches: all, axis: sw}}\n{case}")).unwrap();
         assert!(all.matrix["sw"].iter().any(|a| a.name == "CPU_JOIN-off"));
         assert!(!all.matrix["sw"].iter().any(|a| a.name == "all-exact-off"));
         let e = parse("t.yaml", &format!("name: t\nswitches: {{switches: [PDL, GRAPHS]}}\n{case}")).unwrap_err();

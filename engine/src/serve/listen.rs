@@ -100,6 +100,7 @@ pub fn connection_limit() -> usize {
 /// `on_refused` is called for each connection closed at once because `limit` were open.
 ///
 /// Errors: none once serving; accept errors (a full file table) are waited out.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     listener: TcpListener,
     app: Router,

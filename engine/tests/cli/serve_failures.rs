@@ -200,12 +200,7 @@ fn a_closed_stream_stops_its_generation() {
     assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
     let metrics = s.metrics();
     assert!(metrics.contains("strata_requests_cancelled_total 1"), "{metrics}");
-    let generated: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("strata_generated_tokens_total "))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let generated = s.metric("strata_generated_tokens_total");
     assert!(generated < 200.0, "the cancelled request went on: {generated} tokens");
 }
 
@@ -292,11 +287,10 @@ fn long_prompt() -> String {
     "the river runs past old stone walls and green fields ".repeat(300)
 }
 
-/// A client that leaves during a long prefill stops it at the next chunk (issue 19, point 5): the prompt tokens
-/// the engine computed for it are a small part of the prompt, and the next client is not kept waiting.
-#[test]
-fn a_client_that_leaves_during_prefill_stops_it() {
-    let s = Server::start_with(&["--prefill", "64", "--max-context", "4096"], &[]);
+/// Starts a server with `flags`, sends a long streamed prompt and leaves once the stream has answered 200; then a
+/// short chat. Returns how long the chat waited, and the prompt tokens the engine computed in all.
+fn leave_during_prefill(flags: &[&str]) -> (Duration, f64) {
+    let s = Server::start_with(flags, &[]);
     let r = s
         .client
         .post(s.url("/v1/completions"))
@@ -305,17 +299,29 @@ fn a_client_that_leaves_during_prefill_stops_it() {
         .unwrap();
     assert_eq!(r.status(), 200);
     drop(r);
+    let start = Instant::now();
     let (status, v) = s.post("/v1/chat/completions", &short_request());
     assert_eq!(status, 200, "{v}");
-    let metrics = s.metrics();
-    assert!(metrics.contains("strata_requests_cancelled_total 1"), "{metrics}");
-    let prompt_tokens: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("strata_prompt_tokens_total "))
-        .unwrap()
-        .parse()
-        .unwrap();
+    let waited = start.elapsed();
+    assert_eq!(s.metric("strata_requests_cancelled_total"), 1.0);
+    (waited, s.metric("strata_prompt_tokens_total"))
+}
+
+/// A client that leaves during a long prefill stops it at the next chunk (issue 19, point 5): the prompt tokens
+/// the engine computed for it are a small part of the prompt, and the next client is not kept waiting.
+#[test]
+fn a_client_that_leaves_during_prefill_stops_it() {
+    let (_, prompt_tokens) = leave_during_prefill(&["--prefill", "64", "--max-context", "4096"]);
     assert!(prompt_tokens < 2000.0, "the abandoned prefill went on: {prompt_tokens} prompt tokens computed");
+}
+
+/// On the CPU a client that leaves stops the prefill inside its chunk too (issue 19, point 5): with one chunk of
+/// the whole prompt, the next client is answered in seconds, not after the chunk.
+#[test]
+fn a_client_that_leaves_stops_even_a_single_long_chunk() {
+    let (waited, prompt_tokens) = leave_during_prefill(&["--prefill", "4096", "--max-context", "4096"]);
+    assert!(waited < Duration::from_secs(10), "waited {waited:?} behind the abandoned chunk");
+    assert!(prompt_tokens < 200.0, "the abandoned chunk counted: {prompt_tokens} prompt tokens");
 }
 
 /// A single long prefill chunk is not taken for a hang (issue 19, point 5): the worker says it is busy while its
@@ -368,31 +374,4 @@ fn a_worker_that_hangs_while_loading_is_killed_and_restarted() {
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert!(err.contains("did not load within 2 s"), "{err}");
-}
-
-/// On the CPU a client that leaves stops the prefill inside its chunk too (issue 19, point 5): with one chunk of
-/// the whole prompt, the next client is answered in seconds, not after the chunk.
-#[test]
-fn a_client_that_leaves_stops_even_a_single_long_chunk() {
-    let s = Server::start_with(&["--prefill", "4096", "--max-context", "4096"], &[]);
-    let r = s
-        .client
-        .post(s.url("/v1/completions"))
-        .json(&json!({"prompt": long_prompt(), "max_tokens": 4, "stream": true}))
-        .send()
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    drop(r);
-    let start = Instant::now();
-    let (status, v) = s.post("/v1/chat/completions", &short_request());
-    assert_eq!(status, 200, "{v}");
-    assert!(start.elapsed() < Duration::from_secs(10), "waited {:?} behind the abandoned chunk", start.elapsed());
-    let metrics = s.metrics();
-    let prompt_tokens: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("strata_prompt_tokens_total "))
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(prompt_tokens < 200.0, "the abandoned chunk counted: {prompt_tokens} prompt tokens");
 }

@@ -73,6 +73,16 @@ impl Server {
         s
     }
 
+    /// The value of the unlabelled metric `name` in `/metrics`.
+    pub fn metric(&self, name: &str) -> f64 {
+        let text = self.metrics();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+            .parse()
+            .unwrap()
+    }
+
     /// The `strata serve` process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
