@@ -601,14 +601,20 @@ mod tests {
         assert!(!speed_on_in(PDL, &A100, &none), "no PDL before sm_90");
         assert!(speed_on_in(CUDA_GRAPHS, &A100, &none));
         let cpu = Target::Cpu { arch: "gfx1151".into() };
-        assert!(!speed_on_in(CUDA_GRAPHS, &cpu, &none), "a CUDA switch does nothing on the CPU backend");
+        assert!(
+            !speed_on_in(CUDA_GRAPHS, &cpu, &none),
+            "a CUDA switch does nothing on the CPU backend"
+        );
         assert!(!speed_on_in(CPU_AVX512, &cpu, &none), "off by default");
         let off = env(&[(ARCH_DEFAULTS, "0")]);
         assert!(!speed_on_in(PDL, &H200, &off) && !speed_on_in(CUDA_GRAPHS, &H200, &off));
         // A switch the user set is kept, either way, whatever the master switch says.
         let kept = env(&[(ARCH_DEFAULTS, "off"), (CUDA_GRAPHS, "yes"), (PDL, " ")]);
         assert!(speed_on_in(CUDA_GRAPHS, &H200, &kept));
-        assert!(!speed_on_in(PDL, &H200, &kept), "an empty value is unset: the master switch decides");
+        assert!(
+            !speed_on_in(PDL, &H200, &kept),
+            "an empty value is unset: the master switch decides"
+        );
         let user_off = env(&[(FETCH_OVERLAP, "no")]);
         assert!(!speed_on_in(FETCH_OVERLAP, &H200, &user_off) && speed_on_in(PDL, &H200, &user_off));
         // Set on where it does not apply: still off.
@@ -623,16 +629,26 @@ mod tests {
     fn the_start_line_names_every_switch_that_applies_once() {
         let r = SpeedReport::of_in(&H200, &env(&[(CUDA_GRAPHS, "0")]));
         let line = r.to_string();
-        assert!(line.starts_with("sm_90: 2 exact speed switches on (STRATA_ARCH_DEFAULTS=0 turns the defaults off"), "{line}");
+        assert!(
+            line.starts_with("sm_90: 2 exact speed switches on (STRATA_ARCH_DEFAULTS=0 turns the defaults off"),
+            "{line}"
+        );
         assert_eq!(r.on_exact, ["PDL", "FETCH_OVERLAP"]);
         assert_eq!(r.on_inexact, ["DEVICE_SLOT_TABLE", "CPU_JOIN"]);
         assert!(r.off.contains(&"CUDA_GRAPHS".to_string()), "{line}");
         assert_eq!(r.set, ["CUDA_GRAPHS=0"]);
         assert!(line.ends_with("; set by you: CUDA_GRAPHS=0"), "{line}");
         let cpu = SpeedReport::of_in(&Target::Cpu { arch: "x86_64".into() }, &env(&[(PDL, "1")]));
-        assert!(cpu.to_string().ends_with("; set by you, no effect here: PDL=1"), "{cpu}");
+        assert!(
+            cpu.to_string().ends_with("; set by you, no effect here: PDL=1"),
+            "{cpu}"
+        );
         let cpu = SpeedReport::of_in(&Target::Cpu { arch: "x86_64".into() }, &env(&[(ARCH_DEFAULTS, "0")]));
         assert!(cpu.on_exact.is_empty() && cpu.on_inexact.is_empty(), "{cpu}");
-        assert!(cpu.to_string().starts_with("x86_64: 0 exact speed switches on (STRATA_ARCH_DEFAULTS=0: the defaults are off"), "{cpu}");
+        assert!(
+            cpu.to_string()
+                .starts_with("x86_64: 0 exact speed switches on (STRATA_ARCH_DEFAULTS=0: the defaults are off"),
+            "{cpu}"
+        );
     }
 }

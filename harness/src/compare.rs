@@ -194,7 +194,10 @@ mod tests {
         let d = compare(&a, &b);
         assert!(!d[0].judged() && !d[0].is_regression(), "{d:?}");
         let text = render(&a, &b, &d);
-        assert!(text.contains("0 regression(s)") && text.contains("1 with fewer than 3 requests"), "{text}");
+        assert!(
+            text.contains("0 regression(s)") && text.contains("1 with fewer than 3 requests"),
+            "{text}"
+        );
         assert!(text.contains("too few samples (1 and 1)"), "{text}");
     }
 }

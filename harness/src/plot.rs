@@ -229,7 +229,8 @@ fn device_readings(r: &Report) -> Vec<DeviceReadings> {
                 }
                 // The first start's parts (a restarted worker allocates them again).
                 Some("alloc" | "register") if !loaded => {
-                    d.parts.push((gib(used, scale), e["what"].as_str().unwrap_or("").to_string()));
+                    d.parts
+                        .push((gib(used, scale), e["what"].as_str().unwrap_or("").to_string()));
                 }
                 _ => {}
             }
@@ -283,7 +284,12 @@ fn draw_device_readings<DB: DrawingBackend>(
         // The plan's parts: a dashed level where each part's allocation left the card, named at the right.
         for (level, what) in &d.parts {
             chart
-                .draw_series(DashedLineSeries::new(vec![(0.0, *level), (tmax, *level)], 6, 4, c.mix(0.5).stroke_width(1)))
+                .draw_series(DashedLineSeries::new(
+                    vec![(0.0, *level), (tmax, *level)],
+                    6,
+                    4,
+                    c.mix(0.5).stroke_width(1),
+                ))
                 .map_err(|e| anyhow!("{e}"))?;
             chart
                 .draw_series(std::iter::once(Text::new(

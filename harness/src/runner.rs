@@ -555,7 +555,13 @@ pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
         let Some(plan) = fault.and_then(|v| strata_engine::device::fault::FaultPlan::parse(v).ok()) else {
             continue;
         };
-        let bad = |why: String| format!("combination {}: {} on {d}: {why}", c.name, strata_engine::switches::FAULT);
+        let bad = |why: String| {
+            format!(
+                "combination {}: {} on {d}: {why}",
+                c.name,
+                strata_engine::switches::FAULT
+            )
+        };
         if d.starts_with("cuda:") {
             continue;
         }
@@ -851,7 +857,8 @@ pub fn attribute_cache_events(arm: &mut ArmReport) {
     let requests: Vec<&Value> = arm.raw_events.iter().filter(|e| e["event"] == "request").collect();
     for smp in arm.rows.iter_mut().flat_map(|r| r.samples.iter_mut()) {
         smp.expert_cache.clear();
-        let within = |e: &&&Value| (smp.t_start_unix_ms..=smp.t_end_unix_ms).contains(&e["ts_ms"].as_u64().unwrap_or(0));
+        let within =
+            |e: &&&Value| (smp.t_start_unix_ms..=smp.t_end_unix_ms).contains(&e["ts_ms"].as_u64().unwrap_or(0));
         // The last in the window: the previous request's event may carry the millisecond this one started in.
         let done = requests.iter().rfind(within);
         smp.tokens = done
@@ -932,7 +939,9 @@ impl Same {
             }
             Same::Tokens => {
                 if got.tokens.is_empty() || want.tokens.is_empty() {
-                    return Some("no token ids: a request event without them (a worker older than the harness?)".into());
+                    return Some(
+                        "no token ids: a request event without them (a worker older than the harness?)".into(),
+                    );
                 }
                 first_difference(&got.tokens, &want.tokens).map(|at| {
                     format!(
@@ -1239,7 +1248,11 @@ mod tests {
             .unwrap();
             check_static(&s, device)
         };
-        assert!(with("cpu", "probe:unsynced").unwrap_err().contains("only a cuda: device"));
+        assert!(
+            with("cpu", "probe:unsynced")
+                .unwrap_err()
+                .contains("only a cuda: device")
+        );
         assert!(with("cpu", "sticky:matmul@1").unwrap_err().contains("cpu has none"));
         assert!(with("cpu", "trap:matmul@1").is_err());
         assert!(with("sim:gfx1151-strix-halo", "trap:rms_norm@1").is_err());
@@ -1313,14 +1326,23 @@ mod tests {
         assert_eq!(c.len(), 2, "{c:?}");
         assert!(c.iter().all(|c| c.passed), "{c:?}");
         let c = &arms[2].rows[0].checks;
-        assert!(!c[0].passed && c[0].what.starts_with("token ids equal arm `defaults`"), "{c:?}");
+        assert!(
+            !c[0].passed && c[0].what.starts_with("token ids equal arm `defaults`"),
+            "{c:?}"
+        );
         assert_eq!(c[0].got, "token 1 (counting from 0) differs: 9 against 6");
-        assert!(!c[1].passed && c[1].got == "the logits of token 1 (counting from 0) of 3 differ", "{c:?}");
+        assert!(
+            !c[1].passed && c[1].got == "the logits of token 1 (counting from 0) of 3 differ",
+            "{c:?}"
+        );
         // No digests in the events: a failure that says so, not a pass.
         let mut arms = vec![with(&["defaults"], &[5], &[]), with(&["PDL-off"], &[5], &[])];
         check_same_outputs(&s, &mut arms, true);
         let c = &arms[1].rows[0].checks;
-        assert!(c[0].passed && !c[1].passed && c[1].got.contains("no logits digests"), "{c:?}");
+        assert!(
+            c[0].passed && !c[1].passed && c[1].got.contains("no logits digests"),
+            "{c:?}"
+        );
     }
 
     /// Repetition i is compared with the reference's repetition i (each repetition of a `tokens:` case is sent
@@ -1336,7 +1358,10 @@ mod tests {
         check_same_outputs(&s, &mut arms, true);
         assert!(arms[1].rows[0].checks[0].passed, "{:?}", arms[1].rows[0].checks);
         let c = &arms[2].rows[0].checks[0];
-        assert!(!c.passed && c.got.starts_with("repetition 2: differs from character 0"), "{c:?}");
+        assert!(
+            !c.passed && c.got.starts_with("repetition 2: differs from character 0"),
+            "{c:?}"
+        );
     }
 
     #[test]

@@ -163,7 +163,11 @@ impl SwitchAxis {
             SwitchSet::List(names) => {
                 let mut v = Vec::new();
                 for n in names {
-                    let full = if n.starts_with("STRATA_") { n.clone() } else { format!("STRATA_{n}") };
+                    let full = if n.starts_with("STRATA_") {
+                        n.clone()
+                    } else {
+                        format!("STRATA_{n}")
+                    };
                     let Some(&found) = speed.iter().find(|(s, _)| *s == full) else {
                         let known: Vec<&str> = speed.iter().map(|(s, _)| switches::short_name(s)).collect();
                         return Err(format!(
@@ -657,11 +661,12 @@ impl Scenario {
         // What the axis sets (the switches it flips, and the master switch) must not be set for every arm alike.
         let master = strata_engine::switches::ARCH_DEFAULTS.to_string();
         let flipped: Vec<&String> = arms.iter().flat_map(|a| a.env.keys()).chain([&master]).collect();
-        let owners = std::iter::once(("the scenario's env".to_string(), &self.env)).chain(
-            self.matrix
-                .iter()
-                .flat_map(|(axis, arms)| arms.iter().map(move |a| (format!("arm `{}` of axis `{axis}`", a.name), &a.env))),
-        );
+        let owners = std::iter::once(("the scenario's env".to_string(), &self.env)).chain(self.matrix.iter().flat_map(
+            |(axis, arms)| {
+                arms.iter()
+                    .map(move |a| (format!("arm `{}` of axis `{axis}`", a.name), &a.env))
+            },
+        ));
         for (owner, env) in owners {
             if let Some(k) = env.keys().find(|k| flipped.contains(k)) {
                 return Err(format!(
@@ -684,8 +689,11 @@ impl Scenario {
 
     /// Every expectation: the scenario's, each case's and each case's per-arm ones.
     fn expectations(&self) -> impl Iterator<Item = &Expect> {
-        std::iter::once(&self.expect)
-            .chain(self.cases.iter().flat_map(|c| std::iter::once(&c.expect).chain(c.arms.values())))
+        std::iter::once(&self.expect).chain(
+            self.cases
+                .iter()
+                .flat_map(|c| std::iter::once(&c.expect).chain(c.arms.values())),
+        )
     }
 
     /// Whether an expectation compares combinations with each other (`same_output_as`, `same_tokens_as`,
@@ -820,8 +828,12 @@ impl Scenario {
         let running = self.running_arm_names();
         if self.compares_logits() {
             let digest = strata_engine::switches::LOGITS_DIGEST;
-            let envs = std::iter::once(("the scenario's env".to_string(), &self.env))
-                .chain(self.matrix.values().flatten().map(|a| (format!("arm `{}`", a.name), &a.env)));
+            let envs = std::iter::once(("the scenario's env".to_string(), &self.env)).chain(
+                self.matrix
+                    .values()
+                    .flatten()
+                    .map(|a| (format!("arm `{}`", a.name), &a.env)),
+            );
             for (owner, env) in envs {
                 if let Some(v) = env.get(digest) {
                     return Err(format!(
@@ -1098,23 +1110,58 @@ mod tests {
         let names: Vec<&str> = arms.iter().map(|a| a.name.as_str()).collect();
         assert_eq!(
             names,
-            ["defaults", "PDL-off", "CUDA_GRAPHS-off", "FETCH_OVERLAP-off", "CPU_AVX512-on", "all-exact-off"]
+            [
+                "defaults",
+                "PDL-off",
+                "CUDA_GRAPHS-off",
+                "FETCH_OVERLAP-off",
+                "CPU_AVX512-on",
+                "all-exact-off"
+            ]
         );
         assert_eq!(arms[1].env["STRATA_PDL"], "0");
         assert_eq!(arms[4].env["STRATA_CPU_AVX512"], "1");
         let all_off = &arms[5].env;
         assert_eq!(
-            (all_off["STRATA_ARCH_DEFAULTS"].as_str(), all_off["STRATA_CPU_JOIN"].as_str(), all_off["STRATA_DEVICE_SLOT_TABLE"].as_str()),
+            (
+                all_off["STRATA_ARCH_DEFAULTS"].as_str(),
+                all_off["STRATA_CPU_JOIN"].as_str(),
+                all_off["STRATA_DEVICE_SLOT_TABLE"].as_str()
+            ),
             ("0", "1", "1")
         );
-        let all = parse("t.yaml", &format!("name: t\nswitches: {{switches: all, axis: sw}}\n{case}")).unwrap();
+        let all = parse(
+            "t.yaml",
+            &format!("name: t\nswitches: {{switches: all, axis: sw}}\n{case}"),
+        )
+        .unwrap();
         assert!(all.matrix["sw"].iter().any(|a| a.name == "CPU_JOIN-off"));
         assert!(!all.matrix["sw"].iter().any(|a| a.name == "all-exact-off"));
-        let e = parse("t.yaml", &format!("name: t\nswitches: {{switches: [PDL, GRAPHS]}}\n{case}")).unwrap_err();
-        assert!(e.line == 2 && e.message.contains("`GRAPHS` is not a speed switch (speed switches: PDL, CUDA_GRAPHS"), "{e}");
-        let e = parse("t.yaml", &format!("name: t\nmatrix:\n  switch: [{{name: x}}]\nswitches: {{switches: [STRATA_PDL]}}\n{case}")).unwrap_err();
+        let e = parse(
+            "t.yaml",
+            &format!("name: t\nswitches: {{switches: [PDL, GRAPHS]}}\n{case}"),
+        )
+        .unwrap_err();
+        assert!(
+            e.line == 2
+                && e.message
+                    .contains("`GRAPHS` is not a speed switch (speed switches: PDL, CUDA_GRAPHS"),
+            "{e}"
+        );
+        let e = parse(
+            "t.yaml",
+            &format!("name: t\nmatrix:\n  switch: [{{name: x}}]\nswitches: {{switches: [STRATA_PDL]}}\n{case}"),
+        )
+        .unwrap_err();
         assert!(e.message.contains("already has an axis `switch`"), "{e}");
-        let e = parse("t.yaml", &format!("name: t\nswitches: {{switches: [PDL]}}\n{}", case.replace("defaults}", "default}"))).unwrap_err();
+        let e = parse(
+            "t.yaml",
+            &format!(
+                "name: t\nswitches: {{switches: [PDL]}}\n{}",
+                case.replace("defaults}", "default}")
+            ),
+        )
+        .unwrap_err();
         assert!(e.message.contains("same_logits_as `default` names no arm"), "{e}");
         let plain = parse("t.yaml", MIN).unwrap();
         assert!(!plain.compares_logits());
@@ -1125,21 +1172,56 @@ mod tests {
             let e = parse("t.yaml", &yaml).unwrap_err();
             assert!(e.message.contains(want), "{e}\n{yaml}");
         };
-        bad(format!("name: t\nswitches: {{switches: []}}\n{case}"), "the list names no switch");
-        bad(format!("name: t\nenv: {{STRATA_CPU_AVX512: '1'}}\nswitches: {{switches: exact}}\n{case}"), "the scenario's env sets STRATA_CPU_AVX512");
-        bad(format!("name: t\nenv: {{STRATA_ARCH_DEFAULTS: '0'}}\nswitches: {{switches: exact}}\n{case}"), "sets STRATA_ARCH_DEFAULTS");
         bad(
-            format!("name: t\nmatrix:\n  kv: [{{name: f16, env: {{STRATA_PDL: '0'}}}}]\nswitches: {{switches: [PDL]}}\n{case}"),
+            format!("name: t\nswitches: {{switches: []}}\n{case}"),
+            "the list names no switch",
+        );
+        bad(
+            format!("name: t\nenv: {{STRATA_CPU_AVX512: '1'}}\nswitches: {{switches: exact}}\n{case}"),
+            "the scenario's env sets STRATA_CPU_AVX512",
+        );
+        bad(
+            format!("name: t\nenv: {{STRATA_ARCH_DEFAULTS: '0'}}\nswitches: {{switches: exact}}\n{case}"),
+            "sets STRATA_ARCH_DEFAULTS",
+        );
+        bad(
+            format!(
+                "name: t\nmatrix:\n  kv: [{{name: f16, env: {{STRATA_PDL: '0'}}}}]\nswitches: {{switches: [PDL]}}\n{case}"
+            ),
             "arm `f16` of axis `kv` sets STRATA_PDL",
         );
-        bad(format!("name: t\nmatrix:\n  kv: [{{name: defaults}}]\nswitches: {{switches: [PDL]}}\n{case}"), "rename that arm");
-        bad(format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_LOGITS_DIGEST (\"0\")");
-        bad(format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: ''}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_LOGITS_DIGEST");
-        bad(format!("name: t\nenv: {{STRATA_ARCH_DEFAULTS: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"), "sets STRATA_ARCH_DEFAULTS");
-        bad(format!("name: t\nswitches: {{switches: [PDL], axis: '../x'}}\n{case}"), "axis name `../x`");
-        bad(format!("name: t\nswitches: {{switches: [PDL]}}\nexclude: [{{switch: defaults}}]\n{case}"), "drops every combination with arm `defaults`");
-        bad(format!("name: t\nswitches: {{switches: exakt}}\n{case}"), "give `exact`, `all`, or a list");
-        bad(format!("name: t\nswitches: exact\n{case}"), "write `switches: {switches: exact}`");
+        bad(
+            format!("name: t\nmatrix:\n  kv: [{{name: defaults}}]\nswitches: {{switches: [PDL]}}\n{case}"),
+            "rename that arm",
+        );
+        bad(
+            format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"),
+            "sets STRATA_LOGITS_DIGEST (\"0\")",
+        );
+        bad(
+            format!("name: t\nenv: {{STRATA_LOGITS_DIGEST: ''}}\nswitches: {{switches: [PDL]}}\n{case}"),
+            "sets STRATA_LOGITS_DIGEST",
+        );
+        bad(
+            format!("name: t\nenv: {{STRATA_ARCH_DEFAULTS: '0'}}\nswitches: {{switches: [PDL]}}\n{case}"),
+            "sets STRATA_ARCH_DEFAULTS",
+        );
+        bad(
+            format!("name: t\nswitches: {{switches: [PDL], axis: '../x'}}\n{case}"),
+            "axis name `../x`",
+        );
+        bad(
+            format!("name: t\nswitches: {{switches: [PDL]}}\nexclude: [{{switch: defaults}}]\n{case}"),
+            "drops every combination with arm `defaults`",
+        );
+        bad(
+            format!("name: t\nswitches: {{switches: exakt}}\n{case}"),
+            "give `exact`, `all`, or a list",
+        );
+        bad(
+            format!("name: t\nswitches: exact\n{case}"),
+            "write `switches: {switches: exact}`",
+        );
     }
 
     #[test]

@@ -23,11 +23,14 @@ fn run(yaml: &str) -> (i32, String, Duration) {
     (out.status.code().unwrap_or(-1), text, start.elapsed())
 }
 
-const HEAD: &str = "name: ctx\nmodel: synth:tiny-qwen3moe\ndevice: cpu\nargs: [\"--max-context\", \"256\"]\nmax_tokens: 2\n";
+const HEAD: &str =
+    "name: ctx\nmodel: synth:tiny-qwen3moe\ndevice: cpu\nargs: [\"--max-context\", \"256\"]\nmax_tokens: 2\n";
 
 #[test]
 fn a_prompt_past_the_context_is_a_scenario_error_said_before_it_is_built() {
-    let (code, text, took) = run(&format!("{HEAD}cases:\n  - name: huge\n    prompt: {{tokens: 10000000}}\n"));
+    let (code, text, took) = run(&format!(
+        "{HEAD}cases:\n  - name: huge\n    prompt: {{tokens: 10000000}}\n"
+    ));
     assert_eq!(code, 2, "{text}");
     assert!(
         text.contains("case `huge`: a prompt of 10000000 tokens is past the server's context of 256 tokens"),

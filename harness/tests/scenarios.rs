@@ -118,7 +118,13 @@ fn main() {
         } else {
             runner::combos(&s)
                 .into_iter()
-                .map(|c| (format!("{stem}::{}", c.name), Some(c.name.clone()), vec![c.device(&s.device)]))
+                .map(|c| {
+                    (
+                        format!("{stem}::{}", c.name),
+                        Some(c.name.clone()),
+                        vec![c.device(&s.device)],
+                    )
+                })
                 .collect()
         };
         for (name, combo, devices) in runs {
@@ -131,7 +137,9 @@ fn main() {
                 })),
                 None => {
                     let file = file.clone();
-                    trials.push(Trial::test(name.clone(), move || run_arm(&file, combo.as_deref(), &name)));
+                    trials.push(Trial::test(name.clone(), move || {
+                        run_arm(&file, combo.as_deref(), &name)
+                    }));
                 }
             }
         }

@@ -9,10 +9,16 @@ use std::time::{Duration, Instant};
 fn children(pid: u32) -> Vec<(u32, String)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
         // pid (comm) state ppid ...: the command may hold spaces and parentheses, so read after the last ')'.
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
         if ppid == Some(pid) {
             let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
             out.push((child, String::from_utf8_lossy(&cmd).replace('\0', " ")));
@@ -23,8 +29,10 @@ fn children(pid: u32) -> Vec<(u32, String)> {
 
 fn alive(pid: u32) -> bool {
     // A zombie has exited: only its entry is left for its parent to read.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
 }
 
 fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
@@ -83,8 +91,12 @@ fn killed_harness_leaves_no_server(signal: i32) {
     // SAFETY: kill has no memory-safety preconditions.
     assert_eq!(unsafe { libc::kill(hpid as i32, signal) }, 0);
     let _ = harness.wait();
-    wait_for("the server to die with the harness", Duration::from_secs(10), || (!alive(serve)).then_some(()));
-    wait_for("the worker to die with the server", Duration::from_secs(30), || (!alive(worker)).then_some(()));
+    wait_for("the server to die with the harness", Duration::from_secs(10), || {
+        (!alive(serve)).then_some(())
+    });
+    wait_for("the worker to die with the server", Duration::from_secs(30), || {
+        (!alive(worker)).then_some(())
+    });
 }
 
 #[test]

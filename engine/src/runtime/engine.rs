@@ -538,7 +538,12 @@ impl Engine {
     ///
     /// Errors: as [`Session::new`].
     pub fn session_with(&self, config: SessionConfig) -> Result<Session<'_, AnyBackend>, SessionError> {
-        let free = || self.backend.cuda().and_then(|c| c.gpu().mem_info().ok()).map(|(f, _)| f);
+        let free = || {
+            self.backend
+                .cuda()
+                .and_then(|c| c.gpu().mem_info().ok())
+                .map(|(f, _)| f)
+        };
         let before = free();
         let mut s = Session::new(&self.model, &self.backend, config)?;
         if let (Some(c), Some(before), Some(after)) = (self.backend.cuda(), before, free()) {
@@ -754,7 +759,13 @@ fn plan_device(
     let dense = model.dense_weight_bytes();
     c.preload(&dense)
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
-    cuda_memory(c, &device, "the dense weights", dense.iter().map(|w| w.len() as u64).sum(), false);
+    cuda_memory(
+        c,
+        &device,
+        "the dense weights",
+        dense.iter().map(|w| w.len() as u64).sum(),
+        false,
+    );
     if faults.probe_unsynced && !matches!(plan.experts, Some(ExpertPlacement::Cache { .. })) {
         eprintln!(
             "strata: {}=probe:unsynced does nothing here: every expert is resident, so no link probe runs (it runs for the expert cache)",

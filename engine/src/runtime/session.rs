@@ -240,7 +240,11 @@ impl<'m, B: Backend> Session<'m, B> {
             be.step_end();
         }
         // A forward pass cancelled between layers computed no logits to read.
-        let want = if crate::backend::progress::aborted() { Logits::None } else { want };
+        let want = if crate::backend::progress::aborted() {
+            Logits::None
+        } else {
+            want
+        };
         self.model.read_logits(be, &mut self.scratch, want, layout, out.topped)
     }
 

@@ -154,7 +154,12 @@ pub async fn serve(
             ended: Arc::new(AtomicBool::new(false)),
             evict: Arc::new(Notify::new()),
         };
-        let (started, active, ended, evict) = (me.started.clone(), me.active.clone(), me.ended.clone(), me.evict.clone());
+        let (started, active, ended, evict) = (
+            me.started.clone(),
+            me.active.clone(),
+            me.ended.clone(),
+            me.evict.clone(),
+        );
         {
             let mut q = open.lock().unwrap_or_else(|p| p.into_inner());
             q.retain(|o| !o.ended.load(Ordering::Relaxed));
@@ -207,10 +212,7 @@ pub async fn serve(
     };
     if !finished {
         at_deadline();
-        let _ = tokio::time::timeout(FLUSH, async {
-            while conns.join_next().await.is_some() {}
-        })
-        .await;
+        let _ = tokio::time::timeout(FLUSH, async { while conns.join_next().await.is_some() {} }).await;
     }
     conns.abort_all();
 }

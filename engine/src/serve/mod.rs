@@ -357,7 +357,11 @@ async fn guard_browser(State(s): State<Shared>, req: Request, next: Next) -> Res
         }
     }
     if s.api_key.is_none() && req.method() == Method::POST && req.uri().path().starts_with("/v1/") {
-        let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let ct = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
         let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
         if essence != "application/json" {
             let msg = format!(

@@ -391,7 +391,10 @@ fn api_key_is_required_when_set_and_public_addresses_need_one() {
         .unwrap();
     assert_eq!(r.status(), 401);
     // Answered before the body is read: the connection is closed, so a client cannot reuse it mid-body.
-    assert_eq!(r.headers().get("connection").map(|v| v.to_str().unwrap()), Some("close"));
+    assert_eq!(
+        r.headers().get("connection").map(|v| v.to_str().unwrap()),
+        Some("close")
+    );
     let r = s
         .client
         .post(s.url("/v1/chat/completions"))
@@ -462,7 +465,10 @@ fn a_stalled_body_gets_408_within_the_body_timeout() {
     let n = c.read(&mut head).expect("an answer");
     let head = String::from_utf8_lossy(&head[..n]);
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
-    assert!(head.to_ascii_lowercase().contains("connection: close"), "unread body, reused connection: {head}");
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "unread body, reused connection: {head}"
+    );
     assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
     let (status, _) = s.post(
         "/v1/chat/completions",
@@ -476,7 +482,10 @@ fn a_stalled_body_gets_408_within_the_body_timeout() {
 /// gets 415; CORS preflights are answered for `--cors-origin`'s origins alone. With an API key, the key decides.
 #[test]
 fn a_keyless_server_refuses_rebound_hosts_form_posts_and_unknown_origins() {
-    let s = Server::start_with(&["--allowed-host", "strata.lan", "--cors-origin", "https://app.example"], &[]);
+    let s = Server::start_with(
+        &["--allowed-host", "strata.lan", "--cors-origin", "https://app.example"],
+        &[],
+    );
     let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1});
     let with_host = |host: &str| {
         s.client
@@ -489,8 +498,22 @@ fn a_keyless_server_refuses_rebound_hosts_form_posts_and_unknown_origins() {
     let r = with_host("evil.example:8080");
     assert_eq!(r.status(), 403);
     let v: Value = r.json().unwrap();
-    assert!(v["error"]["message"].as_str().unwrap().contains("--allowed-host evil.example"), "{v}");
-    assert_eq!(s.client.get(s.url("/health")).header("host", "evil.example").send().unwrap().status(), 403);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--allowed-host evil.example"),
+        "{v}"
+    );
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .header("host", "evil.example")
+            .send()
+            .unwrap()
+            .status(),
+        403
+    );
     for ok in ["localhost:1234", "127.0.0.1", "[::1]:80", "STRATA.LAN:9"] {
         assert_eq!(with_host(ok).status(), 200, "{ok}");
     }
@@ -502,7 +525,10 @@ fn a_keyless_server_refuses_rebound_hosts_form_posts_and_unknown_origins() {
         }
         let r = req.send().unwrap();
         assert_eq!(r.status(), 415, "{ct:?}");
-        assert_eq!(r.headers().get("connection").map(|v| v.to_str().unwrap()), Some("close"));
+        assert_eq!(
+            r.headers().get("connection").map(|v| v.to_str().unwrap()),
+            Some("close")
+        );
     }
     let r = s
         .client
@@ -524,10 +550,17 @@ fn a_keyless_server_refuses_rebound_hosts_form_posts_and_unknown_origins() {
     };
     let r = preflight("https://app.example");
     assert_eq!(
-        r.headers().get("access-control-allow-origin").map(|v| v.to_str().unwrap()),
+        r.headers()
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap()),
         Some("https://app.example")
     );
-    assert!(preflight("https://evil.example").headers().get("access-control-allow-origin").is_none());
+    assert!(
+        preflight("https://evil.example")
+            .headers()
+            .get("access-control-allow-origin")
+            .is_none()
+    );
 
     // With a key, the key is what protects the server: any Host, any content type reach the key check.
     let k = Server::start_with(&["--api-key", "sekret"], &[]);
@@ -546,7 +579,11 @@ fn a_keyless_server_refuses_rebound_hosts_form_posts_and_unknown_origins() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--cors-origin"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--cors-origin"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Parsing and tokenizing run off the async threads (issue 19, point 3): while two clients post 3.5 MB
@@ -593,5 +630,8 @@ fn big_bodies_being_tokenized_do_not_stall_health() {
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     let answered: usize = posters.into_iter().map(|p| p.join().unwrap()).sum();
     assert!(answered >= 2, "the big bodies were not answered: {answered}");
-    assert!(worst < Duration::from_secs(1), "/health took {worst:?} while big bodies were tokenized");
+    assert!(
+        worst < Duration::from_secs(1),
+        "/health took {worst:?} while big bodies were tokenized"
+    );
 }

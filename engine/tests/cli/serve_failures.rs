@@ -225,7 +225,11 @@ fn silent_connections_do_not_lock_clients_out() {
     let r = fresh.get(s.url("/health")).send().expect("/health answers");
     assert_eq!(r.status(), 200);
     assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
-    let r = fresh.post(s.url("/v1/chat/completions")).json(&short_request()).send().unwrap();
+    let r = fresh
+        .post(s.url("/v1/chat/completions"))
+        .json(&short_request())
+        .send()
+        .unwrap();
     assert_eq!(r.status(), 200);
     // Part of a header, then nothing: closed at the deadline, not held.
     let mut slow = std::net::TcpStream::connect(&addr).unwrap();
@@ -235,7 +239,10 @@ fn silent_connections_do_not_lock_clients_out() {
     let mut buf = Vec::new();
     let _ = slow.read_to_end(&mut buf);
     let waited = start.elapsed();
-    assert!(waited >= Duration::from_secs(8) && waited < Duration::from_secs(20), "closed after {waited:?}");
+    assert!(
+        waited >= Duration::from_secs(8) && waited < Duration::from_secs(20),
+        "closed after {waited:?}"
+    );
     assert!(s.metrics().contains("strata_connections_refused_total"));
     drop(silent);
     // Keep-alive connections that asked once and now sit idle cannot lock others out either.
@@ -251,7 +258,10 @@ fn silent_connections_do_not_lock_clients_out() {
         .collect();
     assert!(idle.len() > 100, "{} keep-alive connections", idle.len());
     let start = Instant::now();
-    let r = fresh.get(s.url("/health")).send().expect("/health answers past idle keep-alive connections");
+    let r = fresh
+        .get(s.url("/health"))
+        .send()
+        .expect("/health answers past idle keep-alive connections");
     assert_eq!(r.status(), 200);
     assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
 }
@@ -261,7 +271,12 @@ fn silent_connections_do_not_lock_clients_out() {
 #[test]
 fn sigterm_drains_and_ends_streams_properly() {
     let mut s = Server::start_with(&["--drain-s", "2"], &[]);
-    let r = s.client.post(s.url("/v1/chat/completions")).json(&long_request(true)).send().unwrap();
+    let r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&long_request(true))
+        .send()
+        .unwrap();
     assert_eq!(r.status(), 200);
     let mut sse = SseReader::new(r);
     for _ in 0..3 {
@@ -274,10 +289,15 @@ fn sigterm_drains_and_ends_streams_properly() {
     assert_ne!(last.data, "[DONE]", "a 2000-token story does not finish in 2 s");
     let err: Value = serde_json::from_str(&last.data).unwrap();
     assert!(err["error"]["message"].as_str().unwrap().contains("--drain-s"), "{err}");
-    let st = s.wait_exit(Duration::from_secs(10)).expect("strata serve exits after the drain");
+    let st = s
+        .wait_exit(Duration::from_secs(10))
+        .expect("strata serve exits after the drain");
     assert!(st.success(), "{st:?}");
     let took = start.elapsed();
-    assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(8), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
     // Nothing listens any more.
     assert!(std::net::TcpStream::connect(s.base.trim_start_matches("http://")).is_err());
 }
@@ -312,7 +332,10 @@ fn leave_during_prefill(flags: &[&str]) -> (Duration, f64) {
 #[test]
 fn a_client_that_leaves_during_prefill_stops_it() {
     let (_, prompt_tokens) = leave_during_prefill(&["--prefill", "64", "--max-context", "4096"]);
-    assert!(prompt_tokens < 2000.0, "the abandoned prefill went on: {prompt_tokens} prompt tokens computed");
+    assert!(
+        prompt_tokens < 2000.0,
+        "the abandoned prefill went on: {prompt_tokens} prompt tokens computed"
+    );
 }
 
 /// On the CPU a client that leaves stops the prefill inside its chunk too (issue 19, point 5): with one chunk of
@@ -320,28 +343,48 @@ fn a_client_that_leaves_during_prefill_stops_it() {
 #[test]
 fn a_client_that_leaves_stops_even_a_single_long_chunk() {
     let (waited, prompt_tokens) = leave_during_prefill(&["--prefill", "4096", "--max-context", "4096"]);
-    assert!(waited < Duration::from_secs(10), "waited {waited:?} behind the abandoned chunk");
-    assert!(prompt_tokens < 200.0, "the abandoned chunk counted: {prompt_tokens} prompt tokens");
+    assert!(
+        waited < Duration::from_secs(10),
+        "waited {waited:?} behind the abandoned chunk"
+    );
+    assert!(
+        prompt_tokens < 200.0,
+        "the abandoned chunk counted: {prompt_tokens} prompt tokens"
+    );
 }
 
 /// A single long prefill chunk is not taken for a hang (issue 19, point 5): the worker says it is busy while its
 /// layers advance, so a watchdog shorter than the chunk lets it finish.
 #[test]
 fn a_long_prefill_chunk_outlives_a_short_watchdog() {
-    let s = Server::start_with(&["--watchdog-s", "1", "--prefill", "4096", "--max-context", "4096"], &[]);
+    let s = Server::start_with(
+        &["--watchdog-s", "1", "--prefill", "4096", "--max-context", "4096"],
+        &[],
+    );
     let prompt = "the river runs past old stone walls and green fields ".repeat(100);
     let (status, v) = s.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 2}));
     assert_eq!(status, 200, "{v}");
     let prompt_ms = v["timings"]["prompt_ms"].as_f64().unwrap();
-    assert!(prompt_ms > 2500.0, "the chunk took {prompt_ms} ms: too short to test a 1 s watchdog");
-    assert!(s.metrics().contains("strata_worker_restarts_total 0"), "{}", s.metrics());
+    assert!(
+        prompt_ms > 2500.0,
+        "the chunk took {prompt_ms} ms: too short to test a 1 s watchdog"
+    );
+    assert!(
+        s.metrics().contains("strata_worker_restarts_total 0"),
+        "{}",
+        s.metrics()
+    );
 }
 
 /// A worker that hangs while loading is noticed (issue 19, point 2): after `--load-timeout-s` it is killed, the
 /// cause is in `/health` and the log, a waiting request gets 503 naming it, and a new worker is started.
 #[test]
 fn a_worker_that_hangs_while_loading_is_killed_and_restarted() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["serve", "--port", &port.to_string(), "--load-timeout-s", "2"])
         .env("STRATA_WORKER_FAULT_AT_LOAD", "hang")
@@ -351,24 +394,43 @@ fn a_worker_that_hangs_while_loading_is_killed_and_restarted() {
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
     let up = Instant::now();
     while client.get(format!("{base}/health")).send().is_err() {
         assert!(up.elapsed() < Duration::from_secs(60), "serve did not listen");
         std::thread::sleep(Duration::from_millis(50));
     }
     let start = Instant::now();
-    let r = client.post(format!("{base}/v1/chat/completions")).json(&short_request()).send().unwrap();
+    let r = client
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&short_request())
+        .send()
+        .unwrap();
     let waited = start.elapsed();
     assert_eq!(r.status(), 503);
     let v: Value = r.json().unwrap();
-    assert!(v["error"]["message"].as_str().unwrap().contains("did not load within 2 s"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("did not load within 2 s"),
+        "{v}"
+    );
     assert!(waited < Duration::from_secs(10), "{waited:?}");
     let h: Value = client.get(format!("{base}/health")).send().unwrap().json().unwrap();
     assert_eq!(h["status"], "loading");
-    assert!(h["last_worker_death"].as_str().unwrap().contains("--load-timeout-s"), "{h}");
+    assert!(
+        h["last_worker_death"].as_str().unwrap().contains("--load-timeout-s"),
+        "{h}"
+    );
     let metrics = client.get(format!("{base}/metrics")).send().unwrap().text().unwrap();
-    assert!(metrics.contains("strata_worker_deaths_total{cause=\"load_timeout\"}"), "{metrics}");
+    assert!(
+        metrics.contains("strata_worker_deaths_total{cause=\"load_timeout\"}"),
+        "{metrics}"
+    );
     child.kill().unwrap();
     let _ = child.wait();
     let mut err = String::new();
