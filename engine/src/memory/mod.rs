@@ -56,6 +56,18 @@ fn parse_max_context(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Most sequences `--parallel` may ask for.
+pub const MAX_PARALLEL: usize = 256;
+
+fn parse_parallel(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=MAX_PARALLEL).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "--parallel takes a sequence count from 1 to {MAX_PARALLEL}, not `{s}`"
+        )),
+    }
+}
+
 fn parse_prefill(s: &str) -> Result<PrefillChunk, String> {
     parse_prefill_chunk(s).map(PrefillChunk)
 }
@@ -74,6 +86,10 @@ pub struct PlanFlags {
     /// Prefill chunk in tokens, or `auto` (512; `strata bench` defaults to the whole prompt in one batch).
     #[arg(long, value_parser = parse_prefill)]
     pub prefill: Option<PrefillChunk>,
+    /// Sequences computed together, 1 to 256 (`strata serve`'s slots, default 4 there; 1 elsewhere). Each has
+    /// its own KV cache of --max-context tokens, so the plan holds that many.
+    #[arg(long, value_parser = parse_parallel)]
+    pub parallel: Option<usize>,
     /// The expert cache's flags.
     #[command(flatten)]
     pub experts: ExpertFlags,
@@ -83,6 +99,11 @@ impl PlanFlags {
     /// `--max-context`, or its default ([`DEFAULT_MAX_CONTEXT`]).
     pub fn max_context(&self) -> usize {
         self.max_context.unwrap_or(DEFAULT_MAX_CONTEXT)
+    }
+
+    /// Sequences with a KV cache (`--parallel`, default 1).
+    pub fn sequences(&self) -> usize {
+        self.parallel.unwrap_or(1)
     }
 
     /// Tokens per prefill chunk (`auto`: [`AUTO_PREFILL_CHUNK`]).
@@ -98,6 +119,9 @@ impl PlanFlags {
         }
         if let Some(p) = self.prefill {
             a.extend(["--prefill".into(), p.0.map_or("auto".into(), |n| n.to_string())]);
+        }
+        if let Some(n) = self.parallel {
+            a.extend(["--parallel".into(), n.to_string()]);
         }
         a.extend(self.experts.to_args());
         a
@@ -153,6 +177,8 @@ pub struct PlanConfig {
     /// KV cells (tokens of context; see [`context_cells`]).
     pub context: usize,
     pub kv: KvType,
+    /// Sequences, each with a KV cache of `context` cells (`--parallel`).
+    pub sequences: usize,
     /// Tokens per prefill chunk.
     pub prefill_chunk: usize,
     /// Bytes kept free on the device (`--vram-reserve-mib`).
@@ -170,6 +196,7 @@ impl PlanConfig {
         PlanConfig {
             context: context_cells(flags.max_context(), n_ctx_train),
             kv: flags.kv,
+            sequences: flags.sequences(),
             prefill_chunk: flags.prefill_chunk(),
             reserve: flags.experts.reserve_bytes(),
             cache: flags.experts.expert_cache,
@@ -238,8 +265,10 @@ impl fmt::Display for Verdict {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct MemoryPlan {
     pub parts: Vec<(Part, u64)>,
-    /// KV cells planned for.
+    /// KV cells planned for, per sequence.
     pub context: usize,
+    /// Sequences with a KV cache of `context` cells each.
+    pub sequences: usize,
     #[serde(serialize_with = "display")]
     pub kv: KvType,
     /// Where the routed experts go (`None`: the model has none).
@@ -272,7 +301,7 @@ impl MemoryPlan {
         config: &PlanConfig,
         free: u64,
     ) -> Result<MemoryPlan, KvError> {
-        let kv = kv_bytes(&hp.kv_shape(), config.kv, config.context)?;
+        let kv = kv_bytes(&hp.kv_shape(), config.kv, config.context)?.saturating_mul(config.sequences.max(1) as u64);
         // A chunk's activations: six f32 buffers of the widest row (the FFN's, or the routed experts' together),
         // one f16 copy of the chunk's hidden states, and the largest matrix dequantized to f16 for the GEMM.
         let chunk = config.prefill_chunk as u64;
@@ -285,6 +314,7 @@ impl MemoryPlan {
         let mut plan = MemoryPlan {
             parts: vec![(Part::DenseWeights, weights.dense)],
             context: config.context,
+            sequences: config.sequences.max(1),
             kv: config.kv,
             experts: None,
             free,
@@ -584,6 +614,7 @@ mod tests {
         let h = hp(64);
         let cfg = PlanConfig {
             context: 300,
+            sequences: 1,
             kv: KvType::F16,
             prefill_chunk: 8,
             reserve: 7,
@@ -643,6 +674,7 @@ mod tests {
         };
         let cfg = PlanConfig {
             context: 16,
+            sequences: 1,
             kv: KvType::F16,
             prefill_chunk: 8,
             reserve: 100,
@@ -703,6 +735,7 @@ mod tests {
     fn int8_plan_of_a_head_width_the_cache_refuses_is_an_error() {
         let cfg = PlanConfig {
             context: 16,
+            sequences: 1,
             kv: KvType::Int8,
             prefill_chunk: 8,
             reserve: 0,

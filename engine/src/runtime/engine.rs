@@ -783,9 +783,10 @@ fn plan_device(
     }
     if let Ok((left, _)) = c.gpu().mem_info() {
         eprintln!(
-            "strata: {} MiB of VRAM free with everything loaded (each sequence's KV cache comes out of it: {} MiB at {} tokens)",
+            "strata: {} MiB of VRAM free with everything loaded (each sequence's KV cache comes out of it: {} MiB for {} x {} tokens)",
             left >> 20,
             plan.bytes(Part::KvCache) >> 20,
+            plan.sequences,
             plan.context
         );
     }

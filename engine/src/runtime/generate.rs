@@ -170,6 +170,119 @@ pub fn logits_digest(logits: &[f32]) -> u64 {
     h.finish()
 }
 
+/// What [`Decoding::advance`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Generation goes on: compute this token's logits next.
+    Feed(u32),
+    /// Generation ended (the last token sampled is in [`Decoding::finish`]'s ids already).
+    Stopped(StopReason),
+}
+
+/// The decode half of one generation, one sampled token at a time: sampling, detokenizing into whole UTF-8
+/// characters, stop strings, the token limit and the context limit. [`generate`] drives it for one sequence; the
+/// batch scheduler ([`crate::runtime::batch`]) drives one per sequence of a batch, so a sequence produces the same
+/// text whichever way it is computed.
+pub struct Decoding {
+    history: Vec<u32>,
+    out: Vec<u32>,
+    /// Bytes of a UTF-8 character cut between tokens, held until it is whole.
+    bytes: Vec<u8>,
+    stops: StopMatcher,
+    max_tokens: usize,
+    digest: bool,
+    digests: Vec<u64>,
+}
+
+impl Decoding {
+    /// A generation after `prompt` with `opts`' limits and stop strings.
+    pub fn new(prompt: &[u32], opts: &GenerateOptions) -> Decoding {
+        Decoding {
+            history: prompt.to_vec(),
+            out: Vec::new(),
+            bytes: Vec::new(),
+            stops: StopMatcher::new(opts.stop.iter().cloned()),
+            max_tokens: opts.max_tokens,
+            digest: opts.logits_digest,
+            digests: Vec::new(),
+        }
+    }
+
+    /// Tokens sampled so far.
+    pub fn generated(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Whether the next step may return the backend's best candidates only ([`Session::decode_top`]).
+    pub fn wants_top(&self, sampler: &dyn TokenSampler) -> bool {
+        sampler.top_suffices() && !self.digest
+    }
+
+    /// Samples the next token from the step's `logits`, prints what it completes through `on_text`, and says
+    /// whether generation goes on. `room`: the context has a cell for the sampled token (else the generation
+    /// ends with [`StopReason::Context`] once the token is printed).
+    ///
+    /// Errors: the token cannot be detokenized.
+    pub fn advance(
+        &mut self,
+        logits: StepLogits<'_>,
+        sampler: &mut dyn TokenSampler,
+        tokenizer: &Tokenizer,
+        room: bool,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Next, TokenizerError> {
+        if self.out.len() >= self.max_tokens {
+            return Ok(Next::Stopped(StopReason::Limit));
+        }
+        if self.digest
+            && let StepLogits::Full(l) = logits
+        {
+            self.digests.push(logits_digest(l));
+        }
+        let tok = sampler.next_token(logits, &self.history);
+        self.out.push(tok);
+        self.history.push(tok);
+        if tokenizer.is_eog(tok) {
+            return Ok(Next::Stopped(StopReason::Eog));
+        }
+        self.bytes.extend_from_slice(&tokenizer.decode_bytes(&[tok], true)?);
+        let valid = match std::str::from_utf8(&self.bytes) {
+            Ok(s) => s.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            // Invalid bytes (not a cut character) are printed lossily now.
+            Err(_) => self.bytes.len(),
+        };
+        let piece = String::from_utf8_lossy(&self.bytes[..valid]).into_owned();
+        self.bytes.drain(..valid);
+        let step = self.stops.feed(&piece);
+        if !step.text.is_empty() {
+            on_text(step.text);
+        }
+        Ok(if step.stopped {
+            Next::Stopped(StopReason::StopString)
+        } else if self.out.len() == self.max_tokens {
+            Next::Stopped(StopReason::Limit)
+        } else if !room {
+            Next::Stopped(StopReason::Context)
+        } else {
+            Next::Feed(tok)
+        })
+    }
+
+    /// Ends the generation for `stop`: text held back for a possible stop string is printed, unless a stop string
+    /// matched or the generation was cancelled. Returns the sampled ids and, with
+    /// [`GenerateOptions::logits_digest`], their logits' digests.
+    pub fn finish(mut self, stop: StopReason, on_text: &mut dyn FnMut(&str)) -> (Vec<u32>, Vec<u64>) {
+        if stop != StopReason::StopString && stop != StopReason::Cancelled {
+            let rest = self.stops.feed(&String::from_utf8_lossy(&self.bytes)).text.to_string() + self.stops.finish();
+            if !rest.is_empty() {
+                on_text(&rest);
+            }
+        }
+        (self.out, self.digests)
+    }
+}
+
 /// Prefills `prompt`, then samples up to `opts.max_tokens` tokens, calling `on_text` with each printable
 /// piece of text (whole UTF-8 characters; end-of-generation tokens and stop strings are not printed).
 /// Returns the generated ids (an end-of-generation token included) and the stats.
@@ -223,66 +336,23 @@ pub fn generate_cancellable<B: Backend>(
             },
         ));
     }
-    let mut history: Vec<u32> = prompt.to_vec();
-    let mut out = Vec::new();
-    let mut bytes: Vec<u8> = Vec::new();
-    let mut stops = StopMatcher::new(opts.stop.iter().cloned());
-    let mut stop = StopReason::Limit;
-    let mut digests = Vec::new();
-    while out.len() < opts.max_tokens {
+    let mut dec = Decoding::new(prompt, opts);
+    let stop = loop {
         if cancel.load(Ordering::Relaxed) {
-            stop = StopReason::Cancelled;
-            break;
+            break StopReason::Cancelled;
         }
-        let logits = session.step_logits();
-        if opts.logits_digest
-            && let StepLogits::Full(l) = logits
-        {
-            digests.push(logits_digest(l));
+        let room = session.tokens().len() < session.n_ctx();
+        match dec.advance(session.step_logits(), sampler, tokenizer, room, on_text)? {
+            Next::Stopped(why) => break why,
+            Next::Feed(tok) if dec.wants_top(sampler) => {
+                session.decode_top(tok)?;
+            }
+            Next::Feed(tok) => {
+                session.decode(tok)?;
+            }
         }
-        let tok = sampler.next_token(logits, &history);
-        out.push(tok);
-        history.push(tok);
-        if tokenizer.is_eog(tok) {
-            stop = StopReason::Eog;
-            break;
-        }
-        bytes.extend_from_slice(&tokenizer.decode_bytes(&[tok], true)?);
-        let valid = match std::str::from_utf8(&bytes) {
-            Ok(s) => s.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            // Invalid bytes (not a cut character) are printed lossily now.
-            Err(_) => bytes.len(),
-        };
-        let piece = String::from_utf8_lossy(&bytes[..valid]).into_owned();
-        bytes.drain(..valid);
-        let step = stops.feed(&piece);
-        if !step.text.is_empty() {
-            on_text(step.text);
-        }
-        if step.stopped {
-            stop = StopReason::StopString;
-            break;
-        }
-        if out.len() == opts.max_tokens {
-            break;
-        }
-        if session.tokens().len() >= session.n_ctx() {
-            stop = StopReason::Context;
-            break;
-        }
-        if sampler.top_suffices() && !opts.logits_digest {
-            session.decode_top(tok)?;
-        } else {
-            session.decode(tok)?;
-        }
-    }
-    if stop != StopReason::StopString && stop != StopReason::Cancelled {
-        let rest = stops.feed(&String::from_utf8_lossy(&bytes)).text.to_string() + stops.finish();
-        if !rest.is_empty() {
-            on_text(&rest);
-        }
-    }
+    };
+    let (out, digests) = dec.finish(stop, on_text);
     Ok((
         out.clone(),
         GenerateStats {

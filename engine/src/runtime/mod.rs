@@ -1,6 +1,7 @@
 //! Run time: the engine (flags and the one composition root), sequences and their step driver, sampling and
 //! generation.
 
+pub mod batch;
 pub mod engine;
 pub mod generate;
 pub mod sampling;

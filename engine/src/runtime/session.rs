@@ -164,7 +164,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Rows of the next prefill batch out of `remaining` tokens. A batch whose library GEMM fails either
     /// switches the session to batches of at most the failing limit (fallback on; the switch is returned once)
     /// or is an error (fallback off).
-    fn next_batch_rows(&mut self, remaining: usize) -> Result<(usize, Option<GemmFault>), SessionError> {
+    pub(crate) fn next_batch_rows(&mut self, remaining: usize) -> Result<(usize, Option<GemmFault>), SessionError> {
         let rows = remaining.min(self.chunk);
         if !self.faults.prefill_gemm_fails(rows) {
             return Ok((rows, None));
@@ -276,20 +276,7 @@ impl<'m, B: Backend> Session<'m, B> {
         cancel: &std::sync::atomic::AtomicBool,
     ) -> Result<PrefillStats, SessionError> {
         let start = Instant::now();
-        if prompt.is_empty() {
-            return Err(SessionError::EmptyPrompt);
-        }
-        if prompt.len() > self.n_ctx() {
-            return Err(SessionError::ContextOverflow {
-                needed: prompt.len(),
-                n_ctx: self.n_ctx(),
-            });
-        }
-        self.check_tokens(prompt)?;
-        self.top_last = false;
-        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        let reused = common.min(prompt.len() - 1);
-        self.tokens.truncate(reused);
+        let reused = self.begin_prompt(prompt)?;
         let rest = &prompt[reused..];
         let mut gemm_fallback = None;
         let mut done = 0;
@@ -309,13 +296,11 @@ impl<'m, B: Backend> Session<'m, B> {
             let chunk = &rest[done..done + rows];
             done += rows;
             let want = if done == rest.len() { Logits::Last } else { Logits::None };
-            self.run_step(chunk, want);
-            if crate::backend::progress::take_aborted() {
+            if !self.step_alone(chunk, want) {
                 done -= rows;
                 cancelled = true;
                 break;
             }
-            self.tokens.extend_from_slice(chunk);
             if done < rest.len()
                 && let Some(f) = self.progress.as_mut()
             {
@@ -330,6 +315,46 @@ impl<'m, B: Backend> Session<'m, B> {
             gemm_fallback,
             cancelled,
         })
+    }
+
+    /// Starts a prompt: checks it, keeps the cached cells of its longest common prefix with what the cache holds
+    /// (at most all but its last token, so its last token's logits are computed) and forgets the rest. Returns the
+    /// tokens kept; the caller computes `prompt[kept..]`.
+    ///
+    /// Errors: an empty prompt; a prompt longer than the context; an id outside the vocabulary.
+    pub(crate) fn begin_prompt(&mut self, prompt: &[u32]) -> Result<usize, SessionError> {
+        if prompt.is_empty() {
+            return Err(SessionError::EmptyPrompt);
+        }
+        if prompt.len() > self.n_ctx() {
+            return Err(SessionError::ContextOverflow {
+                needed: prompt.len(),
+                n_ctx: self.n_ctx(),
+            });
+        }
+        self.check_tokens(prompt)?;
+        self.top_last = false;
+        let reused = self.common_prefix(prompt).min(prompt.len() - 1);
+        self.tokens.truncate(reused);
+        Ok(reused)
+    }
+
+    /// Tokens of `prompt` the cache holds already: the longest common prefix.
+    pub fn common_prefix(&self, prompt: &[u32]) -> usize {
+        self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count()
+    }
+
+    /// One step of this sequence alone: `tokens` (checked by the caller, with room in the cache) at the next
+    /// positions, leaving `want`'s output for [`Session::step_logits`]. Returns false when the step was cancelled
+    /// between layers (`backend::progress`): nothing was appended and no logits were computed.
+    pub(crate) fn step_alone(&mut self, tokens: &[u32], want: Logits) -> bool {
+        let full = self.run_step(tokens, want).is_empty();
+        if crate::backend::progress::take_aborted() {
+            return false;
+        }
+        self.top_last = want == Logits::Top && full;
+        self.tokens.extend_from_slice(tokens);
+        true
     }
 
     /// Appends `token` and computes its logits ([`Session::logits`]).
@@ -352,17 +377,22 @@ impl<'m, B: Backend> Session<'m, B> {
 
     /// One decode step of `token` with the output `want` asks for; records whether only candidates came back.
     fn step(&mut self, token: u32, want: Logits) -> Result<(), SessionError> {
+        self.check_room(token)?;
+        self.step_alone(&[token], want);
+        Ok(())
+    }
+
+    /// Whether `token` may be decoded next: the cache has a cell for it and it is in the vocabulary.
+    ///
+    /// Errors: [`SessionError::ContextOverflow`], [`SessionError::BadToken`].
+    pub(crate) fn check_room(&self, token: u32) -> Result<(), SessionError> {
         if self.tokens.len() >= self.n_ctx() {
             return Err(SessionError::ContextOverflow {
                 needed: self.tokens.len() + 1,
                 n_ctx: self.n_ctx(),
             });
         }
-        self.check_tokens(&[token])?;
-        let full = self.run_step(&[token], want).is_empty();
-        self.top_last = want == Logits::Top && full;
-        self.tokens.push(token);
-        Ok(())
+        self.check_tokens(&[token])
     }
 
     /// The last step's output: its candidates after a [`Session::decode_top`] the backend selected for, else the
@@ -413,6 +443,39 @@ impl<'m, B: Backend> Session<'m, B> {
         }
         Ok(out)
     }
+}
+
+/// One forward step of several sequences together (continuous batching): `parts[i].1` are the tokens of
+/// sequence `parts[i].0` at its next positions (a decode token, or a prefill chunk; checked by the caller, with
+/// room in each cache). Every sequence's tokens are appended to it, and the last token's logits of each part are
+/// returned, `[parts.len()][vocab]`, in `parts`' order. `scratch` holds the step's activations (one for every
+/// batched step). A step of several sequences is never recorded as a CUDA graph (a graph belongs to one
+/// sequence's buffers), and each part's logits are the token's whole logits.
+///
+/// Panics if `parts` is empty or names a sequence twice.
+pub(crate) fn step_together<'s, 'm, B: Backend>(
+    parts: &mut [(&mut Session<'m, B>, &[u32])],
+    scratch: &'s mut Scratch<B>,
+) -> &'s [f32] {
+    assert!(!parts.is_empty(), "step_together: no sequence");
+    let (model, be) = (parts[0].0.model, parts[0].0.backend);
+    let mut layout = BatchLayout::default();
+    let mut tokens = Vec::new();
+    for (i, (s, t)) in parts.iter().enumerate() {
+        layout.push(i, s.tokens.len(), t.len());
+        tokens.extend_from_slice(t);
+    }
+    let mut kvs: Vec<&mut KvCache> = Vec::with_capacity(parts.len());
+    for (s, _) in parts.iter_mut() {
+        s.top_last = false;
+        kvs.push(&mut s.kv);
+    }
+    model.forward(be, &tokens, &layout, &mut kvs, scratch, Logits::Last);
+    drop(kvs);
+    for (s, t) in parts.iter_mut() {
+        s.tokens.extend_from_slice(t);
+    }
+    model.read_logits(be, scratch, Logits::Last, &layout, false)
 }
 
 impl<B: Backend> Drop for Session<'_, B> {

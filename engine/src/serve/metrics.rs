@@ -21,8 +21,10 @@ pub struct Metrics {
     pub prefill_seconds: Histogram,
     /// `strata_decode_seconds`: decode time per request.
     pub decode_seconds: Histogram,
-    /// `strata_queue_depth`: requests waiting behind the running one.
+    /// `strata_queue_depth`: requests waiting for a slot (`--parallel` are computed at once).
     pub queue_depth: IntGauge,
+    /// `strata_requests_running`: requests in a slot of the engine (at most `--parallel`).
+    pub running: IntGauge,
     /// `strata_queue_rejected_total`: requests answered 503 because the queue was full.
     pub queue_rejected: IntCounter,
     /// `strata_connections_refused_total`: connections closed at once because the connection limit was reached.
@@ -107,7 +109,9 @@ impl Metrics {
             generated_tokens: counter("strata_generated_tokens_total", "tokens generated"),
             prefill_seconds: seconds("strata_prefill_seconds", "prefill time per request, seconds"),
             decode_seconds: seconds("strata_decode_seconds", "decode time per request, seconds"),
-            queue_depth: IntGauge::new("strata_queue_depth", "requests waiting behind the running one")
+            queue_depth: IntGauge::new("strata_queue_depth", "requests waiting for a slot of the engine")
+                .expect("valid metric"),
+            running: IntGauge::new("strata_requests_running", "requests in a slot of the engine")
                 .expect("valid metric"),
             queue_rejected: counter(
                 "strata_queue_rejected_total",
@@ -150,7 +154,7 @@ impl Metrics {
             }
         }
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 20] = [
+        let all: [Box<dyn prometheus::core::Collector>; 21] = [
             Box::new(m.expert_cache_lookups.clone()),
             Box::new(m.expert_cache_cpu_computed.clone()),
             Box::new(m.expert_cache_prefetched.clone()),
@@ -164,6 +168,7 @@ impl Metrics {
             Box::new(m.prefill_seconds.clone()),
             Box::new(m.decode_seconds.clone()),
             Box::new(m.queue_depth.clone()),
+            Box::new(m.running.clone()),
             Box::new(m.queue_rejected.clone()),
             Box::new(m.connections_refused.clone()),
             Box::new(m.worker_restarts.clone()),

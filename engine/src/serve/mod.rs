@@ -37,6 +37,9 @@ use api::{Api, ApiError, ErrorKind, ModelInfo};
 use metrics::Metrics;
 use supervisor::{Supervisor, SupervisorConfig};
 
+/// Requests `strata serve` computes at once without `--parallel` (llama-server's default too).
+pub const DEFAULT_PARALLEL: usize = 4;
+
 /// The environment variable read when `--api-key` is not given.
 pub const ENV_API_KEY: &str = crate::switches::API_KEY;
 
@@ -76,7 +79,8 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Requests allowed to wait behind the running one; beyond it the answer is 503 with Retry-After.
+    /// Requests allowed to wait for a slot (`--parallel` run at once); beyond it the answer is 503 with
+    /// Retry-After.
     #[arg(long, default_value_t = 16)]
     pub max_queue: usize,
     /// A worker silent this many seconds while a request is in flight is killed and restarted (at most a week).
@@ -205,6 +209,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let mut engine = args.engine.clone();
         // The worker must load the file the front read, even if `default` would resolve differently later.
         engine.model = path.display().to_string();
+        // `strata serve` computes DEFAULT_PARALLEL requests at once unless --parallel says otherwise.
+        let parallel = *engine.plan.parallel.get_or_insert(DEFAULT_PARALLEL);
         let supervisor = Supervisor::start(
             SupervisorConfig {
                 worker: WorkerFlags {
@@ -212,6 +218,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                     events: args.events.clone(),
                 },
                 max_queue: args.max_queue,
+                parallel,
                 watchdog: Duration::from_secs(args.watchdog_s.max(1)),
                 load_timeout: Duration::from_secs(args.load_timeout_s.unwrap_or_else(|| default_load_timeout_s(&path))),
             },
@@ -228,7 +235,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             cpu: api::CpuGate::new(CPU_JOBS, args.max_queue.max(1) * 2),
         });
         eprintln!(
-            "strata serve: listening on http://{} (model {}, context {} tokens{})",
+            "strata serve: listening on http://{} (model {}, context {} tokens, {parallel} slots{})",
             listener.local_addr()?,
             state.model.id,
             state.model.n_ctx,

@@ -58,10 +58,10 @@ pub enum Message {
     },
     /// A piece of generated text (whole UTF-8 characters, stop strings held back).
     Text { id: u64, text: String },
-    /// Prefill progress of the running request: `read` of `total` prompt tokens computed, sent after each
+    /// Prefill progress of request `id`: `read` of `total` prompt tokens computed, sent after each
     /// prefill chunk but the last. Any message also tells the front's watchdog the worker is alive, so a long
     /// prefill is not taken for a hang.
-    Progress { read: usize, total: usize },
+    Progress { id: u64, read: usize, total: usize },
     /// The worker is computing request `id`: sent every [`HEARTBEAT`] while it starts work
     /// ([`crate::backend::progress`]), so the front's watchdog tells a long prefill chunk from a hang (a hung
     /// engine starts nothing and sends none).

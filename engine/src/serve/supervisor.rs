@@ -1,7 +1,8 @@
-//! The supervisor: owns the engine worker process, feeds it one request at a time in arrival order from a
-//! bounded queue, relays its output to the request's handler, and restarts it when it dies or goes silent.
+//! The supervisor: owns the engine worker process, feeds it up to `--parallel` requests at a time in arrival order
+//! from a bounded queue (the worker batches them), relays each one's output to its handler, and restarts the
+//! worker when it dies or goes silent.
 //!
-//! Failure contract (DESIGN.md section 3, seed 000): when the worker dies, the request in flight and every
+//! Failure contract (DESIGN.md section 3, seed 000): when the worker dies, every request in flight and every
 //! request queued at that moment end with [`JobEvent::Failed`] carrying one message, for example
 //! `the engine stopped unexpectedly (exit code 1); the next request restarts it`; the cause is logged and
 //! counted, and a new worker is started at once. Requests that arrive afterwards wait for it.
@@ -86,8 +87,10 @@ pub struct Supervisor {
 pub struct SupervisorConfig {
     /// The flags passed to `strata worker`.
     pub worker: WorkerFlags,
-    /// Requests allowed to wait behind the running one.
+    /// Requests allowed to wait for a slot.
     pub max_queue: usize,
+    /// Requests the worker computes at once (its slots, `--parallel`).
+    pub parallel: usize,
     /// A worker silent this long while a request is in flight is killed.
     pub watchdog: Duration,
     /// A worker that has not loaded the model this long after it started is killed and restarted.
@@ -229,7 +232,7 @@ fn exit_cause(status: Option<std::process::ExitStatus>) -> (String, String) {
 }
 
 /// Stops the worker (if it still runs), reaps it and returns (message, metric label).
-async fn bury(mut w: Worker, killed: Option<(String, &str)>) -> (String, String, Option<String>) {
+async fn bury(w: &mut Worker, killed: Option<(String, &str)>) -> (String, String, Option<String>) {
     let (text, label) = if let Some((why, label)) = killed {
         let _ = w.child.start_kill();
         let _ = w.child.wait().await;
@@ -248,10 +251,10 @@ async fn bury(mut w: Worker, killed: Option<(String, &str)>) -> (String, String,
     // A fault event written just before the exit may still be in the pipe.
     while let Ok(m) = w.lines.try_recv() {
         if let Message::Event(e) = m {
-            note_event(&mut w, &e, None);
+            note_event(w, &e, None);
         }
     }
-    (text, label, w.last_fault)
+    (text, label, w.last_fault.take())
 }
 
 fn death_message(cause: &str) -> String {
@@ -310,7 +313,7 @@ async fn supervise(
                 config.load_timeout.as_secs()
             );
             eprintln!("strata serve: the engine worker {why}");
-            let (cause, label, fault) = bury(worker, Some((why, "load_timeout"))).await;
+            let (cause, label, fault) = bury(&mut worker, Some((why, "load_timeout"))).await;
             report_death(&metrics, &state, &cause, &label, fault.as_deref(), "while loading");
             fail_queued(&mut jobs, &metrics, &death_message(&cause));
             tokio::time::sleep(backoff).await;
@@ -318,7 +321,7 @@ async fn supervise(
             continue;
         }
         if ready == Load::Exited {
-            let (cause, label, fault) = bury(worker, None).await;
+            let (cause, label, fault) = bury(&mut worker, None).await;
             if !ever_ready {
                 let why = format!("the engine worker could not load the model ({cause})");
                 fail_queued(&mut jobs, &metrics, &why);
@@ -340,53 +343,10 @@ async fn supervise(
         metrics.worker_ready.set(1);
 
         // Serve jobs until the worker dies.
-        let death = loop {
-            let job = tokio::select! {
-                job = jobs.recv() => match job {
-                    Some(j) => j,
-                    None => return,
-                },
-                msg = worker.lines.recv() => match msg {
-                    Some(Message::Event(e)) => { note_event(&mut worker, &e, Some(&metrics)); continue; }
-                    Some(_) => continue,
-                    None => break bury(worker, None).await,
-                },
-            };
-            metrics.queue_depth.dec();
-            if job.events.is_closed() {
-                continue;
-            }
-            if *ending.borrow() {
-                let _ = job.events.send(JobEvent::Failed {
-                    status: 503,
-                    message: ENDING.into(),
-                });
-                continue;
-            }
-            next_id += 1;
-            match run_job(&mut worker, &config, &metrics, next_id, &job, ending.clone()).await {
-                Ok(()) => {}
-                Err(JobEnd::Died) => {
-                    let d = bury(worker, None).await;
-                    let _ = job.events.send(JobEvent::Failed {
-                        status: 503,
-                        message: death_message(&d.0),
-                    });
-                    break d;
-                }
-                Err(JobEnd::Silent) => {
-                    let why = format!(
-                        "silent for {} s, stopped by the watchdog (--watchdog-s)",
-                        config.watchdog.as_secs()
-                    );
-                    let d = bury(worker, Some((why, "watchdog"))).await;
-                    let _ = job.events.send(JobEvent::Failed {
-                        status: 503,
-                        message: death_message(&d.0),
-                    });
-                    break d;
-                }
-            }
+        let death = serve(&mut worker, &config, &mut jobs, &metrics, &mut next_id, ending.clone()).await;
+        let death = match death {
+            Ok(()) => return,
+            Err(d) => d,
         };
         let (cause, label, fault) = death;
         report_death(&metrics, &state, &cause, &label, fault.as_deref(), "");
@@ -446,13 +406,6 @@ fn fail_queued(jobs: &mut mpsc::Receiver<Job>, metrics: &Metrics, message: &str)
     }
 }
 
-enum JobEnd {
-    /// The worker's stdout closed or its stdin broke.
-    Died,
-    /// The watchdog fired.
-    Silent,
-}
-
 async fn write_command(stdin: &mut ChildStdin, cmd: &Command) -> std::io::Result<()> {
     let mut line = serde_json::to_string(cmd).expect("commands serialize");
     line.push('\n');
@@ -460,63 +413,142 @@ async fn write_command(stdin: &mut ChildStdin, cmd: &Command) -> std::io::Result
     stdin.flush().await
 }
 
-/// Runs one job to its end on the worker, relaying text; cancels it when the handler goes away.
-async fn run_job(
+/// A request on the worker: where its events go, and whether its cancel was sent.
+struct InFlight {
+    events: mpsc::UnboundedSender<JobEvent>,
+    cancelled: bool,
+    /// The task that says when the handler went away.
+    watcher: tokio::task::AbortHandle,
+}
+
+/// Feeds the worker jobs, up to `config.parallel` in flight, and relays their messages until the worker dies
+/// (`Err`: its cause, label and last fault, every request in flight already answered) or the queue closes (`Ok`).
+/// A handler that goes away gets its request cancelled on the worker; at a shutdown's drain deadline
+/// ([`Supervisor::end_all`]) every request in flight ends with [`ENDING`].
+async fn serve(
     worker: &mut Worker,
     config: &SupervisorConfig,
+    jobs: &mut mpsc::Receiver<Job>,
     metrics: &Metrics,
-    id: u64,
-    job: &Job,
+    next_id: &mut u64,
     mut ending: watch::Receiver<bool>,
-) -> Result<(), JobEnd> {
-    let r = &job.request;
-    let cmd = Command::Generate(GenerateJob {
-        id,
-        prompt: r.prompt.clone(),
-        max_tokens: r.max_tokens,
-        stop: r.stop.clone(),
-        sampling: r.sampling,
-    });
-    if write_command(&mut worker.stdin, &cmd).await.is_err() {
-        return Err(JobEnd::Died);
-    }
-    let mut cancelled = false;
+) -> Result<(), (String, String, Option<String>)> {
+    let mut inflight: std::collections::HashMap<u64, InFlight> = std::collections::HashMap::new();
+    let (gone_tx, mut gone) = mpsc::unbounded_channel::<u64>();
     let mut deadline = Instant::now() + config.watchdog;
-    loop {
+    let mut ended = false;
+    let parallel = config.parallel.max(1);
+    let end = |inflight: &mut std::collections::HashMap<u64, InFlight>, status: u16, message: &str| {
+        for (_, f) in inflight.drain() {
+            f.watcher.abort();
+            let _ = f.events.send(JobEvent::Failed {
+                status,
+                message: message.to_string(),
+            });
+        }
+        metrics.running.set(0);
+    };
+    let outcome = loop {
         tokio::select! {
+            job = jobs.recv(), if inflight.len() < parallel => {
+                let Some(job) = job else { break Ok(()) };
+                metrics.queue_depth.dec();
+                if job.events.is_closed() {
+                    continue;
+                }
+                if ended {
+                    let _ = job.events.send(JobEvent::Failed { status: 503, message: ENDING.into() });
+                    continue;
+                }
+                *next_id += 1;
+                let id = *next_id;
+                let r = job.request;
+                let cmd = Command::Generate(GenerateJob {
+                    id,
+                    prompt: r.prompt,
+                    max_tokens: r.max_tokens,
+                    stop: r.stop,
+                    sampling: r.sampling,
+                });
+                if inflight.is_empty() {
+                    deadline = Instant::now() + config.watchdog;
+                }
+                let watcher = {
+                    let (events, gone_tx) = (job.events.clone(), gone_tx.clone());
+                    tokio::spawn(async move {
+                        events.closed().await;
+                        let _ = gone_tx.send(id);
+                    })
+                    .abort_handle()
+                };
+                inflight.insert(id, InFlight { events: job.events, cancelled: false, watcher });
+                metrics.running.set(inflight.len() as i64);
+                if write_command(&mut worker.stdin, &cmd).await.is_err() {
+                    break Err(None);
+                }
+            }
             msg = worker.lines.recv() => {
                 deadline = Instant::now() + config.watchdog;
                 match msg {
-                    None => return Err(JobEnd::Died),
-                    Some(Message::Text { id: mid, text }) if mid == id => {
-                        let _ = job.events.send(JobEvent::Text(text));
+                    None => break Err(None),
+                    Some(Message::Text { id, text }) => {
+                        if let Some(f) = inflight.get(&id) {
+                            let _ = f.events.send(JobEvent::Text(text));
+                        }
                     }
-                    Some(Message::Done { id: mid, stop, timings }) if mid == id => {
+                    Some(Message::Done { id, stop, timings }) => {
                         metrics.record_timings(&timings);
-                        let _ = job.events.send(JobEvent::Done { stop, timings });
-                        return Ok(());
+                        if let Some(f) = inflight.remove(&id) {
+                            f.watcher.abort();
+                            let _ = f.events.send(JobEvent::Done { stop, timings });
+                        }
+                        metrics.running.set(inflight.len() as i64);
                     }
-                    Some(Message::Failed { id: mid, message }) if mid == id => {
-                        let _ = job.events.send(JobEvent::Failed { status: 400, message });
-                        return Ok(());
+                    Some(Message::Failed { id, message }) => {
+                        if let Some(f) = inflight.remove(&id) {
+                            f.watcher.abort();
+                            let _ = f.events.send(JobEvent::Failed { status: 400, message });
+                        }
+                        metrics.running.set(inflight.len() as i64);
                     }
                     Some(Message::Event(e)) => note_event(worker, &e, Some(metrics)),
                     Some(_) => {}
                 }
             }
-            _ = job.events.closed(), if !cancelled => {
-                cancelled = true;
-                metrics.cancelled.inc();
-                if write_command(&mut worker.stdin, &Command::Cancel { id }).await.is_err() {
-                    return Err(JobEnd::Died);
+            Some(id) = gone.recv() => {
+                if let Some(f) = inflight.get_mut(&id)
+                    && !f.cancelled
+                {
+                    f.cancelled = true;
+                    metrics.cancelled.inc();
+                    if write_command(&mut worker.stdin, &Command::Cancel { id }).await.is_err() {
+                        break Err(None);
+                    }
                 }
             }
-            _ = tokio::time::sleep_until(deadline) => return Err(JobEnd::Silent),
-            _ = async { let _ = ending.wait_for(|e| *e).await; } => {
-                let _ = job.events.send(JobEvent::Failed { status: 503, message: ENDING.into() });
-                let _ = write_command(&mut worker.stdin, &Command::Cancel { id }).await;
-                return Ok(());
+            _ = tokio::time::sleep_until(deadline), if !inflight.is_empty() => {
+                break Err(Some(format!(
+                    "silent for {} s, stopped by the watchdog (--watchdog-s)",
+                    config.watchdog.as_secs()
+                )));
             }
+            _ = async { let _ = ending.wait_for(|e| *e).await; }, if !ended => {
+                ended = true;
+                let ids: Vec<u64> = inflight.keys().copied().collect();
+                end(&mut inflight, 503, ENDING);
+                for id in ids {
+                    let _ = write_command(&mut worker.stdin, &Command::Cancel { id }).await;
+                }
+            }
+        }
+    };
+    match outcome {
+        Ok(()) => Ok(()),
+        Err(why) => {
+            let killed = why.map(|w| (w, "watchdog"));
+            let d = bury(worker, killed).await;
+            end(&mut inflight, 503, &death_message(&d.0));
+            Err(d)
         }
     }
 }

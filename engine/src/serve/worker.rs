@@ -1,7 +1,8 @@
-//! The engine worker: the process that holds the model and runs one request at a time for `strata serve`,
-//! speaking [`super::protocol`] over stdin/stdout. It is started by the front as `strata worker ...` (a hidden
+//! The engine worker: the process that holds the model and runs up to `--parallel` requests at once for
+//! `strata serve` (continuous batching, [`crate::runtime::batch`]), speaking [`super::protocol`] over stdin/stdout. It is started by the front as `strata worker ...` (a hidden
 //! subcommand); a fault here kills only this process, and the front restarts it.
 
+use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
@@ -13,11 +14,11 @@ use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
+use crate::runtime::batch::{BatchEvent, BatchJob, Batcher};
 use crate::runtime::engine::Engine;
-use crate::runtime::generate::{GenerateError, GenerateOptions, generate_cancellable};
+use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
 use crate::runtime::sampling::{Sampler, SamplingParams};
-use crate::runtime::session::{Session, SessionError};
-use crate::tokenizer::Tokenizer;
+use crate::runtime::session::SessionError;
 
 /// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
 /// so the failure contract can be tested on the CPU).
@@ -124,43 +125,42 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     }
     let engine = Engine::open(&flags.engine)?;
     let (model, tokenizer) = (&engine.model, &engine.tokenizer);
-    let mut session = engine.session()?;
-    session.on_prefill_progress(|read, total| send(&Message::Progress { read, total }));
+    let parallel = flags.engine.plan.sequences();
+    let sessions = (0..parallel).map(|_| engine.session()).collect::<Result<Vec<_>, _>>()?;
+    let n_ctx = sessions[0].n_ctx();
+    let budget = flags.engine.plan.prefill_chunk();
+    let mut batcher = Batcher::new(sessions, budget);
     events::emit(EventKind::Load(events::Load {
         model: engine.path.display().to_string(),
         device: flags.engine.device.to_string(),
         arch: model.hp.arch.to_string(),
         n_layer: model.hp.n_layer,
-        n_ctx: session.n_ctx(),
+        n_ctx,
         load_ms: engine.load_ms,
         rss_bytes: rss_bytes(None),
         pid: std::process::id(),
     }));
     let _readings = engine.memory_readings(READING_PERIOD);
 
-    // The reader thread turns stdin lines into jobs and sets the cancel flag of the running one, so a cancel
-    // reaches a generation in progress. Stdin closing means the front is gone.
-    let cancel_id = Arc::new(AtomicU64::new(0));
-    let cancel_flag = Arc::new(AtomicBool::new(false));
+    // The reader thread turns stdin lines into jobs, and sets a request's cancel flag when the front cancels it
+    // (before or after its job arrives), so a cancel reaches a generation in progress. Stdin closing means the
+    // front is gone.
+    let flags_by_id: Arc<Mutex<CancelFlags>> = Arc::default();
     let running_id = Arc::new(AtomicU64::new(0));
-    let (jobs_tx, jobs_rx) = mpsc::channel::<GenerateJob>();
+    let (jobs_tx, jobs_rx) = mpsc::channel::<(GenerateJob, Arc<AtomicBool>)>();
     {
-        let (cancel_id, cancel_flag, running_id) = (cancel_id.clone(), cancel_flag.clone(), running_id.clone());
+        let flags_by_id = flags_by_id.clone();
         std::thread::spawn(move || {
             for line in std::io::stdin().lock().lines() {
                 let Ok(line) = line else { break };
                 match serde_json::from_str::<Command>(&line) {
                     Ok(Command::Generate(job)) => {
-                        if jobs_tx.send(job).is_err() {
+                        let flag = lock(&flags_by_id).flag(job.id);
+                        if jobs_tx.send((job, flag)).is_err() {
                             break;
                         }
                     }
-                    Ok(Command::Cancel { id }) => {
-                        cancel_id.store(id, Ordering::SeqCst);
-                        if running_id.load(Ordering::SeqCst) == id {
-                            cancel_flag.store(true, Ordering::SeqCst);
-                        }
-                    }
+                    Ok(Command::Cancel { id }) => lock(&flags_by_id).cancel(id),
                     Err(e) => eprintln!("strata serve: worker ignores a bad command line ({e}): {line}"),
                 }
             }
@@ -168,11 +168,11 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         });
     }
     send(&Message::Ready {
-        n_ctx: session.n_ctx(),
+        n_ctx,
         pid: std::process::id(),
     });
 
-    // The heartbeat: while a request runs and the engine starts work, the front hears so every HEARTBEAT.
+    // The heartbeat: while requests run and the engine starts work, the front hears so every HEARTBEAT.
     {
         let running_id = running_id.clone();
         std::thread::spawn(move || {
@@ -189,109 +189,154 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     }
     let fault_after: Option<usize> = crate::switches::text_lossy(ENV_FAULT_AFTER_TOKENS).and_then(|v| v.parse().ok());
     let vocab = model.weights.output.rows;
-    while let Ok(job) = jobs_rx.recv() {
-        running_id.store(job.id, Ordering::SeqCst);
-        cancel_flag.store(cancel_id.load(Ordering::SeqCst) == job.id, Ordering::SeqCst);
-        run_job(&mut session, tokenizer, vocab, &job, &cancel_flag, fault_after);
-        engine.emit_expert_cache(Some(job.id));
-        running_id.store(0, Ordering::SeqCst);
+    let mut sent: HashMap<u64, usize> = HashMap::new();
+    loop {
+        // Wait for work when there is none; take every job that has arrived, at each step boundary.
+        if batcher.is_idle() {
+            running_id.store(0, Ordering::SeqCst);
+            match jobs_rx.recv() {
+                Ok(j) => admit(&mut batcher, j, vocab),
+                Err(_) => break,
+            }
+        }
+        while let Ok(j) = jobs_rx.try_recv() {
+            admit(&mut batcher, j, vocab);
+        }
+        running_id.store(batcher.ids().next().unwrap_or(0), Ordering::SeqCst);
+        batcher.step(tokenizer, &mut |ev| match ev {
+            BatchEvent::Progress { id, read, total } => send(&Message::Progress { id, read, total }),
+            BatchEvent::Text { id, text } => {
+                let n = sent.entry(id).or_default();
+                if fault_after.is_some_and(|limit| *n >= limit) {
+                    panic!("injected fault after {n} tokens ({ENV_FAULT_AFTER_TOKENS})");
+                }
+                *n += 1;
+                send(&Message::Text {
+                    id,
+                    text: text.to_string(),
+                });
+            }
+            BatchEvent::Done { id, stats } => {
+                sent.remove(&id);
+                lock(&flags_by_id).forget(id);
+                done(id, &stats);
+                engine.emit_expert_cache(Some(id));
+            }
+            BatchEvent::Failed { id, error } => {
+                sent.remove(&id);
+                lock(&flags_by_id).forget(id);
+                failed(id, error);
+            }
+        });
     }
     Ok(())
 }
 
-/// How often the worker reads its device's memory ([`Engine::memory_readings`]).
-const READING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);
+/// The cancel flags of the requests the worker knows, and the ids the front cancelled before their job arrived.
+#[derive(Default)]
+struct CancelFlags {
+    flags: HashMap<u64, Arc<AtomicBool>>,
+    early: std::collections::HashSet<u64>,
+}
 
-fn run_job(
-    session: &mut Session<'_, AnyBackend>,
-    tokenizer: &Tokenizer,
-    vocab: usize,
-    job: &GenerateJob,
-    cancel: &AtomicBool,
-    fault_after: Option<usize>,
-) {
+impl CancelFlags {
+    /// The flag of a job arriving now (already set if its cancel came first).
+    fn flag(&mut self, id: u64) -> Arc<AtomicBool> {
+        let f = Arc::new(AtomicBool::new(self.early.remove(&id)));
+        self.flags.insert(id, f.clone());
+        f
+    }
+
+    fn cancel(&mut self, id: u64) {
+        match self.flags.get(&id) {
+            Some(f) => f.store(true, Ordering::SeqCst),
+            // A cancel for a job not read yet (or one already ended: forgotten when its id is never reused, and
+            // bounded so a confused front cannot grow it).
+            None if self.early.len() < 4096 => {
+                self.early.insert(id);
+            }
+            None => {}
+        }
+    }
+
+    fn forget(&mut self, id: u64) {
+        self.flags.remove(&id);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Queues a job on the scheduler with its sampler, or answers `failed` when its sampling settings are refused.
+fn admit(batcher: &mut Batcher<'_, AnyBackend>, (job, cancel): (GenerateJob, Arc<AtomicBool>), vocab: usize) {
     let params = SamplingParams {
         temperature: job.sampling.temperature,
         top_p: job.sampling.top_p,
         seed: job.sampling.seed,
         ..SamplingParams::default()
     };
-    let mut sampler = match Sampler::new(params, vocab) {
-        Ok(s) => s,
-        Err(e) => {
-            send(&Message::Failed {
-                id: job.id,
-                message: e.to_string(),
-            });
-            return;
-        }
-    };
-    let opts = GenerateOptions::new(job.max_tokens, job.stop.clone());
-    let mut sent = 0usize;
-    let result = generate_cancellable(
-        session,
-        tokenizer,
-        &job.prompt,
-        &opts,
-        &mut sampler,
-        cancel,
-        &mut |text| {
-            if fault_after.is_some_and(|n| sent >= n) {
-                panic!("injected fault after {sent} tokens ({ENV_FAULT_AFTER_TOKENS})");
-            }
-            sent += 1;
-            send(&Message::Text {
-                id: job.id,
-                text: text.to_string(),
-            });
-        },
-    );
-    match result {
-        Ok((_, stats)) => {
-            if let Some(f) = &stats.prefill.gemm_fallback {
-                events::emit(EventKind::Fallback(Fallback {
-                    op: OP_PREFILL_GEMM.into(),
-                    from: "blas".into(),
-                    to: "prefill_chunked".into(),
-                    why: f.to_string(),
-                    shape: Some(GemmShape { m: f.m, n: f.n, k: f.k }),
-                    max_rows: Some(f.limit),
-                }));
-            }
-            let timings = Timings {
-                prompt_n: stats.prefill.read,
-                cache_n: stats.prefill.reused,
-                prompt_ms: stats.prefill.ms,
-                predicted_n: stats.generated,
-                predicted_ms: stats.decode_ms,
-            };
-            let stop = Finish::from(stats.stop);
-            events::emit(EventKind::Request(stats.request_event(job.id)));
-            send(&Message::Done {
-                id: job.id,
-                stop,
-                timings,
-            });
-        }
-        Err(GenerateError::Session(SessionError::GemmFault(f))) => {
-            // The original engine died here (seed 000); with --gemm-fallback off so does the worker, after saying
-            // which operation and shape failed.
-            events::emit(EventKind::Fault(Fault {
-                error: f.reason(),
-                op: Some(OP_PREFILL_GEMM.into()),
-                shape: Some(GemmShape { m: f.m, n: f.n, k: f.k }),
-                request: Some(job.id),
-                ..Fault::default()
-            }));
-            std::process::exit(1);
-        }
-        Err(e) => {
-            // The cache may hold a half-written prompt; start the next request from scratch.
-            session.clear();
-            send(&Message::Failed {
-                id: job.id,
-                message: e.to_string(),
-            });
-        }
+    match Sampler::new(params, vocab) {
+        Ok(s) => batcher.submit(BatchJob {
+            id: job.id,
+            prompt: job.prompt,
+            opts: GenerateOptions::new(job.max_tokens, job.stop),
+            sampler: Box::new(s),
+            cancel,
+        }),
+        Err(e) => send(&Message::Failed {
+            id: job.id,
+            message: e.to_string(),
+        }),
     }
+}
+
+/// How often the worker reads its device's memory ([`Engine::memory_readings`]).
+const READING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Reports a request that ended: its GEMM fallback (once), its `request` event, and `done`.
+fn done(id: u64, stats: &GenerateStats) {
+    if let Some(f) = &stats.prefill.gemm_fallback {
+        events::emit(EventKind::Fallback(Fallback {
+            op: OP_PREFILL_GEMM.into(),
+            from: "blas".into(),
+            to: "prefill_chunked".into(),
+            why: f.to_string(),
+            shape: Some(GemmShape { m: f.m, n: f.n, k: f.k }),
+            max_rows: Some(f.limit),
+        }));
+    }
+    let timings = Timings {
+        prompt_n: stats.prefill.read,
+        cache_n: stats.prefill.reused,
+        prompt_ms: stats.prefill.ms,
+        predicted_n: stats.generated,
+        predicted_ms: stats.decode_ms,
+    };
+    events::emit(EventKind::Request(stats.request_event(id)));
+    send(&Message::Done {
+        id,
+        stop: Finish::from(stats.stop),
+        timings,
+    });
+}
+
+/// Reports a request that failed; a failed prefill GEMM with the fallback off ends the worker.
+fn failed(id: u64, error: GenerateError) {
+    if let GenerateError::Session(SessionError::GemmFault(f)) = &error {
+        // The original engine died here (seed 000); with --gemm-fallback off so does the worker, after saying
+        // which operation and shape failed.
+        events::emit(EventKind::Fault(Fault {
+            error: f.reason(),
+            op: Some(OP_PREFILL_GEMM.into()),
+            shape: Some(GemmShape { m: f.m, n: f.n, k: f.k }),
+            request: Some(id),
+            ..Fault::default()
+        }));
+        std::process::exit(1);
+    }
+    send(&Message::Failed {
+        id,
+        message: error.to_string(),
+    });
 }

@@ -6,6 +6,7 @@ mod experts;
 mod generate;
 mod inspect;
 mod serve_api;
+mod serve_batch;
 mod serve_common;
 mod serve_failures;
 mod sim_device;

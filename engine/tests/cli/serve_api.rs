@@ -329,13 +329,13 @@ fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
     assert!(metrics.contains(r#"strata_requests_total{endpoint="/v1/chat/completions",status="400"}"#));
 }
 
-/// With `--max-queue 1`: while one request is being answered, one more waits and is answered, and the rest get
+/// With `--parallel 1 --max-queue 1`: while one request is being answered, one more waits and is answered, and the rest get
 /// 503 with Retry-After. The first request is a stream whose first chunk is read before the others are sent, so
 /// the worker is busy with it (concurrent first requests would race for the one queue place).
 #[test]
 fn full_queue_answers_503_with_retry_after() {
     use std::io::Read;
-    let s = std::sync::Arc::new(Server::start_with(&["--max-queue", "1"], &[]));
+    let s = std::sync::Arc::new(Server::start_with(&["--parallel", "1", "--max-queue", "1"], &[]));
     let story = json!([{"role": "user", "content": "Tell me a long story."}]);
     let mut first = s
         .client

@@ -2,6 +2,7 @@
 //!
 //! One test binary per area (each links the engine once); each module is one former test file.
 
+mod batch;
 mod generator;
 mod goldens;
 mod models;

@@ -1,0 +1,467 @@
+//! Continuous batching: many sequences over one model and backend, computed together step by step (issue 20).
+//!
+//! The scheduler holds `parallel` slots, each a [`Session`] (a sequence with its own KV cache, kept between
+//! requests for prefix reuse). A request waits until a slot is free, then takes the free slot whose cache shares
+//! the longest prefix with its prompt (the least recently used among equals), as llama-server picks slots. Each
+//! [`Batcher::step`] is one forward pass that carries:
+//!
+//! - one token of every sequence that is decoding, then
+//! - prompt chunks of the sequences still in prefill, oldest first, while the step's token budget lasts (chunked
+//!   prefill, vLLM's scheduling: decode tokens first, so a long prompt delays the others' next tokens by one
+//!   chunk, never by its whole prefill).
+//!
+//! A request joins at the next step after it arrives and leaves at the step it ends (end of generation, a stop
+//! string, its token limit, its context, a cancel, an error); its slot is free at once. A step of one sequence is
+//! exactly the single-sequence path (`Session`: CUDA graphs, the backend's top-logits selection), so one client
+//! runs as fast as before. Each sequence samples, detokenizes and checks stop strings with its own
+//! [`Decoding`], as `generate` does.
+//!
+//! Every op but attention treats a step's tokens as independent rows, and attention reads each sequence's own
+//! cache ([`crate::state::batch::BatchLayout`]), so on the CPU a token's result does not depend on the batch it is
+//! computed in (tests/cpu: `batched_sequences_give_the_tokens_and_logits_of_each_alone`).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::device::fault::GemmFault;
+use crate::model::{Logits, Scratch};
+use crate::runtime::generate::{
+    Decoding, GenerateError, GenerateOptions, GenerateStats, Next, StopReason, TokenSampler,
+};
+use crate::runtime::session::{PrefillStats, Session, StepLogits, step_together};
+use crate::tokenizer::Tokenizer;
+
+/// One request for the scheduler: prompt ids, generation settings, its sampler, and a flag another thread sets
+/// to cancel it (read at every step).
+pub struct BatchJob {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub opts: GenerateOptions,
+    pub sampler: Box<dyn TokenSampler + Send>,
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// What a step did for one request, in order per request: `Progress`* and `Text`*, then one `Done` or `Failed`.
+pub enum BatchEvent<'a> {
+    /// `read` of `total` prompt tokens not reused from the cache are computed (after every chunk but the last).
+    Progress { id: u64, read: usize, total: usize },
+    /// A piece of generated text: whole UTF-8 characters, stop strings held back.
+    Text { id: u64, text: &'a str },
+    /// The request ended normally (cancelled included: `stats.stop`).
+    Done { id: u64, stats: GenerateStats },
+    /// The request could not run: its prompt (empty, over the context, an id outside the vocabulary), a token
+    /// that cannot be detokenized, or a failed prefill GEMM with the fallback off
+    /// ([`crate::runtime::session::SessionError::GemmFault`]: `strata serve`'s worker dies on it, as the original).
+    Failed { id: u64, error: GenerateError },
+}
+
+/// What one [`Batcher::step`] computed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Sequences in the step (0: nothing to do).
+    pub sequences: usize,
+    /// Tokens in the step: decode tokens and prompt tokens.
+    pub tokens: usize,
+    /// Of `sequences`, those that decoded a token.
+    pub decoding: usize,
+}
+
+/// A request in a slot.
+struct Running {
+    job: BatchJob,
+    /// Prompt tokens kept from the slot's cache.
+    reused: usize,
+    /// Prompt tokens computed so far (after the reused ones).
+    read: usize,
+    started: Instant,
+    prefill_ms: f64,
+    gemm_fallback: Option<GemmFault>,
+    /// Set once the prompt is computed: the generation, the token to compute next, and when decoding began.
+    decoding: Option<(Decoding, u32, Instant)>,
+    /// Admission order (prefill chunks go to the oldest first).
+    order: u64,
+}
+
+impl Running {
+    fn prefill_stats(&self, cancelled: bool) -> PrefillStats {
+        PrefillStats {
+            prompt_tokens: self.job.prompt.len(),
+            reused: self.reused,
+            read: self.read,
+            ms: self.prefill_ms,
+            gemm_fallback: self.gemm_fallback.clone(),
+            cancelled,
+        }
+    }
+}
+
+struct Slot<'m, B: Backend> {
+    session: Session<'m, B>,
+    running: Option<Running>,
+    /// When the slot last took a request (for least-recently-used choice among free slots).
+    last_used: u64,
+}
+
+/// The tokens one sequence contributes to a step.
+struct Part {
+    slot: usize,
+    tokens: Vec<u32>,
+    /// The last prompt chunk, or a decode token: the step's logits for this part are sampled.
+    sample: bool,
+}
+
+/// The continuous-batching scheduler over `parallel` sequences (see the module doc).
+pub struct Batcher<'m, B: Backend> {
+    slots: Vec<Slot<'m, B>>,
+    waiting: VecDeque<BatchJob>,
+    scratch: Scratch<B>,
+    /// Most tokens a step carries (decode tokens count).
+    budget: usize,
+    clock: u64,
+}
+
+impl<'m, B: Backend> Batcher<'m, B> {
+    /// A scheduler over `sessions` (one slot each; at least one), whose steps carry at most `budget` tokens (at
+    /// least one prompt token is computed per step while a prompt waits, whatever the decode tokens).
+    ///
+    /// Panics if `sessions` is empty.
+    pub fn new(sessions: Vec<Session<'m, B>>, budget: usize) -> Batcher<'m, B> {
+        assert!(!sessions.is_empty(), "Batcher: no slot");
+        Batcher {
+            slots: sessions
+                .into_iter()
+                .map(|session| Slot {
+                    session,
+                    running: None,
+                    last_used: 0,
+                })
+                .collect(),
+            waiting: VecDeque::new(),
+            scratch: Scratch::default(),
+            budget: budget.max(1),
+            clock: 0,
+        }
+    }
+
+    /// Queues a request; it joins the batch at a step once a slot is free.
+    pub fn submit(&mut self, job: BatchJob) {
+        self.waiting.push_back(job);
+    }
+
+    /// Whether nothing is running or waiting.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.slots.iter().all(|s| s.running.is_none())
+    }
+
+    /// Slots (the most sequences a step carries).
+    pub fn parallel(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Requests in a slot.
+    pub fn running(&self) -> usize {
+        self.slots.iter().filter(|s| s.running.is_some()).count()
+    }
+
+    /// Requests waiting for a slot.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// The ids of the requests in a slot, in slot order, then of those waiting, in arrival order.
+    pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
+        let running = self.slots.iter().filter_map(|s| s.running.as_ref().map(|r| r.job.id));
+        running.chain(self.waiting.iter().map(|j| j.id))
+    }
+
+    /// One step: admits waiting requests to free slots, ends cancelled ones, computes one forward pass of every
+    /// running sequence's next tokens (see the module doc), and samples where a sequence's logits are due. Each
+    /// request's progress, text and end go to `on_event` as they happen.
+    pub fn step(&mut self, tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) -> StepReport {
+        self.admit(on_event);
+        self.end_cancelled(on_event);
+        let parts = self.plan(on_event);
+        if parts.is_empty() {
+            return StepReport::default();
+        }
+        let report = StepReport {
+            sequences: parts.len(),
+            tokens: parts.iter().map(|p| p.tokens.len()).sum(),
+            decoding: parts
+                .iter()
+                .filter(|p| {
+                    self.slots[p.slot]
+                        .running
+                        .as_ref()
+                        .is_some_and(|r| r.decoding.is_some())
+                })
+                .count(),
+        };
+        if let [part] = &parts[..] {
+            self.step_one(part, tokenizer, on_event);
+        } else {
+            self.step_many(&parts, tokenizer, on_event);
+        }
+        report
+    }
+
+    /// Gives free slots to waiting requests, each to the free slot holding the longest prefix of its prompt.
+    fn admit(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+        while !self.waiting.is_empty() {
+            let job = &self.waiting[0];
+            let Some(i) = (0..self.slots.len())
+                .filter(|&i| self.slots[i].running.is_none())
+                .max_by_key(|&i| {
+                    let s = &self.slots[i];
+                    (s.session.common_prefix(&job.prompt), std::cmp::Reverse(s.last_used))
+                })
+            else {
+                return;
+            };
+            let job = self.waiting.pop_front().expect("checked");
+            self.clock += 1;
+            let slot = &mut self.slots[i];
+            slot.last_used = self.clock;
+            match slot.session.begin_prompt(&job.prompt) {
+                Ok(reused) => {
+                    slot.running = Some(Running {
+                        job,
+                        reused,
+                        read: 0,
+                        started: Instant::now(),
+                        prefill_ms: 0.0,
+                        gemm_fallback: None,
+                        decoding: None,
+                        order: self.clock,
+                    })
+                }
+                Err(e) => {
+                    slot.session.clear();
+                    on_event(BatchEvent::Failed {
+                        id: job.id,
+                        error: e.into(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Ends every running request whose cancel flag is set, with [`StopReason::Cancelled`].
+    fn end_cancelled(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+        for slot in &mut self.slots {
+            if slot
+                .running
+                .as_ref()
+                .is_some_and(|r| r.job.cancel.load(Ordering::Relaxed))
+            {
+                let r = slot.running.take().expect("checked");
+                finish(r, StopReason::Cancelled, on_event);
+            }
+        }
+    }
+
+    /// The step's parts: every decoding sequence's next token, then prompt chunks, oldest request first, while
+    /// the budget lasts. A request whose prefill cannot run (a failed GEMM with the fallback off) ends here.
+    fn plan(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) -> Vec<Part> {
+        let mut parts: Vec<Part> = Vec::new();
+        for (i, slot) in self.slots.iter().enumerate() {
+            if let Some((_, next, _)) = slot.running.as_ref().and_then(|r| r.decoding.as_ref()) {
+                parts.push(Part {
+                    slot: i,
+                    tokens: vec![*next],
+                    sample: true,
+                });
+            }
+        }
+        let mut left = self.budget.saturating_sub(parts.len()).max(1);
+        let mut prefilling: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| self.slots[i].running.as_ref().is_some_and(|r| r.decoding.is_none()))
+            .collect();
+        prefilling.sort_by_key(|&i| self.slots[i].running.as_ref().map_or(0, |r| r.order));
+        for i in prefilling {
+            if left == 0 {
+                break;
+            }
+            let slot = &mut self.slots[i];
+            let r = slot.running.as_mut().expect("filtered");
+            let done = r.reused + r.read;
+            let remaining = r.job.prompt.len() - done;
+            match slot.session.next_batch_rows(remaining) {
+                Ok((rows, switched)) => {
+                    if switched.is_some() {
+                        r.gemm_fallback = switched;
+                    }
+                    let rows = rows.min(left);
+                    left -= rows;
+                    parts.push(Part {
+                        slot: i,
+                        tokens: r.job.prompt[done..done + rows].to_vec(),
+                        sample: rows == remaining,
+                    });
+                }
+                Err(e) => {
+                    let r = slot.running.take().expect("filtered");
+                    slot.session.clear();
+                    on_event(BatchEvent::Failed {
+                        id: r.job.id,
+                        error: e.into(),
+                    });
+                }
+            }
+        }
+        parts
+    }
+
+    /// A step of one sequence: the single-sequence path, with its graphs and top-logits selection; a prompt
+    /// chunk on the CPU also stops between layers when its request is cancelled (the chunk is then dropped).
+    fn step_one(&mut self, part: &Part, tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+        let Slot { session, running, .. } = &mut self.slots[part.slot];
+        let r = running.as_mut().expect("planned");
+        let want = match &r.decoding {
+            Some((dec, _, _)) if dec.wants_top(&*r.job.sampler) => Logits::Top,
+            Some(_) => Logits::Last,
+            None if part.sample => Logits::Last,
+            None => Logits::None,
+        };
+        let prefill = r.decoding.is_none();
+        crate::backend::progress::take_aborted();
+        let computed = {
+            let _scope = (prefill && session.backend().name() == "cpu")
+                .then(|| crate::backend::progress::cancel_scope(&r.job.cancel));
+            session.step_alone(&part.tokens, want)
+        };
+        if !computed {
+            // Cancelled inside the chunk: nothing was kept; the next step ends the request.
+            return;
+        }
+        let room = session.tokens().len() < session.n_ctx();
+        // A prompt chunk that is not the last computed no logits.
+        let logits = if part.sample {
+            session.step_logits()
+        } else {
+            StepLogits::Full(&[])
+        };
+        if advance(running, part, logits, room, tokenizer, on_event) == Outcome::Failed {
+            session.clear();
+        }
+    }
+
+    /// A step of several sequences: one forward pass over all their tokens, then each samples from its row.
+    fn step_many(&mut self, parts: &[Part], tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+        let mut chosen: Vec<(&mut Session<'m, B>, &[u32])> = Vec::with_capacity(parts.len());
+        let mut runs: Vec<&mut Option<Running>> = Vec::with_capacity(parts.len());
+        let mut which: Vec<&Part> = Vec::with_capacity(parts.len());
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(p) = parts.iter().find(|p| p.slot == i) {
+                chosen.push((&mut slot.session, &p.tokens[..]));
+                runs.push(&mut slot.running);
+                which.push(p);
+            }
+        }
+        let logits = step_together(&mut chosen, &mut self.scratch);
+        let vocab = logits.len() / parts.len();
+        for (k, ((session, _), running)) in chosen.into_iter().zip(runs).enumerate() {
+            let room = session.tokens().len() < session.n_ctx();
+            let row = StepLogits::Full(&logits[k * vocab..(k + 1) * vocab]);
+            if advance(running, which[k], row, room, tokenizer, on_event) == Outcome::Failed {
+                session.clear();
+            }
+        }
+    }
+}
+
+/// How a request fared in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Going,
+    Ended,
+    /// It failed: its cache may hold tokens its generation never finished with, so the slot's next request starts
+    /// from scratch.
+    Failed,
+}
+
+/// After a part of `running`'s request was computed: records prompt progress, or samples the next token from
+/// `logits` when the part asked for it, and ends the request when its generation stopped or failed.
+fn advance(
+    running: &mut Option<Running>,
+    part: &Part,
+    logits: StepLogits<'_>,
+    room: bool,
+    tokenizer: &Tokenizer,
+    on_event: &mut dyn FnMut(BatchEvent<'_>),
+) -> Outcome {
+    let r = running.as_mut().expect("planned");
+    let id = r.job.id;
+    if r.decoding.is_none() {
+        r.read += part.tokens.len();
+        if !part.sample {
+            let total = r.job.prompt.len() - r.reused;
+            on_event(BatchEvent::Progress {
+                id,
+                read: r.read,
+                total,
+            });
+            return Outcome::Going;
+        }
+        r.prefill_ms = r.started.elapsed().as_secs_f64() * 1e3;
+        r.decoding = Some((Decoding::new(&r.job.prompt, &r.job.opts), 0, Instant::now()));
+    }
+    if r.job.cancel.load(Ordering::Relaxed) {
+        let r = running.take().expect("checked");
+        finish(r, StopReason::Cancelled, on_event);
+        return Outcome::Ended;
+    }
+    let (dec, next, _) = r.decoding.as_mut().expect("set above");
+    let sampler = &mut *r.job.sampler;
+    match dec.advance(logits, sampler, tokenizer, room, &mut |text| {
+        on_event(BatchEvent::Text { id, text })
+    }) {
+        Ok(Next::Feed(tok)) => {
+            *next = tok;
+            Outcome::Going
+        }
+        Ok(Next::Stopped(why)) => {
+            let r = running.take().expect("checked");
+            finish(r, why, on_event);
+            Outcome::Ended
+        }
+        Err(e) => {
+            let r = running.take().expect("checked");
+            on_event(BatchEvent::Failed {
+                id: r.job.id,
+                error: e.into(),
+            });
+            Outcome::Failed
+        }
+    }
+}
+
+/// Ends request `r` with `stop`: flushes its held-back text and sends `Done` with its numbers.
+fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+    let id = r.job.id;
+    let mut prefill = r.prefill_stats(r.decoding.is_none() && stop == StopReason::Cancelled);
+    if r.decoding.is_none() {
+        prefill.ms = r.started.elapsed().as_secs_f64() * 1e3;
+    }
+    let (tokens, digests, decode_ms) = match r.decoding {
+        Some((dec, _, t0)) => {
+            let (tokens, digests) = dec.finish(stop, &mut |text| on_event(BatchEvent::Text { id, text }));
+            (tokens, digests, t0.elapsed().as_secs_f64() * 1e3)
+        }
+        None => (vec![], vec![], 0.0),
+    };
+    on_event(BatchEvent::Done {
+        id,
+        stats: GenerateStats {
+            prefill,
+            generated: tokens.len(),
+            decode_ms,
+            stop,
+            tokens,
+            logits_digests: digests,
+        },
+    });
+}

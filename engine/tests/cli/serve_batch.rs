@@ -1,0 +1,170 @@
+//! `strata serve` answering several clients at once (issue 20): concurrent requests are computed together
+//! (continuous batching over `--parallel` slots) and each gets the answer it gets alone; a worker that dies with
+//! several requests in flight ends every one of them properly, and the next request is served.
+
+use std::time::{Duration, Instant};
+
+use crate::serve_common::{Server, SseReader, signal};
+use serde_json::{Value, json};
+
+const QUESTIONS: [&str; 4] = [
+    "Tell me a story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "Write a poem about the sea.",
+    "Describe the city of Paris.",
+];
+
+fn request(q: &str, stream: bool) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": q}],
+        "max_tokens": 40, "temperature": 0, "stream": stream,
+    })
+}
+
+/// What a stream said: its text, when its first content arrived, when it ended, and its last event.
+struct Streamed {
+    text: String,
+    first: Instant,
+    end: Instant,
+    last: String,
+}
+
+fn stream(s: &Server, body: &Value) -> Streamed {
+    let r = s.client.post(s.url("/v1/chat/completions")).json(body).send().unwrap();
+    assert_eq!(r.status(), 200);
+    let mut sse = SseReader::new(r);
+    let (mut text, mut first, mut last) = (String::new(), None, String::new());
+    while let Some(ev) = sse.next_event() {
+        last = ev.data.clone();
+        if ev.data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(&ev.data).unwrap();
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str()
+            && !t.is_empty()
+        {
+            first.get_or_insert_with(Instant::now);
+            text.push_str(t);
+        }
+        if v.get("error").is_some() {
+            break;
+        }
+    }
+    Streamed {
+        text,
+        first: first.unwrap_or_else(Instant::now),
+        end: Instant::now(),
+        last,
+    }
+}
+
+#[test]
+fn concurrent_requests_are_batched_and_answer_as_they_do_alone() {
+    let s = std::sync::Arc::new(Server::start());
+    // Alone, one after another.
+    let alone: Vec<String> = QUESTIONS
+        .iter()
+        .map(|q| {
+            let (status, v) = s.post("/v1/chat/completions", &request(q, false));
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+        })
+        .collect();
+    // Together: four streams at once.
+    let handles: Vec<_> = QUESTIONS
+        .iter()
+        .map(|q| {
+            let (s, body) = (s.clone(), request(q, true));
+            std::thread::spawn(move || stream(&s, &body))
+        })
+        .collect();
+    let together: Vec<Streamed> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(t.last, "[DONE]", "stream {i}");
+        assert_eq!(&t.text, a, "request {i}: batched and alone differ");
+    }
+    // They were computed together: every stream had its first token before any of them ended (one at a time,
+    // the last one's first token would come after the first one's end).
+    let last_first = together.iter().map(|t| t.first).max().unwrap();
+    let first_end = together.iter().map(|t| t.end).min().unwrap();
+    assert!(
+        last_first < first_end,
+        "the streams were answered one after another ({:?} after the first end)",
+        last_first - first_end
+    );
+    let metrics = s.metrics();
+    assert!(metrics.contains("strata_requests_running 0"), "{metrics}");
+}
+
+#[test]
+fn parallel_one_answers_one_request_at_a_time() {
+    let s = std::sync::Arc::new(Server::start_with(&["--parallel", "1"], &[]));
+    let handles: Vec<_> = QUESTIONS[..2]
+        .iter()
+        .map(|q| {
+            let (s, body) = (s.clone(), request(q, true));
+            std::thread::spawn(move || stream(&s, &body))
+        })
+        .collect();
+    let t: Vec<Streamed> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (a, b) = if t[0].first < t[1].first {
+        (&t[0], &t[1])
+    } else {
+        (&t[1], &t[0])
+    };
+    assert!(b.first >= a.end, "two requests overlapped with --parallel 1");
+}
+
+#[test]
+fn a_worker_death_ends_every_request_in_flight_then_serves_again() {
+    let s = std::sync::Arc::new(Server::start());
+    let pid = s.worker_pid();
+    let long = |q: &str| {
+        json!({
+            "messages": [{"role": "user", "content": q}],
+            "max_tokens": 2000, "temperature": 0.8, "seed": 1, "stream": true,
+        })
+    };
+    // Three streams in flight, each past its first chunk, and one plain request.
+    let mut readers: Vec<SseReader> = QUESTIONS[..3]
+        .iter()
+        .map(|q| {
+            let r = s
+                .client
+                .post(s.url("/v1/chat/completions"))
+                .json(&long(q))
+                .send()
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            SseReader::new(r)
+        })
+        .collect();
+    for r in &mut readers {
+        r.next_event().expect("a first chunk");
+    }
+    let plain = {
+        let s = s.clone();
+        std::thread::spawn(move || {
+            let mut body = long(QUESTIONS[3]);
+            body["stream"] = json!(false);
+            let r = s.client.post(s.url("/v1/chat/completions")).json(&body).send().unwrap();
+            r.status().as_u16()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    signal(pid, "KILL");
+    for (i, r) in readers.iter_mut().enumerate() {
+        let rest = r.rest();
+        let last = rest
+            .last()
+            .unwrap_or_else(|| panic!("stream {i} ended without an error event"));
+        assert_ne!(last.data, "[DONE]", "stream {i}");
+        let err: Value = serde_json::from_str(&last.data).unwrap();
+        let msg = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("the engine stopped unexpectedly"), "stream {i}: {err}");
+    }
+    assert_eq!(plain.join().unwrap(), 503);
+    s.wait_ready(Duration::from_secs(60));
+    let (status, v) = s.post("/v1/chat/completions", &request("Hi", false));
+    assert_eq!(status, 200, "{v}");
+}

@@ -1,0 +1,212 @@
+//! Continuous batching on the CPU (issue 20, point 4): a sequence computed inside a batch, with prompt chunks and
+//! other sequences' decode tokens in the same steps, gives the tokens and the logits bits it gives alone; a
+//! request that waits for a slot, one that is cancelled and one that fails leave the others as they were.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::fixtures::synth::SynthSpec;
+use strata_engine::model::Model;
+use strata_engine::models;
+use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher, StepReport};
+use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, Greedy, StopReason, generate};
+use strata_engine::runtime::session::{Session, SessionConfig};
+use strata_engine::state::kv::KvType;
+use strata_engine::tokenizer::Tokenizer;
+
+const TEXT: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named \
+after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed \
+\"La dame de fer\" (French for \"Iron Lady\"), it was constructed as the centrepiece of the 1889 World's Fair.";
+
+/// Prefill chunks of 16 tokens: every prompt below takes several steps, mixed with the others' decode tokens.
+fn config() -> SessionConfig {
+    SessionConfig {
+        max_context: 512,
+        kv: KvType::F16,
+        prefill_chunk: Some(16),
+    }
+}
+
+fn opts(max_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        stop: vec![],
+        logits_digest: true,
+    }
+}
+
+/// Each prompt alone on a fresh session: the reference.
+fn alone(model: &Model, tok: &Tokenizer, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<GenerateStats> {
+    prompts
+        .iter()
+        .map(|p| {
+            let mut s = Session::new(model, &CpuBackend, config()).unwrap();
+            generate(&mut s, tok, p, &opts(max_tokens), &mut Greedy, &mut |_| {})
+                .unwrap()
+                .1
+        })
+        .collect()
+}
+
+struct Ran {
+    done: Vec<Option<GenerateStats>>,
+    failed: Vec<Option<String>>,
+    text: Vec<String>,
+    steps: Vec<StepReport>,
+}
+
+/// Runs `prompts` through a scheduler of `parallel` slots, all submitted at once (request i has id i), then, once
+/// they have all ended, `then` (ids following); `cancel` is set on request `cancel_at.0` once `cancel_at.1` steps
+/// have run.
+fn batched(
+    model: &Model,
+    tok: &Tokenizer,
+    prompts: &[Vec<u32>],
+    then: &[Vec<u32>],
+    parallel: usize,
+    max_tokens: usize,
+    cancel_at: Option<(usize, usize)>,
+) -> Ran {
+    let sessions = (0..parallel)
+        .map(|_| Session::new(model, &CpuBackend, config()).unwrap())
+        .collect();
+    let mut b = Batcher::new(sessions, 16);
+    let all: Vec<&Vec<u32>> = prompts.iter().chain(then).collect();
+    let flags: Vec<Arc<AtomicBool>> = all.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let job = |i: usize| BatchJob {
+        id: i as u64,
+        prompt: all[i].clone(),
+        opts: opts(max_tokens),
+        sampler: Box::new(Greedy),
+        cancel: flags[i].clone(),
+    };
+    for i in 0..prompts.len() {
+        b.submit(job(i));
+    }
+    let n = all.len();
+    let mut ran = Ran {
+        done: vec![None; n],
+        failed: vec![None; n],
+        text: vec![String::new(); n],
+        steps: vec![],
+    };
+    let mut second = false;
+    loop {
+        if b.is_idle() {
+            if second || then.is_empty() {
+                break;
+            }
+            second = true;
+            for i in prompts.len()..n {
+                b.submit(job(i));
+            }
+        }
+        if let Some((who, after)) = cancel_at
+            && ran.steps.len() == after
+        {
+            flags[who].store(true, Ordering::Relaxed);
+        }
+        let report = b.step(tok, &mut |ev| match ev {
+            BatchEvent::Text { id, text } => ran.text[id as usize].push_str(text),
+            BatchEvent::Done { id, stats } => ran.done[id as usize] = Some(stats),
+            BatchEvent::Failed { id, error } => ran.failed[id as usize] = Some(error.to_string()),
+            BatchEvent::Progress { .. } => {}
+        });
+        assert!(report.sequences <= parallel && report.tokens <= 16, "{report:?}");
+        ran.steps.push(report);
+        assert!(ran.steps.len() < 10_000, "the scheduler never went idle");
+    }
+    ran
+}
+
+fn prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    let ids = tok.encode(TEXT, true, false).unwrap();
+    assert!(ids.len() >= 60);
+    vec![
+        ids[..7].to_vec(),
+        ids[..60].to_vec(),
+        tok.encode("What is the capital of France? The capital of France is", true, false)
+            .unwrap(),
+        // Waits for a slot.
+        [&ids[..40], &ids[45..50]].concat(),
+    ]
+}
+
+fn tiny_moe() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    (dir, path)
+}
+
+fn check_equal_to_alone(path: &Path) {
+    let model = Model::load(path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let prompts = prompts(&tok);
+    // A prompt sharing its first 40 tokens with the second, sent once the first four have ended: it takes the
+    // second's slot and reuses that prefix.
+    let ids = tok.encode(TEXT, true, false).unwrap();
+    let later = vec![[&ids[..40], &ids[50..55]].concat()];
+    let want = alone(&model, &tok, &[&prompts[..], &later[..]].concat(), 24);
+    let ran = batched(&model, &tok, &prompts, &later, 3, 24, None);
+    for (i, w) in want.iter().enumerate() {
+        let got = ran.done[i]
+            .as_ref()
+            .unwrap_or_else(|| panic!("request {i}: {:?}", ran.failed[i]));
+        assert_eq!(got.tokens, w.tokens, "request {i}: tokens");
+        assert_eq!(got.logits_digests, w.logits_digests, "request {i}: logits bits");
+        assert_eq!(got.stop, w.stop, "request {i}");
+        let printed: Vec<u32> = w.tokens.iter().copied().filter(|&t| !tok.is_eog(t)).collect();
+        assert_eq!(ran.text[i], tok.decode(&printed).unwrap(), "request {i}: text");
+    }
+    // It was a batch: steps of several sequences, some mixing a prompt chunk with decode tokens.
+    assert!(ran.steps.iter().any(|s| s.sequences == 3), "{:?}", ran.steps);
+    assert!(
+        ran.steps.iter().any(|s| s.decoding > 0 && s.tokens > s.decoding),
+        "no step mixed prefill and decode: {:?}",
+        ran.steps
+    );
+    let fifth = ran.done[4].as_ref().unwrap();
+    assert_eq!(fifth.prefill.reused, 40, "{:?}", fifth.prefill);
+}
+
+#[test]
+fn batched_sequences_give_the_tokens_and_logits_of_each_alone() {
+    check_equal_to_alone(&models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}")));
+}
+
+#[test]
+fn batched_moe_sequences_give_the_tokens_and_logits_of_each_alone() {
+    let (_dir, path) = tiny_moe();
+    check_equal_to_alone(&path);
+}
+
+#[test]
+fn a_cancelled_or_failed_request_leaves_the_others_as_they_were() {
+    let (_dir, path) = tiny_moe();
+    let model = Model::load(&path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let mut prompts = prompts(&tok);
+    prompts[2] = vec![1, 2, u32::MAX];
+    let want = alone(&model, &tok, &prompts[..2], 24);
+    // Request 1 is cancelled in its prefill (60 tokens in chunks of at most 16: it needs four or more steps).
+    let ran = batched(&model, &tok, &prompts, &[], 3, 24, Some((1, 2)));
+    let first = ran.done[0].as_ref().unwrap();
+    assert_eq!(first.tokens, want[0].tokens);
+    assert_eq!(first.logits_digests, want[0].logits_digests);
+    let cancelled = ran.done[1].as_ref().unwrap();
+    assert_eq!(cancelled.stop, StopReason::Cancelled);
+    assert!(
+        cancelled.prefill.cancelled && cancelled.tokens.is_empty(),
+        "{cancelled:?}"
+    );
+    let failed = ran.failed[2].as_deref().unwrap();
+    assert!(failed.contains("outside the model's vocabulary"), "{failed}");
+    // The fourth took a free slot and ran as it does alone.
+    let fourth = ran.done[3].as_ref().unwrap();
+    let want4 = alone(&model, &tok, &prompts[3..], 24);
+    assert_eq!(fourth.tokens, want4[0].tokens);
+    assert_eq!(fourth.logits_digests, want4[0].logits_digests);
+}
