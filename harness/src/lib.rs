@@ -12,6 +12,7 @@
 pub mod bisect;
 pub mod capture;
 pub mod compare;
+pub mod load;
 pub mod plot;
 pub mod prompt;
 pub mod report;
@@ -297,7 +298,7 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
     let requests: usize = report
         .arms
         .iter()
-        .map(|a| a.rows.len() + usize::from(a.start_failure_expected && a.error.is_some()))
+        .map(|a| a.rows.len() + a.loads.len() + usize::from(a.start_failure_expected && a.error.is_some()))
         .sum();
     let code = if all_dead {
         EXIT_ENGINE

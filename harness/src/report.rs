@@ -89,6 +89,9 @@ pub struct ArmReport {
     pub start_failure_expected: bool,
     pub rows: Vec<CaseRow>,
     pub boundaries: Vec<Boundary>,
+    /// Load cases' runs, one per client count.
+    #[serde(default)]
+    pub loads: Vec<crate::load::LoadRow>,
     /// Worker events by kind, over the whole arm.
     pub events: BTreeMap<String, u64>,
     /// Checks of the arm's `expect_events`.
@@ -346,6 +349,7 @@ impl Report {
                 .iter()
                 .flat_map(|r| r.checks.iter())
                 .chain(a.boundaries.iter().filter_map(|b| b.check.as_ref()))
+                .chain(a.loads.iter().flat_map(|l| l.checks.iter()))
                 .chain(a.event_checks.iter())
         })
     }
@@ -361,6 +365,44 @@ impl Report {
             failed: failed + errors,
             unjudged: self.verdict.unjudged,
         };
+    }
+}
+
+/// The load runs of one arm, as vLLM's `bench serve` names the figures (latencies in ms: mean / p50 / p99).
+fn load_table(m: &mut String, loads: &[crate::load::LoadRow]) {
+    if loads.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        m,
+        "\n### Load\n\nClosed loop: each client sends its next streamed request when the last ends. Latencies in ms, mean / p50 / p99.\n\n\
+         | case | clients | completed / failed | req/s | output tok/s | total tok/s | TTFT | TPOT | ITL | goodput req/s | result |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    );
+    let lat = |l: &Option<crate::load::Latency>| {
+        l.map_or("–".into(), |l| format!("{:.0} / {:.0} / {:.0}", l.mean, l.p50, l.p99))
+    };
+    for l in loads {
+        let _ = writeln!(
+            m,
+            "| {} | {} | {} / {} | {:.2} | {:.1} | {:.1} | {} | {} | {} | {} | {} |",
+            l.case,
+            l.clients,
+            l.completed,
+            l.failed,
+            l.requests_per_s,
+            l.output_tok_s,
+            l.total_tok_s,
+            lat(&l.ttft_ms),
+            lat(&l.tpot_ms),
+            lat(&l.itl_ms),
+            l.goodput_per_s.map_or("–".into(), |g| format!("{g:.2}")),
+            if l.checks.iter().all(|c| c.passed) {
+                "pass"
+            } else {
+                "**FAIL**"
+            }
+        );
     }
 }
 
@@ -434,6 +476,14 @@ fn side_by_side(m: &mut String, arms: &[ArmReport]) {
         let outcome = match &a.error {
             Some(_) if a.start_failure_expected => "did not start (as expected)".to_string(),
             Some(_) => "**did not start**".to_string(),
+            None if a.rows.is_empty() && !a.loads.is_empty() => {
+                let failing = a.loads.iter().filter(|l| l.failed > 0).count();
+                format!(
+                    "{} load runs, {failing} with failed requests, {} restarts",
+                    a.loads.len(),
+                    a.restarts
+                )
+            }
             None => format!("{answered} of {asked} requests answered, {} restarts", a.restarts),
         };
         let failed_alloc = memory
@@ -600,11 +650,13 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
             let _ = writeln!(m, "The engine did not start{expected}: {err}\n");
             continue;
         }
-        let _ = writeln!(
-            m,
-            "| case | tokens asked | prompt tokens (server) | status | prefill tok/s | decode tok/s | restarts | result |"
-        );
-        let _ = writeln!(m, "|---|---:|---:|---|---:|---:|---:|---|");
+        if !a.rows.is_empty() {
+            let _ = writeln!(
+                m,
+                "| case | tokens asked | prompt tokens (server) | status | prefill tok/s | decode tok/s | restarts | result |"
+            );
+            let _ = writeln!(m, "|---|---:|---:|---|---:|---:|---:|---|");
+        }
         for row in &a.rows {
             let statuses: Vec<String> = {
                 let mut s: Vec<u16> = row.samples.iter().map(|s| s.status).collect();
@@ -645,6 +697,7 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
                 result
             );
         }
+        load_table(&mut m, &a.loads);
         let peak = a.memory.iter().map(|s| s.worker_rss_bytes).max().unwrap_or(0);
         let events: Vec<String> = a.events.iter().map(|(k, v)| format!("{k} {v}")).collect();
         let _ = writeln!(

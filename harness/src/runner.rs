@@ -283,6 +283,20 @@ impl ArmRun<'_> {
     fn run_case(&mut self, c: &Case) -> Result<()> {
         let expect = self.expect(c);
         let cap = self.quick.map(|q| q.max_prompt_tokens);
+        if let Some(load) = &c.load {
+            let seconds = self.quick.map_or(load.seconds, |q| load.seconds.min(q.load_seconds));
+            let max_tokens = c.max_tokens.unwrap_or(self.s.max_tokens);
+            let prompts = std::sync::Mutex::new(&mut *self.prompts);
+            for &clients in &load.clients {
+                let label = format!("{} x{clients}", c.name);
+                self.bar.set_message(label.clone());
+                self.arm.markers.push((self.epoch.elapsed().as_millis() as u64, label));
+                let row = crate::load::run(&c.name, load, clients, seconds, max_tokens, &self.server.base, &prompts)?;
+                self.bar.inc(1);
+                self.arm.loads.push(row);
+            }
+            return Ok(());
+        }
         match (&c.prompt, &c.sweep) {
             (Some(_), _) => {
                 let row = self.row(c, "prompt", None)?;

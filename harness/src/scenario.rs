@@ -245,6 +245,10 @@ pub struct Case {
     /// Exact prompt token counts to run, one request (times repetitions) each.
     #[serde(default)]
     pub sweep: Option<Sweep>,
+    /// Concurrent streaming clients for a duration, at each client count (a load case: throughput and latency
+    /// percentiles instead of one answer per request).
+    #[serde(default)]
+    pub load: Option<Load>,
     /// Overrides the scenario's `repetitions`.
     #[serde(default)]
     pub repetitions: Option<u32>,
@@ -269,6 +273,27 @@ impl Case {
     pub fn runs_in(&self, arm_names: &[String]) -> bool {
         self.only.is_empty() || self.only.iter().any(|a| arm_names.contains(a))
     }
+}
+
+/// A load case: for each count in `clients`, that many clients each send a streamed request (`max_tokens` as the
+/// case says) as soon as their last one ended, for `seconds`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Load {
+    /// Client counts, one run each (1 to 256).
+    pub clients: Vec<usize>,
+    /// Seconds each run's clients start requests for (the run ends when the last one is answered).
+    pub seconds: f64,
+    /// Each request's prompt: exactly this many tokens of plain text with a prefix unique to the request, sent to
+    /// /v1/completions (default: a short chat unique to the request, to /v1/chat/completions).
+    #[serde(default)]
+    pub prompt_tokens: Option<usize>,
+    /// Goodput's time-to-first-token target, ms: a request counts toward goodput when it meets every target given.
+    #[serde(default)]
+    pub ttft_ms: Option<f64>,
+    /// Goodput's time-per-output-token target, ms.
+    #[serde(default)]
+    pub tpot_ms: Option<f64>,
 }
 
 /// A prompt: exactly one of `text`, `messages` or `tokens`.
@@ -480,6 +505,13 @@ pub struct Quick {
     /// Repetitions per case.
     #[serde(default = "one")]
     pub repetitions: u32,
+    /// Load runs last at most this many seconds (default 5).
+    #[serde(default = "five")]
+    pub load_seconds: f64,
+}
+
+fn five() -> f64 {
+    5.0
 }
 
 /// Optional captures.
@@ -892,7 +924,27 @@ impl Scenario {
                 return Err(format!("{at}: the name is used twice"));
             }
             case_names.push(&c.name);
+            if let Some(l) = &c.load {
+                if c.prompt.is_some() || c.sweep.is_some() {
+                    return Err(format!("{at}: give one of `prompt`, `sweep` or `load`"));
+                }
+                if l.clients.is_empty() || l.clients.iter().any(|&n| n == 0 || n > 256) {
+                    return Err(format!("{at}: load.clients are client counts from 1 to 256"));
+                }
+                if !(l.seconds > 0.0 && l.seconds <= 3600.0) {
+                    return Err(format!("{at}: load.seconds must be above 0 and at most 3600"));
+                }
+                if l.prompt_tokens == Some(0) || l.prompt_tokens.is_some_and(|n| n > MAX_PROMPT_TOKENS) {
+                    return Err(format!(
+                        "{at}: load.prompt_tokens must be from 1 to {MAX_PROMPT_TOKENS}"
+                    ));
+                }
+                if [l.ttft_ms, l.tpot_ms].iter().flatten().any(|t| !(*t > 0.0 && t.is_finite())) {
+                    return Err(format!("{at}: load.ttft_ms and load.tpot_ms are positive milliseconds"));
+                }
+            }
             match (&c.prompt, &c.sweep) {
+                _ if c.load.is_some() => {}
                 (Some(p), None) => {
                     let kinds = [p.text.is_some(), p.messages.is_some(), p.tokens.is_some()];
                     if kinds.iter().filter(|&&k| k).count() != 1 {
@@ -927,7 +979,7 @@ impl Scenario {
                         ));
                     }
                 }
-                _ => return Err(format!("{at}: give either `prompt` or `sweep`, not both or neither")),
+                _ => return Err(format!("{at}: give one of `prompt`, `sweep` or `load`")),
             }
             if c.repetitions == Some(0) || c.max_tokens == Some(0) {
                 return Err(format!("{at}: repetitions and max_tokens must be at least 1"));

@@ -281,6 +281,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
             .filter(|&i| self.slots[i].running.as_ref().is_some_and(|r| r.decoding.is_none()))
             .collect();
         prefilling.sort_by_key(|&i| self.slots[i].running.as_ref().map_or(0, |r| r.order));
+        let mut switch_to = None;
         for i in prefilling {
             if left == 0 {
                 break;
@@ -291,8 +292,10 @@ impl<'m, B: Backend> Batcher<'m, B> {
             let remaining = r.job.prompt.len() - done;
             match slot.session.next_batch_rows(remaining) {
                 Ok((rows, switched)) => {
-                    if switched.is_some() {
-                        r.gemm_fallback = switched;
+                    if let Some(f) = switched {
+                        // The switch to the fallback holds for the engine: every sequence's prefill is capped.
+                        switch_to = Some(f.limit);
+                        r.gemm_fallback = Some(f);
                     }
                     let rows = rows.min(left);
                     left -= rows;
@@ -309,6 +312,11 @@ impl<'m, B: Backend> Batcher<'m, B> {
                         id: r.job.id,
                         error: e.into(),
                     });
+                }
+            }
+            if let Some(limit) = switch_to.take() {
+                for slot in &mut self.slots {
+                    slot.session.cap_prefill_rows(limit);
                 }
             }
         }

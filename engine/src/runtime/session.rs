@@ -185,6 +185,12 @@ impl<'m, B: Backend> Session<'m, B> {
         Ok((remaining.min(self.chunk), Some(fault)))
     }
 
+    /// Caps the prefill batches at `rows` (another sequence of the same engine switched to the GEMM fallback:
+    /// the switch holds for the engine, [`Session::next_batch_rows`] reports it once).
+    pub(crate) fn cap_prefill_rows(&mut self, rows: usize) {
+        self.chunk = self.chunk.min(rows.max(1));
+    }
+
     /// The backend the session computes on.
     pub fn backend(&self) -> &'m B {
         self.backend
