@@ -3,6 +3,7 @@
 # 1. Greedy answers alone and batched (4 at once, --parallel 4) on CUDA, small MoE and the 30B shape: how many of
 #    the batched answers equal the alone ones (CUDA's kernels for a step of several tokens are not the decode
 #    kernels, so a near tie may part them: issue 20 point 4).
+#    Before: the CUDA parity tests of batching (PARITY=0 skips them).
 # 2. scenarios/h200-load.yaml: aggregate throughput and latencies at 1..32 clients against the single stream.
 set -u
 OUT=${OUT:-device-out}
@@ -13,8 +14,14 @@ export RUST_BACKTRACE=1
 PORT=18080
 declare -a ROWS
 row() { ROWS+=("$(printf '%-40s %s' "$1" "$2")"); }
+if [ "${PARITY:-1}" = 1 ]; then
+  carry/cuda_parity --ignored --test-threads 1 --nocapture top_logits one_step two_sequences batched_decode 2>&1 \
+    | grep -E "^test |test result|panicked|largest|interleaved" | tee "$OUT/parity.txt"
+  row "parity (batching)" "$(grep -E '^test result' "$OUT/parity.txt" | tail -1)"
+fi
 content() { grep -o '"content":"[^"]*"' "$1" | head -1; }
-for model in synth:small-qwen3moe-q4k synth:qwen3-30b-a3b; do
+# BATCH_MODELS="" skips part 1; HARNESS_FLAGS="--quick" shortens part 2.
+for model in ${BATCH_MODELS-synth:small-qwen3moe-q4k synth:qwen3-30b-a3b}; do
   tag=${model#synth:}
   $B serve --device cuda:0 --model $model --parallel 4 --max-context 1024 --port $PORT > "$OUT/serve-$tag.log" 2>&1 &
   pid=$!
@@ -29,14 +36,15 @@ for model in synth:small-qwen3moe-q4k synth:qwen3-30b-a3b; do
     a=$(grep -o '"text":"[^"]*"' "$OUT/alone-$tag-$i.json"); b=$(grep -o '"text":"[^"]*"' "$OUT/batched-$tag-$i.json")
     [ -n "$a" ] && [ "$a" = "$b" ] && same=$((same+1))
   done
-  row "$tag: batched = alone (greedy, 48 tok)" "$same of 4"
+  errs=$(grep -l '"error"' "$OUT"/batched-$tag-*.json 2>/dev/null | wc -l)
+  row "$tag: batched = alone (greedy, 48 tok)" "$same of 4 ($errs batched answers were errors)"
   kill $pid; wait $pid 2>/dev/null
 done
-timeout 420 carry/strata-harness run scenarios/h200-load.yaml --strata $B --out $OUT/r > $OUT/harness.txt 2>&1
+timeout 420 carry/strata-harness run scenarios/h200-load.yaml --strata $B --out $OUT/r ${HARNESS_FLAGS:-} > $OUT/harness.txt 2>&1
 row "h200-load rc" "$? $(tail -1 $OUT/harness.txt | cut -c1-120)"
 R=$(ls -d $OUT/r/*/ | head -1)
 sed -n '/### Load/,/Worker/p' $R/report.md | grep "^| " > $OUT/load-table.md
-grep -h "slots\|panicked\|fault" $R/logs/*.log | head -20
+grep -h "slots\|panicked\|fault\|batching:" $R/logs/*.log | head -30
 (cd $OUT && tar czf load-report.tgz r && rm -rf r)
 echo; cat $OUT/load-table.md
 printf '%s\n' "${ROWS[@]}"

@@ -308,6 +308,10 @@ __device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, co
 // to f16 as the cache holds them; the block of the group's first query head writes them into cell pos (through kc and
 // vc, the same buffers as k and v: no block reads cell pos from them, so the loads through the restrict pointers
 // never meet the stores). The cell's score and P.V term come from those shared copies.
+//
+// With kvtab given (a step of several sequences' decode tokens, continuous batching): token t's key and value
+// caches are kvtab[2t] and kvtab[2t + 1] in place of k and v (and of kc and vc), and with kraw its raw rows are row
+// t of kraw and vraw; the caches share their geometry (krb, khb, vrb, vhb, n_ctx).
 #define ATTN_DEC_KEYS 1024
 #define ATTN_DK_MAX 512
 extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __restrict__ k,
@@ -317,7 +321,8 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
                                        int khb, int kty, long long vrb, int vhb, int vty, int n_ctx,
                                        const float* __restrict__ kraw, const float* __restrict__ vraw,
                                        const float* __restrict__ qw, const float* __restrict__ kw, float eps,
-                                       int n_rot, float theta_scale, float freq_scale, int neox, u16* kc, u16* vc) {
+                                       int n_rot, float theta_scale, float freq_scale, int neox, u16* kc, u16* vc,
+                                       const unsigned long long* __restrict__ kvtab) {
     pdl_enter();
     __shared__ float red[8];
     __shared__ double redd[8];
@@ -327,6 +332,13 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     __shared__ float vs[256];
     __shared__ float scs[ATTN_DEC_KEYS];
     int h = blockIdx.x, t = blockIdx.y, th = t * n_head + h;
+    if (kvtab) {
+        // A step of several sequences: token t attends over (and, fused, stores into) its own sequence's cache.
+        k = (const u8*)kvtab[2 * t];
+        v = (const u8*)kvtab[2 * t + 1];
+        kc = (u16*)kvtab[2 * t];
+        vc = (u16*)kvtab[2 * t + 1];
+    }
     int group = n_head / n_head_kv, g = h / group;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = (int)pos[t];
@@ -338,7 +350,8 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     int n_cached = n;
     if (kraw) {
         n_cached = n - 1;
-        for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = qv[d], ks[d] = kraw[(long long)g * dk + d];
+        for (int d = threadIdx.x; d < dk; d += blockDim.x)
+            qs[d] = qv[d], ks[d] = kraw[((long long)t * n_head_kv + g) * dk + d];
         __syncthreads();
         if (warp == 0) head_norm_rope(qs, qw, dk, eps, p, n_rot, theta_scale, freq_scale, neox);
         if (warp == 1) head_norm_rope(ks, kw, dk, eps, p, n_rot, theta_scale, freq_scale, neox);
@@ -353,7 +366,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
             qs[d] = round_f16(qs[d]);
         }
         for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-            u16 vh = f2h(vraw[(long long)g * dv + d]);
+            u16 vh = f2h(vraw[((long long)t * n_head_kv + g) * dv + d]);
             if (writer) vdst[d] = vh;
             vs[d] = h2f(vh);
         }

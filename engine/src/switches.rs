@@ -159,6 +159,8 @@ pub const EXPERT_PREFETCH: &str = "STRATA_EXPERT_PREFETCH";
 pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
 /// The CPU's 512-bit Q4_K kernel, where the CPU has AVX-512BW (off by default).
 pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
+/// A CUDA step of several sequences attends over their decode tokens in one launch.
+pub const BATCH_ATTENTION: &str = "STRATA_BATCH_ATTENTION";
 /// Off: every speed switch the user did not set is off, whatever the arch's default.
 pub const ARCH_DEFAULTS: &str = "STRATA_ARCH_DEFAULTS";
 /// A digest of every step's logits in each `request` event (for `same_logits_as`).
@@ -285,6 +287,14 @@ pub const SWITCHES: &[Switch] = &[
         Applies::HostAvx512bw,
         false,
         "1: the CPU's Q4_K dot products on 512-bit registers where the CPU has AVX-512BW (the same results; on the H200 machine's Xeon slower with all cores busy; for comparing speed)",
+    ),
+    speed(
+        BATCH_ATTENTION,
+        "0",
+        false,
+        Applies::Cuda,
+        false,
+        "1: a CUDA step of several sequences (strata serve's continuous batching) attends over their decode tokens in one attn_decode launch over each one's own cache, instead of run by run (off until measured on a GPU)",
     ),
     sw(
         JOIN_ROUND_TRIP_US,

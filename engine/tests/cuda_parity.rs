@@ -943,6 +943,36 @@ fn top_logits_match_the_host_selection() {
     println!("top_logits: {cases} cases equal to the host's selection");
 }
 
+/// The selection for a step of several sequences (`top_logits_rows`): each row's candidates equal the host's
+/// selection of that row, for one to 33 rows of a 151,936-token vocabulary and of 65 logits.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn top_logits_of_several_rows_match_the_host_selection() {
+    let g = gpu();
+    let mut rng = Rng(22);
+    for n in [65usize, 151_936] {
+        for rows in [1usize, 2, 7, 33] {
+            let mut x = rng.vec(rows * n, 4.0);
+            // Ties and a NaN in the second row.
+            if rows > 1 {
+                x[n..n + 40].iter_mut().for_each(|v| *v = 3.5);
+                x[n + 41] = f32::NAN;
+            }
+            let d = up(&g, &x);
+            assert!(Backend::top_logits_rows(&g, &d, rows, n), "n={n} rows={rows}");
+            let mut got = vec![TopLogits::default(); rows];
+            assert!(Backend::read_top_logits_rows(&g, n, &mut got));
+            for (r, t) in got.iter().enumerate() {
+                assert_eq!(
+                    *t,
+                    TopLogits::from_logits(&x[r * n..(r + 1) * n]),
+                    "n={n} rows={rows} row {r}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn smollm2_shaped_kld_vs_cpu() {
@@ -1400,4 +1430,95 @@ fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
         }
     }
     println!("expert cache: {cases} configurations bit-identical to the resident run");
+}
+
+/// A sampler that takes the argmax and keeps every step's logits.
+struct Recording(std::sync::Arc<std::sync::Mutex<Vec<Vec<f32>>>>);
+
+impl strata_engine::runtime::generate::TokenSampler for Recording {
+    fn next_token(&mut self, logits: StepLogits<'_>, _history: &[u32]) -> u32 {
+        let StepLogits::Full(l) = logits else {
+            panic!("a recording sampler gets whole logits")
+        };
+        self.0.lock().unwrap().push(l.to_vec());
+        strata_engine::runtime::generate::argmax(l)
+    }
+}
+
+/// Five sequences through the continuous-batching scheduler on CUDA, prompts of 3 to 150 tokens (past one span
+/// block of 128 cells, where a lone decode step splits its keys), 20 greedy tokens each: the decode tokens of a
+/// step in one attn_decode launch over their own caches give the logits of attending run by run within 1e-4 of the
+/// largest logit, and the same tokens.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn batched_decode_attention_equals_attending_run_by_run() {
+    use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher};
+    use strata_engine::runtime::generate::GenerateOptions;
+    use strata_engine::tokenizer::Tokenizer;
+    let dir = std::env::temp_dir().join(format!("strata-cuda-batcher-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    let model = Model::load(&path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let cfg = SessionConfig {
+        max_context: 512,
+        kv: KvType::F16,
+        prefill_chunk: Some(64),
+    };
+    let prompts: Vec<Vec<u32>> = [7u32, 20, 150, 40, 3]
+        .iter()
+        .map(|&n| (0..n).map(|i| 300 + (i * 37 + n) % 1500).collect())
+        .collect();
+    let g = gpu();
+    let run = |by_run: bool| {
+        g.set_batch_attention(!by_run);
+        let sessions = (0..prompts.len())
+            .map(|_| Session::new(&model, &g, cfg).unwrap())
+            .collect();
+        let mut b = Batcher::new(sessions, 64);
+        let logs: Vec<_> = prompts
+            .iter()
+            .map(|_| std::sync::Arc::new(std::sync::Mutex::new(vec![])))
+            .collect();
+        for (i, p) in prompts.iter().enumerate() {
+            b.submit(BatchJob {
+                id: i as u64,
+                prompt: p.clone(),
+                opts: GenerateOptions {
+                    max_tokens: 20,
+                    stop: vec![],
+                    logits_digest: false,
+                },
+                sampler: Box::new(Recording(logs[i].clone())),
+                cancel: Default::default(),
+            });
+        }
+        let mut tokens = vec![vec![]; prompts.len()];
+        let mut most = 0;
+        while !b.is_idle() {
+            let r = b.step(&tok, &mut |ev| {
+                if let BatchEvent::Done { id, stats } = ev {
+                    tokens[id as usize] = stats.tokens;
+                }
+            });
+            most = most.max(r.decoding);
+        }
+        assert!(most >= 4, "the steps never carried four decode tokens");
+        let logits: Vec<Vec<Vec<f32>>> = logs.iter().map(|l| l.lock().unwrap().clone()).collect();
+        (tokens, logits)
+    };
+    let (t_run, l_run) = run(true);
+    let (t_one, l_one) = run(false);
+    let mut worst = 0f64;
+    for (i, (a, b)) in l_one.iter().zip(&l_run).enumerate() {
+        assert_eq!(a.len(), b.len(), "sequence {i}: steps");
+        for (x, y) in a.iter().zip(b) {
+            worst = worst.max(rel_err(x, y));
+        }
+    }
+    println!("batched decode attention: largest logit difference from run by run {worst:e}");
+    assert!(worst <= 1e-4, "{worst}");
+    assert_eq!(t_one, t_run);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -939,7 +939,11 @@ impl Scenario {
                         "{at}: load.prompt_tokens must be from 1 to {MAX_PROMPT_TOKENS}"
                     ));
                 }
-                if [l.ttft_ms, l.tpot_ms].iter().flatten().any(|t| !(*t > 0.0 && t.is_finite())) {
+                if [l.ttft_ms, l.tpot_ms]
+                    .iter()
+                    .flatten()
+                    .any(|t| !(*t > 0.0 && t.is_finite()))
+                {
                     return Err(format!("{at}: load.ttft_ms and load.tpot_ms are positive milliseconds"));
                 }
             }

@@ -99,7 +99,7 @@ use crate::experts::{ExpertGroups, ExpertShape};
 use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;
 use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
-use crate::state::batch::BatchLayout;
+use crate::state::batch::{BatchLayout, SeqRun};
 use crate::state::kv::{KvCache, KvLayer, SeqSlot};
 
 /// A quantized weight matrix viewed in place (zero-copy) in a GGUF mapping: `rows` rows of `cols` weights.
@@ -396,6 +396,18 @@ pub trait Backend: Send + Sync {
         false
     }
 
+    /// [`Backend::top_logits`] for each of `rows` rows of `n` logits, `logits[r * n..(r + 1) * n]` (a step of
+    /// several sequences). Returns false when the backend leaves the selection to the host (the default).
+    fn top_logits_rows(&self, _logits: &Self::Buf, _rows: usize, _n: usize) -> bool {
+        false
+    }
+
+    /// Reads the selections queued by the last [`Backend::top_logits_rows`] over `out.len()` rows of `n` logits,
+    /// waiting for pending work. Returns false (nothing read) where that call returns false.
+    fn read_top_logits_rows(&self, _n: usize, _out: &mut [TopLogits]) -> bool {
+        false
+    }
+
     /// Embedding lookup: `out[t] = dequantize(table row ids[t])`, `out` `[ids.len()][table.cols]`
     /// (ggml's `get_rows`). Ids were checked against `table.rows` by the caller.
     fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut Self::Buf);
@@ -521,9 +533,8 @@ pub trait Backend: Send + Sync {
     /// One layer's attention for a step that carries several sequences ([`BatchLayout`]): the tokens of each run
     /// store their keys and values into, and attend over, layer `layer` of their own sequence's cache
     /// (`kvs[run.seq]`). `q`, `k`, `v` and `out` hold every token of the step, in the layout's order, shaped as
-    /// [`Backend::attend`] takes them. The default gives a one-run step to [`Backend::attend`] as it is, and
-    /// otherwise copies each run's rows into `tmp`, attends there and copies the result back: the same arithmetic
-    /// per token as the run alone. A backend may attend over every sequence in one launch.
+    /// [`Backend::attend`] takes them. The default attends run by run ([`attend_runs_one_by_one`]): the same
+    /// arithmetic per token as the run alone. A backend may attend over every sequence in one launch.
     #[allow(clippy::too_many_arguments)]
     fn attend_runs(
         &self,
@@ -537,30 +548,19 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
         tmp: &mut RunBufs<Self::Buf>,
     ) {
-        if let [run] = layout.runs() {
-            let kv = &mut kvs[run.seq].layers[layer];
-            return self.attend(q, k, v, kv, layout.positions(), a, out);
-        }
-        let p = &a.params;
-        let (wq, wk, wv, wo) = (
-            p.n_head * p.head_dim,
-            p.n_head_kv * p.head_dim,
-            p.n_head_kv * p.head_dim_v,
-            p.n_head * p.head_dim_v,
+        attend_runs_one_by_one(
+            self,
+            q,
+            k,
+            v,
+            kvs,
+            layer,
+            layout.runs(),
+            layout.positions(),
+            a,
+            out,
+            tmp,
         );
-        for run in layout.runs() {
-            let (t0, n) = (run.start, run.len);
-            for (buf, w) in [(&mut tmp.q, wq), (&mut tmp.k, wk), (&mut tmp.v, wv), (&mut tmp.att, wo)] {
-                self.reserve(buf, n * w);
-            }
-            self.copy(q, t0 * wq, &mut tmp.q, 0, n * wq);
-            self.copy(k, t0 * wk, &mut tmp.k, 0, n * wk);
-            self.copy(v, t0 * wv, &mut tmp.v, 0, n * wv);
-            let kv = &mut kvs[run.seq].layers[layer];
-            let positions = &layout.positions()[run.tokens()];
-            self.attend(&mut tmp.q, &mut tmp.k, &tmp.v, kv, positions, a, &mut tmp.att);
-            self.copy(&tmp.att, 0, out, t0 * wo, n * wo);
-        }
     }
 
     /// Multiplies the first `len` values by `s`.
@@ -679,6 +679,49 @@ pub trait Backend: Send + Sync {
     /// applies them by capping its prefill batch (the CPU).
     fn set_fault_policy(&self, _faults: FaultPlan, _gemm_fallback: bool) -> bool {
         false
+    }
+}
+
+/// [`Backend::attend_runs`] run by run, for `runs` of a step whose tokens are at `positions` (the whole step's): a
+/// run that starts the step is given to [`Backend::attend`] as it is (rows `0..run.len` of the buffers); any other
+/// has its rows copied into `tmp`, attended there and its output copied back.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_runs_one_by_one<B: Backend + ?Sized>(
+    be: &B,
+    q: &mut B::Buf,
+    k: &mut B::Buf,
+    v: &B::Buf,
+    kvs: &mut [&mut KvCache],
+    layer: usize,
+    runs: &[SeqRun],
+    positions: &[u32],
+    a: &AttnOp<'_>,
+    out: &mut B::Buf,
+    tmp: &mut RunBufs<B::Buf>,
+) {
+    let p = &a.params;
+    let (wq, wk, wv, wo) = (
+        p.n_head * p.head_dim,
+        p.n_head_kv * p.head_dim,
+        p.n_head_kv * p.head_dim_v,
+        p.n_head * p.head_dim_v,
+    );
+    for run in runs {
+        let kv = &mut kvs[run.seq].layers[layer];
+        let pos = &positions[run.tokens()];
+        if run.start == 0 {
+            be.attend(q, k, v, kv, pos, a, out);
+            continue;
+        }
+        let (t0, n) = (run.start, run.len);
+        for (buf, w) in [(&mut tmp.q, wq), (&mut tmp.k, wk), (&mut tmp.v, wv), (&mut tmp.att, wo)] {
+            be.reserve(buf, n * w);
+        }
+        be.copy(q, t0 * wq, &mut tmp.q, 0, n * wq);
+        be.copy(k, t0 * wk, &mut tmp.k, 0, n * wk);
+        be.copy(v, t0 * wv, &mut tmp.v, 0, n * wv);
+        be.attend(&mut tmp.q, &mut tmp.k, &tmp.v, kv, pos, a, &mut tmp.att);
+        be.copy(&tmp.att, 0, out, t0 * wo, n * wo);
     }
 }
 

@@ -90,6 +90,8 @@ pub const SIM_KERNELS: &[&str] = &[
     "routed_experts",
     "top_logits",
     "read_top_logits",
+    "top_logits_rows",
+    "read_top_logits_rows",
 ];
 
 /// A malformed `STRATA_FAULT` value.

@@ -93,8 +93,8 @@ pub enum Logits {
     /// Every token: `[n_tok][vocab]` (teacher forcing).
     All,
     /// The last token's best candidates only, selected by the backend ([`Backend::top_logits`]) into
-    /// [`Scratch::top`]; a backend that does not select, or a step of several sequences, returns the values as
-    /// `Last` does.
+    /// [`Scratch::top`] (a step of several sequences: each one's into [`Scratch::tops`]); a backend that does not
+    /// select returns the values as `Last` does.
     Top,
 }
 
@@ -126,6 +126,8 @@ pub struct Scratch<B: Backend> {
     /// The last step's candidates when it ran with [`Logits::Top`] and the backend selected them (`logits` is
     /// then empty).
     pub top: crate::backend::TopLogits,
+    /// The same for a step of several sequences: one per sequence, in the layout's order.
+    pub tops: Vec<crate::backend::TopLogits>,
 }
 
 impl<B: Backend> Default for Scratch<B> {
@@ -146,6 +148,7 @@ impl<B: Backend> Default for Scratch<B> {
             runs: RunBufs::default(),
             logits: Vec::new(),
             top: Default::default(),
+            tops: Vec::new(),
         }
     }
 }
@@ -493,9 +496,13 @@ impl Model {
         be.matmul(&out, &s.h, m, &mut s.lg);
         trace(be, "result_norm", None, &s.h, m * e);
         trace(be, "result_output", None, &s.lg, m * out.rows);
-        ForwardOut {
-            topped: logits == Logits::Top && m == 1 && be.top_logits(&s.lg, out.rows),
-        }
+        let topped = logits == Logits::Top
+            && if m == 1 {
+                be.top_logits(&s.lg, out.rows)
+            } else {
+                be.top_logits_rows(&s.lg, m, out.rows)
+            };
+        ForwardOut { topped }
     }
 
     /// The logits a step laid out by `layout` left, as [`Model::forward`] describes them: read from the
@@ -510,8 +517,20 @@ impl Model {
         topped: bool,
     ) -> &'s [f32] {
         let rows = self.weights.output.rows;
-        if logits == Logits::None || (topped && be.read_top_logits(rows, &mut s.top)) {
+        if logits == Logits::None {
             return &[];
+        }
+        if topped {
+            let m = layout.runs().len();
+            let read = if m == 1 {
+                be.read_top_logits(rows, &mut s.top)
+            } else {
+                s.tops.resize_with(m, Default::default);
+                be.read_top_logits_rows(rows, &mut s.tops)
+            };
+            if read {
+                return &[];
+            }
         }
         let len = match logits {
             Logits::All => layout.n_tok(),

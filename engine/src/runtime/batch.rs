@@ -31,8 +31,9 @@ use crate::model::{Logits, Scratch};
 use crate::runtime::generate::{
     Decoding, GenerateError, GenerateOptions, GenerateStats, Next, StopReason, TokenSampler,
 };
-use crate::runtime::session::{PrefillStats, Session, StepLogits, step_together};
+use crate::runtime::session::{PrefillStats, Session, step_together};
 use crate::tokenizer::Tokenizer;
+use rayon::prelude::*;
 
 /// One request for the scheduler: prompt ids, generation settings, its sampler, and a flag another thread sets
 /// to cancel it (read at every step).
@@ -59,7 +60,7 @@ pub enum BatchEvent<'a> {
 }
 
 /// What one [`Batcher::step`] computed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepReport {
     /// Sequences in the step (0: nothing to do).
     pub sequences: usize,
@@ -67,6 +68,31 @@ pub struct StepReport {
     pub tokens: usize,
     /// Of `sequences`, those that decoded a token.
     pub decoding: usize,
+    /// The forward pass and reading its logits back, ms.
+    pub forward_ms: f64,
+    /// Sampling, detokenizing and stop strings of every sequence, ms.
+    pub sample_ms: f64,
+}
+
+/// One slot as `GET /slots` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SlotState {
+    /// The slot's index.
+    pub id: usize,
+    /// `idle`, `prefill` (its request's prompt is being read) or `decode`.
+    pub state: String,
+    /// The request in the slot (the worker's id), if any.
+    pub request: Option<u64>,
+    /// Tokens the slot's KV cache holds at most.
+    pub n_ctx: usize,
+    /// Tokens its KV cache holds now (an idle slot keeps its last request's, for prefix reuse).
+    pub cached_tokens: usize,
+    /// The request's prompt tokens, of which `prompt_reused` were kept from the cache and `prompt_read` computed.
+    pub prompt_tokens: usize,
+    pub prompt_reused: usize,
+    pub prompt_read: usize,
+    /// Tokens the request has generated.
+    pub generated: usize,
 }
 
 /// A request in a slot.
@@ -171,6 +197,33 @@ impl<'m, B: Backend> Batcher<'m, B> {
         self.waiting.len()
     }
 
+    /// Every slot's state, in slot order.
+    pub fn slots(&self) -> Vec<SlotState> {
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(id, s)| {
+                let r = s.running.as_ref();
+                SlotState {
+                    id,
+                    state: match r {
+                        None => "idle",
+                        Some(r) if r.decoding.is_none() => "prefill",
+                        Some(_) => "decode",
+                    }
+                    .into(),
+                    request: r.map(|r| r.job.id),
+                    n_ctx: s.session.n_ctx(),
+                    cached_tokens: s.session.tokens().len(),
+                    prompt_tokens: r.map_or(0, |r| r.job.prompt.len()),
+                    prompt_reused: r.map_or(0, |r| r.reused),
+                    prompt_read: r.map_or(0, |r| r.read),
+                    generated: r.and_then(|r| r.decoding.as_ref()).map_or(0, |(d, _, _)| d.generated()),
+                }
+            })
+            .collect()
+    }
+
     /// The ids of the requests in a slot, in slot order, then of those waiting, in arrival order.
     pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
         let running = self.slots.iter().filter_map(|s| s.running.as_ref().map(|r| r.job.id));
@@ -187,7 +240,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         if parts.is_empty() {
             return StepReport::default();
         }
-        let report = StepReport {
+        let mut report = StepReport {
             sequences: parts.len(),
             tokens: parts.iter().map(|p| p.tokens.len()).sum(),
             decoding: parts
@@ -199,12 +252,15 @@ impl<'m, B: Backend> Batcher<'m, B> {
                         .is_some_and(|r| r.decoding.is_some())
                 })
                 .count(),
+            ..StepReport::default()
         };
-        if let [part] = &parts[..] {
-            self.step_one(part, tokenizer, on_event);
+        let (forward_ms, sample_ms) = if let [part] = &parts[..] {
+            self.step_one(part, tokenizer, on_event)
         } else {
-            self.step_many(&parts, tokenizer, on_event);
-        }
+            self.step_many(&parts, tokenizer, on_event)
+        };
+        report.forward_ms = forward_ms;
+        report.sample_ms = sample_ms;
         report
     }
 
@@ -325,7 +381,8 @@ impl<'m, B: Backend> Batcher<'m, B> {
 
     /// A step of one sequence: the single-sequence path, with its graphs and top-logits selection; a prompt
     /// chunk on the CPU also stops between layers when its request is cancelled (the chunk is then dropped).
-    fn step_one(&mut self, part: &Part, tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+    fn step_one(&mut self, part: &Part, tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) -> (f64, f64) {
+        let t0 = Instant::now();
         let Slot { session, running, .. } = &mut self.slots[part.slot];
         let r = running.as_mut().expect("planned");
         let want = match &r.decoding {
@@ -341,43 +398,128 @@ impl<'m, B: Backend> Batcher<'m, B> {
                 .then(|| crate::backend::progress::cancel_scope(&r.job.cancel));
             session.step_alone(&part.tokens, want)
         };
+        let forward_ms = ms_since(t0);
         if !computed {
             // Cancelled inside the chunk: nothing was kept; the next step ends the request.
-            return;
+            return (forward_ms, 0.0);
         }
+        let t1 = Instant::now();
         let room = session.tokens().len() < session.n_ctx();
-        // A prompt chunk that is not the last computed no logits.
-        let logits = if part.sample {
-            session.step_logits()
-        } else {
-            StepLogits::Full(&[])
-        };
-        if advance(running, part, logits, room, tokenizer, on_event) == Outcome::Failed {
-            session.clear();
-        }
-    }
-
-    /// A step of several sequences: one forward pass over all their tokens, then each samples from its row.
-    fn step_many(&mut self, parts: &[Part], tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
-        let mut chosen: Vec<(&mut Session<'m, B>, &[u32])> = Vec::with_capacity(parts.len());
-        let mut runs: Vec<&mut Option<Running>> = Vec::with_capacity(parts.len());
-        let mut which: Vec<&Part> = Vec::with_capacity(parts.len());
-        for (i, slot) in self.slots.iter_mut().enumerate() {
-            if let Some(p) = parts.iter().find(|p| p.slot == i) {
-                chosen.push((&mut slot.session, &p.tokens[..]));
-                runs.push(&mut slot.running);
-                which.push(p);
-            }
-        }
-        let logits = step_together(&mut chosen, &mut self.scratch);
-        let vocab = logits.len() / parts.len();
-        for (k, ((session, _), running)) in chosen.into_iter().zip(runs).enumerate() {
-            let room = session.tokens().len() < session.n_ctx();
-            let row = StepLogits::Full(&logits[k * vocab..(k + 1) * vocab]);
-            if advance(running, which[k], row, room, tokenizer, on_event) == Outcome::Failed {
+        if let Some(r) = ready_to_sample(running, part, on_event) {
+            let (dec, _, _) = r.decoding.as_mut().expect("ready");
+            let tok = dec.sample(session.step_logits(), &mut *r.job.sampler);
+            if accept(running, tok, room, tokenizer, on_event) == Outcome::Failed {
                 session.clear();
             }
         }
+        (forward_ms, ms_since(t1))
+    }
+
+    /// A step of several sequences: one forward pass over all their tokens, then every sequence due samples from
+    /// its row (in parallel: each has its own sampler), then each takes its token in slot order.
+    fn step_many(
+        &mut self,
+        parts: &[Part],
+        tokenizer: &Tokenizer,
+        on_event: &mut dyn FnMut(BatchEvent<'_>),
+    ) -> (f64, f64) {
+        let t0 = Instant::now();
+        // Candidates only when every sequence that samples this step can sample from them.
+        let top = parts.iter().all(|p| {
+            let r = self.slots[p.slot].running.as_ref().expect("planned");
+            let wants_top = !r.job.opts.logits_digest && r.job.sampler.top_suffices();
+            wants_top || (r.decoding.is_none() && !p.sample)
+        });
+        let want = if top { Logits::Top } else { Logits::Last };
+        // Decode tokens first, then prompt chunks: a backend attends over the leading one-token runs in one launch.
+        let mut chosen: Vec<(&mut Session<'m, B>, &[u32])> = Vec::with_capacity(parts.len());
+        let mut runs: Vec<&mut Option<Running>> = Vec::with_capacity(parts.len());
+        let mut which: Vec<&Part> = Vec::with_capacity(parts.len());
+        let mut later = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(p) = parts.iter().find(|p| p.slot == i) {
+                if p.tokens.len() == 1 {
+                    chosen.push((&mut slot.session, &p.tokens[..]));
+                    runs.push(&mut slot.running);
+                    which.push(p);
+                } else {
+                    later.push((slot, p));
+                }
+            }
+        }
+        for (slot, p) in later {
+            chosen.push((&mut slot.session, &p.tokens[..]));
+            runs.push(&mut slot.running);
+            which.push(p);
+        }
+        let rows = step_together(&mut chosen, &mut self.scratch, want);
+        let forward_ms = ms_since(t0);
+        let t1 = Instant::now();
+        let mut due: Vec<(usize, &mut Running)> = Vec::with_capacity(parts.len());
+        for (k, running) in runs.iter_mut().enumerate() {
+            if let Some(r) = ready_to_sample(running, which[k], on_event) {
+                due.push((k, r));
+            }
+        }
+        let sampled: Vec<(usize, Option<u32>)> = due
+            .into_par_iter()
+            .map(|(k, r)| {
+                let (dec, _, _) = r.decoding.as_mut().expect("ready");
+                (k, dec.sample(rows.row(k), &mut *r.job.sampler))
+            })
+            .collect();
+        for (k, tok) in sampled {
+            let session = &mut chosen[k].0;
+            let room = session.tokens().len() < session.n_ctx();
+            if accept(runs[k], tok, room, tokenizer, on_event) == Outcome::Failed {
+                session.clear();
+            }
+        }
+        (forward_ms, ms_since(t1))
+    }
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// What the steps of a period did, for the worker's periodic log line.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTotals {
+    pub steps: u64,
+    pub sequences: u64,
+    pub max_sequences: usize,
+    pub tokens: u64,
+    pub forward_ms: f64,
+    pub sample_ms: f64,
+}
+
+impl StepTotals {
+    /// Adds one step (an empty one is not counted).
+    pub fn add(&mut self, r: &StepReport) {
+        if r.sequences == 0 {
+            return;
+        }
+        self.steps += 1;
+        self.sequences += r.sequences as u64;
+        self.max_sequences = self.max_sequences.max(r.sequences);
+        self.tokens += r.tokens as u64;
+        self.forward_ms += r.forward_ms;
+        self.sample_ms += r.sample_ms;
+    }
+
+    /// `N steps in S s: mean M sequences a step (most X), T tokens a step; forward F ms, sampling P ms a step`.
+    pub fn line(&self, seconds: f64) -> String {
+        let n = self.steps.max(1) as f64;
+        format!(
+            "{} steps in {seconds:.0} s: {:.1} sequences a step (most {}), {:.1} tokens a step; forward and logits {:.2} ms, sampling {:.2} ms a step",
+            self.steps,
+            self.sequences as f64 / n,
+            self.max_sequences,
+            self.tokens as f64 / n,
+            self.forward_ms / n,
+            self.sample_ms / n
+        )
     }
 }
 
@@ -391,28 +533,25 @@ enum Outcome {
     Failed,
 }
 
-/// After a part of `running`'s request was computed: records prompt progress, or samples the next token from
-/// `logits` when the part asked for it, and ends the request when its generation stopped or failed.
-fn advance(
-    running: &mut Option<Running>,
+/// After a part of `running`'s request was computed: records prompt progress (a chunk that is not the last), starts
+/// the generation after the last chunk, and ends a request cancelled meanwhile. Returns the request when its
+/// logits are due to be sampled.
+fn ready_to_sample<'r>(
+    running: &'r mut Option<Running>,
     part: &Part,
-    logits: StepLogits<'_>,
-    room: bool,
-    tokenizer: &Tokenizer,
     on_event: &mut dyn FnMut(BatchEvent<'_>),
-) -> Outcome {
+) -> Option<&'r mut Running> {
     let r = running.as_mut().expect("planned");
-    let id = r.job.id;
     if r.decoding.is_none() {
         r.read += part.tokens.len();
         if !part.sample {
             let total = r.job.prompt.len() - r.reused;
             on_event(BatchEvent::Progress {
-                id,
+                id: r.job.id,
                 read: r.read,
                 total,
             });
-            return Outcome::Going;
+            return None;
         }
         r.prefill_ms = r.started.elapsed().as_secs_f64() * 1e3;
         r.decoding = Some((Decoding::new(&r.job.prompt, &r.job.opts), 0, Instant::now()));
@@ -420,11 +559,24 @@ fn advance(
     if r.job.cancel.load(Ordering::Relaxed) {
         let r = running.take().expect("checked");
         finish(r, StopReason::Cancelled, on_event);
-        return Outcome::Ended;
+        return None;
     }
-    let (dec, next, _) = r.decoding.as_mut().expect("set above");
-    let sampler = &mut *r.job.sampler;
-    match dec.advance(logits, sampler, tokenizer, room, &mut |text| {
+    running.as_mut()
+}
+
+/// Takes the token `running`'s request sampled (`None`: its limit was reached): prints it, and ends the request when
+/// its generation stopped or failed.
+fn accept(
+    running: &mut Option<Running>,
+    tok: Option<u32>,
+    room: bool,
+    tokenizer: &Tokenizer,
+    on_event: &mut dyn FnMut(BatchEvent<'_>),
+) -> Outcome {
+    let r = running.as_mut().expect("sampled");
+    let id = r.job.id;
+    let (dec, next, _) = r.decoding.as_mut().expect("sampled");
+    match dec.accept(tok, tokenizer, room, &mut |text| {
         on_event(BatchEvent::Text { id, text })
     }) {
         Ok(Next::Feed(tok)) => {
@@ -437,11 +589,8 @@ fn advance(
             Outcome::Ended
         }
         Err(e) => {
-            let r = running.take().expect("checked");
-            on_event(BatchEvent::Failed {
-                id: r.job.id,
-                error: e.into(),
-            });
+            running.take();
+            on_event(BatchEvent::Failed { id, error: e.into() });
             Outcome::Failed
         }
     }

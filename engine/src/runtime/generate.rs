@@ -218,9 +218,10 @@ impl Decoding {
         sampler.top_suffices() && !self.digest
     }
 
-    /// Samples the next token from the step's `logits`, prints what it completes through `on_text`, and says
-    /// whether generation goes on. `room`: the context has a cell for the sampled token (else the generation
-    /// ends with [`StopReason::Context`] once the token is printed).
+    /// Samples the next token from the step's `logits` and prints what it completes through `on_text`
+    /// ([`Decoding::sample`], then [`Decoding::accept`]), and says whether generation goes on. `room`: the context
+    /// has a cell for the sampled token (else the generation ends with [`StopReason::Context`] once the token is
+    /// printed).
     ///
     /// Errors: the token cannot be detokenized.
     pub fn advance(
@@ -231,8 +232,15 @@ impl Decoding {
         room: bool,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Next, TokenizerError> {
+        let tok = self.sample(logits, sampler);
+        self.accept(tok, tokenizer, room, on_text)
+    }
+
+    /// Samples the next token from the step's `logits` (`None` once `max_tokens` are out: nothing is sampled).
+    /// Touches nothing shared, so the sequences of a batch sample in parallel.
+    pub fn sample(&mut self, logits: StepLogits<'_>, sampler: &mut dyn TokenSampler) -> Option<u32> {
         if self.out.len() >= self.max_tokens {
-            return Ok(Next::Stopped(StopReason::Limit));
+            return None;
         }
         if self.digest
             && let StepLogits::Full(l) = logits
@@ -242,6 +250,23 @@ impl Decoding {
         let tok = sampler.next_token(logits, &self.history);
         self.out.push(tok);
         self.history.push(tok);
+        Some(tok)
+    }
+
+    /// Takes the token [`Decoding::sample`] gave: prints what it completes through `on_text` and says whether
+    /// generation goes on (see [`Decoding::advance`]).
+    ///
+    /// Errors: the token cannot be detokenized.
+    pub fn accept(
+        &mut self,
+        tok: Option<u32>,
+        tokenizer: &Tokenizer,
+        room: bool,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Next, TokenizerError> {
+        let Some(tok) = tok else {
+            return Ok(Next::Stopped(StopReason::Limit));
+        };
         if tokenizer.is_eog(tok) {
             return Ok(Next::Stopped(StopReason::Eog));
         }

@@ -451,18 +451,36 @@ impl<'m, B: Backend> Session<'m, B> {
     }
 }
 
+/// What a step of several sequences left for sampling: each sequence's last-token logits, or the candidates the
+/// backend selected for each ([`Logits::Top`]).
+pub(crate) enum StepRows<'s> {
+    Full { logits: &'s [f32], vocab: usize },
+    Top(&'s [TopLogits]),
+}
+
+impl<'s> StepRows<'s> {
+    /// Sequence `k`'s output, in the parts' order.
+    pub(crate) fn row(&self, k: usize) -> StepLogits<'s> {
+        match *self {
+            StepRows::Full { logits, vocab } => StepLogits::Full(&logits[k * vocab..(k + 1) * vocab]),
+            StepRows::Top(t) => StepLogits::Top(&t[k]),
+        }
+    }
+}
+
 /// One forward step of several sequences together (continuous batching): `parts[i].1` are the tokens of
 /// sequence `parts[i].0` at its next positions (a decode token, or a prefill chunk; checked by the caller, with
-/// room in each cache). Every sequence's tokens are appended to it, and the last token's logits of each part are
-/// returned, `[parts.len()][vocab]`, in `parts`' order. `scratch` holds the step's activations (one for every
-/// batched step). A step of several sequences is never recorded as a CUDA graph (a graph belongs to one
-/// sequence's buffers), and each part's logits are the token's whole logits.
+/// room in each cache). Every sequence's tokens are appended to it, and the last token of each part gets
+/// `want`'s output ([`Logits::Last`], or [`Logits::Top`]: the backend's candidates where it selects them), in
+/// `parts`' order. `scratch` holds the step's activations (one for every batched step). A step of several
+/// sequences is never recorded as a CUDA graph (a graph belongs to one sequence's buffers).
 ///
 /// Panics if `parts` is empty or names a sequence twice.
 pub(crate) fn step_together<'s, 'm, B: Backend>(
     parts: &mut [(&mut Session<'m, B>, &[u32])],
     scratch: &'s mut Scratch<B>,
-) -> &'s [f32] {
+    want: Logits,
+) -> StepRows<'s> {
     assert!(!parts.is_empty(), "step_together: no sequence");
     let (model, be) = (parts[0].0.model, parts[0].0.backend);
     let mut layout = BatchLayout::default();
@@ -476,12 +494,19 @@ pub(crate) fn step_together<'s, 'm, B: Backend>(
         s.top_last = false;
         kvs.push(&mut s.kv);
     }
-    model.forward(be, &tokens, &layout, &mut kvs, scratch, Logits::Last);
+    let out = model.forward(be, &tokens, &layout, &mut kvs, scratch, want);
     drop(kvs);
     for (s, t) in parts.iter_mut() {
         s.tokens.extend_from_slice(t);
     }
-    model.read_logits(be, scratch, Logits::Last, &layout, false)
+    let vocab = model.weights.output.rows;
+    if model.read_logits(be, scratch, want, &layout, out.topped).is_empty() && out.topped {
+        return StepRows::Top(&scratch.tops[..parts.len()]);
+    }
+    StepRows::Full {
+        logits: &scratch.logits[..parts.len() * vocab],
+        vocab,
+    }
 }
 
 impl<B: Backend> Drop for Session<'_, B> {

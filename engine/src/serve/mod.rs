@@ -316,6 +316,7 @@ pub fn router(state: Shared, max_body_bytes: usize, body_timeout: Duration) -> R
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics", get(metrics_text))
+        .route("/slots", get(slots))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn(move |req: Request, next: Next| {
@@ -495,6 +496,21 @@ async fn health(State(s): State<Shared>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, axum::Json(body)).into_response()
+}
+
+/// `GET /slots`: each slot of the engine (`--parallel`): its state (`idle`, `prefill`, `decode`), its request,
+/// its KV cache's size and the tokens it holds, and the request's prompt and generated counts (llama-server has
+/// the same route). 503 while no loaded worker answers.
+async fn slots(State(s): State<Shared>) -> Response {
+    match s.supervisor.slots().await {
+        Some(slots) => axum::Json(slots).into_response(),
+        None => ApiError::new(
+            api::Api::OpenAi,
+            ErrorKind::EngineDown,
+            "the engine is loading or busy; /slots answers once a worker serves",
+        )
+        .into_response(),
+    }
 }
 
 async fn metrics_text(State(s): State<Shared>) -> Response {

@@ -19,6 +19,10 @@ pub enum Command {
     Cancel {
         id: u64,
     },
+    /// Report the slots (`GET /slots`): the worker answers [`Message::Slots`] with the same `id`.
+    Slots {
+        id: u64,
+    },
 }
 
 /// One generation: prompt ids (already rendered and tokenized by the front), limits and sampling.
@@ -70,6 +74,11 @@ pub enum Message {
     Done { id: u64, stop: Finish, timings: Timings },
     /// Request `id` could not run (an error about the request itself, e.g. an id outside the vocabulary).
     Failed { id: u64, message: String },
+    /// The answer to [`Command::Slots`] `id`: every slot's state as of the last step.
+    Slots {
+        id: u64,
+        slots: Vec<crate::runtime::batch::SlotState>,
+    },
     /// A structured event (see [`Event`]).
     Event(Event),
 }

@@ -80,7 +80,12 @@ pub struct Supervisor {
     max_queue: usize,
     /// Set by [`Supervisor::end_all`].
     ending: Arc<watch::Sender<bool>>,
+    /// `GET /slots` queries for the worker.
+    queries: mpsc::UnboundedSender<SlotsQuery>,
 }
+
+/// Where the worker's answer to a slots query goes.
+type SlotsQuery = tokio::sync::oneshot::Sender<Vec<crate::runtime::batch::SlotState>>;
 
 /// Settings of the supervision loop.
 #[derive(Debug, Clone)]
@@ -114,14 +119,31 @@ impl Supervisor {
         let (jobs_tx, jobs_rx) = mpsc::channel(max_queue);
         let (state_tx, state_rx) = watch::channel(WorkerState::default());
         let (ending, ending_rx) = watch::channel(false);
-        tokio::spawn(supervise(config, jobs_rx, state_tx, metrics.clone(), ending_rx));
+        let (queries, queries_rx) = mpsc::unbounded_channel();
+        tokio::spawn(supervise(
+            config,
+            jobs_rx,
+            state_tx,
+            metrics.clone(),
+            ending_rx,
+            queries_rx,
+        ));
         Supervisor {
             jobs: jobs_tx,
             state: state_rx,
             metrics,
             max_queue,
             ending: Arc::new(ending),
+            queries,
         }
+    }
+
+    /// Every slot of the worker as of its last step (`GET /slots`); `None` when no loaded worker answers within
+    /// 5 s (it is loading, restarting, or stuck in a step longer than that).
+    pub async fn slots(&self) -> Option<Vec<crate::runtime::batch::SlotState>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.queries.send(tx).ok()?;
+        tokio::time::timeout(Duration::from_secs(5), rx).await.ok()?.ok()
     }
 
     /// Ends every request now, at a shutdown's drain deadline: the running one is cancelled on the worker and
@@ -270,6 +292,7 @@ async fn supervise(
     state: watch::Sender<WorkerState>,
     metrics: Arc<Metrics>,
     ending: watch::Receiver<bool>,
+    mut queries: mpsc::UnboundedReceiver<SlotsQuery>,
 ) {
     let mut next_id: u64 = 0;
     let mut backoff = Duration::from_millis(250);
@@ -343,7 +366,18 @@ async fn supervise(
         metrics.worker_ready.set(1);
 
         // Serve jobs until the worker dies.
-        let death = serve(&mut worker, &config, &mut jobs, &metrics, &mut next_id, ending.clone()).await;
+        // Queries sent while no worker was serving were not answered in time; their handlers are gone.
+        while queries.try_recv().is_ok() {}
+        let death = serve(
+            &mut worker,
+            &config,
+            &mut jobs,
+            &metrics,
+            &mut next_id,
+            ending.clone(),
+            &mut queries,
+        )
+        .await;
         let death = match death {
             Ok(()) => return,
             Err(d) => d,
@@ -432,8 +466,11 @@ async fn serve(
     metrics: &Metrics,
     next_id: &mut u64,
     mut ending: watch::Receiver<bool>,
+    queries: &mut mpsc::UnboundedReceiver<SlotsQuery>,
 ) -> Result<(), (String, String, Option<String>)> {
     let mut inflight: std::collections::HashMap<u64, InFlight> = std::collections::HashMap::new();
+    let mut asked: std::collections::HashMap<u64, SlotsQuery> = std::collections::HashMap::new();
+    let mut next_query: u64 = 0;
     let (gone_tx, mut gone) = mpsc::unbounded_channel::<u64>();
     let mut deadline = Instant::now() + config.watchdog;
     let mut ended = false;
@@ -511,8 +548,20 @@ async fn serve(
                         }
                         metrics.running.set(inflight.len() as i64);
                     }
+                    Some(Message::Slots { id, slots }) => {
+                        if let Some(q) = asked.remove(&id) {
+                            let _ = q.send(slots);
+                        }
+                    }
                     Some(Message::Event(e)) => note_event(worker, &e, Some(metrics)),
                     Some(_) => {}
+                }
+            }
+            Some(q) = queries.recv() => {
+                next_query += 1;
+                asked.insert(next_query, q);
+                if write_command(&mut worker.stdin, &Command::Slots { id: next_query }).await.is_err() {
+                    break Err(None);
                 }
             }
             Some(id) = gone.recv() => {

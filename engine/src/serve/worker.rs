@@ -14,7 +14,7 @@ use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
-use crate::runtime::batch::{BatchEvent, BatchJob, Batcher};
+use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, SlotState, StepTotals};
 use crate::runtime::engine::Engine;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
 use crate::runtime::sampling::{Sampler, SamplingParams};
@@ -146,10 +146,12 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     // (before or after its job arrives), so a cancel reaches a generation in progress. Stdin closing means the
     // front is gone.
     let flags_by_id: Arc<Mutex<CancelFlags>> = Arc::default();
+    // The slots as of the last step, for `slots` commands (answered by the reader thread, between steps too).
+    let slots: Arc<Mutex<Vec<SlotState>>> = Arc::new(Mutex::new(batcher.slots()));
     let running_id = Arc::new(AtomicU64::new(0));
     let (jobs_tx, jobs_rx) = mpsc::channel::<(GenerateJob, Arc<AtomicBool>)>();
     {
-        let flags_by_id = flags_by_id.clone();
+        let (flags_by_id, slots) = (flags_by_id.clone(), slots.clone());
         std::thread::spawn(move || {
             for line in std::io::stdin().lock().lines() {
                 let Ok(line) = line else { break };
@@ -161,6 +163,10 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                         }
                     }
                     Ok(Command::Cancel { id }) => lock(&flags_by_id).cancel(id),
+                    Ok(Command::Slots { id }) => send(&Message::Slots {
+                        id,
+                        slots: lock(&slots).clone(),
+                    }),
                     Err(e) => eprintln!("strata serve: worker ignores a bad command line ({e}): {line}"),
                 }
             }
@@ -190,6 +196,8 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     let fault_after: Option<usize> = crate::switches::text_lossy(ENV_FAULT_AFTER_TOKENS).and_then(|v| v.parse().ok());
     let vocab = model.weights.output.rows;
     let mut sent: HashMap<u64, usize> = HashMap::new();
+    let mut totals = StepTotals::default();
+    let mut period_start = std::time::Instant::now();
     loop {
         // Wait for work when there is none; take every job that has arrived, at each step boundary.
         if batcher.is_idle() {
@@ -198,12 +206,15 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 Ok(j) => admit(&mut batcher, j, vocab),
                 Err(_) => break,
             }
+            if totals.steps == 0 {
+                period_start = std::time::Instant::now();
+            }
         }
         while let Ok(j) = jobs_rx.try_recv() {
             admit(&mut batcher, j, vocab);
         }
         running_id.store(batcher.ids().next().unwrap_or(0), Ordering::SeqCst);
-        batcher.step(tokenizer, &mut |ev| match ev {
+        let report = batcher.step(tokenizer, &mut |ev| match ev {
             BatchEvent::Progress { id, read, total } => send(&Message::Progress { id, read, total }),
             BatchEvent::Text { id, text } => {
                 let n = sent.entry(id).or_default();
@@ -228,6 +239,17 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 failed(id, error);
             }
         });
+        *lock(&slots) = batcher.slots();
+        // Every BATCH_LOG_PERIOD with steps of several sequences, one line of what batching did.
+        totals.add(&report);
+        let since = period_start.elapsed();
+        if since >= BATCH_LOG_PERIOD || (batcher.is_idle() && totals.steps > 0) {
+            if totals.max_sequences > 1 {
+                eprintln!("strata serve: batching: {}", totals.line(since.as_secs_f64()));
+            }
+            totals = StepTotals::default();
+            period_start = std::time::Instant::now();
+        }
     }
     Ok(())
 }
@@ -290,6 +312,9 @@ fn admit(batcher: &mut Batcher<'_, AnyBackend>, (job, cancel): (GenerateJob, Arc
         }),
     }
 }
+
+/// How often the worker logs what batching did (while several sequences share steps).
+const BATCH_LOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How often the worker reads its device's memory ([`Engine::memory_readings`]).
 const READING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);

@@ -168,3 +168,58 @@ fn a_worker_death_ends_every_request_in_flight_then_serves_again() {
     let (status, v) = s.post("/v1/chat/completions", &request("Hi", false));
     assert_eq!(status, 200, "{v}");
 }
+
+#[test]
+fn slots_show_each_requests_state_and_the_cache_it_left() {
+    let s = std::sync::Arc::new(Server::start_with(&["--parallel", "2"], &[]));
+    let get = |s: &Server| -> Value { s.client.get(s.url("/slots")).send().unwrap().json().unwrap() };
+    let idle = get(&s);
+    assert_eq!(idle.as_array().unwrap().len(), 2, "{idle}");
+    assert!(
+        idle.as_array()
+            .unwrap()
+            .iter()
+            .all(|x| x["state"] == "idle" && x["request"].is_null()),
+        "{idle}"
+    );
+    // A long stream in flight: one slot decodes it.
+    let body = json!({
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 400, "temperature": 0.8, "seed": 1, "stream": true,
+    });
+    let r = s.client.post(s.url("/v1/chat/completions")).json(&body).send().unwrap();
+    let mut sse = SseReader::new(r);
+    for _ in 0..3 {
+        sse.next_event().expect("a chunk");
+    }
+    let busy = get(&s);
+    let slots = busy.as_array().unwrap();
+    let decoding: Vec<&Value> = slots.iter().filter(|x| x["state"] == "decode").collect();
+    assert_eq!(decoding.len(), 1, "{busy}");
+    let d = decoding[0];
+    assert!(
+        d["request"].as_u64().is_some() && d["generated"].as_u64().unwrap() >= 1,
+        "{d}"
+    );
+    assert_eq!(
+        d["prompt_read"].as_u64().unwrap() + d["prompt_reused"].as_u64().unwrap(),
+        d["prompt_tokens"].as_u64().unwrap()
+    );
+    assert!(
+        d["cached_tokens"].as_u64().unwrap() > d["prompt_tokens"].as_u64().unwrap(),
+        "{d}"
+    );
+    drop(sse);
+    // Once it is cancelled the slot is idle again and keeps the cache for prefix reuse.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = get(&s);
+        let slot = &v[d["id"].as_u64().unwrap() as usize];
+        if slot["state"] == "idle" {
+            assert!(slot["cached_tokens"].as_u64().unwrap() > 0, "{slot}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the slot never went idle: {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

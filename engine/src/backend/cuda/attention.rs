@@ -227,6 +227,7 @@ impl CudaBackend {
                         Arg::I(r.neox as i32),
                         Arg::P(if rope.is_some() { kp } else { 0 }),
                         Arg::P(if rope.is_some() { vp } else { 0 }),
+                        Arg::P(0),
                     ],
                 );
             }
@@ -460,6 +461,118 @@ impl CudaBackend {
             }
         };
         self.attention_dev(q, kv, positions, p, out, Some(rp));
+    }
+}
+
+impl CudaBackend {
+    /// The decode tokens of a step of several sequences in one attn_decode launch (continuous batching): `runs`
+    /// are one-token runs at rows 0..runs.len() of `q`, `k`, `v` and `out`, each over layer `layer` of its own
+    /// sequence's cache `kvs[run.seq]`, with attn_decode's fused q/k-norm, RoPE and K/V store. Returns false
+    /// (nothing done) where that launch does not apply: a query scale (gemma3), caches that are not f16, heads it
+    /// does not stage, or fewer than two runs; the caller then attends run by run.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attend_decode_runs(
+        &self,
+        q: &DevVec,
+        k: &DevVec,
+        v: &DevVec,
+        kvs: &mut [&mut crate::state::kv::KvCache],
+        layer: usize,
+        runs: &[crate::state::batch::SeqRun],
+        positions: &[u32],
+        a: &crate::backend::AttnOp<'_>,
+        out: &mut DevVec,
+    ) -> bool {
+        let p = &a.params;
+        let (dk, dv, n) = (p.head_dim, p.head_dim_v, runs.len());
+        let rope = a.rope;
+        let same_geometry = runs.iter().all(|r| {
+            let kv = &kvs[r.seq].layers[layer];
+            kv.k.ty() == GgmlType::F16
+                && kv.v.ty() == GgmlType::F16
+                && (kv.k.heads(), kv.k.head_dim(), kv.v.head_dim()) == (p.n_head_kv, dk, dv)
+                && kv.k.bytes() == kvs[runs[0].seq].layers[layer].k.bytes()
+        });
+        let applies = n >= 2
+            && a.q_scale.is_none()
+            && runs.iter().enumerate().all(|(i, r)| r.len == 1 && r.start == i)
+            && same_geometry
+            && dk <= 512
+            && dv <= 256
+            && dk.is_multiple_of(8)
+            && dv.is_multiple_of(8)
+            && rope.n_rot <= dk
+            && rope.n_rot.is_multiple_of(2);
+        if !applies {
+            return false;
+        }
+        let rows = n * p.n_head;
+        assert!(
+            q.capacity() >= rows * dk && out.capacity() >= rows * dv,
+            "attend_decode_runs: q/out"
+        );
+        assert!(
+            k.capacity() >= n * p.n_head_kv * dk && v.capacity() >= n * p.n_head_kv * dv,
+            "attend_decode_runs: k/v"
+        );
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            let first = &kvs[runs[0].seq].layers[layer];
+            let (khb, krb) = kv_geometry(GgmlType::F16, p.n_head_kv, dk);
+            let (vhb, vrb) = kv_geometry(GgmlType::F16, p.n_head_kv, dv);
+            let n_ctx = first.k.bytes() / krb;
+            let mut tab: Vec<u64> = Vec::with_capacity(2 * n);
+            for r in runs {
+                let kv = &kvs[r.seq].layers[layer];
+                tab.push(s.kv_twin(g, &kv.k)?.0);
+                tab.push(s.kv_twin(g, &kv.v)?.0);
+            }
+            let tp = s.upload(g, Slot::KvTable, bytemuck::cast_slice(&tab))?;
+            let pp = s.positions(g, &positions[..n])?;
+            let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
+            let qw = s.norm_weights(g, a.norms.0)?;
+            let kw = s.norm_weights(g, a.norms.1)?;
+            g.launch(
+                "attn_decode",
+                (p.n_head as u32, n as u32, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(q.ptr()),
+                    Arg::P(tab[0]),
+                    Arg::P(tab[1]),
+                    Arg::P(sp),
+                    Arg::P(out.ptr()),
+                    Arg::P(pp),
+                    Arg::I(p.n_head as i32),
+                    Arg::I(p.n_head_kv as i32),
+                    Arg::I(dk as i32),
+                    Arg::I(dv as i32),
+                    Arg::F(p.scale),
+                    Arg::I(p.window.unwrap_or(0) as i32),
+                    Arg::L(krb as i64),
+                    Arg::I(khb as i32),
+                    Arg::I(0),
+                    Arg::L(vrb as i64),
+                    Arg::I(vhb as i32),
+                    Arg::I(0),
+                    Arg::I(n_ctx as i32),
+                    Arg::P(k.ptr()),
+                    Arg::P(v.ptr()),
+                    Arg::P(qw),
+                    Arg::P(kw),
+                    Arg::F(a.eps),
+                    Arg::I(rope.n_rot as i32),
+                    Arg::F(rope.theta_scale()),
+                    Arg::F(rope.freq_scale),
+                    Arg::I((rope.kind == RopeKind::Neox) as i32),
+                    Arg::P(tab[0]),
+                    Arg::P(tab[1]),
+                    Arg::P(tp),
+                ],
+            )
+        })());
+        true
     }
 }
 

@@ -142,8 +142,14 @@ enum Slot {
     PrefetchLogits,
     PrefetchIds,
     PrefetchW,
+    /// The candidates and selections of a step of several sequences (`top_logits_rows`), apart from a decode
+    /// step's (its graph keeps [`Slot::TopCand`] and [`Slot::TopOut`]).
+    TopCandRows,
+    TopOutRows,
+    /// Each decode token's key and value cache addresses, for a step of several sequences (`attend_decode_runs`).
+    KvTable,
 }
-const SLOTS: usize = 24;
+const SLOTS: usize = 27;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
 const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
@@ -204,6 +210,8 @@ pub struct CudaBackend {
     gpu: Arc<Gpu>,
     inner: Mutex<Inner>,
     cpu: CpuBackend,
+    /// A step of several sequences attends over their decode tokens in one launch (`STRATA_BATCH_ATTENTION`).
+    batch_attention: std::sync::atomic::AtomicBool,
 }
 
 /// An open device with the kernels loaded: opened in [`context`], launching in [`launch`] and `graph`.
@@ -319,6 +327,7 @@ impl CudaBackend {
                 max_rows: None,
             }));
         }
+        let batch_attention = crate::switches::speed_on(crate::switches::BATCH_ATTENTION, &gpu.target);
         Ok(CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
@@ -336,7 +345,14 @@ impl CudaBackend {
                 routers: Vec::new(),
             }),
             cpu: CpuBackend,
+            batch_attention: std::sync::atomic::AtomicBool::new(batch_attention),
         })
+    }
+
+    /// Whether a step of several sequences attends over their decode tokens in one launch
+    /// (`STRATA_BATCH_ATTENTION`, read at start; tests compare both ways).
+    pub fn set_batch_attention(&self, on: bool) {
+        self.batch_attention.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The device and how its kernels were obtained.
@@ -737,6 +753,14 @@ impl Backend for CudaBackend {
         self.read_top_logits_dev(n, out)
     }
 
+    fn top_logits_rows(&self, logits: &DevVec, rows: usize, n: usize) -> bool {
+        self.top_logits_rows_dev(logits, rows, n)
+    }
+
+    fn read_top_logits_rows(&self, n: usize, out: &mut [crate::backend::top::TopLogits]) -> bool {
+        self.read_top_logits_rows_dev(n, out)
+    }
+
     fn get_rows(&self, table: &QMat<'_>, ids: &[u32], out: &mut DevVec) {
         let n = ids.len() * table.cols;
         assert!(n <= out.capacity(), "get_rows: output");
@@ -898,6 +922,32 @@ impl Backend for CudaBackend {
         out: &mut DevVec,
     ) {
         self.rope_store_attention_dev(q, k, v, kv, norms, eps, positions, rope, p, out);
+    }
+    /// With `STRATA_BATCH_ATTENTION`, the step's leading one-token runs (decode tokens; the batch scheduler puts
+    /// them first) in one attn_decode launch over their sequences' caches ([`CudaBackend::attend_decode_runs`]);
+    /// the other runs (all of them without it) one by one.
+    fn attend_runs(
+        &self,
+        q: &mut DevVec,
+        k: &mut DevVec,
+        v: &DevVec,
+        kvs: &mut [&mut crate::state::kv::KvCache],
+        layer: usize,
+        layout: &crate::state::batch::BatchLayout,
+        a: &crate::backend::AttnOp<'_>,
+        out: &mut DevVec,
+        tmp: &mut crate::backend::RunBufs<DevVec>,
+    ) {
+        let runs = layout.runs();
+        let nd = runs.iter().take_while(|r| r.len == 1).count();
+        let rest = if self.batch_attention.load(std::sync::atomic::Ordering::Relaxed)
+            && self.attend_decode_runs(q, k, v, kvs, layer, &runs[..nd], layout.positions(), a, out)
+        {
+            &runs[nd..]
+        } else {
+            runs
+        };
+        crate::backend::attend_runs_one_by_one(self, q, k, v, kvs, layer, rest, layout.positions(), a, out, tmp);
     }
     fn glu(&self, gate: &mut DevVec, up: &DevVec, len: usize, act: GluKind) {
         assert!(gate.capacity() >= len && up.capacity() >= len, "glu: lengths");

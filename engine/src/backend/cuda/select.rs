@@ -545,6 +545,27 @@ impl Backend for AnyBackend {
             AnyBackend::Cuda(c) => c.read_top_logits(n, out),
         }
     }
+    fn top_logits_rows(&self, logits: &AnyBuf, rows: usize, n: usize) -> bool {
+        dispatch!(
+            self,
+            be,
+            top_logits_rows,
+            [],
+            [logits],
+            Backend::top_logits_rows(be, logits, rows, n)
+        )
+    }
+    fn read_top_logits_rows(&self, n: usize, out: &mut [crate::backend::top::TopLogits]) -> bool {
+        match self {
+            AnyBackend::Cpu(c, sim) => {
+                if let Some(sim) = sim {
+                    sim.launch("read_top_logits_rows");
+                }
+                c.read_top_logits_rows(n, out)
+            }
+            AnyBackend::Cuda(c) => c.read_top_logits_rows(n, out),
+        }
+    }
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
         match self {
             AnyBackend::Cpu(c, _) => c.set_fault_policy(faults, gemm_fallback),
