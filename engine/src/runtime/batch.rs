@@ -295,7 +295,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
                     })
                 }
                 Err(e) => {
-                    slot.session.clear();
+                    // A prompt refused before anything was computed: the slot's cache is as it was.
                     on_event(BatchEvent::Failed {
                         id: job.id,
                         error: e.into(),
