@@ -180,6 +180,12 @@ pub struct Request {
     /// logits (up to a 2^-64 chance).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logits_fnv: Vec<String>,
+    /// Milliseconds the request waited in the worker for a slot (`--parallel`, continuous batching).
+    #[serde(default)]
+    pub queued_ms: f64,
+    /// Sequences per forward step, averaged over the steps that computed this request's tokens (1: it ran alone).
+    #[serde(default)]
+    pub batch_mean: f64,
 }
 
 /// The shape of a matrix multiplication: `m` rows (tokens) × `k` inputs → `n` outputs.
@@ -543,7 +549,14 @@ mod tests {
             stop: "eog".into(),
             tokens: vec![3, 1, 4],
             logits_fnv: vec!["cbf29ce484222325".into()],
+            queued_ms: 1.5,
+            batch_mean: 2.25,
         };
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(
+            (json["queued_ms"].as_f64(), json["batch_mean"].as_f64()),
+            (Some(1.5), Some(2.25))
+        );
         assert_eq!(
             r.to_string(),
             "prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms (60.6 tok/s)"

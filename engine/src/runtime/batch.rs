@@ -109,6 +109,11 @@ struct Running {
     decoding: Option<(Decoding, u32, Instant)>,
     /// Admission order (prefill chunks go to the oldest first).
     order: u64,
+    /// Waited for a slot, ms.
+    queued_ms: f64,
+    /// Steps that computed this request's tokens, and the sequences in them, summed.
+    steps: u64,
+    step_sequences: u64,
 }
 
 impl Running {
@@ -142,7 +147,8 @@ struct Part {
 /// The continuous-batching scheduler over `parallel` sequences (see the module doc).
 pub struct Batcher<'m, B: Backend> {
     slots: Vec<Slot<'m, B>>,
-    waiting: VecDeque<BatchJob>,
+    /// Requests waiting for a slot, with when they were submitted.
+    waiting: VecDeque<(BatchJob, Instant)>,
     scratch: Scratch<B>,
     /// Most tokens a step carries (decode tokens count).
     budget: usize,
@@ -174,7 +180,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
 
     /// Queues a request; it joins the batch at a step once a slot is free.
     pub fn submit(&mut self, job: BatchJob) {
-        self.waiting.push_back(job);
+        self.waiting.push_back((job, Instant::now()));
     }
 
     /// Whether nothing is running or waiting.
@@ -227,7 +233,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
     /// The ids of the requests in a slot, in slot order, then of those waiting, in arrival order.
     pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
         let running = self.slots.iter().filter_map(|s| s.running.as_ref().map(|r| r.job.id));
-        running.chain(self.waiting.iter().map(|j| j.id))
+        running.chain(self.waiting.iter().map(|(j, _)| j.id))
     }
 
     /// One step: admits waiting requests to free slots, ends cancelled ones, computes one forward pass of every
@@ -254,6 +260,12 @@ impl<'m, B: Backend> Batcher<'m, B> {
                 .count(),
             ..StepReport::default()
         };
+        for p in &parts {
+            if let Some(r) = self.slots[p.slot].running.as_mut() {
+                r.steps += 1;
+                r.step_sequences += parts.len() as u64;
+            }
+        }
         let (forward_ms, sample_ms) = if let [part] = &parts[..] {
             self.step_one(part, tokenizer, on_event)
         } else {
@@ -267,7 +279,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
     /// Gives free slots to waiting requests, each to the free slot holding the longest prefix of its prompt.
     fn admit(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
         while !self.waiting.is_empty() {
-            let job = &self.waiting[0];
+            let job = &self.waiting[0].0;
             let Some(i) = (0..self.slots.len())
                 .filter(|&i| self.slots[i].running.is_none())
                 .max_by_key(|&i| {
@@ -277,7 +289,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
             else {
                 return;
             };
-            let job = self.waiting.pop_front().expect("checked");
+            let (job, submitted) = self.waiting.pop_front().expect("checked");
             self.clock += 1;
             let slot = &mut self.slots[i];
             slot.last_used = self.clock;
@@ -292,6 +304,9 @@ impl<'m, B: Backend> Batcher<'m, B> {
                         gemm_fallback: None,
                         decoding: None,
                         order: self.clock,
+                        queued_ms: ms_since(submitted),
+                        steps: 0,
+                        step_sequences: 0,
                     })
                 }
                 Err(e) => {
@@ -599,6 +614,7 @@ fn accept(
 /// Ends request `r` with `stop`: flushes its held-back text and sends `Done` with its numbers.
 fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
     let id = r.job.id;
+    let (r_queued_ms, r_steps, r_seqs) = (r.queued_ms, r.steps, r.step_sequences);
     let mut prefill = r.prefill_stats(r.decoding.is_none() && stop == StopReason::Cancelled);
     if r.decoding.is_none() {
         prefill.ms = r.started.elapsed().as_secs_f64() * 1e3;
@@ -619,6 +635,12 @@ fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)
             stop,
             tokens,
             logits_digests: digests,
+            queued_ms: r_queued_ms,
+            batch_mean: if r_steps > 0 {
+                r_seqs as f64 / r_steps as f64
+            } else {
+                1.0
+            },
         },
     });
 }

@@ -36,6 +36,10 @@ pub struct GenerateStats {
     pub tokens: Vec<u32>,
     /// With [`GenerateOptions::logits_digest`]: [`logits_digest`] of each sampled token's logits, in order.
     pub logits_digests: Vec<u64>,
+    /// Milliseconds waited for a slot of the batch scheduler (0 through [`generate`]).
+    pub queued_ms: f64,
+    /// Sequences per forward step over this request's steps (1 through [`generate`]).
+    pub batch_mean: f64,
 }
 
 impl StopReason {
@@ -67,6 +71,8 @@ impl GenerateStats {
             stop: self.stop.name().to_string(),
             tokens: self.tokens.clone(),
             logits_fnv: self.logits_digests.iter().map(|d| format!("{d:016x}")).collect(),
+            queued_ms: self.queued_ms,
+            batch_mean: self.batch_mean,
         }
     }
 
@@ -358,6 +364,8 @@ pub fn generate_cancellable<B: Backend>(
                 stop: StopReason::Cancelled,
                 tokens: vec![],
                 logits_digests: vec![],
+                queued_ms: 0.0,
+                batch_mean: 1.0,
             },
         ));
     }
@@ -387,6 +395,8 @@ pub fn generate_cancellable<B: Backend>(
             stop,
             tokens: out.clone(),
             logits_digests: digests,
+            queued_ms: 0.0,
+            batch_mean: 1.0,
         },
     ))
 }

@@ -25,6 +25,9 @@ pub struct Metrics {
     pub queue_depth: IntGauge,
     /// `strata_requests_running`: requests in a slot of the engine (at most `--parallel`).
     pub running: IntGauge,
+    /// `strata_batch_size`: per request, the sequences per forward step over the steps that computed it (its
+    /// `request` event's `batch_mean`; 1 when it ran alone).
+    pub batch_size: Histogram,
     /// `strata_queue_rejected_total`: requests answered 503 because the queue was full.
     pub queue_rejected: IntCounter,
     /// `strata_connections_refused_total`: connections closed at once because the connection limit was reached.
@@ -113,6 +116,14 @@ impl Metrics {
                 .expect("valid metric"),
             running: IntGauge::new("strata_requests_running", "requests in a slot of the engine")
                 .expect("valid metric"),
+            batch_size: Histogram::with_opts(
+                HistogramOpts::new(
+                    "strata_batch_size",
+                    "sequences per forward step over each request's steps (1: it ran alone)",
+                )
+                .buckets(vec![1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0]),
+            )
+            .expect("valid metric"),
             queue_rejected: counter(
                 "strata_queue_rejected_total",
                 "requests refused because the queue was full",
@@ -154,7 +165,7 @@ impl Metrics {
             }
         }
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 21] = [
+        let all: [Box<dyn prometheus::core::Collector>; 22] = [
             Box::new(m.expert_cache_lookups.clone()),
             Box::new(m.expert_cache_cpu_computed.clone()),
             Box::new(m.expert_cache_prefetched.clone()),
@@ -169,6 +180,7 @@ impl Metrics {
             Box::new(m.decode_seconds.clone()),
             Box::new(m.queue_depth.clone()),
             Box::new(m.running.clone()),
+            Box::new(m.batch_size.clone()),
             Box::new(m.queue_rejected.clone()),
             Box::new(m.connections_refused.clone()),
             Box::new(m.worker_restarts.clone()),

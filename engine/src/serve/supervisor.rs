@@ -389,13 +389,18 @@ async fn supervise(
 }
 
 /// Keeps the worker's last `fault` (its human line), to report with its death, and counts what the expert cache
-/// did into the metrics.
+/// did and each request's batch size into the metrics.
 fn note_event(worker: &mut Worker, e: &super::protocol::Event, metrics: Option<&Metrics>) {
     match &e.kind {
         crate::events::EventKind::Fault(f) => worker.last_fault = Some(f.to_string()),
         crate::events::EventKind::ExpertCache(c) => {
             if let Some(m) = metrics {
                 m.record_expert_cache(c);
+            }
+        }
+        crate::events::EventKind::Request(r) => {
+            if let Some(m) = metrics {
+                m.batch_size.observe(r.batch_mean);
             }
         }
         _ => {}

@@ -94,6 +94,14 @@ fn concurrent_requests_are_batched_and_answer_as_they_do_alone() {
     );
     let metrics = s.metrics();
     assert!(metrics.contains("strata_requests_running 0"), "{metrics}");
+    // Each request's batch size (sequences a step over its steps): 1 for the four alone, more for the four together.
+    let (sum, count) = (s.metric("strata_batch_size_sum"), s.metric("strata_batch_size_count"));
+    assert_eq!(count, 8.0, "{metrics}");
+    assert!(
+        sum - 4.0 > 4.0 * 1.5,
+        "the batched requests' mean batch size: {}",
+        (sum - 4.0) / 4.0
+    );
 }
 
 #[test]

@@ -168,6 +168,14 @@ fn check_equal_to_alone(path: &Path) {
         "no step mixed prefill and decode: {:?}",
         ran.steps
     );
+    // Its request events say so: the first three ran with others, and the fourth waited for a slot.
+    assert!(
+        ran.done[..3].iter().all(|d| d.as_ref().unwrap().batch_mean > 1.5),
+        "{:?}",
+        ran.done
+    );
+    assert!(want.iter().all(|w| w.batch_mean == 1.0 && w.queued_ms == 0.0));
+    assert!(ran.done[3].as_ref().unwrap().queued_ms > 0.0);
     let fifth = ran.done[4].as_ref().unwrap();
     assert_eq!(fifth.prefill.reused, 40, "{:?}", fifth.prefill);
 }
