@@ -88,7 +88,7 @@ pub struct PlanFlags {
     pub prefill: Option<PrefillChunk>,
     /// Sequences computed together, 1 to 256 (`strata serve`'s slots, default 4 there; 1 elsewhere). Each has
     /// its own KV cache of --max-context tokens, so the plan holds that many.
-    #[arg(long, value_parser = parse_parallel)]
+    #[arg(long, value_parser = parse_parallel, allow_hyphen_values = true)]
     pub parallel: Option<usize>,
     /// The expert cache's flags.
     #[command(flatten)]

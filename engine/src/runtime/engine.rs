@@ -321,6 +321,9 @@ impl Engine {
         }
         let (mut model, tokenizer, template) = loaded?;
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
+        if backend.cuda().is_none() {
+            check_host_kv(&model, flags)?;
+        }
         let pinned = match backend.cuda() {
             Some(c) => plan_device(c, &mut model, flags, &faults)?,
             None => None,
@@ -791,6 +794,32 @@ fn plan_device(
         );
     }
     Ok(pinned)
+}
+
+/// On the CPU the KV caches live in host memory: every sequence's (`--parallel` of `--max-context` cells) must fit
+/// in the memory available now, or the engine refuses to start, naming the numbers, instead of being killed for
+/// memory once the caches fill (they are committed as they are written).
+///
+/// Errors: [`EngineError::Plan`] when they do not fit; nothing when the available memory cannot be read.
+fn check_host_kv(model: &crate::model::Model, flags: &EngineFlags) -> Result<(), EngineError> {
+    let cells = crate::memory::context_cells(flags.max_context(), model.hp.n_ctx_train);
+    let sequences = flags.plan.sequences();
+    let Ok(one) = crate::memory::kv_bytes(&model.hp.kv_shape(), flags.plan.kv, cells) else {
+        return Ok(());
+    };
+    let need = one.saturating_mul(sequences as u64);
+    match crate::experts::store::host_available_bytes() {
+        Some(avail) if need > avail => Err(EngineError::Plan {
+            device: flags.device.clone(),
+            why: format!(
+                "the KV caches of {sequences} sequences of {cells} tokens ({} KV) need {:.2} GiB of host memory, and {:.2} GiB is available: lower --parallel or --max-context",
+                flags.plan.kv,
+                need as f64 / GIB,
+                avail as f64 / GIB
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Bytes in a GiB, for log lines in GiB.

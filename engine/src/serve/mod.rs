@@ -105,7 +105,7 @@ pub struct ServeArgs {
     pub load_timeout_s: Option<u64>,
     /// Seconds Ctrl-C or SIGTERM waits for the answers in flight to finish before the server exits (at most an
     /// hour; a second interrupt ends the wait).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=3600), allow_hyphen_values = true)]
     pub drain_s: u64,
     /// A host name a keyless loopback server also answers (repeatable). Without an API key such a server
     /// answers only loopback names in `Host` (`localhost`, `127.0.0.1`, `[::1]`): a web page whose name a DNS

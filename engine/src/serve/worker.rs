@@ -243,7 +243,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         // Every BATCH_LOG_PERIOD with steps of several sequences, one line of what batching did.
         totals.add(&report);
         let since = period_start.elapsed();
-        if since >= BATCH_LOG_PERIOD || (batcher.is_idle() && totals.steps > 0) {
+        if since >= BATCH_LOG_PERIOD {
             if totals.max_sequences > 1 {
                 eprintln!("strata serve: batching: {}", totals.line(since.as_secs_f64()));
             }

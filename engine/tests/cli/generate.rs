@@ -126,6 +126,46 @@ fn unknown_flags_and_values_are_clear_errors() {
     let out = run(&["generate", "--prompt", "hi", "--kv", "int4"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("int4"), "{}", text(&out.stderr));
+    // A negative count is read as the flag's value, not as another flag.
+    for bad in ["-1", "0", "257", "abc"] {
+        let out = run(&["serve", "--parallel", bad]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(
+            err.contains("--parallel takes a sequence count from 1 to 256"),
+            "{bad}: {err}"
+        );
+    }
+}
+
+/// On the CPU every slot's KV cache must fit in the host memory available (256 sequences of SmolLM2's 8,192-token
+/// context need 45 GiB): a start that would be killed for memory once the caches fill is refused, naming the
+/// numbers. On a host with that much memory free it starts.
+#[test]
+fn kv_caches_past_the_host_memory_are_refused_at_start() {
+    let out = run(&[
+        "generate",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--parallel",
+        "256",
+        "--max-context",
+        "8192",
+    ]);
+    let err = text(&out.stderr);
+    let need = 256u64 * 8192 * 30 * 2 * 3 * 64 * 2;
+    match strata_engine::experts::store::host_available_bytes() {
+        Some(avail) if avail < need => {
+            assert_eq!(out.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains("the KV caches of 256 sequences of 8192 tokens") && err.contains("lower --parallel"),
+                "{err}"
+            );
+        }
+        _ => assert!(out.status.success(), "{err}"),
+    }
 }
 
 #[test]
