@@ -33,7 +33,7 @@ fn redact(md: &str) -> String {
             in_load = false;
         }
         if arm_has_load && line.starts_with("Worker restarts") {
-            let line = regex_lite_request_count(line);
+            let line = redact_request_count(line);
             out.push(redact_rss(&line));
             continue;
         }
@@ -90,7 +90,7 @@ fn redact_rss(line: &str) -> String {
 }
 
 /// `line` with the count after `request ` replaced by a placeholder (an events summary).
-fn regex_lite_request_count(line: &str) -> String {
+fn redact_request_count(line: &str) -> String {
     match line.find("request ") {
         Some(i) => {
             let digits = line[i + 8..].chars().take_while(char::is_ascii_digit).count();

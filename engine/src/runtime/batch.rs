@@ -79,8 +79,7 @@ pub struct StepReport {
 pub struct SlotState {
     /// The slot's index.
     pub id: usize,
-    /// `idle`, `prefill` (its request's prompt is being read) or `decode`.
-    pub state: String,
+    pub state: SlotPhase,
     /// The request in the slot (the worker's id), if any.
     pub request: Option<u64>,
     /// Tokens the slot's KV cache holds at most.
@@ -93,6 +92,16 @@ pub struct SlotState {
     pub prompt_read: usize,
     /// Tokens the request has generated.
     pub generated: usize,
+}
+
+/// What a slot is doing (`idle`, `prefill`, `decode` in JSON).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SlotPhase {
+    Idle,
+    /// Its request's prompt is being read.
+    Prefill,
+    Decode,
 }
 
 /// A request in a slot.
@@ -117,14 +126,27 @@ struct Running {
 }
 
 impl Running {
+    /// The prompt's numbers (its time so far when it ends before its prompt was read), `cancelled` as given.
     fn prefill_stats(&self, cancelled: bool) -> PrefillStats {
         PrefillStats {
             prompt_tokens: self.job.prompt.len(),
             reused: self.reused,
             read: self.read,
-            ms: self.prefill_ms,
+            ms: match self.decoding {
+                Some(_) => self.prefill_ms,
+                None => ms_since(self.started),
+            },
             gemm_fallback: self.gemm_fallback.clone(),
             cancelled,
+        }
+    }
+
+    /// Sequences per step over the steps that computed this request's tokens (1 before any).
+    fn batch_mean(&self) -> f64 {
+        if self.steps == 0 {
+            1.0
+        } else {
+            self.step_sequences as f64 / self.steps as f64
         }
     }
 }
@@ -188,21 +210,6 @@ impl<'m, B: Backend> Batcher<'m, B> {
         self.waiting.is_empty() && self.slots.iter().all(|s| s.running.is_none())
     }
 
-    /// Slots (the most sequences a step carries).
-    pub fn parallel(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Requests in a slot.
-    pub fn running(&self) -> usize {
-        self.slots.iter().filter(|s| s.running.is_some()).count()
-    }
-
-    /// Requests waiting for a slot.
-    pub fn waiting(&self) -> usize {
-        self.waiting.len()
-    }
-
     /// Every slot's state, in slot order.
     pub fn slots(&self) -> Vec<SlotState> {
         self.slots
@@ -213,11 +220,10 @@ impl<'m, B: Backend> Batcher<'m, B> {
                 SlotState {
                     id,
                     state: match r {
-                        None => "idle",
-                        Some(r) if r.decoding.is_none() => "prefill",
-                        Some(_) => "decode",
-                    }
-                    .into(),
+                        None => SlotPhase::Idle,
+                        Some(r) if r.decoding.is_none() => SlotPhase::Prefill,
+                        Some(_) => SlotPhase::Decode,
+                    },
                     request: r.map(|r| r.job.id),
                     n_ctx: s.session.n_ctx(),
                     cached_tokens: s.session.tokens().len(),
@@ -401,7 +407,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         let Slot { session, running, .. } = &mut self.slots[part.slot];
         let r = running.as_mut().expect("planned");
         let want = match &r.decoding {
-            Some((dec, _, _)) if dec.wants_top(&*r.job.sampler) => Logits::Top,
+            Some(_) if r.job.opts.wants_top(&*r.job.sampler) => Logits::Top,
             Some(_) => Logits::Last,
             None if part.sample => Logits::Last,
             None => Logits::None,
@@ -409,8 +415,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         let prefill = r.decoding.is_none();
         crate::backend::progress::take_aborted();
         let computed = {
-            let _scope = (prefill && session.backend().name() == "cpu")
-                .then(|| crate::backend::progress::cancel_scope(&r.job.cancel));
+            let _scope = prefill.then(|| session.cancel_scope(&r.job.cancel)).flatten();
             session.step_alone(&part.tokens, want)
         };
         let forward_ms = ms_since(t0);
@@ -442,8 +447,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         // Candidates only when every sequence that samples this step can sample from them.
         let top = parts.iter().all(|p| {
             let r = self.slots[p.slot].running.as_ref().expect("planned");
-            let wants_top = !r.job.opts.logits_digest && r.job.sampler.top_suffices();
-            wants_top || (r.decoding.is_none() && !p.sample)
+            r.job.opts.wants_top(&*r.job.sampler) || (r.decoding.is_none() && !p.sample)
         });
         let want = if top { Logits::Top } else { Logits::Last };
         // Decode tokens first, then prompt chunks: a backend attends over the leading one-token runs in one launch.
@@ -568,7 +572,7 @@ fn ready_to_sample<'r>(
             });
             return None;
         }
-        r.prefill_ms = r.started.elapsed().as_secs_f64() * 1e3;
+        r.prefill_ms = ms_since(r.started);
         r.decoding = Some((Decoding::new(&r.job.prompt, &r.job.opts), 0, Instant::now()));
     }
     if r.job.cancel.load(Ordering::Relaxed) {
@@ -614,15 +618,12 @@ fn accept(
 /// Ends request `r` with `stop`: flushes its held-back text and sends `Done` with its numbers.
 fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
     let id = r.job.id;
-    let (r_queued_ms, r_steps, r_seqs) = (r.queued_ms, r.steps, r.step_sequences);
-    let mut prefill = r.prefill_stats(r.decoding.is_none() && stop == StopReason::Cancelled);
-    if r.decoding.is_none() {
-        prefill.ms = r.started.elapsed().as_secs_f64() * 1e3;
-    }
+    let prefill = r.prefill_stats(r.decoding.is_none() && stop == StopReason::Cancelled);
+    let (queued_ms, batch_mean) = (r.queued_ms, r.batch_mean());
     let (tokens, digests, decode_ms) = match r.decoding {
         Some((dec, _, t0)) => {
             let (tokens, digests) = dec.finish(stop, &mut |text| on_event(BatchEvent::Text { id, text }));
-            (tokens, digests, t0.elapsed().as_secs_f64() * 1e3)
+            (tokens, digests, ms_since(t0))
         }
         None => (vec![], vec![], 0.0),
     };
@@ -635,12 +636,8 @@ fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)
             stop,
             tokens,
             logits_digests: digests,
-            queued_ms: r_queued_ms,
-            batch_mean: if r_steps > 0 {
-                r_seqs as f64 / r_steps as f64
-            } else {
-                1.0
-            },
+            queued_ms,
+            batch_mean,
         },
     });
 }

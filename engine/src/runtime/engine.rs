@@ -802,9 +802,9 @@ fn plan_device(
 ///
 /// Errors: [`EngineError::Plan`] when they do not fit; nothing when the available memory cannot be read.
 fn check_host_kv(model: &crate::model::Model, flags: &EngineFlags) -> Result<(), EngineError> {
-    let cells = crate::memory::context_cells(flags.max_context(), model.hp.n_ctx_train);
-    let sequences = flags.plan.sequences();
-    let Ok(one) = crate::memory::kv_bytes(&model.hp.kv_shape(), flags.plan.kv, cells) else {
+    let cfg = crate::memory::PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
+    let (cells, sequences) = (cfg.context, cfg.sequences);
+    let Ok(one) = crate::memory::kv_bytes(&model.hp.kv_shape(), cfg.kv, cells) else {
         return Ok(());
     };
     let need = one.saturating_mul(sequences as u64);

@@ -155,6 +155,12 @@ pub struct GenerateOptions {
 }
 
 impl GenerateOptions {
+    /// Whether a decode step may return the backend's best candidates only ([`Session::decode_top`]) for
+    /// `sampler`: it needs no more, and no logits digest is asked for.
+    pub fn wants_top(&self, sampler: &dyn TokenSampler) -> bool {
+        sampler.top_suffices() && !self.logits_digest
+    }
+
     /// `max_tokens` and `stop`, with [`GenerateOptions::logits_digest`] as `STRATA_LOGITS_DIGEST` says.
     pub fn new(max_tokens: usize, stop: Vec<String>) -> GenerateOptions {
         GenerateOptions {
@@ -217,11 +223,6 @@ impl Decoding {
     /// Tokens sampled so far.
     pub fn generated(&self) -> usize {
         self.out.len()
-    }
-
-    /// Whether the next step may return the backend's best candidates only ([`Session::decode_top`]).
-    pub fn wants_top(&self, sampler: &dyn TokenSampler) -> bool {
-        sampler.top_suffices() && !self.digest
     }
 
     /// Samples the next token from the step's `logits` and prints what it completes through `on_text`
@@ -377,7 +378,7 @@ pub fn generate_cancellable<B: Backend>(
         let room = session.tokens().len() < session.n_ctx();
         match dec.advance(session.step_logits(), sampler, tokenizer, room, on_text)? {
             Next::Stopped(why) => break why,
-            Next::Feed(tok) if dec.wants_top(sampler) => {
+            Next::Feed(tok) if opts.wants_top(sampler) => {
                 session.decode_top(tok)?;
             }
             Next::Feed(tok) => {

@@ -287,10 +287,7 @@ impl<'m, B: Backend> Session<'m, B> {
         let mut gemm_fallback = None;
         let mut done = 0;
         let mut cancelled = false;
-        // On the CPU a chunk can take seconds: its forward pass also stops between layers, and the chunk is then
-        // dropped whole (its cells past the cached tokens are rewritten by the next prefill). A GPU's chunk is
-        // queued in milliseconds, and its steps may be captured in graphs: it stops between chunks only.
-        let _scope = (self.backend.name() == "cpu").then(|| crate::backend::progress::cancel_scope(cancel));
+        let _scope = self.cancel_scope(cancel);
         crate::backend::progress::take_aborted();
         while done < rest.len() {
             if done > 0 && cancel.load(std::sync::atomic::Ordering::Relaxed) {
@@ -345,6 +342,17 @@ impl<'m, B: Backend> Session<'m, B> {
         Ok(reused)
     }
 
+    /// Arms `cancel` for this thread's forward passes where a prompt chunk stops between layers: on the CPU, where a
+    /// chunk can take seconds, its forward pass stops between layers and the chunk is dropped whole (its cells past
+    /// the cached tokens are rewritten by the next prefill). A GPU's chunk is queued in milliseconds, and its steps
+    /// may be captured in graphs: it stops between chunks only (`None`).
+    pub(crate) fn cancel_scope<'c>(
+        &self,
+        cancel: &'c std::sync::atomic::AtomicBool,
+    ) -> Option<crate::backend::progress::CancelScope<'c>> {
+        (self.backend.name() == "cpu").then(|| crate::backend::progress::cancel_scope(cancel))
+    }
+
     /// Tokens of `prompt` the cache holds already: the longest common prefix.
     pub fn common_prefix(&self, prompt: &[u32]) -> usize {
         self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count()
@@ -391,7 +399,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Whether `token` may be decoded next: the cache has a cell for it and it is in the vocabulary.
     ///
     /// Errors: [`SessionError::ContextOverflow`], [`SessionError::BadToken`].
-    pub(crate) fn check_room(&self, token: u32) -> Result<(), SessionError> {
+    fn check_room(&self, token: u32) -> Result<(), SessionError> {
         if self.tokens.len() >= self.n_ctx() {
             return Err(SessionError::ContextOverflow {
                 needed: self.tokens.len() + 1,

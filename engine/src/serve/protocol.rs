@@ -74,7 +74,7 @@ pub enum Message {
     Done { id: u64, stop: Finish, timings: Timings },
     /// Request `id` could not run (an error about the request itself, e.g. an id outside the vocabulary).
     Failed { id: u64, message: String },
-    /// The answer to [`Command::Slots`] `id`: every slot's state as of the last step.
+    /// The answer to [`Command::Slots`] `id`: every slot's state, between two steps.
     Slots {
         id: u64,
         slots: Vec<crate::runtime::batch::SlotState>,

@@ -138,7 +138,7 @@ impl Supervisor {
         }
     }
 
-    /// Every slot of the worker as of its last step (`GET /slots`); `None` when no loaded worker answers within
+    /// Every slot of the worker, as it stands between two steps (`GET /slots`); `None` when no loaded worker answers within
     /// 5 s (it is loading, restarting, or stuck in a step longer than that).
     pub async fn slots(&self) -> Option<Vec<crate::runtime::batch::SlotState>> {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -524,7 +524,6 @@ async fn serve(
                     .abort_handle()
                 };
                 inflight.insert(id, InFlight { events: job.events, cancelled: false, watcher });
-                metrics.running.set(inflight.len() as i64);
                 if write_command(&mut worker.stdin, &cmd).await.is_err() {
                     break Err(None);
                 }
@@ -544,15 +543,13 @@ async fn serve(
                             f.watcher.abort();
                             let _ = f.events.send(JobEvent::Done { stop, timings });
                         }
-                        metrics.running.set(inflight.len() as i64);
-                    }
+                            }
                     Some(Message::Failed { id, message }) => {
                         if let Some(f) = inflight.remove(&id) {
                             f.watcher.abort();
                             let _ = f.events.send(JobEvent::Failed { status: 400, message });
                         }
-                        metrics.running.set(inflight.len() as i64);
-                    }
+                            }
                     Some(Message::Slots { id, slots }) => {
                         if let Some(q) = asked.remove(&id) {
                             let _ = q.send(slots);
@@ -595,6 +592,7 @@ async fn serve(
                 }
             }
         }
+        metrics.running.set(inflight.len() as i64);
     };
     match outcome {
         Ok(()) => Ok(()),

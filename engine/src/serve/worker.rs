@@ -14,7 +14,7 @@ use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
-use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, SlotState, StepTotals};
+use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, StepTotals};
 use crate::runtime::engine::Engine;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
 use crate::runtime::sampling::{Sampler, SamplingParams};
@@ -146,27 +146,26 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     // (before or after its job arrives), so a cancel reaches a generation in progress. Stdin closing means the
     // front is gone.
     let flags_by_id: Arc<Mutex<CancelFlags>> = Arc::default();
-    // The slots as of the last step, for `slots` commands (answered by the reader thread, between steps too).
-    let slots: Arc<Mutex<Vec<SlotState>>> = Arc::new(Mutex::new(batcher.slots()));
     let running_id = Arc::new(AtomicU64::new(0));
-    let (jobs_tx, jobs_rx) = mpsc::channel::<(GenerateJob, Arc<AtomicBool>)>();
+    let (jobs_tx, jobs_rx) = mpsc::channel::<Work>();
     {
-        let (flags_by_id, slots) = (flags_by_id.clone(), slots.clone());
+        let flags_by_id = flags_by_id.clone();
         std::thread::spawn(move || {
             for line in std::io::stdin().lock().lines() {
                 let Ok(line) = line else { break };
                 match serde_json::from_str::<Command>(&line) {
                     Ok(Command::Generate(job)) => {
                         let flag = lock(&flags_by_id).flag(job.id);
-                        if jobs_tx.send((job, flag)).is_err() {
+                        if jobs_tx.send(Work::Job(job, flag)).is_err() {
                             break;
                         }
                     }
                     Ok(Command::Cancel { id }) => lock(&flags_by_id).cancel(id),
-                    Ok(Command::Slots { id }) => send(&Message::Slots {
-                        id,
-                        slots: lock(&slots).clone(),
-                    }),
+                    Ok(Command::Slots { id }) => {
+                        if jobs_tx.send(Work::Slots(id)).is_err() {
+                            break;
+                        }
+                    }
                     Err(e) => eprintln!("strata serve: worker ignores a bad command line ({e}): {line}"),
                 }
             }
@@ -203,25 +202,27 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         if batcher.is_idle() {
             running_id.store(0, Ordering::SeqCst);
             match jobs_rx.recv() {
-                Ok(j) => admit(&mut batcher, j, vocab),
+                Ok(w) => take(&mut batcher, w, vocab),
                 Err(_) => break,
             }
             if totals.steps == 0 {
                 period_start = std::time::Instant::now();
             }
         }
-        while let Ok(j) = jobs_rx.try_recv() {
-            admit(&mut batcher, j, vocab);
+        while let Ok(w) = jobs_rx.try_recv() {
+            take(&mut batcher, w, vocab);
         }
         running_id.store(batcher.ids().next().unwrap_or(0), Ordering::SeqCst);
         let report = batcher.step(tokenizer, &mut |ev| match ev {
             BatchEvent::Progress { id, read, total } => send(&Message::Progress { id, read, total }),
             BatchEvent::Text { id, text } => {
-                let n = sent.entry(id).or_default();
-                if fault_after.is_some_and(|limit| *n >= limit) {
-                    panic!("injected fault after {n} tokens ({ENV_FAULT_AFTER_TOKENS})");
+                if let Some(limit) = fault_after {
+                    let n = sent.entry(id).or_default();
+                    if *n >= limit {
+                        panic!("injected fault after {n} tokens ({ENV_FAULT_AFTER_TOKENS})");
+                    }
+                    *n += 1;
                 }
-                *n += 1;
                 send(&Message::Text {
                     id,
                     text: text.to_string(),
@@ -239,7 +240,6 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 failed(id, error);
             }
         });
-        *lock(&slots) = batcher.slots();
         // Every BATCH_LOG_PERIOD with steps of several sequences, one line of what batching did.
         totals.add(&report);
         let since = period_start.elapsed();
@@ -290,8 +290,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// What the reader thread hands the stepping thread, which takes it between two steps.
+enum Work {
+    /// A job, with its cancel flag.
+    Job(GenerateJob, Arc<AtomicBool>),
+    /// A `slots` command: answered with the slots as they stand between steps.
+    Slots(u64),
+}
+
+/// Takes `w` between two steps: queues a job on the scheduler, or answers a `slots` command.
+fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, vocab: usize) {
+    match w {
+        Work::Job(job, cancel) => admit(batcher, job, cancel, vocab),
+        Work::Slots(id) => send(&Message::Slots {
+            id,
+            slots: batcher.slots(),
+        }),
+    }
+}
+
 /// Queues a job on the scheduler with its sampler, or answers `failed` when its sampling settings are refused.
-fn admit(batcher: &mut Batcher<'_, AnyBackend>, (job, cancel): (GenerateJob, Arc<AtomicBool>), vocab: usize) {
+fn admit(batcher: &mut Batcher<'_, AnyBackend>, job: GenerateJob, cancel: Arc<AtomicBool>, vocab: usize) {
     let params = SamplingParams {
         temperature: job.sampling.temperature,
         top_p: job.sampling.top_p,

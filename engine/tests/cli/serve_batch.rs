@@ -30,9 +30,7 @@ struct Streamed {
 }
 
 fn stream(s: &Server, body: &Value) -> Streamed {
-    let r = s.client.post(s.url("/v1/chat/completions")).json(body).send().unwrap();
-    assert_eq!(r.status(), 200);
-    let mut sse = SseReader::new(r);
+    let mut sse = s.chat_stream(body);
     let (mut text, mut first, mut last) = (String::new(), None, String::new());
     while let Some(ev) = sse.next_event() {
         last = ev.data.clone();
@@ -134,19 +132,7 @@ fn a_worker_death_ends_every_request_in_flight_then_serves_again() {
         })
     };
     // Three streams in flight, each past its first chunk, and one plain request.
-    let mut readers: Vec<SseReader> = QUESTIONS[..3]
-        .iter()
-        .map(|q| {
-            let r = s
-                .client
-                .post(s.url("/v1/chat/completions"))
-                .json(&long(q))
-                .send()
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            SseReader::new(r)
-        })
-        .collect();
+    let mut readers: Vec<SseReader> = QUESTIONS[..3].iter().map(|q| s.chat_stream(&long(q))).collect();
     for r in &mut readers {
         r.next_event().expect("a first chunk");
     }

@@ -42,14 +42,7 @@ fn sigkill_of_the_worker_gives_503_then_the_next_request_200() {
 
     // Mid-stream: the stream has answered 200, so it ends with an error event and no [DONE].
     let pid = s.worker_pid();
-    let r = s
-        .client
-        .post(s.url("/v1/chat/completions"))
-        .json(&long_request(true))
-        .send()
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let mut sse = SseReader::new(r);
+    let mut sse = s.chat_stream(&long_request(true));
     for _ in 0..3 {
         sse.next_event().expect("a chunk before the kill");
     }
@@ -271,14 +264,7 @@ fn silent_connections_do_not_lock_clients_out() {
 #[test]
 fn sigterm_drains_and_ends_streams_properly() {
     let mut s = Server::start_with(&["--drain-s", "2"], &[]);
-    let r = s
-        .client
-        .post(s.url("/v1/chat/completions"))
-        .json(&long_request(true))
-        .send()
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let mut sse = SseReader::new(r);
+    let mut sse = s.chat_stream(&long_request(true));
     for _ in 0..3 {
         sse.next_event().expect("a chunk before the signal");
     }

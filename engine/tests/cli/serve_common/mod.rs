@@ -137,6 +137,18 @@ impl Server {
         (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
     }
 
+    /// POSTs a streamed chat `body` to `/v1/chat/completions` and opens its stream, which must answer 200.
+    pub fn chat_stream(&self, body: &Value) -> SseReader {
+        let r = self
+            .client
+            .post(self.url("/v1/chat/completions"))
+            .json(body)
+            .send()
+            .expect("request sent");
+        assert_eq!(r.status(), 200);
+        SseReader::new(r)
+    }
+
     /// POSTs raw bytes.
     pub fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
         let r = self
