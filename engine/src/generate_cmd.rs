@@ -24,10 +24,10 @@ fn sampler(args: &SamplingArgs, vocab: usize) -> Result<Sampler> {
         top_p: args.top_p,
         min_p: args.min_p,
         repeat_penalty: args.repeat_penalty,
+        repeat_last_n: args.repeat_last_n,
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,
         seed: args.seed,
-        ..SamplingParams::default()
     };
     Sampler::new(params, vocab).context("invalid sampling flags")
 }
@@ -62,21 +62,21 @@ fn stream_to_stdout(text: &str) {
 /// `strata generate`.
 pub fn run_generate(args: GenerateArgs) -> Result<()> {
     let l = open(&args.engine)?;
-    let prompt_text = if args.chat {
+    let tokens = if args.chat {
         let t = l
             .template
             .as_ref()
             .context("--chat needs a chat template, and this model has none (tokenizer.chat_template)")?;
-        t.render(&chat_request(
+        let request = chat_request(
             system_messages(&args.engine)
                 .into_iter()
                 .chain([ChatMessage::new("user", args.prompt.clone())])
                 .collect(),
-        ))?
+        );
+        t.prompt(&l.tokenizer, &request)?.ids
     } else {
-        args.prompt.clone()
+        l.tokenizer.encode(&args.prompt, true, false)?
     };
-    let tokens = l.tokenizer.encode(&prompt_text, true, args.chat)?;
     let mut session = l.session()?;
     let opts = GenerateOptions::new(args.engine.max_tokens, args.engine.sampling.stop.clone());
     let mut s = sampler(&args.engine.sampling, l.model.weights.output.rows)?;
@@ -109,8 +109,7 @@ pub fn run_chat(args: EngineArgs) -> Result<()> {
             break;
         }
         messages.push(ChatMessage::new("user", line.trim_end().to_string()));
-        let text = template.render(&chat_request(messages.clone()))?;
-        let tokens = l.tokenizer.encode(&text, true, true)?;
+        let tokens = template.prompt(&l.tokenizer, &chat_request(messages.clone()))?.ids;
         let mut answer = String::new();
         let result = generate(&mut session, &l.tokenizer, &tokens, &opts, &mut s, &mut |t| {
             answer.push_str(t);

@@ -125,6 +125,9 @@ struct SamplingArgs {
     min_p: f32,
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
+    /// Tokens of history the penalties look at; 0 turns them off, -1 is the whole history.
+    #[arg(long, default_value_t = 64, allow_hyphen_values = true)]
+    repeat_last_n: i32,
     #[arg(long, default_value_t = 0.0)]
     presence_penalty: f32,
     #[arg(long, default_value_t = 0.0)]

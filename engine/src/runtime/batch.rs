@@ -29,7 +29,7 @@ use crate::backend::Backend;
 use crate::device::fault::GemmFault;
 use crate::model::{Logits, Scratch};
 use crate::runtime::generate::{
-    Decoding, GenerateError, GenerateOptions, GenerateStats, Next, StopReason, TokenSampler,
+    Decoding, Finished, GenerateError, GenerateOptions, GenerateStats, Next, StopReason, TokenSampler,
 };
 use crate::runtime::session::{PrefillStats, Session, step_together};
 use crate::tokenizer::Tokenizer;
@@ -620,24 +620,25 @@ fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)
     let id = r.job.id;
     let prefill = r.prefill_stats(r.decoding.is_none() && stop == StopReason::Cancelled);
     let (queued_ms, batch_mean) = (r.queued_ms, r.batch_mean());
-    let (tokens, digests, decode_ms) = match r.decoding {
-        Some((dec, _, t0)) => {
-            let (tokens, digests) = dec.finish(stop, &mut |text| on_event(BatchEvent::Text { id, text }));
-            (tokens, digests, ms_since(t0))
-        }
-        None => (vec![], vec![], 0.0),
+    let (end, decode_ms) = match r.decoding {
+        Some((dec, _, t0)) => (
+            dec.finish(stop, &mut |text| on_event(BatchEvent::Text { id, text })),
+            ms_since(t0),
+        ),
+        None => (Finished::default(), 0.0),
     };
     on_event(BatchEvent::Done {
         id,
         stats: GenerateStats {
             prefill,
-            generated: tokens.len(),
+            generated: end.tokens.len(),
             decode_ms,
             stop,
-            tokens,
-            logits_digests: digests,
+            tokens: end.tokens,
+            logits_digests: end.digests,
             queued_ms,
             batch_mean,
+            stop_word: end.stop_word,
         },
     });
 }

@@ -40,6 +40,8 @@ pub struct GenerateStats {
     pub queued_ms: f64,
     /// Sequences per forward step over this request's steps (1 through [`generate`]).
     pub batch_mean: f64,
+    /// The stop string that ended the generation ([`StopReason::StopString`]), as the request gave it.
+    pub stop_word: Option<String>,
 }
 
 impl StopReason {
@@ -302,17 +304,36 @@ impl Decoding {
     }
 
     /// Ends the generation for `stop`: text held back for a possible stop string is printed, unless a stop string
-    /// matched or the generation was cancelled. Returns the sampled ids and, with
-    /// [`GenerateOptions::logits_digest`], their logits' digests.
-    pub fn finish(mut self, stop: StopReason, on_text: &mut dyn FnMut(&str)) -> (Vec<u32>, Vec<u64>) {
+    /// matched or the generation was cancelled. The bytes of a character the last token left unfinished are
+    /// dropped, never printed as U+FFFD (llama.cpp's server drops them too). Returns the sampled ids, their logits'
+    /// digests ([`GenerateOptions::logits_digest`]) and the stop string that matched.
+    pub fn finish(mut self, stop: StopReason, on_text: &mut dyn FnMut(&str)) -> Finished {
+        // `accept` prints invalid bytes at once, so what is left is the start of a cut character.
+        self.bytes.clear();
+        let stop_word = self.stops.matched().map(str::to_string);
         if stop != StopReason::StopString && stop != StopReason::Cancelled {
-            let rest = self.stops.feed(&String::from_utf8_lossy(&self.bytes)).text.to_string() + self.stops.finish();
+            let rest = self.stops.finish();
             if !rest.is_empty() {
-                on_text(&rest);
+                on_text(rest);
             }
         }
-        (self.out, self.digests)
+        Finished {
+            tokens: self.out,
+            digests: self.digests,
+            stop_word,
+        }
     }
+}
+
+/// What a [`Decoding`] leaves when it ends.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Finished {
+    /// The sampled ids, a final end-of-generation token included.
+    pub tokens: Vec<u32>,
+    /// [`logits_digest`] of each sampled token's logits, with [`GenerateOptions::logits_digest`].
+    pub digests: Vec<u64>,
+    /// The stop string that ended the generation, if one did.
+    pub stop_word: Option<String>,
 }
 
 /// Prefills `prompt`, then samples up to `opts.max_tokens` tokens, calling `on_text` with each printable
@@ -367,6 +388,7 @@ pub fn generate_cancellable<B: Backend>(
                 logits_digests: vec![],
                 queued_ms: 0.0,
                 batch_mean: 1.0,
+                stop_word: None,
             },
         ));
     }
@@ -386,18 +408,19 @@ pub fn generate_cancellable<B: Backend>(
             }
         }
     };
-    let (out, digests) = dec.finish(stop, on_text);
+    let end = dec.finish(stop, on_text);
     Ok((
-        out.clone(),
+        end.tokens.clone(),
         GenerateStats {
             prefill,
-            generated: out.len(),
+            generated: end.tokens.len(),
             decode_ms: start.elapsed().as_secs_f64() * 1e3,
             stop,
-            tokens: out.clone(),
-            logits_digests: digests,
+            tokens: end.tokens,
+            logits_digests: end.digests,
             queued_ms: 0.0,
             batch_mean: 1.0,
+            stop_word: end.stop_word,
         },
     ))
 }

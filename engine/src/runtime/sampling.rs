@@ -25,7 +25,10 @@ pub use crate::backend::top::{TOP_LOGITS, TopLogits};
 /// argmax decoding (what the llama.cpp goldens use).
 ///
 /// Source: llama.cpp `common/common.h` `common_params_sampling` (field names there in parentheses).
-#[derive(Debug, Clone, PartialEq)]
+///
+/// It is also the worker protocol's sampling object (`strata serve`): absent fields take [`Default`]'s values.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct SamplingParams {
     /// Softmax temperature (`temp`, `--temp`, default 0.8). Logits are divided by it after the filters; 0 means
     /// greedy (argmax of the penalised logits, ties to the lowest id). Must be finite and ≥ 0.
@@ -33,10 +36,11 @@ pub struct SamplingParams {
     /// Keep only the `top_k` highest logits (`top_k`, `--top-k`, default 40); 0 disables.
     pub top_k: usize,
     /// Nucleus: keep the smallest set of most likely tokens whose probability sums to at least `top_p`
-    /// (`top_p`, `--top-p`, default 0.95). Must be in (0, 1]; 1 disables.
+    /// (`top_p`, `--top-p`, default 0.95). Must be in [0, 1]; 1 disables, 0 keeps only the most likely token
+    /// (greedy, as OpenAI's API reads `top_p: 0`).
     pub top_p: f32,
     /// Keep tokens whose probability is at least `min_p` times the most likely one's (`min_p`, `--min-p`,
-    /// default 0.05). Must be in [0, 1]; 0 disables.
+    /// default 0.05). Must be in [0, 1]; 0 disables, 1 keeps only the most likely token (greedy).
     pub min_p: f32,
     /// Repetition penalty (`penalty_repeat`, `--repeat-penalty`, default 1.0 = off): a token seen in the last
     /// `repeat_last_n` tokens has a positive logit divided by it and a non-positive one multiplied by it.
@@ -102,11 +106,11 @@ impl SamplingParams {
         if !(t.is_finite() && t >= 0.0) {
             return Err(bad("temperature", t, "a finite number >= 0 (0 = greedy)"));
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(bad("top_p", self.top_p, "in (0, 1] (1 = off)"));
+        if !(self.top_p >= 0.0 && self.top_p <= 1.0) {
+            return Err(bad("top_p", self.top_p, "in [0, 1] (1 = off, 0 = greedy)"));
         }
         if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return Err(bad("min_p", self.min_p, "in [0, 1] (0 = off)"));
+            return Err(bad("min_p", self.min_p, "in [0, 1] (0 = off, 1 = greedy)"));
         }
         if !(self.repeat_penalty.is_finite() && self.repeat_penalty > 0.0) {
             return Err(bad(
@@ -137,6 +141,13 @@ impl SamplingParams {
             ));
         }
         Ok(())
+    }
+
+    /// Whether the chain keeps exactly one token, the argmax of the penalised logits (lowest id on ties):
+    /// temperature 0, `top_p` 0 (the nucleus of the most likely token alone) or `min_p` 1 (only tokens as likely
+    /// as the most likely one; ties go to the lowest id, as greedy's do).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_p == 0.0 || self.min_p >= 1.0
     }
 
     fn penalties_active(&self) -> bool {
@@ -251,7 +262,8 @@ impl Sampler {
     /// 5. **temperature** (`llama_sampler_temp`): logits divided by `temperature`;
     /// 6. **softmax and draw** (`llama_sampler_dist`): one uniform draw from the seeded generator.
     ///
-    /// With `temperature == 0` steps 2–6 reduce to the argmax of the penalised logits (llama.cpp's `temp` sampler
+    /// With `temperature == 0` (or `top_p == 0`, or `min_p == 1`: [`SamplingParams::is_greedy`]) steps 2–6 reduce
+    /// to the argmax of the penalised logits (llama.cpp's `temp` sampler
     /// keeps only the maximum, and every filter keeps the maximum), so that is computed directly. Ties go to the
     /// lowest id.
     ///
@@ -288,7 +300,7 @@ impl Sampler {
         if best_logit == f32::NEG_INFINITY {
             return Err(SamplingError::NoUsableLogit);
         }
-        if self.params.temperature == 0.0 || best_logit == f32::INFINITY {
+        if self.params.is_greedy() || best_logit == f32::INFINITY {
             return Ok(best);
         }
 
@@ -300,7 +312,7 @@ impl Sampler {
     /// greedy or keeps at most `top_k <= TOP_LOGITS` tokens.
     pub fn can_use_top(&self) -> bool {
         let p = &self.params;
-        !p.penalties_active() && (p.temperature == 0.0 || (1..=TOP_LOGITS).contains(&p.top_k))
+        !p.penalties_active() && (p.is_greedy() || (1..=TOP_LOGITS).contains(&p.top_k))
     }
 
     /// [`Sampler::try_sample`] from a step's [`TopLogits`] instead of its logits: the same token and the same
@@ -322,7 +334,7 @@ impl Sampler {
         if best_logit == f32::NEG_INFINITY {
             return Err(SamplingError::NoUsableLogit);
         }
-        if self.params.temperature == 0.0 || best_logit == f32::INFINITY {
+        if self.params.is_greedy() || best_logit == f32::INFINITY {
             return Ok(best);
         }
         // No +inf here, so the finite entries come first, best first.
@@ -560,7 +572,8 @@ pub struct StopMatcher {
     pending: String,
     /// The text returned by the last call (kept here so the returned `&str` needs no allocation per piece).
     released: String,
-    stopped: bool,
+    /// Index in `stops` of the stop string that matched, since the last [`StopMatcher::finish`].
+    matched: Option<usize>,
 }
 
 impl StopMatcher {
@@ -579,7 +592,7 @@ impl StopMatcher {
             stops,
             pending: String::new(),
             released: String::new(),
-            stopped: false,
+            matched: None,
         }
     }
 
@@ -587,7 +600,7 @@ impl StopMatcher {
     /// `stopped: true`.
     pub fn feed(&mut self, piece: &str) -> StopStep<'_> {
         self.released.clear();
-        if self.stopped {
+        if self.matched.is_some() {
             return StopStep {
                 text: "",
                 stopped: true,
@@ -595,15 +608,17 @@ impl StopMatcher {
         }
         self.pending.push_str(piece);
 
+        // The earliest match wins; among stop strings matching at the same place, the first given.
         let earliest = self
             .stops
             .iter()
-            .filter_map(|stop| self.pending.find(stop.as_str()))
+            .enumerate()
+            .filter_map(|(i, stop)| self.pending.find(stop.as_str()).map(|at| (at, i)))
             .min();
-        if let Some(at) = earliest {
+        if let Some((at, i)) = earliest {
             self.released.push_str(&self.pending[..at]);
             self.pending.clear();
-            self.stopped = true;
+            self.matched = Some(i);
             return StopStep {
                 text: &self.released,
                 stopped: true,
@@ -623,17 +638,23 @@ impl StopMatcher {
     /// string). The matcher is then empty and can be reused for a new generation.
     pub fn finish(&mut self) -> &str {
         self.released.clear();
-        if !self.stopped {
+        if self.matched.is_none() {
             std::mem::swap(&mut self.released, &mut self.pending);
         }
         self.pending.clear();
-        self.stopped = false;
+        self.matched = None;
         &self.released
     }
 
     /// Whether a stop string has matched since the last [`StopMatcher::finish`].
     pub fn is_stopped(&self) -> bool {
-        self.stopped
+        self.matched.is_some()
+    }
+
+    /// The stop string that matched since the last [`StopMatcher::finish`] (Anthropic's `stop_sequence`,
+    /// llama.cpp server's `stopping_word`).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
     }
 
     /// Length in bytes of the longest tail of `pending` that is a proper prefix of some stop string.
@@ -971,6 +992,64 @@ mod tests {
         }
     }
 
+    /// `top_p: 0` and `min_p: 1` keep the most likely token alone, as clients of OpenAI's API expect: the same
+    /// tokens as greedy at any temperature, ties included (lowest id), from the whole logits and from the top
+    /// candidates alike.
+    #[test]
+    fn top_p_zero_and_min_p_one_are_greedy() {
+        let mut logits_rng = Xoshiro256StarStar::from_seed(9);
+        for (top_p, min_p) in [(0.0, 0.0), (1.0, 1.0), (0.0, 1.0)] {
+            let params = SamplingParams {
+                top_p,
+                min_p,
+                temperature: 2.0,
+                top_k: 0,
+                ..plain(3)
+            };
+            assert!(params.is_greedy());
+            let mut s = Sampler::new(params, 100).unwrap();
+            assert!(s.can_use_top(), "no penalties: the device's candidates suffice");
+            let mut g = Sampler::new(SamplingParams::greedy(), 100).unwrap();
+            for step in 0..50 {
+                let mut logits = random_logits(&mut logits_rng, 100);
+                if step % 5 == 0 {
+                    // A tie for the maximum: the lowest id wins.
+                    logits[70] = 9.0;
+                    logits[20] = 9.0;
+                }
+                let want = g.sample(&logits, &[]);
+                assert_eq!(s.sample(&logits, &[]), want, "top_p {top_p} min_p {min_p}");
+                let top = TopLogits::from_logits(&logits);
+                assert_eq!(s.sample_top(&top), want);
+            }
+        }
+        // Just above 0 is not greedy: a high temperature then draws other tokens.
+        let params = SamplingParams {
+            top_p: 0.999,
+            ..plain(4)
+        };
+        assert!(!params.is_greedy());
+    }
+
+    /// The matcher names the stop string that matched: the earliest in the text, across pieces, and the first
+    /// given among those matching at the same place.
+    #[test]
+    fn the_matched_stop_string_is_named() {
+        let mut m = StopMatcher::new(["END", "\n\n", "E"]);
+        assert_eq!(m.matched(), None);
+        assert!(!m.feed("one\n").stopped);
+        assert!(m.feed("\nEND").stopped);
+        assert_eq!(m.matched(), Some("\n\n"));
+        m.finish();
+        assert_eq!(m.matched(), None, "finish resets it");
+        assert!(m.feed("xxEND").stopped);
+        assert_eq!(
+            m.matched(),
+            Some("END"),
+            "END and E match at the same place: the first given"
+        );
+    }
+
     #[test]
     fn top_k_keeps_the_k_highest() {
         let logits = [0.5, 3.0, -1.0, 2.0, 2.5, 0.0];
@@ -1186,7 +1265,7 @@ mod tests {
                     ..d()
                 },
             ),
-            ("top_p", SamplingParams { top_p: 0.0, ..d() }),
+            ("top_p", SamplingParams { top_p: -0.01, ..d() }),
             ("top_p", SamplingParams { top_p: 1.5, ..d() }),
             ("top_p", SamplingParams { top_p: f32::NAN, ..d() }),
             ("min_p", SamplingParams { min_p: -0.1, ..d() }),

@@ -87,8 +87,8 @@ struct MessagesRequest {
     max_tokens: Option<i64>,
     #[serde(default)]
     stop_sequences: Vec<String>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
+    #[serde(flatten)]
+    sampling: api::SamplingFields,
     #[serde(default)]
     stream: bool,
     tools: Option<Value>,
@@ -120,23 +120,17 @@ fn prompt(state: &Shared, c: Conversation) -> Result<Vec<u32>, ApiError> {
         }
         messages.push(ChatMessage::new(m.role, m.content.into_text()?));
     }
-    state.model.chat_prompt(API, messages)
+    Ok(state.model.chat_prompt(API, messages)?.ids)
 }
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt exactly as `/v1/messages` would send it.
 pub async fn count_tokens(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     let st = state.clone();
-    let r = state
-        .cpu
-        .run(API, move || {
-            let c: Conversation = parse_body(API, body)?;
-            prompt(&st, c)
-        })
-        .await;
-    match r {
-        Ok(p) => Json(json!({ "input_tokens": p.len() })).into_response(),
-        Err(e) => e.into_response(),
-    }
+    api::answer_on_cpu(&state, API, move || {
+        let c: Conversation = parse_body(API, body)?;
+        Ok(json!({ "input_tokens": prompt(&st, c)?.len() }))
+    })
+    .await
 }
 
 fn stop_reason(f: Finish) -> &'static str {
@@ -147,11 +141,10 @@ fn stop_reason(f: Finish) -> &'static str {
     }
 }
 
-/// The stop sequence that ended the answer, when it can be named: the engine reports that one matched, not
-/// which, so this is only known when a single one was given.
-fn stop_sequence(f: Finish, stops: &[String]) -> Value {
-    match (f, stops) {
-        (Finish::StopString, [one]) => one.as_str().into(),
+/// `stop_sequence`: the stop sequence that ended the answer, or null.
+fn stop_sequence(f: Finish, word: Option<&str>) -> Value {
+    match (f, word) {
+        (Finish::StopString, Some(w)) => w.into(),
         _ => Value::Null,
     }
 }
@@ -189,23 +182,27 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         .await?;
     let n_prompt = prompt.len();
     let max_tokens = state.model.limit(API, &prompt, Some(max_tokens))?;
-    let stops = req.stop_sequences;
     let engine = EngineRequest {
         prompt,
         max_tokens,
-        stop: stops.clone(),
-        sampling: api::sampling(API, req.temperature, req.top_p, None)?,
+        stop: req.stop_sequences,
+        sampling: api::sampling(API, &req.sampling)?,
     };
     let id = response_id("msg_");
     let model = state.model.id.clone();
     let mut rx = submit(&state, API, engine)?;
     if !req.stream {
-        let Completed { text, finish, timings } = collect(API, rx).await?;
+        let Completed {
+            text,
+            finish,
+            stop_word,
+            timings,
+        } = collect(API, rx).await?;
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
             "content": [{ "type": "text", "text": text }],
             "stop_reason": stop_reason(finish),
-            "stop_sequence": stop_sequence(finish, &stops),
+            "stop_sequence": stop_sequence(finish, stop_word.as_deref()),
             "usage": usage(n_prompt, Some(&timings)),
             "timings": timings,
         }))
@@ -233,11 +230,11 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
                 JobEvent::Text(t) => yield event("content_block_delta", json!({
                     "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": t },
                 })),
-                JobEvent::Done { stop, timings } => {
+                JobEvent::Done { stop, stop_word, timings } => {
                     yield event("content_block_stop", json!({ "type": "content_block_stop", "index": 0 }));
                     yield event("message_delta", json!({
                         "type": "message_delta",
-                        "delta": { "stop_reason": stop_reason(stop), "stop_sequence": stop_sequence(stop, &stops) },
+                        "delta": { "stop_reason": stop_reason(stop), "stop_sequence": stop_sequence(stop, stop_word.as_deref()) },
                         "usage": usage(n_prompt, Some(&timings)),
                         "timings": timings,
                     }));

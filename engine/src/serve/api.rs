@@ -18,13 +18,13 @@ use tokio::sync::Semaphore;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::Shared;
-use super::protocol::{Finish, JobSampling, Timings};
+use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent, SubmitError};
 use crate::gguf::GgufModel;
 use crate::model::hparams::HParams;
 use crate::runtime::sampling::SamplingParams;
 use crate::runtime::session::context_cells;
-use crate::tokenizer::{ChatMessage, ChatRequest, ChatTemplate, Tokenizer};
+use crate::tokenizer::{ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, Tokenizer};
 
 /// Which API a request came through: it decides the error shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +118,8 @@ pub struct ApiError {
     pub message: String,
     /// OpenAI's `code` (`model_not_found`, `context_length_exceeded`).
     pub code: Option<&'static str>,
+    /// OpenAI's `param`: the request field at fault (`temperature`, `messages[2].role`).
+    pub param: Option<String>,
 }
 
 impl ApiError {
@@ -127,7 +129,15 @@ impl ApiError {
             kind,
             message: message.into(),
             code: None,
+            param: None,
         }
+    }
+
+    /// A 400 about request field `param`: the message names it, and OpenAI's `param` carries it.
+    pub fn field(api: Api, param: impl Into<String>, message: impl Into<String>) -> ApiError {
+        let mut e = ApiError::invalid(api, message);
+        e.param = Some(param.into());
+        e
     }
 
     /// A 400 `invalid_request_error`.
@@ -145,7 +155,7 @@ impl ApiError {
         let ty = self.kind.type_name(self.api);
         match self.api {
             Api::OpenAi => serde_json::json!({
-                "error": { "message": self.message, "type": ty, "param": null, "code": self.code }
+                "error": { "message": self.message, "type": ty, "param": self.param, "code": self.code }
             }),
             Api::Anthropic => serde_json::json!({
                 "type": "error",
@@ -223,6 +233,8 @@ impl OneOrMany {
 pub struct ModelInfo {
     /// The name clients use: the file name without `.gguf`.
     pub id: String,
+    /// The GGUF file (its first shard).
+    pub path: std::path::PathBuf,
     file_name: String,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
@@ -247,6 +259,7 @@ impl ModelInfo {
             .map_or(String::new(), |f| f.to_string_lossy().into_owned());
         Ok(ModelInfo {
             id: file_name.strip_suffix(".gguf").unwrap_or(&file_name).to_string(),
+            path: path.to_path_buf(),
             file_name,
             tokenizer,
             template,
@@ -273,10 +286,11 @@ impl ModelInfo {
         }
     }
 
-    /// Renders a conversation through the chat template (opening the assistant's turn) and tokenizes it.
+    /// Renders a conversation through the chat template (opening the assistant's turn) and tokenizes it
+    /// ([`ChatTemplate::prompt`]: control tokens in the messages are plain text, no second BOS).
     ///
     /// Errors: no messages; the model has no template; the template refuses the conversation.
-    pub fn chat_prompt(&self, api: Api, messages: Vec<ChatMessage>) -> Result<Vec<u32>, ApiError> {
+    pub fn chat_prompt(&self, api: Api, messages: Vec<ChatMessage>) -> Result<ChatPrompt, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid(
                 api,
@@ -289,15 +303,13 @@ impl ModelInfo {
                 "this model has no chat template; use /v1/completions with a plain prompt",
             )
         })?;
-        let text = template
-            .render(&ChatRequest {
-                messages,
-                add_generation_prompt: true,
-                ..ChatRequest::default()
-            })
-            .map_err(|e| ApiError::invalid(api, e.to_string()))?;
-        self.tokenizer
-            .encode(&text, true, true)
+        let request = ChatRequest {
+            messages,
+            add_generation_prompt: true,
+            ..ChatRequest::default()
+        };
+        template
+            .prompt(&self.tokenizer, &request)
             .map_err(|e| ApiError::invalid(api, e.to_string()))
     }
 
@@ -340,29 +352,114 @@ impl ModelInfo {
     }
 }
 
-/// Builds the job's sampling settings, checking them with the sampler's own rules.
-///
-/// Errors: a temperature below 0 or not finite, a top_p outside (0, 1].
-pub fn sampling(
-    api: Api,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    seed: Option<u64>,
-) -> Result<JobSampling, ApiError> {
-    let s = JobSampling {
-        temperature: temperature.unwrap_or(1.0),
-        top_p: top_p.unwrap_or(1.0),
-        seed,
-    };
+/// The sampling fields a request may name: OpenAI's (`temperature`, `top_p`, `frequency_penalty`,
+/// `presence_penalty`, `seed`), Anthropic's (`temperature`, `top_p`, `top_k`), and llama.cpp server's extensions
+/// on either API (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`). Every one named is used, through the same
+/// sampler chain as `strata generate` ([`crate::runtime::sampling::Sampler`]); the others take
+/// [`server_sampling_defaults`].
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    /// A seed for the random draw: the same seed and request give the same answer; -1 or absent draws one.
+    pub seed: Option<i64>,
+}
+
+/// What a request samples with when it names nothing: temperature 1 and top_p 1 (OpenAI's and Anthropic's
+/// documented defaults), with llama.cpp's top_k 40 and min_p 0.05 guarding the tail, and no penalties (window 64).
+/// `/props` shows them.
+pub fn server_sampling_defaults() -> SamplingParams {
     SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        seed,
+        temperature: 1.0,
+        top_p: 1.0,
         ..SamplingParams::default()
     }
-    .validate()
-    .map_err(|e| ApiError::invalid(api, e.to_string()))?;
-    Ok(s)
+}
+
+/// Builds a request's sampler chain from the fields it named and [`server_sampling_defaults`].
+///
+/// Ranges are each API's own: `temperature` 0..2 on OpenAI's and 0..1 on Anthropic's (0 is greedy), `top_p` and
+/// `min_p` 0..1 (`top_p: 0` and `min_p: 1` keep the most likely token alone, `top_p: 1` and `min_p: 0` are off),
+/// `frequency_penalty` and `presence_penalty` -2..2, `top_k` ≥ 0 (0 is off), `repeat_penalty` > 0 (1 is off),
+/// `repeat_last_n` ≥ -1 (-1: the whole history, 0: penalties off), `seed` ≥ -1.
+///
+/// Errors: a value outside its range or not finite: 400 naming the field (OpenAI's `param`).
+pub fn sampling(api: Api, f: &SamplingFields) -> Result<SamplingParams, ApiError> {
+    fn range(api: Api, name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
+        match v {
+            Some(x) if !(x.is_finite() && (lo..=hi).contains(&x)) => Err(ApiError::field(
+                api,
+                name,
+                format!("{name} must be between {lo} and {hi}, got {x}"),
+            )),
+            v => Ok(v),
+        }
+    }
+    let d = server_sampling_defaults();
+    let max_temperature = if api == Api::Anthropic { 1.0 } else { 2.0 };
+    let top_k = match f.top_k {
+        Some(k) if k < 0 => {
+            return Err(ApiError::field(
+                api,
+                "top_k",
+                format!("top_k must be 0 (off) or more, got {k}"),
+            ));
+        }
+        Some(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        None => d.top_k,
+    };
+    let repeat_penalty = match f.repeat_penalty {
+        Some(r) if !(r.is_finite() && r > 0.0) => {
+            return Err(ApiError::field(
+                api,
+                "repeat_penalty",
+                format!("repeat_penalty must be a number above 0 (1 is off), got {r}"),
+            ));
+        }
+        r => r.unwrap_or(d.repeat_penalty),
+    };
+    let repeat_last_n = match f.repeat_last_n {
+        Some(n) if !(-1..=i64::from(i32::MAX)).contains(&n) => {
+            return Err(ApiError::field(
+                api,
+                "repeat_last_n",
+                format!("repeat_last_n must be -1 (the whole history), 0 (off) or a window in tokens, got {n}"),
+            ));
+        }
+        n => n.map_or(d.repeat_last_n, |n| n as i32),
+    };
+    let seed = match f.seed {
+        Some(s) if s < -1 => {
+            return Err(ApiError::field(
+                api,
+                "seed",
+                format!("seed must be -1 (random) or more, got {s}"),
+            ));
+        }
+        Some(-1) | None => None,
+        Some(s) => Some(s as u64),
+    };
+    let params = SamplingParams {
+        temperature: range(api, "temperature", f.temperature, 0.0, max_temperature)?.unwrap_or(d.temperature),
+        top_p: range(api, "top_p", f.top_p, 0.0, 1.0)?.unwrap_or(d.top_p),
+        top_k,
+        min_p: range(api, "min_p", f.min_p, 0.0, 1.0)?.unwrap_or(d.min_p),
+        repeat_penalty,
+        repeat_last_n,
+        frequency_penalty: range(api, "frequency_penalty", f.frequency_penalty, -2.0, 2.0)?
+            .unwrap_or(d.frequency_penalty),
+        presence_penalty: range(api, "presence_penalty", f.presence_penalty, -2.0, 2.0)?.unwrap_or(d.presence_penalty),
+        seed,
+    };
+    // The sampler's own rules, so the worker never refuses what the front accepted.
+    params.validate().map_err(|e| ApiError::invalid(api, e.to_string()))?;
+    Ok(params)
 }
 
 /// How long a stream waits for its first event before committing to 200 and sending keep-alive comments.
@@ -432,6 +529,19 @@ impl CpuGate {
     }
 }
 
+/// Runs `f` (parse, render, tokenize) on `state`'s [`CpuGate`] and answers the JSON it returns, or its error in
+/// `api`'s shape: the whole of a route that does not reach the engine.
+pub async fn answer_on_cpu(
+    state: &Shared,
+    api: Api,
+    f: impl FnOnce() -> Result<Value, ApiError> + Send + 'static,
+) -> Response {
+    match state.cpu.run(api, f).await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// Queues a request on the engine.
 ///
 /// Errors: 503 with Retry-After when the queue is full.
@@ -462,6 +572,8 @@ pub fn job_error(api: Api, status: u16, message: String) -> ApiError {
 pub struct Completed {
     pub text: String,
     pub finish: Finish,
+    /// The stop string that ended it, when one did.
+    pub stop_word: Option<String>,
     pub timings: Timings,
 }
 
@@ -473,10 +585,15 @@ pub async fn collect(api: Api, mut rx: UnboundedReceiver<JobEvent>) -> Result<Co
     while let Some(ev) = rx.recv().await {
         match ev {
             JobEvent::Text(t) => text.push_str(&t),
-            JobEvent::Done { stop, timings } => {
+            JobEvent::Done {
+                stop,
+                stop_word,
+                timings,
+            } => {
                 return Ok(Completed {
                     text,
                     finish: stop,
+                    stop_word,
                     timings,
                 });
             }

@@ -12,6 +12,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod helpers;
 pub mod listen;
 pub mod metrics;
 pub mod openai;
@@ -131,6 +132,8 @@ pub struct AppState {
     cors_origins: Vec<axum::http::HeaderValue>,
     /// Where requests are parsed and tokenized (off the async threads).
     pub cpu: api::CpuGate,
+    /// Slots: requests computed at once (`--parallel`).
+    pub parallel: usize,
 }
 
 /// Shared handler state.
@@ -233,6 +236,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             api_key,
             cors_origins,
             cpu: api::CpuGate::new(CPU_JOBS, args.max_queue.max(1) * 2),
+            parallel,
         });
         eprintln!(
             "strata serve: listening on http://{} (model {}, context {} tokens, {parallel} slots{})",
@@ -317,6 +321,10 @@ pub fn router(state: Shared, max_body_bytes: usize, body_timeout: Duration) -> R
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics", get(metrics_text))
         .route("/slots", get(slots))
+        .route("/props", get(helpers::props))
+        .route("/tokenize", post(helpers::tokenize))
+        .route("/detokenize", post(helpers::detokenize))
+        .route("/apply-template", post(helpers::apply_template))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn(move |req: Request, next: Next| {

@@ -41,9 +41,8 @@ struct Common {
     stream_options: Option<StreamOptions>,
     max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    seed: Option<u64>,
+    #[serde(flatten)]
+    sampling: api::SamplingFields,
     stop: Option<OneOrMany>,
     n: Option<i64>,
     tools: Option<Value>,
@@ -151,7 +150,7 @@ fn engine_request(
         prompt,
         max_tokens,
         stop,
-        sampling: api::sampling(API, c.temperature, c.top_p, c.seed)?,
+        sampling: api::sampling(API, &c.sampling)?,
     })
 }
 
@@ -171,7 +170,7 @@ async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Resp
             let req: ChatCompletionRequest = parse_body(API, body)?;
             st.model.check_name(API, req.common.model.as_deref())?;
             let messages = flatten_content(API, req.messages)?;
-            Ok((req.common, st.model.chat_prompt(API, messages)?))
+            Ok((req.common, st.model.chat_prompt(API, messages)?.ids))
         })
         .await?;
     let engine = engine_request(&state, &common, prompt, None)?;
@@ -231,7 +230,9 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
     let created = api::unix_now();
     let mut rx = submit(&state, API, engine)?;
     if !c.stream {
-        let Completed { text, finish, timings } = collect(API, rx).await?;
+        let Completed {
+            text, finish, timings, ..
+        } = collect(API, rx).await?;
         let body = match kind {
             Kind::Chat => json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
@@ -287,19 +288,17 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
         loop {
             match api::next_job_event(&mut pending, &mut rx).await {
                 JobEvent::Text(t) => yield data(&chunk(Some(&t), None, false)),
-                JobEvent::Done { stop, timings } => {
+                JobEvent::Done { stop, timings, .. } => {
                     let mut last = chunk(None, Some(stop), false);
                     last["timings"] = serde_json::to_value(timings).unwrap_or_default();
+                    yield data(&last);
+                    // Usage only when asked for, in a chunk of its own with no choices (OpenAI's stream shape).
                     if include_usage {
-                        yield data(&last);
                         let mut u = chunk(None, None, false);
                         u["choices"] = json!([]);
                         u["usage"] = usage(&timings);
                         u["timings"] = last["timings"].clone();
                         yield data(&u);
-                    } else {
-                        last["usage"] = usage(&timings);
-                        yield data(&last);
                     }
                     yield Ok(SseEvent::default().data("[DONE]"));
                     break;
@@ -320,7 +319,10 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
 pub async fn models(State(state): State<Shared>) -> Response {
     Json(json!({
         "object": "list",
-        "data": [{ "id": state.model.id, "object": "model", "created": state.model.created, "owned_by": "strata" }],
+        "data": [{
+            "id": state.model.id, "object": "model", "created": state.model.created, "owned_by": "strata",
+            "context_length": state.model.n_ctx,
+        }],
     }))
     .into_response()
 }

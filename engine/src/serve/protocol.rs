@@ -8,6 +8,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::runtime::sampling::SamplingParams;
+
 pub use crate::events::{Event, SCHEMA_VERSION as EVENT_SCHEMA_VERSION};
 
 /// A command from the front to the worker (one stdin line).
@@ -36,18 +38,9 @@ pub struct GenerateJob {
     /// Stop strings: generation ends when one appears; it is not sent.
     #[serde(default)]
     pub stop: Vec<String>,
-    pub sampling: JobSampling,
-}
-
-/// The sampling knobs the APIs expose; the rest keep [`crate::runtime::sampling::SamplingParams`]' defaults.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct JobSampling {
-    /// 0 is greedy.
-    pub temperature: f32,
-    /// In (0, 1].
-    pub top_p: f32,
-    /// `None`: seeded from the clock.
-    pub seed: Option<u64>,
+    /// The whole sampler chain, as `strata generate` runs it (the front fills in the server's defaults for what
+    /// the request did not name).
+    pub sampling: SamplingParams,
 }
 
 /// A message from the worker to the front (one stdout line).
@@ -70,8 +63,14 @@ pub enum Message {
     /// ([`crate::backend::progress`]), so the front's watchdog tells a long prefill chunk from a hang (a hung
     /// engine starts nothing and sends none).
     Busy { id: u64 },
-    /// Request `id` ended normally.
-    Done { id: u64, stop: Finish, timings: Timings },
+    /// Request `id` ended normally; `stop_word` is the stop string that ended it, when one did.
+    Done {
+        id: u64,
+        stop: Finish,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop_word: Option<String>,
+        timings: Timings,
+    },
     /// Request `id` could not run (an error about the request itself, e.g. an id outside the vocabulary).
     Failed { id: u64, message: String },
     /// The answer to [`Command::Slots`] `id`: every slot's state, between two steps.
@@ -148,15 +147,27 @@ mod tests {
             prompt: vec![1, 2],
             max_tokens: 3,
             stop: vec!["\n".into()],
-            sampling: JobSampling {
-                temperature: 0.0,
-                top_p: 1.0,
+            sampling: SamplingParams {
+                top_k: 5,
                 seed: Some(1),
+                ..SamplingParams::greedy()
             },
         });
         let line = serde_json::to_string(&cmd).unwrap();
         assert!(line.starts_with(r#"{"op":"generate","id":7"#), "{line}");
         assert_eq!(serde_json::from_str::<Command>(&line).unwrap(), cmd);
+        // Sampling fields left out take the sampler's defaults.
+        let short: Command =
+            serde_json::from_str(r#"{"op":"generate","id":1,"prompt":[1],"max_tokens":1,"sampling":{"top_k":3}}"#)
+                .unwrap();
+        let Command::Generate(job) = short else { panic!() };
+        assert_eq!(
+            job.sampling,
+            SamplingParams {
+                top_k: 3,
+                ..SamplingParams::default()
+            }
+        );
         let ev = Message::Event(Event::now(crate::events::EventKind::Fault(crate::events::Fault {
             error: "boom".into(),
             ..Default::default()

@@ -18,7 +18,8 @@ use tokio::time::Instant;
 
 use super::WorkerFlags;
 use super::metrics::Metrics;
-use super::protocol::{Command, Finish, GenerateJob, JobSampling, Message, Timings};
+use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
+use crate::runtime::sampling::SamplingParams;
 
 /// What a request asks of the engine (the front has rendered and tokenized the prompt).
 #[derive(Debug, Clone)]
@@ -26,7 +27,7 @@ pub struct EngineRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub stop: Vec<String>,
-    pub sampling: JobSampling,
+    pub sampling: SamplingParams,
 }
 
 /// What a handler receives for its request, in order: `Text`*, then one `Done` or `Failed`.
@@ -35,6 +36,8 @@ pub enum JobEvent {
     Text(String),
     Done {
         stop: Finish,
+        /// The stop string that ended the generation, when one did.
+        stop_word: Option<String>,
         timings: Timings,
     },
     /// The request failed; `status` is the HTTP status to answer (503 when the engine died, 400 when the worker
@@ -537,11 +540,20 @@ async fn serve(
                             let _ = f.events.send(JobEvent::Text(text));
                         }
                     }
-                    Some(Message::Done { id, stop, timings }) => {
+                    Some(Message::Done {
+                        id,
+                        stop,
+                        stop_word,
+                        timings,
+                    }) => {
                         metrics.record_timings(&timings);
                         if let Some(f) = inflight.remove(&id) {
                             f.watcher.abort();
-                            let _ = f.events.send(JobEvent::Done { stop, timings });
+                            let _ = f.events.send(JobEvent::Done {
+                                stop,
+                                stop_word,
+                                timings,
+                            });
                         }
                             }
                     Some(Message::Failed { id, message }) => {

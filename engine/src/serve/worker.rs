@@ -17,7 +17,7 @@ use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
 use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, StepTotals};
 use crate::runtime::engine::Engine;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
-use crate::runtime::sampling::{Sampler, SamplingParams};
+use crate::runtime::sampling::Sampler;
 use crate::runtime::session::SessionError;
 
 /// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
@@ -311,13 +311,7 @@ fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, vocab: usize) {
 
 /// Queues a job on the scheduler with its sampler, or answers `failed` when its sampling settings are refused.
 fn admit(batcher: &mut Batcher<'_, AnyBackend>, job: GenerateJob, cancel: Arc<AtomicBool>, vocab: usize) {
-    let params = SamplingParams {
-        temperature: job.sampling.temperature,
-        top_p: job.sampling.top_p,
-        seed: job.sampling.seed,
-        ..SamplingParams::default()
-    };
-    match Sampler::new(params, vocab) {
+    match Sampler::new(job.sampling, vocab) {
         Ok(s) => batcher.submit(BatchJob {
             id: job.id,
             prompt: job.prompt,
@@ -361,6 +355,7 @@ fn done(id: u64, stats: &GenerateStats) {
     send(&Message::Done {
         id,
         stop: Finish::from(stats.stop),
+        stop_word: stats.stop_word.clone(),
         timings,
     });
 }

@@ -19,7 +19,10 @@ mod special;
 mod spm;
 pub mod template;
 
-pub use template::{ChatContent, ChatMessage, ChatRequest, ChatTemplate, ContentPart, TemplateError};
+pub use special::GUARD;
+pub use template::{
+    ChatContent, ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, ContentPart, PromptError, TemplateError,
+};
 
 use std::collections::HashMap;
 use std::fmt;
@@ -540,6 +543,33 @@ impl Tokenizer {
     /// Errors: BOS or EOS is wanted but the model has none ([`TokenizerError::MissingSpecial`]); a SentencePiece
     /// vocabulary lacks a byte token and an unknown token ([`TokenizerError::NoByteToken`]).
     pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_fragments(text, add_special, parse_special, false)
+    }
+
+    /// `text` with every control token written in it made harmless for [`Tokenizer::encode_chat`]: a
+    /// [`special::GUARD`] mark goes inside each occurrence, so it is tokenized as plain text. Apply it to every
+    /// string a chat template prints that does not come from the template itself (message contents, tool
+    /// definitions), so that a user cannot forge a turn by typing `<|im_end|>`.
+    pub fn guard_specials<'t>(&self, text: &'t str) -> std::borrow::Cow<'t, str> {
+        self.specials.guard(&self.vocab, text)
+    }
+
+    /// Encodes a rendered chat prompt: control tokens written by the template become their ids; those guarded by
+    /// [`Tokenizer::guard_specials`] are plain text, and the guard marks are dropped. `add_special` as in
+    /// [`Tokenizer::encode`].
+    ///
+    /// Errors: as [`Tokenizer::encode`].
+    pub fn encode_chat(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_fragments(text, add_special, true, true)
+    }
+
+    fn encode_fragments(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        drop_guards: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let fragments = self.specials.partition(&self.vocab, text, parse_special);
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
@@ -558,6 +588,13 @@ impl Tokenizer {
                 }
                 Fragment::Text(range) => {
                     let piece = &text[range];
+                    let unguarded;
+                    let piece = if drop_guards && piece.contains(special::GUARD) {
+                        unguarded = piece.replace(special::GUARD, "");
+                        unguarded.as_str()
+                    } else {
+                        piece
+                    };
                     match &self.encoder {
                         Encoder::Bpe(bpe) => bpe.encode(piece, &mut out)?,
                         Encoder::Spm => {

@@ -10,9 +10,15 @@
 //! then split on, so a vocabulary with thousands of control tokens (gemma 3 has 6,249) costs O(text) per call plus
 //! O(text) per special token actually present.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use super::{ATTR_CONTROL, ATTR_LSTRIP, ATTR_RSTRIP, ATTR_UNKNOWN, Vocab};
+
+/// The mark [`SpecialTokens::guard`] writes inside control-token texts that come from outside the template (a
+/// message's content): U+FDD0, a Unicode noncharacter, reserved for a program's internal use and in no
+/// vocabulary. [`super::Tokenizer::encode_chat`] drops it before tokenizing the text around it.
+pub const GUARD: char = '\u{FDD0}';
 
 /// A piece of the input: text still to tokenize, or a special token already recognized.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,6 +94,54 @@ impl SpecialTokens {
         found.sort_unstable();
         found.dedup();
         found
+    }
+
+    /// `text` with [`GUARD`] written after the first character of every occurrence of a control or unknown
+    /// token's text, so that no control token can be read from it even with `parse_special`; [`GUARD`]
+    /// characters already in `text` are removed first. Borrowed when there is nothing to change.
+    ///
+    /// Every occurrence is broken: one that starts at byte `s` gets a mark after its first character, and the
+    /// mark is in no token's text.
+    pub(crate) fn guard<'t>(&self, vocab: &Vocab, text: &'t str) -> Cow<'t, str> {
+        let clean: Cow<'t, str> = if text.contains(GUARD) {
+            Cow::Owned(text.replace(GUARD, ""))
+        } else {
+            Cow::Borrowed(text)
+        };
+        let guarded = |rank: u32| {
+            let id = self.order[rank as usize];
+            vocab.attrs[id as usize] & (ATTR_CONTROL | ATTR_UNKNOWN) != 0
+        };
+        if !self.present(clean.as_bytes()).into_iter().any(guarded) {
+            return clean;
+        }
+        let bytes = clean.as_bytes();
+        let mut out = String::with_capacity(clean.len() + 16);
+        let mut copied = 0;
+        let mut start = 0;
+        while start < bytes.len() {
+            let mut node = 0usize;
+            let mut hit = false;
+            for &byte in &bytes[start..] {
+                match self.trie[node].children.binary_search_by_key(&byte, |&(b, _)| b) {
+                    Ok(i) => node = self.trie[node].children[i].1 as usize,
+                    Err(_) => break,
+                }
+                if self.trie[node].rank.is_some_and(guarded) {
+                    hit = true;
+                    break;
+                }
+            }
+            let first = clean[start..].chars().next().map_or(1, char::len_utf8);
+            if hit {
+                out.push_str(&clean[copied..start + first]);
+                out.push(GUARD);
+                copied = start + first;
+            }
+            start += first;
+        }
+        out.push_str(&clean[copied..]);
+        Cow::Owned(out)
     }
 
     /// Splits `text` into fragments around the special tokens it contains.

@@ -12,6 +12,8 @@ use std::fmt;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
+use super::special::GUARD;
+use super::{Tokenizer, TokenizerError};
 use crate::gguf::{Metadata, MetadataError};
 
 /// The GGUF key of the default chat template; named variants live at `tokenizer.chat_template.<name>`.
@@ -100,6 +102,38 @@ pub struct ChatRequest {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
+/// A conversation rendered and tokenized by [`ChatTemplate::prompt`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatPrompt {
+    /// The rendered text, as the template wrote it.
+    pub text: String,
+    /// Its token ids, BOS included where the model wants one.
+    pub ids: Vec<u32>,
+}
+
+/// Why [`ChatTemplate::prompt`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+/// Every string in `v` (object values, array items; not keys) through [`Tokenizer::guard_specials`].
+fn guard_strings(tokenizer: &Tokenizer, v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::String(s) => {
+            if let std::borrow::Cow::Owned(g) = tokenizer.guard_specials(s) {
+                *s = g;
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(|x| guard_strings(tokenizer, x)),
+        serde_json::Value::Object(map) => map.values_mut().for_each(|x| guard_strings(tokenizer, x)),
+        _ => {}
+    }
+}
+
 /// The error `raise_exception` attaches, so that [`ChatTemplate::render`] can tell it from other failures.
 #[derive(Debug)]
 struct Raised(String);
@@ -115,6 +149,8 @@ impl std::error::Error for Raised {}
 /// A compiled chat template with the BOS and EOS texts it may print.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's Jinja source.
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -194,6 +230,7 @@ impl ChatTemplate {
             })?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
@@ -205,22 +242,51 @@ impl ChatTemplate {
     /// Errors: [`TemplateError::Raised`] with the template's own message when it calls `raise_exception`;
     /// [`TemplateError::Render`] for any other failure, with the template line.
     pub fn render(&self, request: &ChatRequest) -> Result<String, TemplateError> {
+        self.render_with(request, &mut |_| {})
+    }
+
+    /// Renders `request` and tokenizes it as the model was trained (what `strata chat`, `generate --chat` and
+    /// `strata serve` send to the model):
+    /// - control-token texts inside the conversation's strings (message contents, tool calls, tool definitions)
+    ///   are tokenized as plain text ([`Tokenizer::guard_specials`]): only the template's own markup becomes
+    ///   control tokens, so a user cannot close their turn and forge another by typing `<|im_end|>`;
+    /// - BOS is added as the tokenizer asks, unless the rendered text already starts with it (Gemma's templates
+    ///   print `bos_token`): no second BOS, as llama.cpp and Hugging Face do.
+    ///
+    /// Errors: the template's ([`ChatTemplate::render`]) as [`PromptError::Template`]; the tokenizer's as
+    /// [`PromptError::Tokenizer`].
+    pub fn prompt(&self, tokenizer: &Tokenizer, request: &ChatRequest) -> Result<ChatPrompt, PromptError> {
+        let guarded = self.render_with(request, &mut |v| guard_strings(tokenizer, v))?;
+        let starts_with_bos = !self.bos_token.is_empty() && guarded.starts_with(&self.bos_token);
+        let ids = tokenizer.encode_chat(&guarded, !starts_with_bos)?;
+        let text = if guarded.contains(GUARD) {
+            guarded.replace(GUARD, "")
+        } else {
+            guarded
+        };
+        Ok(ChatPrompt { text, ids })
+    }
+
+    /// Renders `request`, letting `adjust` change the conversation's JSON (`messages` and `tools`) first.
+    fn render_with(
+        &self,
+        request: &ChatRequest,
+        adjust: &mut dyn FnMut(&mut serde_json::Value),
+    ) -> Result<String, TemplateError> {
         let template = self.env.get_template(TEMPLATE_NAME).expect("added at compile time");
         let mut ctx = serde_json::Map::new();
         for (k, v) in &request.extra {
             ctx.insert(k.clone(), v.clone());
         }
-        ctx.insert(
-            "messages".into(),
-            serde_json::to_value(&request.messages).expect("messages serialize"),
-        );
-        ctx.insert(
-            "tools".into(),
-            request
-                .tools
-                .as_ref()
-                .map_or(serde_json::Value::Null, |t| t.clone().into()),
-        );
+        let mut messages = serde_json::to_value(&request.messages).expect("messages serialize");
+        adjust(&mut messages);
+        ctx.insert("messages".into(), messages);
+        let mut tools = request
+            .tools
+            .as_ref()
+            .map_or(serde_json::Value::Null, |t| t.clone().into());
+        adjust(&mut tools);
+        ctx.insert("tools".into(), tools);
         ctx.insert("add_generation_prompt".into(), request.add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos_token.clone().into());
         ctx.insert("eos_token".into(), self.eos_token.clone().into());
@@ -239,6 +305,11 @@ impl ChatTemplate {
                 message: e.detail().unwrap_or(&e.to_string()).to_string(),
             }
         })
+    }
+
+    /// The template's Jinja source, as the GGUF holds it.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The BOS text the template sees as `bos_token`.

@@ -9,4 +9,5 @@ mod serve_api;
 mod serve_batch;
 mod serve_common;
 mod serve_failures;
+mod serve_params;
 mod sim_device;

@@ -117,7 +117,11 @@ fn openai_completions_and_models() {
     let events = SseReader::new(r).rest();
     assert_eq!(events.last().unwrap().data, "[DONE]");
     let last: Value = serde_json::from_str(&events[events.len() - 2].data).unwrap();
-    assert_eq!(last["usage"]["completion_tokens"], 3, "{last}");
+    assert_eq!(last["timings"]["predicted_n"], 3, "{last}");
+    assert!(
+        last.get("usage").is_none(),
+        "usage only with stream_options.include_usage: {last}"
+    );
 }
 
 #[test]
