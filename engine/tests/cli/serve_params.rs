@@ -371,3 +371,27 @@ fn a_cut_character_is_dropped_not_replaced() {
         "no answer was cut inside a character: the test does not test the cut"
     );
 }
+
+/// What the SDKs send back after a tool call: an assistant turn with `content: null` and `tool_calls`, then a
+/// `tool` message. It is rendered by the template (null as empty text) and answered, not refused.
+#[test]
+fn an_assistant_turn_with_null_content_and_a_tool_result_are_accepted() {
+    let s = Server::start();
+    let messages = json!([
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"location\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"}
+    ]);
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (_, p) = s.post("/apply-template", &json!({"messages": messages}));
+    let prompt = p["prompt"].as_str().unwrap();
+    assert!(
+        prompt.contains("<|im_start|>assistant\n<|im_end|>") && prompt.contains("21 C and sunny"),
+        "{prompt}"
+    );
+}

@@ -9,4 +9,5 @@ mod gguf_shards;
 mod quant_goldens;
 mod tokenizer_models;
 mod tokenizer_template;
+mod tokenizer_template_goldens;
 mod tokenizer_vectors;

@@ -223,14 +223,14 @@ fn tools_reach_the_template() {
         extra: Default::default(),
     };
     let out = template.render(&req).unwrap();
-    // Expected strings from Python's Jinja2 3.1.6 with trim_blocks and lstrip_blocks (transformers' settings) and a
-    // compact, key-sorted tojson.
+    // Expected strings from Python's Jinja2 3.1.6 with trim_blocks and lstrip_blocks and Hugging Face's tojson
+    // (json.dumps: key order kept, `, ` and `: ` separators), transformers' settings.
     assert_eq!(
         out,
         "<|im_start|>system\nYou may call these tools:\
-         {\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}},\"type\":\"function\"}<|im_end|>\n\
+         {\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"parameters\": {\"type\": \"object\"}}}<|im_end|>\n\
          <|im_start|>user\nWeather in Oslo?<|im_end|>\n\
-         <|im_start|>assistant\n<tool_call>{\"arguments\":{\"city\":\"Oslo\"},\"name\":\"get_weather\"}</tool_call><|im_end|>\n\
+         <|im_start|>assistant\n<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}</tool_call><|im_end|>\n\
          <|im_start|>tool\n12 C<|im_end|>\n<|im_start|>assistant\n"
     );
     // Without tools the template sees none and skips the block.
@@ -385,4 +385,52 @@ fn no_second_bos_when_the_template_prints_it() {
     let without = ChatTemplate::compile("test", &GEMMA3_STYLE["{{ bos_token }}".len()..], "<bos>", "<eos>").unwrap();
     let q = without.prompt(&tok, &req).unwrap();
     assert_eq!(q.ids, p.ids, "the tokenizer adds the BOS the template left out");
+}
+
+/// Hugging Face's `tojson` (json.dumps with ensure_ascii=False): key order kept, no HTML escaping, its keyword
+/// arguments; `{% generation %}` blocks render their body; an unknown filter is refused at load; none, booleans and
+/// containers print as jinja2 prints them. Expected strings from Python 3.11's json.dumps and jinja2 3.1.6.
+#[test]
+fn tojson_generation_blocks_and_python_printing_match_hugging_face() {
+    let render = |source: &str, vars: serde_json::Value| {
+        let t = ChatTemplate::compile("test", source, "", "").unwrap();
+        let messages: Vec<ChatMessage> = vec![ChatMessage::new("user", "Hi")];
+        let mut req = request(messages, false);
+        req.extra = vars.as_object().unwrap().clone();
+        t.render(&req).unwrap()
+    };
+    let d = json!({"d": {"b": 1, "a": ["x", "é"], "c": {}}, "s": "<a&b>'\n"});
+    assert_eq!(
+        render("{{ d | tojson }}", d.clone()),
+        r#"{"b": 1, "a": ["x", "é"], "c": {}}"#
+    );
+    assert_eq!(
+        render("{{ d | tojson(indent=2) }}", d.clone()),
+        "{\n  \"b\": 1,\n  \"a\": [\n    \"x\",\n    \"é\"\n  ],\n  \"c\": {}\n}"
+    );
+    assert_eq!(
+        render("{{ d | tojson(sort_keys=true, ensure_ascii=true) }}", d.clone()),
+        r#"{"a": ["x", "\u00e9"], "b": 1, "c": {}}"#
+    );
+    assert_eq!(render("{{ s | tojson }}", d.clone()), r#""<a&b>'\n""#);
+    // Python's str: None, True, a dict's repr.
+    assert_eq!(
+        render(
+            "{{ none }}|{{ true }}|{{ d }}|{{ d | string }}",
+            json!({"d": {"k": "it's", "n": null}})
+        ),
+        r#"None|True|{'k': "it's", 'n': None}|{'k': "it's", 'n': None}"#
+    );
+    // Dicts iterate in insertion order.
+    assert_eq!(render("{% for k in d %}{{ k }}{% endfor %}", d.clone()), "bac");
+    assert_eq!(
+        render(
+            "a{%- generation -%} b {%- endgeneration %}c{% generation %}d{% endgeneration %}",
+            json!({})
+        ),
+        "abcd"
+    );
+    let err = ChatTemplate::compile("test", "{{ messages | no_such_filter }}", "", "").unwrap_err();
+    assert!(err.to_string().contains("no_such_filter"), "{err}");
+    assert!(matches!(err, TemplateError::Syntax { .. }));
 }
