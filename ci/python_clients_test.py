@@ -121,6 +121,23 @@ def test_openai_sampling_parameters():
     assert all(c.usage is None for c in chunks), "usage without stream_options.include_usage"
 
 
+def test_openai_logprobs():
+    r = oa.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens, r
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content), content
+    c = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=1)
+    assert len(c.choices[0].logprobs.tokens) == 4, c
+
+
 def test_anthropic_stop_sequence_and_system_blocks():
     msgs = [{"role": "user", "content": QUESTION}]
     m = an.messages.create(

@@ -3,10 +3,13 @@
 use std::io::{BufRead, Write};
 
 use anyhow::{Context, Result, bail};
+use std::sync::atomic::AtomicBool;
 use strata_engine::runtime::engine::Engine;
-use strata_engine::runtime::generate::{GenerateError, GenerateOptions, GenerateStats, generate};
-use strata_engine::runtime::sampling::{Sampler, SamplingParams};
+
+use strata_engine::runtime::generate::{GenerateError, GenerateOptions, GenerateStats, generate, generate_pieces};
+use strata_engine::runtime::sampling::{Sampler, SamplingParams, TokenLogprob};
 use strata_engine::runtime::session::SessionError;
+use strata_engine::tokenizer::Tokenizer;
 use strata_engine::tokenizer::{ChatMessage, ChatRequest};
 
 use crate::{EngineArgs, GenerateArgs, SamplingArgs};
@@ -78,16 +81,50 @@ pub fn run_generate(args: GenerateArgs) -> Result<()> {
         l.tokenizer.encode(&args.prompt, true, false)?
     };
     let mut session = l.session()?;
-    let opts = GenerateOptions::new(args.engine.max_tokens, args.engine.sampling.stop.clone());
+    let opts = GenerateOptions {
+        logprobs: args.logprobs.as_ref().map(|_| args.top_logprobs as usize),
+        ..GenerateOptions::new(args.engine.max_tokens, args.engine.sampling.stop.clone())
+    };
     let mut s = sampler(&args.engine.sampling, l.model.weights.output.rows)?;
-    let (_, stats) = generate(&mut session, &l.tokenizer, &tokens, &opts, &mut s, &mut |t| {
-        stream_to_stdout(t)
-    })?;
+    let mut entries = Vec::new();
+    let (_, stats) = generate_pieces(
+        &mut session,
+        &l.tokenizer,
+        &tokens,
+        &opts,
+        &mut s,
+        &AtomicBool::new(false),
+        &mut |t, lp| {
+            stream_to_stdout(t);
+            entries.extend(lp);
+        },
+    )?;
     stream_to_stdout("\n");
+    if let Some(path) = &args.logprobs {
+        write_logprobs(path, &l.tokenizer, &entries)?;
+    }
     print_summary(&stats);
     l.emit_expert_cache(None);
     l.check_routing_dump()?;
     Ok(())
+}
+
+/// Writes `--logprobs`: one JSON line a token.
+fn write_logprobs(path: &std::path::Path, tokenizer: &Tokenizer, entries: &[TokenLogprob]) -> Result<()> {
+    let text =
+        |id: u32| String::from_utf8_lossy(&tokenizer.decode_bytes(&[id], false).unwrap_or_default()).into_owned();
+    let mut out = String::new();
+    for e in entries {
+        let top: Vec<serde_json::Value> = e
+            .top
+            .iter()
+            .map(|&(id, lp)| serde_json::json!({ "id": id, "token": text(id), "logprob": lp }))
+            .collect();
+        let line = serde_json::json!({ "id": e.id, "token": text(e.id), "logprob": e.logprob, "top_logprobs": top });
+        out.push_str(&line.to_string());
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("cannot write --logprobs {}", path.display()))
 }
 
 /// `strata chat`.

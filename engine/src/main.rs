@@ -101,6 +101,14 @@ struct GenerateArgs {
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Write each generated token's log-probability to this file, one JSON line a token: `{"id", "token",
+    /// "logprob", "top_logprobs": [{"id", "token", "logprob"}]}` (the distribution after the penalties, at
+    /// temperature 1, as `strata serve` reports it).
+    #[arg(long, value_name = "FILE")]
+    logprobs: Option<std::path::PathBuf>,
+    /// Alternatives per token in `--logprobs` (0 to 20).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=20))]
+    top_logprobs: u64,
 }
 
 /// A system message for `--chat` and `chat` (without it the template's default, if any, applies).

@@ -1489,6 +1489,7 @@ fn batched_decode_attention_equals_attending_run_by_run() {
                     max_tokens: 20,
                     stop: vec![],
                     logits_digest: false,
+                    logprobs: None,
                 },
                 sampler: Box::new(Recording(logs[i].clone())),
                 cancel: Default::default(),

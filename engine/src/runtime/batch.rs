@@ -31,6 +31,7 @@ use crate::model::{Logits, Scratch};
 use crate::runtime::generate::{
     Decoding, Finished, GenerateError, GenerateOptions, GenerateStats, Next, StopReason, TokenSampler,
 };
+use crate::runtime::sampling::TokenLogprob;
 use crate::runtime::session::{PrefillStats, Session, step_together};
 use crate::tokenizer::Tokenizer;
 use rayon::prelude::*;
@@ -49,8 +50,14 @@ pub struct BatchJob {
 pub enum BatchEvent<'a> {
     /// `read` of `total` prompt tokens not reused from the cache are computed (after every chunk but the last).
     Progress { id: u64, read: usize, total: usize },
-    /// A piece of generated text: whole UTF-8 characters, stop strings held back.
-    Text { id: u64, text: &'a str },
+    /// A piece of generated text: whole UTF-8 characters, stop strings held back; with
+    /// [`GenerateOptions::logprobs`], the log-probabilities of the tokens it completes (a last piece may have
+    /// no text: tokens whose text is never printed).
+    Text {
+        id: u64,
+        text: &'a str,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The request ended normally (cancelled included: `stats.stop`).
     Done { id: u64, stats: GenerateStats },
     /// The request could not run: its prompt (empty, over the context, an id outside the vocabulary), a token
@@ -595,8 +602,8 @@ fn accept(
     let r = running.as_mut().expect("sampled");
     let id = r.job.id;
     let (dec, next, _) = r.decoding.as_mut().expect("sampled");
-    match dec.accept(tok, tokenizer, room, &mut |text| {
-        on_event(BatchEvent::Text { id, text })
+    match dec.accept(tok, tokenizer, room, &mut |text, logprobs| {
+        on_event(BatchEvent::Text { id, text, logprobs })
     }) {
         Ok(Next::Feed(tok)) => {
             *next = tok;
@@ -622,7 +629,9 @@ fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)
     let (queued_ms, batch_mean) = (r.queued_ms, r.batch_mean());
     let (end, decode_ms) = match r.decoding {
         Some((dec, _, t0)) => (
-            dec.finish(stop, &mut |text| on_event(BatchEvent::Text { id, text })),
+            dec.finish(stop, &mut |text, logprobs| {
+                on_event(BatchEvent::Text { id, text, logprobs })
+            }),
             ms_since(t0),
         ),
         None => (Finished::default(), 0.0),

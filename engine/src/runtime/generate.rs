@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::backend::Backend;
-use crate::runtime::sampling::{Sampler, StopMatcher};
+use crate::runtime::sampling::{Sampler, StopMatcher, TokenLogprob, logprobs};
 use crate::runtime::session::{PrefillStats, Session, SessionError, StepLogits};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -103,6 +103,12 @@ pub trait TokenSampler {
     fn top_suffices(&self) -> bool {
         false
     }
+
+    /// The logits the last [`TokenSampler::next_token`] drew from after its own adjustments (the penalties), for
+    /// log-probabilities; `None`: the logits it was given.
+    fn adjusted_logits(&self) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl TokenSampler for Sampler {
@@ -115,6 +121,10 @@ impl TokenSampler for Sampler {
 
     fn top_suffices(&self) -> bool {
         self.can_use_top()
+    }
+
+    fn adjusted_logits(&self) -> Option<&[f32]> {
+        Some(self.penalised_logits())
     }
 }
 
@@ -154,13 +164,16 @@ pub struct GenerateOptions {
     /// Digest every sampled token's logits ([`GenerateStats::logits_digests`]; `STRATA_LOGITS_DIGEST`): decode
     /// steps then read whole logits back ([`Session::decode`]), never only the best candidates.
     pub logits_digest: bool,
+    /// Report each sampled token's log-probability and this many alternatives
+    /// ([`crate::runtime::sampling::logprobs`]); decode steps then read whole logits back.
+    pub logprobs: Option<usize>,
 }
 
 impl GenerateOptions {
     /// Whether a decode step may return the backend's best candidates only ([`Session::decode_top`]) for
     /// `sampler`: it needs no more, and no logits digest is asked for.
     pub fn wants_top(&self, sampler: &dyn TokenSampler) -> bool {
-        sampler.top_suffices() && !self.logits_digest
+        sampler.top_suffices() && !self.logits_digest && self.logprobs.is_none()
     }
 
     /// `max_tokens` and `stop`, with [`GenerateOptions::logits_digest`] as `STRATA_LOGITS_DIGEST` says.
@@ -169,6 +182,7 @@ impl GenerateOptions {
             max_tokens,
             stop,
             logits_digest: crate::switches::flag(crate::switches::LOGITS_DIGEST, false),
+            logprobs: None,
         }
     }
 }
@@ -206,7 +220,15 @@ pub struct Decoding {
     max_tokens: usize,
     digest: bool,
     digests: Vec<u64>,
+    /// [`GenerateOptions::logprobs`].
+    logprobs: Option<usize>,
+    /// Log-probabilities of the tokens whose text has not been printed yet.
+    pending: Vec<TokenLogprob>,
 }
+
+/// What [`Decoding`] prints: a piece of text (whole UTF-8 characters, stop strings held back) and, with
+/// [`GenerateOptions::logprobs`], the log-probabilities of the tokens whose text it completes.
+pub type OnPiece<'a> = dyn FnMut(&str, Vec<TokenLogprob>) + 'a;
 
 impl Decoding {
     /// A generation after `prompt` with `opts`' limits and stop strings.
@@ -219,6 +241,8 @@ impl Decoding {
             max_tokens: opts.max_tokens,
             digest: opts.logits_digest,
             digests: Vec::new(),
+            logprobs: opts.logprobs,
+            pending: Vec::new(),
         }
     }
 
@@ -239,7 +263,7 @@ impl Decoding {
         sampler: &mut dyn TokenSampler,
         tokenizer: &Tokenizer,
         room: bool,
-        on_text: &mut dyn FnMut(&str),
+        on_text: &mut OnPiece<'_>,
     ) -> Result<Next, TokenizerError> {
         let tok = self.sample(logits, sampler);
         self.accept(tok, tokenizer, room, on_text)
@@ -257,6 +281,10 @@ impl Decoding {
             self.digests.push(logits_digest(l));
         }
         let tok = sampler.next_token(logits, &self.history);
+        if let (Some(n), StepLogits::Full(l)) = (self.logprobs, logits) {
+            let basis = sampler.adjusted_logits().filter(|a| a.len() == l.len()).unwrap_or(l);
+            self.pending.push(logprobs(basis, tok, n));
+        }
         self.out.push(tok);
         self.history.push(tok);
         Some(tok)
@@ -271,12 +299,14 @@ impl Decoding {
         tok: Option<u32>,
         tokenizer: &Tokenizer,
         room: bool,
-        on_text: &mut dyn FnMut(&str),
+        on_text: &mut OnPiece<'_>,
     ) -> Result<Next, TokenizerError> {
         let Some(tok) = tok else {
             return Ok(Next::Stopped(StopReason::Limit));
         };
         if tokenizer.is_eog(tok) {
+            // An end-of-generation token is not part of the answer (OpenAI reports none for it).
+            self.pending.pop_if(|lp| lp.id == tok);
             return Ok(Next::Stopped(StopReason::Eog));
         }
         self.bytes.extend_from_slice(&tokenizer.decode_bytes(&[tok], true)?);
@@ -290,7 +320,7 @@ impl Decoding {
         self.bytes.drain(..valid);
         let step = self.stops.feed(&piece);
         if !step.text.is_empty() {
-            on_text(step.text);
+            on_text(step.text, std::mem::take(&mut self.pending));
         }
         Ok(if step.stopped {
             Next::Stopped(StopReason::StopString)
@@ -304,18 +334,24 @@ impl Decoding {
     }
 
     /// Ends the generation for `stop`: text held back for a possible stop string is printed, unless a stop string
-    /// matched or the generation was cancelled. The bytes of a character the last token left unfinished are
+    /// matched or the generation was cancelled; then the log-probabilities of tokens whose text was never printed
+    /// go out with empty text. The bytes of a character the last token left unfinished are
     /// dropped, never printed as U+FFFD (llama.cpp's server drops them too). Returns the sampled ids, their logits'
     /// digests ([`GenerateOptions::logits_digest`]) and the stop string that matched.
-    pub fn finish(mut self, stop: StopReason, on_text: &mut dyn FnMut(&str)) -> Finished {
+    pub fn finish(mut self, stop: StopReason, on_text: &mut OnPiece<'_>) -> Finished {
         // `accept` prints invalid bytes at once, so what is left is the start of a cut character.
         self.bytes.clear();
         let stop_word = self.stops.matched().map(str::to_string);
         if stop != StopReason::StopString && stop != StopReason::Cancelled {
             let rest = self.stops.finish();
             if !rest.is_empty() {
-                on_text(rest);
+                on_text(rest, std::mem::take(&mut self.pending));
             }
+        }
+        if !self.pending.is_empty() {
+            // Tokens whose text is never printed (a stop string's, a character left unfinished): their
+            // log-probabilities still go out, with no text.
+            on_text("", std::mem::take(&mut self.pending));
         }
         Finished {
             tokens: self.out,
@@ -373,6 +409,26 @@ pub fn generate_cancellable<B: Backend>(
     sampler: &mut dyn TokenSampler,
     cancel: &AtomicBool,
     on_text: &mut dyn FnMut(&str),
+) -> Result<(Vec<u32>, GenerateStats), GenerateError> {
+    generate_pieces(session, tokenizer, prompt, opts, sampler, cancel, &mut |t, _| {
+        if !t.is_empty() {
+            on_text(t)
+        }
+    })
+}
+
+/// [`generate_cancellable`] printing through [`OnPiece`]: each piece of text with the log-probabilities of the
+/// tokens it completes ([`GenerateOptions::logprobs`]).
+///
+/// Errors: as [`generate`].
+pub fn generate_pieces<B: Backend>(
+    session: &mut Session<'_, B>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    sampler: &mut dyn TokenSampler,
+    cancel: &AtomicBool,
+    on_text: &mut OnPiece<'_>,
 ) -> Result<(Vec<u32>, GenerateStats), GenerateError> {
     let prefill = session.prefill_cancellable(prompt, cancel)?;
     let start = Instant::now();

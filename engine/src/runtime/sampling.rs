@@ -242,6 +242,12 @@ impl Sampler {
         self.seed
     }
 
+    /// The last step's logits after the penalties (what the filters saw), when the last call got whole logits
+    /// ([`Sampler::try_sample`]; zeros before the first).
+    pub fn penalised_logits(&self) -> &[f32] {
+        &self.logits
+    }
+
     /// The number of tokens (logits per call) this sampler expects.
     pub fn vocab_size(&self) -> usize {
         self.logits.len()
@@ -484,6 +490,70 @@ impl Sampler {
         }
         // Rounding can leave `cumulative` a hair under `target` when the draw is close to 1.
         last_positive
+    }
+}
+
+/// The most alternatives a request may ask log-probabilities for (OpenAI's `top_logprobs` range).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The log-probability OpenAI reports for a token that has none (probability 0): JSON has no -inf.
+pub const LOGPROB_FLOOR: f32 = -9999.0;
+
+/// One generated token's log-probability and the most likely alternatives at its step.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenLogprob {
+    /// The token generated.
+    pub id: u32,
+    /// Its natural-log probability (≤ 0; [`LOGPROB_FLOOR`] when it had none).
+    pub logprob: f32,
+    /// The most likely tokens of the step, most likely first (ties: lower id), with their log-probabilities.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-probabilities of one step (OpenAI's `logprobs`): `ln softmax(logits)` at temperature 1 over the whole
+/// vocabulary, for `token` and the `top_n` most likely tokens. `logits` are the step's logits after the
+/// penalties, i.e. the distribution the sampler's filters and temperature then act on; with the penalties off
+/// they are the model's own (vLLM's and llama.cpp server's default logprobs). NaN and -inf logits have
+/// [`LOGPROB_FLOOR`].
+pub fn logprobs(logits: &[f32], token: u32, top_n: usize) -> TokenLogprob {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| l.is_finite())
+        .map(|&l| ((l - max) as f64).exp())
+        .sum();
+    let lse = max as f64 + sum.ln();
+    let lp = |l: f32| {
+        if l.is_finite() {
+            ((l as f64 - lse) as f32).max(LOGPROB_FLOOR)
+        } else {
+            LOGPROB_FLOOR
+        }
+    };
+    let mut top: Vec<Candidate> = Vec::new();
+    if top_n > 0 {
+        top = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(id, &logit)| Candidate { id: id as u32, logit })
+            .collect();
+        let n = top_n.min(top.len());
+        if n > 0 && n < top.len() {
+            top.select_nth_unstable_by(n - 1, by_logit_desc);
+        }
+        top.truncate(n);
+        top.sort_unstable_by(by_logit_desc);
+    }
+    TokenLogprob {
+        id: token,
+        logprob: logits.get(token as usize).map_or(LOGPROB_FLOOR, |&l| lp(l)),
+        top: top.iter().map(|c| (c.id, lp(c.logit))).collect(),
     }
 }
 
@@ -1047,6 +1117,28 @@ mod tests {
             m.matched(),
             Some("END"),
             "END and E match at the same place: the first given"
+        );
+    }
+
+    /// `logprobs` is ln softmax over the finite logits (checked against an f64 reference), the alternatives most
+    /// likely first with ties to the lower id, and no probability reads as the floor.
+    #[test]
+    fn logprobs_are_the_log_softmax() {
+        let logits = [1.0f32, 3.0, f32::NEG_INFINITY, 3.0, -2.0, f32::NAN];
+        let finite: Vec<f32> = vec![1.0, 3.0, 3.0, -2.0];
+        let p = softmax(&finite);
+        let lp = logprobs(&logits, 0, 3);
+        assert!((lp.logprob as f64 - p[0].ln()).abs() < 1e-6, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 0]);
+        assert!((lp.top[0].1 as f64 - p[1].ln()).abs() < 1e-6);
+        assert_eq!(lp.top[0].1, lp.top[1].1);
+        assert_eq!(logprobs(&logits, 2, 0).logprob, LOGPROB_FLOOR);
+        assert_eq!(logprobs(&logits, 5, 0).logprob, LOGPROB_FLOOR);
+        assert!(logprobs(&logits, 1, 0).top.is_empty());
+        assert_eq!(
+            logprobs(&logits, 1, 20).top.len(),
+            4,
+            "only finite logits are alternatives"
         );
     }
 

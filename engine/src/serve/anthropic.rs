@@ -187,6 +187,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         max_tokens,
         stop: req.stop_sequences,
         sampling: api::sampling(API, &req.sampling)?,
+        logprobs: None,
     };
     let id = response_id("msg_");
     let model = state.model.id.clone();
@@ -197,6 +198,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             finish,
             stop_word,
             timings,
+            ..
         } = collect(API, rx).await?;
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
@@ -227,8 +229,9 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         let mut pending = first;
         loop {
             match api::next_job_event(&mut pending, &mut rx).await {
-                JobEvent::Text(t) => yield event("content_block_delta", json!({
-                    "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": t },
+                JobEvent::Text { text, .. } if text.is_empty() => {}
+                JobEvent::Text { text, .. } => yield event("content_block_delta", json!({
+                    "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text },
                 })),
                 JobEvent::Done { stop, stop_word, timings } => {
                     yield event("content_block_stop", json!({ "type": "content_block_stop", "index": 0 }));

@@ -22,7 +22,7 @@ use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent, SubmitError};
 use crate::gguf::GgufModel;
 use crate::model::hparams::HParams;
-use crate::runtime::sampling::SamplingParams;
+use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 use crate::runtime::session::context_cells;
 use crate::tokenizer::{ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, Tokenizer};
 
@@ -575,6 +575,8 @@ pub struct Completed {
     /// The stop string that ended it, when one did.
     pub stop_word: Option<String>,
     pub timings: Timings,
+    /// Each token's log-probability, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// Waits for a whole generation.
@@ -582,9 +584,13 @@ pub struct Completed {
 /// Errors: the job failed (the engine died: 503; the worker refused the request: 400).
 pub async fn collect(api: Api, mut rx: UnboundedReceiver<JobEvent>) -> Result<Completed, ApiError> {
     let mut text = String::new();
+    let mut all = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            JobEvent::Text(t) => text.push_str(&t),
+            JobEvent::Text { text: t, logprobs } => {
+                text.push_str(&t);
+                all.extend(logprobs);
+            }
             JobEvent::Done {
                 stop,
                 stop_word,
@@ -595,6 +601,7 @@ pub async fn collect(api: Api, mut rx: UnboundedReceiver<JobEvent>) -> Result<Co
                     finish: stop,
                     stop_word,
                     timings,
+                    logprobs: all,
                 });
             }
             JobEvent::Failed { status, message } => return Err(job_error(api, status, message)),

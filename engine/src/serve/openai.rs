@@ -22,6 +22,7 @@ use super::api::{
 };
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent};
+use crate::runtime::sampling::{MAX_TOP_LOGPROBS, TokenLogprob};
 use crate::tokenizer::{ChatContent, ChatMessage};
 
 const API: Api = Api::OpenAi;
@@ -47,6 +48,10 @@ struct Common {
     n: Option<i64>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// Chat: `true` for each token's log-probability; legacy completions: the number of alternatives.
+    logprobs: Option<Value>,
+    /// Chat: alternatives per token (0..20), with `logprobs: true`.
+    top_logprobs: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -131,13 +136,102 @@ fn usage(t: &Timings) -> Value {
     })
 }
 
+/// The log-probabilities a request asks for: `None`, or the number of alternatives per token. Chat takes
+/// `logprobs: true` with `top_logprobs` 0..20; a legacy completion takes `logprobs` 0..20 (OpenAI's stops at 5).
+///
+/// Errors: a value of the wrong type or out of range (400 naming the field); `top_logprobs` without
+/// `logprobs: true` (as OpenAI refuses it).
+fn logprobs_asked(c: &Common, kind: Kind) -> Result<Option<usize>, ApiError> {
+    let max = MAX_TOP_LOGPROBS as i64;
+    let top = match c.top_logprobs {
+        Some(n) if !(0..=max).contains(&n) => {
+            return Err(ApiError::field(
+                API,
+                "top_logprobs",
+                format!("top_logprobs must be between 0 and {max}, got {n}"),
+            ));
+        }
+        n => n.map(|n| n as usize),
+    };
+    let asked = match (kind, c.logprobs.as_ref().filter(|v| !v.is_null())) {
+        (_, None) => None,
+        (Kind::Chat, Some(Value::Bool(b))) => b.then_some(top.unwrap_or(0)),
+        (Kind::Chat, Some(v)) => {
+            return Err(ApiError::field(
+                API,
+                "logprobs",
+                format!("logprobs must be true or false, got {v}"),
+            ));
+        }
+        (Kind::Text, Some(v)) => match v.as_i64() {
+            Some(n) if (0..=max).contains(&n) => Some(n as usize),
+            _ => {
+                return Err(ApiError::field(
+                    API,
+                    "logprobs",
+                    format!("logprobs must be a number of alternatives between 0 and {max}, got {v}"),
+                ));
+            }
+        },
+    };
+    if top.is_some() && asked.is_none() && matches!(kind, Kind::Chat) {
+        return Err(ApiError::field(
+            API,
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ));
+    }
+    Ok(asked)
+}
+
+/// One token's text and bytes, as the `logprobs` objects name it.
+fn token_text(state: &Shared, id: u32) -> (String, Vec<u8>) {
+    let bytes = state.model.tokenizer.decode_bytes(&[id], false).unwrap_or_default();
+    (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+}
+
+/// A chat choice's `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+fn chat_logprobs(state: &Shared, entries: &[TokenLogprob]) -> Value {
+    let one = |id: u32, lp: f32| {
+        let (token, bytes) = token_text(state, id);
+        json!({ "token": token, "logprob": lp, "bytes": bytes })
+    };
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            let mut v = one(e.id, e.logprob);
+            v["top_logprobs"] = e.top.iter().map(|&(id, lp)| one(id, lp)).collect();
+            v
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// A legacy completion choice's `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, the
+/// offsets in characters of the answer from `offset` on.
+fn text_logprobs(state: &Shared, entries: &[TokenLogprob], offset: &mut usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut token_logprobs = Vec::new();
+    let mut top = Vec::new();
+    let mut offsets = Vec::new();
+    for e in entries {
+        let (token, _) = token_text(state, e.id);
+        offsets.push(*offset);
+        *offset += token.chars().count();
+        tokens.push(token);
+        token_logprobs.push(e.logprob);
+        let alternatives: serde_json::Map<String, Value> = e
+            .top
+            .iter()
+            .map(|&(id, lp)| (token_text(state, id).0, lp.into()))
+            .collect();
+        top.push(alternatives);
+    }
+    json!({ "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets })
+}
+
 /// Turns the shared request fields into an engine request for `prompt`.
-fn engine_request(
-    state: &Shared,
-    c: &Common,
-    prompt: Vec<u32>,
-    default_max: Option<i64>,
-) -> Result<EngineRequest, ApiError> {
+fn engine_request(state: &Shared, c: &Common, prompt: Vec<u32>, kind: Kind) -> Result<EngineRequest, ApiError> {
     state.model.check_name(API, c.model.as_deref())?;
     api::refuse_tools(API, c.tools.as_ref(), c.tool_choice.as_ref())?;
     if let Some(n) = c.n
@@ -148,6 +242,8 @@ fn engine_request(
             format!("n must be 1 (one choice per request), got {n}"),
         ));
     }
+    // OpenAI's default for legacy completions is 16 tokens; a chat answer runs to its end.
+    let default_max = matches!(kind, Kind::Text).then_some(16);
     let max = c.max_completion_tokens.or(c.max_tokens).or(default_max);
     let max_tokens = state.model.limit(API, &prompt, max)?;
     let stop = c.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();
@@ -156,6 +252,7 @@ fn engine_request(
         max_tokens,
         stop,
         sampling: api::sampling(API, &c.sampling)?,
+        logprobs: logprobs_asked(c, kind)?,
     })
 }
 
@@ -178,7 +275,7 @@ async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Resp
             Ok((req.common, st.model.chat_prompt(API, messages)?.ids))
         })
         .await?;
-    let engine = engine_request(&state, &common, prompt, None)?;
+    let engine = engine_request(&state, &common, prompt, Kind::Chat)?;
     respond(state, &common, engine, Kind::Chat).await
 }
 
@@ -209,8 +306,7 @@ async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<
             Ok((req.common, st.model.text_prompt(API, &text)?))
         })
         .await?;
-    // OpenAI's default for completions is 16 tokens.
-    let engine = engine_request(&state, &common, prompt, Some(16))?;
+    let engine = engine_request(&state, &common, prompt, Kind::Text)?;
     respond(state, &common, engine, Kind::Text).await
 }
 
@@ -233,18 +329,36 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
     let id = response_id(kind.prefix());
     let model = state.model.id.clone();
     let created = api::unix_now();
+    let with_logprobs = engine.logprobs.is_some();
     let mut rx = submit(&state, API, engine)?;
+    // The choice's `logprobs` for the tokens of one answer or chunk (null when the request asked for none);
+    // `offset` carries a legacy completion's text offset from chunk to chunk.
+    let logprobs_of = {
+        let state = state.clone();
+        move |entries: &[TokenLogprob], offset: &mut usize| -> Value {
+            match (with_logprobs, kind) {
+                (false, _) => Value::Null,
+                (true, Kind::Chat) => chat_logprobs(&state, entries),
+                (true, Kind::Text) => text_logprobs(&state, entries, offset),
+            }
+        }
+    };
     if !c.stream {
         let Completed {
-            text, finish, timings, ..
+            text,
+            finish,
+            timings,
+            logprobs,
+            ..
         } = collect(API, rx).await?;
+        let logprobs = logprobs_of(&logprobs, &mut 0);
         let body = match kind {
             Kind::Chat => json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{
                     "index": 0,
                     "message": { "role": "assistant", "content": text },
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason(finish),
                 }],
                 "usage": usage(&timings),
@@ -252,7 +366,7 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
             }),
             Kind::Text => json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(finish) }],
+                "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(finish) }],
                 "usage": usage(&timings),
                 "timings": timings,
             }),
@@ -290,9 +404,14 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
             yield data(&chunk(Some(""), None, true));
         }
         let mut pending = first;
+        let mut offset = 0;
         loop {
             match api::next_job_event(&mut pending, &mut rx).await {
-                JobEvent::Text(t) => yield data(&chunk(Some(&t), None, false)),
+                JobEvent::Text { text, logprobs } => {
+                    let mut c = chunk(Some(&text), None, false);
+                    c["choices"][0]["logprobs"] = logprobs_of(&logprobs, &mut offset);
+                    yield data(&c);
+                }
                 JobEvent::Done { stop, timings, .. } => {
                     let mut last = chunk(None, Some(stop), false);
                     last["timings"] = serde_json::to_value(timings).unwrap_or_default();

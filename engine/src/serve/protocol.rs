@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::sampling::SamplingParams;
+use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 
 pub use crate::events::{Event, SCHEMA_VERSION as EVENT_SCHEMA_VERSION};
 
@@ -41,6 +41,10 @@ pub struct GenerateJob {
     /// The whole sampler chain, as `strata generate` runs it (the front fills in the server's defaults for what
     /// the request did not name).
     pub sampling: SamplingParams,
+    /// Report each generated token's log-probability and this many alternatives (0 to
+    /// [`crate::runtime::sampling::MAX_TOP_LOGPROBS`]) in its `text` messages; `None`: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<usize>,
 }
 
 /// A message from the worker to the front (one stdout line).
@@ -53,8 +57,14 @@ pub enum Message {
         n_ctx: usize,
         pid: u32,
     },
-    /// A piece of generated text (whole UTF-8 characters, stop strings held back).
-    Text { id: u64, text: String },
+    /// A piece of generated text (whole UTF-8 characters, stop strings held back) and, when the job asked for
+    /// them, the log-probabilities of the tokens it completes (a last piece may carry only those).
+    Text {
+        id: u64,
+        text: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        logprobs: Vec<TokenLogprob>,
+    },
     /// Prefill progress of request `id`: `read` of `total` prompt tokens computed, sent after each
     /// prefill chunk but the last. Any message also tells the front's watchdog the worker is alive, so a long
     /// prefill is not taken for a hang.
@@ -152,6 +162,7 @@ mod tests {
                 seed: Some(1),
                 ..SamplingParams::greedy()
             },
+            logprobs: Some(2),
         });
         let line = serde_json::to_string(&cmd).unwrap();
         assert!(line.starts_with(r#"{"op":"generate","id":7"#), "{line}");

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use super::WorkerFlags;
 use super::metrics::Metrics;
 use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
-use crate::runtime::sampling::SamplingParams;
+use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 
 /// What a request asks of the engine (the front has rendered and tokenized the prompt).
 #[derive(Debug, Clone)]
@@ -28,12 +28,15 @@ pub struct EngineRequest {
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub sampling: SamplingParams,
+    /// Log-probabilities of each token and this many alternatives ([`GenerateJob::logprobs`]).
+    pub logprobs: Option<usize>,
 }
 
 /// What a handler receives for its request, in order: `Text`*, then one `Done` or `Failed`.
 #[derive(Debug, Clone)]
 pub enum JobEvent {
-    Text(String),
+    /// Generated text, with the log-probabilities of its tokens when the request asked for them.
+    Text { text: String, logprobs: Vec<TokenLogprob> },
     Done {
         stop: Finish,
         /// The stop string that ended the generation, when one did.
@@ -42,10 +45,7 @@ pub enum JobEvent {
     },
     /// The request failed; `status` is the HTTP status to answer (503 when the engine died, 400 when the worker
     /// refused the request itself).
-    Failed {
-        status: u16,
-        message: String,
-    },
+    Failed { status: u16, message: String },
 }
 
 /// Why a request could not be queued.
@@ -514,6 +514,7 @@ async fn serve(
                     max_tokens: r.max_tokens,
                     stop: r.stop,
                     sampling: r.sampling,
+                    logprobs: r.logprobs,
                 });
                 if inflight.is_empty() {
                     deadline = Instant::now() + config.watchdog;
@@ -535,9 +536,9 @@ async fn serve(
                 deadline = Instant::now() + config.watchdog;
                 match msg {
                     None => break Err(None),
-                    Some(Message::Text { id, text }) => {
+                    Some(Message::Text { id, text, logprobs }) => {
                         if let Some(f) = inflight.get(&id) {
-                            let _ = f.events.send(JobEvent::Text(text));
+                            let _ = f.events.send(JobEvent::Text { text, logprobs });
                         }
                     }
                     Some(Message::Done {

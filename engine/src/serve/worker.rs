@@ -17,7 +17,7 @@ use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
 use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, StepTotals};
 use crate::runtime::engine::Engine;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
-use crate::runtime::sampling::Sampler;
+use crate::runtime::sampling::{MAX_TOP_LOGPROBS, Sampler};
 use crate::runtime::session::SessionError;
 
 /// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
@@ -215,7 +215,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         running_id.store(batcher.ids().next().unwrap_or(0), Ordering::SeqCst);
         let report = batcher.step(tokenizer, &mut |ev| match ev {
             BatchEvent::Progress { id, read, total } => send(&Message::Progress { id, read, total }),
-            BatchEvent::Text { id, text } => {
+            BatchEvent::Text { id, text, logprobs } => {
                 if let Some(limit) = fault_after {
                     let n = sent.entry(id).or_default();
                     if *n >= limit {
@@ -226,6 +226,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 send(&Message::Text {
                     id,
                     text: text.to_string(),
+                    logprobs,
                 });
             }
             BatchEvent::Done { id, stats } => {
@@ -315,7 +316,10 @@ fn admit(batcher: &mut Batcher<'_, AnyBackend>, job: GenerateJob, cancel: Arc<At
         Ok(s) => batcher.submit(BatchJob {
             id: job.id,
             prompt: job.prompt,
-            opts: GenerateOptions::new(job.max_tokens, job.stop),
+            opts: GenerateOptions {
+                logprobs: job.logprobs.map(|n| n.min(MAX_TOP_LOGPROBS)),
+                ..GenerateOptions::new(job.max_tokens, job.stop)
+            },
             sampler: Box::new(s),
             cancel,
         }),

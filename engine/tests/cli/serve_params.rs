@@ -395,3 +395,119 @@ fn an_assistant_turn_with_null_content_and_a_tool_result_are_accepted() {
         "{prompt}"
     );
 }
+
+/// `strata generate --logprobs FILE --top-logprobs N`: one JSON line a token.
+fn generated_logprobs(chat: bool, prompt: &str, flags: &[String], top: usize) -> Vec<Value> {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let mut f = flags.to_vec();
+    f.extend([
+        "--logprobs".to_string(),
+        file.path().display().to_string(),
+        "--top-logprobs".to_string(),
+        top.to_string(),
+    ]);
+    generate(chat, prompt, &f);
+    std::fs::read_to_string(file.path())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// `logprobs` and `top_logprobs` on chat completions and `logprobs` on legacy completions, streamed and not: the
+/// same numbers as `strata generate --logprobs` for the same request (penalties included), a log-distribution
+/// (alternatives most likely first, their probabilities summing to at most 1, the greedy token the first),
+/// and one entry per generated token.
+#[test]
+fn logprobs_agree_with_strata_generate_streamed_and_not() {
+    let s = Server::start_with(&["--parallel", "1"], &[]);
+    for fields in [
+        json!({"temperature": 0}),
+        json!({"temperature": 0, "frequency_penalty": 1.0}),
+    ] {
+        let req = merged(
+            &json!({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": TOKENS,
+                    "logprobs": true, "top_logprobs": 3}),
+            &fields,
+        );
+        let (status, v) = s.post("/v1/chat/completions", &req);
+        assert_eq!(status, 200, "{v}");
+        let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+        assert_eq!(
+            content.len() as u64,
+            v["usage"]["completion_tokens"].as_u64().unwrap(),
+            "{v}"
+        );
+        let joined: String = content.iter().map(|e| e["token"].as_str().unwrap()).collect();
+        assert_eq!(joined, v["choices"][0]["message"]["content"].as_str().unwrap());
+        let want = generated_logprobs(true, QUESTION, &flags(&fields), 3);
+        assert_eq!(want.len(), content.len());
+        for (e, w) in content.iter().zip(&want) {
+            assert_eq!(e["token"], w["token"]);
+            let (a, b) = (e["logprob"].as_f64().unwrap(), w["logprob"].as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-5, "{e} vs {w}");
+            let top = e["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 3);
+            assert_eq!(top[0]["token"], e["token"], "greedy: the token is the most likely");
+            let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+            assert!(lps.windows(2).all(|p| p[0] >= p[1]) && lps[0] <= 0.0, "{lps:?}");
+            assert!(lps.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-6);
+            assert_eq!(e["bytes"].as_array().unwrap().len(), e["token"].as_str().unwrap().len());
+        }
+        // Streamed: the chunks' entries are the same.
+        let mut sreq = req.clone();
+        sreq["stream"] = json!(true);
+        let events = s.chat_stream(&sreq).rest();
+        let streamed: Vec<Value> = events[..events.len() - 1]
+            .iter()
+            .filter_map(|e| {
+                let c: Value = serde_json::from_str(&e.data).unwrap();
+                c["choices"][0]["logprobs"]["content"].as_array().cloned()
+            })
+            .flatten()
+            .collect();
+        assert_eq!(streamed, content);
+    }
+
+    // Legacy completions: `logprobs: N`.
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 2}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), tokens.len());
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2, "{lp}");
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|p| p[0] <= p[1]));
+    // Without asking: null.
+    let (_, v) = s.post("/v1/completions", &json!({"prompt": PROMPT, "max_tokens": 2}));
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+
+    for (bad, field) in [
+        (json!({"logprobs": true, "top_logprobs": 21}), "top_logprobs"),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+        (json!({"logprobs": "yes"}), "logprobs"),
+    ] {
+        let req = merged(
+            &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+            &bad,
+        );
+        let (status, v) = s.post("/v1/chat/completions", &req);
+        assert_eq!(status, 400, "{bad}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+}

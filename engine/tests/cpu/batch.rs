@@ -34,6 +34,7 @@ fn opts(max_tokens: usize) -> GenerateOptions {
         max_tokens,
         stop: vec![],
         logits_digest: true,
+        logprobs: None,
     }
 }
 
@@ -109,7 +110,7 @@ fn batched(
             flags[who].store(true, Ordering::Relaxed);
         }
         let report = b.step(tok, &mut |ev| match ev {
-            BatchEvent::Text { id, text } => ran.text[id as usize].push_str(text),
+            BatchEvent::Text { id, text, .. } => ran.text[id as usize].push_str(text),
             BatchEvent::Done { id, stats } => ran.done[id as usize] = Some(stats),
             BatchEvent::Failed { id, error } => ran.failed[id as usize] = Some(error.to_string()),
             BatchEvent::Progress { .. } => {}

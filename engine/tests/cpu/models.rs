@@ -86,6 +86,7 @@ fn smollm2_answers_paris_through_the_chat_template() {
         max_tokens: 24,
         stop: vec![],
         logits_digest: false,
+        logprobs: None,
     };
     let mut text = String::new();
     let (out, stats) = generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |t| text.push_str(t)).unwrap();
@@ -104,6 +105,7 @@ fn smollm2_answers_paris_through_the_chat_template() {
         max_tokens: 24,
         stop: vec!["Paris".into()],
         logits_digest: false,
+        logprobs: None,
     };
     let mut cut = String::new();
     let (_, stats3) = generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |t| cut.push_str(t)).unwrap();
@@ -123,6 +125,7 @@ fn logits_digests_are_those_of_each_steps_logits() {
             max_tokens: 6,
             stop: vec![],
             logits_digest: digest,
+            logprobs: None,
         };
         let mut session = Session::new(&model, &CpuBackend, config(KvType::F16)).unwrap();
         generate(&mut session, &tok, &ids, &opts, &mut Greedy, &mut |_| {}).unwrap()
@@ -155,6 +158,7 @@ fn the_same_seed_gives_the_same_tokens() {
         max_tokens: 24,
         stop: vec![],
         logits_digest: false,
+        logprobs: None,
     };
     let run = |seed: u64| {
         let params = SamplingParams {
