@@ -4,6 +4,7 @@
 pub mod batch;
 pub mod engine;
 pub mod generate;
+pub mod grammar;
 pub mod sampling;
 pub mod session;
 pub mod sim;

@@ -93,6 +93,8 @@ struct MessagesRequest {
     stream: bool,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// Structured output: `{"type": "json_schema", "schema": {...}}`.
+    output_format: Option<Value>,
 }
 
 /// Renders and tokenizes the conversation (system prompt first).
@@ -167,7 +169,7 @@ pub async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesReje
 
 async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let st = state.clone();
-    let (req, max_tokens, prompt) = state
+    let (req, max_tokens, prompt, grammar) = state
         .cpu
         .run(API, move || {
             let mut req: MessagesRequest = parse_body(API, body)?;
@@ -175,9 +177,12 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             let Some(max_tokens) = req.max_tokens else {
                 return Err(ApiError::invalid(API, "max_tokens is required"));
             };
+            let grammar = st
+                .model
+                .structured_output(API, "output_format", req.output_format.as_ref())?;
             let conversation = std::mem::take(&mut req.conversation);
             let prompt = prompt(&st, conversation)?;
-            Ok((req, max_tokens, prompt))
+            Ok((req, max_tokens, prompt, grammar))
         })
         .await?;
     let n_prompt = prompt.len();
@@ -188,6 +193,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         stop: req.stop_sequences,
         sampling: api::sampling(API, &req.sampling)?,
         logprobs: None,
+        grammar,
     };
     let id = response_id("msg_");
     let model = state.model.id.clone();

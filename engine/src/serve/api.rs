@@ -22,6 +22,7 @@ use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent, SubmitError};
 use crate::gguf::GgufModel;
 use crate::model::hparams::HParams;
+use crate::runtime::grammar::{GrammarEnv, GrammarError, GrammarSpec};
 use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 use crate::runtime::session::context_cells;
 use crate::tokenizer::{ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, Tokenizer};
@@ -242,6 +243,8 @@ pub struct ModelInfo {
     pub n_ctx: usize,
     /// Unix seconds the server started (OpenAI's `created`).
     pub created: u64,
+    /// The vocabulary indexed for constrained decoding, built by the first request that asks for a grammar.
+    grammar: std::sync::OnceLock<Result<Arc<GrammarEnv>, GrammarError>>,
 }
 
 impl ModelInfo {
@@ -267,7 +270,66 @@ impl ModelInfo {
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            grammar: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Checks that `spec` can be enforced on this model; `param` names the request field it came from.
+    ///
+    /// Errors: 400 naming `param` with the constraint engine's reason (an unsupported JSON-schema keyword, a Lark
+    /// syntax error).
+    pub fn check_grammar(&self, api: Api, param: &str, spec: &GrammarSpec) -> Result<(), ApiError> {
+        let env = self
+            .grammar
+            .get_or_init(|| GrammarEnv::new(&self.tokenizer).map(Arc::new))
+            .as_ref()
+            .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))?;
+        env.check(spec)
+            .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))
+    }
+
+    /// The grammar of a structured-output request field: OpenAI's `response_format` (`{"type": "text"}`,
+    /// `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`) or
+    /// Anthropic's `output_format` (`{"type": "json_schema", "schema"}`), checked against this model. `None`:
+    /// free text.
+    ///
+    /// Errors: 400 naming the field: an unknown type, a missing or non-object schema, a schema the constraint
+    /// engine cannot enforce.
+    pub fn structured_output(&self, api: Api, field: &str, v: Option<&Value>) -> Result<Option<GrammarSpec>, ApiError> {
+        let Some(v) = v.filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let kind = v.get("type").and_then(Value::as_str).unwrap_or("");
+        let (schema, at) = match (api, kind) {
+            (Api::OpenAi, "text") => return Ok(None),
+            (Api::OpenAi, "json_object") => (Some(serde_json::json!({ "type": "object" })), format!("{field}.type")),
+            (Api::OpenAi, "json_schema") => (
+                v.get("json_schema").and_then(|j| j.get("schema")).cloned(),
+                format!("{field}.json_schema.schema"),
+            ),
+            (Api::Anthropic, "json_schema") => (v.get("schema").cloned(), format!("{field}.schema")),
+            _ => {
+                let known = if api == Api::OpenAi {
+                    "`text`, `json_object` or `json_schema`"
+                } else {
+                    "`json_schema`"
+                };
+                return Err(ApiError::field(
+                    api,
+                    format!("{field}.type"),
+                    format!(
+                        "{field}.type must be {known}, got {}",
+                        v.get("type").unwrap_or(&Value::Null)
+                    ),
+                ));
+            }
+        };
+        let schema = schema
+            .filter(|s| s.is_object() || s.is_boolean())
+            .ok_or_else(|| ApiError::field(api, at.clone(), format!("{at} must be a JSON schema object")))?;
+        let spec = GrammarSpec::JsonSchema { schema };
+        self.check_grammar(api, &at, &spec)?;
+        Ok(Some(spec))
     }
 
     /// Checks a request's `model`: absent, `default`, the id or the file name are this model.

@@ -22,6 +22,7 @@ use super::api::{
 };
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent};
+use crate::runtime::grammar::GrammarSpec;
 use crate::runtime::sampling::{MAX_TOP_LOGPROBS, TokenLogprob};
 use crate::tokenizer::{ChatContent, ChatMessage};
 
@@ -52,6 +53,8 @@ struct Common {
     logprobs: Option<Value>,
     /// Chat: alternatives per token (0..20), with `logprobs: true`.
     top_logprobs: Option<i64>,
+    /// Structured output: `{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`.
+    response_format: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -231,7 +234,13 @@ fn text_logprobs(state: &Shared, entries: &[TokenLogprob], offset: &mut usize) -
 }
 
 /// Turns the shared request fields into an engine request for `prompt`.
-fn engine_request(state: &Shared, c: &Common, prompt: Vec<u32>, kind: Kind) -> Result<EngineRequest, ApiError> {
+fn engine_request(
+    state: &Shared,
+    c: &Common,
+    prompt: Vec<u32>,
+    grammar: Option<GrammarSpec>,
+    kind: Kind,
+) -> Result<EngineRequest, ApiError> {
     state.model.check_name(API, c.model.as_deref())?;
     api::refuse_tools(API, c.tools.as_ref(), c.tool_choice.as_ref())?;
     if let Some(n) = c.n
@@ -253,6 +262,7 @@ fn engine_request(state: &Shared, c: &Common, prompt: Vec<u32>, kind: Kind) -> R
         stop,
         sampling: api::sampling(API, &c.sampling)?,
         logprobs: logprobs_asked(c, kind)?,
+        grammar,
     })
 }
 
@@ -266,16 +276,19 @@ pub async fn chat_completions(State(state): State<Shared>, body: Result<Bytes, B
 
 async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let st = state.clone();
-    let (common, prompt) = state
+    let (common, prompt, grammar) = state
         .cpu
         .run(API, move || {
             let req: ChatCompletionRequest = parse_body(API, body)?;
             st.model.check_name(API, req.common.model.as_deref())?;
+            let grammar = st
+                .model
+                .structured_output(API, "response_format", req.common.response_format.as_ref())?;
             let messages = flatten_content(API, req.messages)?;
-            Ok((req.common, st.model.chat_prompt(API, messages)?.ids))
+            Ok((req.common, st.model.chat_prompt(API, messages)?.ids, grammar))
         })
         .await?;
-    let engine = engine_request(&state, &common, prompt, Kind::Chat)?;
+    let engine = engine_request(&state, &common, prompt, grammar, Kind::Chat)?;
     respond(state, &common, engine, Kind::Chat).await
 }
 
@@ -289,11 +302,14 @@ pub async fn completions(State(state): State<Shared>, body: Result<Bytes, BytesR
 
 async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let st = state.clone();
-    let (common, prompt) = state
+    let (common, prompt, grammar) = state
         .cpu
         .run(API, move || {
             let req: CompletionRequest = parse_body(API, body)?;
             st.model.check_name(API, req.common.model.as_deref())?;
+            let grammar = st
+                .model
+                .structured_output(API, "response_format", req.common.response_format.as_ref())?;
             let text = match req.prompt.into_vec() {
                 v if v.len() == 1 => v.into_iter().next().expect("one"),
                 v => {
@@ -303,10 +319,10 @@ async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<
                     ));
                 }
             };
-            Ok((req.common, st.model.text_prompt(API, &text)?))
+            Ok((req.common, st.model.text_prompt(API, &text)?, grammar))
         })
         .await?;
-    let engine = engine_request(&state, &common, prompt, Kind::Text)?;
+    let engine = engine_request(&state, &common, prompt, grammar, Kind::Text)?;
     respond(state, &common, engine, Kind::Text).await
 }
 

@@ -8,6 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::runtime::grammar::GrammarSpec;
 use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 
 pub use crate::events::{Event, SCHEMA_VERSION as EVENT_SCHEMA_VERSION};
@@ -45,6 +46,9 @@ pub struct GenerateJob {
     /// [`crate::runtime::sampling::MAX_TOP_LOGPROBS`]) in its `text` messages; `None`: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<usize>,
+    /// A grammar the answer must follow (structured output, a required tool call); `None`: free text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<GrammarSpec>,
 }
 
 /// A message from the worker to the front (one stdout line).
@@ -163,6 +167,9 @@ mod tests {
                 ..SamplingParams::greedy()
             },
             logprobs: Some(2),
+            grammar: Some(GrammarSpec::Lark {
+                grammar: "start: \"a\"".into(),
+            }),
         });
         let line = serde_json::to_string(&cmd).unwrap();
         assert!(line.starts_with(r#"{"op":"generate","id":7"#), "{line}");

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::WorkerFlags;
 use super::metrics::Metrics;
 use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
+use crate::runtime::grammar::GrammarSpec;
 use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 
 /// What a request asks of the engine (the front has rendered and tokenized the prompt).
@@ -30,6 +31,8 @@ pub struct EngineRequest {
     pub sampling: SamplingParams,
     /// Log-probabilities of each token and this many alternatives ([`GenerateJob::logprobs`]).
     pub logprobs: Option<usize>,
+    /// The grammar the answer must follow ([`GenerateJob::grammar`]).
+    pub grammar: Option<GrammarSpec>,
 }
 
 /// What a handler receives for its request, in order: `Text`*, then one `Done` or `Failed`.
@@ -515,6 +518,7 @@ async fn serve(
                     stop: r.stop,
                     sampling: r.sampling,
                     logprobs: r.logprobs,
+                    grammar: r.grammar,
                 });
                 if inflight.is_empty() {
                     deadline = Instant::now() + config.watchdog;

@@ -16,9 +16,12 @@ use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
 use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, StepTotals};
 use crate::runtime::engine::Engine;
+use crate::runtime::generate::TokenSampler;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
+use crate::runtime::grammar::{Constrained, GrammarEnv};
 use crate::runtime::sampling::{MAX_TOP_LOGPROBS, Sampler};
 use crate::runtime::session::SessionError;
+use crate::tokenizer::Tokenizer;
 
 /// Test hook: when set to N, the worker panics after sending N tokens of a request (a stand-in for a GPU fault,
 /// so the failure contract can be tested on the CPU).
@@ -193,7 +196,11 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         });
     }
     let fault_after: Option<usize> = crate::switches::text_lossy(ENV_FAULT_AFTER_TOKENS).and_then(|v| v.parse().ok());
-    let vocab = model.weights.output.rows;
+    let mut samplers = Samplers {
+        vocab: model.weights.output.rows,
+        tokenizer,
+        grammar: None,
+    };
     let mut sent: HashMap<u64, usize> = HashMap::new();
     let mut totals = StepTotals::default();
     let mut period_start = std::time::Instant::now();
@@ -202,7 +209,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         if batcher.is_idle() {
             running_id.store(0, Ordering::SeqCst);
             match jobs_rx.recv() {
-                Ok(w) => take(&mut batcher, w, vocab),
+                Ok(w) => take(&mut batcher, w, &mut samplers),
                 Err(_) => break,
             }
             if totals.steps == 0 {
@@ -210,7 +217,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
             }
         }
         while let Ok(w) = jobs_rx.try_recv() {
-            take(&mut batcher, w, vocab);
+            take(&mut batcher, w, &mut samplers);
         }
         running_id.store(batcher.ids().next().unwrap_or(0), Ordering::SeqCst);
         let report = batcher.step(tokenizer, &mut |ev| match ev {
@@ -300,9 +307,9 @@ enum Work {
 }
 
 /// Takes `w` between two steps: queues a job on the scheduler, or answers a `slots` command.
-fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, vocab: usize) {
+fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, samplers: &mut Samplers<'_>) {
     match w {
-        Work::Job(job, cancel) => admit(batcher, job, cancel, vocab),
+        Work::Job(job, cancel) => admit(batcher, job, cancel, samplers),
         Work::Slots(id) => send(&Message::Slots {
             id,
             slots: batcher.slots(),
@@ -310,23 +317,57 @@ fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, vocab: usize) {
     }
 }
 
-/// Queues a job on the scheduler with its sampler, or answers `failed` when its sampling settings are refused.
-fn admit(batcher: &mut Batcher<'_, AnyBackend>, job: GenerateJob, cancel: Arc<AtomicBool>, vocab: usize) {
-    match Sampler::new(job.sampling, vocab) {
-        Ok(s) => batcher.submit(BatchJob {
+/// What the worker builds a job's sampler from: the vocabulary and, once a job asks for a grammar, the
+/// vocabulary indexed for the constraint engine.
+struct Samplers<'t> {
+    vocab: usize,
+    tokenizer: &'t Tokenizer,
+    grammar: Option<Arc<GrammarEnv>>,
+}
+
+impl Samplers<'_> {
+    /// The sampler of `job`: its sampling settings, under its grammar when it has one.
+    ///
+    /// Errors: a setting or grammar refused (the front checks both, so only a front of another version sends
+    /// one).
+    fn build(&mut self, job: &GenerateJob) -> Result<Box<dyn TokenSampler + Send>, String> {
+        let sampler = Sampler::new(job.sampling.clone(), self.vocab).map_err(|e| e.to_string())?;
+        let Some(spec) = &job.grammar else {
+            return Ok(Box::new(sampler));
+        };
+        let env = match &self.grammar {
+            Some(env) => env.clone(),
+            None => {
+                let env = Arc::new(GrammarEnv::new(self.tokenizer).map_err(|e| e.to_string())?);
+                self.grammar = Some(env.clone());
+                env
+            }
+        };
+        let matcher = env.matcher(spec).map_err(|e| e.to_string())?;
+        Ok(Box::new(Constrained::new(Box::new(sampler), matcher, env)))
+    }
+}
+
+/// Queues a job on the scheduler with its sampler, or answers `failed` when its sampling settings or grammar
+/// are refused.
+fn admit(
+    batcher: &mut Batcher<'_, AnyBackend>,
+    job: GenerateJob,
+    cancel: Arc<AtomicBool>,
+    samplers: &mut Samplers<'_>,
+) {
+    match samplers.build(&job) {
+        Ok(sampler) => batcher.submit(BatchJob {
             id: job.id,
             prompt: job.prompt,
             opts: GenerateOptions {
                 logprobs: job.logprobs.map(|n| n.min(MAX_TOP_LOGPROBS)),
                 ..GenerateOptions::new(job.max_tokens, job.stop)
             },
-            sampler: Box::new(s),
+            sampler,
             cancel,
         }),
-        Err(e) => send(&Message::Failed {
-            id: job.id,
-            message: e.to_string(),
-        }),
+        Err(message) => send(&Message::Failed { id: job.id, message }),
     }
 }
 

@@ -10,4 +10,5 @@ mod serve_batch;
 mod serve_common;
 mod serve_failures;
 mod serve_params;
+mod serve_structured;
 mod sim_device;

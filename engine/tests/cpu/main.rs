@@ -5,5 +5,6 @@
 mod batch;
 mod generator;
 mod goldens;
+mod grammar;
 mod models;
 mod ops;

@@ -1,0 +1,195 @@
+//! Constrained decoding: a JSON schema or a Lark grammar enforced token by token, so the output always parses
+//! (structured output, `tool_choice: required`; issue 18, points 1 and 2).
+//!
+//! | entry | what | errors |
+//! |---|---|---|
+//! | [`GrammarEnv::new`] | a model's vocabulary indexed for the constraint engine, once per model | none |
+//! | [`GrammarEnv::check`] | whether a [`GrammarSpec`] can be enforced | [`GrammarError`] naming the part |
+//! | [`Constrained`] | a [`TokenSampler`] that masks every token the grammar forbids before its inner sampler draws | — |
+//!
+//! The engine is llguidance (Microsoft's "super-fast structured outputs", the one llama.cpp, vLLM and SGLang
+//! link): its JSON-schema compiler and Lark parser, and a token trie over the vocabulary. Control tokens are
+//! indexed behind llguidance's special-token marker, so no grammar can write one as text; end-of-generation is
+//! allowed exactly when the grammar accepts, and forced once it can go no further.
+//!
+//! Source: llguidance's `Matcher` interface (`compute_mask`, `consume_token`), its JSON-schema subset
+//! (docs/json_schema.md in its repository) and Lark syntax with `%json` (docs/syntax.md).
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, InferenceCapabilities, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde::{Deserialize, Serialize};
+
+use crate::runtime::generate::TokenSampler;
+use crate::runtime::session::StepLogits;
+use crate::tokenizer::{TokenKind, Tokenizer};
+
+/// What to enforce, as the worker protocol carries it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum GrammarSpec {
+    /// A JSON value valid against `schema` (JSON Schema; `{"type": "object"}` is OpenAI's `json_object`).
+    JsonSchema { schema: serde_json::Value },
+    /// Text matching a Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON schema).
+    Lark { grammar: String },
+}
+
+/// Why a grammar cannot be enforced.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GrammarError {
+    /// The constraint engine refused it; `message` is its own (it names the keyword or rule at fault).
+    #[error("{message}")]
+    Unsupported { message: String },
+    /// The model has no end-of-generation token to end a constrained answer with.
+    #[error("the model has no end-of-generation token, so a constrained answer could never end")]
+    NoEnd,
+}
+
+/// A model's vocabulary indexed for the constraint engine; build it once per model (about a second for a
+/// 150k-token vocabulary) and share it.
+pub struct GrammarEnv {
+    factory: ParserFactory,
+    /// Every end-of-generation id: any of them ends a constrained answer the grammar accepts.
+    eog: Vec<u32>,
+    /// The one llguidance knows as EOS.
+    eos: u32,
+}
+
+impl GrammarEnv {
+    /// Indexes `tokenizer`'s vocabulary: each token's bytes, control and unknown tokens behind the special-token
+    /// marker.
+    ///
+    /// Errors: [`GrammarError::NoEnd`] without an end-of-generation token; [`GrammarError::Unsupported`] if the
+    /// engine refuses the vocabulary.
+    pub fn new(tokenizer: &Tokenizer) -> Result<GrammarEnv, GrammarError> {
+        let eog: Vec<u32> = tokenizer.eog_ids().to_vec();
+        let eos = tokenizer
+            .eot()
+            .or(tokenizer.eos())
+            .or(eog.first().copied())
+            .ok_or(GrammarError::NoEnd)?;
+        let n = tokenizer.vocab_size();
+        let words: Vec<Vec<u8>> = (0..n as u32)
+            .map(|id| match tokenizer.token_kind(id) {
+                Some(TokenKind::Control | TokenKind::Unknown) => {
+                    let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    w.extend_from_slice(tokenizer.token_text(id).unwrap_or("").as_bytes());
+                    w
+                }
+                _ => tokenizer.token_to_piece(id).map(<[u8]>::to_vec).unwrap_or_default(),
+            })
+            .collect();
+        let info = TokRxInfo::new(n as u32, eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let caps = InferenceCapabilities {
+            ff_tokens: false,
+            backtrack: false,
+            conditional_ff_tokens: false,
+            fork: false,
+        };
+        let mut factory = ParserFactory::new(&env, caps, &llguidance::earley::SlicedBiasComputer::general_slices())
+            .map_err(unsupported)?;
+        factory.set_stderr_log_level(0);
+        Ok(GrammarEnv { factory, eog, eos })
+    }
+
+    /// A matcher for `spec`, at the start of the answer.
+    ///
+    /// Errors: [`GrammarError::Unsupported`] with the engine's message (an unknown or unsupported JSON-schema
+    /// keyword, a Lark syntax error).
+    pub fn matcher(&self, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
+        let grammar = match spec {
+            GrammarSpec::JsonSchema { schema } => TopLevelGrammar::from_json_schema(schema.clone()),
+            GrammarSpec::Lark { grammar } => TopLevelGrammar::from_lark(grammar.clone()),
+        };
+        let parser = self.factory.create_parser(grammar).map_err(unsupported)?;
+        let matcher = Matcher::new(Ok(parser));
+        match matcher.get_error() {
+            Some(message) => Err(GrammarError::Unsupported { message }),
+            None => Ok(matcher),
+        }
+    }
+
+    /// Checks that `spec` can be enforced (what the front answers 400 for before queueing a request).
+    ///
+    /// Errors: as [`GrammarEnv::matcher`].
+    pub fn check(&self, spec: &GrammarSpec) -> Result<(), GrammarError> {
+        self.matcher(spec).map(|_| ())
+    }
+}
+
+fn unsupported(e: impl std::fmt::Display) -> GrammarError {
+    GrammarError::Unsupported { message: e.to_string() }
+}
+
+/// A [`TokenSampler`] under a grammar: each step, the tokens the grammar forbids get -inf logits, then `inner`
+/// draws (with its own temperature, filters and penalties) from the rest. End-of-generation is allowed only where
+/// the grammar accepts; once the grammar can go no further it is the only token allowed.
+pub struct Constrained {
+    inner: Box<dyn TokenSampler + Send>,
+    matcher: Matcher,
+    env: Arc<GrammarEnv>,
+    masked: Vec<f32>,
+}
+
+impl Constrained {
+    /// `inner` constrained by `matcher` (from [`GrammarEnv::matcher`] of the same `env`).
+    pub fn new(inner: Box<dyn TokenSampler + Send>, matcher: Matcher, env: Arc<GrammarEnv>) -> Constrained {
+        Constrained {
+            inner,
+            matcher,
+            env,
+            masked: Vec::new(),
+        }
+    }
+}
+
+impl TokenSampler for Constrained {
+    fn next_token(&mut self, logits: StepLogits<'_>, history: &[u32]) -> u32 {
+        let StepLogits::Full(logits) = logits else {
+            // `top_suffices` is false: the session always gives whole logits.
+            unreachable!("a constrained sampler is given whole logits");
+        };
+        self.masked.clear();
+        self.masked.extend_from_slice(logits);
+        let end_allowed = match self.matcher.compute_mask() {
+            Ok(mask) => {
+                for (id, l) in self.masked.iter_mut().enumerate() {
+                    if !mask.is_allowed(id as u32) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+                mask.is_allowed(self.env.eos) || self.matcher.is_stopped()
+            }
+            // The matcher failed (it should not, as only allowed tokens are fed): end the answer.
+            Err(_) => {
+                self.masked.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+                true
+            }
+        };
+        for &id in &self.env.eog {
+            if let Some(l) = self.masked.get_mut(id as usize) {
+                *l = if end_allowed {
+                    logits[id as usize]
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+        if end_allowed && self.masked.iter().all(|l| *l == f32::NEG_INFINITY) {
+            // Nothing else may follow, and the model gives the end no probability: end anyway.
+            self.masked[self.env.eos as usize] = 0.0;
+        }
+        let tok = self.inner.next_token(StepLogits::Full(&self.masked), history);
+        if !self.env.eog.contains(&tok) {
+            let _ = self.matcher.consume_token(tok);
+        }
+        tok
+    }
+
+    fn adjusted_logits(&self) -> Option<&[f32]> {
+        self.inner.adjusted_logits().or(Some(&self.masked))
+    }
+}
