@@ -159,7 +159,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 match serde_json::from_str::<Command>(&line) {
                     Ok(Command::Generate(job)) => {
                         let flag = lock(&flags_by_id).flag(job.id);
-                        if jobs_tx.send(Work::Job(job, flag)).is_err() {
+                        if jobs_tx.send(Work::Job(Box::new(job), flag)).is_err() {
                             break;
                         }
                     }
@@ -301,7 +301,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// What the reader thread hands the stepping thread, which takes it between two steps.
 enum Work {
     /// A job, with its cancel flag.
-    Job(GenerateJob, Arc<AtomicBool>),
+    Job(Box<GenerateJob>, Arc<AtomicBool>),
     /// A `slots` command: answered with the slots as they stand between steps.
     Slots(u64),
 }
@@ -309,7 +309,7 @@ enum Work {
 /// Takes `w` between two steps: queues a job on the scheduler, or answers a `slots` command.
 fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, samplers: &mut Samplers<'_>) {
     match w {
-        Work::Job(job, cancel) => admit(batcher, job, cancel, samplers),
+        Work::Job(job, cancel) => admit(batcher, *job, cancel, samplers),
         Work::Slots(id) => send(&Message::Slots {
             id,
             slots: batcher.slots(),
