@@ -20,12 +20,13 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::Shared;
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent, SubmitError};
+use super::tools::{self, Tool, ToolFormat};
 use crate::gguf::GgufModel;
 use crate::model::hparams::HParams;
 use crate::runtime::grammar::{GrammarEnv, GrammarError, GrammarSpec};
 use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 use crate::runtime::session::context_cells;
-use crate::tokenizer::{ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, Tokenizer};
+use crate::tokenizer::{ChatContent, ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, Tokenizer};
 
 /// Which API a request came through: it decides the error shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -243,6 +244,8 @@ pub struct ModelInfo {
     pub n_ctx: usize,
     /// Unix seconds the server started (OpenAI's `created`).
     pub created: u64,
+    /// How this model writes tool calls (`--tool-format`, else detected from its template).
+    pub tool_format: ToolFormat,
     /// The vocabulary indexed for constrained decoding, built by the first request that asks for a grammar.
     grammar: std::sync::OnceLock<Result<Arc<GrammarEnv>, GrammarError>>,
 }
@@ -251,7 +254,7 @@ impl ModelInfo {
     /// Reads the metadata of the model at `path`.
     ///
     /// Errors: the file is not a readable GGUF; its tokenizer, template or hyper-parameters are invalid.
-    pub fn open(path: &Path, max_context: usize) -> Result<ModelInfo> {
+    pub fn open(path: &Path, max_context: usize, tool_format: Option<ToolFormat>) -> Result<ModelInfo> {
         let gguf = GgufModel::open(path)?;
         let md = gguf.metadata();
         let hp = HParams::from_metadata(md).with_context(|| format!("{}: hyper-parameters", path.display()))?;
@@ -265,12 +268,14 @@ impl ModelInfo {
             path: path.to_path_buf(),
             file_name,
             tokenizer,
-            template,
             n_ctx: context_cells(max_context, hp.n_ctx_train),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             grammar: std::sync::OnceLock::new(),
+            tool_format: tool_format
+                .unwrap_or_else(|| ToolFormat::detect(template.as_ref().map_or("", |t| t.source()))),
+            template,
         })
     }
 
@@ -353,6 +358,20 @@ impl ModelInfo {
     ///
     /// Errors: no messages; the model has no template; the template refuses the conversation.
     pub fn chat_prompt(&self, api: Api, messages: Vec<ChatMessage>) -> Result<ChatPrompt, ApiError> {
+        self.chat_prompt_with_tools(api, messages, &[])
+    }
+
+    /// [`ModelInfo::chat_prompt`] offering `tools`: a template that prints `tools` gets them as OpenAI function
+    /// objects; any other gets [`tools::generic_prompt`] in its system message (merged into the first one, or
+    /// added before the conversation).
+    ///
+    /// Errors: as [`ModelInfo::chat_prompt`].
+    pub fn chat_prompt_with_tools(
+        &self,
+        api: Api,
+        mut messages: Vec<ChatMessage>,
+        offered: &[Tool],
+    ) -> Result<ChatPrompt, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid(
                 api,
@@ -365,8 +384,25 @@ impl ModelInfo {
                 "this model has no chat template; use /v1/completions with a plain prompt",
             )
         })?;
+        let mut tools = None;
+        if !offered.is_empty() {
+            if template.source().contains("tools") {
+                tools = Some(offered.iter().map(Tool::openai).collect());
+            } else {
+                let prompt = tools::generic_prompt(offered);
+                match messages.first_mut() {
+                    Some(m) if m.role == "system" => {
+                        if let ChatContent::Text(t) = &mut m.content {
+                            *t = format!("{t}\n\n{prompt}");
+                        }
+                    }
+                    _ => messages.insert(0, ChatMessage::new("system", prompt)),
+                }
+            }
+        }
         let request = ChatRequest {
             messages,
+            tools,
             add_generation_prompt: true,
             ..ChatRequest::default()
         };

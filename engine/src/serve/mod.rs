@@ -19,6 +19,7 @@ pub mod openai;
 pub mod orphan;
 pub mod protocol;
 pub mod supervisor;
+pub mod tools;
 pub mod worker;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -117,6 +118,10 @@ pub struct ServeArgs {
     /// preflights from it are answered, and its answers carry `Access-Control-Allow-Origin`. No other origin's.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     pub cors_origins: Vec<String>,
+    /// How the model writes tool calls (default: detected from its chat template; Hermes `<tool_call>` blocks
+    /// when the template shows none).
+    #[arg(long, value_enum)]
+    pub tool_format: Option<tools::ToolFormat>,
 }
 
 /// Everything the handlers share.
@@ -183,7 +188,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let path = crate::models::resolve(Some(&args.engine.model))?;
     // A routing trace the worker would refuse is an error now, not a worker restarted for ever.
     args.engine.check_routing_trace(&path)?;
-    let model = ModelInfo::open(&path, args.engine.max_context())?;
+    let model = ModelInfo::open(&path, args.engine.max_context(), args.tool_format)?;
     let cors_origins = args
         .cors_origins
         .iter()

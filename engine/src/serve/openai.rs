@@ -22,6 +22,7 @@ use super::api::{
 };
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent};
+use super::tools::{self, Tool, ToolChoice};
 use crate::runtime::grammar::GrammarSpec;
 use crate::runtime::sampling::{MAX_TOP_LOGPROBS, TokenLogprob};
 use crate::tokenizer::{ChatContent, ChatMessage};
@@ -49,6 +50,7 @@ struct Common {
     n: Option<i64>,
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     /// Chat: `true` for each token's log-probability; legacy completions: the number of alternatives.
     logprobs: Option<Value>,
     /// Chat: alternatives per token (0..20), with `logprobs: true`.
@@ -97,6 +99,17 @@ pub fn flatten_content(api: Api, messages: Vec<ChatMessage>) -> Result<Vec<ChatM
             if m.role == "developer" {
                 // The chat templates in GGUF files know `system`, not OpenAI's newer name for it.
                 m.role = "system".into();
+            }
+            // Templates read a call's arguments as an object (`tool_call.function.arguments | tojson`, `.items()`);
+            // the SDKs send them as a JSON string, so one that parses is given as its value, as llama.cpp does.
+            if let Some(Value::Array(calls)) = m.extra.get_mut("tool_calls") {
+                for call in calls {
+                    if let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments"))
+                        && let Some(v) = args.as_str().and_then(|a| serde_json::from_str::<Value>(a).ok())
+                    {
+                        *args = v;
+                    }
+                }
             }
             if m.content == ChatContent::Null {
                 // An assistant turn that only called tools, as the SDKs send it back: many templates cannot print
@@ -233,6 +246,118 @@ fn text_logprobs(state: &Shared, entries: &[TokenLogprob], offset: &mut usize) -
     json!({ "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets })
 }
 
+/// The tools a chat request offers and what it asks of them.
+#[derive(Debug, Clone, Default)]
+struct ToolUse {
+    tools: Vec<Tool>,
+    choice: Option<ToolChoice>,
+    parallel: bool,
+}
+
+impl ToolUse {
+    /// Whether the answer is parsed for calls (tools on offer, and `tool_choice` is not `none`).
+    fn parses(&self) -> bool {
+        !self.tools.is_empty() && !matches!(self.choice, Some(ToolChoice::None))
+    }
+}
+
+/// Reads `tools` (`[{"type": "function", "function": {"name", "description", "parameters"}}]`), `tool_choice`
+/// (`none`, `auto`, `required`, `{"type": "function", "function": {"name"}}`) and `parallel_tool_calls`.
+///
+/// Errors: 400 naming the field: a tool that is not a function or has a bad name or schema, an unknown choice,
+/// a named function not on offer, a choice without tools.
+fn tool_use(c: &Common) -> Result<ToolUse, ApiError> {
+    let items = match c.tools.as_ref().filter(|t| !t.is_null()) {
+        None => vec![],
+        Some(Value::Array(items)) => items.clone(),
+        Some(_) => {
+            return Err(ApiError::field(
+                API,
+                "tools",
+                "tools must be an array of function tools",
+            ));
+        }
+    };
+    let mut list = Vec::with_capacity(items.len());
+    for (i, t) in items.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::field(
+                API,
+                format!("{at}.type"),
+                format!("{at}.type must be `function`"),
+            ));
+        }
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+            ApiError::field(
+                API,
+                format!("{at}.function"),
+                format!("{at}.function must be an object"),
+            )
+        })?;
+        let at = format!("{at}.function");
+        let tool = tools::tool(&at, f.get("name"), f.get("description"), f.get("parameters"))
+            .map_err(|m| ApiError::field(API, at.clone(), m))?;
+        list.push(tool);
+    }
+    let choice = match c.tool_choice.as_ref().filter(|v| !v.is_null()) {
+        None => None,
+        Some(Value::String(s)) if s == "none" => Some(ToolChoice::None),
+        Some(Value::String(s)) if s == "auto" => Some(ToolChoice::Auto),
+        Some(Value::String(s)) if s == "required" => Some(ToolChoice::Required),
+        Some(v) => match v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
+            Some(name) if list.iter().any(|t| t.name == name) => Some(ToolChoice::Named(name.to_string())),
+            Some(name) => {
+                return Err(ApiError::field(
+                    API,
+                    "tool_choice",
+                    format!("tool_choice names `{name}`, which is not in tools"),
+                ));
+            }
+            None => {
+                return Err(ApiError::field(
+                    API,
+                    "tool_choice",
+                    format!(
+                        "tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {v}"
+                    ),
+                ));
+            }
+        },
+    };
+    if list.is_empty() && matches!(choice, Some(ToolChoice::Required | ToolChoice::Named(_))) {
+        return Err(ApiError::field(
+            API,
+            "tool_choice",
+            "tool_choice needs tools to choose from",
+        ));
+    }
+    Ok(ToolUse {
+        choice: choice.or((!list.is_empty()).then_some(ToolChoice::Auto)),
+        tools: list,
+        parallel: c.parallel_tool_calls.unwrap_or(true),
+    })
+}
+
+/// OpenAI's `tool_calls` of a message or (with `index`) of a stream delta.
+fn tool_calls_json(calls: &[tools::Call], delta: bool) -> Vec<Value> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut v = json!({
+                "id": tools::call_id("call_"),
+                "type": "function",
+                "function": { "name": c.name, "arguments": c.arguments.to_string() },
+            });
+            if delta {
+                v["index"] = i.into();
+            }
+            v
+        })
+        .collect()
+}
+
 /// Turns the shared request fields into an engine request for `prompt`.
 fn engine_request(
     state: &Shared,
@@ -242,7 +367,6 @@ fn engine_request(
     kind: Kind,
 ) -> Result<EngineRequest, ApiError> {
     state.model.check_name(API, c.model.as_deref())?;
-    api::refuse_tools(API, c.tools.as_ref(), c.tool_choice.as_ref())?;
     if let Some(n) = c.n
         && n != 1
     {
@@ -276,20 +400,38 @@ pub async fn chat_completions(State(state): State<Shared>, body: Result<Bytes, B
 
 async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let st = state.clone();
-    let (common, prompt, grammar) = state
+    let (common, prompt, grammar, tool_use) = state
         .cpu
         .run(API, move || {
             let req: ChatCompletionRequest = parse_body(API, body)?;
             st.model.check_name(API, req.common.model.as_deref())?;
-            let grammar = st
-                .model
-                .structured_output(API, "response_format", req.common.response_format.as_ref())?;
+            let tool_use = tool_use(&req.common)?;
+            let mut grammar =
+                st.model
+                    .structured_output(API, "response_format", req.common.response_format.as_ref())?;
+            if let Some(g) = tools::grammar(
+                st.model.tool_format,
+                &tool_use.tools,
+                tool_use.choice.as_ref().unwrap_or(&ToolChoice::None),
+                tool_use.parallel,
+            ) {
+                if grammar.is_some() {
+                    return Err(ApiError::field(
+                        API,
+                        "response_format",
+                        "response_format cannot be combined with a tool_choice that forces a call",
+                    ));
+                }
+                st.model.check_grammar(API, "tools", &g)?;
+                grammar = Some(g);
+            }
             let messages = flatten_content(API, req.messages)?;
-            Ok((req.common, st.model.chat_prompt(API, messages)?.ids, grammar))
+            let prompt = st.model.chat_prompt_with_tools(API, messages, &tool_use.tools)?.ids;
+            Ok((req.common, prompt, grammar, tool_use))
         })
         .await?;
     let engine = engine_request(&state, &common, prompt, grammar, Kind::Chat)?;
-    respond(state, &common, engine, Kind::Chat).await
+    respond(state, &common, engine, Kind::Chat, tool_use).await
 }
 
 /// `POST /v1/completions`.
@@ -307,6 +449,13 @@ async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<
         .run(API, move || {
             let req: CompletionRequest = parse_body(API, body)?;
             st.model.check_name(API, req.common.model.as_deref())?;
+            if req.common.tools.as_ref().is_some_and(|t| !t.is_null()) {
+                return Err(ApiError::field(
+                    API,
+                    "tools",
+                    "tools are offered on /v1/chat/completions, not on legacy completions",
+                ));
+            }
             let grammar = st
                 .model
                 .structured_output(API, "response_format", req.common.response_format.as_ref())?;
@@ -323,7 +472,7 @@ async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<
         })
         .await?;
     let engine = engine_request(&state, &common, prompt, grammar, Kind::Text)?;
-    respond(state, &common, engine, Kind::Text).await
+    respond(state, &common, engine, Kind::Text, ToolUse::default()).await
 }
 
 #[derive(Clone, Copy)]
@@ -341,7 +490,15 @@ impl Kind {
     }
 }
 
-async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -> Result<Response, ApiError> {
+async fn respond(
+    state: Shared,
+    c: &Common,
+    engine: EngineRequest,
+    kind: Kind,
+    tool_use: ToolUse,
+) -> Result<Response, ApiError> {
+    let format = state.model.tool_format;
+    let parses = tool_use.parses();
     let id = response_id(kind.prefix());
     let model = state.model.id.clone();
     let created = api::unix_now();
@@ -368,21 +525,35 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
             ..
         } = collect(API, rx).await?;
         let logprobs = logprobs_of(&logprobs, &mut 0);
+        let (text, calls) = if parses {
+            tools::parse(format, &text, &tool_use.tools)
+        } else {
+            (text, vec![])
+        };
+        let mut message = json!({ "role": "assistant", "content": text });
+        let mut finish = finish_reason(finish);
+        if !calls.is_empty() {
+            if text.is_empty() {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = tool_calls_json(&calls, false).into();
+            finish = "tool_calls";
+        }
         let body = match kind {
             Kind::Chat => json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{
                     "index": 0,
-                    "message": { "role": "assistant", "content": text },
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": finish_reason(finish),
+                    "finish_reason": finish,
                 }],
                 "usage": usage(&timings),
                 "timings": timings,
             }),
             Kind::Text => json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(finish) }],
+                "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish }],
                 "usage": usage(&timings),
                 "timings": timings,
             }),
@@ -421,15 +592,48 @@ async fn respond(state: Shared, c: &Common, engine: EngineRequest, kind: Kind) -
         }
         let mut pending = first;
         let mut offset = 0;
+        let mut calls_stream = parses.then(|| tools::CallStream::new(format));
         loop {
             match api::next_job_event(&mut pending, &mut rx).await {
                 JobEvent::Text { text, logprobs } => {
+                    let text = match calls_stream.as_mut() {
+                        Some(cs) => cs.feed(&text),
+                        None => text,
+                    };
+                    if text.is_empty() && logprobs.is_empty() {
+                        continue;
+                    }
                     let mut c = chunk(Some(&text), None, false);
                     c["choices"][0]["logprobs"] = logprobs_of(&logprobs, &mut offset);
                     yield data(&c);
                 }
                 JobEvent::Done { stop, timings, .. } => {
+                    let mut called = false;
+                    if let Some(cs) = calls_stream.take() {
+                        let (rest, calls) = cs.finish(&tool_use.tools);
+                        if !rest.is_empty() {
+                            yield data(&chunk(Some(&rest), None, false));
+                        }
+                        // Each call: its id, type and name with empty arguments, then its arguments (OpenAI's
+                        // stream shape for tool calls).
+                        for (i, call) in tool_calls_json(&calls, true).into_iter().enumerate() {
+                            let mut head = call.clone();
+                            head["function"]["arguments"] = "".into();
+                            let mut c = chunk(None, None, false);
+                            c["choices"][0]["delta"] = json!({ "tool_calls": [head] });
+                            yield data(&c);
+                            let mut c = chunk(None, None, false);
+                            c["choices"][0]["delta"] = json!({ "tool_calls": [{
+                                "index": i, "function": { "arguments": call["function"]["arguments"] },
+                            }] });
+                            yield data(&c);
+                        }
+                        called = !calls.is_empty();
+                    }
                     let mut last = chunk(None, Some(stop), false);
+                    if called {
+                        last["choices"][0]["finish_reason"] = "tool_calls".into();
+                    }
                     last["timings"] = serde_json::to_value(timings).unwrap_or_default();
                     yield data(&last);
                     // Usage only when asked for, in a chunk of its own with no choices (OpenAI's stream shape).

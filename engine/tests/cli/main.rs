@@ -11,4 +11,5 @@ mod serve_common;
 mod serve_failures;
 mod serve_params;
 mod serve_structured;
+mod serve_tools;
 mod sim_device;

@@ -1,0 +1,148 @@
+//! Tool calling through `strata serve` on the default model (issue 18, point 1). SmolLM2's template shows no
+//! tools, so they are offered by the generic prompt in the Hermes format; `tool_choice: required` and a named
+//! function force the answer through the constrained decoder into a well-formed call, which is parsed back into
+//! OpenAI's `tool_calls` and Anthropic's `tool_use`; an agent loop (call, result, answer) runs end to end.
+
+use crate::serve_common::Server;
+use serde_json::{Value, json};
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                           "required": ["city"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "description": "Current time in a time zone",
+            "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                           "required": ["zone"], "additionalProperties": false}}}
+    ])
+}
+
+fn ask() -> Value {
+    json!([{"role": "user", "content": "What is the weather in Paris?"}])
+}
+
+#[test]
+fn forced_calls_parse_into_tool_calls_streamed_and_not() {
+    let s = Server::start();
+    for (choice, want) in [
+        (json!("required"), None),
+        (
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            Some("get_time"),
+        ),
+    ] {
+        let req = json!({"messages": ask(), "tools": tools(), "tool_choice": choice, "max_tokens": 80,
+                         "temperature": 0, "parallel_tool_calls": false});
+        let (status, v) = s.post("/v1/chat/completions", &req);
+        assert_eq!(status, 200, "{v}");
+        let choice0 = &v["choices"][0];
+        assert_eq!(choice0["finish_reason"], "tool_calls", "{v}");
+        let calls = choice0["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "parallel_tool_calls false: one call ({v})");
+        let f = &calls[0]["function"];
+        let name = f["name"].as_str().unwrap();
+        assert!(["get_weather", "get_time"].contains(&name));
+        if let Some(w) = want {
+            assert_eq!(name, w);
+        }
+        let args: Value = serde_json::from_str(f["arguments"].as_str().unwrap()).unwrap();
+        let key = if name == "get_weather" { "city" } else { "zone" };
+        assert!(args[key].is_string() && args.as_object().unwrap().len() == 1, "{args}");
+        assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+
+        // Streamed: a head delta (id, name, empty arguments), then the arguments.
+        let mut sreq = req.clone();
+        sreq["stream"] = json!(true);
+        let events = s.chat_stream(&sreq).rest();
+        let chunks: Vec<Value> = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(&e.data).unwrap())
+            .collect();
+        let deltas: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0))
+            .collect();
+        assert_eq!(deltas.len(), 2, "{chunks:?}");
+        assert_eq!(deltas[0]["function"]["name"], name);
+        let streamed_args: String = deltas
+            .iter()
+            .filter_map(|d| d["function"]["arguments"].as_str())
+            .collect();
+        assert_eq!(streamed_args, f["arguments"].as_str().unwrap());
+        let finish = chunks
+            .iter()
+            .find_map(|c| c["choices"][0]["finish_reason"].as_str())
+            .unwrap();
+        assert_eq!(finish, "tool_calls");
+        let content: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert!(!content.contains("<tool_call>"), "{content}");
+    }
+}
+
+/// The agent loop: the model calls a tool, gets its result back as the SDKs send it (the assistant turn with
+/// `content: null` and `tool_calls`, then a `tool` message), and answers in text.
+#[test]
+fn an_agent_loop_runs_end_to_end() {
+    let s = Server::start();
+    let (_, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "tools": tools(), "tool_choice": "required", "max_tokens": 80, "temperature": 0}),
+    );
+    let message = v["choices"][0]["message"].clone();
+    let call = &message["tool_calls"][0];
+    let mut messages = ask().as_array().unwrap().clone();
+    messages.push(message.clone());
+    messages
+        .push(json!({"role": "tool", "tool_call_id": call["id"], "content": "{\"sky\": \"clear\", \"celsius\": 21}"}));
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "tools": tools(), "tool_choice": "none", "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["choices"][0]["message"]["tool_calls"].is_null(),
+        "tool_choice none: {v}"
+    );
+    assert!(!v["choices"][0]["message"]["content"].as_str().unwrap().is_empty());
+    // `auto` answers too (a call or text, as the model decides).
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "tools": tools(), "max_tokens": 40, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let f = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert!(["stop", "length", "tool_calls"].contains(&f), "{v}");
+}
+
+#[test]
+fn bad_tools_are_refused_naming_the_field() {
+    let s = Server::start();
+    for (extra, param) in [
+        (json!({"tools": [{"type": "retrieval"}]}), "tools[0].type"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "has space"}}]}),
+            "tools[0].function",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}),
+            "tools[0].function",
+        ),
+        (
+            json!({"tools": tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (json!({"tools": tools(), "tool_choice": "sometimes"}), "tool_choice"),
+    ] {
+        let mut req = json!({"messages": ask(), "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            req[k] = v.clone();
+        }
+        let (status, v) = s.post("/v1/chat/completions", &req);
+        assert_eq!(status, 400, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+}
