@@ -138,6 +138,53 @@ def test_openai_logprobs():
     assert len(c.choices[0].logprobs.tokens) == 4, c
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_openai_tools_and_structured_output():
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    r = oa.chat.completions.create(
+        model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", r
+    import json
+
+    assert isinstance(json.loads(call.function.arguments)["city"], str), call
+    # The agent loop: the call and its result go back; the SDK sends content None for the assistant turn.
+    msgs2 = msgs + [r.choices[0].message.model_dump(exclude_none=True)]
+    msgs2.append({"role": "tool", "tool_call_id": call.id, "content": "21 C, clear"})
+    r2 = oa.chat.completions.create(model=MODEL, messages=msgs2, tools=tools, tool_choice="none", max_tokens=16)
+    assert r2.choices[0].message.content, r2
+    s = oa.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        temperature=0,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}},
+    )
+    assert isinstance(json.loads(s.choices[0].message.content)["city"], str), s
+
+
+def test_anthropic_tool_use():
+    m = an.messages.create(
+        model=MODEL,
+        max_tokens=80,
+        tools=[{"name": "get_weather", "input_schema": WEATHER}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+    )
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(use) == 1 and use[0].name == "get_weather", m
+    assert isinstance(use[0].input["city"], str), use
+
+
 def test_anthropic_stop_sequence_and_system_blocks():
     msgs = [{"role": "user", "content": QUESTION}]
     m = an.messages.create(

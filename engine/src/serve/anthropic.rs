@@ -23,16 +23,25 @@ use super::api::{
 };
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent};
-use crate::tokenizer::ChatMessage;
+use super::tools::{self, ToolChoice, ToolUse};
+use crate::tokenizer::{ChatContent, ChatMessage};
 
 const API: Api = Api::Anthropic;
 
-/// A content block; only `text` blocks are supported.
+/// A content block: `text`, and for tool use `tool_use` (an assistant's call) and `tool_result` (its result, in a
+/// user turn).
 #[derive(Debug, Deserialize)]
 struct Block {
     #[serde(rename = "type")]
     kind: String,
     text: Option<String>,
+    /// `tool_use`: the call's id, tool name and arguments.
+    id: Option<String>,
+    name: Option<String>,
+    input: Option<Value>,
+    /// `tool_result`: the call it answers and its content (a string or text blocks).
+    tool_use_id: Option<String>,
+    content: Option<Value>,
 }
 
 /// A string, or a list of content blocks.
@@ -43,26 +52,85 @@ enum Content {
     Blocks(Vec<Block>),
 }
 
+/// The text of a `tool_result`'s content: a string, or the text of its text blocks.
+fn result_text(v: Option<&Value>) -> Result<String, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(blocks)) => blocks
+            .iter()
+            .map(|b| {
+                match (
+                    b.get("type").and_then(Value::as_str),
+                    b.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => Ok(t),
+                    _ => Err(ApiError::invalid(API, "tool_result content must be text")),
+                }
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid(
+            API,
+            "tool_result content must be a string or text blocks",
+        )),
+    }
+}
+
 impl Content {
     fn into_text(self) -> Result<String, ApiError> {
-        match self {
-            Content::Text(t) => Ok(t),
-            Content::Blocks(blocks) => {
-                let mut text = String::new();
-                for b in blocks {
-                    match (b.kind.as_str(), b.text) {
-                        ("text", Some(t)) => text.push_str(&t),
-                        (kind, _) => {
-                            return Err(ApiError::invalid(
-                                API,
-                                format!("content blocks of type `{kind}` are not supported; send text"),
-                            ));
-                        }
-                    }
-                }
-                Ok(text)
+        let mut text = String::new();
+        for m in self.into_messages("system")? {
+            match m.content {
+                ChatContent::Text(t) if m.role == "system" => text.push_str(&t),
+                _ => return Err(ApiError::invalid(API, "system takes text blocks only")),
             }
         }
+        Ok(text)
+    }
+
+    /// The chat messages of one turn of `role`: its text; an assistant's `tool_use` blocks as OpenAI-style
+    /// `tool_calls` (arguments as objects, as templates read them); a user's `tool_result` blocks as `tool`
+    /// messages before the user's text.
+    fn into_messages(self, role: &str) -> Result<Vec<ChatMessage>, ApiError> {
+        let blocks = match self {
+            Content::Text(t) => return Ok(vec![ChatMessage::new(role, t)]),
+            Content::Blocks(b) => b,
+        };
+        let mut out = Vec::new();
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for b in blocks {
+            match (b.kind.as_str(), role) {
+                ("text", _) => text.push_str(b.text.as_deref().unwrap_or("")),
+                ("tool_use", "assistant") => calls.push(json!({
+                    "id": b.id.unwrap_or_default(),
+                    "type": "function",
+                    "function": { "name": b.name.unwrap_or_default(), "arguments": b.input.unwrap_or(json!({})) },
+                })),
+                ("tool_result", "user") => {
+                    let mut m = ChatMessage::new("tool", result_text(b.content.as_ref())?);
+                    m.extra
+                        .insert("tool_call_id".into(), b.tool_use_id.unwrap_or_default().into());
+                    out.push(m);
+                }
+                (kind, _) => {
+                    return Err(ApiError::invalid(
+                        API,
+                        format!(
+                            "content blocks of type `{kind}` are not supported in a `{role}` turn; send text, tool_use (assistant) or tool_result (user)"
+                        ),
+                    ));
+                }
+            }
+        }
+        if !calls.is_empty() {
+            let mut m = ChatMessage::new(role, text);
+            m.extra.insert("tool_calls".into(), calls.into());
+            out.push(m);
+        } else if !text.is_empty() || out.is_empty() {
+            out.push(ChatMessage::new(role, text));
+        }
+        Ok(out)
     }
 }
 
@@ -78,6 +146,10 @@ struct Conversation {
     model: Option<String>,
     messages: Vec<InMessage>,
     system: Option<Content>,
+    /// `[{"name", "description", "input_schema"}]`.
+    tools: Option<Value>,
+    /// `{"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}`.
+    tool_choice: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -91,14 +163,71 @@ struct MessagesRequest {
     sampling: api::SamplingFields,
     #[serde(default)]
     stream: bool,
-    tools: Option<Value>,
-    tool_choice: Option<Value>,
     /// Structured output: `{"type": "json_schema", "schema": {...}}`.
     output_format: Option<Value>,
 }
 
-/// Renders and tokenizes the conversation (system prompt first).
-fn prompt(state: &Shared, c: Conversation) -> Result<Vec<u32>, ApiError> {
+/// Reads Anthropic's `tools` and `tool_choice`.
+///
+/// Errors: 400 naming the field: a tool without a valid name or with a non-object `input_schema`, a server tool
+/// (`type` other than `custom`), an unknown choice, a named tool not on offer, a forcing choice without tools.
+fn tool_use(c: &Conversation) -> Result<ToolUse, ApiError> {
+    let items = match c.tools.as_ref().filter(|t| !t.is_null()) {
+        None => vec![],
+        Some(Value::Array(items)) => items.clone(),
+        Some(_) => return Err(ApiError::invalid(API, "tools must be an array of tools")),
+    };
+    let mut list = Vec::with_capacity(items.len());
+    for (i, t) in items.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        if let Some(kind) = t.get("type").and_then(Value::as_str).filter(|k| *k != "custom") {
+            return Err(ApiError::invalid(
+                API,
+                format!("{at}: server tools (`{kind}`) are not supported; give custom tools with an input_schema"),
+            ));
+        }
+        let tool = tools::tool(&at, t.get("name"), t.get("description"), t.get("input_schema"))
+            .map_err(|m| ApiError::invalid(API, m))?;
+        list.push(tool);
+    }
+    let choice = c.tool_choice.as_ref().filter(|v| !v.is_null());
+    let parallel = !choice
+        .and_then(|v| v.get("disable_parallel_tool_use"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let choice = match choice.map(|v| (v.get("type").and_then(Value::as_str), v)) {
+        None => None,
+        Some((Some("auto"), _)) => Some(ToolChoice::Auto),
+        Some((Some("any"), _)) => Some(ToolChoice::Required),
+        Some((Some("none"), _)) => Some(ToolChoice::None),
+        Some((Some("tool"), v)) => match v.get("name").and_then(Value::as_str) {
+            Some(n) if list.iter().any(|t| t.name == n) => Some(ToolChoice::Named(n.to_string())),
+            n => {
+                return Err(ApiError::invalid(
+                    API,
+                    format!("tool_choice names {}, which is not in tools", n.unwrap_or("no tool")),
+                ));
+            }
+        },
+        Some((_, v)) => {
+            return Err(ApiError::invalid(
+                API,
+                format!("tool_choice.type must be auto, any, tool or none, got {v}"),
+            ));
+        }
+    };
+    if list.is_empty() && matches!(choice, Some(ToolChoice::Required | ToolChoice::Named(_))) {
+        return Err(ApiError::invalid(API, "tool_choice needs tools to choose from"));
+    }
+    Ok(ToolUse {
+        choice: choice.or((!list.is_empty()).then_some(ToolChoice::Auto)),
+        tools: list,
+        parallel,
+    })
+}
+
+/// Renders and tokenizes the conversation (system prompt first) with its tools.
+fn prompt(state: &Shared, c: Conversation) -> Result<(Vec<u32>, ToolUse), ApiError> {
     state.model.check_name(API, c.model.as_deref())?;
     if c.messages.is_empty() {
         return Err(ApiError::invalid(
@@ -106,6 +235,7 @@ fn prompt(state: &Shared, c: Conversation) -> Result<Vec<u32>, ApiError> {
             "`messages` is empty: at least one message is needed",
         ));
     }
+    let tool_use = tool_use(&c)?;
     let mut messages = Vec::with_capacity(c.messages.len() + 1);
     if let Some(system) = c.system {
         messages.push(ChatMessage::new("system", system.into_text()?));
@@ -120,9 +250,10 @@ fn prompt(state: &Shared, c: Conversation) -> Result<Vec<u32>, ApiError> {
                 ),
             ));
         }
-        messages.push(ChatMessage::new(m.role, m.content.into_text()?));
+        messages.extend(m.content.into_messages(&m.role)?);
     }
-    Ok(state.model.chat_prompt(API, messages)?.ids)
+    let ids = state.model.chat_prompt_with_tools(API, messages, &tool_use.tools)?.ids;
+    Ok((ids, tool_use))
 }
 
 /// `POST /v1/messages/count_tokens`: `{"input_tokens": N}`, the prompt exactly as `/v1/messages` would send it.
@@ -130,7 +261,7 @@ pub async fn count_tokens(State(state): State<Shared>, body: Result<Bytes, Bytes
     let st = state.clone();
     api::answer_on_cpu(&state, API, move || {
         let c: Conversation = parse_body(API, body)?;
-        Ok(json!({ "input_tokens": prompt(&st, c)?.len() }))
+        Ok(json!({ "input_tokens": prompt(&st, c)?.0.len() }))
     })
     .await
 }
@@ -159,6 +290,11 @@ fn usage(prompt_tokens: usize, t: Option<&Timings>) -> Value {
     })
 }
 
+/// A `tool_use` content block for `call`, with a fresh `toolu_` id.
+fn tool_use_block(call: &tools::Call) -> Value {
+    json!({ "type": "tool_use", "id": tools::call_id("toolu_"), "name": call.name, "input": call.arguments })
+}
+
 /// `POST /v1/messages`.
 pub async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     match run(state, body).await {
@@ -169,22 +305,33 @@ pub async fn messages(State(state): State<Shared>, body: Result<Bytes, BytesReje
 
 async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let st = state.clone();
-    let (req, max_tokens, prompt, grammar) = state
+    let (req, max_tokens, prompt, grammar, tool_use) = state
         .cpu
         .run(API, move || {
             let mut req: MessagesRequest = parse_body(API, body)?;
-            api::refuse_tools(API, req.tools.as_ref(), req.tool_choice.as_ref())?;
             let Some(max_tokens) = req.max_tokens else {
                 return Err(ApiError::invalid(API, "max_tokens is required"));
             };
-            let grammar = st
+            let mut grammar = st
                 .model
                 .structured_output(API, "output_format", req.output_format.as_ref())?;
             let conversation = std::mem::take(&mut req.conversation);
-            let prompt = prompt(&st, conversation)?;
-            Ok((req, max_tokens, prompt, grammar))
+            let (prompt, tool_use) = prompt(&st, conversation)?;
+            if let Some(g) = tool_use.grammar(st.model.tool_format) {
+                if grammar.is_some() {
+                    return Err(ApiError::invalid(
+                        API,
+                        "output_format cannot be combined with a tool_choice that forces a call",
+                    ));
+                }
+                st.model.check_grammar(API, "tools", &g)?;
+                grammar = Some(g);
+            }
+            Ok((req, max_tokens, prompt, grammar, tool_use))
         })
         .await?;
+    let format = state.model.tool_format;
+    let parses = tool_use.parses();
     let n_prompt = prompt.len();
     let max_tokens = state.model.limit(API, &prompt, Some(max_tokens))?;
     let engine = EngineRequest {
@@ -206,10 +353,25 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             timings,
             ..
         } = collect(API, rx).await?;
+        let (text, calls) = if parses {
+            tools::parse(format, &text, &tool_use.tools)
+        } else {
+            (text, vec![])
+        };
+        let mut content = Vec::new();
+        if !text.is_empty() || calls.is_empty() {
+            content.push(json!({ "type": "text", "text": text }));
+        }
+        content.extend(calls.iter().map(tool_use_block));
+        let reason = if calls.is_empty() {
+            stop_reason(finish)
+        } else {
+            "tool_use"
+        };
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
-            "content": [{ "type": "text", "text": text }],
-            "stop_reason": stop_reason(finish),
+            "content": content,
+            "stop_reason": reason,
             "stop_sequence": stop_sequence(finish, stop_word.as_deref()),
             "usage": usage(n_prompt, Some(&timings)),
             "timings": timings,
@@ -229,21 +391,72 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
                 "stop_reason": null, "stop_sequence": null, "usage": usage(n_prompt, None),
             },
         }));
-        yield event("content_block_start", json!({
+        let text_start = json!({
             "type": "content_block_start", "index": 0, "content_block": { "type": "text", "text": "" },
-        }));
+        });
+        // Without tools the text block opens at once; with tools, at its first text (an answer that is only
+        // calls has none).
+        let mut text_open = !parses;
+        if text_open {
+            yield event("content_block_start", text_start.clone());
+        }
+        let mut calls_stream = parses.then(|| tools::CallStream::new(format));
         let mut pending = first;
         loop {
             match api::next_job_event(&mut pending, &mut rx).await {
-                JobEvent::Text { text, .. } if text.is_empty() => {}
-                JobEvent::Text { text, .. } => yield event("content_block_delta", json!({
-                    "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text },
-                })),
+                JobEvent::Text { text, .. } => {
+                    let text = match calls_stream.as_mut() {
+                        Some(cs) => cs.feed(&text),
+                        None => text,
+                    };
+                    if text.is_empty() {
+                        continue;
+                    }
+                    if !text_open {
+                        text_open = true;
+                        yield event("content_block_start", text_start.clone());
+                    }
+                    yield event("content_block_delta", json!({
+                        "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": text },
+                    }));
+                }
                 JobEvent::Done { stop, stop_word, timings } => {
-                    yield event("content_block_stop", json!({ "type": "content_block_stop", "index": 0 }));
+                    let (rest, calls) = match calls_stream.take() {
+                        Some(cs) => cs.finish(&tool_use.tools),
+                        None => (String::new(), vec![]),
+                    };
+                    if !rest.is_empty() || (calls.is_empty() && !text_open) {
+                        if !text_open {
+                            text_open = true;
+                            yield event("content_block_start", text_start.clone());
+                        }
+                        yield event("content_block_delta", json!({
+                            "type": "content_block_delta", "index": 0, "delta": { "type": "text_delta", "text": rest },
+                        }));
+                    }
+                    if text_open {
+                        yield event("content_block_stop", json!({ "type": "content_block_stop", "index": 0 }));
+                    }
+                    // Each call: a tool_use block opened with empty input, its arguments as one input_json_delta,
+                    // closed (Anthropic's stream shape).
+                    let first_index = usize::from(text_open);
+                    for (i, call) in calls.iter().enumerate() {
+                        let index = first_index + i;
+                        let mut block = tool_use_block(call);
+                        block["input"] = json!({});
+                        yield event("content_block_start", json!({
+                            "type": "content_block_start", "index": index, "content_block": block,
+                        }));
+                        yield event("content_block_delta", json!({
+                            "type": "content_block_delta", "index": index,
+                            "delta": { "type": "input_json_delta", "partial_json": call.arguments.to_string() },
+                        }));
+                        yield event("content_block_stop", json!({ "type": "content_block_stop", "index": index }));
+                    }
+                    let reason = if calls.is_empty() { stop_reason(stop) } else { "tool_use" };
                     yield event("message_delta", json!({
                         "type": "message_delta",
-                        "delta": { "stop_reason": stop_reason(stop), "stop_sequence": stop_sequence(stop, stop_word.as_deref()) },
+                        "delta": { "stop_reason": reason, "stop_sequence": stop_sequence(stop, stop_word.as_deref()) },
                         "usage": usage(n_prompt, Some(&timings)),
                         "timings": timings,
                     }));

@@ -755,21 +755,6 @@ pub fn response_id(prefix: &str) -> String {
     format!("{prefix}{:x}{:06x}", unix_now(), NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
-/// Refuses a request that offers tools (OpenAI's and Anthropic's `tools`, OpenAI's `tool_choice`): Strata has no
-/// tool calling, and answering as if none were offered would mislead the client.
-///
-/// Errors: `tools` is a non-empty array, or `tool_choice` is set.
-pub fn refuse_tools(api: Api, tools: Option<&Value>, tool_choice: Option<&Value>) -> Result<(), ApiError> {
-    let offered = tools.is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()));
-    if offered || tool_choice.is_some_and(|c| !c.is_null()) {
-        return Err(ApiError::invalid(
-            api,
-            "tool use is not supported: send the request without `tools`",
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

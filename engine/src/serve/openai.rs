@@ -22,7 +22,7 @@ use super::api::{
 };
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent};
-use super::tools::{self, Tool, ToolChoice};
+use super::tools::{self, ToolChoice, ToolUse};
 use crate::runtime::grammar::GrammarSpec;
 use crate::runtime::sampling::{MAX_TOP_LOGPROBS, TokenLogprob};
 use crate::tokenizer::{ChatContent, ChatMessage};
@@ -246,21 +246,6 @@ fn text_logprobs(state: &Shared, entries: &[TokenLogprob], offset: &mut usize) -
     json!({ "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets })
 }
 
-/// The tools a chat request offers and what it asks of them.
-#[derive(Debug, Clone, Default)]
-struct ToolUse {
-    tools: Vec<Tool>,
-    choice: Option<ToolChoice>,
-    parallel: bool,
-}
-
-impl ToolUse {
-    /// Whether the answer is parsed for calls (tools on offer, and `tool_choice` is not `none`).
-    fn parses(&self) -> bool {
-        !self.tools.is_empty() && !matches!(self.choice, Some(ToolChoice::None))
-    }
-}
-
 /// Reads `tools` (`[{"type": "function", "function": {"name", "description", "parameters"}}]`), `tool_choice`
 /// (`none`, `auto`, `required`, `{"type": "function", "function": {"name"}}`) and `parallel_tool_calls`.
 ///
@@ -409,12 +394,7 @@ async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Resp
             let mut grammar =
                 st.model
                     .structured_output(API, "response_format", req.common.response_format.as_ref())?;
-            if let Some(g) = tools::grammar(
-                st.model.tool_format,
-                &tool_use.tools,
-                tool_use.choice.as_ref().unwrap_or(&ToolChoice::None),
-                tool_use.parallel,
-            ) {
+            if let Some(g) = tool_use.grammar(st.model.tool_format) {
                 if grammar.is_some() {
                     return Err(ApiError::field(
                         API,

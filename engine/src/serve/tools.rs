@@ -96,6 +96,28 @@ pub enum ToolChoice {
     Named(String),
 }
 
+/// The tools a request offers and what it asks of them.
+#[derive(Debug, Clone, Default)]
+pub struct ToolUse {
+    pub tools: Vec<Tool>,
+    /// `None` with no tools.
+    pub choice: Option<ToolChoice>,
+    /// Several calls may be made at once (`parallel_tool_calls`, Anthropic's `disable_parallel_tool_use`).
+    pub parallel: bool,
+}
+
+impl ToolUse {
+    /// Whether the answer is parsed for calls (tools on offer, and the choice is not `none`).
+    pub fn parses(&self) -> bool {
+        !self.tools.is_empty() && !matches!(self.choice, Some(ToolChoice::None))
+    }
+
+    /// The grammar forcing a call, for `required` and a named tool ([`grammar`]).
+    pub fn grammar(&self, format: ToolFormat) -> Option<GrammarSpec> {
+        grammar(format, &self.tools, self.choice.as_ref()?, self.parallel)
+    }
+}
+
 /// Checks a tool name as OpenAI does: 1 to 64 of `a-z A-Z 0-9 _ -`.
 fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())

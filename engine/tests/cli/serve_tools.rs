@@ -146,3 +146,108 @@ fn bad_tools_are_refused_naming_the_field() {
         assert_eq!(v["error"]["param"], param, "{v}");
     }
 }
+
+fn anthropic_tools() -> Value {
+    json!([
+        {"name": "get_weather", "description": "Current weather in a city",
+         "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                          "required": ["city"], "additionalProperties": false}}
+    ])
+}
+
+/// Anthropic's tools: `tool_choice: any` forces a `tool_use` block (streamed as a tool_use block with an
+/// input_json_delta), its `tool_result` goes back in a user turn, and `count_tokens` counts the tools.
+#[test]
+fn anthropic_tool_use_round_trip() {
+    let s = Server::start();
+    let req = json!({"messages": ask(), "tools": anthropic_tools(),
+                     "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
+                     "max_tokens": 80, "temperature": 0});
+    let (status, v) = s.post("/v1/messages", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    let uses = v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == "tool_use")
+        .count();
+    assert_eq!(uses, 1, "disable_parallel_tool_use: one call ({v})");
+    let block = v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .unwrap()
+        .clone();
+    assert_eq!(block["name"], "get_weather");
+    assert!(block["input"]["city"].is_string(), "{block}");
+    assert!(block["id"].as_str().unwrap().starts_with("toolu_"));
+
+    let mut sreq = req.clone();
+    sreq["stream"] = json!(true);
+    let r = s.client.post(s.url("/v1/messages")).json(&sreq).send().unwrap();
+    let events = crate::serve_common::SseReader::new(r).rest();
+    let data: Vec<Value> = events.iter().map(|e| serde_json::from_str(&e.data).unwrap()).collect();
+    let start = data
+        .iter()
+        .find(|d| d["type"] == "content_block_start" && d["content_block"]["type"] == "tool_use")
+        .expect("a tool_use block");
+    assert_eq!(start["content_block"]["name"], "get_weather");
+    let partial: String = data
+        .iter()
+        .filter_map(|d| d["delta"]["partial_json"].as_str())
+        .collect();
+    assert_eq!(serde_json::from_str::<Value>(&partial).unwrap(), block["input"]);
+    let delta = data.iter().find(|d| d["type"] == "message_delta").unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], "tool_use");
+
+    // The result goes back; the model answers in text.
+    let messages = json!([
+        ask()[0],
+        {"role": "assistant", "content": [block]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block["id"], "content": "21 C, clear"}]}
+    ]);
+    let (status, v) = s.post(
+        "/v1/messages",
+        &json!({"messages": messages, "tools": anthropic_tools(), "tool_choice": {"type": "none"}, "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["content"][0]["type"], "text", "{v}");
+
+    // count_tokens counts the tools as the real call renders them.
+    let count = |body: Value| {
+        s.post("/v1/messages/count_tokens", &body).1["input_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let with = count(json!({"messages": ask(), "tools": anthropic_tools()}));
+    let without = count(json!({"messages": ask()}));
+    assert!(with > without, "{with} vs {without}");
+    assert_eq!(
+        with,
+        s.post(
+            "/v1/messages",
+            &json!({"messages": ask(), "tools": anthropic_tools(), "max_tokens": 1})
+        )
+        .1["usage"]["input_tokens"]
+            .as_u64()
+            .unwrap()
+    );
+
+    // Bad input.
+    for bad in [
+        json!({"tools": [{"name": "x y", "input_schema": {}}]}),
+        json!({"tools": anthropic_tools(), "tool_choice": {"type": "tool", "name": "nope"}}),
+        json!({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+        json!({"tool_choice": {"type": "any"}}),
+    ] {
+        let mut req = json!({"messages": ask(), "max_tokens": 4});
+        for (k, v) in bad.as_object().unwrap() {
+            req[k] = v.clone();
+        }
+        let (status, v) = s.post("/v1/messages", &req);
+        assert_eq!(status, 400, "{bad}: {v}");
+        assert_eq!(v["type"], "error");
+    }
+}

@@ -113,3 +113,23 @@ fn every_llama_cpp_template_renders_as_hugging_face_does() {
         failures.join("\n")
     );
 }
+
+/// Each tool-call family is detected from its template in llama.cpp's collection (issue 18, point 1).
+#[test]
+fn tool_formats_are_detected_from_real_templates() {
+    use strata_engine::serve::tools::ToolFormat;
+    let marker =
+        strata_engine::models::require(&format!("{TEMPLATES_DIR}/.complete")).unwrap_or_else(|e| panic!("{e}"));
+    let dir = marker.parent().unwrap();
+    for (file, want) in [
+        ("Qwen-Qwen3-0.6B.jinja", ToolFormat::Hermes),
+        ("Qwen-Qwen2.5-7B-Instruct.jinja", ToolFormat::Hermes),
+        ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", ToolFormat::Hermes),
+        ("meta-llama-Llama-3.1-8B-Instruct.jinja", ToolFormat::Llama3),
+        ("meta-llama-Llama-3.3-70B-Instruct.jinja", ToolFormat::Llama3),
+        ("mistralai-Mistral-Nemo-Instruct-2407.jinja", ToolFormat::Mistral),
+    ] {
+        let source = std::fs::read_to_string(dir.join(file)).unwrap();
+        assert_eq!(ToolFormat::detect(&source), want, "{file}");
+    }
+}
