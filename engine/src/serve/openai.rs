@@ -352,14 +352,6 @@ fn engine_request(
     kind: Kind,
 ) -> Result<EngineRequest, ApiError> {
     state.model.check_name(API, c.model.as_deref())?;
-    if let Some(n) = c.n
-        && n != 1
-    {
-        return Err(ApiError::invalid(
-            API,
-            format!("n must be 1 (one choice per request), got {n}"),
-        ));
-    }
     // OpenAI's default for legacy completions is 16 tokens; a chat answer runs to its end.
     let default_max = matches!(kind, Kind::Text).then_some(16);
     let max = c.max_completion_tokens.or(c.max_tokens).or(default_max);
@@ -470,6 +462,36 @@ impl Kind {
     }
 }
 
+/// The engine requests of `n` choices: the same prompt, each its own sequence; with a seed, choice `i` draws with
+/// seed + i, so the choices differ and the answer can still be repeated.
+fn choices(engine: EngineRequest, n: usize) -> Vec<EngineRequest> {
+    (0..n)
+        .map(|i| {
+            let mut e = engine.clone();
+            e.sampling.seed = e.sampling.seed.map(|s| s.wrapping_add(i as u64));
+            e
+        })
+        .collect()
+}
+
+/// A job's events as a stream that ends after its `Done` or `Failed` (a receiver closed before either reads as a
+/// 503 failure, as [`api::next_job_event`] does), tagged with its choice index.
+fn choice_events(
+    index: usize,
+    pending: Option<JobEvent>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<JobEvent>,
+) -> std::pin::Pin<Box<dyn futures_util::Stream<Item = (usize, JobEvent)> + Send>> {
+    Box::pin(futures_util::stream::unfold(
+        Some((pending, rx)),
+        move |state| async move {
+            let (mut pending, mut rx) = state?;
+            let ev = api::next_job_event(&mut pending, &mut rx).await;
+            let end = matches!(ev, JobEvent::Done { .. } | JobEvent::Failed { .. });
+            Some(((index, ev), (!end).then_some((pending, rx))))
+        },
+    ))
+}
+
 async fn respond(
     state: Shared,
     c: &Common,
@@ -477,13 +499,28 @@ async fn respond(
     kind: Kind,
     tool_use: ToolUse,
 ) -> Result<Response, ApiError> {
+    let n = match c.n {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::field(
+                API,
+                "n",
+                format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
+            ));
+        }
+    };
     let format = state.model.tool_format;
     let parses = tool_use.parses();
     let id = response_id(kind.prefix());
     let model = state.model.id.clone();
     let created = api::unix_now();
     let with_logprobs = engine.logprobs.is_some();
-    let mut rx = submit(&state, API, engine)?;
+    // Every choice is queued before any is answered; a full queue answers 503 and drops (cancels) those queued.
+    let mut rxs = Vec::with_capacity(n);
+    for e in choices(engine, n) {
+        rxs.push(submit(&state, API, e)?);
+    }
     // The choice's `logprobs` for the tokens of one answer or chunk (null when the request asked for none);
     // `offset` carries a legacy completion's text offset from chunk to chunk.
     let logprobs_of = {
@@ -497,53 +534,58 @@ async fn respond(
         }
     };
     if !c.stream {
-        let Completed {
-            text,
-            finish,
-            timings,
-            logprobs,
-            ..
-        } = collect(API, rx).await?;
-        let logprobs = logprobs_of(&logprobs, &mut 0);
-        let (text, calls) = if parses {
-            tools::parse(format, &text, &tool_use.tools)
-        } else {
-            (text, vec![])
-        };
-        let mut message = json!({ "role": "assistant", "content": text });
-        let mut finish = finish_reason(finish);
-        if !calls.is_empty() {
-            if text.is_empty() {
-                message["content"] = Value::Null;
+        let mut out = Vec::with_capacity(n);
+        let mut totals: Option<Timings> = None;
+        for (index, rx) in rxs.into_iter().enumerate() {
+            let Completed {
+                text,
+                finish,
+                timings,
+                logprobs,
+                ..
+            } = collect(API, rx).await?;
+            add_choice_timings(&mut totals, &timings);
+            let logprobs = logprobs_of(&logprobs, &mut 0);
+            let (text, calls) = if parses {
+                tools::parse(format, &text, &tool_use.tools)
+            } else {
+                (text, vec![])
+            };
+            let mut finish = finish_reason(finish);
+            if !calls.is_empty() {
+                finish = "tool_calls";
             }
-            message["tool_calls"] = tool_calls_json(&calls, false).into();
-            finish = "tool_calls";
+            out.push(match kind {
+                Kind::Chat => {
+                    let mut message = json!({ "role": "assistant", "content": text });
+                    if !calls.is_empty() {
+                        if text.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        message["tool_calls"] = tool_calls_json(&calls, false).into();
+                    }
+                    json!({ "index": index, "message": message, "logprobs": logprobs, "finish_reason": finish })
+                }
+                Kind::Text => json!({ "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish }),
+            });
         }
-        let body = match kind {
-            Kind::Chat => json!({
-                "id": id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{
-                    "index": 0,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }],
-                "usage": usage(&timings),
-                "timings": timings,
-            }),
-            Kind::Text => json!({
-                "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish }],
-                "usage": usage(&timings),
-                "timings": timings,
-            }),
+        let timings = totals.unwrap_or_default();
+        let object = match kind {
+            Kind::Chat => "chat.completion",
+            Kind::Text => "text_completion",
         };
-        return Ok(Json(body).into_response());
+        return Ok(Json(json!({
+            "id": id, "object": object, "created": created, "model": model,
+            "choices": out,
+            "usage": usage(&timings),
+            "timings": timings,
+        }))
+        .into_response());
     }
 
     let include_usage = c.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let first = first_event(API, &mut rx).await?;
-    let chunk = move |delta: Option<&str>, finish: Option<Finish>, role: bool| -> Value {
+    let first = first_event(API, &mut rxs[0]).await?;
+    let chunk = move |index: usize, delta: Option<&str>, finish: Option<Finish>, role: bool| -> Value {
         let finish = finish.map(finish_reason);
         match kind {
             Kind::Chat => {
@@ -556,72 +598,88 @@ async fn respond(
                 }
                 json!({
                     "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{ "index": 0, "delta": d, "logprobs": null, "finish_reason": finish }],
+                    "choices": [{ "index": index, "delta": d, "logprobs": null, "finish_reason": finish }],
                 })
             }
             Kind::Text => json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{ "index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish }],
+                "choices": [{ "index": index, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish }],
             }),
         }
     };
     let data = |v: &Value| -> Result<SseEvent, Infallible> { Ok(SseEvent::default().data(v.to_string())) };
+    let mut events = futures_util::stream::select_all(
+        rxs.into_iter()
+            .enumerate()
+            .map(|(i, rx)| choice_events(i, if i == 0 { first.clone() } else { None }, rx)),
+    );
     let stream = async_stream::stream! {
+        use futures_util::StreamExt as _;
         if matches!(kind, Kind::Chat) {
-            yield data(&chunk(Some(""), None, true));
+            for i in 0..n {
+                yield data(&chunk(i, Some(""), None, true));
+            }
         }
-        let mut pending = first;
-        let mut offset = 0;
-        let mut calls_stream = parses.then(|| tools::CallStream::new(format));
-        loop {
-            match api::next_job_event(&mut pending, &mut rx).await {
+        let mut offsets = vec![0usize; n];
+        let mut calls_streams: Vec<Option<tools::CallStream>> =
+            (0..n).map(|_| parses.then(|| tools::CallStream::new(format))).collect();
+        let mut totals: Option<Timings> = None;
+        let mut open = n;
+        while let Some((i, ev)) = events.next().await {
+            match ev {
                 JobEvent::Text { text, logprobs } => {
-                    let text = match calls_stream.as_mut() {
+                    let text = match calls_streams[i].as_mut() {
                         Some(cs) => cs.feed(&text),
                         None => text,
                     };
                     if text.is_empty() && logprobs.is_empty() {
                         continue;
                     }
-                    let mut c = chunk(Some(&text), None, false);
-                    c["choices"][0]["logprobs"] = logprobs_of(&logprobs, &mut offset);
+                    let mut c = chunk(i, Some(&text), None, false);
+                    c["choices"][0]["logprobs"] = logprobs_of(&logprobs, &mut offsets[i]);
                     yield data(&c);
                 }
                 JobEvent::Done { stop, timings, .. } => {
                     let mut called = false;
-                    if let Some(cs) = calls_stream.take() {
+                    if let Some(cs) = calls_streams[i].take() {
                         let (rest, calls) = cs.finish(&tool_use.tools);
                         if !rest.is_empty() {
-                            yield data(&chunk(Some(&rest), None, false));
+                            yield data(&chunk(i, Some(&rest), None, false));
                         }
                         // Each call: its id, type and name with empty arguments, then its arguments (OpenAI's
                         // stream shape for tool calls).
-                        for (i, call) in tool_calls_json(&calls, true).into_iter().enumerate() {
+                        for (k, call) in tool_calls_json(&calls, true).into_iter().enumerate() {
                             let mut head = call.clone();
                             head["function"]["arguments"] = "".into();
-                            let mut c = chunk(None, None, false);
+                            let mut c = chunk(i, None, None, false);
                             c["choices"][0]["delta"] = json!({ "tool_calls": [head] });
                             yield data(&c);
-                            let mut c = chunk(None, None, false);
+                            let mut c = chunk(i, None, None, false);
                             c["choices"][0]["delta"] = json!({ "tool_calls": [{
-                                "index": i, "function": { "arguments": call["function"]["arguments"] },
+                                "index": k, "function": { "arguments": call["function"]["arguments"] },
                             }] });
                             yield data(&c);
                         }
                         called = !calls.is_empty();
                     }
-                    let mut last = chunk(None, Some(stop), false);
+                    let mut last = chunk(i, None, Some(stop), false);
                     if called {
                         last["choices"][0]["finish_reason"] = "tool_calls".into();
                     }
                     last["timings"] = serde_json::to_value(timings).unwrap_or_default();
                     yield data(&last);
+                    add_choice_timings(&mut totals, &timings);
+                    open -= 1;
+                    if open > 0 {
+                        continue;
+                    }
                     // Usage only when asked for, in a chunk of its own with no choices (OpenAI's stream shape).
                     if include_usage {
-                        let mut u = chunk(None, None, false);
+                        let timings = totals.unwrap_or_default();
+                        let mut u = chunk(0, None, None, false);
                         u["choices"] = json!([]);
                         u["usage"] = usage(&timings);
-                        u["timings"] = last["timings"].clone();
+                        u["timings"] = serde_json::to_value(timings).unwrap_or_default();
                         yield data(&u);
                     }
                     yield Ok(SseEvent::default().data("[DONE]"));
@@ -637,6 +695,21 @@ async fn respond(
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(STREAM_KEEPALIVE))
         .into_response())
+}
+
+/// The most choices one request may ask for (`n`).
+const MAX_CHOICES: usize = 16;
+
+/// Adds one choice's counts to a request's: the prompt once (the first choice's), the generated tokens and
+/// decode time of every choice.
+fn add_choice_timings(totals: &mut Option<Timings>, t: &Timings) {
+    match totals {
+        None => *totals = Some(*t),
+        Some(sum) => {
+            sum.predicted_n += t.predicted_n;
+            sum.predicted_ms += t.predicted_ms;
+        }
+    }
 }
 
 /// `GET /v1/models`: the one model served.

@@ -243,11 +243,11 @@ fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
         (vec![b' '; 5000], 413, "max-body-bytes"),
         (
             json!({"messages": [{"role": "user", "content": "Hi"}],
-                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
+                   "tools": [{"type": "retrieval"}]})
             .to_string()
             .into_bytes(),
             400,
-            "tool use is not supported",
+            "tools[0].type must be `function`",
         ),
     ];
     for (body, status, needle) in openai_cases {

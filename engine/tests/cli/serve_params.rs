@@ -511,3 +511,53 @@ fn logprobs_agree_with_strata_generate_streamed_and_not() {
         assert_eq!(v["error"]["param"], field, "{v}");
     }
 }
+
+/// `n` choices decode the same prompt as separate sequences (batched): with a seed, choice i draws with seed + i,
+/// so choice 0 is the answer of the same request with n 1; usage counts every choice's tokens; a stream carries
+/// each choice's index and finish; `n` outside 1..16 is a 400.
+#[test]
+fn n_choices_are_decoded_as_separate_sequences() {
+    let s = Server::start();
+    let base =
+        json!({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 1.0, "seed": 5});
+    let (status, v) = s.post("/v1/chat/completions", &merged(&base, &json!({"n": 3})));
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let texts: Vec<&str> = choices
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    let one = chat(&s, &base);
+    assert_eq!(texts[0], one, "choice 0 is the n = 1 answer");
+    let seed6 = chat(&s, &merged(&base, &json!({"seed": 6})));
+    assert_eq!(texts[1], seed6, "choice 1 draws with seed + 1");
+    assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+
+    let events = s.chat_stream(&merged(&base, &json!({"n": 2, "stream": true}))).rest();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(&e.data).unwrap())
+        .collect();
+    for (i, want) in texts.iter().take(2).enumerate() {
+        let text: String = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(&text, want, "streamed choice {i}");
+        assert!(
+            chunks
+                .iter()
+                .any(|c| c["choices"][0]["index"] == i && c["choices"][0]["finish_reason"].is_string())
+        );
+    }
+    for bad in [0, 17] {
+        let (status, v) = s.post("/v1/chat/completions", &merged(&base, &json!({"n": bad})));
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "n");
+    }
+}
