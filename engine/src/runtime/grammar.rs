@@ -55,6 +55,8 @@ pub struct GrammarEnv {
     eog: Vec<u32>,
     /// The one llguidance knows as EOS.
     eos: u32,
+    /// Tokens in the vocabulary.
+    vocab: usize,
 }
 
 impl GrammarEnv {
@@ -92,7 +94,12 @@ impl GrammarEnv {
         let mut factory = ParserFactory::new(&env, caps, &llguidance::earley::SlicedBiasComputer::general_slices())
             .map_err(unsupported)?;
         factory.set_stderr_log_level(0);
-        Ok(GrammarEnv { factory, eog, eos })
+        Ok(GrammarEnv {
+            factory,
+            eog,
+            eos,
+            vocab: n,
+        })
     }
 
     /// A matcher for `spec`, at the start of the answer.
@@ -101,7 +108,10 @@ impl GrammarEnv {
     /// keyword, a Lark syntax error).
     pub fn matcher(&self, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
         let grammar = match spec {
-            GrammarSpec::JsonSchema { schema } => TopLevelGrammar::from_json_schema(schema.clone()),
+            GrammarSpec::JsonSchema { schema } => {
+                check_schema_depth(schema)?;
+                TopLevelGrammar::from_json_schema(schema.clone())
+            }
             GrammarSpec::Lark { grammar } => TopLevelGrammar::from_lark(grammar.clone()),
         };
         let parser = self.factory.create_parser(grammar).map_err(unsupported)?;
@@ -118,6 +128,68 @@ impl GrammarEnv {
     pub fn check(&self, spec: &GrammarSpec) -> Result<(), GrammarError> {
         self.matcher(spec).map(|_| ())
     }
+}
+
+/// The deepest a JSON schema may nest, counting each object, array and local `$ref` hop. llguidance's compiler
+/// recurses once per level, so a long enough `$ref` chain in a small body would overflow a thread's stack and
+/// abort the process; real schemas (Pydantic's, OpenAI's strict ones) stay far below this.
+pub const MAX_SCHEMA_DEPTH: usize = 128;
+
+/// Checks that `schema` nests at most [`MAX_SCHEMA_DEPTH`] levels with its local `$ref`s followed (a recursive
+/// reference counts once).
+///
+/// Errors: [`GrammarError::Unsupported`] naming the limit.
+pub fn check_schema_depth(schema: &serde_json::Value) -> Result<(), GrammarError> {
+    use serde_json::Value as J;
+    use std::collections::HashMap;
+    /// Depth of `v`, at most `limit + 1`; `memo` holds finished `$ref` targets, `open` those being walked.
+    fn depth(v: &J, root: &J, level: usize, memo: &mut HashMap<String, usize>, open: &mut Vec<String>) -> usize {
+        if level > MAX_SCHEMA_DEPTH {
+            return 1;
+        }
+        let children = match v {
+            J::Object(map) => {
+                let mut d = 0;
+                if let Some(J::String(r)) = map.get("$ref")
+                    && let Some(ptr) = r.strip_prefix('#')
+                {
+                    let sub = if let Some(&m) = memo.get(ptr) {
+                        m
+                    } else if open.iter().any(|o| o == ptr) {
+                        0
+                    } else if let Some(target) = root.pointer(ptr) {
+                        open.push(ptr.to_string());
+                        let m = depth(target, root, level + 1, memo, open);
+                        open.pop();
+                        memo.insert(ptr.to_string(), m);
+                        m
+                    } else {
+                        0
+                    };
+                    d = d.max(sub);
+                }
+                for x in map.values() {
+                    d = d.max(depth(x, root, level + 1, memo, open));
+                }
+                d
+            }
+            J::Array(items) => items
+                .iter()
+                .map(|x| depth(x, root, level + 1, memo, open))
+                .max()
+                .unwrap_or(0),
+            _ => 0,
+        };
+        1 + children
+    }
+    if depth(schema, schema, 0, &mut HashMap::new(), &mut Vec::new()) > MAX_SCHEMA_DEPTH {
+        return Err(GrammarError::Unsupported {
+            message: format!(
+                "the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays and $ref hops counted)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn unsupported(e: impl std::fmt::Display) -> GrammarError {
@@ -148,12 +220,22 @@ impl Constrained {
 
 impl TokenSampler for Constrained {
     fn next_token(&mut self, logits: StepLogits<'_>, history: &[u32]) -> u32 {
-        let StepLogits::Full(logits) = logits else {
-            // `top_suffices` is false: the session always gives whole logits.
-            unreachable!("a constrained sampler is given whole logits");
-        };
         self.masked.clear();
-        self.masked.extend_from_slice(logits);
+        match logits {
+            StepLogits::Full(l) => self.masked.extend_from_slice(l),
+            // `top_suffices` is false, so sessions give whole logits; were they ever only the best candidates,
+            // the rest count as impossible.
+            StepLogits::Top(top) => {
+                let n = self.env.vocab;
+                self.masked.resize(n, f32::NEG_INFINITY);
+                for &(id, l) in &top.entries {
+                    if let Some(x) = self.masked.get_mut(id as usize) {
+                        *x = l;
+                    }
+                }
+            }
+        }
+        let logits = self.masked.clone();
         let end_allowed = match self.matcher.compute_mask() {
             Ok(mask) => {
                 for (id, l) in self.masked.iter_mut().enumerate() {
@@ -163,8 +245,10 @@ impl TokenSampler for Constrained {
                 }
                 mask.is_allowed(self.env.eos) || self.matcher.is_stopped()
             }
-            // The matcher failed (it should not, as only allowed tokens are fed): end the answer.
-            Err(_) => {
+            // The matcher failed (a grammar past the engine's limits mid-answer): end the answer, and say why in
+            // the log.
+            Err(e) => {
+                eprintln!("strata: the answer's grammar failed, so the answer ends here: {e}");
                 self.masked.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
                 true
             }

@@ -332,6 +332,12 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         .await?;
     let format = state.model.tool_format;
     let parses = tool_use.parses();
+    if grammar.is_some() && req.stop_sequences.iter().any(|s| !s.is_empty()) {
+        return Err(ApiError::invalid(
+            API,
+            "stop_sequences cannot be combined with output_format or a forced tool call: a stop sequence would cut the structured answer",
+        ));
+    }
     let n_prompt = prompt.len();
     let max_tokens = state.model.limit(API, &prompt, Some(max_tokens))?;
     let engine = EngineRequest {
@@ -363,10 +369,9 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             content.push(json!({ "type": "text", "text": text }));
         }
         content.extend(calls.iter().map(tool_use_block));
-        let reason = if calls.is_empty() {
-            stop_reason(finish)
-        } else {
-            "tool_use"
+        let reason = match (calls.is_empty(), finish) {
+            (false, Finish::Eog | Finish::StopString) => "tool_use",
+            _ => stop_reason(finish),
         };
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model,
@@ -453,7 +458,10 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
                         }));
                         yield event("content_block_stop", json!({ "type": "content_block_stop", "index": index }));
                     }
-                    let reason = if calls.is_empty() { stop_reason(stop) } else { "tool_use" };
+                    let reason = match (calls.is_empty(), stop) {
+                        (false, Finish::Eog | Finish::StopString) => "tool_use",
+                        _ => stop_reason(stop),
+                    };
                     yield event("message_delta", json!({
                         "type": "message_delta",
                         "delta": { "stop_reason": reason, "stop_sequence": stop_sequence(stop, stop_word.as_deref()) },

@@ -204,12 +204,21 @@ pub fn parse_body<T: DeserializeOwned>(api: Api, body: Result<Bytes, BytesReject
             format!("the request body is not valid UTF-8 (at byte {})", e.valid_up_to()),
         )
     })?;
-    serde_json::from_str(text).map_err(|e| {
-        let what = match e.classify() {
-            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => "malformed JSON",
-            _ => "invalid request",
-        };
-        ApiError::invalid(api, format!("{what}: {e}"))
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value: Result<T, (String, serde_json::Error)> = serde_path_to_error::deserialize(&mut de)
+        .map_err(|e| (e.path().to_string(), e.into_inner()))
+        .and_then(|v| de.end().map(|()| v).map_err(|e| (".".to_string(), e)));
+    value.map_err(|(path, e)| {
+        match e.classify() {
+            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+                ApiError::invalid(api, format!("malformed JSON: {e}"))
+            }
+            // A field the parser can name (not one inside a flattened or untagged part, which reads `?`).
+            _ if path != "." && !path.contains('?') => {
+                ApiError::field(api, path.clone(), format!("invalid request: {path}: {e}"))
+            }
+            _ => ApiError::invalid(api, format!("invalid request: {e}")),
+        }
     })
 }
 
@@ -480,11 +489,16 @@ pub fn server_sampling_defaults() -> SamplingParams {
     }
 }
 
+/// `repeat_penalty`'s range on the APIs: a logit divided by less than 0.001 (or multiplied by more than 1000)
+/// may overflow f32 to infinity, which would take every draw.
+const MIN_REPEAT_PENALTY: f32 = 0.001;
+const MAX_REPEAT_PENALTY: f32 = 1000.0;
+
 /// Builds a request's sampler chain from the fields it named and [`server_sampling_defaults`].
 ///
 /// Ranges are each API's own: `temperature` 0..2 on OpenAI's and 0..1 on Anthropic's (0 is greedy), `top_p` and
 /// `min_p` 0..1 (`top_p: 0` and `min_p: 1` keep the most likely token alone, `top_p: 1` and `min_p: 0` are off),
-/// `frequency_penalty` and `presence_penalty` -2..2, `top_k` ≥ 0 (0 is off), `repeat_penalty` > 0 (1 is off),
+/// `frequency_penalty` and `presence_penalty` -2..2, `top_k` ≥ 0 (0 is off), `repeat_penalty` 0.001..1000 (1 is off),
 /// `repeat_last_n` ≥ -1 (-1: the whole history, 0: penalties off), `seed` ≥ -1.
 ///
 /// Errors: a value outside its range or not finite: 400 naming the field (OpenAI's `param`).
@@ -513,11 +527,13 @@ pub fn sampling(api: Api, f: &SamplingFields) -> Result<SamplingParams, ApiError
         None => d.top_k,
     };
     let repeat_penalty = match f.repeat_penalty {
-        Some(r) if !(r.is_finite() && r > 0.0) => {
+        Some(r) if !(MIN_REPEAT_PENALTY..=MAX_REPEAT_PENALTY).contains(&r) => {
             return Err(ApiError::field(
                 api,
                 "repeat_penalty",
-                format!("repeat_penalty must be a number above 0 (1 is off), got {r}"),
+                format!(
+                    "repeat_penalty must be between {MIN_REPEAT_PENALTY} and {MAX_REPEAT_PENALTY} (1 is off), got {r}"
+                ),
             ));
         }
         r => r.unwrap_or(d.repeat_penalty),

@@ -357,6 +357,13 @@ fn engine_request(
     let max = c.max_completion_tokens.or(c.max_tokens).or(default_max);
     let max_tokens = state.model.limit(API, &prompt, max)?;
     let stop = c.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();
+    if grammar.is_some() && stop.iter().any(|s| !s.is_empty()) {
+        return Err(ApiError::field(
+            API,
+            "stop",
+            "stop cannot be combined with response_format or a forced tool call: a stop string would cut the structured answer",
+        ));
+    }
     Ok(EngineRequest {
         prompt,
         max_tokens,
@@ -551,8 +558,9 @@ async fn respond(
             } else {
                 (text, vec![])
             };
+            let cut = matches!(finish, Finish::Limit | Finish::Context);
             let mut finish = finish_reason(finish);
-            if !calls.is_empty() {
+            if !calls.is_empty() && !cut {
                 finish = "tool_calls";
             }
             out.push(match kind {
@@ -663,7 +671,7 @@ async fn respond(
                         called = !calls.is_empty();
                     }
                     let mut last = chunk(i, None, Some(stop), false);
-                    if called {
+                    if called && !matches!(stop, Finish::Limit | Finish::Context) {
                         last["choices"][0]["finish_reason"] = "tool_calls".into();
                     }
                     last["timings"] = serde_json::to_value(timings).unwrap_or_default();

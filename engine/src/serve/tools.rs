@@ -144,6 +144,10 @@ pub fn tool(
         Some(s) if s.is_object() => s.clone(),
         Some(_) => return Err(format!("{at}: the parameter schema must be a JSON object")),
     };
+    crate::runtime::grammar::check_schema_depth(&parameters).map_err(|e| format!("{at}: {e}"))?;
+    if description.is_some_and(|d| !d.is_null() && !d.is_string()) {
+        return Err(format!("{at}: description must be a string"));
+    }
     Ok(Tool {
         name: name.to_string(),
         description: description.and_then(Value::as_str).map(str::to_string),
@@ -184,31 +188,73 @@ pub fn grammar(format: ToolFormat, tools: &[Tool], choice: &ToolChoice, parallel
         ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
     };
     let key = format.arguments_key();
+    // Each tool's schema goes under `$defs` of the call schema, its own `$ref`s rebased there, so that a
+    // Pydantic-style schema (`{"$defs": ..., "$ref": "#/$defs/..."}`) keeps pointing at its own definitions.
+    let mut defs = serde_json::Map::new();
     let calls: Vec<Value> = allowed
         .iter()
-        .map(|t| {
+        .enumerate()
+        .map(|(i, t)| {
+            let mut params = t.parameters.clone();
+            rebase_refs(&mut params, &format!("#/$defs/t{i}"));
+            defs.insert(format!("t{i}"), params);
             json!({
                 "type": "object",
-                "properties": { "name": { "const": t.name }, key: t.parameters },
+                "properties": { "name": { "const": t.name }, key: { "$ref": format!("#/$defs/t{i}") } },
                 "required": ["name", key],
                 "additionalProperties": false,
             })
         })
         .collect();
-    let call = json!({ "anyOf": calls });
+    let with_defs = |mut root: Value| {
+        root["$defs"] = Value::Object(defs.clone());
+        root
+    };
     let grammar = match format {
         ToolFormat::Hermes => {
-            let more = if parallel { " (\"\\n\" call)*" } else { "" };
-            format!("start: call{more}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}\n")
+            // At most MAX_PARALLEL_CALLS calls: a small model forced to call may otherwise repeat calls until
+            // max_tokens.
+            let mut start = String::from("call");
+            if parallel {
+                for _ in 1..MAX_PARALLEL_CALLS {
+                    start = format!("call (\"\\n\" {start})?");
+                }
+            }
+            let call = with_defs(json!({ "anyOf": calls }));
+            format!("start: {start}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}\n")
         }
-        ToolFormat::Llama3 => format!("start: body\nbody: %json {call}\n"),
+        ToolFormat::Llama3 => format!("start: body\nbody: %json {}\n", with_defs(json!({ "anyOf": calls }))),
         ToolFormat::Mistral => {
+            let most = if parallel { MAX_PARALLEL_CALLS } else { 1 };
             let array =
-                json!({ "type": "array", "items": call, "minItems": 1, "maxItems": if parallel { 64 } else { 1 } });
+                with_defs(json!({ "type": "array", "items": { "anyOf": calls }, "minItems": 1, "maxItems": most }));
             format!("start: \"[TOOL_CALLS]\" body\nbody: %json {array}\n")
         }
     };
     Some(GrammarSpec::Lark { grammar })
+}
+
+/// The most calls a forced answer may make at once.
+pub const MAX_PARALLEL_CALLS: usize = 8;
+
+/// Rewrites every local `$ref` in `v` (`#`, `#/...`) to point under `base` (`#/$defs/t0`, `#/$defs/t0/...`).
+fn rebase_refs(v: &mut Value, base: &str) {
+    match v {
+        Value::Object(map) => {
+            if let Some(Value::String(r)) = map.get_mut("$ref")
+                && let Some(rest) = r.strip_prefix('#')
+            {
+                *r = format!("{base}{rest}");
+            }
+            for (k, x) in map.iter_mut() {
+                if k != "$ref" {
+                    rebase_refs(x, base);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|x| rebase_refs(x, base)),
+        _ => {}
+    }
 }
 
 /// Splits an answer into its text and its calls. Text that looks like a call but does not parse, or names no
@@ -253,6 +299,12 @@ pub fn parse(format: ToolFormat, text: &str, tools: &[Tool]) -> (String, Vec<Cal
                     None => rest.push_str(&t[..start + "<tool_call>".len() + end + "</tool_call>".len()]),
                 }
                 t = &after[end + "</tool_call>".len()..];
+            }
+            // An unfinished call at the end (the answer was cut inside it) is not text.
+            if !calls.is_empty()
+                && let Some(open) = t.find("<tool_call>")
+            {
+                t = &t[..open];
             }
             rest.push_str(t);
             (rest.trim().to_string(), calls)

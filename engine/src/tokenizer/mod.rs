@@ -19,7 +19,7 @@ mod special;
 mod spm;
 pub mod template;
 
-pub use special::GUARD;
+pub use special::{GUARD, unguard};
 pub use template::{
     ChatContent, ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, ContentPart, PromptError, TemplateError,
 };
@@ -589,9 +589,9 @@ impl Tokenizer {
                 Fragment::Text(range) => {
                     let piece = &text[range];
                     let unguarded;
-                    let piece = if drop_guards && piece.contains(special::GUARD) {
-                        unguarded = piece.replace(special::GUARD, "");
-                        unguarded.as_str()
+                    let piece = if drop_guards {
+                        unguarded = special::unguard(piece);
+                        unguarded.as_ref()
                     } else {
                         piece
                     };

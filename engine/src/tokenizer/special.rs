@@ -17,8 +17,30 @@ use super::{ATTR_CONTROL, ATTR_LSTRIP, ATTR_RSTRIP, ATTR_UNKNOWN, Vocab};
 
 /// The mark [`SpecialTokens::guard`] writes inside control-token texts that come from outside the template (a
 /// message's content): U+FDD0, a Unicode noncharacter, reserved for a program's internal use and in no
-/// vocabulary. [`super::Tokenizer::encode_chat`] drops it before tokenizing the text around it.
+/// vocabulary. [`super::Tokenizer::encode_chat`] drops it before tokenizing the text around it ([`unguard`]).
 pub const GUARD: char = '\u{FDD0}';
+
+/// Text written by [`SpecialTokens::guard`] back as it was: a [`GUARD`] alone (a mark) is dropped, a doubled one
+/// (one the text held) is one. A mark always sits between two other characters (after the first character of a
+/// control token's text, before its second), so the two never run together.
+pub fn unguard(text: &str) -> Cow<'_, str> {
+    if !text.contains(GUARD) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut run = 0usize;
+    for c in text.chars() {
+        if c == GUARD {
+            run += 1;
+            continue;
+        }
+        out.extend(std::iter::repeat_n(GUARD, run / 2));
+        run = 0;
+        out.push(c);
+    }
+    out.extend(std::iter::repeat_n(GUARD, run / 2));
+    Cow::Owned(out)
+}
 
 /// A piece of the input: text still to tokenize, or a special token already recognized.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,13 +120,14 @@ impl SpecialTokens {
 
     /// `text` with [`GUARD`] written after the first character of every occurrence of a control or unknown
     /// token's text, so that no control token can be read from it even with `parse_special`; [`GUARD`]
-    /// characters already in `text` are removed first. Borrowed when there is nothing to change.
+    /// characters already in `text` are doubled, so [`unguard`] gives them back. Borrowed when there is nothing
+    /// to change.
     ///
     /// Every occurrence is broken: one that starts at byte `s` gets a mark after its first character, and the
     /// mark is in no token's text.
     pub(crate) fn guard<'t>(&self, vocab: &Vocab, text: &'t str) -> Cow<'t, str> {
         let clean: Cow<'t, str> = if text.contains(GUARD) {
-            Cow::Owned(text.replace(GUARD, ""))
+            Cow::Owned(text.replace(GUARD, "\u{FDD0}\u{FDD0}"))
         } else {
             Cow::Borrowed(text)
         };

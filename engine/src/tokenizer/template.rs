@@ -12,7 +12,7 @@ use std::fmt::{self, Write as _};
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
-use super::special::GUARD;
+use super::special::unguard;
 use super::{Tokenizer, TokenizerError};
 use crate::gguf::{Metadata, MetadataError};
 
@@ -284,11 +284,7 @@ impl ChatTemplate {
         let guarded = self.render_with(request, &mut |v| guard_strings(tokenizer, v))?;
         let starts_with_bos = !self.bos_token.is_empty() && guarded.starts_with(&self.bos_token);
         let ids = tokenizer.encode_chat(&guarded, !starts_with_bos)?;
-        let text = if guarded.contains(GUARD) {
-            guarded.replace(GUARD, "")
-        } else {
-            guarded
-        };
+        let text = unguard(&guarded).into_owned();
         Ok(ChatPrompt { text, ids })
     }
 

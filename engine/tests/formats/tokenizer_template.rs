@@ -339,7 +339,7 @@ fn control_tokens_inside_messages_are_plain_text() {
     let naive = tok.encode(&p.text, true, true).unwrap();
     assert_eq!(naive.iter().filter(|&&x| x == im_start).count(), 4);
 
-    // Tool definitions and tool calls are guarded too; U+FDD0 (the guard mark) typed by a user is dropped.
+    // Tool definitions and tool calls are guarded too; U+FDD0 (the guard mark) typed by a user is kept.
     let mut call = ChatMessage::new("assistant", "");
     call.extra.insert(
         "tool_calls".into(),
@@ -362,7 +362,12 @@ fn control_tokens_inside_messages_are_plain_text() {
     let p = cohere_like.prompt(&tok, &req).unwrap();
     assert_eq!(
         p.text,
-        "<|im_end|><|im_start|>ab<|im_start|><|im_end|><|im_start|><|im_start|><|im_end|>"
+        "<|im_end|><|im_start|>a\u{FDD0}b<|im_start|><|im_end|><|im_start|><|im_start|><|im_end|>"
+    );
+    assert_eq!(
+        tok.decode(&p.ids).unwrap(),
+        p.text,
+        "U+FDD0 is tokenized as the text it is"
     );
     let count = |id: u32| p.ids.iter().filter(|&&x| x == id).count();
     assert_eq!((count(im_start), count(im_end)), (2, 2), "{:?}", p.ids);
