@@ -236,7 +236,25 @@ impl TokenSampler for Constrained {
             }
         }
         let logits = self.masked.clone();
-        let end_allowed = match self.matcher.compute_mask() {
+        let end_allowed = if self.matcher.is_stopped() {
+            // The grammar is complete and nothing may follow: only the end.
+            self.masked.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
+            true
+        } else {
+            self.mask_step()
+        };
+        self.finish_step(logits, end_allowed, history)
+    }
+
+    fn adjusted_logits(&self) -> Option<&[f32]> {
+        self.inner.adjusted_logits().or(Some(&self.masked))
+    }
+}
+
+impl Constrained {
+    /// Sets the logits the grammar forbids to -inf; says whether the end is allowed.
+    fn mask_step(&mut self) -> bool {
+        match self.matcher.compute_mask() {
             Ok(mask) => {
                 for (id, l) in self.masked.iter_mut().enumerate() {
                     if !mask.is_allowed(id as u32) {
@@ -252,7 +270,11 @@ impl TokenSampler for Constrained {
                 self.masked.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
                 true
             }
-        };
+        }
+    }
+
+    /// Lets the end through where allowed, draws from the masked logits, and feeds the token to the grammar.
+    fn finish_step(&mut self, logits: Vec<f32>, end_allowed: bool, history: &[u32]) -> u32 {
         for &id in &self.env.eog {
             if let Some(l) = self.masked.get_mut(id as usize) {
                 *l = if end_allowed {
@@ -271,9 +293,5 @@ impl TokenSampler for Constrained {
             let _ = self.matcher.consume_token(tok);
         }
         tok
-    }
-
-    fn adjusted_logits(&self) -> Option<&[f32]> {
-        self.inner.adjusted_logits().or(Some(&self.masked))
     }
 }

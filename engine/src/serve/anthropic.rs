@@ -102,15 +102,25 @@ impl Content {
         for b in blocks {
             match (b.kind.as_str(), role) {
                 ("text", _) => text.push_str(b.text.as_deref().unwrap_or("")),
-                ("tool_use", "assistant") => calls.push(json!({
-                    "id": b.id.unwrap_or_default(),
-                    "type": "function",
-                    "function": { "name": b.name.unwrap_or_default(), "arguments": b.input.unwrap_or(json!({})) },
-                })),
+                ("tool_use", "assistant") => {
+                    let (Some(id), Some(name)) = (b.id, b.name) else {
+                        return Err(ApiError::invalid(API, "a tool_use block needs its id and name"));
+                    };
+                    calls.push(json!({
+                        "id": id,
+                        "type": "function",
+                        "function": { "name": name, "arguments": b.input.unwrap_or(json!({})) },
+                    }));
+                }
                 ("tool_result", "user") => {
+                    let Some(call) = b.tool_use_id else {
+                        return Err(ApiError::invalid(
+                            API,
+                            "a tool_result block needs the tool_use_id of the call it answers",
+                        ));
+                    };
                     let mut m = ChatMessage::new("tool", result_text(b.content.as_ref())?);
-                    m.extra
-                        .insert("tool_call_id".into(), b.tool_use_id.unwrap_or_default().into());
+                    m.extra.insert("tool_call_id".into(), call.into());
                     out.push(m);
                 }
                 (kind, _) => {
@@ -165,6 +175,8 @@ struct MessagesRequest {
     stream: bool,
     /// Structured output: `{"type": "json_schema", "schema": {...}}`.
     output_format: Option<Value>,
+    /// The newer place for it: `output_config.format` (Anthropic's SDKs send this).
+    output_config: Option<Value>,
 }
 
 /// Reads Anthropic's `tools` and `tool_choice`.
@@ -188,13 +200,25 @@ fn tool_use(c: &Conversation) -> Result<ToolUse, ApiError> {
         }
         let tool = tools::tool(&at, t.get("name"), t.get("description"), t.get("input_schema"))
             .map_err(|m| ApiError::invalid(API, m))?;
+        if list.iter().any(|t: &tools::Tool| t.name == tool.name) {
+            return Err(ApiError::invalid(
+                API,
+                format!("{at}: tool `{}` is given twice", tool.name),
+            ));
+        }
         list.push(tool);
     }
     let choice = c.tool_choice.as_ref().filter(|v| !v.is_null());
-    let parallel = !choice
-        .and_then(|v| v.get("disable_parallel_tool_use"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let parallel = match choice.and_then(|v| v.get("disable_parallel_tool_use")) {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => !b,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                API,
+                format!("tool_choice.disable_parallel_tool_use must be true or false, got {v}"),
+            ));
+        }
+    };
     let choice = match choice.map(|v| (v.get("type").and_then(Value::as_str), v)) {
         None => None,
         Some((Some("auto"), _)) => Some(ToolChoice::Auto),
@@ -312,9 +336,14 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             let Some(max_tokens) = req.max_tokens else {
                 return Err(ApiError::invalid(API, "max_tokens is required"));
             };
-            let mut grammar = st
-                .model
-                .structured_output(API, "output_format", req.output_format.as_ref())?;
+            let mut grammar = match req.output_config.as_ref().and_then(|c| c.get("format")) {
+                Some(f) if req.output_format.is_none() => {
+                    st.model.structured_output(API, "output_config.format", Some(f))?
+                }
+                _ => st
+                    .model
+                    .structured_output(API, "output_format", req.output_format.as_ref())?,
+            };
             let conversation = std::mem::take(&mut req.conversation);
             let (prompt, tool_use) = prompt(&st, conversation)?;
             if let Some(g) = tool_use.grammar(st.model.tool_format) {
@@ -360,7 +389,12 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             ..
         } = collect(API, rx).await?;
         let (text, calls) = if parses {
-            tools::parse(format, &text, &tool_use.tools)
+            tools::parse(
+                format,
+                &text,
+                &tool_use.tools,
+                matches!(finish, Finish::Limit | Finish::Context),
+            )
         } else {
             (text, vec![])
         };
@@ -427,7 +461,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
                 }
                 JobEvent::Done { stop, stop_word, timings } => {
                     let (rest, calls) = match calls_stream.take() {
-                        Some(cs) => cs.finish(&tool_use.tools),
+                        Some(cs) => cs.finish(&tool_use.tools, matches!(stop, Finish::Limit | Finish::Context)),
                         None => (String::new(), vec![]),
                     };
                     if !rest.is_empty() || (calls.is_empty() && !text_open) {

@@ -393,6 +393,25 @@ impl ModelInfo {
                 "this model has no chat template; use /v1/completions with a plain prompt",
             )
         })?;
+        if !template.source().contains("tool_calls") {
+            // A template that never prints an assistant's calls would drop them, and the model would not see
+            // what it called: they are written into the turn's text in the format the generic prompt asks for.
+            for m in &mut messages {
+                let Some(serde_json::Value::Array(calls)) = m.extra.remove("tool_calls") else {
+                    continue;
+                };
+                let mut text = match &m.content {
+                    ChatContent::Text(t) => t.clone(),
+                    _ => String::new(),
+                };
+                for c in &calls {
+                    let f = c.get("function").unwrap_or(c);
+                    let call = serde_json::json!({ "name": f.get("name"), "arguments": f.get("arguments") });
+                    text.push_str(&format!("<tool_call>{call}</tool_call>"));
+                }
+                m.content = ChatContent::Text(text);
+            }
+        }
         let mut tools = None;
         if !offered.is_empty() {
             if template.source().contains("tools") {

@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use super::Shared;
 use super::api::{self, Api, ApiError, parse_body};
@@ -39,30 +39,49 @@ struct TokenizeRequest {
 /// `POST /tokenize` `{"content", "add_special"?, "parse_special"?, "with_pieces"?}`: `{"tokens": [ids]}`, or with
 /// `with_pieces` `{"tokens": [{"id", "piece"}]}` where a piece that is not whole UTF-8 is its list of bytes.
 pub async fn tokenize(State(state): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    /// A piece as text when it is whole UTF-8, else its bytes.
+    #[derive(serde::Serialize)]
+    #[serde(untagged)]
+    enum Piece<'a> {
+        Text(&'a str),
+        Bytes(&'a [u8]),
+    }
+    #[derive(serde::Serialize)]
+    struct Entry<'a> {
+        id: u32,
+        piece: Piece<'a>,
+    }
     let st = state.clone();
-    api::answer_on_cpu(&state, API, move || {
-        let req: TokenizeRequest = parse_body(API, body)?;
-        let tok = &st.model.tokenizer;
-        let ids = tok
-            .encode(&req.content, req.add_special, req.parse_special)
-            .map_err(|e| ApiError::invalid(API, e.to_string()))?;
-        if !req.with_pieces {
-            return Ok(json!({ "tokens": ids }));
-        }
-        let tokens: Vec<Value> = ids
-            .iter()
-            .map(|&id| {
-                let bytes = tok.token_to_piece(id).unwrap_or(&[]);
-                let piece = match std::str::from_utf8(bytes) {
-                    Ok(s) => Value::from(s),
-                    Err(_) => Value::from(bytes.to_vec()),
-                };
-                json!({ "id": id, "piece": piece })
-            })
-            .collect();
-        Ok(json!({ "tokens": tokens }))
-    })
-    .await
+    let r = state
+        .cpu
+        .run(API, move || {
+            let req: TokenizeRequest = parse_body(API, body)?;
+            let tok = &st.model.tokenizer;
+            let ids = tok
+                .encode(&req.content, req.add_special, req.parse_special)
+                .map_err(|e| ApiError::invalid(API, e.to_string()))?;
+            // Written straight to text, never as a JSON tree: a tree of a million pieces takes gigabytes.
+            let body = if req.with_pieces {
+                let entries: Vec<Entry<'_>> = ids
+                    .iter()
+                    .map(|&id| {
+                        let bytes = tok.token_to_piece(id).unwrap_or(&[]);
+                        let piece = std::str::from_utf8(bytes).map_or(Piece::Bytes(bytes), Piece::Text);
+                        Entry { id, piece }
+                    })
+                    .collect();
+                serde_json::to_string(&entries)
+            } else {
+                serde_json::to_string(&ids)
+            };
+            body.map(|b| format!("{{\"tokens\":{b}}}"))
+                .map_err(|e| ApiError::invalid(API, e.to_string()))
+        })
+        .await;
+    match r {
+        Ok(body) => ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -91,9 +110,11 @@ pub async fn detokenize(State(state): State<Shared>, body: Result<Bytes, BytesRe
 #[derive(Debug, Deserialize)]
 struct ApplyTemplateRequest {
     messages: Vec<ChatMessage>,
+    /// OpenAI's `tools`, offered as `/v1/chat/completions` offers them.
+    tools: Option<serde_json::Value>,
 }
 
-/// `POST /apply-template` `{"messages": [...]}` (OpenAI's messages): `{"prompt": text}`, the conversation
+/// `POST /apply-template` `{"messages": [...], "tools"?: [...]}` (OpenAI's): `{"prompt": text}`, the conversation
 /// rendered by the model's chat template with the assistant's turn opened, exactly as `/v1/chat/completions`
 /// would send it.
 ///
@@ -102,8 +123,9 @@ pub async fn apply_template(State(state): State<Shared>, body: Result<Bytes, Byt
     let st = state.clone();
     api::answer_on_cpu(&state, API, move || {
         let req: ApplyTemplateRequest = parse_body(API, body)?;
+        let tools = super::openai::parse_tools(req.tools.as_ref())?;
         let messages = super::openai::flatten_content(API, req.messages)?;
-        Ok(json!({ "prompt": st.model.chat_prompt(API, messages)?.text }))
+        Ok(json!({ "prompt": st.model.chat_prompt_with_tools(API, messages, &tools)?.text }))
     })
     .await
 }

@@ -22,7 +22,7 @@ use super::api::{
 };
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent};
-use super::tools::{self, ToolChoice, ToolUse};
+use super::tools::{self, Tool, ToolChoice, ToolUse};
 use crate::runtime::grammar::GrammarSpec;
 use crate::runtime::sampling::{MAX_TOP_LOGPROBS, TokenLogprob};
 use crate::tokenizer::{ChatContent, ChatMessage};
@@ -94,6 +94,13 @@ pub fn flatten_content(api: Api, messages: Vec<ChatMessage>) -> Result<Vec<ChatM
                         ROLES.join(", "),
                         m.role
                     ),
+                ));
+            }
+            if m.role == "tool" && !m.extra.get("tool_call_id").is_some_and(Value::is_string) {
+                return Err(ApiError::field(
+                    api,
+                    format!("messages[{i}].tool_call_id"),
+                    format!("messages[{i}]: a `tool` message needs the tool_call_id of the call it answers"),
                 ));
             }
             if m.role == "developer" {
@@ -223,23 +230,43 @@ fn chat_logprobs(state: &Shared, entries: &[TokenLogprob]) -> Value {
     json!({ "content": content })
 }
 
-/// A legacy completion choice's `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, the
-/// offsets in characters of the answer from `offset` on.
-fn text_logprobs(state: &Shared, entries: &[TokenLogprob], offset: &mut usize) -> Value {
+/// A legacy completion's token as text: itself when whole UTF-8, else OpenAI's `bytes:\xNN...` form (a token
+/// that holds part of a character).
+fn legacy_token(state: &Shared, id: u32) -> String {
+    let (text, bytes) = token_text(state, id);
+    match std::str::from_utf8(&bytes) {
+        Ok(_) => text,
+        Err(_) => bytes.iter().fold(String::from("bytes:"), |mut s, b| {
+            s.push_str(&format!("\\x{b:02x}"));
+            s
+        }),
+    }
+}
+
+/// A legacy completion choice's `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+/// `answer` holds the bytes of the answer's tokens so far (carried from chunk to chunk): a token's offset is the
+/// length in characters of the whole characters before it.
+fn text_logprobs(state: &Shared, entries: &[TokenLogprob], answer: &mut Vec<u8>) -> Value {
+    let chars = |b: &[u8]| {
+        let valid = match std::str::from_utf8(b) {
+            Ok(s) => s.len(),
+            Err(e) => e.valid_up_to(),
+        };
+        String::from_utf8_lossy(&b[..valid]).chars().count()
+    };
     let mut tokens = Vec::new();
     let mut token_logprobs = Vec::new();
     let mut top = Vec::new();
     let mut offsets = Vec::new();
     for e in entries {
-        let (token, _) = token_text(state, e.id);
-        offsets.push(*offset);
-        *offset += token.chars().count();
-        tokens.push(token);
+        offsets.push(chars(answer));
+        answer.extend(token_text(state, e.id).1);
+        tokens.push(legacy_token(state, e.id));
         token_logprobs.push(e.logprob);
         let alternatives: serde_json::Map<String, Value> = e
             .top
             .iter()
-            .map(|&(id, lp)| (token_text(state, id).0, lp.into()))
+            .map(|&(id, lp)| (legacy_token(state, id), lp.into()))
             .collect();
         top.push(alternatives);
     }
@@ -252,44 +279,19 @@ fn text_logprobs(state: &Shared, entries: &[TokenLogprob], offset: &mut usize) -
 /// Errors: 400 naming the field: a tool that is not a function or has a bad name or schema, an unknown choice,
 /// a named function not on offer, a choice without tools.
 fn tool_use(c: &Common) -> Result<ToolUse, ApiError> {
-    let items = match c.tools.as_ref().filter(|t| !t.is_null()) {
-        None => vec![],
-        Some(Value::Array(items)) => items.clone(),
-        Some(_) => {
-            return Err(ApiError::field(
-                API,
-                "tools",
-                "tools must be an array of function tools",
-            ));
-        }
-    };
-    let mut list = Vec::with_capacity(items.len());
-    for (i, t) in items.iter().enumerate() {
-        let at = format!("tools[{i}]");
-        if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(ApiError::field(
-                API,
-                format!("{at}.type"),
-                format!("{at}.type must be `function`"),
-            ));
-        }
-        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
-            ApiError::field(
-                API,
-                format!("{at}.function"),
-                format!("{at}.function must be an object"),
-            )
-        })?;
-        let at = format!("{at}.function");
-        let tool = tools::tool(&at, f.get("name"), f.get("description"), f.get("parameters"))
-            .map_err(|m| ApiError::field(API, at.clone(), m))?;
-        list.push(tool);
-    }
+    let list = parse_tools(c.tools.as_ref())?;
     let choice = match c.tool_choice.as_ref().filter(|v| !v.is_null()) {
         None => None,
         Some(Value::String(s)) if s == "none" => Some(ToolChoice::None),
         Some(Value::String(s)) if s == "auto" => Some(ToolChoice::Auto),
         Some(Value::String(s)) if s == "required" => Some(ToolChoice::Required),
+        Some(v) if v.get("type").and_then(Value::as_str) != Some("function") => {
+            return Err(ApiError::field(
+                API,
+                "tool_choice",
+                format!("tool_choice must be none, auto, required or a function to call, got {v}"),
+            ));
+        }
         Some(v) => match v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
             Some(name) if list.iter().any(|t| t.name == name) => Some(ToolChoice::Named(name.to_string())),
             Some(name) => {
@@ -322,6 +324,50 @@ fn tool_use(c: &Common) -> Result<ToolUse, ApiError> {
         tools: list,
         parallel: c.parallel_tool_calls.unwrap_or(true),
     })
+}
+
+/// Reads OpenAI's `tools`: `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
+///
+/// Errors: 400 naming the field: not an array, a tool that is not a function, a bad name, description or
+/// schema, a name given twice.
+pub fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
+    let items = match v.filter(|t| !t.is_null()) {
+        None => return Ok(vec![]),
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            return Err(ApiError::field(
+                API,
+                "tools",
+                "tools must be an array of function tools",
+            ));
+        }
+    };
+    let mut list: Vec<Tool> = Vec::with_capacity(items.len());
+    for (i, t) in items.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::field(
+                API,
+                format!("{at}.type"),
+                format!("{at}.type must be `function`"),
+            ));
+        }
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+            ApiError::field(
+                API,
+                format!("{at}.function"),
+                format!("{at}.function must be an object"),
+            )
+        })?;
+        let at = format!("{at}.function");
+        let tool = tools::tool(&at, f.get("name"), f.get("description"), f.get("parameters"))
+            .map_err(|m| ApiError::field(API, at.clone(), m))?;
+        if list.iter().any(|t| t.name == tool.name) {
+            return Err(ApiError::field(API, at, format!("tool `{}` is given twice", tool.name)));
+        }
+        list.push(tool);
+    }
+    Ok(list)
 }
 
 /// OpenAI's `tool_calls` of a message or (with `index`) of a stream delta.
@@ -529,14 +575,14 @@ async fn respond(
         rxs.push(submit(&state, API, e)?);
     }
     // The choice's `logprobs` for the tokens of one answer or chunk (null when the request asked for none);
-    // `offset` carries a legacy completion's text offset from chunk to chunk.
+    // `answer` carries a legacy completion's bytes so far from chunk to chunk (its text offsets).
     let logprobs_of = {
         let state = state.clone();
-        move |entries: &[TokenLogprob], offset: &mut usize| -> Value {
+        move |entries: &[TokenLogprob], answer: &mut Vec<u8>| -> Value {
             match (with_logprobs, kind) {
                 (false, _) => Value::Null,
                 (true, Kind::Chat) => chat_logprobs(&state, entries),
-                (true, Kind::Text) => text_logprobs(&state, entries, offset),
+                (true, Kind::Text) => text_logprobs(&state, entries, answer),
             }
         }
     };
@@ -552,9 +598,14 @@ async fn respond(
                 ..
             } = collect(API, rx).await?;
             add_choice_timings(&mut totals, &timings);
-            let logprobs = logprobs_of(&logprobs, &mut 0);
+            let logprobs = logprobs_of(&logprobs, &mut Vec::new());
             let (text, calls) = if parses {
-                tools::parse(format, &text, &tool_use.tools)
+                tools::parse(
+                    format,
+                    &text,
+                    &tool_use.tools,
+                    matches!(finish, Finish::Limit | Finish::Context),
+                )
             } else {
                 (text, vec![])
             };
@@ -628,7 +679,7 @@ async fn respond(
                 yield data(&chunk(i, Some(""), None, true));
             }
         }
-        let mut offsets = vec![0usize; n];
+        let mut offsets: Vec<Vec<u8>> = vec![Vec::new(); n];
         let mut calls_streams: Vec<Option<tools::CallStream>> =
             (0..n).map(|_| parses.then(|| tools::CallStream::new(format))).collect();
         let mut totals: Option<Timings> = None;
@@ -650,7 +701,7 @@ async fn respond(
                 JobEvent::Done { stop, timings, .. } => {
                     let mut called = false;
                     if let Some(cs) = calls_streams[i].take() {
-                        let (rest, calls) = cs.finish(&tool_use.tools);
+                        let (rest, calls) = cs.finish(&tool_use.tools, matches!(stop, Finish::Limit | Finish::Context));
                         if !rest.is_empty() {
                             yield data(&chunk(i, Some(&rest), None, false));
                         }

@@ -258,8 +258,9 @@ fn rebase_refs(v: &mut Value, base: &str) {
 }
 
 /// Splits an answer into its text and its calls. Text that looks like a call but does not parse, or names no
-/// tool on offer, stays text.
-pub fn parse(format: ToolFormat, text: &str, tools: &[Tool]) -> (String, Vec<Call>) {
+/// tool on offer, stays text, unless the answer was `cut` (by max_tokens or the context) inside it: a call left
+/// unfinished is dropped, never shown as text.
+pub fn parse(format: ToolFormat, text: &str, tools: &[Tool], cut: bool) -> (String, Vec<Call>) {
     let known = |name: &str| tools.iter().any(|t| t.name == name);
     let call_of = |v: &Value| -> Option<Call> {
         let name = v.get("name")?.as_str()?;
@@ -301,7 +302,7 @@ pub fn parse(format: ToolFormat, text: &str, tools: &[Tool]) -> (String, Vec<Cal
                 t = &after[end + "</tool_call>".len()..];
             }
             // An unfinished call at the end (the answer was cut inside it) is not text.
-            if !calls.is_empty()
+            if (cut || !calls.is_empty())
                 && let Some(open) = t.find("<tool_call>")
             {
                 t = &t[..open];
@@ -313,6 +314,7 @@ pub fn parse(format: ToolFormat, text: &str, tools: &[Tool]) -> (String, Vec<Cal
             let body = text.trim().trim_start_matches("<|python_tag|>").trim();
             match serde_json::from_str::<Value>(body).ok().as_ref().and_then(call_of) {
                 Some(c) => (String::new(), vec![c]),
+                None if cut && body.starts_with('{') => (String::new(), vec![]),
                 None => (text.to_string(), vec![]),
             }
         }
@@ -326,6 +328,7 @@ pub fn parse(format: ToolFormat, text: &str, tools: &[Tool]) -> (String, Vec<Cal
                 .and_then(|items| items.iter().map(call_of).collect());
             match calls {
                 Some(c) if !c.is_empty() => (text[..at].trim().to_string(), c),
+                _ if cut => (text[..at].trim().to_string(), vec![]),
                 _ => (text.to_string(), vec![]),
             }
         }
@@ -393,12 +396,13 @@ impl CallStream {
         self.held.drain(..self.held.len() - keep).collect()
     }
 
-    /// Ends the answer: the text still held that is not a call, and the calls.
-    pub fn finish(self, tools: &[Tool]) -> (String, Vec<Call>) {
+    /// Ends the answer (`cut`: by max_tokens or the context): the text still held that is not a call, and the
+    /// calls ([`parse`]).
+    pub fn finish(self, tools: &[Tool], cut: bool) -> (String, Vec<Call>) {
         if !self.calling {
             return (self.held, vec![]);
         }
-        parse(self.format, &self.held, tools)
+        parse(self.format, &self.held, tools, cut)
     }
 }
 
@@ -430,6 +434,7 @@ mod tests {
             ToolFormat::Hermes,
             "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Oslo\\\"}\"}</tool_call>",
             &tools,
+            false,
         );
         assert_eq!(text, "Let me check.");
         assert_eq!(calls.len(), 2);
@@ -439,20 +444,23 @@ mod tests {
             ToolFormat::Hermes,
             "<tool_call>{\"name\": \"nope\", \"arguments\": {}}</tool_call>",
             &tools,
+            false,
         );
         assert!(calls.is_empty() && text.contains("nope"));
         let (text, calls) = parse(
             ToolFormat::Llama3,
             "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}",
             &tools,
+            false,
         );
         assert_eq!((text.as_str(), calls[0].arguments["city"].as_str()), ("", Some("Rome")));
-        let (_, calls) = parse(ToolFormat::Llama3, "{\"weather\": 1}", &tools);
+        let (_, calls) = parse(ToolFormat::Llama3, "{\"weather\": 1}", &tools, false);
         assert!(calls.is_empty());
         let (text, calls) = parse(
             ToolFormat::Mistral,
             "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Bern\"}}]",
             &tools,
+            false,
         );
         assert_eq!((text.as_str(), calls.len()), ("", 1));
     }
@@ -466,14 +474,14 @@ mod tests {
         assert_eq!(out, "Sure. ", "the marker's start is held");
         out += &s.feed("all>{\"name\": \"get_weather\", \"arguments\": {}}</tool_call>");
         assert_eq!(out, "Sure. ");
-        let (rest, calls) = s.finish(&tools);
+        let (rest, calls) = s.finish(&tools, false);
         assert_eq!((rest.as_str(), calls.len()), ("", 1));
         let mut s = CallStream::new(ToolFormat::Hermes);
         assert_eq!(s.feed("a <b> c"), "a <b> c");
         let mut s = CallStream::new(ToolFormat::Llama3);
         assert_eq!(s.feed("  "), "");
         assert_eq!(s.feed("Hello {x}"), "  Hello {x}", "a Llama 3 call is the whole answer");
-        assert_eq!(s.finish(&tools).1.len(), 0);
+        assert_eq!(s.finish(&tools, false).1.len(), 0);
     }
 
     #[test]

@@ -251,3 +251,103 @@ fn anthropic_tool_use_round_trip() {
         assert_eq!(v["type"], "error");
     }
 }
+
+/// What the attack and the new-user review found, held: a `$ref` chain deep enough to overflow the schema
+/// compiler is a 400 (and the server lives); a tool schema with its own `$defs` is forced correctly; a forced
+/// answer cut by max_tokens ends as `length` without the half call in its text; stop strings cannot cut a
+/// structured answer; a template without tool support still shows the calls made; `/apply-template` takes tools.
+#[test]
+fn tool_and_schema_edge_cases_hold() {
+    let s = Server::start();
+    // A 1000-long $ref chain.
+    let mut defs = serde_json::Map::new();
+    for i in 0..1000 {
+        defs.insert(format!("a{i}"), json!({"$ref": format!("#/$defs/a{}", i + 1)}));
+    }
+    defs.insert("a1000".into(), json!({"type": "integer"}));
+    let schema = json!({"$ref": "#/$defs/a0", "$defs": defs});
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("nests deeper"), "{v}");
+    let (status, v) = s.post(
+        "/v1/messages",
+        &json!({"messages": ask(), "max_tokens": 4, "output_config": {"format": {"type": "json_schema", "schema": schema}}}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(s.health()["status"], "ok");
+
+    // Pydantic-style parameters.
+    let pyd = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": false}},
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}}, "required": ["where"],
+        "additionalProperties": false}}}]);
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "tools": pyd, "tool_choice": "required", "parallel_tool_calls": false,
+                "max_tokens": 80, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let args: Value = serde_json::from_str(
+        v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(args["where"]["city"].is_string(), "{args}");
+
+    // Cut inside a forced call.
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "tools": tools(), "tool_choice": "required", "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap_or("");
+    assert!(!content.contains("<tool_call>"), "{v}");
+
+    // stop with a grammar.
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4, "stop": [","], "response_format": {"type": "json_object"}}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "stop");
+
+    // The calls an assistant made stay visible to a template without tool support; tools show in /apply-template.
+    let messages = json!([
+        ask()[0],
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"}
+    ]);
+    let (status, p) = s.post("/apply-template", &json!({"messages": messages, "tools": tools()}));
+    assert_eq!(status, 200, "{p}");
+    let prompt = p["prompt"].as_str().unwrap();
+    assert!(
+        prompt.contains(r#"<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>"#),
+        "{prompt}"
+    );
+    assert!(prompt.contains("get_time"), "the tools are offered: {prompt}");
+    // A tool message must say which call it answers.
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [ask()[0], {"role": "tool", "content": "21 C"}], "max_tokens": 2}),
+    );
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("messages[1].tool_call_id")),
+        "{v}"
+    );
+    // Anthropic: a tool_use block needs its id.
+    let (status, v) = s.post(
+        "/v1/messages",
+        &json!({"messages": [ask()[0], {"role": "assistant", "content": [{"type": "tool_use", "name": "get_weather", "input": {}}]}],
+                "max_tokens": 2}),
+    );
+    assert_eq!(status, 400, "{v}");
+}
