@@ -149,8 +149,15 @@ WEATHER = {
 def test_openai_tools_and_structured_output():
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    # One call: forced parallel calls let a small model repeat calls up to max_tokens (then finish_reason length).
     r = oa.chat.completions.create(
-        model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0, max_tokens=80
+        model=MODEL,
+        messages=msgs,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
     )
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", r
