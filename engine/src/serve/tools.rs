@@ -261,6 +261,12 @@ fn rebase_refs(v: &mut Value, base: &str) {
 /// tool on offer, stays text, unless the answer was `cut` (by max_tokens or the context) inside it: a call left
 /// unfinished is dropped, never shown as text.
 pub fn parse(format: ToolFormat, text: &str, tools: &[Tool], cut: bool) -> (String, Vec<Call>) {
+    // Cut inside the marker itself (`<tool`): that is not text either.
+    let text = if cut {
+        without_partial_marker(format, text)
+    } else {
+        text
+    };
     let known = |name: &str| tools.iter().any(|t| t.name == name);
     let call_of = |v: &Value| -> Option<Call> {
         let name = v.get("name")?.as_str()?;
@@ -400,10 +406,25 @@ impl CallStream {
     /// calls ([`parse`]).
     pub fn finish(self, tools: &[Tool], cut: bool) -> (String, Vec<Call>) {
         if !self.calling {
-            return (self.held, vec![]);
+            let held = if cut {
+                without_partial_marker(self.format, &self.held).to_string()
+            } else {
+                self.held
+            };
+            return (held, vec![]);
         }
         parse(self.format, &self.held, tools, cut)
     }
+}
+
+/// `text` without a tail that is the start of `format`'s marker (an answer cut while writing it).
+fn without_partial_marker(format: ToolFormat, text: &str) -> &str {
+    let marker = format.marker();
+    let keep = (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&k| text.is_char_boundary(text.len() - k) && marker.starts_with(&text[text.len() - k..]))
+        .unwrap_or(0);
+    &text[..text.len() - keep]
 }
 
 /// A fresh call id with `prefix` (`call_`, `toolu_`).
@@ -482,6 +503,12 @@ mod tests {
         assert_eq!(s.feed("  "), "");
         assert_eq!(s.feed("Hello {x}"), "  Hello {x}", "a Llama 3 call is the whole answer");
         assert_eq!(s.finish(&tools, false).1.len(), 0);
+        // Cut inside the marker: the partial marker is not text.
+        let mut s = CallStream::new(ToolFormat::Hermes);
+        assert_eq!(s.feed("Hi <tool"), "Hi ");
+        assert_eq!(s.finish(&tools, true).0, "");
+        assert_eq!(parse(ToolFormat::Hermes, "<tool", &tools, true).0, "");
+        assert_eq!(parse(ToolFormat::Hermes, "<tool", &tools, false).0, "<tool");
     }
 
     #[test]
