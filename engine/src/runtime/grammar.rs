@@ -204,6 +204,8 @@ pub struct Constrained {
     matcher: Matcher,
     env: Arc<GrammarEnv>,
     masked: Vec<f32>,
+    /// The step's logits of the end-of-generation tokens (`env.eog`), kept while the mask may hide them.
+    end_logits: Vec<f32>,
 }
 
 impl Constrained {
@@ -214,6 +216,7 @@ impl Constrained {
             matcher,
             env,
             masked: Vec::new(),
+            end_logits: Vec::new(),
         }
     }
 }
@@ -235,7 +238,13 @@ impl TokenSampler for Constrained {
                 }
             }
         }
-        let logits = self.masked.clone();
+        self.end_logits.clear();
+        self.end_logits.extend(
+            self.env
+                .eog
+                .iter()
+                .map(|&id| self.masked.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY)),
+        );
         let end_allowed = if self.matcher.is_stopped() {
             // The grammar is complete and nothing may follow: only the end.
             self.masked.iter_mut().for_each(|l| *l = f32::NEG_INFINITY);
@@ -243,7 +252,7 @@ impl TokenSampler for Constrained {
         } else {
             self.mask_step()
         };
-        self.finish_step(logits, end_allowed, history)
+        self.finish_step(end_allowed, history)
     }
 
     fn adjusted_logits(&self) -> Option<&[f32]> {
@@ -274,14 +283,10 @@ impl Constrained {
     }
 
     /// Lets the end through where allowed, draws from the masked logits, and feeds the token to the grammar.
-    fn finish_step(&mut self, logits: Vec<f32>, end_allowed: bool, history: &[u32]) -> u32 {
-        for &id in &self.env.eog {
+    fn finish_step(&mut self, end_allowed: bool, history: &[u32]) -> u32 {
+        for (&id, &kept) in self.env.eog.iter().zip(&self.end_logits) {
             if let Some(l) = self.masked.get_mut(id as usize) {
-                *l = if end_allowed {
-                    logits[id as usize]
-                } else {
-                    f32::NEG_INFINITY
-                };
+                *l = if end_allowed { kept } else { f32::NEG_INFINITY };
             }
         }
         if end_allowed && self.masked.iter().all(|l| *l == f32::NEG_INFINITY) {

@@ -316,7 +316,7 @@ fn usage(prompt_tokens: usize, t: Option<&Timings>) -> Value {
 
 /// A `tool_use` content block for `call`, with a fresh `toolu_` id.
 fn tool_use_block(call: &tools::Call) -> Value {
-    json!({ "type": "tool_use", "id": tools::call_id("toolu_"), "name": call.name, "input": call.arguments })
+    json!({ "type": "tool_use", "id": response_id("toolu_"), "name": call.name, "input": call.arguments })
 }
 
 /// `POST /v1/messages`.
@@ -336,7 +336,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             let Some(max_tokens) = req.max_tokens else {
                 return Err(ApiError::invalid(API, "max_tokens is required"));
             };
-            let mut grammar = match req.output_config.as_ref().and_then(|c| c.get("format")) {
+            let structured = match req.output_config.as_ref().and_then(|c| c.get("format")) {
                 Some(f) if req.output_format.is_none() => {
                     st.model.structured_output(API, "output_config.format", Some(f))?
                 }
@@ -346,21 +346,11 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             };
             let conversation = std::mem::take(&mut req.conversation);
             let (prompt, tool_use) = prompt(&st, conversation)?;
-            if let Some(g) = tool_use.grammar(st.model.tool_format) {
-                if grammar.is_some() {
-                    return Err(ApiError::invalid(
-                        API,
-                        "output_format cannot be combined with a tool_choice that forces a call",
-                    ));
-                }
-                st.model.check_grammar(API, "tools", &g)?;
-                grammar = Some(g);
-            }
+            let grammar = st.model.answer_grammar(API, "output_format", structured, &tool_use)?;
             Ok((req, max_tokens, prompt, grammar, tool_use))
         })
         .await?;
     let format = state.model.tool_format;
-    let parses = tool_use.parses();
     if grammar.is_some() && req.stop_sequences.iter().any(|s| !s.is_empty()) {
         return Err(ApiError::invalid(
             API,
@@ -388,16 +378,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
             timings,
             ..
         } = collect(API, rx).await?;
-        let (text, calls) = if parses {
-            tools::parse(
-                format,
-                &text,
-                &tool_use.tools,
-                matches!(finish, Finish::Limit | Finish::Context),
-            )
-        } else {
-            (text, vec![])
-        };
+        let (text, calls) = tool_use.split(format, text, finish);
         let mut content = Vec::new();
         if !text.is_empty() || calls.is_empty() {
             content.push(json!({ "type": "text", "text": text }));
@@ -435,11 +416,11 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         });
         // Without tools the text block opens at once; with tools, at its first text (an answer that is only
         // calls has none).
-        let mut text_open = !parses;
+        let mut text_open = !tool_use.parses();
         if text_open {
             yield event("content_block_start", text_start.clone());
         }
-        let mut calls_stream = parses.then(|| tools::CallStream::new(format));
+        let mut calls_stream = tool_use.stream(format);
         let mut pending = first;
         loop {
             match api::next_job_event(&mut pending, &mut rx).await {
@@ -461,7 +442,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
                 }
                 JobEvent::Done { stop, stop_word, timings } => {
                     let (rest, calls) = match calls_stream.take() {
-                        Some(cs) => cs.finish(&tool_use.tools, matches!(stop, Finish::Limit | Finish::Context)),
+                        Some(cs) => cs.finish(&tool_use.tools, stop.is_cut()),
                         None => (String::new(), vec![]),
                     };
                     if !rest.is_empty() || (calls.is_empty() && !text_open) {

@@ -20,7 +20,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::Shared;
 use super::protocol::{Finish, Timings};
 use super::supervisor::{EngineRequest, JobEvent, SubmitError};
-use super::tools::{self, Tool, ToolFormat};
+use super::tools::{self, Tool, ToolFormat, ToolUse};
 use crate::gguf::GgufModel;
 use crate::model::hparams::HParams;
 use crate::runtime::grammar::{GrammarEnv, GrammarError, GrammarSpec};
@@ -300,6 +300,32 @@ impl ModelInfo {
             .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))?;
         env.check(spec)
             .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))
+    }
+
+    /// The grammar an answer follows: `structured` (what the request's `field` asked for, from
+    /// [`ModelInfo::structured_output`]) or the one forcing `tool_use`'s call, checked against this model.
+    ///
+    /// Errors: 400 naming `field` when both are asked for; 400 naming `tools` when the forced call cannot be
+    /// enforced.
+    pub fn answer_grammar(
+        &self,
+        api: Api,
+        field: &str,
+        structured: Option<GrammarSpec>,
+        tool_use: &ToolUse,
+    ) -> Result<Option<GrammarSpec>, ApiError> {
+        let Some(forced) = tool_use.grammar(self.tool_format) else {
+            return Ok(structured);
+        };
+        if structured.is_some() {
+            return Err(ApiError::field(
+                api,
+                field,
+                format!("{field} cannot be combined with a tool_choice that forces a call"),
+            ));
+        }
+        self.check_grammar(api, "tools", &forced)?;
+        Ok(Some(forced))
     }
 
     /// The grammar of a structured-output request field: OpenAI's `response_format` (`{"type": "text"}`,

@@ -243,24 +243,46 @@ fn legacy_token(state: &Shared, id: u32) -> String {
     }
 }
 
-/// A legacy completion choice's `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
-/// `answer` holds the bytes of the answer's tokens so far (carried from chunk to chunk): a token's offset is the
-/// length in characters of the whole characters before it.
-fn text_logprobs(state: &Shared, entries: &[TokenLogprob], answer: &mut Vec<u8>) -> Value {
-    let chars = |b: &[u8]| {
-        let valid = match std::str::from_utf8(b) {
-            Ok(s) => s.len(),
-            Err(e) => e.valid_up_to(),
+/// A legacy completion's text offset, carried from token to token: the whole characters of its answer so far,
+/// counted as each token's bytes arrive (up to the first byte that can never begin a character).
+#[derive(Debug, Clone, Default)]
+struct TextOffset {
+    /// Characters before the next token.
+    chars: usize,
+    /// Bytes of a character not yet whole.
+    pending: Vec<u8>,
+    /// An invalid byte was seen: no later character counts.
+    stuck: bool,
+}
+
+impl TextOffset {
+    fn push(&mut self, bytes: &[u8]) {
+        if self.stuck {
+            return;
+        }
+        self.pending.extend_from_slice(bytes);
+        let (valid, invalid) = match std::str::from_utf8(&self.pending) {
+            Ok(s) => (s.len(), false),
+            Err(e) => (e.valid_up_to(), e.error_len().is_some()),
         };
-        String::from_utf8_lossy(&b[..valid]).chars().count()
-    };
+        let whole = std::str::from_utf8(&self.pending[..valid]).unwrap_or_default();
+        self.chars += whole.chars().count();
+        self.pending.drain(..valid);
+        self.stuck = invalid;
+    }
+}
+
+/// A legacy completion choice's `logprobs`: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+/// `answer` carries the text offset from chunk to chunk: a token's offset is the count of whole characters before
+/// it.
+fn text_logprobs(state: &Shared, entries: &[TokenLogprob], answer: &mut TextOffset) -> Value {
     let mut tokens = Vec::new();
     let mut token_logprobs = Vec::new();
     let mut top = Vec::new();
     let mut offsets = Vec::new();
     for e in entries {
-        offsets.push(chars(answer));
-        answer.extend(token_text(state, e.id).1);
+        offsets.push(answer.chars);
+        answer.push(&token_text(state, e.id).1);
         tokens.push(legacy_token(state, e.id));
         token_logprobs.push(e.logprob);
         let alternatives: serde_json::Map<String, Value> = e
@@ -377,7 +399,7 @@ fn tool_calls_json(calls: &[tools::Call], delta: bool) -> Vec<Value> {
         .enumerate()
         .map(|(i, c)| {
             let mut v = json!({
-                "id": tools::call_id("call_"),
+                "id": response_id("call_"),
                 "type": "function",
                 "function": { "name": c.name, "arguments": c.arguments.to_string() },
             });
@@ -436,20 +458,10 @@ async fn chat(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Resp
             let req: ChatCompletionRequest = parse_body(API, body)?;
             st.model.check_name(API, req.common.model.as_deref())?;
             let tool_use = tool_use(&req.common)?;
-            let mut grammar =
-                st.model
-                    .structured_output(API, "response_format", req.common.response_format.as_ref())?;
-            if let Some(g) = tool_use.grammar(st.model.tool_format) {
-                if grammar.is_some() {
-                    return Err(ApiError::field(
-                        API,
-                        "response_format",
-                        "response_format cannot be combined with a tool_choice that forces a call",
-                    ));
-                }
-                st.model.check_grammar(API, "tools", &g)?;
-                grammar = Some(g);
-            }
+            let structured = st
+                .model
+                .structured_output(API, "response_format", req.common.response_format.as_ref())?;
+            let grammar = st.model.answer_grammar(API, "response_format", structured, &tool_use)?;
             let messages = flatten_content(API, req.messages)?;
             let prompt = st.model.chat_prompt_with_tools(API, messages, &tool_use.tools)?.ids;
             Ok((req.common, prompt, grammar, tool_use))
@@ -564,7 +576,6 @@ async fn respond(
         }
     };
     let format = state.model.tool_format;
-    let parses = tool_use.parses();
     let id = response_id(kind.prefix());
     let model = state.model.id.clone();
     let created = api::unix_now();
@@ -575,10 +586,10 @@ async fn respond(
         rxs.push(submit(&state, API, e)?);
     }
     // The choice's `logprobs` for the tokens of one answer or chunk (null when the request asked for none);
-    // `answer` carries a legacy completion's bytes so far from chunk to chunk (its text offsets).
+    // `answer` carries a legacy completion's text offset from chunk to chunk.
     let logprobs_of = {
         let state = state.clone();
-        move |entries: &[TokenLogprob], answer: &mut Vec<u8>| -> Value {
+        move |entries: &[TokenLogprob], answer: &mut TextOffset| -> Value {
             match (with_logprobs, kind) {
                 (false, _) => Value::Null,
                 (true, Kind::Chat) => chat_logprobs(&state, entries),
@@ -598,18 +609,9 @@ async fn respond(
                 ..
             } = collect(API, rx).await?;
             add_choice_timings(&mut totals, &timings);
-            let logprobs = logprobs_of(&logprobs, &mut Vec::new());
-            let (text, calls) = if parses {
-                tools::parse(
-                    format,
-                    &text,
-                    &tool_use.tools,
-                    matches!(finish, Finish::Limit | Finish::Context),
-                )
-            } else {
-                (text, vec![])
-            };
-            let cut = matches!(finish, Finish::Limit | Finish::Context);
+            let logprobs = logprobs_of(&logprobs, &mut TextOffset::default());
+            let (text, calls) = tool_use.split(format, text, finish);
+            let cut = finish.is_cut();
             let mut finish = finish_reason(finish);
             if !calls.is_empty() && !cut {
                 finish = "tool_calls";
@@ -679,9 +681,9 @@ async fn respond(
                 yield data(&chunk(i, Some(""), None, true));
             }
         }
-        let mut offsets: Vec<Vec<u8>> = vec![Vec::new(); n];
+        let mut offsets = vec![TextOffset::default(); n];
         let mut calls_streams: Vec<Option<tools::CallStream>> =
-            (0..n).map(|_| parses.then(|| tools::CallStream::new(format))).collect();
+            (0..n).map(|_| tool_use.stream(format)).collect();
         let mut totals: Option<Timings> = None;
         let mut open = n;
         while let Some((i, ev)) = events.next().await {
@@ -701,7 +703,7 @@ async fn respond(
                 JobEvent::Done { stop, timings, .. } => {
                     let mut called = false;
                     if let Some(cs) = calls_streams[i].take() {
-                        let (rest, calls) = cs.finish(&tool_use.tools, matches!(stop, Finish::Limit | Finish::Context));
+                        let (rest, calls) = cs.finish(&tool_use.tools, stop.is_cut());
                         if !rest.is_empty() {
                             yield data(&chunk(i, Some(&rest), None, false));
                         }
@@ -722,7 +724,7 @@ async fn respond(
                         called = !calls.is_empty();
                     }
                     let mut last = chunk(i, None, Some(stop), false);
-                    if called && !matches!(stop, Finish::Limit | Finish::Context) {
+                    if called && !stop.is_cut() {
                         last["choices"][0]["finish_reason"] = "tool_calls".into();
                     }
                     last["timings"] = serde_json::to_value(timings).unwrap_or_default();

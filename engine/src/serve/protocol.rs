@@ -115,6 +115,13 @@ pub enum Finish {
     Cancelled,
 }
 
+impl Finish {
+    /// Whether the answer was cut before it ended: by `max_tokens` or by the context.
+    pub fn is_cut(self) -> bool {
+        matches!(self, Finish::Limit | Finish::Context)
+    }
+}
+
 impl From<crate::runtime::generate::StopReason> for Finish {
     fn from(r: crate::runtime::generate::StopReason) -> Finish {
         use crate::runtime::generate::StopReason as S;

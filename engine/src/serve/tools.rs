@@ -15,6 +15,7 @@
 
 use serde_json::{Value, json};
 
+use super::protocol::Finish;
 use crate::runtime::grammar::GrammarSpec;
 
 /// How a model writes its tool calls.
@@ -115,6 +116,21 @@ impl ToolUse {
     /// The grammar forcing a call, for `required` and a named tool ([`grammar`]).
     pub fn grammar(&self, format: ToolFormat) -> Option<GrammarSpec> {
         grammar(format, &self.tools, self.choice.as_ref()?, self.parallel)
+    }
+
+    /// A whole answer's text and calls ([`parse`]) when it is parsed for calls ([`ToolUse::parses`]), else its
+    /// text alone.
+    pub fn split(&self, format: ToolFormat, text: String, finish: Finish) -> (String, Vec<Call>) {
+        if self.parses() {
+            parse(format, &text, &self.tools, finish.is_cut())
+        } else {
+            (text, vec![])
+        }
+    }
+
+    /// A [`CallStream`] for a streamed answer that is parsed for calls.
+    pub fn stream(&self, format: ToolFormat) -> Option<CallStream> {
+        self.parses().then(|| CallStream::new(format))
     }
 }
 
@@ -425,11 +441,6 @@ fn without_partial_marker(format: ToolFormat, text: &str) -> &str {
         .find(|&k| text.is_char_boundary(text.len() - k) && marker.starts_with(&text[text.len() - k..]))
         .unwrap_or(0);
     &text[..text.len() - keep]
-}
-
-/// A fresh call id with `prefix` (`call_`, `toolu_`).
-pub fn call_id(prefix: &str) -> String {
-    super::api::response_id(prefix)
 }
 
 #[cfg(test)]
