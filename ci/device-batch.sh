@@ -20,7 +20,7 @@ if [ "${PARITY:-1}" = 1 ]; then
   row "parity (batching)" "$(grep -E '^test result' "$OUT/parity.txt" | tail -1)"
 fi
 content() { grep -o '"content":"[^"]*"' "$1" | head -1; }
-# BATCH_MODELS="" skips part 1; HARNESS_FLAGS="--quick" shortens part 2.
+# BATCH_MODELS="" skips part 1; HARNESS_FLAGS="--quick" shortens part 2 and HARNESS=0 skips it.
 for model in ${BATCH_MODELS-synth:small-qwen3moe-q4k synth:qwen3-30b-a3b}; do
   tag=${model#synth:}
   $B serve --device cuda:0 --model $model --parallel 4 --max-context 1024 --port $PORT > "$OUT/serve-$tag.log" 2>&1 &
@@ -40,6 +40,7 @@ for model in ${BATCH_MODELS-synth:small-qwen3moe-q4k synth:qwen3-30b-a3b}; do
   row "$tag: batched = alone (greedy, 48 tok)" "$same of 4 ($errs batched answers were errors)"
   kill $pid; wait $pid 2>/dev/null
 done
+if [ "${HARNESS:-1}" = 1 ]; then
 timeout 420 carry/strata-harness run scenarios/h200-load.yaml --strata $B --out $OUT/r ${HARNESS_FLAGS:-} > $OUT/harness.txt 2>&1
 row "h200-load rc" "$? $(tail -1 $OUT/harness.txt | cut -c1-120)"
 R=$(ls -d $OUT/r/*/ | head -1)
@@ -47,4 +48,5 @@ sed -n '/### Load/,/Worker/p' $R/report.md | grep "^| " > $OUT/load-table.md
 grep -h "slots\|panicked\|fault\|batching:" $R/logs/*.log | head -30
 (cd $OUT && tar czf load-report.tgz r && rm -rf r)
 echo; cat $OUT/load-table.md
+fi
 printf '%s\n' "${ROWS[@]}"

@@ -1447,8 +1447,8 @@ impl strata_engine::runtime::generate::TokenSampler for Recording {
 
 /// Five sequences through the continuous-batching scheduler on CUDA, prompts of 3 to 150 tokens (past one span
 /// block of 128 cells, where a lone decode step splits its keys), 20 greedy tokens each: the decode tokens of a
-/// step in one attn_decode launch over their own caches give the logits of attending run by run within 1e-4 of the
-/// largest logit, and the same tokens.
+/// step in one attn_decode launch over their own caches give the logits of attending run by run (mean KLD at most
+/// 1e-6, every logit within 1e-3 of the largest), and the same tokens.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn batched_decode_attention_equals_attending_run_by_run() {
@@ -1511,15 +1511,25 @@ fn batched_decode_attention_equals_attending_run_by_run() {
     };
     let (t_run, l_run) = run(true);
     let (t_one, l_one) = run(false);
-    let mut worst = 0f64;
+    let (mut worst, mut kld, mut steps) = (0f64, 0f64, 0usize);
     for (i, (a, b)) in l_one.iter().zip(&l_run).enumerate() {
         assert_eq!(a.len(), b.len(), "sequence {i}: steps");
         for (x, y) in a.iter().zip(b) {
             worst = worst.max(rel_err(x, y));
+            kld += mean_kld(y, x, y.len());
+            steps += 1;
         }
     }
-    println!("batched decode attention: largest logit difference from run by run {worst:e}");
-    assert!(worst <= 1e-4, "{worst}");
+    let kld = kld / steps as f64;
+    println!(
+        "batched decode attention: over {steps} steps, mean KLD from run by run {kld:e}, largest logit difference {worst:e} of the largest logit"
+    );
+    // The one launch sums each token's keys in another order than a lone decode step (which splits past 128
+    // cells), so the logits are close, not equal: far closer than this model's CUDA-to-CPU KLD (about 2e-5).
+    assert!(
+        kld <= 1e-6 && worst <= 1e-3,
+        "mean KLD {kld:e}, largest difference {worst:e}"
+    );
     assert_eq!(t_one, t_run);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -98,7 +98,7 @@ use crate::device::fault::FaultPlan;
 use crate::experts::{ExpertGroups, ExpertShape};
 use crate::gguf::{GgufModel, TensorInfo};
 use crate::quant::activations::ActivationFormat;
-use crate::quant::{self, DotFn, DotQ8Fn, GgmlType, QuantError};
+use crate::quant::{self, DotFn, DotQ8Fn, DotQ8ManyFn, GgmlType, QuantError};
 use crate::state::batch::{BatchLayout, SeqRun};
 use crate::state::kv::{KvCache, KvLayer, SeqSlot};
 
@@ -116,6 +116,8 @@ pub struct QMat<'a> {
     pub dot: DotFn,
     /// The per-row int8-activation dot product (ggml's `vec_dot` with `vec_dot_type` activations).
     pub dot_q8: DotQ8Fn,
+    /// `dot_q8` for several tokens at once, bit for bit its results, where the CPU and type have one.
+    pub dot_q8_many: Option<DotQ8ManyFn>,
     /// The activation format `dot_q8` takes; [`ActivationFormat::F32`] for float weights, which use `dot`.
     pub act: ActivationFormat,
 }
@@ -127,6 +129,7 @@ impl<'a> QMat<'a> {
     pub fn new(ty: GgmlType, data: &'a [u8], rows: usize, cols: usize) -> Result<QMat<'a>, QuantError> {
         let dot = quant::dot_fn(ty)?;
         let dot_q8 = quant::dot_q8_fn(ty)?;
+        let dot_q8_many = quant::dot_q8_many_fn(ty);
         let act = quant::activation_format(ty)?;
         let row_bytes = ty.row_bytes(cols as u64).ok_or(QuantError::NotWholeBlocks {
             ty,
@@ -152,6 +155,7 @@ impl<'a> QMat<'a> {
             row_bytes,
             dot,
             dot_q8,
+            dot_q8_many,
             act,
         })
     }

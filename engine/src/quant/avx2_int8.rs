@@ -42,13 +42,6 @@ fn mul_sum_u8_i8(w: __m256i, x: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
 }
 
-/// As [`mul_sum_u8_i8`] for signed weights.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn mul_sum_i8_i8(w: __m256i, x: __m256i) -> __m256i {
-    mul_sum_u8_i8(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
-}
-
 /// The 32 nibbles of a 16-byte `qs` in element order: low nibbles (elements 0..16), then high.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -78,48 +71,76 @@ fn scale_pair(lo: i32, hi: i32) -> __m256i {
     _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
 }
 
-/// The blocks, activation codes, scales and sums both sides cover, for Q8_1 activations.
-#[inline]
-#[allow(clippy::type_complexity)]
-fn split32<'a, B: QuantBlock>(
-    row: &'a [u8],
-    x: &ActivationVector<'a>,
-) -> Option<(&'a [B], &'a [[i8; 32]], &'a [f32], &'a [i16], &'a [f32])> {
-    if x.format != ActivationFormat::Q8_1 {
-        return None;
-    }
-    let (qs, _) = x.qs.as_chunks::<32>();
-    let n = (row.len() / size_of::<B>())
-        .min(qs.len())
-        .min(x.d.len())
-        .min(x.sums.len())
-        .min(x.s.len());
-    Some((
-        cast_slice(&row[..n * size_of::<B>()]),
-        &qs[..n],
-        &x.d[..n],
-        &x.sums[..n],
-        &x.s[..n],
-    ))
+/// One token's side of a 32-value kernel: its activation codes, scales, code sums and `d Σq`, per block.
+#[derive(Clone, Copy)]
+struct Act32<'a> {
+    qs: &'a [[i8; 32]],
+    ds: &'a [f32],
+    sums: &'a [i16],
+    ss: &'a [f32],
 }
 
-/// As [`split32`] for Q8_K activations (sums per 16 values).
+/// The blocks and each of `N` tokens' activations that both sides cover, for Q8_1 activations (`None` when a
+/// token's are in another format). All tokens cover the same blocks: the fewest any of them, or the row, has.
+#[inline]
+fn split32<'a, B: QuantBlock, const N: usize>(
+    row: &'a [u8],
+    xs: &[ActivationVector<'a>; N],
+) -> Option<(&'a [B], [Act32<'a>; N])> {
+    let mut n = row.len() / size_of::<B>();
+    for x in xs {
+        if x.format != ActivationFormat::Q8_1 {
+            return None;
+        }
+        n = n.min(x.qs.len() / 32).min(x.d.len()).min(x.sums.len()).min(x.s.len());
+    }
+    let acts = xs.each_ref().map(|x| Act32 {
+        qs: &x.qs.as_chunks::<32>().0[..n],
+        ds: &x.d[..n],
+        sums: &x.sums[..n],
+        ss: &x.s[..n],
+    });
+    Some((cast_slice(&row[..n * size_of::<B>()]), acts))
+}
+
+/// One token's side of a super-block kernel: its activation codes, scales and code sums per 16 values.
+#[derive(Clone, Copy)]
+struct ActK<'a> {
+    qs: &'a [[i8; QK_K]],
+    ds: &'a [f32],
+    sums: &'a [[i16; 16]],
+}
+
+/// As [`split32`] for Q8_K activations.
+#[inline]
+fn split_k_n<'a, B: QuantBlock, const N: usize>(
+    row: &'a [u8],
+    xs: &[ActivationVector<'a>; N],
+) -> Option<(&'a [B], [ActK<'a>; N])> {
+    let mut n = row.len() / size_of::<B>();
+    for x in xs {
+        if x.format != ActivationFormat::Q8_K {
+            return None;
+        }
+        n = n.min(x.qs.len() / QK_K).min(x.d.len()).min(x.sums.len() / 16);
+    }
+    let acts = xs.each_ref().map(|x| ActK {
+        qs: &x.qs.as_chunks::<QK_K>().0[..n],
+        ds: &x.d[..n],
+        sums: &x.sums.as_chunks::<16>().0[..n],
+    });
+    Some((cast_slice(&row[..n * size_of::<B>()]), acts))
+}
+
+/// [`split_k_n`] for one token, as the one-token kernels take it: blocks, codes, scales, sums.
 #[inline]
 #[allow(clippy::type_complexity)]
 fn split_k<'a, B: QuantBlock>(
     row: &'a [u8],
     x: &ActivationVector<'a>,
 ) -> Option<(&'a [B], &'a [[i8; QK_K]], &'a [f32], &'a [[i16; 16]])> {
-    if x.format != ActivationFormat::Q8_K {
-        return None;
-    }
-    let (qs, _) = x.qs.as_chunks::<QK_K>();
-    let (sums, _) = x.sums.as_chunks::<16>();
-    let n = (row.len() / size_of::<B>())
-        .min(qs.len())
-        .min(x.d.len())
-        .min(sums.len());
-    Some((cast_slice(&row[..n * size_of::<B>()]), &qs[..n], &x.d[..n], &sums[..n]))
+    let (blocks, [a]) = split_k_n::<B, 1>(row, std::array::from_ref(x))?;
+    Some((blocks, a.qs, a.ds, a.sums))
 }
 
 /// The 16 code sums of a Q8_K block as i16 lanes.
@@ -131,65 +152,104 @@ fn ld_bsums(s: &[i16; 16]) -> __m256i {
 
 // ---- 32-value blocks × Q8_1 -----------------------------------------------------------------------------------
 
-/// The loop every 32-value kernel shares: `term(block, codes, Σq, s)` gives the block's `d_w` (the activation
-/// scale is applied here), its 8 lanes of exact integer sums, and its min term `m_w s` (0 without a min; `s` is
-/// the activation block's `d Σq` as ggml's Q8_1 stores it).
-/// Two blocks per step into two accumulators, so one block's multiply-add latency does not hold up the next.
+/// The loop every 32-value kernel shares, for `N` tokens at once (`N` at most 4). `unpack(block)` gives what a
+/// block's weights are for every token, worked out once: its codes, `d_w` and `m_w` (the min; 0 without one).
+/// `term(codes, activation codes, Σq)` gives one token's 8 lanes of exact integer sums. The block's float terms
+/// are `d_w d_x` times those sums and, when `MIN`, `m_w s` (`s` is the activation block's `d Σq` as ggml's Q8_1
+/// stores it).
+///
+/// Two blocks per step into two accumulators per token, so one block's multiply-add latency does not hold up the
+/// next. A token's float operations are the same, in the same order, whatever `N` is and whichever tokens share the call:
+/// a token's result is bit for bit its one-token result (what keeps a batch from changing an answer).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn sum_blocks32<B: QuantBlock>(
+fn sum_blocks32<B: QuantBlock, W: Copy, const N: usize, const MIN: bool>(
     blocks: &[B],
-    qs: &[[i8; 32]],
-    ds: &[f32],
-    sums: &[i16],
-    ss: &[f32],
-    term: impl Fn(&B, &[i8; 32], i16, f32) -> (f32, __m256i, f32),
-) -> f32 {
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let (mut min0, mut min1) = (0f32, 0f32);
-    let n = blocks.len().min(qs.len()).min(ds.len()).min(sums.len()).min(ss.len());
-    let pairs = n / 2;
-    for i in 0..pairs {
+    xs: &[Act32<'_>; N],
+    unpack: impl Fn(&B) -> (W, f32, f32),
+    term: impl Fn(W, &[i8; 32], i16) -> __m256i,
+) -> [f32; N] {
+    const { assert!(N >= 1 && N <= 4) };
+    let n = blocks.len();
+    // Bounds checked once here for every token, so the loop below reads without a check per block and token
+    // (they cost as much as the arithmetic in a 4-token call).
+    assert!(
+        xs.iter()
+            .all(|x| x.qs.len() >= n && x.ds.len() >= n && x.sums.len() >= n && x.ss.len() >= n)
+    );
+    // SAFETY (every `at` below): `j < n`, and each slice of every token holds at least `n` items (asserted above).
+    let at = |v: &[f32], j: usize| unsafe { *v.get_unchecked(j) };
+    /// # Safety
+    /// `j` is below the lengths of `x.qs` and `x.sums`.
+    #[inline(always)]
+    unsafe fn q_at<'a>(x: &Act32<'a>, j: usize) -> (&'a [i8; 32], i16) {
+        // SAFETY: the caller's.
+        unsafe { (x.qs.get_unchecked(j), *x.sums.get_unchecked(j)) }
+    }
+    let mut acc0 = [_mm256_setzero_ps(); N];
+    let mut acc1 = [_mm256_setzero_ps(); N];
+    let (mut min0, mut min1) = ([0f32; N], [0f32; N]);
+    for i in 0..n / 2 {
         let (j, k) = (2 * i, 2 * i + 1);
-        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j], ss[j]);
-        let (d1, p1, m1) = term(&blocks[k], &qs[k], sums[k], ss[k]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * ds[j]), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * ds[k]), _mm256_cvtepi32_ps(p1), acc1);
-        min0 += m0;
-        min1 += m1;
+        let ((wj, dj, mj), (wk, dk, mk)) = (unpack(&blocks[j]), unpack(&blocks[k]));
+        for t in 0..N {
+            let x = &xs[t];
+            let ((qj, sj), (qk, sk)) = unsafe { (q_at(x, j), q_at(x, k)) };
+            let (p0, p1) = (term(wj, qj, sj), term(wk, qk, sk));
+            acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(dj * at(x.ds, j)), _mm256_cvtepi32_ps(p0), acc0[t]);
+            acc1[t] = _mm256_fmadd_ps(_mm256_set1_ps(dk * at(x.ds, k)), _mm256_cvtepi32_ps(p1), acc1[t]);
+        }
+        if MIN {
+            for t in 0..N {
+                min0[t] += mj * at(xs[t].ss, j);
+                min1[t] += mk * at(xs[t].ss, k);
+            }
+        }
     }
     if n % 2 == 1 {
         let j = n - 1;
-        let (d0, p0, m0) = term(&blocks[j], &qs[j], sums[j], ss[j]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * ds[j]), _mm256_cvtepi32_ps(p0), acc0);
-        min0 += m0;
+        let (wj, dj, mj) = unpack(&blocks[j]);
+        for t in 0..N {
+            let x = &xs[t];
+            let (qj, sj) = unsafe { q_at(x, j) };
+            let p0 = term(wj, qj, sj);
+            acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(dj * at(x.ds, j)), _mm256_cvtepi32_ps(p0), acc0[t]);
+        }
+        if MIN {
+            for t in 0..N {
+                min0[t] += mj * at(xs[t].ss, j);
+            }
+        }
     }
-    hsum(_mm256_add_ps(acc0, acc1)) + (min0 + min1)
+    // A loop, not `array::from_fn`: a closure handed to a function without these target features is not inlined.
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + (min0[t] + min1[t]);
+    }
+    out
 }
 
 /// Q4_0 × Q8_1 (`ggml_vec_dot_q4_0_q8_0`): `d_w d_x (Σ nibble·q - 8 Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q4_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ4_0>(row, x) else {
-        return f32::NAN;
+fn k_q4_0<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split32::<BlockQ4_0, N>(row, xs) else {
+        return [f32::NAN; N];
     };
-    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, s, _| {
-        let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
+    let unpack = |b: &BlockQ4_0| (nibbles32(&b.qs), f16(b.d), 0.0);
+    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, s| {
         // 8 lanes minus Σq each: minus 8 Σq in total.
-        (f16(b.d), _mm256_sub_epi32(p, _mm256_set1_epi32(s as i32)), 0.0)
+        _mm256_sub_epi32(mul_sum_u8_i8(w, ldq(q)), _mm256_set1_epi32(s as i32))
     })
 }
 
 /// Q4_1 × Q8_1 (`ggml_vec_dot_q4_1_q8_1`): `d_w d_x Σ nibble·q + m d_x Σ q`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q4_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ4_1>(row, x) else {
-        return f32::NAN;
+fn k_q4_1<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split32::<BlockQ4_1, N>(row, xs) else {
+        return [f32::NAN; N];
     };
-    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, s| {
-        let p = mul_sum_u8_i8(nibbles32(&b.qs), ldq(q));
-        (f16(b.d), p, f16(b.m) * s)
-    })
+    let unpack = |b: &BlockQ4_1| (nibbles32(&b.qs), f16(b.d), f16(b.m));
+    sum_blocks32::<_, _, N, true>(blocks, &acts, unpack, |w, q, _| mul_sum_u8_i8(w, ldq(q)))
 }
 
 /// The 32 five-bit codes (0..32) of a Q5 block.
@@ -202,51 +262,60 @@ fn five_bit32(qs: &[u8], qh: [u8; 4]) -> __m256i {
 
 /// Q5_0 × Q8_1 (`ggml_vec_dot_q5_0_q8_0`): `d_w d_x (Σ code·q - 16 Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q5_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ5_0>(row, x) else {
-        return f32::NAN;
+fn k_q5_0<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split32::<BlockQ5_0, N>(row, xs) else {
+        return [f32::NAN; N];
     };
-    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, s, _| {
-        let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
-        (f16(b.d), _mm256_sub_epi32(p, _mm256_set1_epi32(2 * s as i32)), 0.0)
+    let unpack = |b: &BlockQ5_0| (five_bit32(&b.qs, b.qh), f16(b.d), 0.0);
+    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, s| {
+        _mm256_sub_epi32(mul_sum_u8_i8(w, ldq(q)), _mm256_set1_epi32(2 * s as i32))
     })
 }
 
 /// Q5_1 × Q8_1 (`ggml_vec_dot_q5_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q5_1(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ5_1>(row, x) else {
-        return f32::NAN;
+fn k_q5_1<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split32::<BlockQ5_1, N>(row, xs) else {
+        return [f32::NAN; N];
     };
-    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, s| {
-        let p = mul_sum_u8_i8(five_bit32(&b.qs, b.qh), ldq(q));
-        (f16(b.d), p, f16(b.m) * s)
-    })
+    let unpack = |b: &BlockQ5_1| (five_bit32(&b.qs, b.qh), f16(b.d), f16(b.m));
+    sum_blocks32::<_, _, N, true>(blocks, &acts, unpack, |w, q, _| mul_sum_u8_i8(w, ldq(q)))
+}
+
+/// Signed weights as `vpmaddubsw` takes them: `|w|`, and `w` whose sign goes onto the activations.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed(w: __m256i) -> (__m256i, __m256i) {
+    (_mm256_abs_epi8(w), w)
+}
+
+/// `Σ w·x` over pairs of pairs for weights split by [`signed`]: [`mul_sum_i8_i8`] with `|w|` worked out once.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mul_sum_signed(w: (__m256i, __m256i), x: __m256i) -> __m256i {
+    mul_sum_u8_i8(w.0, _mm256_sign_epi8(x, w.1))
 }
 
 /// Q8_0 × Q8_1 (`ggml_vec_dot_q8_0_q8_0`).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q8_0(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockQ8_0>(row, x) else {
-        return f32::NAN;
+fn k_q8_0<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split32::<BlockQ8_0, N>(row, xs) else {
+        return [f32::NAN; N];
     };
-    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, _| {
-        (f16(b.d), mul_sum_i8_i8(ldq(&b.qs), ldq(q)), 0.0)
-    })
+    let unpack = |b: &BlockQ8_0| (signed(ldq(&b.qs)), f16(b.d), 0.0);
+    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, _| mul_sum_signed(w, ldq(q)))
 }
 
 /// IQ4_NL × Q8_1 (`ggml_vec_dot_iq4_nl_q8_0`): nibbles to levels through `vpshufb`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_iq4_nl(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums, ss)) = split32::<BlockIQ4NL>(row, x) else {
-        return f32::NAN;
+fn k_iq4_nl<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split32::<BlockIQ4NL, N>(row, xs) else {
+        return [f32::NAN; N];
     };
     let table = ld128(cast_slice(&KVALUES_IQ4NL));
     let table = _mm256_set_m128i(table, table);
-    sum_blocks32(blocks, qs, ds, sums, ss, |b, q, _, _| {
-        let w = _mm256_shuffle_epi8(table, nibbles32(&b.qs));
-        (f16(b.d), mul_sum_i8_i8(w, ldq(q)), 0.0)
-    })
+    let unpack = |b: &BlockIQ4NL| (signed(_mm256_shuffle_epi8(table, nibbles32(&b.qs))), f16(b.d), 0.0);
+    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, _| mul_sum_signed(w, ldq(q)))
 }
 
 // ---- super-blocks × Q8_K --------------------------------------------------------------------------------------
@@ -325,54 +394,63 @@ fn k4_scales_mins(s: &[u8; 12]) -> (u64, u64) {
     (sc_lo as u64 | (sc_hi as u64) << 32, m_lo as u64 | (m_hi as u64) << 32)
 }
 
-/// The shared body of Q4_K and Q5_K: `codes(c)` gives the codes of sub-blocks 2c and 2c + 1 (32 bytes each).
+/// The loop Q4_K and Q5_K share, for `N` tokens at once: `scales(block)` gives a block's `d`, `dmin` and packed
+/// 6-bit scales and mins, and `codes(block, c)` the codes of its sub-blocks 2c and 2c + 1 (32 bytes each), worked
+/// out once for every token. A token's float operations are those of its one-token call, in the same order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-fn k4_block(
-    d: F16Bits,
-    dmin: F16Bits,
-    packed: &[u8; 12],
-    q: &[i8; QK_K],
-    dx: f32,
-    bs: &[i16; 16],
-    codes: impl Fn(usize) -> (__m256i, __m256i),
-    acc: __m256,
-) -> __m256 {
-    let (scales, mins) = k4_scales_mins(packed);
-    let mut isum = _mm256_setzero_si256();
-    for c in 0..4 {
-        let (lo, hi) = codes(c);
-        let s_lo = _mm256_set1_epi16((scales >> (16 * c)) as u8 as i16);
-        let s_hi = _mm256_set1_epi16((scales >> (16 * c + 8)) as u8 as i16);
-        let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ldq(&q[64 * c..])), s_lo);
-        let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ldq(&q[64 * c + 32..])), s_hi);
-        isum = _mm256_add_epi32(isum, _mm256_add_epi32(p_lo, p_hi));
+fn k4_blocks<B: QuantBlock, const N: usize>(
+    blocks: &[B],
+    xs: &[ActK<'_>; N],
+    scales: impl Fn(&B) -> (F16Bits, F16Bits, &[u8; 12]),
+    codes: impl Fn(&B, usize) -> (__m256i, __m256i),
+) -> [f32; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    for (i, b) in blocks.iter().enumerate() {
+        let (d, dmin, packed) = scales(b);
+        let (scales, mins) = k4_scales_mins(packed);
+        let mut isum = [_mm256_setzero_si256(); N];
+        for c in 0..4 {
+            let (lo, hi) = codes(b, c);
+            let s_lo = _mm256_set1_epi16((scales >> (16 * c)) as u8 as i16);
+            let s_hi = _mm256_set1_epi16((scales >> (16 * c + 8)) as u8 as i16);
+            for t in 0..N {
+                let q = &xs[t].qs[i];
+                let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ldq(&q[64 * c..])), s_lo);
+                let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ldq(&q[64 * c + 32..])), s_hi);
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(p_lo, p_hi));
+            }
+        }
+        // Each min covers two groups of 16: duplicate it onto both i16 lanes `vpmaddwd` pairs.
+        let m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+        let m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+        let (d, dmin) = (f16(d), f16(dmin));
+        for t in 0..N {
+            let x = &xs[t];
+            let imin = _mm256_madd_epi16(ld_bsums(&x.sums[i]), m16);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.ds[i]), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * x.ds[i]), _mm256_cvtepi32_ps(imin), acc[t]);
+        }
     }
-    // Each min covers two groups of 16: duplicate it onto both i16 lanes `vpmaddwd` pairs.
-    let m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
-    let m16 = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
-    let imin = _mm256_madd_epi16(ld_bsums(bs), m16);
-    let acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(d) * dx), _mm256_cvtepi32_ps(isum), acc);
-    _mm256_fnmadd_ps(_mm256_set1_ps(f16(dmin) * dx), _mm256_cvtepi32_ps(imin), acc)
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = hsum(acc[t]);
+    }
+    out
 }
 
 /// Q4_K × Q8_K (`ggml_vec_dot_q4_K_q8_K`).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q4_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ4K>(row, x) else {
-        return f32::NAN;
+fn k_q4_k<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split_k_n::<BlockQ4K, N>(row, xs) else {
+        return [f32::NAN; N];
     };
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
-        let codes = |c: usize| {
-            let v = ld256(&b.qs[32 * c..]);
-            (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4))
-        };
-        acc = k4_block(b.d, b.dmin, &b.scales, q, dx, bs, codes, acc);
-    }
-    hsum(acc)
+    let codes = |b: &BlockQ4K, c: usize| {
+        let v = ld256(&b.qs[32 * c..]);
+        (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4))
+    };
+    k4_blocks(blocks, &acts, |b| (b.d, b.dmin, &b.scales), codes)
 }
 
 /// [`k_q4_k`] on 512-bit registers (AVX-512BW), bit for bit: each step takes one 32-byte group of codes as its low
@@ -431,45 +509,42 @@ fn k_q4_k_any(row: &[u8], x: &ActivationVector<'_>) -> f32 {
         // SAFETY: `avx512bw()` found AVX-512F and BW; AVX2, FMA and F16C are this function's own features.
         unsafe { k_q4_k_512(row, x) }
     } else {
-        k_q4_k(row, x)
+        k_q4_k::<1>(row, std::array::from_ref(x))[0]
     }
 }
 
 /// Q5_K × Q8_K (`ggml_vec_dot_q5_K_q8_K`): Q4_K plus bit j of `qh[l]` as bit 4 of sub-block j.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q5_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ5K>(row, x) else {
-        return f32::NAN;
+fn k_q5_k<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split_k_n::<BlockQ5K, N>(row, xs) else {
+        return [f32::NAN; N];
     };
     let (m4, b4) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
-    let mut acc = _mm256_setzero_ps();
-    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
+    let codes = |b: &BlockQ5K, c: usize| {
         let qh = ld256(&b.qh);
         let high = |j: usize| {
             let bit = _mm256_set1_epi8((1u8 << j) as i8);
             _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), b4)
         };
-        let codes = |c: usize| {
-            let v = ld256(&b.qs[32 * c..]);
-            let lo = _mm256_or_si256(_mm256_and_si256(v, m4), high(2 * c));
-            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(v), m4), high(2 * c + 1));
-            (lo, hi)
-        };
-        acc = k4_block(b.d, b.dmin, &b.scales, q, dx, bs, codes, acc);
-    }
-    hsum(acc)
+        let v = ld256(&b.qs[32 * c..]);
+        let lo = _mm256_or_si256(_mm256_and_si256(v, m4), high(2 * c));
+        let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(v), m4), high(2 * c + 1));
+        (lo, hi)
+    };
+    k4_blocks(blocks, &acts, |b| (b.d, b.dmin, &b.scales), codes)
 }
 
-/// Q6_K × Q8_K (`ggml_vec_dot_q6_K_q8_K`): 6-bit codes (0..64), offset 32 taken out through the sums.
+/// Q6_K × Q8_K (`ggml_vec_dot_q6_K_q8_K`): 6-bit codes (0..64), offset 32 taken out through the sums. `N`
+/// tokens at once, each block's codes worked out once; a token's float operations are its one-token call's.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q6_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-    let Some((blocks, qs, ds, sums)) = split_k::<BlockQ6K>(row, x) else {
-        return f32::NAN;
+fn k_q6_k<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+    let Some((blocks, acts)) = split_k_n::<BlockQ6K, N>(row, xs) else {
+        return [f32::NAN; N];
     };
     let (m4, m2) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x03));
-    let mut acc = _mm256_setzero_ps();
-    for (((b, q), &dx), bs) in blocks.iter().zip(qs).zip(ds).zip(sums) {
-        let mut isum = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); N];
+    for (i, b) in blocks.iter().enumerate() {
+        let mut isum = [_mm256_setzero_si256(); N];
         for h in 0..2 {
             let qh = ld256(&b.qh[32 * h..]);
             for s in 0..4 {
@@ -479,16 +554,26 @@ fn k_q6_k(row: &[u8], x: &ActivationVector<'_>) -> f32 {
                 let w = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
                 let sub = 8 * h + 2 * s;
                 let sc = scale_pair(b.scales[sub] as i32, b.scales[sub + 1] as i32);
-                let p = _mm256_maddubs_epi16(w, ldq(&q[128 * h + 32 * s..]));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sc));
+                for t in 0..N {
+                    let p = _mm256_maddubs_epi16(w, ldq(&acts[t].qs[i][128 * h + 32 * s..]));
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, sc));
+                }
             }
         }
         let sc16 = _mm256_cvtepi8_epi16(ld128(cast_slice(&b.scales)));
-        let offset = _mm256_madd_epi16(ld_bsums(bs), sc16);
-        let isum = _mm256_sub_epi32(isum, _mm256_slli_epi32::<5>(offset));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(b.d) * dx), _mm256_cvtepi32_ps(isum), acc);
+        let d = f16(b.d);
+        for t in 0..N {
+            let x = &acts[t];
+            let offset = _mm256_madd_epi16(ld_bsums(&x.sums[i]), sc16);
+            let isum = _mm256_sub_epi32(isum[t], _mm256_slli_epi32::<5>(offset));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.ds[i]), _mm256_cvtepi32_ps(isum), acc[t]);
+        }
     }
-    hsum(acc)
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = hsum(acc[t]);
+    }
+    out
 }
 
 /// IQ4_XS × Q8_K (`ggml_vec_dot_iq4_xs_q8_K`): levels through `vpshufb`, 6-bit scales minus 32 per 32 values.
@@ -584,7 +669,7 @@ fn k_iq2_xs(row: &[u8], x: &ActivationVector<'_>) -> f32 {
 pub(super) fn dot_q4_k_avx2(row: &[u8], x: &ActivationVector<'_>) -> f32 {
     assert!(super::simd_available());
     // SAFETY: AVX2, FMA and F16C were just found on this CPU.
-    unsafe { k_q4_k(row, x) }
+    unsafe { k_q4_k::<1>(row, std::array::from_ref(x))[0] }
 }
 
 /// [`k_q4_k_512`] alone, for the same test.
@@ -609,18 +694,74 @@ macro_rules! entries {
     )*};
 }
 
-entries! {
+/// The one-token [`super::DotQ8Fn`] entry of a kernel written for `N` tokens.
+macro_rules! one_token_entries {
+    ($($entry:ident => $kernel:ident,)*) => {$(
+        #[doc = concat!("[`super::DotQ8Fn`] entry for `", stringify!($kernel), "`; only valid where `simd_available()`.")]
+        pub(super) fn $entry(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+            debug_assert!(super::simd_available());
+            // SAFETY: as in `entries!`.
+            unsafe { $kernel::<1>(row, std::array::from_ref(x))[0] }
+        }
+    )*};
+}
+
+/// The [`super::DotQ8ManyFn`] entry of a kernel written for `N` tokens: 4 tokens a call, then 2, then 1.
+macro_rules! many_entries {
+    ($($entry:ident => $kernel:ident,)*) => {$(
+        #[doc = concat!("[`super::DotQ8ManyFn`] entry for `", stringify!($kernel), "`; only valid where `simd_available()`.")]
+        pub(super) fn $entry(row: &[u8], xs: &[ActivationVector<'_>], out: &mut [f32]) {
+            debug_assert!(super::simd_available());
+            assert_eq!(xs.len(), out.len(), "dot_q8_many: one result per activation vector");
+            let mut i = 0;
+            // SAFETY: these entries are reached only through `super::dot_q8_many_fn`, which returns them only
+            // after `simd_available()` found AVX2, FMA and F16C on this CPU.
+            unsafe {
+                while i + 4 <= xs.len() {
+                    let four: &[ActivationVector<'_>; 4] = xs[i..i + 4].try_into().expect("4 vectors");
+                    out[i..i + 4].copy_from_slice(&$kernel::<4>(row, four));
+                    i += 4;
+                }
+                if i + 2 <= xs.len() {
+                    let two: &[ActivationVector<'_>; 2] = xs[i..i + 2].try_into().expect("2 vectors");
+                    out[i..i + 2].copy_from_slice(&$kernel::<2>(row, two));
+                    i += 2;
+                }
+                if i < xs.len() {
+                    out[i] = $kernel::<1>(row, std::array::from_ref(&xs[i]))[0];
+                }
+            }
+        }
+    )*};
+}
+
+one_token_entries! {
     dot_q4_0 => k_q4_0,
     dot_q4_1 => k_q4_1,
     dot_q5_0 => k_q5_0,
     dot_q5_1 => k_q5_1,
     dot_q8_0 => k_q8_0,
     dot_iq4_nl => k_iq4_nl,
+    dot_q5_k => k_q5_k,
+    dot_q6_k => k_q6_k,
+}
+
+many_entries! {
+    dot_q4_0_many => k_q4_0,
+    dot_q4_1_many => k_q4_1,
+    dot_q5_0_many => k_q5_0,
+    dot_q5_1_many => k_q5_1,
+    dot_q8_0_many => k_q8_0,
+    dot_iq4_nl_many => k_iq4_nl,
+    dot_q4_k_many => k_q4_k,
+    dot_q5_k_many => k_q5_k,
+    dot_q6_k_many => k_q6_k,
+}
+
+entries! {
     dot_q2_k => k_q2_k,
     dot_q3_k => k_q3_k,
     dot_q4_k => k_q4_k_any,
-    dot_q5_k => k_q5_k,
-    dot_q6_k => k_q6_k,
     dot_iq4_xs => k_iq4_xs,
     dot_iq3_s => k_iq3_s,
     dot_iq2_xs => k_iq2_xs,

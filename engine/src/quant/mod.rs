@@ -102,6 +102,14 @@ pub type DotFn = fn(row: &[u8], x: &[f32]) -> f32;
 /// out of bounds.
 pub type DotQ8Fn = fn(row: &[u8], x: &ActivationVector<'_>) -> f32;
 
+/// A [`DotQ8Fn`] for several tokens at once: `out[t]` is `row`'s dot product with `xs[t]`, **bit for bit** what
+/// the type's [`DotQ8Fn`] gives for that vector alone (the same float operations in the same order), while each
+/// block of `row` is unpacked once for up to 4 tokens. What makes a matmul of several tokens cheaper per token
+/// than one of a single token without a token's result depending on the others.
+///
+/// Panics if `out` and `xs` differ in length; otherwise validates as little as [`DotQ8Fn`].
+pub type DotQ8ManyFn = fn(row: &[u8], xs: &[ActivationVector<'_>], out: &mut [f32]);
+
 /// A quantizer for one type: whole blocks of f32 in, exactly the matching bytes out (lengths checked by
 /// [`quantize`]).
 pub(crate) type QuantizeFn = fn(src: &[f32], dst: &mut [u8]);
@@ -229,6 +237,14 @@ pub fn dot_q8_fn(ty: GgmlType) -> Result<DotQ8Fn, QuantError> {
     })
 }
 
+/// The [`DotQ8ManyFn`] for weights of type `ty` on this CPU: `Some` where the CPU has AVX2+FMA+F16C and this
+/// module has a several-token kernel for `ty` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K), else
+/// `None`: call [`dot_q8_fn`]'s kernel once per token instead, which gives the same bits.
+pub fn dot_q8_many_fn(ty: GgmlType) -> Option<DotQ8ManyFn> {
+    let k = kernels(ty, "vec_dot_q8").ok()?;
+    k.dot_q8_many_simd.filter(|_| simd_available())
+}
+
 /// Checks that `row` is whole blocks of `ty`, that `x` is in `ty`'s activation format and that it has one value
 /// per weight: the validation [`vec_dot_q8`] does, for callers that hold a [`DotQ8Fn`].
 pub fn check_dot_q8(ty: GgmlType, row: &[u8], x: &ActivationVector<'_>) -> Result<(), QuantError> {
@@ -338,6 +354,8 @@ pub(crate) struct Kernels {
     pub activations: ActivationFormat,
     pub dot_q8_reference: DotQ8Fn,
     pub dot_q8_simd: Option<DotQ8Fn>,
+    /// The AVX2 kernel for several tokens at once, where there is one (call only when [`simd_available`]).
+    pub dot_q8_many_simd: Option<DotQ8ManyFn>,
 }
 
 impl Kernels {
@@ -346,6 +364,14 @@ impl Kernels {
             activations,
             dot_q8_reference: reference,
             dot_q8_simd: simd,
+            ..self
+        }
+    }
+
+    /// Adds the several-token kernel.
+    fn many(self, many: Option<DotQ8ManyFn>) -> Kernels {
+        Kernels {
+            dot_q8_many_simd: many,
             ..self
         }
     }
@@ -371,6 +397,13 @@ macro_rules! simd8 {
     };
 }
 
+/// The AVX2 [`DotQ8ManyFn`] named `$name` in `avx2_int8`.
+macro_rules! many8 {
+    ($name:ident) => {
+        simd!(avx2_int8, DotQ8ManyFn, $name)
+    };
+}
+
 pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantError> {
     use ActivationFormat::{F32 as A_F32, Q8_1 as A_Q8_1, Q8_K as A_Q8_K};
     use GgmlType as T;
@@ -386,6 +419,7 @@ pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantEr
             activations: A_F32,
             dot_q8_reference: int8::dot_q8_k,
             dot_q8_simd: None,
+            dot_q8_many_simd: None,
         }
     }
     fn scalar(dequantize: fn(&[u8], &mut [f32]), dot_reference: DotFn, dot_simd: Option<DotFn>) -> Kernels {
@@ -397,6 +431,7 @@ pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantEr
             activations: A_F32,
             dot_q8_reference: int8::dot_f32,
             dot_q8_simd: None,
+            dot_q8_many_simd: None,
         }
     }
     fn b32<B: int8::IntBlock32>() -> DotQ8Fn {
@@ -421,50 +456,40 @@ pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantEr
             ..scalar(r::dequantize_bf16, r::dot_bf16, simd!(dot_bf16))
         }
         .int8(A_F32, int8::dot_bf16, simd8!(dot_bf16)),
-        T::Q4_0 => blocks::<BlockQ4_0>(simd!(dot_q4_0), Some(q::quantize_q4_0)).int8(
-            A_Q8_1,
-            b32::<BlockQ4_0>(),
-            simd8!(dot_q4_0),
-        ),
-        T::Q4_1 => blocks::<BlockQ4_1>(simd!(dot_q4_1), Some(q::quantize_q4_1)).int8(
-            A_Q8_1,
-            b32::<BlockQ4_1>(),
-            simd8!(dot_q4_1),
-        ),
-        T::Q5_0 => blocks::<BlockQ5_0>(simd!(dot_q5_0), Some(q::quantize_q5_0)).int8(
-            A_Q8_1,
-            b32::<BlockQ5_0>(),
-            simd8!(dot_q5_0),
-        ),
-        T::Q5_1 => blocks::<BlockQ5_1>(simd!(dot_q5_1), Some(q::quantize_q5_1)).int8(
-            A_Q8_1,
-            b32::<BlockQ5_1>(),
-            simd8!(dot_q5_1),
-        ),
-        T::Q8_0 => blocks::<BlockQ8_0>(simd!(dot_q8_0), Some(q::quantize_q8_0)).int8(
-            A_Q8_1,
-            b32::<BlockQ8_0>(),
-            simd8!(dot_q8_0),
-        ),
+        T::Q4_0 => blocks::<BlockQ4_0>(simd!(dot_q4_0), Some(q::quantize_q4_0))
+            .int8(A_Q8_1, b32::<BlockQ4_0>(), simd8!(dot_q4_0))
+            .many(many8!(dot_q4_0_many)),
+        T::Q4_1 => blocks::<BlockQ4_1>(simd!(dot_q4_1), Some(q::quantize_q4_1))
+            .int8(A_Q8_1, b32::<BlockQ4_1>(), simd8!(dot_q4_1))
+            .many(many8!(dot_q4_1_many)),
+        T::Q5_0 => blocks::<BlockQ5_0>(simd!(dot_q5_0), Some(q::quantize_q5_0))
+            .int8(A_Q8_1, b32::<BlockQ5_0>(), simd8!(dot_q5_0))
+            .many(many8!(dot_q5_0_many)),
+        T::Q5_1 => blocks::<BlockQ5_1>(simd!(dot_q5_1), Some(q::quantize_q5_1))
+            .int8(A_Q8_1, b32::<BlockQ5_1>(), simd8!(dot_q5_1))
+            .many(many8!(dot_q5_1_many)),
+        T::Q8_0 => blocks::<BlockQ8_0>(simd!(dot_q8_0), Some(q::quantize_q8_0))
+            .int8(A_Q8_1, b32::<BlockQ8_0>(), simd8!(dot_q8_0))
+            .many(many8!(dot_q8_0_many)),
         T::Q2_K => {
             blocks::<BlockQ2K>(simd!(dot_q2_k), Some(q::quantize_q2_k)).int8(A_Q8_K, bk::<BlockQ2K>(), simd8!(dot_q2_k))
         }
         T::Q3_K => {
             blocks::<BlockQ3K>(simd!(dot_q3_k), Some(q::quantize_q3_k)).int8(A_Q8_K, bk::<BlockQ3K>(), simd8!(dot_q3_k))
         }
-        T::Q4_K => {
-            blocks::<BlockQ4K>(simd!(dot_q4_k), Some(q::quantize_q4_k)).int8(A_Q8_K, bk::<BlockQ4K>(), simd8!(dot_q4_k))
-        }
-        T::Q5_K => {
-            blocks::<BlockQ5K>(simd!(dot_q5_k), Some(q::quantize_q5_k)).int8(A_Q8_K, bk::<BlockQ5K>(), simd8!(dot_q5_k))
-        }
-        T::Q6_K => {
-            blocks::<BlockQ6K>(simd!(dot_q6_k), Some(q::quantize_q6_k)).int8(A_Q8_K, bk::<BlockQ6K>(), simd8!(dot_q6_k))
-        }
+        T::Q4_K => blocks::<BlockQ4K>(simd!(dot_q4_k), Some(q::quantize_q4_k))
+            .int8(A_Q8_K, bk::<BlockQ4K>(), simd8!(dot_q4_k))
+            .many(many8!(dot_q4_k_many)),
+        T::Q5_K => blocks::<BlockQ5K>(simd!(dot_q5_k), Some(q::quantize_q5_k))
+            .int8(A_Q8_K, bk::<BlockQ5K>(), simd8!(dot_q5_k))
+            .many(many8!(dot_q5_k_many)),
+        T::Q6_K => blocks::<BlockQ6K>(simd!(dot_q6_k), Some(q::quantize_q6_k))
+            .int8(A_Q8_K, bk::<BlockQ6K>(), simd8!(dot_q6_k))
+            .many(many8!(dot_q6_k_many)),
         T::Q8_K => blocks::<BlockQ8K>(None, None),
-        T::IQ4_NL => {
-            blocks::<BlockIQ4NL>(simd!(dot_iq4_nl), None).int8(A_Q8_1, b32::<BlockIQ4NL>(), simd8!(dot_iq4_nl))
-        }
+        T::IQ4_NL => blocks::<BlockIQ4NL>(simd!(dot_iq4_nl), None)
+            .int8(A_Q8_1, b32::<BlockIQ4NL>(), simd8!(dot_iq4_nl))
+            .many(many8!(dot_iq4_nl_many)),
         T::IQ4_XS => blocks::<BlockIQ4XS>(simd!(dot_iq4_xs), None).int8(A_Q8_K, bk::<BlockIQ4XS>(), simd8!(dot_iq4_xs)),
         T::IQ3_S => blocks::<BlockIQ3S>(simd!(dot_iq3_s), None).int8(A_Q8_K, bk::<BlockIQ3S>(), simd8!(dot_iq3_s)),
         T::IQ2_XS => blocks::<BlockIQ2XS>(simd!(dot_iq2_xs), None).int8(A_Q8_K, bk::<BlockIQ2XS>(), simd8!(dot_iq2_xs)),

@@ -681,3 +681,47 @@ fn q4_k_on_512_bit_registers_gives_the_avx2_kernels_bits() {
         }
     }
 }
+
+#[test]
+fn several_token_kernels_give_each_tokens_one_token_bits() {
+    if !simd_available() {
+        eprintln!("skipping: no AVX2+FMA+F16C on this CPU (no several-token kernels run there)");
+        return;
+    }
+    let many_types: Vec<GgmlType> = int8_types()
+        .into_iter()
+        .filter(|&t| dot_q8_many_fn(t).is_some())
+        .collect();
+    assert_eq!(many_types.len(), 9, "types with a several-token kernel: {many_types:?}");
+    let mut rng = Rng(0x4d41_4e59);
+    for ty in many_types {
+        let (one, many) = (dot_q8_fn(ty).unwrap(), dot_q8_many_fn(ty).unwrap());
+        let block = ty.geometry().block_elems;
+        // Odd and even block counts (the 32-value kernels take blocks in pairs), and every group size 1..=9
+        // (4 + 4 + 1, 4 + 2, ...), with activations of very different scales side by side.
+        for n_blocks in [1, 2, 3, 16] {
+            let row = random_row(&mut rng, ty, n_blocks);
+            for n_vec in 1..=9 {
+                let cols = n_blocks * block;
+                let x: Vec<f32> = (0..n_vec * cols)
+                    .map(|i| rng.gauss() * [1.0, 1e-3, 1e3][(i / cols) % 3])
+                    .collect();
+                let mut q = QuantizedActivations::new();
+                q.quantize(ty, &x, cols).unwrap();
+                let vs: Vec<_> = (0..n_vec).map(|t| q.vector(t)).collect();
+                let mut got = vec![f32::NAN; n_vec];
+                many(&row, &vs, &mut got);
+                for (t, v) in vs.iter().enumerate() {
+                    let want = one(&row, v);
+                    assert!(want.is_finite(), "{ty}: {want}");
+                    assert_eq!(
+                        got[t].to_bits(),
+                        want.to_bits(),
+                        "{ty}, {n_blocks} blocks, token {t} of {n_vec}: {} vs one token's {want}",
+                        got[t]
+                    );
+                }
+            }
+        }
+    }
+}

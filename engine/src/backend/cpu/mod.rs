@@ -28,6 +28,8 @@ const DECODE_ROWS: usize = 16;
 const PREFILL_ROWS: usize = 16;
 /// Tokens per prefill tile: the number of times each dequantized row is reused.
 const PREFILL_TOKENS: usize = 64;
+/// Tokens a several-token dot product (`QMat::dot_q8_many`) takes at once in a matmul tile.
+const MANY_TOKENS: usize = 4;
 /// Tokens per attention task in prefill.
 const ATTN_TOKENS: usize = 16;
 
@@ -139,12 +141,31 @@ impl CpuBackend {
                 let r0 = rb * PREFILL_ROWS;
                 let r1 = (r0 + PREFILL_ROWS).min(rows);
                 let t0 = tt * PREFILL_TOKENS;
-                for t in t0..(t0 + PREFILL_TOKENS).min(n_tok) {
-                    let v = qa.vector(t);
+                let t1 = (t0 + PREFILL_TOKENS).min(n_tok);
+                let Some(many) = w.dot_q8_many else {
+                    for t in t0..t1 {
+                        let v = qa.vector(t);
+                        for r in r0..r1 {
+                            // SAFETY: element (t, r) belongs to this task's row block and token tile only, and is
+                            // inside `out` (t < n_tok, r < rows).
+                            unsafe { *shared.ptr().add(t * rows + r) = (w.dot_q8)(w.row(r), &v) };
+                        }
+                    }
+                    return;
+                };
+                // Each row block unpacked once for every MANY_TOKENS tokens (bit for bit the one-token results).
+                let mut ys = [0f32; MANY_TOKENS];
+                for g0 in (t0..t1).step_by(MANY_TOKENS) {
+                    let g1 = (g0 + MANY_TOKENS).min(t1);
+                    let vs: [_; MANY_TOKENS] = std::array::from_fn(|i| qa.vector((g0 + i).min(g1 - 1)));
+                    let (vs, ys) = (&vs[..g1 - g0], &mut ys[..g1 - g0]);
                     for r in r0..r1 {
-                        // SAFETY: element (t, r) belongs to this task's row block and token tile only, and is
-                        // inside `out` (t < n_tok, r < rows).
-                        unsafe { *shared.ptr().add(t * rows + r) = (w.dot_q8)(w.row(r), &v) };
+                        many(w.row(r), vs, ys);
+                        for (i, y) in ys.iter().enumerate() {
+                            // SAFETY: element (g0 + i, r) belongs to this task's row block and token tile only,
+                            // and is inside `out` (g0 + i < t1 <= n_tok, r < rows).
+                            unsafe { *shared.ptr().add((g0 + i) * rows + r) = *y };
+                        }
                     }
                 }
             });
