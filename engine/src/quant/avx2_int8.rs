@@ -173,10 +173,10 @@ fn sum_blocks32<B: QuantBlock, W: Copy, const N: usize, const MIN: bool>(
     let n = blocks.len();
     // Bounds checked once here for every token, so the loop below reads without a check per block and token
     // (they cost as much as the arithmetic in a 4-token call).
-    assert!(
-        xs.iter()
-            .all(|x| x.qs.len() >= n && x.ds.len() >= n && x.sums.len() >= n && x.ss.len() >= n)
-    );
+    // (A loop, not `Iterator::all`: a closure handed to a function without these target features is not inlined.)
+    for x in xs {
+        assert!(x.qs.len() >= n && x.ds.len() >= n && x.sums.len() >= n && x.ss.len() >= n);
+    }
     // SAFETY (every `at` below): `j < n`, and each slice of every token holds at least `n` items (asserted above).
     let at = |v: &[f32], j: usize| unsafe { *v.get_unchecked(j) };
     /// # Safety
@@ -699,9 +699,14 @@ macro_rules! one_token_entries {
     ($($entry:ident => $kernel:ident,)*) => {$(
         #[doc = concat!("[`super::DotQ8Fn`] entry for `", stringify!($kernel), "`; only valid where `simd_available()`.")]
         pub(super) fn $entry(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+            // The one-token kernel behind a function of the same features, so this entry is a tail call.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn one(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+                $kernel::<1>(row, std::array::from_ref(x))[0]
+            }
             debug_assert!(super::simd_available());
             // SAFETY: as in `entries!`.
-            unsafe { $kernel::<1>(row, std::array::from_ref(x))[0] }
+            unsafe { one(row, x) }
         }
     )*};
 }
