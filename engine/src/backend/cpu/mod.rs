@@ -50,7 +50,7 @@ thread_local! {
     static ACTIVATIONS: RefCell<QuantizedActivations> = RefCell::new(QuantizedActivations::new());
 }
 
-/// Most matrices [`Backend::matmul_many`] fuses into one decode dispatch.
+/// Most matrices [`Backend::matmul_many`] fuses into one dispatch.
 const MAX_FUSED: usize = 4;
 
 /// The CPU backend (no state: threads come from rayon's global pool).
@@ -118,87 +118,70 @@ impl CpuBackend {
     /// every (row, token) is one integer dot product, tiled as rows × tokens so a block of weight rows stays
     /// in cache while the tile's tokens pass over it. A token's result does not depend on the batch.
     fn matmul_q8(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+        Self::matmul_q8_fused(std::slice::from_ref(w), x, n_tok, &mut [out]);
+    }
+
+    /// Up to [`MAX_FUSED`] quantized matrices of one activation format and width that read the same `x` (a
+    /// layer's q/k/v, or gate/up): one quantization of `x` (`n_tok` rows) and one parallel pass over tiles of
+    /// [`PREFILL_ROWS`] rows × [`PREFILL_TOKENS`] tokens of all of them (a tile never spans two matrices), so
+    /// they cost one fork-join, not three or two. Inside a tile, a matrix with a several-token kernel
+    /// ([`QMat::dot_q8_many`]) unpacks each row once for every [`MANY_TOKENS`] tokens. Each (row, token) result
+    /// is, bit for bit, that row's one-token dot product with that token's activations, whatever the batch.
+    fn matmul_q8_fused(ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+        assert!(ws.len() <= MAX_FUSED && ws.len() == outs.len(), "matmul_many: matrices");
+        let mut ptrs = [SharedOut(std::ptr::null_mut()); MAX_FUSED];
+        let mut first_block = [0usize; MAX_FUSED + 1];
+        for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+            assert_eq!(x.len(), n_tok * w.cols, "matmul: activations");
+            assert_eq!(o.len(), n_tok * w.rows, "matmul: output {i}");
+            assert!(w.act == ws[0].act && w.cols == ws[0].cols, "matmul_many: matrix {i}'s format or width");
+            ptrs[i] = SharedOut(o.as_mut_ptr());
+            first_block[i + 1] = first_block[i] + w.rows.div_ceil(PREFILL_ROWS);
+        }
+        let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
+        let tasks = first_block[ws.len()] * tok_tiles;
         ACTIVATIONS.with_borrow_mut(|qa| {
-            qa.quantize(w.ty, x, w.cols).expect("matrix checked at construction");
+            qa.quantize(ws[0].ty, x, ws[0].cols)
+                .expect("matrix checked at construction");
             let qa = &*qa;
-            let rows = w.rows;
-            if n_tok == 1 {
-                let v = qa.vector(0);
-                out.par_chunks_mut(DECODE_ROWS).enumerate().for_each(|(c, o)| {
-                    let r0 = c * DECODE_ROWS;
-                    for (i, y) in o.iter_mut().enumerate() {
-                        *y = (w.dot_q8)(w.row(r0 + i), &v);
-                    }
-                });
-                return;
-            }
-            let row_blocks = rows.div_ceil(PREFILL_ROWS);
-            let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
-            let shared = SharedOut(out.as_mut_ptr());
-            (0..row_blocks * tok_tiles).into_par_iter().for_each(|task| {
-                super::progress::tick();
-                let (rb, tt) = (task / tok_tiles, task % tok_tiles);
-                let r0 = rb * PREFILL_ROWS;
+            (0..tasks).into_par_iter().for_each(|task| {
+                if n_tok > 1 {
+                    super::progress::tick();
+                }
+                let (block, tt) = (task / tok_tiles, task % tok_tiles);
+                let i = (0..ws.len())
+                    .rfind(|&i| first_block[i] <= block)
+                    .expect("block 0 is matrix 0's");
+                let (w, out, rows) = (&ws[i], ptrs[i], ws[i].rows);
+                let r0 = (block - first_block[i]) * PREFILL_ROWS;
                 let r1 = (r0 + PREFILL_ROWS).min(rows);
                 let t0 = tt * PREFILL_TOKENS;
                 let t1 = (t0 + PREFILL_TOKENS).min(n_tok);
-                let Some(many) = w.dot_q8_many else {
+                let Some(many) = w.dot_q8_many.filter(|_| t1 - t0 > 1) else {
                     for t in t0..t1 {
                         let v = qa.vector(t);
                         for r in r0..r1 {
-                            // SAFETY: element (t, r) belongs to this task's row block and token tile only, and is
-                            // inside `out` (t < n_tok, r < rows).
-                            unsafe { *shared.ptr().add(t * rows + r) = (w.dot_q8)(w.row(r), &v) };
+                            // SAFETY: element (t, r) of matrix i belongs to this task's row block and token tile
+                            // only, and is inside its output (t < n_tok, r < rows).
+                            unsafe { *out.ptr().add(t * rows + r) = (w.dot_q8)(w.row(r), &v) };
                         }
                     }
                     return;
                 };
-                // Each row block unpacked once for every MANY_TOKENS tokens (bit for bit the one-token results).
+                // Each row unpacked once for every MANY_TOKENS tokens (bit for bit the one-token results).
                 let mut ys = [0f32; MANY_TOKENS];
                 for g0 in (t0..t1).step_by(MANY_TOKENS) {
                     let g1 = (g0 + MANY_TOKENS).min(t1);
-                    let vs: [_; MANY_TOKENS] = std::array::from_fn(|i| qa.vector((g0 + i).min(g1 - 1)));
+                    let vs: [_; MANY_TOKENS] = std::array::from_fn(|k| qa.vector((g0 + k).min(g1 - 1)));
                     let (vs, ys) = (&vs[..g1 - g0], &mut ys[..g1 - g0]);
                     for r in r0..r1 {
                         many(w.row(r), vs, ys);
-                        for (i, y) in ys.iter().enumerate() {
-                            // SAFETY: element (g0 + i, r) belongs to this task's row block and token tile only,
-                            // and is inside `out` (g0 + i < t1 <= n_tok, r < rows).
-                            unsafe { *shared.ptr().add((g0 + i) * rows + r) = *y };
+                        for (k, y) in ys.iter().enumerate() {
+                            // SAFETY: element (g0 + k, r) of matrix i belongs to this task's row block and token
+                            // tile only, and is inside its output (g0 + k < t1 <= n_tok, r < rows).
+                            unsafe { *out.ptr().add((g0 + k) * rows + r) = *y };
                         }
                     }
-                }
-            });
-        });
-    }
-
-    /// Decode through up to [`MAX_FUSED`] quantized matrices of one activation format that read the same `x`:
-    /// one quantization of `x` and one parallel pass over the rows of all of them (chunks of [`DECODE_ROWS`]
-    /// rows, a chunk never spanning two matrices), so a layer's q/k/v or gate/up cost one fork-join, not three
-    /// or two. Each row's result is the one [`Self::matmul_q8`] gives.
-    fn matmul_fused_decode(ws: &[QMat<'_>], x: &[f32], outs: &mut [&mut [f32]]) {
-        debug_assert!(ws.len() <= MAX_FUSED && ws.len() == outs.len());
-        let mut ptrs = [SharedOut(std::ptr::null_mut()); MAX_FUSED];
-        let mut first_chunk = [0usize; MAX_FUSED + 1];
-        for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-            assert_eq!(o.len(), w.rows, "matmul_many: output {i}");
-            ptrs[i] = SharedOut(o.as_mut_ptr());
-            first_chunk[i + 1] = first_chunk[i] + w.rows.div_ceil(DECODE_ROWS);
-        }
-        let total = first_chunk[ws.len()];
-        ACTIVATIONS.with_borrow_mut(|qa| {
-            qa.quantize(ws[0].ty, x, ws[0].cols)
-                .expect("matrix checked at construction");
-            let v = qa.vector(0);
-            (0..total).into_par_iter().for_each(|c| {
-                let i = (0..ws.len())
-                    .rfind(|&i| first_chunk[i] <= c)
-                    .expect("chunk 0 is matrix 0's");
-                let w = &ws[i];
-                let r0 = (c - first_chunk[i]) * DECODE_ROWS;
-                for r in r0..(r0 + DECODE_ROWS).min(w.rows) {
-                    // SAFETY: row r of matrix i belongs to chunk c alone, and r < w.rows = outs[i].len().
-                    unsafe { *ptrs[i].ptr().add(r) = (w.dot_q8)(w.row(r), &v) };
                 }
             });
         });
@@ -337,13 +320,11 @@ impl CpuBackend {
     /// [`Backend::matmul_many`] on slices.
     pub fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
         assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
-        let fusable = n_tok == 1
-            && (1..=MAX_FUSED).contains(&ws.len())
+        let fusable = (1..=MAX_FUSED).contains(&ws.len())
             && ws[0].act != ActivationFormat::F32
             && ws.iter().all(|w| w.act == ws[0].act && w.cols == ws[0].cols);
         if fusable {
-            assert_eq!(x.len(), ws[0].cols, "matmul_many: activations");
-            Self::matmul_fused_decode(ws, x, outs);
+            Self::matmul_q8_fused(ws, x, n_tok, outs);
         } else {
             for (w, o) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(w, x, n_tok, o);
