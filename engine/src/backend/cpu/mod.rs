@@ -17,10 +17,11 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::{AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing};
+use super::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeKind, RopeParams, Routing, RunBufs};
 use crate::quant::activations::{ActivationFormat, QuantizedActivations};
 use crate::quant::{self, GgmlType};
-use crate::state::kv::KvLayer;
+use crate::state::batch::{BatchLayout, SeqRun};
+use crate::state::kv::{KvCache, KvLayer};
 
 /// Rows per rayon task in a decode matmul.
 const DECODE_ROWS: usize = 16;
@@ -134,7 +135,10 @@ impl CpuBackend {
         for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
             assert_eq!(x.len(), n_tok * w.cols, "matmul: activations");
             assert_eq!(o.len(), n_tok * w.rows, "matmul: output {i}");
-            assert!(w.act == ws[0].act && w.cols == ws[0].cols, "matmul_many: matrix {i}'s format or width");
+            assert!(
+                w.act == ws[0].act && w.cols == ws[0].cols,
+                "matmul_many: matrix {i}'s format or width"
+            );
             ptrs[i] = SharedOut(o.as_mut_ptr());
             first_block[i + 1] = first_block[i] + w.rows.div_ceil(PREFILL_ROWS);
         }
@@ -384,26 +388,52 @@ impl CpuBackend {
 
     /// [`Backend::attention`] on slices.
     pub fn attention(&self, q: &[f32], kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut [f32]) {
+        let run = SeqRun {
+            seq: 0,
+            start: 0,
+            len: positions.len(),
+            pos0: positions.first().map_or(0, |&x| x as usize),
+        };
+        self.attention_runs(q, &[kv], &[run], positions, p, out);
+    }
+
+    /// [`Backend::attention`] for every run of a step at once: run `r`'s tokens (`q` rows `run.tokens()`, at
+    /// `positions[run.tokens()]`) attend over `kvs[r]` into the same rows of `out`, in one parallel pass over
+    /// every run's tasks (one fork-join a layer for a batch, not one a sequence). A token's arithmetic is that
+    /// of its run attended alone: its scores cover its own keys only, whatever else shares the task.
+    pub fn attention_runs(
+        &self,
+        q: &[f32],
+        kvs: &[&KvLayer],
+        runs: &[SeqRun],
+        positions: &[u32],
+        p: &AttnParams,
+        out: &mut [f32],
+    ) {
         let n_tok = positions.len();
         let (dk, dv) = (p.head_dim, p.head_dim_v);
         assert_eq!(q.len(), n_tok * p.n_head * dk, "attention: q");
         assert_eq!(out.len(), n_tok * p.n_head * dv, "attention: out");
-        assert_eq!(kv.k.head_dim(), dk, "attention: cache key width");
-        assert_eq!(kv.v.head_dim(), dv, "attention: cache value width");
+        assert_eq!(kvs.len(), runs.len(), "attention: one cache per run");
+        for kv in kvs {
+            assert_eq!(kv.k.head_dim(), dk, "attention: cache key width");
+            assert_eq!(kv.v.head_dim(), dv, "attention: cache value width");
+        }
         let group = p.n_head / p.n_head_kv;
-        let tile = if n_tok == 1 { 1 } else { ATTN_TOKENS };
-        let tiles = n_tok.div_ceil(tile);
-        // Query heads per task: a whole GQA group in prefill (each key and value read serves all of them); one
-        // head in decode, so a few KV heads still spread over every thread.
-        let hpt = if n_tok == 1 { 1 } else { group };
-        let subs = group / hpt;
+        // Per run: tokens per task (1 in decode), query heads per task (a whole GQA group in prefill, so each key
+        // and value read serves all of them; one head in decode, so a few KV heads still spread over every
+        // thread), and where its tasks start among the step's.
+        let shape = |r: &SeqRun| if r.len == 1 { (1, 1) } else { (ATTN_TOKENS, group) };
+        let mut first_task = Vec::with_capacity(runs.len() + 1);
+        first_task.push(0);
+        for r in runs {
+            assert!(r.start + r.len <= n_tok, "attention: run past the step");
+            let (tile, hpt) = shape(r);
+            first_task.push(first_task.last().unwrap() + r.len.div_ceil(tile) * p.n_head_kv * (group / hpt));
+        }
         let shared = SharedOut(out.as_mut_ptr());
         let first_key = |pos: usize| p.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        // An f16 cache rounds what meets it to f16 as well, as ggml's f16 matmuls do (the other operand is
-        // converted to the weight's `vec_dot_type`): the queries before q·k, the probabilities before ·v.
-        let f16_keys = kv.k.ty() == GgmlType::F16;
-        let f16_values = kv.v.ty() == GgmlType::F16;
-        (0..tiles * p.n_head_kv * subs).into_par_iter().for_each_init(
+        (0..*first_task.last().unwrap()).into_par_iter().for_each_init(
             || AttnScratch {
                 scores: Vec::new(),
                 q: Vec::with_capacity(dk),
@@ -413,11 +443,21 @@ impl CpuBackend {
             },
             |s, task| {
                 super::progress::tick();
+                let ri = first_task.partition_point(|&f| f <= task) - 1;
+                let (run, kv) = (&runs[ri], kvs[ri]);
+                let (tile, hpt) = shape(run);
+                let subs = group / hpt;
+                // An f16 cache rounds what meets it to f16 as well, as ggml's f16 matmuls do (the other operand is
+                // converted to the weight's `vec_dot_type`): the queries before q·k, the probabilities before ·v.
+                let f16_keys = kv.k.ty() == GgmlType::F16;
+                let f16_values = kv.v.ty() == GgmlType::F16;
+                let task = task - first_task[ri];
                 let (ti, rest) = (task / (p.n_head_kv * subs), task % (p.n_head_kv * subs));
                 let (g, sub) = (rest / subs, rest % subs);
                 let h0 = g * group + sub * hpt;
-                let t0 = ti * tile;
-                let t1 = (t0 + tile).min(n_tok);
+                // Step rows t0..t1, all of this run.
+                let t0 = run.start + ti * tile;
+                let t1 = (t0 + tile).min(run.start + run.len);
                 let toks = &positions[t0..t1];
                 let hi = toks.iter().map(|&x| x as usize).max().expect("non-empty tile");
                 let lo = toks
@@ -474,8 +514,8 @@ impl CpuBackend {
                     for hh in 0..hpt {
                         let src = &s.acc[(ti * hpt + hh) * dv..][..dv];
                         let dst = ((t0 + ti) * p.n_head + h0 + hh) * dv;
-                        // SAFETY: head h0 + hh of token t0 + ti belongs to this task alone (its token tile and
-                        // head range), and lies inside `out`.
+                        // SAFETY: head h0 + hh of step row t0 + ti belongs to this task alone (its run, token
+                        // tile and head range), and lies inside `out`.
                         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), shared.ptr().add(dst), dv) };
                     }
                 }
@@ -914,6 +954,52 @@ impl Backend for CpuBackend {
         let n = positions.len();
         let (wk, wv) = (kv.k.width(), kv.v.width());
         CpuBackend::store_kv(self, kv, &k[..n * wk], &v[..n * wv], positions);
+    }
+
+    /// The step's q/k norms and RoPE at once (each token's rows at its own position), each run's keys and values
+    /// stored into its own cache, then one attention pass over every run ([`CpuBackend::attention_runs`]): each
+    /// token's arithmetic is that of its run attended alone, in one fork-join a layer instead of one a sequence.
+    fn attend_runs(
+        &self,
+        q: &mut Vec<f32>,
+        k: &mut Vec<f32>,
+        v: &Vec<f32>,
+        kvs: &mut [&mut KvCache],
+        layer: usize,
+        layout: &BatchLayout,
+        a: &AttnOp<'_>,
+        out: &mut Vec<f32>,
+        _tmp: &mut RunBufs<Vec<f32>>,
+    ) {
+        let p = &a.params;
+        let pos = layout.positions();
+        let n = pos.len();
+        self.qk_norm_rope(q, k, p.n_head, p.n_head_kv, p.head_dim, a.norms, a.eps, pos, a.rope);
+        let (wk, wv) = (p.n_head_kv * p.head_dim, p.n_head_kv * p.head_dim_v);
+        for run in layout.runs() {
+            let t = run.tokens();
+            let kv = &mut kvs[run.seq].layers[layer];
+            CpuBackend::store_kv(
+                self,
+                kv,
+                &k[t.start * wk..t.end * wk],
+                &v[t.start * wv..t.end * wv],
+                &pos[t],
+            );
+        }
+        if let Some(sc) = a.q_scale {
+            Backend::scale(self, q, n * p.n_head * p.head_dim, sc);
+        }
+        let layers: Vec<&KvLayer> = layout.runs().iter().map(|r| &kvs[r.seq].layers[layer]).collect();
+        CpuBackend::attention_runs(
+            self,
+            &q[..n * p.n_head * p.head_dim],
+            &layers,
+            layout.runs(),
+            pos,
+            p,
+            &mut out[..n * p.n_head * p.head_dim_v],
+        );
     }
 
     fn attention(&self, q: &Vec<f32>, kv: &KvLayer, positions: &[u32], p: &AttnParams, out: &mut Vec<f32>) {
