@@ -10,6 +10,7 @@ use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::fixtures::synth::SynthSpec;
 use strata_engine::model::Model;
 use strata_engine::models;
+use strata_engine::quant::GgmlType;
 use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher, StepReport};
 use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, Greedy, StopReason, generate};
 use strata_engine::runtime::session::{Session, SessionConfig};
@@ -189,6 +190,21 @@ fn batched_sequences_give_the_tokens_and_logits_of_each_alone() {
 #[test]
 fn batched_moe_sequences_give_the_tokens_and_logits_of_each_alone() {
     let (_dir, path) = tiny_moe();
+    check_equal_to_alone(&path);
+}
+
+/// Float matrices (F16 attention and dense layers, BF16 experts, an F32 output) take their own dot product per
+/// row and token, so a step of several sequences gives each the bits it gets alone here too.
+#[test]
+fn batched_float_sequences_give_the_tokens_and_logits_of_each_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe-float.gguf");
+    let mut spec = SynthSpec::tiny_qwen3moe();
+    spec.types.attn = GgmlType::F16;
+    spec.types.ffn = GgmlType::F16;
+    spec.types.experts = GgmlType::BF16;
+    spec.types.output = GgmlType::F32;
+    spec.write(&path).unwrap();
     check_equal_to_alone(&path);
 }
 

@@ -26,20 +26,6 @@ pub fn dot_plain(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// Four dot products sharing one activation vector: `rows` is four rows of `x.len()` values, back to back.
-/// Loading `x` once for four rows is what makes a prefill tile faster than four [`dot`] calls.
-#[inline]
-pub fn dot4(rows: &[f32], x: &[f32]) -> [f32; 4] {
-    let n = x.len();
-    debug_assert_eq!(rows.len(), 4 * n);
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 and FMA were detected at run time; lengths as asserted.
-        return unsafe { avx2::dot4(rows, x) };
-    }
-    [0, 1, 2, 3].map(|r| dot_plain(&rows[r * n..(r + 1) * n], x))
-}
-
 /// `acc[i] += a · v[i]`.
 #[inline]
 pub fn axpy(a: f32, v: &[f32], acc: &mut [f32]) {
@@ -94,36 +80,6 @@ mod avx2 {
         }
         s
     }
-
-    /// # Safety
-    /// AVX2 and FMA must be available; `rows.len() == 4 * x.len()`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot4(rows: &[f32], x: &[f32]) -> [f32; 4] {
-        let n = x.len();
-        assert_eq!(rows.len(), 4 * n);
-        let (pr, px) = (rows.as_ptr(), x.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: i + 8 <= n, and row r spans r * n .. (r + 1) * n of `rows`.
-            unsafe {
-                let xv = _mm256_loadu_ps(px.add(i));
-                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pr.add(i)), xv, acc[0]);
-                acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(pr.add(n + i)), xv, acc[1]);
-                acc[2] = _mm256_fmadd_ps(_mm256_loadu_ps(pr.add(2 * n + i)), xv, acc[2]);
-                acc[3] = _mm256_fmadd_ps(_mm256_loadu_ps(pr.add(3 * n + i)), xv, acc[3]);
-            }
-            i += 8;
-        }
-        let mut out = [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])];
-        while i < n {
-            for (r, o) in out.iter_mut().enumerate() {
-                *o += rows[r * n + i] * x[i];
-            }
-            i += 1;
-        }
-        out
-    }
 }
 
 #[cfg(test)]
@@ -138,11 +94,6 @@ mod tests {
             let tol = |r: f32| 1e-5 * (1.0 + r.abs() * 10.0);
             let d = dot(&a[..n], &x);
             assert!((d - dot_plain(&a[..n], &x)).abs() <= tol(d), "n={n}");
-            let d4 = dot4(&a, &x);
-            for r in 0..4 {
-                let want = dot_plain(&a[r * n..(r + 1) * n], &x);
-                assert!((d4[r] - want).abs() <= tol(want), "n={n} r={r}");
-            }
         }
     }
 }

@@ -1,11 +1,13 @@
 //! The CPU backend: the reference semantics of every [`Backend`] op, parallel with rayon.
 //!
-//! Parallelism: decode (one token) splits a matmul over output rows; prefill splits it over row blocks ×
-//! token tiles. Quantized weights multiply int8 activations (quantized once per matmul, ggml's
-//! `vec_dot_type`), a tile keeping its block of weight rows in cache while its tokens pass over it; float
-//! weights (F32, F16, BF16) are dequantized once per tile and reused for every token of the tile. Attention
-//! splits over KV heads × token tiles in prefill, so the query heads of a GQA group share each key and value
-//! read, and over query heads in decode. Ops run on rayon's global pool (`--threads` sizes it).
+//! Parallelism: a matmul splits over row blocks × token tiles (one token tile in decode), a tile keeping its block
+//! of weight rows in cache while its tokens pass over it. Quantized weights multiply int8 activations (quantized
+//! once per matmul, ggml's `vec_dot_type`), each row unpacked once for up to 4 tokens; float weights (F32, F16,
+//! BF16) take their own dot product per row and token. Either way a token's result does not depend on the batch
+//! (a lone decode step and a step of many sequences give each token the same bits). Attention splits over KV
+//! heads × token tiles in prefill, so the query heads of a GQA group share each key and value read, and over
+//! query heads in decode; a step of several sequences attends over all of them in one pass. Ops run on rayon's
+//! global pool (`--threads` sizes it).
 //!
 //! Hot paths: no locks and no logging anywhere below; allocation only for per-task scratch in the prefill
 //! paths (once per rayon work item, never per token or per row).
@@ -23,8 +25,6 @@ use crate::quant::{self, GgmlType};
 use crate::state::batch::{BatchLayout, SeqRun};
 use crate::state::kv::{KvCache, KvLayer};
 
-/// Rows per rayon task in a decode matmul.
-const DECODE_ROWS: usize = 16;
 /// Rows dequantized together in a prefill tile.
 const PREFILL_ROWS: usize = 16;
 /// Tokens per prefill tile: the number of times each dequantized row is reused.
@@ -99,20 +99,46 @@ pub fn gelu_ggml(x: f32) -> f32 {
 }
 
 impl CpuBackend {
-    /// The matmul with the kernel chosen by the caller: `batched` dequantizes rows and multiplies in f32
-    /// (prefill), otherwise each row is one quantized dot product (decode). A token's result depends on the
-    /// kernel, never on which other tokens share the batch, so expert dispatch keeps a batch's kernel for an
-    /// expert that receives a single token (what makes identical experts reproduce the dense model exactly).
-    fn matmul_as(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32], batched: bool) {
+    /// The matmul: int8 activations for quantized weights ([`Self::matmul_q8`]), f32 for float ones
+    /// ([`Self::matmul_f32`]). Either way a token's result is its row's one-token dot product, never depending on
+    /// which other tokens share the batch: a decode token alone or among others, a prompt in any chunking, and an
+    /// expert that receives one token of a batch all give the same bits.
+    fn matmul_as(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
         assert_eq!(x.len(), n_tok * w.cols, "matmul: activations");
         assert_eq!(out.len(), n_tok * w.rows, "matmul: output");
         if w.act != ActivationFormat::F32 {
             Self::matmul_q8(w, x, n_tok, out);
-        } else if batched {
-            Self::matmul_prefill(w, x, n_tok, out);
         } else {
-            Self::matmul_decode(w, x, out);
+            Self::matmul_f32(w, x, n_tok, out);
         }
+    }
+
+    /// Float weights (F32, F16, BF16, and Q8_K, which multiplies f32 activations): every (row, token) is the
+    /// type's own dot product of the row as stored with the token's activations, tiled as rows × tokens so a
+    /// block of rows stays in cache while the tile's tokens pass over it. A token's result is the same whatever
+    /// the batch (a decode token alone or among others, a prompt token in any chunk).
+    fn matmul_f32(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
+        let (rows, cols) = (w.rows, w.cols);
+        let row_blocks = rows.div_ceil(PREFILL_ROWS);
+        let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
+        let shared = SharedOut(out.as_mut_ptr());
+        (0..row_blocks * tok_tiles).into_par_iter().for_each(|task| {
+            if n_tok > 1 {
+                super::progress::tick();
+            }
+            let (rb, tt) = (task / tok_tiles, task % tok_tiles);
+            let r0 = rb * PREFILL_ROWS;
+            let r1 = (r0 + PREFILL_ROWS).min(rows);
+            let t0 = tt * PREFILL_TOKENS;
+            for t in t0..(t0 + PREFILL_TOKENS).min(n_tok) {
+                let xt = &x[t * cols..(t + 1) * cols];
+                for r in r0..r1 {
+                    // SAFETY: element (t, r) belongs to this task's row block and token tile only, and is inside
+                    // `out` (t < n_tok, r < rows).
+                    unsafe { *shared.ptr().add(t * rows + r) = (w.dot)(w.row(r), xt) };
+                }
+            }
+        });
     }
 
     /// Quantized weights: the activations are quantized to int8 once per matmul (ggml's `vec_dot_type`), then
@@ -190,59 +216,6 @@ impl CpuBackend {
             });
         });
     }
-
-    fn matmul_decode(w: &QMat<'_>, x: &[f32], out: &mut [f32]) {
-        out.par_chunks_mut(DECODE_ROWS).enumerate().for_each(|(c, o)| {
-            let r0 = c * DECODE_ROWS;
-            for (i, y) in o.iter_mut().enumerate() {
-                *y = (w.dot)(w.row(r0 + i), x);
-            }
-        });
-    }
-
-    fn matmul_prefill(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        let (rows, cols) = (w.rows, w.cols);
-        let row_blocks = rows.div_ceil(PREFILL_ROWS);
-        let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
-        let shared = SharedOut(out.as_mut_ptr());
-        (0..row_blocks * tok_tiles).into_par_iter().for_each_init(
-            || vec![0f32; PREFILL_ROWS * cols],
-            |deq, task| {
-                super::progress::tick();
-                let (rb, tt) = (task / tok_tiles, task % tok_tiles);
-                let r0 = rb * PREFILL_ROWS;
-                let nr = PREFILL_ROWS.min(rows - r0);
-                let t0 = tt * PREFILL_TOKENS;
-                let t1 = (t0 + PREFILL_TOKENS).min(n_tok);
-                quant::dequantize(
-                    w.ty,
-                    &w.data[r0 * w.row_bytes..(r0 + nr) * w.row_bytes],
-                    &mut deq[..nr * cols],
-                )
-                .expect("matrix checked at construction");
-                for t in t0..t1 {
-                    let xt = &x[t * cols..(t + 1) * cols];
-                    let mut r = 0;
-                    while r < nr {
-                        let ys: [f32; 4];
-                        let k = if r + 4 <= nr {
-                            ys = kernels::dot4(&deq[r * cols..(r + 4) * cols], xt);
-                            4
-                        } else {
-                            ys = [kernels::dot(&deq[r * cols..(r + 1) * cols], xt), 0.0, 0.0, 0.0];
-                            1
-                        };
-                        for (i, y) in ys.iter().take(k).enumerate() {
-                            // SAFETY: element (t, r0 + r + i) belongs to this task's row block and token
-                            // tile only, and is inside `out` (t < n_tok, r0 + r + i < rows).
-                            unsafe { *shared.ptr().add(t * rows + r0 + r + i) = *y };
-                        }
-                        r += k;
-                    }
-                }
-            },
-        );
-    }
 }
 
 /// RMSNorm of one row (ggml's `rms_norm`: the mean of squares summed in f64) times `w`.
@@ -318,7 +291,7 @@ struct AttnScratch {
 impl CpuBackend {
     /// [`Backend::matmul`] on slices: `x` is `[n_tok][w.cols]`, `out` `[n_tok][w.rows]`.
     pub fn matmul(&self, w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        Self::matmul_as(w, x, n_tok, out, n_tok > 1);
+        Self::matmul_as(w, x, n_tok, out);
     }
 
     /// [`Backend::matmul_many`] on slices.
@@ -557,7 +530,6 @@ impl CpuBackend {
         assert_eq!(routing.ids.len(), n_tok * routing.k, "moe_ffn: routing");
         s.acc.clear();
         s.acc.resize(n_tok * n_embd, 0.0);
-        let batched = n_tok > 1;
         let mut groups = std::mem::take(&mut s.groups);
         groups.group(routing, ex.n_expert);
         for e in groups.hit() {
@@ -575,10 +547,10 @@ impl CpuBackend {
             s.down.resize(m * n_embd, 0.0);
             let x_e = &s.x[..m * n_embd];
             let [gate, up, down] = ex.expert(e);
-            Self::matmul_as(&gate, x_e, m, &mut s.gate[..m * nff], batched);
-            Self::matmul_as(&up, x_e, m, &mut s.up[..m * nff], batched);
+            Self::matmul_as(&gate, x_e, m, &mut s.gate[..m * nff]);
+            Self::matmul_as(&up, x_e, m, &mut s.up[..m * nff]);
             self.glu(&mut s.gate[..m * nff], &s.up[..m * nff], ex.act);
-            Self::matmul_as(&down, &s.gate[..m * nff], m, &mut s.down[..m * n_embd], batched);
+            Self::matmul_as(&down, &s.gate[..m * nff], m, &mut s.down[..m * n_embd]);
             for (i, &slot) in slots.iter().enumerate() {
                 let (t, w) = (slot as usize / routing.k, routing.weights[slot as usize] as f64);
                 let acc = &mut s.acc[t * n_embd..(t + 1) * n_embd];
