@@ -14,7 +14,8 @@
 //! summation order.
 //!
 //! Safety: as in `avx2`: every kernel is reached through the entries at the bottom, handed out only after
-//! [`super::simd_available`]; memory is read through bounds-checked slices.
+//! [`super::simd_available`]; memory is read through bounds-checked slices, except in [`sum_blocks32`]'s loop, which
+//! checks every token's lengths once per row and then reads unchecked.
 
 use std::arch::x86_64::*;
 
@@ -305,7 +306,8 @@ fn signed(w: __m256i) -> (__m256i, __m256i) {
     (_mm256_abs_epi8(w), w)
 }
 
-/// `Σ w·x` over pairs of pairs for weights split by [`signed`]: [`mul_sum_i8_i8`] with `|w|` worked out once.
+/// `Σ w·x` over pairs of pairs for weights split by [`signed`] (signed weights against signed activations), with
+/// `|w|` worked out once for every token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn mul_sum_signed(w: (__m256i, __m256i), x: __m256i) -> __m256i {
@@ -471,7 +473,7 @@ fn k_q4_k<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N
 
 /// [`k_q4_k`] on 512-bit registers (AVX-512BW), bit for bit: each step takes one 32-byte group of codes as its low
 /// nibbles (sub-block 2c) in the lower half and its high nibbles (2c + 1) in the upper half, against the 64
-/// activation codes of the two sub-blocks (contiguous), so the upper half's lanes are [`k4_block`]'s `p_hi` and the
+/// activation codes of the two sub-blocks (contiguous), so the upper half's lanes are [`k4_blocks`]'s `p_hi` and the
 /// lower half's its `p_lo`. Folding the halves gives the same integer lanes, and the float steps are the same.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 fn k_q4_k_512(row: &[u8], x: &ActivationVector<'_>) -> f32 {

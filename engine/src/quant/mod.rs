@@ -107,7 +107,10 @@ pub type DotQ8Fn = fn(row: &[u8], x: &ActivationVector<'_>) -> f32;
 /// block of `row` is unpacked once for up to 4 tokens. What makes a matmul of several tokens cheaper per token
 /// than one of a single token without a token's result depending on the others.
 ///
-/// Panics if `out` and `xs` differ in length; otherwise validates as little as [`DotQ8Fn`].
+/// The bits equal the one-token call's when every vector of `xs` is in the type's format with one value per weight
+/// of `row` (as a matmul quantizes them). Otherwise, as [`DotQ8Fn`], it never panics or reads out of bounds but the
+/// sums are wrong: every token covers only the blocks the shortest vector has, and a vector in another format
+/// makes the whole call NaN. Panics if `out` and `xs` differ in length.
 pub type DotQ8ManyFn = fn(row: &[u8], xs: &[ActivationVector<'_>], out: &mut [f32]);
 
 /// A quantizer for one type: whole blocks of f32 in, exactly the matching bytes out (lengths checked by

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::{AttnOp, AttnParams, Backend, RopeKind, RopeParams, RunBufs, attend_runs_one_by_one};
 use strata_engine::fixtures::synth::SynthSpec;
 use strata_engine::model::Model;
 use strata_engine::models;
@@ -14,7 +15,8 @@ use strata_engine::quant::GgmlType;
 use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher, StepReport};
 use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, Greedy, StopReason, generate};
 use strata_engine::runtime::session::{Session, SessionConfig};
-use strata_engine::state::kv::KvType;
+use strata_engine::state::batch::BatchLayout;
+use strata_engine::state::kv::{KvCache, KvShape, KvType};
 use strata_engine::tokenizer::Tokenizer;
 
 const TEXT: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named \
@@ -234,4 +236,111 @@ fn a_cancelled_or_failed_request_leaves_the_others_as_they_were() {
     let want4 = alone(&model, &tok, &prompts[3..], 24);
     assert_eq!(fourth.tokens, want4[0].tokens);
     assert_eq!(fourth.logits_digests, want4[0].logits_digests);
+}
+
+/// xorshift64*, values in (-2, 2).
+struct AttnRng(u64);
+impl AttnRng {
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 2.0
+    }
+}
+
+/// The CPU's `attend_runs` (the step's norms and RoPE at once, one attention pass over every run) gives, bit for
+/// bit, what attending run by run gives: GQA groups of 1 to 8, sliding windows, a query scale (gemma3), f16 and
+/// int8 caches, over steps mixing decode tokens and prompt chunks of 4 sequences.
+#[test]
+fn attending_every_run_at_once_equals_attending_run_by_run() {
+    let be = CpuBackend;
+    let mut rng = AttnRng(99);
+    for &(nh, nkv, window, qscale, kvty) in &[
+        (8usize, 2usize, None, None, KvType::F16),
+        (8, 2, Some(5usize), None, KvType::F16),
+        (6, 3, Some(3), Some(0.3f32), KvType::Int8),
+        (4, 4, None, Some(0.5), KvType::Int8),
+        (8, 1, Some(20), None, KvType::F16),
+    ] {
+        let (dk, dv) = (32usize, 32usize);
+        let shape = KvShape {
+            n_layer: 1,
+            n_head_kv: nkv,
+            head_dim: dk,
+            head_dim_v: dv,
+        };
+        let rope = RopeParams {
+            kind: RopeKind::Neox,
+            n_rot: dk,
+            freq_base: 10000.0,
+            freq_scale: 1.0,
+        };
+        let qn: Vec<f32> = (0..dk).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let kn: Vec<f32> = (0..dk).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let op = AttnOp {
+            norms: (Some(&qn), Some(&kn)),
+            eps: 1e-6,
+            rope: &rope,
+            params: AttnParams {
+                n_head: nh,
+                n_head_kv: nkv,
+                head_dim: dk,
+                head_dim_v: dv,
+                scale: if qscale.is_some() { 1.0 } else { 0.17 },
+                window,
+            },
+            q_scale: qscale,
+        };
+        // 4 sequences with some history; steps mixing decode and prefill chunks.
+        let mut a: Vec<KvCache> = (0..4).map(|_| KvCache::new(&shape, 128, kvty).unwrap()).collect();
+        let mut b: Vec<KvCache> = (0..4).map(|_| KvCache::new(&shape, 128, kvty).unwrap()).collect();
+        let mut pos = [0usize; 4];
+        let steps: Vec<Vec<(usize, usize)>> = vec![
+            vec![(0, 17), (1, 1), (2, 33), (3, 2)],
+            vec![(2, 1), (0, 1), (3, 40), (1, 16)],
+            vec![(1, 1), (0, 1), (2, 1), (3, 1)],
+            vec![(3, 5), (2, 1)],
+        ];
+        for step in steps {
+            let mut layout = BatchLayout::default();
+            for &(s, n) in &step {
+                layout.push(s, pos[s], n);
+                pos[s] += n;
+            }
+            let n = layout.n_tok();
+            let q0: Vec<f32> = (0..n * nh * dk).map(|_| rng.f()).collect();
+            let k0: Vec<f32> = (0..n * nkv * dk).map(|_| rng.f()).collect();
+            let v0: Vec<f32> = (0..n * nkv * dv).map(|_| rng.f()).collect();
+            let (mut qa, mut ka) = (q0.clone(), k0.clone());
+            let (mut qb, mut kb) = (q0.clone(), k0.clone());
+            let mut oa = vec![0f32; n * nh * dv];
+            let mut ob = vec![1f32; n * nh * dv];
+            let mut ra: Vec<&mut KvCache> = a.iter_mut().collect();
+            let mut rb: Vec<&mut KvCache> = b.iter_mut().collect();
+            let mut tmp = RunBufs::<Vec<f32>>::default();
+            be.attend_runs(&mut qa, &mut ka, &v0, &mut ra, 0, &layout, &op, &mut oa, &mut tmp);
+            let mut tmp2 = RunBufs::<Vec<f32>>::default();
+            attend_runs_one_by_one(
+                &be,
+                &mut qb,
+                &mut kb,
+                &v0,
+                &mut rb,
+                0,
+                layout.runs(),
+                layout.positions(),
+                &op,
+                &mut ob,
+                &mut tmp2,
+            );
+            for i in 0..oa.len() {
+                assert_eq!(
+                    oa[i].to_bits(),
+                    ob[i].to_bits(),
+                    "nh={nh} nkv={nkv} win={window:?} i={i}"
+                );
+            }
+        }
+    }
 }

@@ -3,14 +3,14 @@
 //! Parallelism: a matmul splits over row blocks × token tiles (one token tile in decode), a tile keeping its block
 //! of weight rows in cache while its tokens pass over it. Quantized weights multiply int8 activations (quantized
 //! once per matmul, ggml's `vec_dot_type`), each row unpacked once for up to 4 tokens; float weights (F32, F16,
-//! BF16) take their own dot product per row and token. Either way a token's result does not depend on the batch
+//! BF16, and Q8_K, which multiplies f32 activations) take their own dot product per row and token. Either way a token's result does not depend on the batch
 //! (a lone decode step and a step of many sequences give each token the same bits). Attention splits over KV
 //! heads × token tiles in prefill, so the query heads of a GQA group share each key and value read, and over
 //! query heads in decode; a step of several sequences attends over all of them in one pass. Ops run on rayon's
 //! global pool (`--threads` sizes it).
 //!
-//! Hot paths: no locks and no logging anywhere below; allocation only for per-task scratch in the prefill
-//! paths (once per rayon work item, never per token or per row).
+//! Hot paths: no locks and no logging anywhere below; allocation only for per-task scratch (once per rayon work
+//! item, never per token or per row) and, in attention, one list of the step's runs per layer.
 
 pub mod kernels;
 pub mod spin;
@@ -119,6 +119,7 @@ impl CpuBackend {
     /// the batch (a decode token alone or among others, a prompt token in any chunk).
     fn matmul_f32(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
         let (rows, cols) = (w.rows, w.cols);
+        assert!(x.len() == n_tok * cols && out.len() == n_tok * rows, "matmul: shapes");
         let row_blocks = rows.div_ceil(PREFILL_ROWS);
         let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
         let shared = SharedOut(out.as_mut_ptr());
@@ -391,6 +392,7 @@ impl CpuBackend {
         for kv in kvs {
             assert_eq!(kv.k.head_dim(), dk, "attention: cache key width");
             assert_eq!(kv.v.head_dim(), dv, "attention: cache value width");
+            assert_eq!(kv.k.heads(), p.n_head_kv, "attention: cache KV heads");
         }
         let group = p.n_head / p.n_head_kv;
         // Per run: tokens per task (1 in decode), query heads per task (a whole GQA group in prefill, so each key
@@ -399,8 +401,15 @@ impl CpuBackend {
         let shape = |r: &SeqRun| if r.len == 1 { (1, 1) } else { (ATTN_TOKENS, group) };
         let mut first_task = Vec::with_capacity(runs.len() + 1);
         first_task.push(0);
+        // Runs in order and disjoint (as `BatchLayout` makes them): each step row belongs to one run, so the tasks
+        // below write disjoint rows of `out`.
+        let mut next_row = 0;
         for r in runs {
-            assert!(r.start + r.len <= n_tok, "attention: run past the step");
+            assert!(
+                r.start >= next_row && r.start + r.len <= n_tok,
+                "attention: runs overlap or pass the step"
+            );
+            next_row = r.start + r.len;
             let (tile, hpt) = shape(r);
             first_task.push(first_task.last().unwrap() + r.len.div_ceil(tile) * p.n_head_kv * (group / hpt));
         }
