@@ -12,6 +12,7 @@ use strata_engine::fixtures::synth::SynthSpec;
 use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
+use strata_engine::rng::SplitMix64;
 use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher, StepReport};
 use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, Greedy, StopReason, generate};
 use strata_engine::runtime::session::{Session, SessionConfig};
@@ -238,24 +239,15 @@ fn a_cancelled_or_failed_request_leaves_the_others_as_they_were() {
     assert_eq!(fourth.logits_digests, want4[0].logits_digests);
 }
 
-/// xorshift64*, values in (-2, 2).
-struct AttnRng(u64);
-impl AttnRng {
-    fn f(&mut self) -> f32 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        ((self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 2.0
-    }
-}
-
 /// The CPU's `attend_runs` (the step's norms and RoPE at once, one attention pass over every run) gives, bit for
 /// bit, what attending run by run gives: GQA groups of 1 to 8, sliding windows, a query scale (gemma3), f16 and
 /// int8 caches, over steps mixing decode tokens and prompt chunks of 4 sequences.
 #[test]
 fn attending_every_run_at_once_equals_attending_run_by_run() {
     let be = CpuBackend;
-    let mut rng = AttnRng(99);
+    // Values in [-2, 2).
+    let mut rng = SplitMix64::new(99);
+    let mut f = move || (rng.unit() * 4.0 - 2.0) as f32;
     for &(nh, nkv, window, qscale, kvty) in &[
         (8usize, 2usize, None, None, KvType::F16),
         (8, 2, Some(5usize), None, KvType::F16),
@@ -276,8 +268,8 @@ fn attending_every_run_at_once_equals_attending_run_by_run() {
             freq_base: 10000.0,
             freq_scale: 1.0,
         };
-        let qn: Vec<f32> = (0..dk).map(|_| 1.0 + 0.1 * rng.f()).collect();
-        let kn: Vec<f32> = (0..dk).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let qn: Vec<f32> = (0..dk).map(|_| 1.0 + 0.1 * f()).collect();
+        let kn: Vec<f32> = (0..dk).map(|_| 1.0 + 0.1 * f()).collect();
         let op = AttnOp {
             norms: (Some(&qn), Some(&kn)),
             eps: 1e-6,
@@ -309,9 +301,9 @@ fn attending_every_run_at_once_equals_attending_run_by_run() {
                 pos[s] += n;
             }
             let n = layout.n_tok();
-            let q0: Vec<f32> = (0..n * nh * dk).map(|_| rng.f()).collect();
-            let k0: Vec<f32> = (0..n * nkv * dk).map(|_| rng.f()).collect();
-            let v0: Vec<f32> = (0..n * nkv * dv).map(|_| rng.f()).collect();
+            let q0: Vec<f32> = (0..n * nh * dk).map(|_| f()).collect();
+            let k0: Vec<f32> = (0..n * nkv * dk).map(|_| f()).collect();
+            let v0: Vec<f32> = (0..n * nkv * dv).map(|_| f()).collect();
             let (mut qa, mut ka) = (q0.clone(), k0.clone());
             let (mut qb, mut kb) = (q0.clone(), k0.clone());
             let mut oa = vec![0f32; n * nh * dv];

@@ -99,63 +99,22 @@ pub fn gelu_ggml(x: f32) -> f32 {
 }
 
 impl CpuBackend {
-    /// The matmul: int8 activations for quantized weights ([`Self::matmul_q8`]), f32 for float ones
-    /// ([`Self::matmul_f32`]). Either way a token's result is its row's one-token dot product, never depending on
-    /// which other tokens share the batch: a decode token alone or among others, a prompt in any chunking, and an
-    /// expert that receives one token of a batch all give the same bits.
+    /// The matmul ([`Self::matmul_fused`] of one matrix). A token's result is its row's one-token dot product,
+    /// never depending on which other tokens share the batch: a decode token alone or among others, a prompt in
+    /// any chunking, and an expert that receives one token of a batch all give the same bits.
     fn matmul_as(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        assert_eq!(x.len(), n_tok * w.cols, "matmul: activations");
-        assert_eq!(out.len(), n_tok * w.rows, "matmul: output");
-        if w.act != ActivationFormat::F32 {
-            Self::matmul_q8(w, x, n_tok, out);
-        } else {
-            Self::matmul_f32(w, x, n_tok, out);
-        }
+        Self::matmul_fused(std::slice::from_ref(w), x, n_tok, &mut [out]);
     }
 
-    /// Float weights (F32, F16, BF16, and Q8_K, which multiplies f32 activations): every (row, token) is the
-    /// type's own dot product of the row as stored with the token's activations, tiled as rows × tokens so a
-    /// block of rows stays in cache while the tile's tokens pass over it. A token's result is the same whatever
-    /// the batch (a decode token alone or among others, a prompt token in any chunk).
-    fn matmul_f32(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        let (rows, cols) = (w.rows, w.cols);
-        assert!(x.len() == n_tok * cols && out.len() == n_tok * rows, "matmul: shapes");
-        let row_blocks = rows.div_ceil(PREFILL_ROWS);
-        let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
-        let shared = SharedOut(out.as_mut_ptr());
-        (0..row_blocks * tok_tiles).into_par_iter().for_each(|task| {
-            if n_tok > 1 {
-                super::progress::tick();
-            }
-            let (rb, tt) = (task / tok_tiles, task % tok_tiles);
-            let r0 = rb * PREFILL_ROWS;
-            let r1 = (r0 + PREFILL_ROWS).min(rows);
-            let t0 = tt * PREFILL_TOKENS;
-            for t in t0..(t0 + PREFILL_TOKENS).min(n_tok) {
-                let xt = &x[t * cols..(t + 1) * cols];
-                for r in r0..r1 {
-                    // SAFETY: element (t, r) belongs to this task's row block and token tile only, and is inside
-                    // `out` (t < n_tok, r < rows).
-                    unsafe { *shared.ptr().add(t * rows + r) = (w.dot)(w.row(r), xt) };
-                }
-            }
-        });
-    }
-
-    /// Quantized weights: the activations are quantized to int8 once per matmul (ggml's `vec_dot_type`), then
-    /// every (row, token) is one integer dot product, tiled as rows × tokens so a block of weight rows stays
-    /// in cache while the tile's tokens pass over it. A token's result does not depend on the batch.
-    fn matmul_q8(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
-        Self::matmul_q8_fused(std::slice::from_ref(w), x, n_tok, &mut [out]);
-    }
-
-    /// Up to [`MAX_FUSED`] quantized matrices of one activation format and width that read the same `x` (a
-    /// layer's q/k/v, or gate/up): one quantization of `x` (`n_tok` rows) and one parallel pass over tiles of
+    /// Up to [`MAX_FUSED`] matrices of one activation format and width that read the same `x` (a layer's q/k/v,
+    /// or gate/up): one conversion of `x` (`n_tok` rows) to that format (int8 for quantized weights, ggml's
+    /// `vec_dot_type`; an f32 copy for float weights and Q8_K) and one parallel pass over tiles of
     /// [`PREFILL_ROWS`] rows × [`PREFILL_TOKENS`] tokens of all of them (a tile never spans two matrices), so
-    /// they cost one fork-join, not three or two. Inside a tile, a matrix with a several-token kernel
-    /// ([`QMat::dot_q8_many`]) unpacks each row once for every [`MANY_TOKENS`] tokens. Each (row, token) result
-    /// is, bit for bit, that row's one-token dot product with that token's activations, whatever the batch.
-    fn matmul_q8_fused(ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
+    /// they cost one fork-join, not three or two; a tile keeps its block of weight rows in cache while its tokens
+    /// pass over it. Inside a tile, a matrix with a several-token kernel ([`QMat::dot_q8_many`]) unpacks each row
+    /// once for every [`MANY_TOKENS`] tokens. Each (row, token) result is, bit for bit, that row's one-token dot
+    /// product with that token's activations, whatever the batch.
+    fn matmul_fused(ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
         assert!(ws.len() <= MAX_FUSED && ws.len() == outs.len(), "matmul_many: matrices");
         let mut ptrs = [SharedOut(std::ptr::null_mut()); MAX_FUSED];
         let mut first_block = [0usize; MAX_FUSED + 1];
@@ -298,11 +257,10 @@ impl CpuBackend {
     /// [`Backend::matmul_many`] on slices.
     pub fn matmul_many(&self, ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
         assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
-        let fusable = (1..=MAX_FUSED).contains(&ws.len())
-            && ws[0].act != ActivationFormat::F32
-            && ws.iter().all(|w| w.act == ws[0].act && w.cols == ws[0].cols);
+        let fusable =
+            (1..=MAX_FUSED).contains(&ws.len()) && ws.iter().all(|w| w.act == ws[0].act && w.cols == ws[0].cols);
         if fusable {
-            Self::matmul_q8_fused(ws, x, n_tok, outs);
+            Self::matmul_fused(ws, x, n_tok, outs);
         } else {
             for (w, o) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(w, x, n_tok, o);
