@@ -29,11 +29,11 @@ use rayon::prelude::*;
 use serde::Serialize;
 use strata_engine::backend::AnyBackend;
 use strata_engine::memory::ExpertGeometry;
-use strata_engine::model::Model;
+use strata_engine::model::{Model, Scratch};
 use strata_engine::models;
 use strata_engine::runtime::engine::{Engine, EngineFlags};
 use strata_engine::runtime::generate::{Greedy, TokenSampler};
-use strata_engine::runtime::session::{Session, SessionConfig};
+use strata_engine::runtime::session::{Session, SessionConfig, decode_together};
 
 /// llama.cpp's llama-bench on SmolLM2-135M Q4_1, `-t 2`, on the 2-core CI machine (the project's reference).
 const REFERENCE_SMOLLM2_CI: &[(&str, f64)] = &[("pp128", 505.0), ("pp512", 496.0), ("pp2048", 432.0), ("tg128", 176.0)];
@@ -60,6 +60,11 @@ pub struct BenchArgs {
     /// of that many random tokens (prefilled, not timed), reported as `tgN @ dD` (plain `tgN` for 0).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     depth: Vec<usize>,
+    /// Sequence counts of the batched decode tests, comma-separated (llama-batched-bench's `-npl`): for each count
+    /// P of at least 2 and each depth, P sequences decode `--gen-tokens` tokens together, one token of each per
+    /// step as `strata serve`'s batches compute them, reported as `tgN xP` in aggregate tok/s (P × N ÷ wall time).
+    #[arg(long, value_delimiter = ',')]
+    sequences: Vec<usize>,
     /// Timed repetitions of each test (after one warm-up).
     #[arg(long, default_value_t = 3)]
     reps: usize,
@@ -118,6 +123,11 @@ struct TestResult {
     design_anchor: Option<f64>,
     /// What the expert cache did in the test's phase (prefill for ppN, decode for tgN), over every run.
     expert_cache: Option<CacheUse>,
+    /// Sequences decoding together (1: the single-sequence tests).
+    parallel: usize,
+    /// A batched decode test's bound, tok/s: the read bandwidth over [`bytes_per_token_of_step`] (the
+    /// single-sequence tests use the report's `decode_bound_tok_s`).
+    bound_tok_s: Option<f64>,
 }
 
 /// The expert cache in one test.
@@ -208,6 +218,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // The memory plan (the expert cache's size) is made for the context the tests use.
     let mut flags = args.engine.clone();
     flags.plan.max_context = Some(max_context);
+    // The batched tests' sequences live beside the single-sequence tests' one: the plan counts their KV caches.
+    if let Some(&most) = args.sequences.iter().max().filter(|_| args.gen_tokens > 0) {
+        flags.plan.parallel = Some(flags.plan.sequences().max(most + 1));
+    }
     let engine = Engine::open(&flags)?;
     let threads = rayon::current_num_threads();
     let (path, model) = (engine.path.clone(), &engine.model);
@@ -315,20 +329,35 @@ pub fn run(args: BenchArgs) -> Result<()> {
         r.expert_cache = take(true, n * (args.reps + 1));
         results.push(r);
     }
+    let mut together = Together::new(&engine, config, &args)?;
+    for &p in &together.counts.clone() {
+        for &depth in &args.depth {
+            take(true, 1);
+            let tok_s = repeat(args.reps, || together.run(p, depth, args.gen_tokens, vocab))?;
+            let mut r = TestResult::new(together_name(args.gen_tokens, p, depth), tok_s);
+            r.expert_cache = take(true, p * args.gen_tokens * (args.reps + 1));
+            r.parallel = p;
+            results.push(r);
+        }
+    }
     let peak_rss_mib = peak_rss_kib().map_or(f64::NAN, |k| k as f64 / 1024.0);
     let bytes_per_token = bytes_per_token(model);
     let gpu = match session.backend().cuda().is_some() {
-        true => Some(gpu_info(model, &mut session, &args)?),
+        true => Some(gpu_info(model, &mut session, &mut together, &args)?),
         false => None,
     };
     let read_bandwidth_gb_s = match &gpu {
         Some(g) => g.copy_gb_s,
         None => read_bandwidth() / 1e9,
     };
+    for r in results.iter_mut().filter(|r| r.parallel > 1) {
+        r.bound_tok_s = Some(read_bandwidth_gb_s * 1e9 / bytes_per_token_of_step(model, r.parallel));
+    }
     let prefill_bound_tok_s = gpu
         .as_ref()
         .and_then(|g| g.gemm_tflops.map(|t| t * 1e12 / g.flops_per_token));
     drop(session);
+    drop(together);
 
     let (llama_bench, llama_bench_error) = match llama_bench_path(&args.llama_bench) {
         Ok(None) => (
@@ -404,7 +433,81 @@ impl TestResult {
             llama_cpp: None,
             design_anchor: None,
             expert_cache: None,
+            parallel: 1,
+            bound_tok_s: None,
         }
+    }
+}
+
+/// The sessions of the batched decode tests (`--sequences`), made once for the largest count, and their step's
+/// activations.
+struct Together<'e> {
+    sessions: Vec<Session<'e, AnyBackend>>,
+    scratch: Scratch<AnyBackend>,
+    /// The counts to test, ascending, each at least 2 (1 is the single-sequence `tgN`).
+    counts: Vec<usize>,
+}
+
+impl<'e> Together<'e> {
+    /// Errors: a count of 0, or a session could not be made.
+    fn new(engine: &'e Engine, config: SessionConfig, args: &BenchArgs) -> Result<Together<'e>> {
+        if args.sequences.contains(&0) {
+            bail!("--sequences: a sequence count must be at least 1");
+        }
+        let mut counts: Vec<usize> = args.sequences.iter().copied().filter(|&p| p >= 2).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        if args.gen_tokens == 0 {
+            counts.clear();
+        }
+        let n = counts.last().copied().unwrap_or(0);
+        let sessions = (0..n).map(|_| engine.session_with(config)).collect::<Result<_, _>>()?;
+        Ok(Together {
+            sessions,
+            scratch: Scratch::default(),
+            counts,
+        })
+    }
+
+    /// Empties the first `p` sequences and prefills each with its own `depth` random tokens; returns each one's
+    /// first token to decode.
+    fn prepare(&mut self, p: usize, depth: usize, vocab: u32) -> Result<Vec<u32>> {
+        let mut first = Vec::with_capacity(p);
+        for (i, s) in self.sessions[..p].iter_mut().enumerate() {
+            s.clear();
+            if depth > 0 {
+                s.prefill(&random_tokens(depth, vocab, 9 + 1000 * i as u64))?;
+            }
+            first.push(random_tokens(1, vocab, 7 + 1000 * i as u64)[0]);
+        }
+        Ok(first)
+    }
+
+    /// `n` steps of the first `p` sequences together from `tokens`, each sequence's next token its greedy choice.
+    fn decode(&mut self, p: usize, n: usize, mut tokens: Vec<u32>) -> Result<()> {
+        for _ in 0..n {
+            let step = tokens.clone();
+            decode_together(&mut self.sessions[..p], &step, &mut self.scratch, |i, out| {
+                tokens[i] = Greedy.next_token(out, &[])
+            })?;
+        }
+        Ok(())
+    }
+
+    /// One timed run of `tgN xP` (the prefill untimed): aggregate decode tok/s.
+    fn run(&mut self, p: usize, depth: usize, n: usize, vocab: u32) -> Result<f64> {
+        let first = self.prepare(p, depth, vocab)?;
+        let start = Instant::now();
+        self.decode(p, n, first)?;
+        Ok((p * n) as f64 / start.elapsed().as_secs_f64())
+    }
+}
+
+/// The name of a batched decode test: `tgN xP`, `tgN xP @ dD`.
+fn together_name(n: usize, p: usize, depth: usize) -> String {
+    match depth {
+        0 => format!("tg{n} x{p}"),
+        d => format!("tg{n} x{p} @ d{d}"),
     }
 }
 
@@ -433,6 +536,17 @@ fn bytes_per_token(model: &Model) -> u64 {
     per_token(model, |t| Some(t.n_bytes as f64)) as u64
 }
 
+/// Weight bytes a decode step of `p` sequences reads, per token: [`bytes_per_token`]'s tensors, the experts in
+/// the share a uniform router picks at least once among `p` tokens (`1 − (1 − k ÷ n_expert)^p`), all over `p`.
+fn bytes_per_token_of_step(model: &Model, p: usize) -> f64 {
+    let hp = &model.hp;
+    let share = match hp.n_expert {
+        0 => 1.0,
+        n => 1.0 - (1.0 - hp.n_expert_used as f64 / n as f64).powi(p as i32),
+    };
+    weighed(model, share, |t| Some(t.n_bytes as f64)) / p as f64
+}
+
 /// FLOPs a prefilled token costs in the weight matrices: 2 per multiplied weight (every matrix but the embedding
 /// lookup, the routed share of the experts). Attention's own FLOPs grow with the context and are left out.
 fn flops_per_token(model: &Model) -> f64 {
@@ -445,12 +559,17 @@ fn flops_per_token(model: &Model) -> f64 {
 /// `n_expert_used ÷ n_expert`, the token embedding only when it is also the output matrix; `amount` may skip a
 /// tensor (`None`).
 fn per_token(model: &Model, amount: impl Fn(&strata_engine::gguf::TensorInfo) -> Option<f64>) -> f64 {
-    let tied = model.gguf.tensor("output.weight").is_none();
     let share = if model.hp.n_expert > 0 {
         model.hp.n_expert_used as f64 / model.hp.n_expert as f64
     } else {
         1.0
     };
+    weighed(model, share, amount)
+}
+
+/// [`per_token`] with the experts' tensors in proportion `share`.
+fn weighed(model: &Model, share: f64, amount: impl Fn(&strata_engine::gguf::TensorInfo) -> Option<f64>) -> f64 {
+    let tied = model.gguf.tensor("output.weight").is_none();
     model
         .gguf
         .tensors()
@@ -461,7 +580,12 @@ fn per_token(model: &Model, amount: impl Fn(&strata_engine::gguf::TensorInfo) ->
 }
 
 /// The GPU's ceilings, one profiled pass of each test and the memory in use.
-fn gpu_info(model: &Model, session: &mut Session<'_, AnyBackend>, args: &BenchArgs) -> Result<GpuInfo> {
+fn gpu_info(
+    model: &Model,
+    session: &mut Session<'_, AnyBackend>,
+    together: &mut Together<'_>,
+    args: &BenchArgs,
+) -> Result<GpuInfo> {
     fn cuda<'a>(s: &'a Session<'_, AnyBackend>) -> &'a strata_engine::backend::cuda::CudaBackend {
         s.backend().cuda().expect("a CUDA session")
     }
@@ -505,6 +629,19 @@ fn gpu_info(model: &Model, session: &mut Session<'_, AnyBackend>, args: &BenchAr
             d => format!("tg{} @ d{d}", args.gen_tokens),
         };
         profiles.push((name, k.iter().map(|r| r.ms).sum(), k));
+    }
+    for &p in &together.counts.clone() {
+        for &depth in &args.depth {
+            let first = together.prepare(p, depth, vocab)?;
+            let _ = rows(cuda(session)); // the prefills' kernels are not the test's
+            together.decode(p, args.gen_tokens, first)?;
+            let k = rows(cuda(session));
+            profiles.push((
+                together_name(args.gen_tokens, p, depth),
+                k.iter().map(|r| r.ms).sum(),
+                k,
+            ));
+        }
     }
     let cuda = cuda(session);
     cuda.gpu().set_profiling(false);
@@ -706,7 +843,8 @@ fn markdown(r: &BenchReport) -> String {
         let verdict = ratio.map_or("—".to_string(), |x| {
             format!("≥ {target}x: {}", if x >= target { "met" } else { "missed" })
         });
-        let bound = match (decode, r.prefill_bound_tok_s) {
+        let bound = match (decode, t.bound_tok_s.or(r.prefill_bound_tok_s)) {
+            (true, Some(b)) if t.parallel > 1 => format!("{:.1}% of {b:.0}", 100.0 * t.median / b),
             (true, _) => format!(
                 "{:.1}% of {:.0}",
                 100.0 * t.median / r.decode_bound_tok_s,

@@ -517,6 +517,39 @@ pub(crate) fn step_together<'s, 'm, B: Backend>(
     }
 }
 
+/// One decode step of several sequences together, as a step of `strata serve`'s batches computes it (`strata bench
+/// --sequences`): sequence `i` of `sessions` reads `tokens[i]` at its next position, and `each(i, output)` gets its
+/// next-token output (the backend's candidates where it selects them, [`Logits::Top`]). One sequence takes the
+/// single-sequence path ([`Session::decode_top`]), as the scheduler does.
+///
+/// Errors: a sequence's cache is full or its token is outside the vocabulary; nothing is computed then.
+///
+/// Panics if `sessions` is empty or `tokens` is not one token per sequence.
+pub fn decode_together<B: Backend>(
+    sessions: &mut [Session<'_, B>],
+    tokens: &[u32],
+    scratch: &mut Scratch<B>,
+    mut each: impl FnMut(usize, StepLogits<'_>),
+) -> Result<(), SessionError> {
+    assert!(
+        !sessions.is_empty() && tokens.len() == sessions.len(),
+        "decode_together: one token per sequence"
+    );
+    for (s, &t) in sessions.iter().zip(tokens) {
+        s.check_room(t)?;
+    }
+    if let [one] = sessions {
+        each(0, one.decode_top(tokens[0])?);
+        return Ok(());
+    }
+    let mut parts: Vec<(&mut Session<'_, B>, &[u32])> = sessions.iter_mut().zip(tokens.chunks(1)).collect();
+    let rows = step_together(&mut parts, scratch, Logits::Top);
+    for i in 0..tokens.len() {
+        each(i, rows.row(i));
+    }
+    Ok(())
+}
+
 impl<B: Backend> Drop for Session<'_, B> {
     /// The sequence ends: the backend forgets what it kept for its slot.
     fn drop(&mut self) {
