@@ -31,6 +31,13 @@ __device__ __forceinline__ u32 ld32(const u8* p) {
 // (expert_lookup writes it to split a layer's experts into hits and misses).
 #define MOE_SKIP 0xFFFFFFFFu
 
+// A step of several tokens groups its routing slots by expert (moe_groups, mmv_moe_group_*): at most MOE_GROUP_T
+// slots share a group's weight reads, a group takes MOE_GROUP_INTS ints (id, count, slots), and a step has at most
+// MOE_GROUP_MAX_SLOTS slots (cuda/moe.rs holds the same numbers: change both together).
+#define MOE_GROUP_T 8
+#define MOE_GROUP_INTS (2 + MOE_GROUP_T)
+#define MOE_GROUP_MAX_SLOTS 1024
+
 // Programmatic dependent launch (sm_90 and later; the host launches every kernel with the attribute there): a
 // kernel may begin while the one before it on the stream still runs. pdl_enter() waits until that kernel has
 // completed and its writes are visible, then lets the next kernel begin launching. Every kernel calls it before

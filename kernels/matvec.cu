@@ -446,24 +446,27 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-// The MoE experts' rows by lane groups (Q8_K activations staged, cols <= MMV_X_MAX): lane group g = lane / 8 of a
-// warp computes rows first + 4 i + g (i < RG; rows from `rows` on are absent) of the matrix at base, each whole,
-// NB super-blocks per batch, so every lane loads even when a row has fewer than four super-blocks (an expert's
-// down projection: 768 values, three) and a warp keeps RG * NB loads per lane in flight; the group's sum takes three
-// shuffles. acc[i] gets row i's product (every lane of the group). Every thread of the block calls it (it stages x
-// and synchronises).
-template <class Q, int RG, int NB>
+// The MoE experts' rows by lane groups (Q8_K activations staged, cols <= MMV_X_MAX) for up to T activation rows
+// at once: lane group g = lane / 8 of a warp computes rows first + 4 i + g (i < RG; rows from `rows` on are absent)
+// of the matrix at base, each whole, NB super-blocks per batch, so every lane loads even when a row has fewer than
+// four super-blocks (an expert's down projection: 768 values, three) and a warp keeps RG * NB loads per lane in
+// flight; each loaded weight part is used for the n <= T activation rows x[0..n) (with xu[t], or null: see
+// stage_q8k), and each row's sum takes three shuffles. acc[i][t] gets row i's product with x[t] (every lane of the
+// group), computed in the same order whatever n is, so a token's result does not depend on the others. st_group:
+// the block's T stages in shared memory (the kernel's, 16-byte aligned: dot_q8 reads them as uint4 / uint2). Every
+// thread of the block calls it (it stages x and synchronises).
+template <class Q, int RG, int NB, int T>
 __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long long row_bytes, int first, int rows,
-                                               const float* __restrict__ x, const float* __restrict__ xu, int act,
-                                               int cols, int lane, float* acc) {
-    __shared__ __align__(16) Q8kStage st_group; // read as uint4 / uint2 by dot_q8
+                                               const float* const* x, const float* const* xu, int n, int act,
+                                               int cols, int lane, Q8kStage* st_group, float (*acc)[T]) {
     int nsb = cols / 256, p = lane & 7;
     const u8* w[RG];
 #pragma unroll
     for (int i = 0; i < RG; ++i) {
         int r = first + 4 * i + (lane >> 3);
         w[i] = r < rows ? base + (long long)r * row_bytes : nullptr;
-        acc[i] = 0.f;
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[i][t] = 0.f;
     }
     typename Q::Part f[RG][NB];
 #pragma unroll
@@ -472,7 +475,7 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         for (int u = 0; u < NB; ++u)
             if (w[i] && u < nsb) Q::load(f[i][u], w[i] + Q::SB_BYTES * u, p);
     pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
-    stage_q8k<Q::NATURAL>(x, xu, act, cols, st_group);
+    for (int t = 0; t < n; ++t) stage_q8k<Q::NATURAL>(x[t], xu[t], act, cols, st_group[t]);
     for (int b0 = 0; b0 < nsb; b0 += NB) {
         if (b0 > 0) {
 #pragma unroll
@@ -485,11 +488,16 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         for (int i = 0; i < RG; ++i)
 #pragma unroll
             for (int u = 0; u < NB; ++u)
-                if (w[i] && b0 + u < nsb) acc[i] += Q::dot_q8(f[i][u], w[i] + Q::SB_BYTES * (b0 + u), st_group, b0 + u, p);
+                if (w[i] && b0 + u < nsb)
+#pragma unroll
+                    for (int t = 0; t < T; ++t)
+                        if (t < n) acc[i][t] += Q::dot_q8(f[i][u], w[i] + Q::SB_BYTES * (b0 + u), st_group[t], b0 + u, p);
     }
 #pragma unroll
     for (int i = 0; i < RG; ++i)
-        for (int o = 4; o > 0; o >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+            for (int o = 4; o > 0; o >>= 1) acc[i][t] += __shfl_xor_sync(0xffffffffu, acc[i][t], o);
 }
 
 // Rows of a MoE launch per group of eight lanes (mmv_group_rows' RG) for rows of nsb super-blocks: two when a row
@@ -561,14 +569,15 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         bool short_rows = cols <= 1024;                                                                         \
         int block_first = blockIdx.x * (short_rows ? 32 * RG : 32), warp = threadIdx.x >> 5;                    \
         if (Q::Q8 && cols <= MMV_X_MAX) {                                                                       \
-            float acc[RG];                                                                                      \
+            __shared__ __align__(16) Q8kStage st[1];                                                            \
+            float acc[RG][1];                                                                                   \
             int first = block_first + warp * (short_rows ? 4 * RG : 4), g = lane >> 3;                          \
             if (short_rows)                                                                                     \
-                mmv_group_rows<Q, RG, 4>(base, row_bytes, first, rows, xs, xus, act, cols, lane, acc);          \
+                mmv_group_rows<Q, RG, 4, 1>(base, row_bytes, first, rows, &xs, &xus, 1, act, cols, lane, st, acc); \
             else                                                                                                \
-                mmv_group_rows<Q, 1, 8>(base, row_bytes, first, rows, xs, xus, act, cols, lane, acc);           \
+                mmv_group_rows<Q, 1, 8, 1>(base, row_bytes, first, rows, &xs, &xus, 1, act, cols, lane, st, acc); \
             for (int i = 0; i < (short_rows ? RG : 1); ++i)                                                     \
-                if ((lane & 7) == 0 && first + 4 * i + g < rows) y[first + 4 * i + g] = acc[i];                 \
+                if ((lane & 7) == 0 && first + 4 * i + g < rows) y[first + 4 * i + g] = acc[i][0];              \
             return;                                                                                             \
         }                                                                                                       \
         /* f32 activations: R rows per warp, 32 per round */                                                    \
@@ -587,6 +596,52 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
                     if (w[i]) y[first + i] = acc[i];                                                            \
         }                                                                                                       \
     }
+// mmv_moe_group_T: mmv_moe_T over groups of routing slots that share an expert (a step of several tokens), so
+// each weight row is read once for up to MOE_GROUP_T slots instead of once per slot. groups (moe_groups, written on
+// the device): groups[0] is the count; group g at groups + 1 + g * MOE_GROUP_INTS is (expert or cache slot id,
+// slots n <= MOE_GROUP_T, the n routing slots ascending). Slot s multiplies by activation row s / x_div (times
+// xu's, GLU fused, when xu is given) into ya / yb row s, as mmv_moe_T: each slot's result is that kernel's, bit
+// for bit (mmv_group_rows computes every row alike whatever n is). Grid (ceil(rows / rows per block),
+// most groups, 1 or 2); blocks past the count compute nothing. With groups_early (written at least two
+// launches back: see pdl_enter) the table is read before the wait on the kernel just before. Q4_K and Q6_K with
+// Q8_K activations and rows of at most MMV_X_MAX values (the host checks).
+#define STRATA_MMV_MOE_GROUP(name, Q)                                                                           \
+    extern "C" __global__ void MMV_MOE_BOUNDS mmv_moe_group_##name(                                             \
+        const u8* __restrict__ wa, const u8* __restrict__ wb, const float* __restrict__ x, float* __restrict__ ya, \
+        float* __restrict__ yb, const int* __restrict__ groups, int x_div, int rows, int cols,                 \
+        long long row_bytes, long long expert_stride, const float* __restrict__ xu, int act, int groups_early) { \
+        constexpr int T = MOE_GROUP_T, RG = MMV_MOE_RG_SHORT;                                                   \
+        int lane = threadIdx.x & 31, g = blockIdx.y;                                                            \
+        if (!groups_early) pdl_enter();                                                                         \
+        if (g >= (int)ld_cg_u32((const u32*)groups)) { pdl_enter(); return; }                                 \
+        const u32* gr = (const u32*)groups + 1 + g * MOE_GROUP_INTS;                                           \
+        u32 id = ld_cg_u32(gr);                                                                                 \
+        int n = (int)ld_cg_u32(gr + 1);                                                                         \
+        const u8* base = (blockIdx.z ? wb : wa) + (long long)id * expert_stride;                             \
+        const float* xs[T];                                                                                     \
+        const float* xus[T];                                                                                    \
+        int slot[T];                                                                                            \
+        for (int t = 0; t < T; ++t) {                                                                           \
+            slot[t] = t < n ? (int)ld_cg_u32(gr + 2 + t) : 0;                                                   \
+            xs[t] = x + (long long)(slot[t] / x_div) * cols;                                                    \
+            xus[t] = xu ? xu + (long long)(slot[t] / x_div) * cols : nullptr;                                   \
+        }                                                                                                       \
+        float* y = blockIdx.z ? yb : ya;                                                                        \
+        bool short_rows = cols <= 1024;                                                                         \
+        int warp = threadIdx.x >> 5, q = lane >> 3;                                                             \
+        int first = blockIdx.x * (short_rows ? 32 * RG : 32) + warp * (short_rows ? 4 * RG : 4);                \
+        __shared__ __align__(16) Q8kStage st[T];                                                                \
+        float acc[RG][T];                                                                                       \
+        if (short_rows)                                                                                         \
+            mmv_group_rows<Q, RG, 4, T>(base, row_bytes, first, rows, xs, xus, n, act, cols, lane, st, acc);    \
+        else                                                                                                    \
+            mmv_group_rows<Q, 1, 8, T>(base, row_bytes, first, rows, xs, xus, n, act, cols, lane, st, acc);     \
+        for (int i = 0; i < (short_rows ? RG : 1); ++i)                                                         \
+            for (int t = 0; t < n; ++t)                                                                         \
+                if ((lane & 7) == 0 && first + 4 * i + q < rows)                                                \
+                    y[(long long)slot[t] * rows + first + 4 * i + q] = acc[i][t];                               \
+    }
+
 // mmv_T: four rows per warp (large matrices: the output, the experts' stacked rows); mmv1_T: one row per warp
 // (smaller dense matrices, whose rows / 32 blocks would leave SMs idle).
 STRATA_MMV_FAST(q4_k, MmvQ4K, mmv_, MMV_R)
@@ -595,6 +650,64 @@ STRATA_MMV_FAST(q4_k, MmvQ4K, mmv1_, 1)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv1_, 1)
 STRATA_MMV_MOE_FAST(q4_k, MmvQ4K, MMV_R, MMV_MOE_BOUNDS)
 STRATA_MMV_MOE_FAST(q6_k, MmvQ6K, MMV_R, ) // bounded to 80 registers its 56 of weights in flight spill (ptxas -v)
+STRATA_MMV_MOE_GROUP(q4_k, MmvQ4K)
+#ifndef MMV_Q6K_F32
+STRATA_MMV_MOE_GROUP(q6_k, MmvQ6K)
+#else
+// A measurement build with f32 activations for Q6_K (MMV_Q6K_F32) has no grouped Q6_K kernel to run: a step that
+// asks for it stops.
+extern "C" __global__ void mmv_moe_group_q6_k(const u8*, const u8*, const float*, float*, float*, const int*, int, int,
+                                              int, long long, long long, const float*, int, int) {
+    pdl_enter();
+    __trap();
+}
+#endif
+
+// moe_groups: the routing slots of a step of several tokens grouped by expert for mmv_moe_group_T. ids: n slots'
+// expert (or cache slot) ids, MOE_SKIP for a slot to leave out; groups as mmv_moe_group_T reads it: slots sorted by
+// (id, slot), each id's run cut into groups of at most MOE_GROUP_T. One block of MOE_GROUP_MAX_SLOTS threads
+// (n <= MOE_GROUP_MAX_SLOTS): thread s ranks slot s among all (n comparisons), then a scan of the group starts
+// numbers the groups.
+extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAX_SLOTS) moe_groups(const u32* __restrict__ ids, int n,
+                                                                            int* __restrict__ groups) {
+    __shared__ u32 sid[MOE_GROUP_MAX_SLOTS];
+    __shared__ short sorder[MOE_GROUP_MAX_SLOTS];
+    __shared__ int scan[MOE_GROUP_MAX_SLOTS];
+    pdl_enter();
+    int s = threadIdx.x;
+    u32 id = s < n ? ids[s] : MOE_SKIP;
+    sid[s] = id;
+    scan[s] = 0;
+    __syncthreads();
+    int rank = 0, lt = 0, cnt = 0;
+    for (int o = 0; o < n; ++o) {
+        u32 v = sid[o];
+        lt += v < id;
+        cnt += v == id;
+        rank += v < id || (v == id && o < s);
+    }
+    int j = rank - lt; // the slot's place in its id's run
+    bool start = s < n && id != MOE_SKIP && j % MOE_GROUP_T == 0;
+    if (s < n) {
+        sorder[rank] = (short)s;
+        scan[rank] = start;
+    }
+    __syncthreads();
+    for (int off = 1; off < MOE_GROUP_MAX_SLOTS; off <<= 1) {
+        int v = s >= off ? scan[s - off] : 0;
+        __syncthreads();
+        scan[s] += v;
+        __syncthreads();
+    }
+    if (start) {
+        int m = min(MOE_GROUP_T, cnt - j);
+        int* gr = groups + 1 + (scan[rank] - 1) * MOE_GROUP_INTS;
+        gr[0] = (int)id;
+        gr[1] = m;
+        for (int t = 0; t < m; ++t) gr[2 + t] = sorder[rank + t];
+    }
+    if (s == MOE_GROUP_MAX_SLOTS - 1) groups[0] = scan[s];
+}
 
 // f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.
 __device__ __forceinline__ float mmv_dot_fast_f32(const u8* __restrict__ row, const float* __restrict__ xt,

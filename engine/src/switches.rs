@@ -161,6 +161,10 @@ pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
 pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
 /// A CUDA step of several sequences attends over their decode tokens in one launch.
 pub const BATCH_ATTENTION: &str = "STRATA_BATCH_ATTENTION";
+/// A CUDA step of several tokens reads each expert's rows once per group of the tokens routed to it.
+pub const MOE_GROUPS: &str = "STRATA_MOE_GROUPS";
+/// Most tokens of a CUDA step whose experts run on the device's routing (a tuning knob).
+pub const MOE_DEVICE_TOKENS: &str = "STRATA_MOE_DEVICE_TOKENS";
 /// Off: every speed switch the user did not set is off, whatever the arch's default.
 pub const ARCH_DEFAULTS: &str = "STRATA_ARCH_DEFAULTS";
 /// A digest of every step's logits in each `request` event (for `same_logits_as`).
@@ -295,6 +299,19 @@ pub const SWITCHES: &[Switch] = &[
         Applies::Cuda,
         true,
         "0: a CUDA step of several sequences (strata serve's continuous batching) attends run by run, instead of over all its decode tokens in one attn_decode launch over each one's own cache (another summation order: logits within 1e-3 of the largest, the same greedy tokens in cuda_parity; 2.4x the tokens per second at 32 clients on the H200)",
+    ),
+    speed(
+        MOE_GROUPS,
+        "0",
+        true,
+        Applies::Cuda,
+        false,
+        "1: a CUDA step of several tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once for up to 8 of the tokens routed to it, instead of once per token (the same results, bit for bit; off until measured on the device)",
+    ),
+    sw(
+        MOE_DEVICE_TOKENS,
+        "4",
+        "N (1-64): most tokens of a CUDA step without an expert cache whose experts run on the device's routing (the decode kernels, no read-back); larger steps read the routing back and run the experts as prefill does (tuning; 4 until measured on the device)",
     ),
     sw(
         JOIN_ROUND_TRIP_US,

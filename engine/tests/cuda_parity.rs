@@ -1445,6 +1445,61 @@ impl strata_engine::runtime::generate::TokenSampler for Recording {
     }
 }
 
+/// `prompts` through the continuous-batching scheduler on `g` (one slot each, steps of at most 64 tokens),
+/// `max_tokens` greedy tokens each: each sequence's tokens and the logits of every step it sampled from. Panics
+/// unless some step carried at least four decode tokens.
+fn batched_greedy(
+    g: &CudaBackend,
+    model: &Model,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
+    use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher};
+    use strata_engine::runtime::generate::GenerateOptions;
+    use strata_engine::tokenizer::Tokenizer;
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let cfg = SessionConfig {
+        max_context: 512,
+        kv: KvType::F16,
+        prefill_chunk: Some(64),
+    };
+    let sessions = (0..prompts.len())
+        .map(|_| Session::new(model, g, cfg).unwrap())
+        .collect();
+    let mut b = Batcher::new(sessions, 64);
+    let logs: Vec<_> = prompts
+        .iter()
+        .map(|_| std::sync::Arc::new(std::sync::Mutex::new(vec![])))
+        .collect();
+    for (i, p) in prompts.iter().enumerate() {
+        b.submit(BatchJob {
+            id: i as u64,
+            prompt: p.clone(),
+            opts: GenerateOptions {
+                max_tokens,
+                stop: vec![],
+                logits_digest: false,
+                logprobs: None,
+            },
+            sampler: Box::new(Recording(logs[i].clone())),
+            cancel: Default::default(),
+        });
+    }
+    let mut tokens = vec![vec![]; prompts.len()];
+    let mut most = 0;
+    while !b.is_idle() {
+        let r = b.step(&tok, &mut |ev| {
+            if let BatchEvent::Done { id, stats } = ev {
+                tokens[id as usize] = stats.tokens;
+            }
+        });
+        most = most.max(r.decoding);
+    }
+    assert!(most >= 4, "the steps never carried four decode tokens");
+    let logits = logs.iter().map(|l| l.lock().unwrap().clone()).collect();
+    (tokens, logits)
+}
+
 /// Five sequences through the continuous-batching scheduler on CUDA, prompts of 3 to 150 tokens (past one span
 /// block of 128 cells, where a lone decode step splits its keys), 20 greedy tokens each: the decode tokens of a
 /// step in one attn_decode launch over their own caches give the logits of attending run by run (mean KLD at most
@@ -1452,20 +1507,11 @@ impl strata_engine::runtime::generate::TokenSampler for Recording {
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn batched_decode_attention_equals_attending_run_by_run() {
-    use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher};
-    use strata_engine::runtime::generate::GenerateOptions;
-    use strata_engine::tokenizer::Tokenizer;
     let dir = std::env::temp_dir().join(format!("strata-cuda-batcher-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiny-qwen3moe.gguf");
     SynthSpec::tiny_qwen3moe().write(&path).unwrap();
     let model = Model::load(&path).unwrap();
-    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
-    let cfg = SessionConfig {
-        max_context: 512,
-        kv: KvType::F16,
-        prefill_chunk: Some(64),
-    };
     let prompts: Vec<Vec<u32>> = [7u32, 20, 150, 40, 3]
         .iter()
         .map(|&n| (0..n).map(|i| 300 + (i * 37 + n) % 1500).collect())
@@ -1473,41 +1519,7 @@ fn batched_decode_attention_equals_attending_run_by_run() {
     let g = gpu();
     let run = |by_run: bool| {
         g.set_batch_attention(!by_run);
-        let sessions = (0..prompts.len())
-            .map(|_| Session::new(&model, &g, cfg).unwrap())
-            .collect();
-        let mut b = Batcher::new(sessions, 64);
-        let logs: Vec<_> = prompts
-            .iter()
-            .map(|_| std::sync::Arc::new(std::sync::Mutex::new(vec![])))
-            .collect();
-        for (i, p) in prompts.iter().enumerate() {
-            b.submit(BatchJob {
-                id: i as u64,
-                prompt: p.clone(),
-                opts: GenerateOptions {
-                    max_tokens: 20,
-                    stop: vec![],
-                    logits_digest: false,
-                    logprobs: None,
-                },
-                sampler: Box::new(Recording(logs[i].clone())),
-                cancel: Default::default(),
-            });
-        }
-        let mut tokens = vec![vec![]; prompts.len()];
-        let mut most = 0;
-        while !b.is_idle() {
-            let r = b.step(&tok, &mut |ev| {
-                if let BatchEvent::Done { id, stats } = ev {
-                    tokens[id as usize] = stats.tokens;
-                }
-            });
-            most = most.max(r.decoding);
-        }
-        assert!(most >= 4, "the steps never carried four decode tokens");
-        let logits: Vec<Vec<Vec<f32>>> = logs.iter().map(|l| l.lock().unwrap().clone()).collect();
-        (tokens, logits)
+        batched_greedy(&g, &model, &prompts, 20)
     };
     let (t_run, l_run) = run(true);
     let (t_one, l_one) = run(false);
@@ -1531,5 +1543,51 @@ fn batched_decode_attention_equals_attending_run_by_run() {
         "mean KLD {kld:e}, largest difference {worst:e}"
     );
     assert_eq!(t_one, t_run);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Steps of several tokens group their routing slots by expert (`mmv_moe_group_*`, `STRATA_MOE_GROUPS`), steps of
+/// up to 64 tokens on the device's routing (`STRATA_MOE_DEVICE_TOKENS` 64, so prompt chunks take the grouped kernels
+/// too): with Q4_K and with Q6_K experts, rows of 1,280 values (five super-blocks: the kernels' long-row path) into
+/// 256-value rows (the short-row path), six sequences through the scheduler give bit for bit the logits of
+/// computing each routing slot alone, and the same tokens.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn grouped_experts_give_the_bits_of_each_slot_alone() {
+    let dir = std::env::temp_dir().join(format!("strata-cuda-groups-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompts: Vec<Vec<u32>> = [5u32, 30, 90, 12, 3, 61]
+        .iter()
+        .map(|&n| (0..n).map(|i| 300 + (i * 41 + n) % 1500).collect())
+        .collect();
+    let g = gpu();
+    g.set_moe_device_tokens(64);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let mut spec = SynthSpec::tiny_qwen3moe();
+        spec.n_embd = 1280;
+        spec.types.experts = ty;
+        let path = dir.join(format!("tiny-qwen3moe-{ty:?}.gguf"));
+        spec.write(&path).unwrap();
+        let model = Model::load(&path).unwrap();
+        g.set_moe_groups(false);
+        let (t_slot, l_slot) = batched_greedy(&g, &model, &prompts, 16);
+        g.set_moe_groups(true);
+        let (t_group, l_group) = batched_greedy(&g, &model, &prompts, 16);
+        for (i, (a, b)) in l_group.iter().zip(&l_slot).enumerate() {
+            assert_eq!(a.len(), b.len(), "{ty:?} sequence {i}: steps");
+            for (step, (x, y)) in a.iter().zip(b).enumerate() {
+                let differ = x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                assert_eq!(
+                    differ, 0,
+                    "{ty:?} sequence {i} step {step}: {differ} logits differ from slot by slot"
+                );
+            }
+        }
+        assert_eq!(t_group, t_slot, "{ty:?}");
+        println!(
+            "grouped experts, {ty:?}: {} steps bit for bit",
+            l_group.iter().map(Vec::len).sum::<usize>()
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

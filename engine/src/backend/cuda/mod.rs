@@ -148,10 +148,20 @@ enum Slot {
     TopOutRows,
     /// Each decode token's key and value cache addresses, for a step of several sequences (`attend_decode_runs`).
     KvTable,
+    /// A step's routing slots grouped by expert (`moe_groups`, read by `mmv_moe_group_*`).
+    MoeGroups,
 }
-const SLOTS: usize = 27;
+const SLOTS: usize = 28;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
+/// Routing slots that share one weight read in `mmv_moe_group_*`, the ints of a group in the table `moe_groups`
+/// writes, and the most slots it groups (kernels/common.cuh holds the same numbers: change both together).
+const MOE_GROUP_T: usize = 8;
+const MOE_GROUP_INTS: usize = 2 + MOE_GROUP_T;
+const MOE_GROUP_MAX_SLOTS: usize = 1024;
+/// The most tokens a step's experts may run on the device's routing (`STRATA_MOE_DEVICE_TOKENS`): the router's
+/// counters.
+pub const MOE_DEVICE_TOKENS_MAX: usize = COUNTERS;
 const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
 // A decode step's distinct experts must fit the expert cache's staging slots, which the plan sizes for this many
 // tokens.
@@ -199,6 +209,12 @@ struct Inner {
     /// The last MoE op ran on the CPU backend through host copies (its routing is in the op's scratch), not on
     /// the device (its routing is in [`Slot::MoeIds`]).
     moe_on_host: bool,
+    /// A step of several tokens groups its routing slots by expert (`STRATA_MOE_GROUPS`, read at start; tests
+    /// compare both ways).
+    moe_groups: bool,
+    /// Most tokens of a step without an expert cache whose experts run on the device's routing
+    /// (`STRATA_MOE_DEVICE_TOKENS`, read at start, at most [`MOE_DEVICE_TOKENS_MAX`]).
+    moe_device_tokens: usize,
     /// Per layer, its router when `router_route` routes it, once a step has run the layer: the device address of
     /// the f32 matrix and its shape (rows = experts, columns = width; `(0, 0, 0)`: not known). What the expert
     /// prefetch applies ahead of the layer.
@@ -328,6 +344,10 @@ impl CudaBackend {
             }));
         }
         let batch_attention = crate::switches::speed_on(crate::switches::BATCH_ATTENTION, &gpu.target);
+        let moe_groups = crate::switches::speed_on(crate::switches::MOE_GROUPS, &gpu.target);
+        let moe_device_tokens =
+            crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
+                .unwrap_or(MMV_MAX_TOKENS);
         Ok(CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
@@ -342,6 +362,8 @@ impl CudaBackend {
                 experts: None,
                 replay: None,
                 moe_on_host: false,
+                moe_groups,
+                moe_device_tokens,
                 routers: Vec::new(),
             }),
             cpu: CpuBackend,
@@ -353,6 +375,18 @@ impl CudaBackend {
     /// (`STRATA_BATCH_ATTENTION`, read at start; tests compare both ways).
     pub fn set_batch_attention(&self, on: bool) {
         self.batch_attention.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a step of several tokens groups its routing slots by expert, each expert's rows read once per group
+    /// (`STRATA_MOE_GROUPS`, read at start; the results are the same bit for bit: tests compare both ways).
+    pub fn set_moe_groups(&self, on: bool) {
+        self.lock().moe_groups = on;
+    }
+
+    /// The most tokens of a step without an expert cache whose experts run on the device's routing, `n` clamped
+    /// to 1..=[`MOE_DEVICE_TOKENS_MAX`] (`STRATA_MOE_DEVICE_TOKENS`, read at start; tests set it).
+    pub fn set_moe_device_tokens(&self, n: usize) {
+        self.lock().moe_device_tokens = n.clamp(1, MOE_DEVICE_TOKENS_MAX);
     }
 
     /// The device and how its kernels were obtained.

@@ -5,8 +5,8 @@ use super::error::CudaError;
 use super::experts::ExpertPool;
 use super::launch::Arg;
 use super::{
-    CudaBackend, DevVec, Gpu, Inner, MMV_MAX_TOKENS, MMV_X_MAX, Slot, glu_code, glu_dev, gpu_computes, grid1,
-    mmv_moe_rows_per_block, norm_threads, typed,
+    CudaBackend, DevVec, Gpu, Inner, MMV_MAX_TOKENS, MMV_X_MAX, MOE_GROUP_INTS, MOE_GROUP_MAX_SLOTS, MOE_GROUP_T, Slot,
+    glu_code, glu_dev, gpu_computes, grid1, mmv_moe_rows_per_block, norm_threads, typed,
 };
 use crate::backend::{Backend, Experts, MoeScratch, QMat};
 use crate::quant::GgmlType;
@@ -15,6 +15,26 @@ use crate::quant::GgmlType;
 /// the CPU backend serves [`Backend::moe`] through host copies.
 fn moe_on_device(ex: &Experts<'_>) -> bool {
     ex.n_expert <= 1024 && [ex.gate, ex.up, ex.down].iter().all(gpu_computes)
+}
+
+impl Inner {
+    /// Most tokens of a step whose experts run on the device's routing, with no host read-back of it (larger steps
+    /// read it back and group the slots by expert on the host, as prefill does): with an expert cache (`cached`),
+    /// the decode kernels' [`MMV_MAX_TOKENS`] (its staging slots are sized for them); without, the
+    /// `STRATA_MOE_DEVICE_TOKENS` setting, within what the group table takes (`k` experts per token).
+    fn device_routed_tokens(&self, cached: bool, k: usize) -> usize {
+        if cached {
+            MMV_MAX_TOKENS
+        } else {
+            self.moe_device_tokens.min(MOE_GROUP_MAX_SLOTS / k.max(1)).max(1)
+        }
+    }
+}
+
+/// Whether matrix `w`'s experts have a grouped kernel (`mmv_moe_group_*`: Q4_K and Q6_K with Q8_K activations,
+/// rows of at most [`MMV_X_MAX`] values).
+fn groups_experts(w: &QMat<'_>) -> bool {
+    matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K) && w.cols <= MMV_X_MAX
 }
 
 /// Whether a decode step's down projection computes the GLU itself while it quantizes its activations (one launch
@@ -94,7 +114,11 @@ impl CudaBackend {
         scratch: &mut MoeScratch,
     ) {
         let n_embd = ex.gate.cols;
-        if n_tok > MMV_MAX_TOKENS || !moe_on_device(ex) {
+        let device_tokens = {
+            let s = self.lock();
+            s.device_routed_tokens(s.experts.is_some(), k)
+        };
+        if n_tok > device_tokens || !moe_on_device(ex) {
             return crate::backend::moe_add_rms_norm_steps(
                 self, router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch,
             );
@@ -246,12 +270,27 @@ impl Inner {
         r
     }
 
+    /// The routing slots at `ids` (`slots` of them) grouped by expert on the device (`moe_groups`): the group
+    /// table's address, for [`Inner::mmv_experts`].
+    fn moe_groups(&mut self, gpu: &Gpu, ids: u64, slots: usize) -> Result<u64, CudaError> {
+        assert!(slots <= MOE_GROUP_MAX_SLOTS, "moe_groups: {slots} routing slots");
+        let groups = self.slot(gpu, Slot::MoeGroups, (1 + slots * MOE_GROUP_INTS) * 4)?;
+        gpu.launch(
+            "moe_groups",
+            (1, 1, 1),
+            (MOE_GROUP_MAX_SLOTS as u32, 1, 1),
+            &[Arg::P(ids), Arg::I(slots as i32), Arg::P(groups)],
+        )?;
+        Ok(groups)
+    }
+
     /// The decode experts' launches: gate and up (one launch when they share type and stride), the GLU unless
     /// the down projection fuses it, and the down projection, each routing slot reading the expert (or cache
     /// slot) `ids` names at `at`; `bufs` are the gate, up and down outputs (`[slots][n_ff_exp]`,
-    /// `[slots][n_ff_exp]`, `[slots][n_embd]`). `early`: the down projection's first weight loads may go out before
-    /// it waits for the launch before it (no launch of the step wrote its weights: not when `expert_fetch` copied
-    /// misses into their slots).
+    /// `[slots][n_ff_exp]`, `[slots][n_embd]`). With `groups` ([`Inner::moe_groups`] of `ids`), the matrices of
+    /// a type with a grouped kernel read each expert's rows once per group of slots (the same results, bit for
+    /// bit). `early`: the down projection's first weight loads may go out before it waits for the launch before
+    /// it (no launch of the step wrote its weights: not when `expert_fetch` copied misses into their slots).
     #[allow(clippy::too_many_arguments)]
     fn mmv_experts(
         &mut self,
@@ -259,6 +298,7 @@ impl Inner {
         ex: &Experts<'_>,
         at: &ExpertsAt,
         ids: u64,
+        groups: Option<u64>,
         xp: u64,
         bufs: [u64; 3],
         k: usize,
@@ -268,6 +308,8 @@ impl Inner {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         let [gp, up, dp] = bufs;
         let same = ex.gate.ty == ex.up.ty;
+        // Groups in a step: at most one per slot, and per expert one per MOE_GROUP_T of its slots.
+        let most_groups = slots.min(slots.min(ex.n_expert) + slots / MOE_GROUP_T);
         #[allow(clippy::too_many_arguments)]
         let launch = |m: usize,
                       wb: u64,
@@ -280,11 +322,16 @@ impl Inner {
                       z: u32,
                       xu: u64,
                       early: bool| {
+            let grouped = groups.filter(|_| groups_experts(w));
+            let (kernel, ids, blocks_y) = match grouped {
+                Some(g) => (typed("mmv_moe_group_", w.ty), g, most_groups),
+                None => (typed("mmv_moe_", w.ty), ids, slots),
+            };
             gpu.launch(
-                typed("mmv_moe_", w.ty),
+                kernel,
                 (
                     rows.div_ceil(mmv_moe_rows_per_block(w.ty, w.cols)) as u32,
-                    slots as u32,
+                    blocks_y as u32,
                     z,
                 ),
                 (256, 1, 1),
@@ -434,13 +481,18 @@ impl Inner {
                 ],
             })
         };
-        let rows_map = if n_tok <= MMV_MAX_TOKENS {
+        let rows_map = if n_tok <= self.device_routed_tokens(pool.is_some(), k) {
             // Decode: every slot reaches its expert by id on the device (by its cache slot's id with a cache).
             let bufs = [gp, up, dp];
             match pool.as_deref_mut() {
                 None => {
                     let at = resident(self)?;
-                    self.mmv_experts(gpu, ex, &at, ids, xp, bufs, k, slots, true)?;
+                    // Several tokens: their slots grouped by expert, each expert's rows read once per group.
+                    let groups = match n_tok > 1 && self.moe_groups {
+                        true => Some(self.moe_groups(gpu, ids, slots)?),
+                        false => None,
+                    };
+                    self.mmv_experts(gpu, ex, &at, ids, groups, xp, bufs, k, slots, true)?;
                 }
                 Some(pool) if pool.table_active() => {
                     // The device's slot table: the misses are copied in from the mapped arena and every expert is
@@ -459,11 +511,11 @@ impl Inner {
                         let (hits, misses) = (sp + (slots * 4) as u64, sp + (2 * slots * 4) as u64);
                         gpu.fork()?;
                         pool.table_fetch(gpu, ex)?;
-                        self.mmv_experts(gpu, ex, &at, misses, xp, bufs, k, slots, false)?;
+                        self.mmv_experts(gpu, ex, &at, misses, None, xp, bufs, k, slots, false)?;
                         gpu.to_main()?;
                         // Experts prefetched for this layer are hits: their copies come first.
                         pool.wait_prefetch(gpu, ex.layer)?;
-                        self.mmv_experts(gpu, ex, &at, hits, xp, bufs, k, slots, false)?;
+                        self.mmv_experts(gpu, ex, &at, hits, None, xp, bufs, k, slots, false)?;
                         if joins {
                             pool.table_cpu_join(gpu, dp, n_embd)?;
                         }
@@ -472,7 +524,7 @@ impl Inner {
                     } else {
                         pool.wait_prefetch(gpu, ex.layer)?;
                         pool.table_fetch(gpu, ex)?;
-                        self.mmv_experts(gpu, ex, &at, sp, xp, bufs, k, slots, false)?;
+                        self.mmv_experts(gpu, ex, &at, sp, None, xp, bufs, k, slots, false)?;
                         if joins {
                             pool.table_cpu_join(gpu, dp, n_embd)?;
                         }
@@ -493,7 +545,7 @@ impl Inner {
                     let mut gpu_part = |s: &mut Self, pool: &mut ExpertPool| -> Result<(), CudaError> {
                         pool.place_decode(&gpu.stream, ex, &mut ids_h)?;
                         let sp = s.upload(gpu, Slot::MoeSlotIds, bytemuck::cast_slice(&ids_h))?;
-                        s.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, xp, bufs, k, slots, true)
+                        s.mmv_experts(gpu, ex, &pool_at(pool, ex), sp, None, xp, bufs, k, slots, true)
                     };
                     if on_cpu {
                         // The CPU's workers start on their experts while this thread queues the GPU's part; the
