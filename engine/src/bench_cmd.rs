@@ -711,7 +711,7 @@ fn llama_bench_path(arg: &str) -> Result<Option<PathBuf>> {
     match arg {
         "off" => Ok(None),
         "auto" => {
-            let p = models::models_dir().join("llama.cpp-0.3.36/build/bin/llama-bench");
+            let p = models::llama_cpp_bin("llama-bench");
             Ok(p.is_file().then_some(p))
         }
         p => {

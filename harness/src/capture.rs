@@ -43,7 +43,8 @@ impl MemorySampler {
             while !s.load(Ordering::Relaxed) {
                 let wp = w.load(Ordering::Relaxed);
                 let pids = [Pid::from_u32(serve_pid), Pid::from_u32(wp)];
-                let n = if wp == 0 { 1 } else { 2 };
+                // A server that computes in its own process (llama-server) is its own worker.
+                let n = if wp == 0 || wp == serve_pid { 1 } else { 2 };
                 sys.refresh_processes_specifics(
                     ProcessesToUpdate::Some(&pids[..n]),
                     true,

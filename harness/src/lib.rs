@@ -45,6 +45,9 @@ pub struct RunOptions {
     pub out: PathBuf,
     /// The `strata` binary (default: beside this one, built when missing).
     pub strata: Option<PathBuf>,
+    /// llama.cpp's `llama-server`, for arms with `server: llama-server` (default: the build of
+    /// `fixtures/llamacpp/build.sh server` in the model cache).
+    pub llama_server: Option<PathBuf>,
     /// Use the scenario's `quick` settings.
     pub quick: bool,
     /// The engine's source tree, for the git fingerprint (default: the current folder).
@@ -223,8 +226,19 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
             );
         }
     };
+    // llama.cpp's server, when a combination that runs starts it.
+    let wants_llama = runner::combos(&s)
+        .iter()
+        .filter(|c| opts.only_arms.is_empty() || opts.only_arms.contains(&c.name))
+        .any(|c| c.server() == scenario::ServerKind::LlamaServer);
+    let llama_server = match wants_llama.then(|| server::llama_server_binary(opts.llama_server.as_deref())) {
+        None => None,
+        Some(Ok(p)) => Some(p),
+        Some(Err(e)) => return fail(EXIT_ENGINE, format!("{e:#} (or leave its arms out with --arm)")),
+    };
     let settings = runner::RunSettings {
         strata,
+        llama_server,
         model_path,
         device: device.clone(),
         quick: opts.quick,

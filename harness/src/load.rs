@@ -169,9 +169,11 @@ pub fn run(
     base: &str,
     prompts: &Mutex<&mut PromptBuilder>,
 ) -> Result<LoadRow> {
+    // A fresh connection per request: llama-server's HTTP library closes a kept-alive connection after a few
+    // requests, which a pooled client meets as a failed send (about 0.1 ms on loopback, for every server alike).
     let http = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(900))
-        .pool_max_idle_per_host(clients)
+        .pool_max_idle_per_host(0)
         .build()?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(seconds);

@@ -31,6 +31,10 @@ enum Cmd {
         /// The `strata` binary (default: beside this one; built when missing).
         #[arg(long)]
         strata: Option<PathBuf>,
+        /// llama.cpp's `llama-server`, for arms with `server: llama-server` (default: the build of
+        /// `fixtures/llamacpp/build.sh server` in the model cache).
+        #[arg(long)]
+        llama_server: Option<PathBuf>,
         /// The scenario's smaller `quick:` run (capped sweeps, fewer repetitions).
         #[arg(long)]
         quick: bool,
@@ -70,6 +74,7 @@ fn main() {
             device,
             out,
             strata,
+            llama_server,
             quick,
             arms,
         } => {
@@ -77,6 +82,7 @@ fn main() {
                 device,
                 out,
                 strata,
+                llama_server,
                 quick,
                 source: None,
                 only_arms: arms,

@@ -75,9 +75,12 @@ pub struct ArmReport {
     pub name: String,
     /// The arm names alone, for per-arm expectations.
     pub arm_names: Vec<String>,
-    /// `strata serve` arguments and environment beyond the harness's own.
+    /// The server's arguments and environment beyond the harness's own.
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
+    /// The server it started: `strata serve`, or llama.cpp's `llama-server` beside it.
+    #[serde(default)]
+    pub server: crate::scenario::ServerKind,
     /// The device it ran on (the arm's `device`, else the scenario's or `--device`).
     #[serde(default)]
     pub device: String,
@@ -639,7 +642,16 @@ pub fn markdown(r: &Report, plots: &[String]) -> String {
         let _ = writeln!(m, "\n## Arm `{}`\n", a.name);
         if !a.args.is_empty() || !a.env.is_empty() {
             let env: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            let _ = writeln!(m, "`{} strata serve {}`\n", env.join(" "), a.args.join(" "));
+            let line = [env.join(" "), a.server.program().to_string(), a.args.join(" ")];
+            let _ = writeln!(
+                m,
+                "`{}`\n",
+                line.iter()
+                    .filter(|p| !p.is_empty())
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
         }
         if let Some(err) = &a.error {
             let expected = if a.start_failure_expected {

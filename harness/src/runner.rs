@@ -5,14 +5,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 
 use crate::capture::{MemorySampler, count_events, read_events};
 use crate::prompt::PromptBuilder;
 use crate::report::{ArmReport, Boundary, CaseRow, Check, LaunchFault, Sample, Stat};
-use crate::scenario::{Arm, BoundaryExpect, Case, Expect, Prompt, Scenario, SweepValues};
+use crate::scenario::{Arm, BoundaryExpect, Case, Expect, Prompt, Scenario, ServerKind, SweepValues};
 use crate::server::Server;
 
 /// How long a server may take to become healthy (model load), and a worker to come back after a death.
@@ -34,6 +34,14 @@ impl Combo {
             .iter()
             .find_map(|a| a.device.clone())
             .unwrap_or_else(|| default.to_string())
+    }
+
+    /// The server it starts: `llama-server` when one of its arms says so.
+    pub fn server(&self) -> ServerKind {
+        match self.arms.iter().any(|a| a.server == ServerKind::LlamaServer) {
+            true => ServerKind::LlamaServer,
+            false => ServerKind::Strata,
+        }
     }
 
     /// The arm names, in axis order.
@@ -69,6 +77,8 @@ pub fn combos(s: &Scenario) -> Vec<Combo> {
 /// Settings of one run beyond the scenario.
 pub struct RunSettings {
     pub strata: PathBuf,
+    /// llama.cpp's server, for the combinations that start it (`None`: none does).
+    pub llama_server: Option<PathBuf>,
     pub model_path: PathBuf,
     /// `cpu` or `cuda:N`, passed to `strata serve --device`.
     pub device: String,
@@ -511,7 +521,8 @@ struct ServeLine {
 /// Errors: the first combination whose arguments do not parse, named, with the parser's message.
 pub fn check_serve_args(s: &Scenario) -> Result<(), String> {
     use clap::Parser;
-    for c in combos(s) {
+    // llama-server's combinations: their arguments are llama.cpp's, which llama-server itself judges.
+    for c in combos(s).into_iter().filter(|c| c.server() == ServerKind::Strata) {
         let mut args = vec!["strata serve".to_string()];
         args.extend(s.args.iter().cloned());
         for a in &c.arms {
@@ -545,6 +556,26 @@ pub fn check_serve_args(s: &Scenario) -> Result<(), String> {
 ///
 /// Errors: the first such mistake, naming it.
 pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
+    // llama-server has no worker events, link probe or device flag: what an arm would expect of them is a mistake.
+    for a in s
+        .matrix
+        .values()
+        .flatten()
+        .filter(|a| a.server == ServerKind::LlamaServer)
+    {
+        let strata_only = [
+            ("expect_events", !a.expect_events.is_empty()),
+            ("expect_start_error", a.expect_start_error.is_some()),
+            ("expect_probe", a.expect_probe.is_some()),
+            ("device", a.device.is_some()),
+        ];
+        if let Some((field, _)) = strata_only.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "arm `{}`: `{field}` is for strata serve, and this arm starts llama-server",
+                a.name
+            ));
+        }
+    }
     for d in devices(s, device) {
         let parsed = d
             .parse::<strata_engine::device::Device>()
@@ -632,11 +663,17 @@ pub fn run_combo(
     let log_path = logs.join(format!("{slug}.log"));
     let events_path = logs.join(format!("{slug}.events.jsonl"));
     let _ = std::fs::remove_file(&events_path);
+    let kind = combo.server();
     let mut env: BTreeMap<String, String> = s.env.clone();
-    let mut args = s.args.clone();
+    let mut args = match kind {
+        ServerKind::Strata => s.args.clone(),
+        ServerKind::LlamaServer => Vec::new(),
+    };
     for a in &combo.arms {
         env.extend(a.env.clone());
-        args.extend(a.args.clone());
+        if kind == ServerKind::Strata || a.server == ServerKind::LlamaServer {
+            args.extend(a.args.clone());
+        }
     }
     if s.compares_logits() {
         env.entry(strata_engine::switches::LOGITS_DIGEST.to_string())
@@ -655,19 +692,35 @@ pub fn run_combo(
     };
     let device = combo.device(&settings.device);
     arm.device = device.clone();
-    let mut full_args = args.clone();
-    full_args.extend([
-        "--device".into(),
-        device,
-        "--model".into(),
-        settings.model_path.display().to_string(),
-        "--events".into(),
-        events_path.display().to_string(),
-    ]);
+    arm.server = kind;
+    let model = settings.model_path.display().to_string();
+    let (program, full_args) = match kind {
+        ServerKind::Strata => {
+            let mut full = args.clone();
+            full.extend([
+                "--device".into(),
+                device,
+                "--model".into(),
+                model,
+                "--events".into(),
+                events_path.display().to_string(),
+            ]);
+            (settings.strata.clone(), full)
+        }
+        ServerKind::LlamaServer => {
+            let Some(bin) = settings.llama_server.clone() else {
+                bail!("combination `{}` starts llama-server, and none was found", combo.name);
+            };
+            let mut full = vec!["-m".to_string(), model];
+            full.extend(args.iter().cloned());
+            (bin, full)
+        }
+    };
     let env_list: Vec<(String, String)> = env.into_iter().collect();
     let expected = combo.arms.iter().find_map(|a| a.expect_start_error.clone());
     arm.start_failure_expected = expected.is_some();
-    let mut server = match Server::start(&settings.strata, &full_args, &env_list, &log_path, HEALTH_TIMEOUT) {
+    let started = Server::start(kind, &program, &full_args, &env_list, &log_path, HEALTH_TIMEOUT);
+    let mut server = match started {
         Ok(sv) => sv,
         Err(e) => {
             let cause = logged_error(&log_path);
@@ -1434,6 +1487,34 @@ mod tests {
 
     /// With the exact reference excluded, the combination with the named arm that shares the most of the row's
     /// other arms is the reference; a tie is a failed check that says so.
+    /// An arm with `server: llama-server` makes its combination start llama.cpp's server with that arm's
+    /// arguments alone (not `strata serve`'s flags, which are not checked against it), and may not expect what
+    /// only strata has.
+    #[test]
+    fn a_llama_server_arm_starts_llama_server_and_expects_nothing_of_strata() {
+        let text = |extra: &str| {
+            format!(
+                "name: t\nargs: [\"--max-context\", \"1024\"]\nmatrix:\n  slots:\n    - {{name: p4, args: [\"--parallel\", \"4\"]}}\n    - {{name: llama, server: llama-server, args: [\"-np\", \"4\"]{extra}}}\ncases:\n  - name: a\n    prompt: {{text: x}}\n"
+            )
+        };
+        let s = crate::scenario::parse("t", &text("")).unwrap();
+        let kinds: Vec<(String, ServerKind)> = combos(&s).iter().map(|c| (c.name.clone(), c.server())).collect();
+        assert_eq!(
+            kinds,
+            [
+                ("slots=p4".to_string(), ServerKind::Strata),
+                ("slots=llama".to_string(), ServerKind::LlamaServer)
+            ]
+        );
+        // `-np` is no strata flag: only strata's combinations are parsed as `strata serve` lines.
+        assert_eq!(check_serve_args(&s), Ok(()));
+        assert_eq!(check_static(&s, "cpu"), Ok(()));
+        let s = crate::scenario::parse("t", &text(", expect_events: {load: 1}")).unwrap();
+        let e = check_static(&s, "cpu").unwrap_err();
+        assert!(e.contains("arm `llama`") && e.contains("expect_events"), "{e}");
+        assert!(crate::scenario::parse("t", &text("").replace("llama-server", "llamaserver")).is_err());
+    }
+
     #[test]
     fn an_excluded_reference_falls_back_to_the_closest_combination() {
         let s = crate::scenario::parse(

@@ -111,6 +111,33 @@ pub struct Arm {
     /// readings were plausible (seed 000's were not).
     #[serde(default)]
     pub expect_probe: Option<ProbeExpect>,
+    /// The server a combination containing this arm starts: `strata` (the default), or `llama-server`
+    /// (llama.cpp's, the reference of the load benchmarks, side by side in one report). A `llama-server`
+    /// combination gets `--host`, `--port` and `-m MODEL` from the harness and the `args` of its `llama-server`
+    /// arms, nothing else (the scenario's `args` and other arms' are `strata serve` flags); it has no worker
+    /// events, restarts or `/metrics`. Its binary: `strata-harness run --llama-server PATH`, else the build of
+    /// `fixtures/llamacpp/build.sh server` in the model cache.
+    #[serde(default)]
+    pub server: ServerKind,
+}
+
+/// [`Arm::server`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServerKind {
+    #[default]
+    Strata,
+    LlamaServer,
+}
+
+impl ServerKind {
+    /// The program, as a report names it.
+    pub fn program(self) -> &'static str {
+        match self {
+            ServerKind::Strata => "strata serve",
+            ServerKind::LlamaServer => "llama-server",
+        }
+    }
 }
 
 /// [`Scenario::switches`].
@@ -191,6 +218,7 @@ impl SwitchAxis {
             expect_start_error: None,
             device: None,
             expect_probe: None,
+            server: ServerKind::Strata,
         };
         let mut arms = vec![arm("defaults".into(), BTreeMap::new())];
         for (name, sp) in &chosen {

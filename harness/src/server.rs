@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
+use crate::scenario::ServerKind;
+
 /// Locates the `strata` binary: `explicit`, else the one beside this executable (same target dir and profile).
 /// When it is missing and this build's source tree is still there, builds it with cargo in the same profile.
 ///
@@ -66,7 +68,28 @@ pub fn strata_binary(explicit: Option<&Path>) -> Result<PathBuf> {
     bail!("cargo built `strata` but it is not beside {}", exe.display())
 }
 
-/// A running `strata serve`.
+/// llama.cpp's `llama-server` for the combinations that start one: `given` (`--llama-server`), else the build of
+/// `fixtures/llamacpp/build.sh server` in the model cache.
+///
+/// Errors: `given` is not a file, or there is no build in the cache (the message says how to make one).
+pub fn llama_server_binary(given: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = given {
+        if !p.is_file() {
+            bail!("--llama-server {}: no such file", p.display());
+        }
+        return Ok(p.to_path_buf());
+    }
+    let p = strata_engine::models::llama_cpp_bin("llama-server");
+    if !p.is_file() {
+        bail!(
+            "llama-server is not built ({} is missing): run `fixtures/llamacpp/build.sh server`, or pass --llama-server PATH",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// A running server: `strata serve`, or llama.cpp's `llama-server` beside it.
 pub struct Server {
     child: Child,
     /// `http://127.0.0.1:PORT`.
@@ -74,6 +97,7 @@ pub struct Server {
     http: reqwest::blocking::Client,
     /// The context in tokens a request may use (`/health`'s `n_ctx`; 0 from an engine that does not say).
     pub n_ctx: usize,
+    kind: ServerKind,
 }
 
 /// One HTTP answer: status and JSON body (`Value::Null` when the body is not JSON).
@@ -102,12 +126,14 @@ fn free_port() -> Result<u16> {
 }
 
 impl Server {
-    /// Starts `strata serve` with `args` and `env` (and none of [`inherited_switches`]), its stderr (the human
-    /// log) appended to `log`, and waits up to `timeout` for /health to answer 200.
+    /// Starts `program` as a server of `kind` (`strata serve`, or llama.cpp's `llama-server`) on a free local
+    /// port with `args` and `env` (and none of [`inherited_switches`]), its output (the human log) appended to
+    /// `log`, and waits up to `timeout` for /health to answer 200 (both servers answer 503 while they load).
     ///
     /// Errors: the process cannot start, exits, or never becomes healthy.
     pub fn start(
-        strata: &Path,
+        kind: ServerKind,
+        program: &Path,
         args: &[String],
         env: &[(String, String)],
         log: &Path,
@@ -119,7 +145,7 @@ impl Server {
             .append(true)
             .open(log)
             .with_context(|| format!("cannot open {}", log.display()))?;
-        let mut cmd = Command::new(strata);
+        let mut cmd = Command::new(program);
         for name in inherited_switches() {
             cmd.env_remove(name);
         }
@@ -133,8 +159,10 @@ impl Server {
                 cmd.pre_exec(strata_engine::serve::orphan::die_with_parent());
             }
         }
-        cmd.arg("serve")
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        if kind == ServerKind::Strata {
+            cmd.arg("serve");
+        }
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -142,7 +170,7 @@ impl Server {
             .stderr(log_file);
         let child = cmd
             .spawn()
-            .with_context(|| format!("cannot start {}", strata.display()))?;
+            .with_context(|| format!("cannot start {}", program.display()))?;
         let http = reqwest::blocking::Client::builder()
             .timeout(Duration::from_secs(900))
             .build()
@@ -152,6 +180,7 @@ impl Server {
             base: format!("http://127.0.0.1:{port}"),
             http,
             n_ctx: 0,
+            kind,
         };
         server.wait_healthy(timeout)?;
         Ok(server)
@@ -164,7 +193,10 @@ impl Server {
         let start = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait()? {
-                bail!("strata serve exited ({status}) before it became healthy; see its log");
+                bail!(
+                    "{} exited ({status}) before it became healthy; see its log",
+                    self.kind.program()
+                );
             }
             if let Ok(r) = self.http.get(format!("{}/health", self.base)).send()
                 && r.status().as_u16() == 200
@@ -174,7 +206,7 @@ impl Server {
                 return Ok(());
             }
             if start.elapsed() > timeout {
-                bail!("strata serve was not healthy after {} s", timeout.as_secs());
+                bail!("{} was not healthy after {} s", self.kind.program(), timeout.as_secs());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -185,8 +217,11 @@ impl Server {
         self.child.id()
     }
 
-    /// The worker's process id from /health, when one is up.
+    /// The worker's process id from /health, when one is up (llama-server computes in its own process: its id).
     pub fn worker_pid(&self) -> Option<u32> {
+        if self.kind == ServerKind::LlamaServer {
+            return Some(self.pid());
+        }
         let r = self.get_json("/health").ok()?;
         r.body["worker_pid"].as_u64().map(|p| p as u32)
     }

@@ -176,7 +176,16 @@ fn main() {
                 .collect()
         };
         for (name, combo, devices) in runs {
-            match devices.iter().find_map(|d| runner::device_available(d).err()) {
+            // A combination that starts llama.cpp's server needs its build (not made by ci/test.sh).
+            let llama = runner::combos(&s)
+                .iter()
+                .filter(|c| combo.as_ref().is_none_or(|n| *n == c.name))
+                .any(|c| c.server() == strata_harness::scenario::ServerKind::LlamaServer);
+            let llama_missing = llama
+                .then(|| strata_harness::server::llama_server_binary(None).err())
+                .flatten()
+                .map(|e| e.to_string());
+            match llama_missing.or_else(|| devices.iter().find_map(|d| runner::device_available(d).err())) {
                 Some(why) => {
                     trials.push(Trial::test(format!("{name} (ignored: {why})"), || Ok(())).with_ignored_flag(true))
                 }
