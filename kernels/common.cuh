@@ -32,9 +32,11 @@ __device__ __forceinline__ u32 ld32(const u8* p) {
 #define MOE_SKIP 0xFFFFFFFFu
 
 // A step of several tokens groups its routing slots by expert (moe_groups, mmv_moe_group_*): at most MOE_GROUP_T
-// slots share a group's weight reads, a group takes MOE_GROUP_INTS ints (id, count, slots), and a step has at most
+// slots share a group's weight reads (4: ptxas -v through NVRTC, sm_90: 80 registers and 32 bytes spilled for Q4_K
+// under MMV_MOE_BOUNDS, 121 registers for Q6_K, 20 KiB of stages; at 8, 196 bytes spilled and 139 registers, one
+// Q6_K block per SM; 64 tokens of top-8 over 128 experts route 4 to an expert on average), a group takes MOE_GROUP_INTS ints (id, count, slots), and a step has at most
 // MOE_GROUP_MAX_SLOTS slots (cuda/moe.rs holds the same numbers: change both together).
-#define MOE_GROUP_T 8
+#define MOE_GROUP_T 4
 #define MOE_GROUP_INTS (2 + MOE_GROUP_T)
 #define MOE_GROUP_MAX_SLOTS 1024
 

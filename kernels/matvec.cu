@@ -475,7 +475,9 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         for (int u = 0; u < NB; ++u)
             if (w[i] && u < nsb) Q::load(f[i][u], w[i] + Q::SB_BYTES * u, p);
     pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
-    for (int t = 0; t < n; ++t) stage_q8k<Q::NATURAL>(x[t], xu[t], act, cols, st_group[t]);
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+        if (t < n) stage_q8k<Q::NATURAL>(x[t], xu[t], act, cols, st_group[t]);
     for (int b0 = 0; b0 < nsb; b0 += NB) {
         if (b0 > 0) {
 #pragma unroll
@@ -605,8 +607,8 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
 // most groups, 1 or 2); blocks past the count compute nothing. With groups_early (written at least two
 // launches back: see pdl_enter) the table is read before the wait on the kernel just before. Q4_K and Q6_K with
 // Q8_K activations and rows of at most MMV_X_MAX values (the host checks).
-#define STRATA_MMV_MOE_GROUP(name, Q)                                                                           \
-    extern "C" __global__ void MMV_MOE_BOUNDS mmv_moe_group_##name(                                             \
+#define STRATA_MMV_MOE_GROUP(name, Q, KERNEL_BOUNDS)                                                            \
+    extern "C" __global__ void KERNEL_BOUNDS mmv_moe_group_##name(                                              \
         const u8* __restrict__ wa, const u8* __restrict__ wb, const float* __restrict__ x, float* __restrict__ ya, \
         float* __restrict__ yb, const int* __restrict__ groups, int x_div, int rows, int cols,                 \
         long long row_bytes, long long expert_stride, const float* __restrict__ xu, int act, int groups_early) { \
@@ -621,7 +623,7 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         const float* xs[T];                                                                                     \
         const float* xus[T];                                                                                    \
         int slot[T];                                                                                            \
-        for (int t = 0; t < T; ++t) {                                                                           \
+        _Pragma("unroll") for (int t = 0; t < T; ++t) {                                                         \
             slot[t] = t < n ? (int)ld_cg_u32(gr + 2 + t) : 0;                                                   \
             xs[t] = x + (long long)(slot[t] / x_div) * cols;                                                    \
             xus[t] = xu ? xu + (long long)(slot[t] / x_div) * cols : nullptr;                                   \
@@ -636,9 +638,9 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
             mmv_group_rows<Q, RG, 4, T>(base, row_bytes, first, rows, xs, xus, n, act, cols, lane, st, acc);    \
         else                                                                                                    \
             mmv_group_rows<Q, 1, 8, T>(base, row_bytes, first, rows, xs, xus, n, act, cols, lane, st, acc);     \
-        for (int i = 0; i < (short_rows ? RG : 1); ++i)                                                         \
-            for (int t = 0; t < n; ++t)                                                                         \
-                if ((lane & 7) == 0 && first + 4 * i + q < rows)                                                \
+        _Pragma("unroll") for (int i = 0; i < RG; ++i)                                                          \
+            _Pragma("unroll") for (int t = 0; t < T; ++t)                                                       \
+                if ((short_rows || i == 0) && t < n && (lane & 7) == 0 && first + 4 * i + q < rows)             \
                     y[(long long)slot[t] * rows + first + 4 * i + q] = acc[i][t];                               \
     }
 
@@ -650,9 +652,9 @@ STRATA_MMV_FAST(q4_k, MmvQ4K, mmv1_, 1)
 STRATA_MMV_FAST(q6_k, MmvQ6K, mmv1_, 1)
 STRATA_MMV_MOE_FAST(q4_k, MmvQ4K, MMV_R, MMV_MOE_BOUNDS)
 STRATA_MMV_MOE_FAST(q6_k, MmvQ6K, MMV_R, ) // bounded to 80 registers its 56 of weights in flight spill (ptxas -v)
-STRATA_MMV_MOE_GROUP(q4_k, MmvQ4K)
+STRATA_MMV_MOE_GROUP(q4_k, MmvQ4K, MMV_MOE_BOUNDS)
 #ifndef MMV_Q6K_F32
-STRATA_MMV_MOE_GROUP(q6_k, MmvQ6K)
+STRATA_MMV_MOE_GROUP(q6_k, MmvQ6K, ) // unbounded, as mmv_moe_q6_k (its weights in flight spill at 80 registers)
 #else
 // A measurement build with f32 activations for Q6_K (MMV_Q6K_F32) has no grouped Q6_K kernel to run: a step that
 // asks for it stops.

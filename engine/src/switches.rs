@@ -306,7 +306,7 @@ pub const SWITCHES: &[Switch] = &[
         true,
         Applies::Cuda,
         false,
-        "1: a CUDA step of several tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once for up to 8 of the tokens routed to it, instead of once per token (the same results, bit for bit; off until measured on the device)",
+        "1: a CUDA step of several tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once for up to 4 of the tokens routed to it, instead of once per token (the same results, bit for bit; off until measured on the device)",
     ),
     sw(
         MOE_DEVICE_TOKENS,

@@ -156,7 +156,7 @@ const SLOTS: usize = 28;
 const COUNTERS: usize = 64;
 /// Routing slots that share one weight read in `mmv_moe_group_*`, the ints of a group in the table `moe_groups`
 /// writes, and the most slots it groups (kernels/common.cuh holds the same numbers: change both together).
-const MOE_GROUP_T: usize = 8;
+const MOE_GROUP_T: usize = 4;
 const MOE_GROUP_INTS: usize = 2 + MOE_GROUP_T;
 const MOE_GROUP_MAX_SLOTS: usize = 1024;
 /// The most tokens a step's experts may run on the device's routing (`STRATA_MOE_DEVICE_TOKENS`): the router's

@@ -488,7 +488,8 @@ impl Inner {
                 None => {
                     let at = resident(self)?;
                     // Several tokens: their slots grouped by expert, each expert's rows read once per group.
-                    let groups = match n_tok > 1 && self.moe_groups {
+                    let groupable = groups_experts(&ex.gate) || groups_experts(&ex.down);
+                    let groups = match n_tok > 1 && self.moe_groups && groupable {
                         true => Some(self.moe_groups(gpu, ids, slots)?),
                         false => None,
                     };
