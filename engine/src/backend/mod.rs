@@ -678,6 +678,20 @@ pub trait Backend: Send + Sync {
     /// the sequence ended. The default keeps nothing.
     fn release_slot(&self, _slot: SeqSlot) {}
 
+    /// Copies cells `0..cells` of sequence `src`'s KV cache into `dst`'s (two sequences of this model with caches
+    /// of one type: a prompt prefix the other sequence computed, shared instead of computed again). Returns
+    /// whether it did; `false` leaves `dst` as it was, and the caller computes those cells. The default copies
+    /// the host rows, where the CPU keeps its caches.
+    fn copy_kv_prefix(
+        &self,
+        src: &crate::state::kv::KvCache,
+        dst: &mut crate::state::kv::KvCache,
+        cells: usize,
+    ) -> bool {
+        dst.copy_prefix_from(src, cells);
+        true
+    }
+
     /// Hands the backend the injected faults and the `--gemm-fallback` policy. Returns whether the backend
     /// applies them itself (a GPU with a library GEMM and our own kernel behind it); otherwise the session
     /// applies them by capping its prefill batch (the CPU).

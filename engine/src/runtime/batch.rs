@@ -289,6 +289,29 @@ impl<'m, B: Backend> Batcher<'m, B> {
         report
     }
 
+    /// Before slot `i` takes `prompt`: when another slot (running or idle) holds a longer prefix of it than slot
+    /// `i` does, slot `i` copies those cells from it ([`Session::adopt_prefix`], where the backend can), so a
+    /// prefix that any sequence computed (a system prompt, earlier turns) is not computed again. The last prompt
+    /// token is always computed (its logits are sampled).
+    fn share_prefix(&mut self, i: usize, prompt: &[u32]) {
+        let own = self.slots[i].session.common_prefix(prompt);
+        let best = (0..self.slots.len())
+            .filter(|&j| j != i)
+            .map(|j| (self.slots[j].session.common_prefix(prompt).min(prompt.len() - 1), j))
+            .max();
+        let Some((n, j)) = best.filter(|&(n, _)| n > own) else {
+            return;
+        };
+        let (to, from) = if i < j {
+            let (a, b) = self.slots.split_at_mut(j);
+            (&mut a[i], &b[0])
+        } else {
+            let (a, b) = self.slots.split_at_mut(i);
+            (&mut b[0], &a[j])
+        };
+        to.session.adopt_prefix(&from.session, n);
+    }
+
     /// Gives free slots to waiting requests, each to the free slot holding the longest prefix of its prompt.
     fn admit(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
         while !self.waiting.is_empty() {
@@ -303,6 +326,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
                 return;
             };
             let (job, submitted) = self.waiting.pop_front().expect("checked");
+            self.share_prefix(i, &job.prompt);
             self.clock += 1;
             let slot = &mut self.slots[i];
             slot.last_used = self.clock;

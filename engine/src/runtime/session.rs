@@ -353,6 +353,27 @@ impl<'m, B: Backend> Session<'m, B> {
         (self.backend.name() == "cpu").then(|| crate::backend::progress::cancel_scope(cancel))
     }
 
+    /// Takes the first `n` tokens of `other`'s cache as this sequence's own (a prompt prefix the other sequence
+    /// computed: `strata serve`'s slots share a system prompt or earlier turns), when the backend can copy those
+    /// cells ([`Backend::copy_kv_prefix`]); this sequence then holds exactly those `n` tokens. Returns whether it
+    /// did; `false` leaves it as it was.
+    ///
+    /// Panics if `other` holds fewer than `n` tokens.
+    pub(crate) fn adopt_prefix(&mut self, other: &Session<'m, B>, n: usize) -> bool {
+        assert!(
+            n <= other.tokens.len(),
+            "adopt_prefix: {n} of {} tokens",
+            other.tokens.len()
+        );
+        if n > self.n_ctx() || other.kv.ty() != self.kv.ty() || !self.backend.copy_kv_prefix(&other.kv, &mut self.kv, n)
+        {
+            return false;
+        }
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&other.tokens[..n]);
+        true
+    }
+
     /// Tokens of `prompt` the cache holds already: the longest common prefix.
     pub fn common_prefix(&self, prompt: &[u32]) -> usize {
         self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count()

@@ -262,4 +262,25 @@ impl KvCache {
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| l.k.bytes() + l.v.bytes()).sum()
     }
+
+    /// Copies cells `0..cells` of every layer's keys and values from `src`, a cache of the same model and type
+    /// (a prompt prefix another sequence computed), byte for byte.
+    ///
+    /// Panics if the two differ in layers, row shapes or type, or `cells` is past either's `n_ctx`.
+    pub fn copy_prefix_from(&mut self, src: &KvCache, cells: usize) {
+        assert!(
+            self.ty == src.ty && self.layers.len() == src.layers.len() && cells <= self.n_ctx.min(src.n_ctx),
+            "copy_prefix_from: caches of different shapes, or {cells} cells"
+        );
+        for (d, s) in self.layers.iter_mut().zip(&src.layers) {
+            for (d, s) in [(&mut d.k, &s.k), (&mut d.v, &s.v)] {
+                assert!(
+                    d.heads == s.heads && d.head_bytes == s.head_bytes,
+                    "copy_prefix_from: row shapes"
+                );
+                let n = cells * d.heads * d.head_bytes;
+                d.data[..n].copy_from_slice(&s.data[..n]);
+            }
+        }
+    }
 }

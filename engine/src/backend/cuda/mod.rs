@@ -1048,6 +1048,17 @@ impl Backend for CudaBackend {
         Self::check(s.read_slot(&self.gpu, Slot::MoeIds, out));
     }
 
+    /// The device holds each sequence's cache (its host rows are not kept current): a device-to-device copy of
+    /// the cells is not written yet, so the caller computes them.
+    fn copy_kv_prefix(
+        &self,
+        _src: &crate::state::kv::KvCache,
+        _dst: &mut crate::state::kv::KvCache,
+        _cells: usize,
+    ) -> bool {
+        false
+    }
+
     fn release_slot(&self, slot: SeqSlot) {
         self.gpu.forget_slot(slot);
         self.lock().kv.retain(|id, _| id.slot != slot);

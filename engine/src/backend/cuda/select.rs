@@ -459,6 +459,17 @@ impl Backend for AnyBackend {
             c.release_slot(slot)
         }
     }
+    fn copy_kv_prefix(
+        &self,
+        src: &crate::state::kv::KvCache,
+        dst: &mut crate::state::kv::KvCache,
+        cells: usize,
+    ) -> bool {
+        match self {
+            AnyBackend::Cuda(c) => c.copy_kv_prefix(src, dst, cells),
+            AnyBackend::Cpu(c, _) => c.copy_kv_prefix(src, dst, cells),
+        }
+    }
     fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {
         match self {
             AnyBackend::Cuda(c) => c.routed_experts(scratch, n_tok, k, out),
