@@ -357,6 +357,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .as_ref()
         .and_then(|g| g.gemm_tflops.map(|t| t * 1e12 / g.flops_per_token));
     drop(session);
+    let counts = together.counts.clone();
     drop(together);
 
     let (llama_bench, llama_bench_error) = match llama_bench_path(&args.llama_bench) {
@@ -364,15 +365,29 @@ pub fn run(args: BenchArgs) -> Result<()> {
             None,
             Some("not run (--llama-bench off, or no build in the model cache)".to_string()),
         ),
-        Ok(Some(bin)) => match run_llama_bench(&bin, &path, &args, threads) {
-            Ok(rows) => {
-                for r in &mut results {
-                    r.llama_cpp = rows.iter().find(|(t, _)| *t == r.test).map(|(_, v)| *v);
+        Ok(Some(bin)) => {
+            // llama-batched-bench beside llama-bench (the same build) for the batched decode tests; either may fail
+            // alone, and the other's figures stay.
+            let mut errors = Vec::new();
+            let mut rows = run_llama_bench(&bin, &path, &args, threads).unwrap_or_else(|e| {
+                errors.push(format!("{e:#}"));
+                Vec::new()
+            });
+            if !counts.is_empty() {
+                let batched = bin.with_file_name("llama-batched-bench");
+                match run_llama_batched_bench(&batched, &path, &args, &counts, threads) {
+                    Ok(more) => rows.extend(more),
+                    Err(e) => errors.push(format!("{e:#}")),
                 }
-                (Some(bin.display().to_string()), None)
             }
-            Err(e) => (Some(bin.display().to_string()), Some(format!("{e:#}"))),
-        },
+            for r in &mut results {
+                r.llama_cpp = rows.iter().find(|(t, _)| *t == r.test).map(|(_, v)| *v);
+            }
+            (
+                Some(bin.display().to_string()),
+                (!errors.is_empty()).then(|| errors.join("; ")),
+            )
+        }
         Err(e) => (None, Some(format!("{e:#}"))),
     };
     let is_smollm2 = path.file_name().and_then(|f| f.to_str()) == Some(models::DEFAULT_MODEL_FILE);
@@ -724,6 +739,70 @@ fn llama_bench_path(arg: &str) -> Result<Option<PathBuf>> {
     }
 }
 
+/// Runs llama-batched-bench (`bin`, llama.cpp's batched decode benchmark) for the batched decode tests: `-npl`
+/// the sequence counts, `-ntg` the decode tokens, `-npp` each depth (at least 1: its prompt must hold a token;
+/// ours starts from an empty cache at depth 0), one run each with the same threads; returns (`tgN xP` test,
+/// S_TG tok/s: P × N over the decode time) pairs.
+///
+/// Errors: the binary is missing (build it with `fixtures/llamacpp/build.sh`), fails, or prints no JSON lines.
+fn run_llama_batched_bench(
+    bin: &Path,
+    model: &Path,
+    args: &BenchArgs,
+    counts: &[usize],
+    threads: usize,
+) -> Result<Vec<(String, f64)>> {
+    if !bin.is_file() {
+        bail!(
+            "{} is not built (fixtures/llamacpp/build.sh builds it): no llama.cpp figures for the batched tests",
+            bin.display()
+        );
+    }
+    let most = counts.iter().copied().max().unwrap_or(1);
+    let mut rows = Vec::new();
+    for &depth in &args.depth {
+        let pp = depth.max(1);
+        let npl: Vec<String> = counts.iter().map(|p| p.to_string()).collect();
+        let out = Command::new(bin)
+            .arg("-m")
+            .arg(model)
+            .args(["-c", &(most * (pp + args.gen_tokens) + 16).to_string()])
+            .args(["-npp", &pp.to_string(), "-ntg", &args.gen_tokens.to_string()])
+            .args([
+                "-npl",
+                &npl.join(","),
+                "-t",
+                &threads.to_string(),
+                "--output-format",
+                "jsonl",
+            ])
+            .output()
+            .with_context(|| format!("cannot run {}", bin.display()))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            bail!(
+                "{} failed ({}): {}",
+                bin.display(),
+                out.status,
+                err.lines().last().unwrap_or("")
+            );
+        }
+        let found = rows.len();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            if let (Some(p), Some(tok_s)) = (v["pl"].as_u64(), v["speed_tg"].as_f64()) {
+                rows.push((together_name(args.gen_tokens, p as usize, depth), tok_s));
+            }
+        }
+        if rows.len() == found {
+            bail!("{}: no JSON lines in its output", bin.display());
+        }
+    }
+    Ok(rows)
+}
+
 /// Runs llama-bench with the same tests and threads; returns (test, mean tok/s) pairs.
 fn run_llama_bench(bin: &Path, model: &Path, args: &BenchArgs, threads: usize) -> Result<Vec<(String, f64)>> {
     let mut cmd = Command::new(bin);
@@ -823,7 +902,13 @@ fn markdown(r: &BenchReport) -> String {
     }
     s += &format!("- peak RSS: {:.1} MiB\n", r.peak_rss_mib);
     match (&r.llama_bench, &r.llama_bench_error) {
-        (Some(b), None) => s += &format!("- llama.cpp: `{b} -t {} -r <reps> -o json`, same tests\n", r.threads),
+        (Some(b), None) => {
+            s += &format!("- llama.cpp: `{b} -t {} -r <reps> -o json`, same tests", r.threads);
+            if r.results.iter().any(|t| t.parallel > 1) {
+                s += "; the batched tests beside `llama-batched-bench -npp max(D,1) -ntg N -npl P,.. --output-format jsonl` (S_TG, one run)";
+            }
+            s += "\n";
+        }
         (_, Some(e)) => s += &format!("- llama.cpp: {e}\n"),
         (None, None) => {}
     }
