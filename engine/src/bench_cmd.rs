@@ -63,7 +63,7 @@ pub struct BenchArgs {
     /// Sequence counts of the batched decode tests, comma-separated (llama-batched-bench's `-npl`): for each count
     /// P of at least 2 and each depth, P sequences decode `--gen-tokens` tokens together, one token of each per
     /// step as `strata serve`'s batches compute them, reported as `tgN xP` in aggregate tok/s (P × N ÷ wall time).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = parse_sequences)]
     sequences: Vec<usize>,
     /// Timed repetitions of each test (after one warm-up).
     #[arg(long, default_value_t = 3)]
@@ -454,6 +454,15 @@ impl TestResult {
     }
 }
 
+/// A `--sequences` count: 1 to [`strata_engine::memory::MAX_PARALLEL`], as `--parallel`'s slots.
+fn parse_sequences(s: &str) -> Result<usize, String> {
+    let most = strata_engine::memory::MAX_PARALLEL;
+    match s.parse::<usize>() {
+        Ok(n) if (1..=most).contains(&n) => Ok(n),
+        _ => Err(format!("--sequences takes sequence counts from 1 to {most}, not `{s}`")),
+    }
+}
+
 /// The sessions of the batched decode tests (`--sequences`), made once for the largest count, and their step's
 /// activations.
 struct Together<'e> {
@@ -464,15 +473,16 @@ struct Together<'e> {
 }
 
 impl<'e> Together<'e> {
-    /// Errors: a count of 0, or a session could not be made.
+    /// Errors: a session could not be made.
     fn new(engine: &'e Engine, config: SessionConfig, args: &BenchArgs) -> Result<Together<'e>> {
-        if args.sequences.contains(&0) {
-            bail!("--sequences: a sequence count must be at least 1");
-        }
         let mut counts: Vec<usize> = args.sequences.iter().copied().filter(|&p| p >= 2).collect();
         counts.sort_unstable();
         counts.dedup();
-        if args.gen_tokens == 0 {
+        if args.sequences.contains(&1) && args.gen_tokens > 0 {
+            eprintln!("strata bench: --sequences 1 is the plain tg{} test", args.gen_tokens);
+        }
+        if args.gen_tokens == 0 && !counts.is_empty() {
+            eprintln!("strata bench: --gen-tokens 0: no batched decode tests (--sequences)");
             counts.clear();
         }
         let n = counts.last().copied().unwrap_or(0);

@@ -234,7 +234,15 @@ pub fn run(scenario_file: &Path, opts: &RunOptions) -> RunOutcome {
     let llama_server = match wants_llama.then(|| server::llama_server_binary(opts.llama_server.as_deref())) {
         None => None,
         Some(Ok(p)) => Some(p),
-        Some(Err(e)) => return fail(EXIT_ENGINE, format!("{e:#} (or leave its arms out with --arm)")),
+        // A path the user gave is their input (2); a missing build is like an engine that cannot run (125).
+        Some(Err(e)) => {
+            let code = if opts.llama_server.is_some() {
+                EXIT_SCENARIO
+            } else {
+                EXIT_ENGINE
+            };
+            return fail(code, format!("{e:#} (or leave its arms out with --arm)"));
+        }
     };
     let settings = runner::RunSettings {
         strata,

@@ -575,6 +575,18 @@ pub fn check_static(s: &Scenario, device: &str) -> Result<(), String> {
                 a.name
             ));
         }
+        // The harness gives the address and the model; an arm's own would leave it polling the wrong port.
+        let owned = ["--host", "--port", "-m", "--model"];
+        if let Some(flag) = a
+            .args
+            .iter()
+            .find(|x| owned.contains(&x.split('=').next().unwrap_or("")))
+        {
+            return Err(format!(
+                "arm `{}`: `{flag}` in llama-server's args: the harness sets --host, --port and -m itself",
+                a.name
+            ));
+        }
     }
     for d in devices(s, device) {
         let parsed = d
@@ -1513,6 +1525,10 @@ mod tests {
         let e = check_static(&s, "cpu").unwrap_err();
         assert!(e.contains("arm `llama`") && e.contains("expect_events"), "{e}");
         assert!(crate::scenario::parse("t", &text("").replace("llama-server", "llamaserver")).is_err());
+        // The harness owns the address and the model: an arm's own `--port` would leave it polling another port.
+        let s = crate::scenario::parse("t", &text("").replace("\"-np\", \"4\"", "\"--port\", \"9\"")).unwrap();
+        let e = check_static(&s, "cpu").unwrap_err();
+        assert!(e.contains("`--port`"), "{e}");
     }
 
     #[test]

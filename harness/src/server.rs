@@ -74,8 +74,17 @@ pub fn strata_binary(explicit: Option<&Path>) -> Result<PathBuf> {
 /// Errors: `given` is not a file, or there is no build in the cache (the message says how to make one).
 pub fn llama_server_binary(given: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = given {
-        if !p.is_file() {
-            bail!("--llama-server {}: no such file", p.display());
+        let why = match std::fs::metadata(p) {
+            Err(e) => Some(e.to_string()),
+            Ok(m) if !m.is_file() => Some("not a file".to_string()),
+            #[cfg(unix)]
+            Ok(m) if std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 == 0 => {
+                Some("not executable".to_string())
+            }
+            Ok(_) => None,
+        };
+        if let Some(why) = why {
+            bail!("--llama-server {}: {why}", p.display());
         }
         return Ok(p.to_path_buf());
     }
