@@ -4,7 +4,8 @@
 # carry/strata-base in the same call, after the CUDA parity tests of batching (PARITY=0 skips them).
 # Env: DEVICE (default cuda:0), MODEL (default synth:qwen3-30b-a3b), SEQ (default 1,4,8,16,32), GEN (decode tokens, default 64), ARMS
 # (more runs of carry/strata, separated by ";", each a list of VAR=VALUE; default: the experts of steps up to 64
-# tokens on the device's routing, per slot and grouped).
+# tokens on the device's routing, per slot and grouped, and grouped with the dense matmuls of up to 64 tokens as
+# matrix-vector products).
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -23,7 +24,7 @@ arm() { # name, binary, env...
 }
 [ -x carry/strata-base ] && arm base carry/strata-base
 arm new carry/strata
-IFS=';' read -ra extra <<< "${ARMS-STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=0;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1}"
+IFS=";" read -ra extra <<< "${ARMS-STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=0;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1 STRATA_MMV_DENSE_TOKENS=64}"
 i=0
 for a in "${extra[@]}"; do
   i=$((i+1))

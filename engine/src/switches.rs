@@ -165,6 +165,8 @@ pub const BATCH_ATTENTION: &str = "STRATA_BATCH_ATTENTION";
 pub const MOE_GROUPS: &str = "STRATA_MOE_GROUPS";
 /// Most tokens of a CUDA step whose experts run on the device's routing (a tuning knob).
 pub const MOE_DEVICE_TOKENS: &str = "STRATA_MOE_DEVICE_TOKENS";
+/// Most tokens a CUDA dense matmul runs as matrix-vector products (a tuning knob).
+pub const MMV_DENSE_TOKENS: &str = "STRATA_MMV_DENSE_TOKENS";
 /// Off: every speed switch the user did not set is off, whatever the arch's default.
 pub const ARCH_DEFAULTS: &str = "STRATA_ARCH_DEFAULTS";
 /// A digest of every step's logits in each `request` event (for `same_logits_as`).
@@ -307,6 +309,11 @@ pub const SWITCHES: &[Switch] = &[
         Applies::Cuda,
         false,
         "1: a CUDA step of several tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once for up to 4 of the tokens routed to it, instead of once per token (the same results, bit for bit; off until measured on the device)",
+    ),
+    sw(
+        MMV_DENSE_TOKENS,
+        "4",
+        "N (4-64): most tokens a CUDA dense matmul runs as matrix-vector products, each token's the kernel of a lone decode step, instead of an f16 copy of the matrix and cuBLAS (tuning; 4 until measured on the device)",
     ),
     sw(
         MOE_DEVICE_TOKENS,

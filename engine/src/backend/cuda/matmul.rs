@@ -70,7 +70,8 @@ impl Inner {
         )
     }
 
-    /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens, else the GEMM.
+    /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens (up to
+    /// `STRATA_MMV_DENSE_TOKENS`, default [`MMV_MAX_TOKENS`]), else the GEMM.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_dev(
         &mut self,
@@ -82,7 +83,7 @@ impl Inner {
         yp: u64,
     ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows, w.cols);
-        if n_tok <= MMV_MAX_TOKENS {
+        if n_tok <= self.mmv_dense_tokens.max(MMV_MAX_TOKENS) {
             return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);
         }
         if !self.blas_failed {

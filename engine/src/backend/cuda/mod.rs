@@ -215,6 +215,10 @@ struct Inner {
     /// Most tokens of a step without an expert cache whose experts run on the device's routing
     /// (`STRATA_MOE_DEVICE_TOKENS`, read at start, at most [`MOE_DEVICE_TOKENS_MAX`]).
     moe_device_tokens: usize,
+    /// Most tokens a dense matmul runs as matrix-vector products, one token per block column as a lone decode
+    /// step's (`STRATA_MMV_DENSE_TOKENS`, read at start, at least [`MMV_MAX_TOKENS`], at most
+    /// [`MOE_DEVICE_TOKENS_MAX`]); larger steps take the GEMM.
+    mmv_dense_tokens: usize,
     /// Per layer, its router when `router_route` routes it, once a step has run the layer: the device address of
     /// the f32 matrix and its shape (rows = experts, columns = width; `(0, 0, 0)`: not known). What the expert
     /// prefetch applies ahead of the layer.
@@ -348,6 +352,11 @@ impl CudaBackend {
         let moe_device_tokens =
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
                 .unwrap_or(MMV_MAX_TOKENS);
+        let mmv_dense_tokens = crate::switches::usize_in(
+            crate::switches::MMV_DENSE_TOKENS,
+            MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
+        )
+        .unwrap_or(MMV_MAX_TOKENS);
         Ok(CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
@@ -364,6 +373,7 @@ impl CudaBackend {
                 moe_on_host: false,
                 moe_groups,
                 moe_device_tokens,
+                mmv_dense_tokens,
                 routers: Vec::new(),
             }),
             cpu: CpuBackend,
