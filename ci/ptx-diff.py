@@ -5,6 +5,9 @@ with line information, label numbers and shared-variable names normalised. A ref
 prints no changed kernel compiles to the same instructions.
 
     target/nvrtc-venv/bin/python ci/ptx-diff.py BASE [HEAD]     (HEAD: the working tree when left out)
+    target/nvrtc-venv/bin/python ci/ptx-diff.py --regs [NAME..]  registers, stack and spills per kernel of the
+                                                                working tree for sm_90 (ptxas -v through NVRTC),
+                                                                the kernels whose names contain a NAME
 """
 import ctypes
 import difflib
@@ -60,6 +63,27 @@ def ptx(lib, src):
     return out.value.decode()
 
 
+def regs(lib, src, names):
+    """ptxas -v's lines per kernel for sm_90: registers, stack frame, spills, shared memory."""
+    prog = ctypes.c_void_p()
+    lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"strata.cu", 0, None, None)
+    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
+    status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if status != 0:
+        sys.exit("ptx-diff: the kernels do not compile:\n" + log.value.decode()[-3000:])
+    lines = log.value.decode().split("\n")
+    for i, line in enumerate(lines):
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if not m or (names and not any(n in m.group(1) for n in names)):
+            continue
+        props = "; ".join(re.sub(r"^ptxas\s+(info\s+:|\.)\s*", "", l.strip()) for l in lines[i + 2:i + 4])
+        print(f"{m.group(1)}: {props}")
+
+
 def kernels(text):
     """Each kernel's PTX lines, normalised: no line information or comments, label and local-depot numbers
     dropped, every shared variable called SHARED (its size stays)."""
@@ -80,6 +104,9 @@ def kernels(text):
 
 
 def main():
+    if len(sys.argv) >= 2 and sys.argv[1] == "--regs":
+        regs(nvrtc(), source(None), sys.argv[2:])
+        return
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     lib = nvrtc()
