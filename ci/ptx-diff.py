@@ -45,17 +45,26 @@ def source(rev):
     return text
 
 
-def ptx(lib, src):
+def compile_program(lib, src, arch):
+    """The program compiled for `arch` with the engine's options (and ptxas -v for a real arch): (program, log)."""
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"strata.cu", 0, None, None) != 0:
         sys.exit("ptx-diff: nvrtcCreateProgram failed")
-    opts = [b"--gpu-architecture=compute_90", b"--std=c++17", b"-default-device"]
-    if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"-default-device"]
+    if arch.startswith("sm_"):
+        opts.append(b"--ptxas-options=-v")
+    status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if status != 0:
         sys.exit("ptx-diff: the kernels do not compile:\n" + log.value.decode()[-3000:])
+    return prog, log.value.decode()
+
+
+def ptx(lib, src):
+    prog, _ = compile_program(lib, src, "compute_90")
     size = ctypes.c_size_t()
     lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
     out = ctypes.create_string_buffer(size.value)
@@ -65,17 +74,8 @@ def ptx(lib, src):
 
 def regs(lib, src, names):
     """ptxas -v's lines per kernel for sm_90: registers, stack frame, spills, shared memory."""
-    prog = ctypes.c_void_p()
-    lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"strata.cu", 0, None, None)
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", b"--ptxas-options=-v"]
-    status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    if status != 0:
-        sys.exit("ptx-diff: the kernels do not compile:\n" + log.value.decode()[-3000:])
-    lines = log.value.decode().split("\n")
+    _, log = compile_program(lib, src, "sm_90")
+    lines = log.split("\n")
     for i, line in enumerate(lines):
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if not m or (names and not any(n in m.group(1) for n in names)):

@@ -773,8 +773,8 @@ fn run_llama_batched_bench(
     for &depth in &args.depth {
         let pp = depth.max(1);
         let npl: Vec<String> = counts.iter().map(|p| p.to_string()).collect();
-        let out = Command::new(bin)
-            .arg("-m")
+        let mut cmd = Command::new(bin);
+        cmd.arg("-m")
             .arg(model)
             .args(["-c", &(most * (pp + args.gen_tokens) + 16).to_string()])
             .args(["-npp", &pp.to_string(), "-ntg", &args.gen_tokens.to_string()])
@@ -785,20 +785,10 @@ fn run_llama_batched_bench(
                 &threads.to_string(),
                 "--output-format",
                 "jsonl",
-            ])
-            .output()
-            .with_context(|| format!("cannot run {}", bin.display()))?;
-        if !out.status.success() {
-            let err = String::from_utf8_lossy(&out.stderr);
-            bail!(
-                "{} failed ({}): {}",
-                bin.display(),
-                out.status,
-                err.lines().last().unwrap_or("")
-            );
-        }
+            ]);
+        let out = tool_output(&mut cmd, bin)?;
         let found = rows.len();
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
+        for line in String::from_utf8_lossy(&out).lines() {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
                 continue;
             };
@@ -813,15 +803,10 @@ fn run_llama_batched_bench(
     Ok(rows)
 }
 
-/// Runs llama-bench with the same tests and threads; returns (test, mean tok/s) pairs.
-fn run_llama_bench(bin: &Path, model: &Path, args: &BenchArgs, threads: usize) -> Result<Vec<(String, f64)>> {
-    let mut cmd = Command::new(bin);
-    cmd.arg("-m")
-        .arg(model)
-        .args(["-t", &threads.to_string(), "-r", &args.reps.to_string(), "-o", "json"]);
-    let pp: Vec<String> = args.prompt_tokens.iter().map(|n| n.to_string()).collect();
-    cmd.args(["-p", &if pp.is_empty() { "0".into() } else { pp.join(",") }]);
-    cmd.args(["-n", &args.gen_tokens.to_string()]);
+/// Runs `cmd`, a llama.cpp tool (`bin`), and returns its standard output.
+///
+/// Errors: it cannot start, or exits with a failure (its last line of stderr in the message).
+fn tool_output(cmd: &mut Command, bin: &Path) -> Result<Vec<u8>> {
     let out = cmd.output().with_context(|| format!("cannot run {}", bin.display()))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
@@ -832,8 +817,21 @@ fn run_llama_bench(bin: &Path, model: &Path, args: &BenchArgs, threads: usize) -
             err.lines().last().unwrap_or("")
         );
     }
+    Ok(out.stdout)
+}
+
+/// Runs llama-bench with the same tests and threads; returns (test, mean tok/s) pairs.
+fn run_llama_bench(bin: &Path, model: &Path, args: &BenchArgs, threads: usize) -> Result<Vec<(String, f64)>> {
+    let mut cmd = Command::new(bin);
+    cmd.arg("-m")
+        .arg(model)
+        .args(["-t", &threads.to_string(), "-r", &args.reps.to_string(), "-o", "json"]);
+    let pp: Vec<String> = args.prompt_tokens.iter().map(|n| n.to_string()).collect();
+    cmd.args(["-p", &if pp.is_empty() { "0".into() } else { pp.join(",") }]);
+    cmd.args(["-n", &args.gen_tokens.to_string()]);
+    let out = tool_output(&mut cmd, bin)?;
     let rows: serde_json::Value =
-        serde_json::from_slice(&out.stdout).with_context(|| format!("{}: output is not JSON", bin.display()))?;
+        serde_json::from_slice(&out).with_context(|| format!("{}: output is not JSON", bin.display()))?;
     let rows = rows.as_array().context("llama-bench JSON is not an array")?;
     Ok(rows
         .iter()

@@ -5,7 +5,7 @@ use cudarc::cublas::sys as blas_sys;
 
 use super::error::CudaError;
 use super::launch::Arg;
-use super::{Gpu, Inner, MMV_MAX_TOKENS, Slot, grid1, mmv_rows_per_block, typed};
+use super::{Gpu, Inner, Slot, grid1, mmv_rows_per_block, typed};
 use crate::backend::QMat;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
@@ -71,7 +71,7 @@ impl Inner {
     }
 
     /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens (up to
-    /// `STRATA_MMV_DENSE_TOKENS`, default [`MMV_MAX_TOKENS`]), else the GEMM.
+    /// `STRATA_MMV_DENSE_TOKENS`, default [`super::MMV_MAX_TOKENS`]), else the GEMM.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_dev(
         &mut self,
@@ -83,7 +83,7 @@ impl Inner {
         yp: u64,
     ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows, w.cols);
-        if n_tok <= self.mmv_dense_tokens.max(MMV_MAX_TOKENS) {
+        if n_tok <= self.mmv_dense_tokens {
             return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);
         }
         if !self.blas_failed {
