@@ -186,6 +186,20 @@ pub struct Request {
     /// Sequences per forward step, averaged over the steps that computed this request's tokens (1: it ran alone).
     #[serde(default)]
     pub batch_mean: f64,
+    /// Times the request was preempted for KV blocks (`--kv-tokens`): its cells were dropped and computed again.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub preempted: u32,
+    /// Tokens computed again after those preemptions.
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub recomputed: usize,
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
+}
+
+fn is_zero_usize(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The shape of a matrix multiplication: `m` rows (tokens) × `k` inputs → `n` outputs.
@@ -314,7 +328,16 @@ impl fmt::Display for Request {
             self.generated,
             self.decode_ms,
             rate(self.generated, self.decode_ms)
-        )
+        )?;
+        if self.preempted > 0 {
+            let times = if self.preempted == 1 { "time" } else { "times" };
+            write!(
+                f,
+                "; preempted {} {times} for KV blocks, {} tokens computed again",
+                self.preempted, self.recomputed
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -551,6 +574,8 @@ mod tests {
             logits_fnv: vec!["cbf29ce484222325".into()],
             queued_ms: 1.5,
             batch_mean: 2.25,
+            preempted: 0,
+            recomputed: 0,
         };
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(
@@ -560,6 +585,18 @@ mod tests {
         assert_eq!(
             r.to_string(),
             "prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms (60.6 tok/s)"
+        );
+        assert!(json.get("preempted").is_none(), "0 is left out: {json}");
+        let r = Request {
+            preempted: 2,
+            recomputed: 75,
+            ..r
+        };
+        assert_eq!(serde_json::to_value(&r).unwrap()["preempted"], 2);
+        assert!(
+            r.to_string()
+                .ends_with("; preempted 2 times for KV blocks, 75 tokens computed again"),
+            "{r}"
         );
         round_trip(EventKind::Request(r));
         let c = ExpertCache {

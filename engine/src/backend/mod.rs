@@ -678,17 +678,17 @@ pub trait Backend: Send + Sync {
     /// the sequence ended. The default keeps nothing.
     fn release_slot(&self, _slot: SeqSlot) {}
 
-    /// Copies cells `0..cells` of sequence `src`'s KV cache into `dst`'s (two sequences of this model with caches
-    /// of one type: a prompt prefix the other sequence computed, shared instead of computed again). Returns
-    /// whether it did; `false` leaves `dst` as it was, and the caller computes those cells. The default copies
-    /// the host rows, where the CPU keeps its caches.
+    /// Makes cells `0..cells` of sequence `src`'s KV cache `dst`'s (two sequences of this model with caches of
+    /// one type in one pool: a prompt prefix the other sequence computed, shared instead of computed again).
+    /// Returns whether it did; `false` leaves `dst` as it was, and the caller computes those cells. The default
+    /// shares the host blocks, where the CPU keeps its caches ([`crate::state::kv::KvCache::share_prefix_from`]).
     fn copy_kv_prefix(
         &self,
         src: &crate::state::kv::KvCache,
         dst: &mut crate::state::kv::KvCache,
         cells: usize,
     ) -> bool {
-        dst.copy_prefix_from(src, cells);
+        dst.share_prefix_from(src, cells);
         true
     }
 

@@ -56,6 +56,13 @@ fn parse_max_context(s: &str) -> Result<usize, String> {
     }
 }
 
+fn parse_kv_tokens(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("--kv-tokens takes a positive token count, not `{s}`")),
+    }
+}
+
 /// Most sequences `--parallel` may ask for.
 pub const MAX_PARALLEL: usize = 256;
 
@@ -90,6 +97,13 @@ pub struct PlanFlags {
     /// its own KV cache of --max-context tokens, so the plan holds that many.
     #[arg(long, value_parser = parse_parallel, allow_hyphen_values = true)]
     pub parallel: Option<usize>,
+    /// Tokens of KV cache all sequences share, in blocks of 16 (default: --parallel x --max-context, every
+    /// sequence at its full context at once). A smaller pool lets more sequences run than fit at full length:
+    /// when it fills, idle slots' cached prompts are dropped, then the newest sequence is preempted and
+    /// recomputed once there is room. At least --max-context. On the CPU (a GPU keeps each sequence's whole
+    /// context on the device).
+    #[arg(long, value_parser = parse_kv_tokens)]
+    pub kv_tokens: Option<usize>,
     /// The expert cache's flags.
     #[command(flatten)]
     pub experts: ExpertFlags,
@@ -122,6 +136,9 @@ impl PlanFlags {
         }
         if let Some(n) = self.parallel {
             a.extend(["--parallel".into(), n.to_string()]);
+        }
+        if let Some(n) = self.kv_tokens {
+            a.extend(["--kv-tokens".into(), n.to_string()]);
         }
         a.extend(self.experts.to_args());
         a

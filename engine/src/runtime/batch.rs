@@ -16,6 +16,14 @@
 //! runs as fast as before. Each sequence samples, detokenizes and checks stop strings with its own
 //! [`Decoding`], as `generate` does.
 //!
+//! KV blocks: the slots' caches take blocks from one pool ([`crate::state::kv::KvPool`], `--kv-tokens`). Before a
+//! step the scheduler counts the blocks its parts will take; when the pool lacks them it drops idle slots'
+//! cached prompts (least recently used first), then preempts the newest running request (vLLM's recompute
+//! preemption): its blocks go back, and it waits ahead of new requests. When it has a slot again, its prompt and
+//! the tokens it generated so far are computed again as a prompt, and it goes on with the token it was about to
+//! feed, its sampler and stop state as they were. A preempted request's tokens are those it would have had without
+//! the preemption (tests/cpu: `preempted_sequences_give_the_tokens_and_logits_of_each_alone`).
+//!
 //! Every op but attention treats a step's tokens as independent rows, and attention reads each sequence's own
 //! cache ([`crate::state::batch::BatchLayout`]), so on the CPU a token's result does not depend on the batch it is
 //! computed in (tests/cpu: `batched_sequences_give_the_tokens_and_logits_of_each_alone`).
@@ -32,7 +40,8 @@ use crate::runtime::generate::{
     Decoding, Finished, GenerateError, GenerateOptions, GenerateStats, Next, StopReason, TokenSampler,
 };
 use crate::runtime::sampling::TokenLogprob;
-use crate::runtime::session::{PrefillStats, Session, step_together};
+use crate::runtime::session::{PrefillStats, Session, SessionError, step_together};
+use crate::state::kv::KV_BLOCK_CELLS;
 use crate::tokenizer::Tokenizer;
 use rayon::prelude::*;
 
@@ -101,6 +110,21 @@ pub struct SlotState {
     pub generated: usize,
 }
 
+/// The KV pool of a scheduler's slots ([`Batcher::kv_usage`]): `GET /slots` and `/metrics` show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct KvUsage {
+    /// Blocks of [`KV_BLOCK_CELLS`] tokens the slots' caches hold (a shared block once).
+    pub blocks_used: usize,
+    /// Blocks the pool may hold (`--kv-tokens`); `None`: no limit.
+    pub blocks_total: Option<usize>,
+    /// Blocks held by several slots (a common prompt prefix).
+    pub blocks_shared: usize,
+    /// Requests preempted for blocks so far.
+    pub preemptions: u64,
+    /// Preempted requests waiting for a slot now.
+    pub waiting_preempted: usize,
+}
+
 /// What a slot is doing (`idle`, `prefill`, `decode` in JSON).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -130,9 +154,26 @@ struct Running {
     /// Steps that computed this request's tokens, and the sequences in them, summed.
     steps: u64,
     step_sequences: u64,
+    /// After a preemption in decode: the tokens to compute again (the prompt and the tokens generated and fed so
+    /// far), until the cache holds them all again.
+    recompute: Option<Vec<u32>>,
+    /// Times preempted, and tokens computed again since.
+    preempted: u32,
+    recomputed: usize,
 }
 
 impl Running {
+    /// The tokens its slot's cache must hold before its next step: the prompt, or after a preemption in decode
+    /// what it had computed.
+    fn target(&self) -> &[u32] {
+        self.recompute.as_deref().unwrap_or(&self.job.prompt)
+    }
+
+    /// Whether its next part is prompt (or recomputed) tokens, not a decode token.
+    fn reading(&self) -> bool {
+        self.decoding.is_none() || self.recompute.is_some()
+    }
+
     /// The prompt's numbers (its time so far when it ends before its prompt was read), `cancelled` as given.
     fn prefill_stats(&self, cancelled: bool) -> PrefillStats {
         PrefillStats {
@@ -178,6 +219,10 @@ pub struct Batcher<'m, B: Backend> {
     slots: Vec<Slot<'m, B>>,
     /// Requests waiting for a slot, with when they were submitted.
     waiting: VecDeque<(BatchJob, Instant)>,
+    /// Preempted requests, oldest admission first: they take free slots before `waiting`.
+    preempted: VecDeque<Running>,
+    /// Preemptions so far.
+    preemptions: u64,
     scratch: Scratch<B>,
     /// Most tokens a step carries (decode tokens count).
     budget: usize,
@@ -201,6 +246,8 @@ impl<'m, B: Backend> Batcher<'m, B> {
                 })
                 .collect(),
             waiting: VecDeque::new(),
+            preempted: VecDeque::new(),
+            preemptions: 0,
             scratch: Scratch::default(),
             budget: budget.max(1),
             clock: 0,
@@ -214,7 +261,24 @@ impl<'m, B: Backend> Batcher<'m, B> {
 
     /// Whether nothing is running or waiting.
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.slots.iter().all(|s| s.running.is_none())
+        self.waiting.is_empty() && self.preempted.is_empty() && self.slots.iter().all(|s| s.running.is_none())
+    }
+
+    /// The slots' KV pool as it stands: blocks held, the pool's size, blocks shared by several slots, and
+    /// preemptions so far.
+    pub fn kv_usage(&self) -> KvUsage {
+        let pool = self.slots[0].session.kv().pool();
+        let mut shared = std::collections::HashSet::new();
+        for s in &self.slots {
+            s.session.kv().shared_blocks(&mut shared);
+        }
+        KvUsage {
+            blocks_used: pool.held_blocks(),
+            blocks_total: pool.capacity_blocks(),
+            blocks_shared: shared.len(),
+            preemptions: self.preemptions,
+            waiting_preempted: self.preempted.len(),
+        }
     }
 
     /// Every slot's state, in slot order.
@@ -228,7 +292,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
                     id,
                     state: match r {
                         None => SlotPhase::Idle,
-                        Some(r) if r.decoding.is_none() => SlotPhase::Prefill,
+                        Some(r) if r.reading() => SlotPhase::Prefill,
                         Some(_) => SlotPhase::Decode,
                     },
                     request: r.map(|r| r.job.id),
@@ -243,10 +307,13 @@ impl<'m, B: Backend> Batcher<'m, B> {
             .collect()
     }
 
-    /// The ids of the requests in a slot, in slot order, then of those waiting, in arrival order.
+    /// The ids of the requests in a slot, in slot order, then of those preempted, then of those waiting, in
+    /// arrival order.
     pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
         let running = self.slots.iter().filter_map(|s| s.running.as_ref().map(|r| r.job.id));
-        running.chain(self.waiting.iter().map(|(j, _)| j.id))
+        running
+            .chain(self.preempted.iter().map(|r| r.job.id))
+            .chain(self.waiting.iter().map(|(j, _)| j.id))
     }
 
     /// One step: admits waiting requests to free slots, ends cancelled ones, computes one forward pass of every
@@ -255,7 +322,8 @@ impl<'m, B: Backend> Batcher<'m, B> {
     pub fn step(&mut self, tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) -> StepReport {
         self.admit(on_event);
         self.end_cancelled(on_event);
-        let parts = self.plan(on_event);
+        let mut parts = self.plan(on_event);
+        self.fit(&mut parts, on_event);
         if parts.is_empty() {
             return StepReport::default();
         }
@@ -264,12 +332,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
             tokens: parts.iter().map(|p| p.tokens.len()).sum(),
             decoding: parts
                 .iter()
-                .filter(|p| {
-                    self.slots[p.slot]
-                        .running
-                        .as_ref()
-                        .is_some_and(|r| r.decoding.is_some())
-                })
+                .filter(|p| self.slots[p.slot].running.as_ref().is_some_and(|r| !r.reading()))
                 .count(),
             ..StepReport::default()
         };
@@ -312,19 +375,81 @@ impl<'m, B: Backend> Batcher<'m, B> {
         to.session.adopt_prefix(&from.session, n);
     }
 
-    /// Gives free slots to waiting requests, each to the free slot holding the longest prefix of its prompt.
+    /// The free slot whose cache holds the longest prefix of `tokens` (the least recently used among equals).
+    fn free_slot(&self, tokens: &[u32]) -> Option<usize> {
+        (0..self.slots.len())
+            .filter(|&i| self.slots[i].running.is_none())
+            .max_by_key(|&i| {
+                let s = &self.slots[i];
+                (s.session.common_prefix(tokens), std::cmp::Reverse(s.last_used))
+            })
+    }
+
+    /// Whether a request that must hold `tokens` may take free slot `i` now: with the KV pool bounded, the pool
+    /// (after dropping idle slots' cached prompts as far as needed, least recently used first and slot `i`'s last)
+    /// has free blocks for those tokens and the one after, less the whole blocks of them slot `i` holds already,
+    /// or nothing runs. A request admitted without that room would preempt another at once,
+    /// or be preempted itself, and compute its prompt again and again (vLLM admits a request only with its blocks
+    /// free too).
+    fn room_for(&mut self, tokens: &[u32], i: usize) -> bool {
+        let pool = self.slots[0].session.kv().pool().clone();
+        loop {
+            let held = self.slots[i].session.common_prefix(tokens) / KV_BLOCK_CELLS;
+            let need = ((tokens.len() + 1).div_ceil(KV_BLOCK_CELLS) - held) * pool.rows_per_block();
+            if pool.free_rows().is_none_or(|free| free >= need) {
+                return true;
+            }
+            let idle = (0..self.slots.len())
+                .filter(|&j| self.slots[j].running.is_none() && self.slots[j].session.kv().held_blocks() > 0)
+                .min_by_key(|&j| (j == i, self.slots[j].last_used));
+            match idle {
+                Some(j) => self.slots[j].session.clear(),
+                None => return self.slots.iter().all(|s| s.running.is_none()),
+            }
+        }
+    }
+
+    /// Gives free slots to preempted requests (oldest first), then to waiting ones, each to the free slot holding
+    /// the longest prefix of what it must compute, while the KV pool has room for it ([`Batcher::room_for`]): a
+    /// request never passes an older one.
     fn admit(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
-        while !self.waiting.is_empty() {
-            let job = &self.waiting[0].0;
-            let Some(i) = (0..self.slots.len())
-                .filter(|&i| self.slots[i].running.is_none())
-                .max_by_key(|&i| {
-                    let s = &self.slots[i];
-                    (s.session.common_prefix(&job.prompt), std::cmp::Reverse(s.last_used))
-                })
-            else {
+        while let Some(r) = self.preempted.front() {
+            let Some(i) = self.free_slot(r.target()) else {
                 return;
             };
+            let target = r.target().to_vec();
+            if !self.room_for(&target, i) {
+                return;
+            }
+            let mut r = self.preempted.pop_front().expect("checked");
+            self.share_prefix(i, &target);
+            self.clock += 1;
+            let slot = &mut self.slots[i];
+            slot.last_used = self.clock;
+            match slot.session.begin_prompt(&target) {
+                Ok(kept) => {
+                    if r.decoding.is_none() {
+                        // Preempted in its prompt: what it had read past `kept` is read again.
+                        r.recomputed += (r.reused + r.read).saturating_sub(kept);
+                        r.reused = r.reused.min(kept);
+                        r.read = kept - r.reused;
+                    }
+                    slot.running = Some(r);
+                }
+                // It was held in a cache of this engine before: only a broken invariant gets here.
+                Err(e) => on_event(BatchEvent::Failed {
+                    id: r.job.id,
+                    error: e.into(),
+                }),
+            }
+        }
+        while !self.waiting.is_empty() {
+            let Some(i) = self.free_slot(&self.waiting[0].0.prompt) else {
+                return;
+            };
+            if !self.room_for(&self.waiting[0].0.prompt.clone(), i) {
+                return;
+            }
             let (job, submitted) = self.waiting.pop_front().expect("checked");
             self.share_prefix(i, &job.prompt);
             self.clock += 1;
@@ -344,6 +469,9 @@ impl<'m, B: Backend> Batcher<'m, B> {
                         queued_ms: ms_since(submitted),
                         steps: 0,
                         step_sequences: 0,
+                        recompute: None,
+                        preempted: 0,
+                        recomputed: 0,
                     })
                 }
                 Err(e) => {
@@ -357,8 +485,15 @@ impl<'m, B: Backend> Batcher<'m, B> {
         }
     }
 
-    /// Ends every running request whose cancel flag is set, with [`StopReason::Cancelled`].
+    /// Ends every running or preempted request whose cancel flag is set, with [`StopReason::Cancelled`].
     fn end_cancelled(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+        let (gone, kept): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.preempted)
+            .into_iter()
+            .partition(|r| r.job.cancel.load(Ordering::Relaxed));
+        self.preempted = kept.into();
+        for r in gone {
+            finish(r, StopReason::Cancelled, on_event);
+        }
         for slot in &mut self.slots {
             if slot
                 .running
@@ -376,7 +511,12 @@ impl<'m, B: Backend> Batcher<'m, B> {
     fn plan(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) -> Vec<Part> {
         let mut parts: Vec<Part> = Vec::new();
         for (i, slot) in self.slots.iter().enumerate() {
-            if let Some((_, next, _)) = slot.running.as_ref().and_then(|r| r.decoding.as_ref()) {
+            if let Some((_, next, _)) = slot
+                .running
+                .as_ref()
+                .filter(|r| !r.reading())
+                .and_then(|r| r.decoding.as_ref())
+            {
                 parts.push(Part {
                     slot: i,
                     tokens: vec![*next],
@@ -386,7 +526,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         }
         let mut left = self.budget.saturating_sub(parts.len()).max(1);
         let mut prefilling: Vec<usize> = (0..self.slots.len())
-            .filter(|&i| self.slots[i].running.as_ref().is_some_and(|r| r.decoding.is_none()))
+            .filter(|&i| self.slots[i].running.as_ref().is_some_and(Running::reading))
             .collect();
         prefilling.sort_by_key(|&i| self.slots[i].running.as_ref().map_or(0, |r| r.order));
         let mut switch_to = None;
@@ -396,8 +536,8 @@ impl<'m, B: Backend> Batcher<'m, B> {
             }
             let slot = &mut self.slots[i];
             let r = slot.running.as_mut().expect("filtered");
-            let done = r.reused + r.read;
-            let remaining = r.job.prompt.len() - done;
+            let done = slot.session.tokens().len();
+            let remaining = r.target().len() - done;
             match slot.session.next_batch_rows(remaining) {
                 Ok((rows, switched)) => {
                     if let Some(f) = switched {
@@ -409,8 +549,9 @@ impl<'m, B: Backend> Batcher<'m, B> {
                     left -= rows;
                     parts.push(Part {
                         slot: i,
-                        tokens: r.job.prompt[done..done + rows].to_vec(),
-                        sample: rows == remaining,
+                        tokens: r.target()[done..done + rows].to_vec(),
+                        // Recomputed tokens are not sampled again: the token to feed next was sampled before.
+                        sample: rows == remaining && r.recompute.is_none(),
                     });
                 }
                 Err(e) => {
@@ -431,19 +572,94 @@ impl<'m, B: Backend> Batcher<'m, B> {
         parts
     }
 
+    /// Makes room in the KV pool for the step's `parts` (see the module doc): while the blocks they will take
+    /// pass what the pool has free, drops the least recently used idle slot's cached prompt, else preempts the
+    /// newest running request (its part leaves the step). A request alone in the engine that still does not fit
+    /// (a pool smaller than its context, which the engine refuses at start) fails instead of waiting for ever.
+    fn fit(&mut self, parts: &mut Vec<Part>, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+        loop {
+            let Some(free) = self.slots[0].session.kv().pool().free_rows() else {
+                return;
+            };
+            let need: usize = parts
+                .iter()
+                .map(|p| {
+                    let s = &self.slots[p.slot].session;
+                    let at = s.tokens().len();
+                    s.kv().rows_needed(at, at + p.tokens.len())
+                })
+                .sum();
+            if need <= free {
+                return;
+            }
+            let idle = (0..self.slots.len())
+                .filter(|&i| self.slots[i].running.is_none() && self.slots[i].session.kv().held_blocks() > 0)
+                .min_by_key(|&i| self.slots[i].last_used);
+            if let Some(i) = idle {
+                self.slots[i].session.clear();
+                continue;
+            }
+            let running: Vec<usize> = (0..self.slots.len())
+                .filter(|&i| self.slots[i].running.is_some())
+                .collect();
+            let Some(&victim) = running
+                .iter()
+                .max_by_key(|&&i| self.slots[i].running.as_ref().map_or(0, |r| r.order))
+            else {
+                return;
+            };
+            if running.len() == 1 {
+                let slot = &mut self.slots[victim];
+                let r = slot.running.take().expect("running");
+                let needed = slot.session.tokens().len() + parts.iter().map(|p| p.tokens.len()).sum::<usize>();
+                slot.session.clear();
+                let pool = slot.session.kv().pool();
+                on_event(BatchEvent::Failed {
+                    id: r.job.id,
+                    error: SessionError::KvPool {
+                        needed,
+                        capacity: pool.capacity_blocks().unwrap_or(0) * KV_BLOCK_CELLS,
+                    }
+                    .into(),
+                });
+            } else {
+                self.preempt(victim);
+            }
+            parts.retain(|p| p.slot != victim);
+        }
+    }
+
+    /// Preempts the request in slot `i`: its cache's blocks go back to the pool, and it waits among the preempted
+    /// in admission order, with what it must compute again. A request whose prompt had not started is only put
+    /// back (nothing is lost, so it is not counted).
+    fn preempt(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        let mut r = slot.running.take().expect("running");
+        if r.decoding.is_some() && r.recompute.is_none() {
+            r.recompute = Some(slot.session.tokens().to_vec());
+        }
+        slot.session.clear();
+        if r.decoding.is_some() || r.read > 0 {
+            r.preempted += 1;
+            self.preemptions += 1;
+        }
+        let at = self.preempted.partition_point(|p| p.order < r.order);
+        self.preempted.insert(at, r);
+    }
+
     /// A step of one sequence: the single-sequence path, with its graphs and top-logits selection; a prompt
     /// chunk on the CPU also stops between layers when its request is cancelled (the chunk is then dropped).
     fn step_one(&mut self, part: &Part, tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) -> (f64, f64) {
         let t0 = Instant::now();
         let Slot { session, running, .. } = &mut self.slots[part.slot];
         let r = running.as_mut().expect("planned");
-        let want = match &r.decoding {
-            Some(_) if r.job.opts.wants_top(&*r.job.sampler) => Logits::Top,
-            Some(_) => Logits::Last,
-            None if part.sample => Logits::Last,
-            None => Logits::None,
+        let prefill = r.reading();
+        let want = match prefill {
+            false if r.job.opts.wants_top(&*r.job.sampler) => Logits::Top,
+            false => Logits::Last,
+            true if part.sample => Logits::Last,
+            true => Logits::None,
         };
-        let prefill = r.decoding.is_none();
         crate::backend::progress::take_aborted();
         let computed = {
             let _scope = prefill.then(|| session.cancel_scope(&r.job.cancel)).flatten();
@@ -456,7 +672,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         }
         let t1 = Instant::now();
         let room = session.tokens().len() < session.n_ctx();
-        if let Some(r) = ready_to_sample(running, part, on_event) {
+        if let Some(r) = ready_to_sample(running, part, session.tokens().len(), on_event) {
             let (dec, _, _) = r.decoding.as_mut().expect("ready");
             let tok = dec.sample(session.step_logits(), &mut *r.job.sampler);
             if accept(running, tok, room, tokenizer, on_event) == Outcome::Failed {
@@ -478,7 +694,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         // Candidates only when every sequence that samples this step can sample from them.
         let top = parts.iter().all(|p| {
             let r = self.slots[p.slot].running.as_ref().expect("planned");
-            r.job.opts.wants_top(&*r.job.sampler) || (r.decoding.is_none() && !p.sample)
+            !p.sample || r.job.opts.wants_top(&*r.job.sampler)
         });
         let want = if top { Logits::Top } else { Logits::Last };
         // Decode tokens first, then prompt chunks: a backend attends over the leading one-token runs in one launch.
@@ -507,7 +723,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
         let t1 = Instant::now();
         let mut due: Vec<(usize, &mut Running)> = Vec::with_capacity(parts.len());
         for (k, running) in runs.iter_mut().enumerate() {
-            if let Some(r) = ready_to_sample(running, which[k], on_event) {
+            if let Some(r) = ready_to_sample(running, which[k], chosen[k].0.tokens().len(), on_event) {
                 due.push((k, r));
             }
         }
@@ -583,15 +799,23 @@ enum Outcome {
     Failed,
 }
 
-/// After a part of `running`'s request was computed: records prompt progress (a chunk that is not the last), starts
-/// the generation after the last chunk, and ends a request cancelled meanwhile. Returns the request when its
-/// logits are due to be sampled.
+/// After a part of `running`'s request was computed (its cache now holds `held` tokens): records prompt progress
+/// (a chunk that is not the last) or recomputation after a preemption, starts the generation after the last
+/// chunk, and ends a request cancelled meanwhile. Returns the request when its logits are due to be sampled.
 fn ready_to_sample<'r>(
     running: &'r mut Option<Running>,
     part: &Part,
+    held: usize,
     on_event: &mut dyn FnMut(BatchEvent<'_>),
 ) -> Option<&'r mut Running> {
     let r = running.as_mut().expect("planned");
+    if let Some(target) = &r.recompute {
+        r.recomputed += part.tokens.len();
+        if held >= target.len() {
+            r.recompute = None;
+        }
+        return None;
+    }
     if r.decoding.is_none() {
         r.read += part.tokens.len();
         if !part.sample {
@@ -650,7 +874,7 @@ fn accept(
 fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
     let id = r.job.id;
     let prefill = r.prefill_stats(r.decoding.is_none() && stop == StopReason::Cancelled);
-    let (queued_ms, batch_mean) = (r.queued_ms, r.batch_mean());
+    let (queued_ms, batch_mean, preempted, recomputed) = (r.queued_ms, r.batch_mean(), r.preempted, r.recomputed);
     let (end, decode_ms) = match r.decoding {
         Some((dec, _, t0)) => (
             dec.finish(stop, &mut |text, logprobs| {
@@ -672,6 +896,8 @@ fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)
             queued_ms,
             batch_mean,
             stop_word: end.stop_word,
+            preempted,
+            recomputed,
         },
     });
 }

@@ -5,6 +5,7 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::cuda::CudaBackend;
@@ -25,6 +26,7 @@ pub use crate::memory::{PlanFlags, PrefillChunk};
 use crate::model::{Model, ModelError};
 use crate::models::ModelsError;
 use crate::runtime::session::{Session, SessionConfig, SessionError};
+use crate::state::kv::KvPool;
 use crate::tokenizer::template::TemplateError;
 use crate::tokenizer::{ChatTemplate, Tokenizer, TokenizerError};
 
@@ -258,6 +260,8 @@ pub struct Engine {
     faults: FaultPlan,
     /// `--save-expert-profile`: the file, and the counts it held at start (the cache's lookups add to them).
     saver: Option<(PathBuf, ExpertProfile)>,
+    /// The KV blocks every sequence of the engine takes from (`--kv-tokens`).
+    kv_pool: Arc<KvPool>,
 }
 
 impl Engine {
@@ -321,8 +325,9 @@ impl Engine {
         }
         let (mut model, tokenizer, template) = loaded?;
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
+        let kv_pool = kv_pool(&model, flags, backend.cuda().is_some())?;
         if backend.cuda().is_none() {
-            check_host_kv(&model, flags)?;
+            check_host_kv(&model, flags, &kv_pool)?;
         }
         let pinned = match backend.cuda() {
             Some(c) => plan_device(c, &mut model, flags, &faults)?,
@@ -439,6 +444,7 @@ impl Engine {
             flags: flags.clone(),
             faults,
             saver,
+            kv_pool,
         })
     }
 
@@ -525,6 +531,11 @@ impl Engine {
         }
     }
 
+    /// The KV blocks the engine's sequences take from ([`Engine::session`]'s caches; `--kv-tokens`).
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.kv_pool
+    }
+
     /// The flags the engine was opened with.
     pub fn flags(&self) -> &EngineFlags {
         &self.flags
@@ -548,7 +559,7 @@ impl Engine {
                 .map(|(f, _)| f)
         };
         let before = free();
-        let mut s = Session::new(&self.model, &self.backend, config)?;
+        let mut s = Session::new_in(&self.model, &self.backend, config, &self.kv_pool)?;
         if let (Some(c), Some(before), Some(after)) = (self.backend.cuda(), before, free()) {
             cuda_memory(
                 c,
@@ -796,23 +807,59 @@ fn plan_device(
     Ok(pinned)
 }
 
-/// On the CPU the KV caches live in host memory: every sequence's (`--parallel` of `--max-context` cells) must fit
-/// in the memory available now, or the engine refuses to start, naming the numbers, instead of being killed for
-/// memory once the caches fill (they are committed as they are written).
+/// The engine's KV block pool: `--kv-tokens` cells, or room for every sequence (`--parallel`) at its whole
+/// context.
+///
+/// Errors: [`EngineError::Plan`] for `--kv-tokens` on a GPU (its caches are whole contexts on the device) or
+/// below one sequence's context (a sequence could never reach it, and would be preempted for ever).
+fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Result<Arc<KvPool>, EngineError> {
+    let cfg = crate::memory::PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
+    let bad = |why: String| EngineError::Plan {
+        device: flags.device.clone(),
+        why,
+    };
+    let tokens = match flags.plan.kv_tokens {
+        Some(_) if gpu => {
+            return Err(bad(format!(
+                "--kv-tokens sizes the KV blocks the CPU's sequences share; on {} each of the --parallel sequences keeps its whole --max-context of KV cache on the device (a paged cache there is not written yet)",
+                flags.device
+            )));
+        }
+        Some(t) if t < cfg.context => {
+            return Err(bad(format!(
+                "--kv-tokens {t} is less than one sequence's context ({} tokens, --max-context): a sequence could never reach it; raise --kv-tokens or lower --max-context",
+                cfg.context
+            )));
+        }
+        Some(t) => t,
+        None => cfg.context.saturating_mul(cfg.sequences.max(1)),
+    };
+    Ok(KvPool::new(&model.hp.kv_shape(), Some(tokens)))
+}
+
+/// On the CPU the KV caches live in host memory: the pool's blocks (`--kv-tokens`, by default `--parallel` of
+/// `--max-context` cells) must fit in the memory available now, or the engine refuses to start, naming the numbers,
+/// instead of being killed for memory once the caches fill (blocks are taken as they are written).
 ///
 /// Errors: [`EngineError::Plan`] when they do not fit; nothing when the available memory cannot be read.
-fn check_host_kv(model: &crate::model::Model, flags: &EngineFlags) -> Result<(), EngineError> {
+fn check_host_kv(model: &crate::model::Model, flags: &EngineFlags, pool: &KvPool) -> Result<(), EngineError> {
     let cfg = crate::memory::PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
-    let (cells, sequences) = (cfg.context, cfg.sequences);
-    let Ok(one) = crate::memory::kv_bytes(&model.hp.kv_shape(), cfg.kv, cells) else {
+    let cells = pool
+        .capacity_blocks()
+        .unwrap_or(0)
+        .saturating_mul(crate::state::kv::KV_BLOCK_CELLS);
+    let Ok(need) = crate::memory::kv_bytes(&model.hp.kv_shape(), cfg.kv, cells) else {
         return Ok(());
     };
-    let need = one.saturating_mul(sequences as u64);
+    let what = match flags.plan.kv_tokens {
+        Some(t) => format!("the KV cache of {t} tokens (--kv-tokens)"),
+        None => format!("the KV caches of {} sequences of {} tokens", cfg.sequences, cfg.context),
+    };
     match crate::experts::store::host_available_bytes() {
         Some(avail) if need > avail => Err(EngineError::Plan {
             device: flags.device.clone(),
             why: format!(
-                "the KV caches of {sequences} sequences of {cells} tokens ({} KV) need {:.2} GiB of host memory, and {:.2} GiB is available: lower --parallel or --max-context",
+                "{what} ({} KV) need {:.2} GiB of host memory, and {:.2} GiB is available: lower --parallel, --max-context or --kv-tokens",
                 flags.plan.kv,
                 need as f64 / GIB,
                 avail as f64 / GIB

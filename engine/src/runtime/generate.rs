@@ -42,6 +42,11 @@ pub struct GenerateStats {
     pub batch_mean: f64,
     /// The stop string that ended the generation ([`StopReason::StopString`]), as the request gave it.
     pub stop_word: Option<String>,
+    /// Times the batch scheduler preempted the request for KV blocks (its cells were dropped and computed again
+    /// later; 0 through [`generate`]).
+    pub preempted: u32,
+    /// Tokens computed again after those preemptions (prompt and generated tokens).
+    pub recomputed: usize,
 }
 
 impl StopReason {
@@ -75,6 +80,8 @@ impl GenerateStats {
             logits_fnv: self.logits_digests.iter().map(|d| format!("{d:016x}")).collect(),
             queued_ms: self.queued_ms,
             batch_mean: self.batch_mean,
+            preempted: self.preempted,
+            recomputed: self.recomputed,
         }
     }
 
@@ -445,6 +452,8 @@ pub fn generate_pieces<B: Backend>(
                 queued_ms: 0.0,
                 batch_mean: 1.0,
                 stop_word: None,
+                preempted: 0,
+                recomputed: 0,
             },
         ));
     }
@@ -477,6 +486,8 @@ pub fn generate_pieces<B: Backend>(
             queued_ms: 0.0,
             batch_mean: 1.0,
             stop_word: end.stop_word,
+            preempted: 0,
+            recomputed: 0,
         },
     ))
 }

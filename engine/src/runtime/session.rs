@@ -13,7 +13,8 @@ use crate::backend::{ATTN_SPAN_BLOCK, Backend, StepKey, TopLogits};
 use crate::device::fault::{FaultPlan, GemmFault};
 use crate::model::{Logits, Model, Scratch, TRACE_TENSORS};
 use crate::state::batch::BatchLayout;
-use crate::state::kv::{KvCache, KvError, KvType};
+use crate::state::kv::{KvCache, KvError, KvPool, KvType};
+use std::sync::Arc;
 
 pub use crate::memory::{AUTO_PREFILL_CHUNK, DEFAULT_MAX_CONTEXT, context_cells, parse_prefill_chunk};
 
@@ -30,6 +31,12 @@ pub enum SessionError {
     BadToken { id: u32, vocab: usize },
     #[error(transparent)]
     Kv(#[from] KvError),
+    /// The KV pool cannot hold this sequence even with every other sequence's blocks given back (a pool smaller
+    /// than a context; `strata serve` refuses such a `--kv-tokens` at start).
+    #[error(
+        "the KV cache pool holds {capacity} tokens (--kv-tokens) and this sequence needs {needed}: raise --kv-tokens"
+    )]
+    KvPool { needed: usize, capacity: usize },
     /// A prefill GEMM failed (injected by `STRATA_FAULT`) and the GEMM fallback is off: the original engine
     /// died here, so the worker treats it as fatal.
     #[error("prefill gemm failed: {0}")]
@@ -116,12 +123,26 @@ pub struct Session<'m, B: Backend> {
 }
 
 impl<'m, B: Backend> Session<'m, B> {
-    /// A session with an empty cache of `min(config.max_context, context_length)` cells.
+    /// A session with an empty cache of `min(config.max_context, context_length)` cells, in a KV pool of its own
+    /// with no limit.
     ///
     /// Errors: a zero context; an int8 cache for a head width that is not a multiple of 32.
     pub fn new(model: &'m Model, backend: &'m B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
+        Session::new_in(model, backend, config, &KvPool::new(&model.hp.kv_shape(), None))
+    }
+
+    /// [`Session::new`] whose cache takes its blocks from `pool` (made for this model: an engine's sequences
+    /// share one, so they share prompt prefixes and `--kv-tokens` bounds them together).
+    ///
+    /// Errors: as [`Session::new`].
+    pub fn new_in(
+        model: &'m Model,
+        backend: &'m B,
+        config: SessionConfig,
+        pool: &Arc<KvPool>,
+    ) -> Result<Session<'m, B>, SessionError> {
         let n_ctx = context_cells(config.max_context, model.hp.n_ctx_train);
-        let kv = KvCache::new(&model.hp.kv_shape(), n_ctx, config.kv)?;
+        let kv = KvCache::new_in(&model.hp.kv_shape(), n_ctx, config.kv, pool)?;
         Ok(Session {
             model,
             backend,
@@ -214,9 +235,10 @@ impl<'m, B: Backend> Session<'m, B> {
         &self.tokens
     }
 
-    /// Forgets the cached tokens (the cells are overwritten by the next request).
+    /// Forgets the cached tokens and gives their KV blocks back to the pool.
     pub fn clear(&mut self) {
         self.tokens.clear();
+        self.kv.truncate(0);
     }
 
     /// One forward step of `tokens` at the next positions (the caller checked them): the step driver. A step
@@ -339,6 +361,7 @@ impl<'m, B: Backend> Session<'m, B> {
         self.top_last = false;
         let reused = self.common_prefix(prompt).min(prompt.len() - 1);
         self.tokens.truncate(reused);
+        self.kv.truncate(reused);
         Ok(reused)
     }
 
@@ -354,9 +377,9 @@ impl<'m, B: Backend> Session<'m, B> {
     }
 
     /// Takes the first `n` tokens of `other`'s cache as this sequence's own (a prompt prefix the other sequence
-    /// computed: `strata serve`'s slots share a system prompt or earlier turns), when the backend can copy those
-    /// cells ([`Backend::copy_kv_prefix`]); this sequence then holds exactly those `n` tokens. Returns whether it
-    /// did; `false` leaves it as it was.
+    /// computed: `strata serve`'s slots share a system prompt or earlier turns), when the two caches share a KV
+    /// pool and the backend can share those cells ([`Backend::copy_kv_prefix`]); this sequence then holds exactly
+    /// those `n` tokens. Returns whether it did; `false` leaves it as it was.
     ///
     /// Panics if `other` holds fewer than `n` tokens.
     pub(crate) fn adopt_prefix(&mut self, other: &Session<'m, B>, n: usize) -> bool {
@@ -365,7 +388,10 @@ impl<'m, B: Backend> Session<'m, B> {
             "adopt_prefix: {n} of {} tokens",
             other.tokens.len()
         );
-        if n > self.n_ctx() || other.kv.ty() != self.kv.ty() || !self.backend.copy_kv_prefix(&other.kv, &mut self.kv, n)
+        if n > self.n_ctx()
+            || other.kv.ty() != self.kv.ty()
+            || !Arc::ptr_eq(other.kv.pool(), self.kv.pool())
+            || !self.backend.copy_kv_prefix(&other.kv, &mut self.kv, n)
         {
             return false;
         }
@@ -385,6 +411,8 @@ impl<'m, B: Backend> Session<'m, B> {
     pub(crate) fn step_alone(&mut self, tokens: &[u32], want: Logits) -> bool {
         let full = self.run_step(tokens, want).is_empty();
         if crate::backend::progress::take_aborted() {
+            // The chunk's cells written before the stop are dropped with it.
+            self.kv.truncate(self.tokens.len());
             return false;
         }
         self.top_last = want == Logits::Top && full;
@@ -468,7 +496,7 @@ impl<'m, B: Backend> Session<'m, B> {
             });
         }
         self.check_tokens(tokens)?;
-        self.tokens.clear();
+        self.clear();
         self.top_last = false;
         let mut out = Vec::with_capacity(tokens.len() * self.vocab);
         for chunk in tokens.chunks(self.chunk) {

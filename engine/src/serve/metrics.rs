@@ -28,6 +28,14 @@ pub struct Metrics {
     /// `strata_batch_size`: per request, the sequences per forward step over the steps that computed it (its
     /// `request` event's `batch_mean`; 1 when it ran alone).
     pub batch_size: Histogram,
+    /// `strata_kv_blocks_used`: KV blocks (16 tokens of every layer) the slots' caches hold, a shared block once.
+    pub kv_blocks_used: IntGauge,
+    /// `strata_kv_blocks_total`: blocks the KV pool may hold (`--kv-tokens`).
+    pub kv_blocks_total: IntGauge,
+    /// `strata_kv_blocks_shared`: blocks held by several slots (a common prompt prefix, computed once).
+    pub kv_blocks_shared: IntGauge,
+    /// `strata_kv_preemptions_total`: times completed requests were preempted for KV blocks and computed again.
+    pub kv_preemptions: IntCounter,
     /// `strata_queue_rejected_total`: requests answered 503 because the queue was full.
     pub queue_rejected: IntCounter,
     /// `strata_connections_refused_total`: connections closed at once because the connection limit was reached.
@@ -124,6 +132,22 @@ impl Metrics {
                 .buckets(vec![1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0]),
             )
             .expect("valid metric"),
+            kv_blocks_used: IntGauge::new(
+                "strata_kv_blocks_used",
+                "KV blocks of 16 tokens the slots' caches hold (a shared block once)",
+            )
+            .expect("valid metric"),
+            kv_blocks_total: IntGauge::new("strata_kv_blocks_total", "KV blocks the pool may hold (--kv-tokens)")
+                .expect("valid metric"),
+            kv_blocks_shared: IntGauge::new(
+                "strata_kv_blocks_shared",
+                "KV blocks held by several slots (a common prompt prefix)",
+            )
+            .expect("valid metric"),
+            kv_preemptions: counter(
+                "strata_kv_preemptions_total",
+                "times completed requests were preempted for KV blocks and computed again",
+            ),
             queue_rejected: counter(
                 "strata_queue_rejected_total",
                 "requests refused because the queue was full",
@@ -165,7 +189,11 @@ impl Metrics {
             }
         }
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 22] = [
+        let all: [Box<dyn prometheus::core::Collector>; 26] = [
+            Box::new(m.kv_blocks_used.clone()),
+            Box::new(m.kv_blocks_total.clone()),
+            Box::new(m.kv_blocks_shared.clone()),
+            Box::new(m.kv_preemptions.clone()),
             Box::new(m.expert_cache_lookups.clone()),
             Box::new(m.expert_cache_cpu_computed.clone()),
             Box::new(m.expert_cache_prefetched.clone()),
@@ -193,6 +221,14 @@ impl Metrics {
             r.register(c).expect("metric names are unique");
         }
         m
+    }
+
+    /// Sets the KV pool's gauges to the worker's last report (a pool with no limit shows its total as 0).
+    pub fn record_kv(&self, u: &crate::runtime::batch::KvUsage) {
+        let g = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.kv_blocks_used.set(g(u.blocks_used));
+        self.kv_blocks_total.set(g(u.blocks_total.unwrap_or(0)));
+        self.kv_blocks_shared.set(g(u.blocks_shared));
     }
 
     /// Adds one completed request's counts and times.

@@ -92,6 +92,8 @@ pub enum Message {
         id: u64,
         slots: Vec<crate::runtime::batch::SlotState>,
     },
+    /// The slots' KV pool after a step that changed it (`/metrics`' `strata_kv_blocks_*`).
+    Kv(crate::runtime::batch::KvUsage),
     /// A structured event (see [`Event`]).
     Event(Event),
 }

@@ -407,6 +407,7 @@ fn note_event(worker: &mut Worker, e: &super::protocol::Event, metrics: Option<&
         crate::events::EventKind::Request(r) => {
             if let Some(m) = metrics {
                 m.batch_size.observe(r.batch_mean);
+                m.kv_preemptions.inc_by(r.preempted.into());
             }
         }
         _ => {}
@@ -573,6 +574,7 @@ async fn serve(
                         }
                     }
                     Some(Message::Event(e)) => note_event(worker, &e, Some(metrics)),
+                    Some(Message::Kv(u)) => metrics.record_kv(&u),
                     Some(_) => {}
                 }
             }

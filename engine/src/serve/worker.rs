@@ -14,7 +14,7 @@ use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
-use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, StepTotals};
+use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, KvUsage, StepTotals};
 use crate::runtime::engine::Engine;
 use crate::runtime::generate::TokenSampler;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
@@ -203,6 +203,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     };
     let mut sent: HashMap<u64, usize> = HashMap::new();
     let mut totals = StepTotals::default();
+    let mut last_kv = KvUsage::default();
     let mut period_start = std::time::Instant::now();
     loop {
         // Wait for work when there is none; take every job that has arrived, at each step boundary.
@@ -248,6 +249,11 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 failed(id, error);
             }
         });
+        let kv = batcher.kv_usage();
+        if kv != last_kv {
+            send(&Message::Kv(kv));
+            last_kv = kv;
+        }
         // Every BATCH_LOG_PERIOD with steps of several sequences, one line of what batching did.
         totals.add(&report);
         let since = period_start.elapsed();

@@ -1,6 +1,9 @@
 //! The KV cache: keys and values of every layer for positions `0..n_ctx`, in f16 or int8.
 //!
-//! Cell `p` of a layer holds the token at position `p` (a linear cache: one sequence, no eviction). A row is
+//! Cell `p` of a layer holds the token at position `p` of one sequence. Cells are stored in blocks of
+//! [`KV_BLOCK_CELLS`] taken from a [`KvPool`] the engine's sequences share as they are written (a paged cache):
+//! a sequence holds only the blocks of the tokens it has, and sequences with a common prompt prefix share its
+//! blocks, copying one only when they write it. A row is
 //! one token's keys (or values) for all KV heads, `n_head_kv * head_dim` values, stored as whole blocks of a
 //! GGML type so the quant module's dot products and dequantizers apply as they are:
 //! - `f16`: [`GgmlType::F16`], 2 bytes per value;
@@ -9,6 +12,8 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::slice::HalfFloatSliceExt;
 
@@ -112,12 +117,115 @@ pub struct KvRowsId {
     pub values: bool,
 }
 
-/// One layer's keys or values: `n_ctx` rows of `heads * head_dim` values.
+/// Cells per KV block: the unit a cache takes from its [`KvPool`], shares with another sequence and copies on
+/// write (vLLM's default block size, "Efficient Memory Management for LLM Serving with PagedAttention", Kwon et
+/// al. 2023, section 4).
+pub const KV_BLOCK_CELLS: usize = 16;
+
+/// The KV blocks of one engine's sequences: how many their caches may hold at once and how many they hold.
+///
+/// A block is [`KV_BLOCK_CELLS`] cells of every layer's keys and values. Each layer's keys and values of a block
+/// are stored and counted apart (a block of `n_layer` layers is `2 * n_layer` *row blocks*), so the count is exact
+/// whichever layer a copy-on-write reaches first. A cache takes a block when it first writes one of its cells and
+/// gives it back when it forgets those cells ([`KvCache::truncate`]) or is dropped; a block shared by several
+/// sequences ([`KvCache::share_prefix_from`]) is counted once.
+///
+/// The pool never refuses a write: the scheduler asks [`KvCache::rows_needed`] before a step and makes room first
+/// (`runtime::batch`: it drops idle slots' caches, then preempts the newest sequence).
+#[derive(Debug)]
+pub struct KvPool {
+    /// Row blocks per block: 2 per layer.
+    rows_per_block: usize,
+    /// Most row blocks held at once; `None`: no limit.
+    capacity: Option<usize>,
+    held: AtomicUsize,
+}
+
+impl KvPool {
+    /// A pool for caches of `shape` holding at most `tokens` cells per layer in all (rounded up to whole blocks),
+    /// or any number (`None`).
+    pub fn new(shape: &KvShape, tokens: Option<usize>) -> Arc<KvPool> {
+        let rows_per_block = 2 * shape.n_layer.max(1);
+        Arc::new(KvPool {
+            rows_per_block,
+            capacity: tokens.map(|t| t.div_ceil(KV_BLOCK_CELLS).saturating_mul(rows_per_block)),
+            held: AtomicUsize::new(0),
+        })
+    }
+
+    /// Blocks the pool may hold (`None`: no limit).
+    pub fn capacity_blocks(&self) -> Option<usize> {
+        self.capacity.map(|c| c / self.rows_per_block)
+    }
+
+    /// Blocks held now (a block counts once however many sequences share it; a block whose layers are partly
+    /// copied counts as whole blocks rounded up).
+    pub fn held_blocks(&self) -> usize {
+        self.held_rows().div_ceil(self.rows_per_block)
+    }
+
+    /// Row blocks held now.
+    pub fn held_rows(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// Row blocks that may still be taken (`None`: no limit).
+    pub fn free_rows(&self) -> Option<usize> {
+        self.capacity.map(|c| c.saturating_sub(self.held_rows()))
+    }
+
+    /// Row blocks per block (2 per layer).
+    pub fn rows_per_block(&self) -> usize {
+        self.rows_per_block
+    }
+}
+
+/// One layer's keys or values for [`KV_BLOCK_CELLS`] cells, counted in its pool while it lives. Cloning it (a
+/// copy-on-write of a shared block) takes another row block from the pool.
+#[derive(Debug)]
+struct RowBlock {
+    data: Box<[u8]>,
+    pool: Arc<KvPool>,
+}
+
+impl RowBlock {
+    fn zeroed(bytes: usize, pool: &Arc<KvPool>) -> RowBlock {
+        pool.held.fetch_add(1, Ordering::Relaxed);
+        RowBlock {
+            data: vec![0; bytes].into_boxed_slice(),
+            pool: pool.clone(),
+        }
+    }
+}
+
+impl Clone for RowBlock {
+    fn clone(&self) -> RowBlock {
+        self.pool.held.fetch_add(1, Ordering::Relaxed);
+        RowBlock {
+            data: self.data.clone(),
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl Drop for RowBlock {
+    fn drop(&mut self) {
+        self.pool.held.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One layer's keys or values: `n_ctx` rows of `heads * head_dim` values, in blocks of [`KV_BLOCK_CELLS`] rows
+/// taken from the cache's [`KvPool`] as they are first written (a paged cache: cell `p` is row `p %
+/// KV_BLOCK_CELLS` of block `p / KV_BLOCK_CELLS`). A block another sequence shares is copied before it is
+/// written.
 #[derive(Debug)]
 pub struct KvRows {
     id: KvRowsId,
     ty: GgmlType,
-    data: Vec<u8>,
+    /// Blocks of cells `0..blocks.len() * KV_BLOCK_CELLS`.
+    blocks: Vec<Arc<RowBlock>>,
+    pool: Arc<KvPool>,
+    n_ctx: usize,
     head_dim: usize,
     heads: usize,
     /// Bytes of one head's slice of a row.
@@ -125,36 +233,55 @@ pub struct KvRows {
 }
 
 impl KvRows {
-    fn new(id: KvRowsId, ty: GgmlType, n_ctx: usize, heads: usize, head_dim: usize) -> KvRows {
+    fn new(id: KvRowsId, ty: GgmlType, n_ctx: usize, heads: usize, head_dim: usize, pool: &Arc<KvPool>) -> KvRows {
         let head_bytes = ty.row_bytes(head_dim as u64).expect("head width checked") as usize;
         KvRows {
             id,
             ty,
-            data: vec![0; n_ctx * heads * head_bytes],
+            blocks: Vec::new(),
+            pool: pool.clone(),
+            n_ctx,
             head_dim,
             heads,
             head_bytes,
         }
     }
 
-    /// Stores `row` (`heads * head_dim` values) at `cell`, rounding to the cache type.
+    fn row_bytes(&self) -> usize {
+        self.heads * self.head_bytes
+    }
+
+    /// Stores `row` (`heads * head_dim` values) at `cell`, rounding to the cache type. Takes the cell's block
+    /// from the pool on its first write, and copies it first when another sequence shares it.
+    ///
+    /// Panics if `cell` is past `n_ctx`.
     pub fn write(&mut self, cell: usize, row: &[f32]) {
-        let bytes = self.heads * self.head_bytes;
-        let dst = &mut self.data[cell * bytes..(cell + 1) * bytes];
-        quant::quantize(self.ty, row, dst).expect("row width fixed at construction");
+        assert!(cell < self.n_ctx, "KV write at cell {cell} of {}", self.n_ctx);
+        let (b, bytes) = (cell / KV_BLOCK_CELLS, self.row_bytes());
+        while self.blocks.len() <= b {
+            self.blocks
+                .push(Arc::new(RowBlock::zeroed(KV_BLOCK_CELLS * bytes, &self.pool)));
+        }
+        let block = Arc::make_mut(&mut self.blocks[b]);
+        let at = (cell % KV_BLOCK_CELLS) * bytes;
+        quant::quantize(self.ty, row, &mut block.data[at..at + bytes]).expect("row width fixed at construction");
     }
 
-    /// The stored bytes of head `head` at `cell`.
+    /// The stored bytes of head `head` at `cell`; `None` for a cell whose block was never written.
     #[inline]
-    fn head(&self, cell: usize, head: usize) -> &[u8] {
-        let start = (cell * self.heads + head) * self.head_bytes;
-        &self.data[start..start + self.head_bytes]
+    fn head(&self, cell: usize, head: usize) -> Option<&[u8]> {
+        let block = self.blocks.get(cell / KV_BLOCK_CELLS)?;
+        let start = ((cell % KV_BLOCK_CELLS) * self.heads + head) * self.head_bytes;
+        Some(&block.data[start..start + self.head_bytes])
     }
 
-    /// Head `head` of `cell` as f32 into `out` (`head_dim` values).
+    /// Head `head` of `cell` as f32 into `out` (`head_dim` values); zeros for a cell never written.
     #[inline]
     pub fn read(&self, cell: usize, head: usize, out: &mut [f32]) {
-        let bytes = self.head(cell, head);
+        let Some(bytes) = self.head(cell, head) else {
+            out.fill(0.0);
+            return;
+        };
         if self.ty == GgmlType::F16
             && let Ok(halves) = bytemuck::try_cast_slice::<u8, half::f16>(bytes)
         {
@@ -190,9 +317,26 @@ impl KvRows {
         self.heads * self.head_dim
     }
 
-    /// Bytes held.
+    /// Bytes of all `n_ctx` rows: what the rows take with every cell held (a device's twin of them is this
+    /// size).
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.n_ctx * self.row_bytes()
+    }
+
+    /// Bytes of the blocks held now.
+    pub fn held_bytes(&self) -> usize {
+        self.blocks.len() * KV_BLOCK_CELLS * self.row_bytes()
+    }
+
+    /// Row blocks a write of cells `from..to` would take from the pool: blocks not held yet, and held blocks
+    /// another sequence shares (copied on write).
+    fn rows_needed(&self, from: usize, to: usize) -> usize {
+        if from >= to {
+            return 0;
+        }
+        (from / KV_BLOCK_CELLS..=(to - 1) / KV_BLOCK_CELLS)
+            .filter(|&b| self.blocks.get(b).is_none_or(|blk| Arc::strong_count(blk) > 1))
+            .count()
     }
 }
 
@@ -203,7 +347,8 @@ pub struct KvLayer {
     pub v: KvRows,
 }
 
-/// The whole cache: one [`KvLayer`] per transformer block.
+/// The whole cache: one [`KvLayer`] per transformer block, paged in blocks of [`KV_BLOCK_CELLS`] cells from a
+/// [`KvPool`].
 ///
 /// Not `Clone`: a cache is one sequence's state, with a slot of its own.
 #[derive(Debug)]
@@ -211,17 +356,34 @@ pub struct KvCache {
     slot: SeqSlot,
     ty: KvType,
     n_ctx: usize,
+    pool: Arc<KvPool>,
     pub layers: Vec<KvLayer>,
 }
 
 impl KvCache {
-    /// A cache of `n_ctx` cells per layer of `shape` (zero-filled, allocated now).
+    /// A cache of `n_ctx` cells per layer of `shape`, in a pool of its own with no limit. Nothing is allocated
+    /// until cells are written.
     ///
     /// Errors: `n_ctx` is 0; an int8 cache for a head width that is not a multiple of 32.
     pub fn new(shape: &KvShape, n_ctx: usize, ty: KvType) -> Result<KvCache, KvError> {
+        KvCache::new_in(shape, n_ctx, ty, &KvPool::new(shape, None))
+    }
+
+    /// A cache of `n_ctx` cells per layer of `shape` whose blocks come from `pool` (a pool of caches of this
+    /// shape: an engine's sequences share one).
+    ///
+    /// Errors: as [`KvCache::new`].
+    ///
+    /// Panics if `pool` was made for another number of layers.
+    pub fn new_in(shape: &KvShape, n_ctx: usize, ty: KvType, pool: &Arc<KvPool>) -> Result<KvCache, KvError> {
         if n_ctx == 0 {
             return Err(KvError::Empty);
         }
+        assert_eq!(
+            pool.rows_per_block,
+            2 * shape.n_layer.max(1),
+            "KvCache::new_in: a pool of another model"
+        );
         shape.cell_bytes(ty)?;
         let (dk, dv, heads) = (shape.head_dim, shape.head_dim_v, shape.n_head_kv);
         let slot = SeqSlot::fresh();
@@ -232,14 +394,15 @@ impl KvCache {
         };
         let layers = (0..shape.n_layer)
             .map(|il| KvLayer {
-                k: KvRows::new(id(il, false), ty.ggml(), n_ctx, heads, dk),
-                v: KvRows::new(id(il, true), ty.ggml(), n_ctx, heads, dv),
+                k: KvRows::new(id(il, false), ty.ggml(), n_ctx, heads, dk, pool),
+                v: KvRows::new(id(il, true), ty.ggml(), n_ctx, heads, dv, pool),
             })
             .collect();
         Ok(KvCache {
             slot,
             ty,
             n_ctx,
+            pool: pool.clone(),
             layers,
         })
     }
@@ -258,29 +421,164 @@ impl KvCache {
         self.n_ctx
     }
 
-    /// Bytes held by all layers.
+    /// The pool the cache's blocks come from.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// Bytes of all layers with every cell held (see [`KvRows::bytes`]).
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(|l| l.k.bytes() + l.v.bytes()).sum()
     }
 
-    /// Copies cells `0..cells` of every layer's keys and values from `src`, a cache of the same model and type
-    /// (a prompt prefix another sequence computed), byte for byte.
+    /// Bytes of the blocks the cache holds now (shared blocks included).
+    pub fn held_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.k.held_bytes() + l.v.held_bytes()).sum()
+    }
+
+    /// Blocks the cache holds now (shared ones included).
+    pub fn held_blocks(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.k.blocks.len())
+    }
+
+    /// Keeps cells `0..cells` and gives the blocks past them back to the pool (the sequence forgot those tokens).
+    pub fn truncate(&mut self, cells: usize) {
+        let keep = cells.div_ceil(KV_BLOCK_CELLS);
+        for l in &mut self.layers {
+            l.k.blocks.truncate(keep);
+            l.v.blocks.truncate(keep);
+        }
+    }
+
+    /// Row blocks a step writing cells `from..to` would take from the pool (see [`KvPool`]): in every layer,
+    /// the blocks of those cells not held yet and those another sequence shares.
+    pub fn rows_needed(&self, from: usize, to: usize) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.k.rows_needed(from, to) + l.v.rows_needed(from, to))
+            .sum()
+    }
+
+    /// Makes cells `0..cells` the blocks of `src` (a cache of the same model and type, in the same pool: a
+    /// prompt prefix another sequence computed) and forgets the rest: the blocks are shared, not copied, and
+    /// whichever sequence writes a shared block first copies it then (the last, partly filled block included).
     ///
-    /// Panics if the two differ in layers, row shapes or type, or `cells` is past either's `n_ctx`.
-    pub fn copy_prefix_from(&mut self, src: &KvCache, cells: usize) {
+    /// Panics if the two differ in layers, row shapes, type or pool, or `cells` is past either's `n_ctx`.
+    pub fn share_prefix_from(&mut self, src: &KvCache, cells: usize) {
         assert!(
-            self.ty == src.ty && self.layers.len() == src.layers.len() && cells <= self.n_ctx.min(src.n_ctx),
-            "copy_prefix_from: caches of different shapes, or {cells} cells"
+            self.ty == src.ty
+                && Arc::ptr_eq(&self.pool, &src.pool)
+                && self.layers.len() == src.layers.len()
+                && cells <= self.n_ctx.min(src.n_ctx),
+            "share_prefix_from: caches of different shapes or pools, or {cells} cells"
         );
+        let n = cells.div_ceil(KV_BLOCK_CELLS);
         for (d, s) in self.layers.iter_mut().zip(&src.layers) {
             for (d, s) in [(&mut d.k, &s.k), (&mut d.v, &s.v)] {
                 assert!(
                     d.heads == s.heads && d.head_bytes == s.head_bytes,
-                    "copy_prefix_from: row shapes"
+                    "share_prefix_from: row shapes"
                 );
-                let n = cells * d.heads * d.head_bytes;
-                d.data[..n].copy_from_slice(&s.data[..n]);
+                d.blocks.clear();
+                d.blocks.extend(s.blocks.iter().take(n).cloned());
             }
         }
+    }
+
+    /// Adds to `out` an identity (an address) of each block of the first layer's keys that another cache shares
+    /// (`strata serve`'s count of shared blocks: the same identity from two caches is one block).
+    pub fn shared_blocks(&self, out: &mut std::collections::HashSet<usize>) {
+        if let Some(l) = self.layers.first() {
+            out.extend(
+                l.k.blocks
+                    .iter()
+                    .filter(|b| Arc::strong_count(b) > 1)
+                    .map(|b| Arc::as_ptr(b) as usize),
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> KvShape {
+        KvShape {
+            n_layer: 2,
+            n_head_kv: 2,
+            head_dim: 32,
+            head_dim_v: 32,
+        }
+    }
+
+    fn row(cell: usize) -> Vec<f32> {
+        (0..64).map(|i| (cell * 64 + i) as f32 * 0.25).collect()
+    }
+
+    fn fill(c: &mut KvCache, cells: std::ops::Range<usize>) {
+        for cell in cells {
+            for l in &mut c.layers {
+                l.k.write(cell, &row(cell));
+                l.v.write(cell, &row(cell + 1000));
+            }
+        }
+    }
+
+    fn key(c: &KvCache, layer: usize, cell: usize) -> Vec<f32> {
+        let mut out = vec![0.0; 64];
+        for h in 0..2 {
+            c.layers[layer].k.read(cell, h, &mut out[h * 32..(h + 1) * 32]);
+        }
+        out
+    }
+
+    #[test]
+    fn blocks_are_taken_as_cells_are_written_and_given_back_on_truncate_and_drop() {
+        let pool = KvPool::new(&shape(), Some(64));
+        assert_eq!((pool.capacity_blocks(), pool.held_blocks()), (Some(4), 0));
+        let mut a = KvCache::new_in(&shape(), 64, KvType::F16, &pool).unwrap();
+        assert_eq!(a.rows_needed(0, 17), 2 * 4, "two blocks of 2 layers x K, V");
+        fill(&mut a, 0..17);
+        assert_eq!((pool.held_blocks(), pool.held_rows(), a.held_blocks()), (2, 8, 2));
+        assert_eq!(a.rows_needed(17, 32), 0, "cells of a block held");
+        assert_eq!(key(&a, 1, 16), row(16));
+        a.truncate(16);
+        assert_eq!(pool.held_blocks(), 1);
+        assert_eq!(key(&a, 0, 16), vec![0.0; 64], "a cell given back reads as zeros");
+        drop(a);
+        assert_eq!(pool.held_rows(), 0);
+    }
+
+    #[test]
+    fn a_shared_prefix_is_counted_once_and_copied_when_either_sequence_writes_it() {
+        let pool = KvPool::new(&shape(), None);
+        let mut a = KvCache::new_in(&shape(), 64, KvType::Int8, &pool).unwrap();
+        let mut b = KvCache::new_in(&shape(), 64, KvType::Int8, &pool).unwrap();
+        fill(&mut a, 0..20);
+        let before = key(&a, 1, 19);
+        b.share_prefix_from(&a, 18);
+        assert_eq!(pool.held_blocks(), 2, "shared, not copied");
+        let mut shared = std::collections::HashSet::new();
+        a.shared_blocks(&mut shared);
+        b.shared_blocks(&mut shared);
+        assert_eq!(shared.len(), 2);
+        // b writes cell 18 of the second block: it copies it; a's cell 18 and 19 keep their values.
+        assert_eq!(b.rows_needed(18, 19), 4);
+        let mut other = row(7);
+        other[0] = -3.0;
+        for l in &mut b.layers {
+            l.k.write(18, &other);
+            l.v.write(18, &other);
+        }
+        assert_eq!(pool.held_blocks(), 3);
+        assert_eq!(key(&a, 1, 19), before);
+        assert_ne!(key(&a, 1, 18), key(&b, 1, 18));
+        assert_eq!(key(&a, 0, 5), key(&b, 0, 5), "the first block still shared");
+        assert_eq!(a.rows_needed(18, 20), 0, "a's copy is its own again");
+        drop(a);
+        assert_eq!(b.rows_needed(0, 1), 0, "the last holder writes in place");
+        drop(b);
+        assert_eq!(pool.held_rows(), 0);
     }
 }

@@ -1,6 +1,7 @@
 //! Continuous batching on the CPU (issue 20, point 4): a sequence computed inside a batch, with prompt chunks and
 //! other sequences' decode tokens in the same steps, gives the tokens and the logits bits it gives alone; a
-//! request that waits for a slot, one that is cancelled and one that fails leave the others as they were.
+//! request that waits for a slot, one that is cancelled and one that fails leave the others as they were; and so
+//! does a request preempted for KV blocks and computed again.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,11 +14,11 @@ use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
 use strata_engine::rng::SplitMix64;
-use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher, StepReport};
+use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher, KvUsage, StepReport};
 use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, Greedy, StopReason, generate};
 use strata_engine::runtime::session::{Session, SessionConfig};
 use strata_engine::state::batch::BatchLayout;
-use strata_engine::state::kv::{KvCache, KvShape, KvType};
+use strata_engine::state::kv::{KV_BLOCK_CELLS, KvCache, KvPool, KvShape, KvType};
 use strata_engine::tokenizer::Tokenizer;
 
 const TEXT: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named \
@@ -60,11 +61,14 @@ struct Ran {
     failed: Vec<Option<String>>,
     text: Vec<String>,
     steps: Vec<StepReport>,
+    /// The KV pool after each step.
+    kv: Vec<KvUsage>,
 }
 
 /// Runs `prompts` through a scheduler of `parallel` slots, all submitted at once (request i has id i), then, once
 /// they have all ended, `then` (ids following); `cancel` is set on request `cancel_at.0` once `cancel_at.1` steps
-/// have run.
+/// have run. The slots share a KV pool of `kv_tokens` (no limit: `None`).
+#[allow(clippy::too_many_arguments)]
 fn batched(
     model: &Model,
     tok: &Tokenizer,
@@ -73,9 +77,11 @@ fn batched(
     parallel: usize,
     max_tokens: usize,
     cancel_at: Option<(usize, usize)>,
+    kv_tokens: Option<usize>,
 ) -> Ran {
+    let pool = KvPool::new(&model.hp.kv_shape(), kv_tokens);
     let sessions = (0..parallel)
-        .map(|_| Session::new(model, &CpuBackend, config()).unwrap())
+        .map(|_| Session::new_in(model, &CpuBackend, config(), &pool).unwrap())
         .collect();
     let mut b = Batcher::new(sessions, 16);
     let all: Vec<&Vec<u32>> = prompts.iter().chain(then).collect();
@@ -96,6 +102,7 @@ fn batched(
         failed: vec![None; n],
         text: vec![String::new(); n],
         steps: vec![],
+        kv: vec![],
     };
     let mut second = false;
     loop {
@@ -121,6 +128,12 @@ fn batched(
         });
         assert!(report.sequences <= parallel && report.tokens <= 16, "{report:?}");
         ran.steps.push(report);
+        let kv = b.kv_usage();
+        assert_eq!(kv.blocks_used, pool.held_blocks());
+        if let Some(total) = kv.blocks_total {
+            assert!(kv.blocks_used <= total, "step {}: {kv:?}", ran.steps.len());
+        }
+        ran.kv.push(kv);
         assert!(ran.steps.len() < 10_000, "the scheduler never went idle");
     }
     ran
@@ -146,16 +159,8 @@ fn tiny_moe() -> (tempfile::TempDir, PathBuf) {
     (dir, path)
 }
 
-fn check_equal_to_alone(path: &Path) {
-    let model = Model::load(path).unwrap();
-    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
-    let prompts = prompts(&tok);
-    // A prompt sharing its first 40 tokens with the second, sent once the first four have ended: it takes the
-    // second's slot and reuses that prefix.
-    let ids = tok.encode(TEXT, true, false).unwrap();
-    let later = vec![[&ids[..40], &ids[50..55]].concat()];
-    let want = alone(&model, &tok, &[&prompts[..], &later[..]].concat(), 24);
-    let ran = batched(&model, &tok, &prompts, &later, 3, 24, None);
+/// Every request of `ran` ended as it does alone (`want`): the same tokens, logits bits, end and text.
+fn assert_as_alone(tok: &Tokenizer, ran: &Ran, want: &[GenerateStats]) {
     for (i, w) in want.iter().enumerate() {
         let got = ran.done[i]
             .as_ref()
@@ -166,6 +171,26 @@ fn check_equal_to_alone(path: &Path) {
         let printed: Vec<u32> = w.tokens.iter().copied().filter(|&t| !tok.is_eog(t)).collect();
         assert_eq!(ran.text[i], tok.decode(&printed).unwrap(), "request {i}: text");
     }
+}
+
+/// Runs `check` on the default model and on a tiny MoE.
+fn on_dense_and_moe(check: fn(&Path)) {
+    check(&models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}")));
+    let (_dir, path) = tiny_moe();
+    check(&path);
+}
+
+fn check_equal_to_alone(path: &Path) {
+    let model = Model::load(path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let prompts = prompts(&tok);
+    // A prompt sharing its first 40 tokens with the second, sent once the first four have ended: it takes the
+    // second's slot and reuses that prefix.
+    let ids = tok.encode(TEXT, true, false).unwrap();
+    let later = vec![[&ids[..40], &ids[50..55]].concat()];
+    let want = alone(&model, &tok, &[&prompts[..], &later[..]].concat(), 24);
+    let ran = batched(&model, &tok, &prompts, &later, 3, 24, None, None);
+    assert_as_alone(&tok, &ran, &want);
     // It was a batch: steps of several sequences, some mixing a prompt chunk with decode tokens.
     assert!(ran.steps.iter().any(|s| s.sequences == 3), "{:?}", ran.steps);
     assert!(
@@ -183,21 +208,23 @@ fn check_equal_to_alone(path: &Path) {
     let fourth = ran.done[3].as_ref().unwrap();
     assert!(fourth.queued_ms > 0.0);
     // The fourth shares its first 40 tokens with the second, which another slot holds: its slot (the first
-    // request's, which held 7 of them) copies those cells instead of computing them, and gets the same bits.
+    // request's, which held 7 of them) shares those cells' blocks instead of computing them, and gets the same
+    // bits.
     assert_eq!(fourth.prefill.reused, 40, "{:?}", fourth.prefill);
+    assert!(
+        ran.kv.iter().any(|k| k.blocks_shared >= 40 / KV_BLOCK_CELLS),
+        "no block was shared: {:?}",
+        ran.kv
+    );
+    assert!(ran.done.iter().all(|d| d.as_ref().unwrap().preempted == 0));
     let fifth = ran.done[4].as_ref().unwrap();
     assert_eq!(fifth.prefill.reused, 40, "{:?}", fifth.prefill);
 }
 
+/// The default model and a tiny MoE.
 #[test]
 fn batched_sequences_give_the_tokens_and_logits_of_each_alone() {
-    check_equal_to_alone(&models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}")));
-}
-
-#[test]
-fn batched_moe_sequences_give_the_tokens_and_logits_of_each_alone() {
-    let (_dir, path) = tiny_moe();
-    check_equal_to_alone(&path);
+    on_dense_and_moe(check_equal_to_alone);
 }
 
 /// Float matrices (F16 attention and dense layers, BF16 experts, an F32 output) take their own dot product per
@@ -224,7 +251,7 @@ fn a_cancelled_or_failed_request_leaves_the_others_as_they_were() {
     prompts[2] = vec![1, 2, u32::MAX];
     let want = alone(&model, &tok, &prompts[..2], 24);
     // Request 1 is cancelled in its prefill (60 tokens in chunks of at most 16: it needs four or more steps).
-    let ran = batched(&model, &tok, &prompts, &[], 3, 24, Some((1, 2)));
+    let ran = batched(&model, &tok, &prompts, &[], 3, 24, Some((1, 2)), None);
     let first = ran.done[0].as_ref().unwrap();
     assert_eq!(first.tokens, want[0].tokens);
     assert_eq!(first.logits_digests, want[0].logits_digests);
@@ -241,6 +268,47 @@ fn a_cancelled_or_failed_request_leaves_the_others_as_they_were() {
     let want4 = alone(&model, &tok, &prompts[3..], 24);
     assert_eq!(fourth.tokens, want4[0].tokens);
     assert_eq!(fourth.logits_digests, want4[0].logits_digests);
+}
+
+/// A KV pool of 6 blocks (96 tokens) for 3 slots whose requests need up to 84 tokens each: requests are
+/// preempted (their blocks dropped) and computed again later, and each still gives the tokens and logits bits it
+/// gives alone; the pool never holds more than its blocks.
+fn check_preempted_equal_to_alone(path: &Path) {
+    let model = Model::load(path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let prompts = prompts(&tok);
+    let want = alone(&model, &tok, &prompts, 24);
+    let ran = batched(&model, &tok, &prompts, &[], 3, 24, None, Some(96));
+    assert_as_alone(&tok, &ran, &want);
+    let done: Vec<&GenerateStats> = ran.done.iter().map(|d| d.as_ref().unwrap()).collect();
+    let preempted: u32 = done.iter().map(|d| d.preempted).sum();
+    assert!(preempted > 0, "nothing was preempted: {:?}", ran.kv);
+    assert!(done.iter().any(|d| d.recomputed > 0), "nothing was computed again");
+    assert_eq!(ran.kv.last().unwrap().preemptions, u64::from(preempted));
+    assert!(ran.kv.iter().any(|k| k.waiting_preempted > 0));
+    assert_eq!(ran.kv.last().unwrap().blocks_total, Some(6));
+}
+
+/// The default model and a tiny MoE.
+#[test]
+fn preempted_sequences_give_the_tokens_and_logits_of_each_alone() {
+    on_dense_and_moe(check_preempted_equal_to_alone);
+}
+
+/// A request that cannot fit the pool even alone (a pool smaller than its context, which `strata serve` refuses
+/// at start) fails with a message naming the pool, and the others run as alone.
+#[test]
+fn a_request_larger_than_the_kv_pool_fails_and_the_others_run() {
+    let (_dir, path) = tiny_moe();
+    let model = Model::load(&path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let prompts = prompts(&tok);
+    let (small, big) = (prompts[0].clone(), prompts[1].clone());
+    let want = alone(&model, &tok, std::slice::from_ref(&small), 8);
+    let ran = batched(&model, &tok, &[small, big], &[], 2, 8, None, Some(48));
+    assert_eq!(ran.done[0].as_ref().unwrap().tokens, want[0].tokens);
+    let failed = ran.failed[1].as_deref().unwrap_or_else(|| panic!("{:?}", ran.done[1]));
+    assert!(failed.contains("KV cache pool holds 48 tokens"), "{failed}");
 }
 
 /// The CPU's `attend_runs` (the step's norms and RoPE at once, one attention pass over every run) gives, bit for
