@@ -102,7 +102,7 @@ pub struct PlanFlags {
     /// when it fills, idle slots' cached prompts are dropped, then the newest sequence is preempted and
     /// recomputed once there is room. At least --max-context. On the CPU (a GPU keeps each sequence's whole
     /// context on the device).
-    #[arg(long, value_parser = parse_kv_tokens)]
+    #[arg(long, value_parser = parse_kv_tokens, allow_hyphen_values = true)]
     pub kv_tokens: Option<usize>,
     /// The expert cache's flags.
     #[command(flatten)]

@@ -168,6 +168,41 @@ fn kv_caches_past_the_host_memory_are_refused_at_start() {
     }
 }
 
+/// `--kv-tokens` below one sequence's context is refused at start (a sequence could never reach its context), and
+/// so is a pool past the host memory; a bad value is a usage error.
+#[test]
+fn a_kv_pool_smaller_than_a_context_or_past_the_memory_is_refused() {
+    let out = run(&[
+        "generate",
+        "--prompt",
+        "hi",
+        "--max-context",
+        "512",
+        "--kv-tokens",
+        "500",
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--kv-tokens 500 is less than one sequence's context (512 tokens"),
+        "{err}"
+    );
+    for bad in ["0", "-3", "many"] {
+        let out = run(&["generate", "--prompt", "hi", "--kv-tokens", bad]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("--kv-tokens takes a positive token count"), "{bad}: {err}");
+    }
+    let huge = (1u64 << 40).to_string();
+    let out = run(&["generate", "--prompt", "hi", "--max-tokens", "1", "--kv-tokens", &huge]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("the KV cache of {huge} tokens (--kv-tokens)")),
+        "{err}"
+    );
+}
+
 #[test]
 fn chat_reuses_the_earlier_turns_from_the_kv_cache() {
     let mut child = strata()

@@ -102,6 +102,48 @@ fn concurrent_requests_are_batched_and_answer_as_they_do_alone() {
     );
 }
 
+/// A KV pool smaller than the slots' contexts together (`--kv-tokens 256` for 4 slots of 256): four requests at
+/// once need more blocks than it holds, so the newest are preempted and computed again later; each answer is still
+/// the one it gets alone, and `/metrics` counts the pool and the preemptions.
+#[test]
+fn a_small_kv_pool_preempts_and_every_answer_is_as_alone() {
+    let s = std::sync::Arc::new(Server::start_with(&["--max-context", "256", "--kv-tokens", "256"], &[]));
+    let ask = |q: &str, stream: bool| {
+        let mut r = request(q, stream);
+        r["max_tokens"] = json!(90);
+        r
+    };
+    let alone: Vec<String> = QUESTIONS
+        .iter()
+        .map(|q| {
+            let (status, v) = s.post("/v1/chat/completions", &ask(q, false));
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(
+        s.metric("strata_kv_preemptions_total"),
+        0.0,
+        "alone, nothing is preempted"
+    );
+    let handles: Vec<_> = QUESTIONS
+        .iter()
+        .map(|q| {
+            let (s, body) = (s.clone(), ask(q, true));
+            std::thread::spawn(move || stream(&s, &body))
+        })
+        .collect();
+    let together: Vec<Streamed> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(t.last, "[DONE]", "stream {i}");
+        assert_eq!(&t.text, a, "request {i}: preempted and alone differ");
+    }
+    let metrics = s.metrics();
+    assert_eq!(s.metric("strata_kv_blocks_total"), 16.0, "{metrics}");
+    assert!(s.metric("strata_kv_preemptions_total") > 0.0, "{metrics}");
+    assert!(s.metric("strata_kv_blocks_used") <= 16.0, "{metrics}");
+}
+
 #[test]
 fn parallel_one_answers_one_request_at_a_time() {
     let s = std::sync::Arc::new(Server::start_with(&["--parallel", "1"], &[]));
