@@ -93,8 +93,8 @@ pub struct PlanFlags {
     /// Prefill chunk in tokens, or `auto` (512; `strata bench` defaults to the whole prompt in one batch).
     #[arg(long, value_parser = parse_prefill)]
     pub prefill: Option<PrefillChunk>,
-    /// Sequences computed together, 1 to 256 (`strata serve`'s slots, default 4 there; 1 elsewhere). Each has
-    /// its own KV cache of --max-context tokens, so the plan holds that many.
+    /// Sequences computed together, 1 to 256 (`strata serve`'s slots, default 4 there; 1 elsewhere). Each may
+    /// hold up to --max-context tokens of KV cache, and the plan holds that many.
     #[arg(long, value_parser = parse_parallel, allow_hyphen_values = true)]
     pub parallel: Option<usize>,
     /// Tokens of KV cache all sequences share, in blocks of 16 (default: --parallel x --max-context, every

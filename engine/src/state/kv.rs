@@ -278,10 +278,41 @@ impl KvRows {
     /// Head `head` of `cell` as f32 into `out` (`head_dim` values); zeros for a cell never written.
     #[inline]
     pub fn read(&self, cell: usize, head: usize, out: &mut [f32]) {
-        let Some(bytes) = self.head(cell, head) else {
-            out.fill(0.0);
-            return;
-        };
+        match self.head(cell, head) {
+            Some(bytes) => self.convert(bytes, out),
+            None => out.fill(0.0),
+        }
+    }
+
+    /// Head `head` of cells `from..to` as f32 into `out` (`(to - from) * head_dim` values, cell by cell): what
+    /// [`KvRows::read`] gives for each, a block at a time; zeros for cells never written.
+    ///
+    /// Panics if `out` is not that long.
+    pub fn read_cells(&self, from: usize, to: usize, head: usize, out: &mut [f32]) {
+        let d = self.head_dim;
+        assert_eq!(out.len(), to.saturating_sub(from) * d, "read_cells: out");
+        let (mut cell, mut rest) = (from, out);
+        // The cells up to the end of `cell`'s block, then block by block.
+        while !rest.is_empty() {
+            let in_block = (KV_BLOCK_CELLS - cell % KV_BLOCK_CELLS).min(rest.len() / d);
+            let (now, later) = rest.split_at_mut(in_block * d);
+            match self.blocks.get(cell / KV_BLOCK_CELLS) {
+                None => now.fill(0.0),
+                Some(block) => {
+                    for (i, o) in now.chunks_exact_mut(d).enumerate() {
+                        let start = (((cell + i) % KV_BLOCK_CELLS) * self.heads + head) * self.head_bytes;
+                        self.convert(&block.data[start..start + self.head_bytes], o);
+                    }
+                }
+            }
+            cell += in_block;
+            rest = later;
+        }
+    }
+
+    /// One head's stored bytes as f32.
+    #[inline]
+    fn convert(&self, bytes: &[u8], out: &mut [f32]) {
         if self.ty == GgmlType::F16
             && let Ok(halves) = bytemuck::try_cast_slice::<u8, half::f16>(bytes)
         {
@@ -543,6 +574,15 @@ mod tests {
         assert_eq!((pool.held_blocks(), pool.held_rows(), a.held_blocks()), (2, 8, 2));
         assert_eq!(a.rows_needed(17, 32), 0, "cells of a block held");
         assert_eq!(key(&a, 1, 16), row(16));
+        // A span across the block boundary and past the cells written reads as cell by cell.
+        let mut span = vec![1.0; 20 * 32];
+        a.layers[1].k.read_cells(3, 23, 1, &mut span);
+        for (i, cell) in (3..23).enumerate() {
+            let mut one = vec![1.0; 32];
+            a.layers[1].k.read(cell, 1, &mut one);
+            assert_eq!(span[i * 32..(i + 1) * 32], one[..], "cell {cell}");
+        }
+        assert_eq!(span[19 * 32..], [0.0; 32], "cell 22 was never written");
         a.truncate(16);
         assert_eq!(pool.held_blocks(), 1);
         assert_eq!(key(&a, 0, 16), vec![0.0; 64], "a cell given back reads as zeros");

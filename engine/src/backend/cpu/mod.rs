@@ -23,7 +23,7 @@ use super::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, Rop
 use crate::quant::activations::{ActivationFormat, QuantizedActivations};
 use crate::quant::{self, GgmlType};
 use crate::state::batch::{BatchLayout, SeqRun};
-use crate::state::kv::{KvCache, KvLayer};
+use crate::state::kv::{KV_BLOCK_CELLS, KvCache, KvLayer};
 
 /// Rows dequantized together in a prefill tile.
 const PREFILL_ROWS: usize = 16;
@@ -240,9 +240,10 @@ struct AttnScratch {
     scores: Vec<f32>,
     /// The current query rounded to f16.
     q: Vec<f32>,
-    /// The task's keys in f32, `[n_keys][head_dim]` (prefill).
+    /// The task's keys in f32, `[n_keys][head_dim]`.
     k: Vec<f32>,
     acc: Vec<f32>,
+    /// The value rows of one KV block in f32.
     v: Vec<f32>,
 }
 
@@ -379,7 +380,7 @@ impl CpuBackend {
                 q: Vec::with_capacity(dk),
                 k: Vec::new(),
                 acc: Vec::new(),
-                v: vec![0.0; dv],
+                v: vec![0.0; KV_BLOCK_CELLS * dv],
             },
             |s, task| {
                 super::progress::tick();
@@ -412,9 +413,7 @@ impl CpuBackend {
                 // whether it was decoded or prefilled: the f16 rounding of the probabilities below would
                 // otherwise turn one-ulp differences of summation order into visible ones.
                 s.k.resize(n_keys * dk, 0.0);
-                for j in lo..=hi {
-                    kv.k.read(j, g, &mut s.k[(j - lo) * dk..][..dk]);
-                }
+                kv.k.read_cells(lo, hi + 1, g, &mut s.k[..n_keys * dk]);
                 s.scores.clear();
                 s.scores.resize(n_q * n_keys, f32::NEG_INFINITY);
                 s.acc.clear();
@@ -441,14 +440,22 @@ impl CpuBackend {
                     }
                 }
                 // Values: each cached value row is read once per task and added into every query that sees it.
-                for j in lo..=hi {
-                    kv.v.read(j, g, &mut s.v);
-                    for qi in 0..n_q {
-                        let w = s.scores[qi * n_keys + j - lo];
-                        if w != 0.0 {
-                            kernels::axpy(w, &s.v, &mut s.acc[qi * dv..(qi + 1) * dv]);
+                // A KV block at a time (converting them all first, as the keys are, costs a pass over memory in
+                // decode, where each is read once).
+                let mut j0 = lo;
+                while j0 <= hi {
+                    let end = ((j0 / KV_BLOCK_CELLS + 1) * KV_BLOCK_CELLS).min(hi + 1);
+                    let vs = &mut s.v[..(end - j0) * dv];
+                    kv.v.read_cells(j0, end, g, vs);
+                    for (j, v) in (j0..end).zip(vs.chunks_exact(dv)) {
+                        for qi in 0..n_q {
+                            let w = s.scores[qi * n_keys + j - lo];
+                            if w != 0.0 {
+                                kernels::axpy(w, v, &mut s.acc[qi * dv..(qi + 1) * dv]);
+                            }
                         }
                     }
+                    j0 = end;
                 }
                 for ti in 0..toks.len() {
                     for hh in 0..hpt {
