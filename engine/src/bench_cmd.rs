@@ -202,6 +202,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.reps == 0 {
         bail!("--reps must be at least 1");
     }
+    if let Some(n) = args.engine.plan.kv_tokens {
+        bail!(
+            "--kv-tokens {n}: the KV pool bounds `strata serve`'s scheduler, which preempts requests to stay in it; strata bench's sequences each hold their whole test (--sequences, --depth), so it does not apply here"
+        );
+    }
     let load_before = load_average();
     let longest = args
         .prompt_tokens

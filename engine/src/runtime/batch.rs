@@ -163,6 +163,26 @@ struct Running {
 }
 
 impl Running {
+    /// `job` starting now, admitted `order`-th, submitted at `submitted`.
+    fn new(job: BatchJob, order: u64, submitted: Instant) -> Running {
+        Running {
+            job,
+            reused: 0,
+            read: 0,
+            started: Instant::now(),
+            prefill_ms: 0.0,
+            gemm_fallback: None,
+            decoding: None,
+            order,
+            queued_ms: ms_since(submitted),
+            steps: 0,
+            step_sequences: 0,
+            recompute: None,
+            preempted: 0,
+            recomputed: 0,
+        }
+    }
+
     /// The tokens its slot's cache must hold before its next step: the prompt, or after a preemption in decode
     /// what it had computed.
     fn target(&self) -> &[u32] {
@@ -320,8 +340,8 @@ impl<'m, B: Backend> Batcher<'m, B> {
     /// running sequence's next tokens (see the module doc), and samples where a sequence's logits are due. Each
     /// request's progress, text and end go to `on_event` as they happen.
     pub fn step(&mut self, tokenizer: &Tokenizer, on_event: &mut dyn FnMut(BatchEvent<'_>)) -> StepReport {
-        self.admit(on_event);
         self.end_cancelled(on_event);
+        self.admit(on_event);
         let mut parts = self.plan(on_event);
         self.fit(&mut parts, on_event);
         if parts.is_empty() {
@@ -357,12 +377,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
     /// prefix that any sequence computed (a system prompt, earlier turns) is not computed again. The last prompt
     /// token is always computed (its logits are sampled).
     fn share_prefix(&mut self, i: usize, prompt: &[u32]) {
-        let own = self.slots[i].session.common_prefix(prompt);
-        let best = (0..self.slots.len())
-            .filter(|&j| j != i)
-            .map(|j| (self.slots[j].session.common_prefix(prompt).min(prompt.len() - 1), j))
-            .max();
-        let Some((n, j)) = best.filter(|&(n, _)| n > own) else {
+        let Some((n, j)) = self.prefix_source(i, prompt).1 else {
             return;
         };
         let (to, from) = if i < j {
@@ -375,6 +390,17 @@ impl<'m, B: Backend> Batcher<'m, B> {
         to.session.adopt_prefix(&from.session, n);
     }
 
+    /// The tokens of `prompt` slot `i` holds, and the other slot holding more of them with how many (at most all but
+    /// the last), if any: what [`Batcher::share_prefix`] takes.
+    fn prefix_source(&self, i: usize, prompt: &[u32]) -> (usize, Option<(usize, usize)>) {
+        let own = self.slots[i].session.common_prefix(prompt);
+        let best = (0..self.slots.len())
+            .filter(|&j| j != i)
+            .map(|j| (self.slots[j].session.common_prefix(prompt).min(prompt.len() - 1), j))
+            .max();
+        (own, best.filter(|&(n, _)| n > own))
+    }
+
     /// The free slot whose cache holds the longest prefix of `tokens` (the least recently used among equals).
     fn free_slot(&self, tokens: &[u32]) -> Option<usize> {
         (0..self.slots.len())
@@ -385,28 +411,47 @@ impl<'m, B: Backend> Batcher<'m, B> {
             })
     }
 
-    /// Whether a request that must hold `tokens` may take free slot `i` now: with the KV pool bounded, the pool
-    /// (after dropping idle slots' cached prompts as far as needed, least recently used first and slot `i`'s last)
-    /// has free blocks for those tokens and the one after, less the whole blocks of them slot `i` holds already,
-    /// or nothing runs. A request admitted without that room would preempt another at once,
-    /// or be preempted itself, and compute its prompt again and again (vLLM admits a request only with its blocks
-    /// free too).
+    /// Whether a request that must hold `tokens` may take free slot `i` now: with the KV pool bounded, the pool has
+    /// free blocks for those tokens and the one after, or nothing runs. Blocks it keeps (slot `i`'s prefix of them,
+    /// or another slot's it shares, [`Batcher::share_prefix`]) are not needed again, and slot `i`'s blocks past
+    /// what it keeps count as free. When idle slots' cached prompts make the difference, they are dropped, least
+    /// recently used first (never the slot it shares from); when they would not, nothing is dropped and it waits. A
+    /// request admitted without that room would preempt another at once, or be preempted itself, and compute its
+    /// prompt again and again (vLLM admits a request only with its blocks free too).
     fn room_for(&mut self, tokens: &[u32], i: usize) -> bool {
         let pool = self.slots[0].session.kv().pool().clone();
-        loop {
-            let held = self.slots[i].session.common_prefix(tokens) / KV_BLOCK_CELLS;
-            let need = ((tokens.len() + 1).div_ceil(KV_BLOCK_CELLS) - held) * pool.rows_per_block();
-            if pool.free_rows().is_none_or(|free| free >= need) {
-                return true;
-            }
-            let idle = (0..self.slots.len())
-                .filter(|&j| self.slots[j].running.is_none() && self.slots[j].session.kv().held_blocks() > 0)
-                .min_by_key(|&j| (j == i, self.slots[j].last_used));
-            match idle {
-                Some(j) => self.slots[j].session.clear(),
-                None => return self.slots.iter().all(|s| s.running.is_none()),
-            }
+        let Some(free) = pool.free_rows() else {
+            return true;
+        };
+        let (own, source) = self.prefix_source(i, tokens);
+        let kept = source.map_or(own, |(n, _)| n);
+        let need = ((tokens.len() + 1).div_ceil(KV_BLOCK_CELLS) - kept / KV_BLOCK_CELLS) * pool.rows_per_block();
+        let kv = |j: usize| self.slots[j].session.kv();
+        let mut free = free + kv(i).rows_freed_by_truncate(if source.is_some() { 0 } else { own });
+        if free >= need {
+            return true;
         }
+        let mut idle: Vec<usize> = (0..self.slots.len())
+            .filter(|&j| {
+                j != i
+                    && source.is_none_or(|(_, s)| s != j)
+                    && self.slots[j].running.is_none()
+                    && kv(j).held_blocks() > 0
+            })
+            .collect();
+        idle.sort_by_key(|&j| self.slots[j].last_used);
+        let reclaim: usize = idle.iter().map(|&j| kv(j).rows_freed_by_truncate(0)).sum();
+        if free + reclaim < need {
+            return self.slots.iter().all(|s| s.running.is_none());
+        }
+        for j in idle {
+            if free >= need {
+                break;
+            }
+            free += self.slots[j].session.kv().rows_freed_by_truncate(0);
+            self.slots[j].session.clear();
+        }
+        true
     }
 
     /// Gives free slots to preempted requests (oldest first), then to waiting ones, each to the free slot holding
@@ -457,22 +502,9 @@ impl<'m, B: Backend> Batcher<'m, B> {
             slot.last_used = self.clock;
             match slot.session.begin_prompt(&job.prompt) {
                 Ok(reused) => {
-                    slot.running = Some(Running {
-                        job,
-                        reused,
-                        read: 0,
-                        started: Instant::now(),
-                        prefill_ms: 0.0,
-                        gemm_fallback: None,
-                        decoding: None,
-                        order: self.clock,
-                        queued_ms: ms_since(submitted),
-                        steps: 0,
-                        step_sequences: 0,
-                        recompute: None,
-                        preempted: 0,
-                        recomputed: 0,
-                    })
+                    let mut r = Running::new(job, self.clock, submitted);
+                    r.reused = reused;
+                    slot.running = Some(r);
                 }
                 Err(e) => {
                     // A prompt refused before anything was computed: the slot's cache is as it was.
@@ -485,8 +517,16 @@ impl<'m, B: Backend> Batcher<'m, B> {
         }
     }
 
-    /// Ends every running or preempted request whose cancel flag is set, with [`StopReason::Cancelled`].
+    /// Ends every running, preempted or waiting request whose cancel flag is set, with [`StopReason::Cancelled`] (a
+    /// client that left frees its place in the queue at once).
     fn end_cancelled(&mut self, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|(job, _)| job.cancel.load(Ordering::Relaxed));
+        self.waiting = kept.into();
+        for (job, submitted) in gone {
+            finish(Running::new(job, 0, submitted), StopReason::Cancelled, on_event);
+        }
         let (gone, kept): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.preempted)
             .into_iter()
             .partition(|r| r.job.cancel.load(Ordering::Relaxed));

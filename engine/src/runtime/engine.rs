@@ -325,7 +325,9 @@ impl Engine {
         }
         let (mut model, tokenizer, template) = loaded?;
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
-        let kv_pool = kv_pool(&model, flags, backend.cuda().is_some())?;
+        // A simulated card keeps its KV caches in its (simulated) device memory, as a real one does.
+        let gpu = backend.cuda().is_some() || matches!(flags.device, Device::Sim(_));
+        let kv_pool = kv_pool(&model, flags, gpu)?;
         if backend.cuda().is_none() {
             check_host_kv(&model, flags, &kv_pool)?;
         }
@@ -848,20 +850,24 @@ fn check_host_kv(model: &crate::model::Model, flags: &EngineFlags, pool: &KvPool
         .capacity_blocks()
         .unwrap_or(0)
         .saturating_mul(crate::state::kv::KV_BLOCK_CELLS);
-    let Ok(need) = crate::memory::kv_bytes(&model.hp.kv_shape(), cfg.kv, cells) else {
+    let Ok(cell) = model.hp.kv_shape().cell_bytes(cfg.kv) else {
         return Ok(());
     };
+    // In f64: a hostile --kv-tokens must not wrap or saturate the figure the error gives.
+    let need = cell as f64 * cells as f64;
     let what = match flags.plan.kv_tokens {
-        Some(t) => format!("the KV cache of {t} tokens (--kv-tokens)"),
-        None => format!("the KV caches of {} sequences of {} tokens", cfg.sequences, cfg.context),
+        Some(t) => format!("the KV cache of {t} tokens (--kv-tokens, {} KV) needs", flags.plan.kv),
+        None => format!(
+            "the KV caches of {} sequences of {} tokens ({} KV) need",
+            cfg.sequences, cfg.context, flags.plan.kv
+        ),
     };
     match crate::experts::store::host_available_bytes() {
-        Some(avail) if need > avail => Err(EngineError::Plan {
+        Some(avail) if need > avail as f64 => Err(EngineError::Plan {
             device: flags.device.clone(),
             why: format!(
-                "{what} ({} KV) need {:.2} GiB of host memory, and {:.2} GiB is available: lower --parallel, --max-context or --kv-tokens",
-                flags.plan.kv,
-                need as f64 / GIB,
+                "{what} {:.2} GiB of host memory, and {:.2} GiB is available: lower --parallel, --max-context or --kv-tokens",
+                need / GIB,
                 avail as f64 / GIB
             ),
         }),

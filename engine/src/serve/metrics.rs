@@ -36,6 +36,8 @@ pub struct Metrics {
     pub kv_blocks_shared: IntGauge,
     /// `strata_kv_preemptions_total`: times completed requests were preempted for KV blocks and computed again.
     pub kv_preemptions: IntCounter,
+    /// `strata_requests_preempted`: preempted requests waiting for KV blocks to go on.
+    pub preempted: IntGauge,
     /// `strata_queue_rejected_total`: requests answered 503 because the queue was full.
     pub queue_rejected: IntCounter,
     /// `strata_connections_refused_total`: connections closed at once because the connection limit was reached.
@@ -144,6 +146,11 @@ impl Metrics {
                 "KV blocks held by several slots (a common prompt prefix)",
             )
             .expect("valid metric"),
+            preempted: IntGauge::new(
+                "strata_requests_preempted",
+                "preempted requests waiting for KV blocks to go on",
+            )
+            .expect("valid metric"),
             kv_preemptions: counter(
                 "strata_kv_preemptions_total",
                 "times completed requests were preempted for KV blocks and computed again",
@@ -189,7 +196,8 @@ impl Metrics {
             }
         }
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 26] = [
+        let all: [Box<dyn prometheus::core::Collector>; 27] = [
+            Box::new(m.preempted.clone()),
             Box::new(m.kv_blocks_used.clone()),
             Box::new(m.kv_blocks_total.clone()),
             Box::new(m.kv_blocks_shared.clone()),
@@ -229,6 +237,7 @@ impl Metrics {
         self.kv_blocks_used.set(g(u.blocks_used));
         self.kv_blocks_total.set(g(u.blocks_total.unwrap_or(0)));
         self.kv_blocks_shared.set(g(u.blocks_shared));
+        self.preempted.set(g(u.waiting_preempted));
     }
 
     /// Adds one completed request's counts and times.

@@ -329,6 +329,7 @@ async fn supervise(
                 msg = worker.lines.recv() => match msg {
                     Some(Message::Ready { .. }) => break Load::Ready,
                     Some(Message::Event(e)) => note_event(&mut worker, &e, Some(&metrics)),
+                    Some(Message::Kv(u)) => metrics.record_kv(&u),
                     Some(_) => {}
                     None => break Load::Exited,
                 },

@@ -14,7 +14,7 @@ use super::protocol::{Command, Finish, GenerateJob, Message, Timings};
 use crate::backend::AnyBackend;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
-use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, KvUsage, StepTotals};
+use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, StepTotals};
 use crate::runtime::engine::Engine;
 use crate::runtime::generate::TokenSampler;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
@@ -175,6 +175,8 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
             std::process::exit(0);
         });
     }
+    // The pool as it starts, before `ready` (a new worker's replaces a dead one's in /metrics).
+    send(&Message::Kv(batcher.kv_usage()));
     send(&Message::Ready {
         n_ctx,
         pid: std::process::id(),
@@ -203,7 +205,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     };
     let mut sent: HashMap<u64, usize> = HashMap::new();
     let mut totals = StepTotals::default();
-    let mut last_kv = KvUsage::default();
+    let mut last_kv = batcher.kv_usage();
     let mut period_start = std::time::Instant::now();
     loop {
         // Wait for work when there is none; take every job that has arrived, at each step boundary.

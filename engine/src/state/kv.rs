@@ -481,6 +481,17 @@ impl KvCache {
         }
     }
 
+    /// Row blocks [`KvCache::truncate`] to `cells` would give back to the pool: the blocks past them that no other
+    /// cache shares.
+    pub fn rows_freed_by_truncate(&self, cells: usize) -> usize {
+        let keep = cells.div_ceil(KV_BLOCK_CELLS);
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.k, &l.v])
+            .map(|r| r.blocks.iter().skip(keep).filter(|b| Arc::strong_count(b) == 1).count())
+            .sum()
+    }
+
     /// Row blocks a step writing cells `from..to` would take from the pool (see [`KvPool`]): in every layer,
     /// the blocks of those cells not held yet and those another sequence shares.
     pub fn rows_needed(&self, from: usize, to: usize) -> usize {
@@ -583,6 +594,8 @@ mod tests {
             assert_eq!(span[i * 32..(i + 1) * 32], one[..], "cell {cell}");
         }
         assert_eq!(span[19 * 32..], [0.0; 32], "cell 22 was never written");
+        assert_eq!(a.rows_freed_by_truncate(16), 4);
+        assert_eq!(a.rows_freed_by_truncate(0), 8);
         a.truncate(16);
         assert_eq!(pool.held_blocks(), 1);
         assert_eq!(key(&a, 0, 16), vec![0.0; 64], "a cell given back reads as zeros");
@@ -603,6 +616,7 @@ mod tests {
         a.shared_blocks(&mut shared);
         b.shared_blocks(&mut shared);
         assert_eq!(shared.len(), 2);
+        assert_eq!(b.rows_freed_by_truncate(0), 0, "every block of b is a's too");
         // b writes cell 18 of the second block: it copies it; a's cell 18 and 19 keep their values.
         assert_eq!(b.rows_needed(18, 19), 4);
         let mut other = row(7);

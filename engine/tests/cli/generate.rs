@@ -198,9 +198,14 @@ fn a_kv_pool_smaller_than_a_context_or_past_the_memory_is_refused() {
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains(&format!("the KV cache of {huge} tokens (--kv-tokens)")),
+        err.contains(&format!("the KV cache of {huge} tokens (--kv-tokens, f16 KV) needs")),
         "{err}"
     );
+    // strata bench's sequences hold their whole tests: the flag would do nothing there, so it is refused.
+    let out = run(&["bench", "--kv-tokens", "4096", "--llama-bench", "off"]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("does not apply here"), "{err}");
 }
 
 #[test]

@@ -108,6 +108,7 @@ fn concurrent_requests_are_batched_and_answer_as_they_do_alone() {
 #[test]
 fn a_small_kv_pool_preempts_and_every_answer_is_as_alone() {
     let s = std::sync::Arc::new(Server::start_with(&["--max-context", "256", "--kv-tokens", "256"], &[]));
+    assert_eq!(s.metric("strata_kv_blocks_total"), 16.0, "the pool before any request");
     let ask = |q: &str, stream: bool| {
         let mut r = request(q, stream);
         r["max_tokens"] = json!(90);

@@ -63,6 +63,8 @@ struct Ran {
     steps: Vec<StepReport>,
     /// The KV pool after each step.
     kv: Vec<KvUsage>,
+    /// Request ids in the order they ended (done or failed).
+    ended: Vec<u64>,
 }
 
 /// Runs `prompts` through a scheduler of `parallel` slots, all submitted at once (request i has id i), then, once
@@ -103,6 +105,7 @@ fn batched(
         text: vec![String::new(); n],
         steps: vec![],
         kv: vec![],
+        ended: vec![],
     };
     let mut second = false;
     loop {
@@ -122,8 +125,14 @@ fn batched(
         }
         let report = b.step(tok, &mut |ev| match ev {
             BatchEvent::Text { id, text, .. } => ran.text[id as usize].push_str(text),
-            BatchEvent::Done { id, stats } => ran.done[id as usize] = Some(stats),
-            BatchEvent::Failed { id, error } => ran.failed[id as usize] = Some(error.to_string()),
+            BatchEvent::Done { id, stats } => {
+                ran.done[id as usize] = Some(stats);
+                ran.ended.push(id);
+            }
+            BatchEvent::Failed { id, error } => {
+                ran.failed[id as usize] = Some(error.to_string());
+                ran.ended.push(id);
+            }
             BatchEvent::Progress { .. } => {}
         });
         assert!(report.sequences <= parallel && report.tokens <= 16, "{report:?}");
@@ -293,6 +302,37 @@ fn check_preempted_equal_to_alone(path: &Path) {
 #[test]
 fn preempted_sequences_give_the_tokens_and_logits_of_each_alone() {
     on_dense_and_moe(check_preempted_equal_to_alone);
+}
+
+/// A request that follows another on one slot whose pool is just its context keeps the prefix they share (its
+/// slot's blocks past it count as free, they are not dropped to make room), and runs as alone.
+#[test]
+fn a_tight_pool_keeps_the_prefix_a_slot_holds() {
+    let (_dir, path) = tiny_moe();
+    let model = Model::load(&path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let ids = tok.encode(TEXT, true, false).unwrap();
+    let (first, then) = (ids[..60].to_vec(), [&ids[..40], &ids[50..55]].concat());
+    let want = alone(&model, &tok, &[first.clone(), then.clone()], 24);
+    let ran = batched(&model, &tok, &[first], &[then], 1, 24, None, Some(96));
+    assert_as_alone(&tok, &ran, &want);
+    let second = ran.done[1].as_ref().unwrap();
+    assert_eq!(second.prefill.reused, 40, "{:?}", second.prefill);
+}
+
+/// A request cancelled while it waits for a slot ends at once, before the request ahead of it: it holds no
+/// place in the queue.
+#[test]
+fn a_request_cancelled_while_waiting_ends_at_once() {
+    let (_dir, path) = tiny_moe();
+    let model = Model::load(&path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let prompts = prompts(&tok);
+    let ran = batched(&model, &tok, &prompts[..3], &[], 1, 24, Some((1, 2)), Some(512));
+    let cancelled = ran.done[1].as_ref().unwrap();
+    assert_eq!(cancelled.stop, StopReason::Cancelled);
+    assert_eq!(ran.ended[0], 1, "the cancelled request ended first: {:?}", ran.ended);
+    assert!(ran.done[0].is_some() && ran.done[2].is_some());
 }
 
 /// A request that cannot fit the pool even alone (a pool smaller than its context, which `strata serve` refuses
