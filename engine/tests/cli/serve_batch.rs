@@ -56,31 +56,36 @@ fn stream(s: &Server, body: &Value) -> Streamed {
     }
 }
 
-#[test]
-fn concurrent_requests_are_batched_and_answer_as_they_do_alone() {
-    let s = std::sync::Arc::new(Server::start());
-    // Alone, one after another.
+/// Each of `QUESTIONS` (`ask(q, stream)` makes its request) alone, one after another, then the four as streams at
+/// once; asserts each stream ended properly with its alone answer, and returns the streams.
+fn alone_then_together(s: &std::sync::Arc<Server>, ask: fn(&str, bool) -> Value) -> Vec<Streamed> {
     let alone: Vec<String> = QUESTIONS
         .iter()
         .map(|q| {
-            let (status, v) = s.post("/v1/chat/completions", &request(q, false));
+            let (status, v) = s.post("/v1/chat/completions", &ask(q, false));
             assert_eq!(status, 200, "{v}");
             v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
         })
         .collect();
-    // Together: four streams at once.
     let handles: Vec<_> = QUESTIONS
         .iter()
         .map(|q| {
-            let (s, body) = (s.clone(), request(q, true));
+            let (s, body) = (s.clone(), ask(q, true));
             std::thread::spawn(move || stream(&s, &body))
         })
         .collect();
     let together: Vec<Streamed> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(t.last, "[DONE]", "stream {i}");
-        assert_eq!(&t.text, a, "request {i}: batched and alone differ");
+        assert_eq!(&t.text, a, "request {i}: together and alone differ");
     }
+    together
+}
+
+#[test]
+fn concurrent_requests_are_batched_and_answer_as_they_do_alone() {
+    let s = std::sync::Arc::new(Server::start());
+    let together = alone_then_together(&s, request);
     // They were computed together: every stream had its first token before any of them ended (one at a time,
     // the last one's first token would come after the first one's end).
     let last_first = together.iter().map(|t| t.first).max().unwrap();
@@ -109,36 +114,12 @@ fn concurrent_requests_are_batched_and_answer_as_they_do_alone() {
 fn a_small_kv_pool_preempts_and_every_answer_is_as_alone() {
     let s = std::sync::Arc::new(Server::start_with(&["--max-context", "256", "--kv-tokens", "256"], &[]));
     assert_eq!(s.metric("strata_kv_blocks_total"), 16.0, "the pool before any request");
-    let ask = |q: &str, stream: bool| {
+    fn ask(q: &str, stream: bool) -> Value {
         let mut r = request(q, stream);
         r["max_tokens"] = json!(90);
         r
-    };
-    let alone: Vec<String> = QUESTIONS
-        .iter()
-        .map(|q| {
-            let (status, v) = s.post("/v1/chat/completions", &ask(q, false));
-            assert_eq!(status, 200, "{v}");
-            v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
-        })
-        .collect();
-    assert_eq!(
-        s.metric("strata_kv_preemptions_total"),
-        0.0,
-        "alone, nothing is preempted"
-    );
-    let handles: Vec<_> = QUESTIONS
-        .iter()
-        .map(|q| {
-            let (s, body) = (s.clone(), ask(q, true));
-            std::thread::spawn(move || stream(&s, &body))
-        })
-        .collect();
-    let together: Vec<Streamed> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
-        assert_eq!(t.last, "[DONE]", "stream {i}");
-        assert_eq!(&t.text, a, "request {i}: preempted and alone differ");
     }
+    alone_then_together(&s, ask);
     let metrics = s.metrics();
     assert_eq!(s.metric("strata_kv_blocks_total"), 16.0, "{metrics}");
     assert!(s.metric("strata_kv_preemptions_total") > 0.0, "{metrics}");
