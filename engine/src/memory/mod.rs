@@ -97,8 +97,8 @@ pub struct PlanFlags {
     /// hold up to --max-context tokens of KV cache, and the plan holds that many.
     #[arg(long, value_parser = parse_parallel, allow_hyphen_values = true)]
     pub parallel: Option<usize>,
-    /// Tokens of KV cache all sequences share, in blocks of 16 (default: --parallel x --max-context, every
-    /// sequence at its full context at once). A smaller pool lets more sequences run than fit at full length:
+    /// Tokens of KV cache all sequences share, rounded up to blocks of 16 (default: --parallel x --max-context,
+    /// every sequence at its full context at once; `strata serve` only: refused by `strata bench`). A smaller pool lets more sequences run than fit at full length:
     /// when it fills, idle slots' cached prompts are dropped, then the newest sequence is preempted and
     /// recomputed once there is room. At least --max-context. On the CPU (a GPU keeps each sequence's whole
     /// context on the device).

@@ -866,9 +866,14 @@ fn check_host_kv(model: &crate::model::Model, flags: &EngineFlags, pool: &KvPool
         Some(avail) if need > avail as f64 => Err(EngineError::Plan {
             device: flags.device.clone(),
             why: format!(
-                "{what} {:.2} GiB of host memory, and {:.2} GiB is available: lower --parallel, --max-context or --kv-tokens",
+                "{what} {:.2} GiB of host memory, and {:.2} GiB is available: lower {}",
                 need / GIB,
-                avail as f64 / GIB
+                avail as f64 / GIB,
+                if flags.plan.kv_tokens.is_some() {
+                    "--kv-tokens"
+                } else {
+                    "--parallel or --max-context"
+                }
             ),
         }),
         _ => Ok(()),
