@@ -682,7 +682,7 @@ pub trait Backend: Send + Sync {
     /// one type in one pool: a prompt prefix the other sequence computed, shared instead of computed again).
     /// Returns whether it did; `false` leaves `dst` as it was, and the caller computes those cells. The default
     /// shares the host blocks, where the CPU keeps its caches ([`crate::state::kv::KvCache::share_prefix_from`]).
-    fn copy_kv_prefix(
+    fn share_kv_prefix(
         &self,
         src: &crate::state::kv::KvCache,
         dst: &mut crate::state::kv::KvCache,

@@ -287,7 +287,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
     /// The slots' KV pool as it stands: blocks held, the pool's size, blocks shared by several slots, and
     /// preemptions so far.
     pub fn kv_usage(&self) -> KvUsage {
-        let pool = self.slots[0].session.kv().pool();
+        let pool = self.pool();
         let mut shared = std::collections::HashSet::new();
         for s in &self.slots {
             s.session.kv().shared_blocks(&mut shared);
@@ -401,6 +401,21 @@ impl<'m, B: Backend> Batcher<'m, B> {
         (own, best.filter(|&(n, _)| n > own))
     }
 
+    /// The KV pool the slots' caches share.
+    fn pool(&self) -> &Arc<crate::state::kv::KvPool> {
+        self.slots[0].session.kv().pool()
+    }
+
+    /// The idle slots whose caches hold blocks, least recently used first: the caches the scheduler may drop
+    /// for room.
+    fn idle_caches(&self) -> Vec<usize> {
+        let mut idle: Vec<usize> = (0..self.slots.len())
+            .filter(|&j| self.slots[j].running.is_none() && self.slots[j].session.kv().held_blocks() > 0)
+            .collect();
+        idle.sort_by_key(|&j| self.slots[j].last_used);
+        idle
+    }
+
     /// The free slot whose cache holds the longest prefix of `tokens` (the least recently used among equals).
     fn free_slot(&self, tokens: &[u32]) -> Option<usize> {
         (0..self.slots.len())
@@ -419,7 +434,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
     /// request admitted without that room would preempt another at once, or be preempted itself, and compute its
     /// prompt again and again (vLLM admits a request only with its blocks free too).
     fn room_for(&mut self, tokens: &[u32], i: usize) -> bool {
-        let pool = self.slots[0].session.kv().pool().clone();
+        let pool = self.pool().clone();
         let Some(free) = pool.free_rows() else {
             return true;
         };
@@ -431,15 +446,11 @@ impl<'m, B: Backend> Batcher<'m, B> {
         if free >= need {
             return true;
         }
-        let mut idle: Vec<usize> = (0..self.slots.len())
-            .filter(|&j| {
-                j != i
-                    && source.is_none_or(|(_, s)| s != j)
-                    && self.slots[j].running.is_none()
-                    && kv(j).held_blocks() > 0
-            })
+        let idle: Vec<usize> = self
+            .idle_caches()
+            .into_iter()
+            .filter(|&j| j != i && source.is_none_or(|(_, s)| s != j))
             .collect();
-        idle.sort_by_key(|&j| self.slots[j].last_used);
         let reclaim: usize = idle.iter().map(|&j| kv(j).rows_freed_by_truncate(0)).sum();
         if free + reclaim < need {
             return self.slots.iter().all(|s| s.running.is_none());
@@ -618,7 +629,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
     /// (a pool smaller than its context, which the engine refuses at start) fails instead of waiting for ever.
     fn fit(&mut self, parts: &mut Vec<Part>, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
         loop {
-            let Some(free) = self.slots[0].session.kv().pool().free_rows() else {
+            let Some(free) = self.pool().free_rows() else {
                 return;
             };
             let need: usize = parts
@@ -632,10 +643,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
             if need <= free {
                 return;
             }
-            let idle = (0..self.slots.len())
-                .filter(|&i| self.slots[i].running.is_none() && self.slots[i].session.kv().held_blocks() > 0)
-                .min_by_key(|&i| self.slots[i].last_used);
-            if let Some(i) = idle {
+            if let Some(&i) = self.idle_caches().first() {
                 self.slots[i].session.clear();
                 continue;
             }

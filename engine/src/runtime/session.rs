@@ -378,7 +378,7 @@ impl<'m, B: Backend> Session<'m, B> {
 
     /// Takes the first `n` tokens of `other`'s cache as this sequence's own (a prompt prefix the other sequence
     /// computed: `strata serve`'s slots share a system prompt or earlier turns), when the two caches share a KV
-    /// pool and the backend can share those cells ([`Backend::copy_kv_prefix`]); this sequence then holds exactly
+    /// pool and the backend can share those cells ([`Backend::share_kv_prefix`]); this sequence then holds exactly
     /// those `n` tokens. Returns whether it did; `false` leaves it as it was.
     ///
     /// Panics if `other` holds fewer than `n` tokens.
@@ -391,7 +391,7 @@ impl<'m, B: Backend> Session<'m, B> {
         if n > self.n_ctx()
             || other.kv.ty() != self.kv.ty()
             || !Arc::ptr_eq(other.kv.pool(), self.kv.pool())
-            || !self.backend.copy_kv_prefix(&other.kv, &mut self.kv, n)
+            || !self.backend.share_kv_prefix(&other.kv, &mut self.kv, n)
         {
             return false;
         }

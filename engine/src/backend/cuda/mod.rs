@@ -1060,7 +1060,7 @@ impl Backend for CudaBackend {
 
     /// The device holds each sequence's cache (its host rows are not kept current): a device-to-device copy of
     /// the cells is not written yet, so the caller computes them.
-    fn copy_kv_prefix(
+    fn share_kv_prefix(
         &self,
         _src: &crate::state::kv::KvCache,
         _dst: &mut crate::state::kv::KvCache,

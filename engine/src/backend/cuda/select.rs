@@ -459,15 +459,15 @@ impl Backend for AnyBackend {
             c.release_slot(slot)
         }
     }
-    fn copy_kv_prefix(
+    fn share_kv_prefix(
         &self,
         src: &crate::state::kv::KvCache,
         dst: &mut crate::state::kv::KvCache,
         cells: usize,
     ) -> bool {
         match self {
-            AnyBackend::Cuda(c) => c.copy_kv_prefix(src, dst, cells),
-            AnyBackend::Cpu(c, _) => c.copy_kv_prefix(src, dst, cells),
+            AnyBackend::Cuda(c) => c.share_kv_prefix(src, dst, cells),
+            AnyBackend::Cpu(c, _) => c.share_kv_prefix(src, dst, cells),
         }
     }
     fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {
