@@ -100,7 +100,7 @@ pub struct PlanFlags {
     /// Tokens of KV cache all sequences share, rounded up to blocks of 16 (default: --parallel x --max-context,
     /// every sequence at its full context at once; `strata serve` only: refused by `strata bench`). A smaller pool lets more sequences run than fit at full length:
     /// when it fills, idle slots' cached prompts are dropped, then the newest sequence is preempted and
-    /// recomputed once there is room. At least --max-context. On the CPU (a GPU keeps each sequence's whole
+    /// recomputed once there is room. At least --max-context; past --parallel x --max-context it is lowered to that. On the CPU (a GPU keeps each sequence's whole
     /// context on the device).
     #[arg(long, value_parser = parse_kv_tokens, allow_hyphen_values = true)]
     pub kv_tokens: Option<usize>,

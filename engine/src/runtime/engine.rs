@@ -812,6 +812,8 @@ fn plan_device(
 /// The engine's KV block pool: `--kv-tokens` cells, or room for every sequence (`--parallel`) at its whole
 /// context.
 ///
+/// `--kv-tokens` past what the sequences can hold at once is lowered to that, with a line saying so.
+///
 /// Errors: [`EngineError::Plan`] for `--kv-tokens` on a GPU (its caches are whole contexts on the device) or
 /// below one sequence's context (a sequence could never reach it, and would be preempted for ever).
 fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Result<Arc<KvPool>, EngineError> {
@@ -833,7 +835,17 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Resul
                 cfg.context
             )));
         }
-        Some(t) => t,
+        Some(t) => {
+            let full = cfg.context.saturating_mul(cfg.sequences.max(1));
+            if t > full {
+                eprintln!(
+                    "strata: --kv-tokens {t} is more than the sequences can hold at once (--parallel {} x --max-context {}): the pool holds {full}",
+                    cfg.sequences.max(1),
+                    cfg.context
+                );
+            }
+            t.min(full)
+        }
         None => cfg.context.saturating_mul(cfg.sequences.max(1)),
     };
     Ok(KvPool::new(&model.hp.kv_shape(), Some(tokens)))
@@ -856,7 +868,10 @@ fn check_host_kv(model: &crate::model::Model, flags: &EngineFlags, pool: &KvPool
     // In f64: a hostile --kv-tokens must not wrap or saturate the figure the error gives.
     let need = cell as f64 * cells as f64;
     let what = match flags.plan.kv_tokens {
-        Some(t) => format!("the KV cache of {t} tokens (--kv-tokens, {} KV) needs", flags.plan.kv),
+        Some(_) => format!(
+            "the KV cache of {cells} tokens (--kv-tokens, {} KV) needs",
+            flags.plan.kv
+        ),
         None => format!(
             "the KV caches of {} sequences of {} tokens ({} KV) need",
             cfg.sequences, cfg.context, flags.plan.kv

@@ -382,7 +382,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// those `n` tokens. Returns whether it did; `false` leaves it as it was.
     ///
     /// Panics if `other` holds fewer than `n` tokens.
-    pub(crate) fn adopt_prefix(&mut self, other: &Session<'m, B>, n: usize) -> bool {
+    pub fn adopt_prefix(&mut self, other: &Session<'m, B>, n: usize) -> bool {
         assert!(
             n <= other.tokens.len(),
             "adopt_prefix: {n} of {} tokens",

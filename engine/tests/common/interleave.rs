@@ -8,7 +8,7 @@ use strata_engine::model::{Logits, Model, Scratch};
 use strata_engine::runtime::generate::{Greedy, TokenSampler};
 use strata_engine::runtime::session::{Session, SessionConfig};
 use strata_engine::state::batch::BatchLayout;
-use strata_engine::state::kv::{KvCache, KvType};
+use strata_engine::state::kv::{KvCache, KvPool, KvType};
 
 /// The greedy tokens of `steps` decode steps after `prompt`, one session alone on `be`.
 pub fn greedy_alone<B: Backend>(model: &Model, be: &B, cfg: SessionConfig, prompt: &[u32], steps: usize) -> Vec<u32> {
@@ -149,4 +149,56 @@ pub fn assert_batched_steps_equal_alone<B: Backend>(model: &Model, be: &B, kv: K
         worst = worst.max(d);
     }
     worst
+}
+
+/// A prompt prefix taken from another sequence ([`Session::adopt_prefix`]: shared blocks on the CPU, a
+/// device-to-device copy on a GPU) gives the bits of computing it: sequence A prefills 60 tokens in 16-token chunks;
+/// B takes A's first 48 cells and prefills a prompt that continues them differently, then decodes 4 tokens; C
+/// computes those 48 tokens in A's chunks, then the same prompt and tokens. B's logits at every step equal C's bit
+/// for bit (the same kernels over the same cells), for an f16 and an int8 cache.
+pub fn assert_adopted_prefix_equals_computed<B: Backend>(model: &Model, be: &B) {
+    let vocab = model.weights.output.rows as u32;
+    let ids: Vec<u32> = (0..80u32).map(|i| (i * 613 + 29) % vocab).collect();
+    let other: Vec<u32> = (0..12u32).map(|i| (i * 211 + 7) % vocab).collect();
+    let prompt_b: Vec<u32> = [&ids[..48], &other[..]].concat();
+    for kv in [KvType::F16, KvType::Int8] {
+        let cfg = SessionConfig {
+            max_context: 256,
+            kv,
+            prefill_chunk: Some(16),
+        };
+        let pool = KvPool::new(&model.hp.kv_shape(), None);
+        let mut a = Session::new_in(model, be, cfg, &pool).expect("session");
+        a.prefill(&ids[..60]).expect("prefill");
+        let mut b = Session::new_in(model, be, cfg, &pool).expect("session");
+        assert!(b.adopt_prefix(&a, 48), "{kv}: the backend did not take the prefix");
+        assert_eq!(b.tokens(), &ids[..48]);
+        let mut c = Session::new(model, be, cfg).expect("session");
+        c.prefill(&ids[..48]).expect("prefill");
+        let mut runs = [&mut b, &mut c].map(|s| {
+            let stats = s.prefill(&prompt_b).expect("prefill");
+            assert_eq!((stats.reused, stats.read), (48, 12), "{kv}");
+            let mut logits = vec![s.logits().to_vec()];
+            for t in 0..4u32 {
+                logits.push(s.decode((t * 97 + 5) % vocab).expect("decode").to_vec());
+            }
+            logits
+        });
+        let (got, want) = (std::mem::take(&mut runs[0]), std::mem::take(&mut runs[1]));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let same = g.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{kv}: step {i}: logits after an adopted prefix differ from computing it"
+            );
+        }
+        // A's cells are its own still: its next step is as if nothing was taken.
+        let mut d = Session::new(model, be, cfg).expect("session");
+        d.prefill(&ids[..60]).expect("prefill");
+        let want = d.decode(ids[60]).expect("decode").to_vec();
+        assert!(
+            a.decode(ids[60]).expect("decode") == want.as_slice(),
+            "{kv}: the source sequence changed"
+        );
+    }
 }

@@ -433,6 +433,18 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
     }
 }
 
+/// A prompt prefix taken from another sequence's cache (shared blocks) gives the logits bits of computing it, and
+/// leaves the other sequence as it was: on SmolLM2 (dense) and the synthetic qwen3moe (MoE), f16 and int8 caches.
+#[test]
+fn a_prefix_taken_from_another_sequence_gives_the_bits_of_computing_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let moe = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&moe).unwrap();
+    for path in [smollm2_path(), moe] {
+        interleave::assert_adopted_prefix_equals_computed(&Model::load(&path).unwrap(), &CpuBackend);
+    }
+}
+
 /// One forward step carrying two sequences (two prompts; then one decode token of one and three new tokens of the
 /// other) gives each the logits it gets alone: on SmolLM2 (dense) and the synthetic qwen3moe (MoE), f16 and int8
 /// caches, bit for bit (the CPU's matmuls give a token the same bits whatever else the batch holds).
