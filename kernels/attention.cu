@@ -418,13 +418,51 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
 // key and value tile is read once for all of them: warp w takes head (kv head * group + w % group) and tokens
 // 16 (w / group).. of the block. Block 32 * group * tgroups threads (at most 256); grid
 // (ceil(n_tok / (16 * tgroups)), n_head_kv). dk and dv are multiples of 16, at most 128. Keys in tiles of 64.
+//
+// kty / vty 1: a Q8_0 (int8) cache, whose rows are dequantized into the f16 tiles (d * q rounded to f16; dk or dv
+// then a multiple of 32). Not the CPU's rounding there (it takes the queries and the probabilities in f32 against
+// an int8 cache): the switch STRATA_INT8_FLASH, judged by KL divergence.
 #define FA_KEYS 64
 #define FA_DMAX 128
+
+// Rows kt.. kt + FA_KEYS - 1 of head g (0 past hi) into the f16 tile t (row stride ks halves): 16-byte copies from
+// an f16 cache, or Q8_0 blocks dequantized (one block of 32 values per thread and step).
+__device__ __forceinline__ void fa_tile(u16* t, int ks, const u8* src, long long rb, int hb, int ty, int g, int kt,
+                                        int hi, int d) {
+    if (ty == 0) {
+        for (int i = threadIdx.x; i < FA_KEYS * d / 8; i += blockDim.x) {
+            int key = i / (d / 8), c = i % (d / 8), j = kt + key;
+            uint4 val = make_uint4(0, 0, 0, 0);
+            if (j <= hi) val = *(const uint4*)(src + (long long)j * rb + (long long)g * hb + 16 * c);
+            *(uint4*)(t + key * ks + 8 * c) = val;
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < FA_KEYS * d / 32; i += blockDim.x) {
+        int key = i / (d / 32), b = i % (d / 32), j = kt + key;
+        uint4* dst = (uint4*)(t + key * ks + 32 * b);
+        if (j > hi) {
+            for (int c = 0; c < 4; ++c) dst[c] = make_uint4(0, 0, 0, 0);
+            continue;
+        }
+        const u8* blk = src + (long long)j * rb + (long long)g * hb + 34 * b;
+        float scale = h2f(ld16(blk));
+        const u16* qs = (const u16*)(blk + 2); // 2-byte aligned: blocks are 34 bytes, rows and heads even
+        for (int c = 0; c < 4; ++c) {
+            u32 w[4];
+            for (int e = 0; e < 4; ++e) {
+                u16 two = qs[4 * c + e]; // values 8c + 2e and 8c + 2e + 1 (little-endian)
+                w[e] = pack_h2(f2h(scale * (float)(i8)(two & 0xFF)), f2h(scale * (float)(i8)(two >> 8)));
+            }
+            dst[c] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
     const float* __restrict__ q, const u8* __restrict__ k, const u8* __restrict__ v, float* __restrict__ out,
     const unsigned int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, int dk, int dv, float scale,
-    int window, long long krb, int khb, long long vrb, int vhb, int tgroups) {
+    int window, long long krb, int khb, long long vrb, int vhb, int tgroups, int kty, int vty) {
     pdl_enter();
     const int KS = FA_DMAX + 8; // padded row strides (halves) of the key and value tiles
     __shared__ __align__(16) u16 ks[FA_KEYS * KS];
@@ -476,20 +514,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
     for (int pass = 0; pass < 2; ++pass) {
         for (int kt = lo; kt <= hi; kt += FA_KEYS) {
             __syncthreads();
-            // 16-byte loads: 8 halves per thread and step.
-            for (int i = threadIdx.x; i < FA_KEYS * dk / 8; i += blockDim.x) {
-                int key = i / (dk / 8), c = i % (dk / 8), j = kt + key;
-                uint4 val = make_uint4(0, 0, 0, 0);
-                if (j <= hi) val = *(const uint4*)(k + (long long)j * krb + (long long)g * khb + 16 * c);
-                *(uint4*)(ks + key * KS + 8 * c) = val;
-            }
-            if (pass == 1)
-                for (int i = threadIdx.x; i < FA_KEYS * dv / 8; i += blockDim.x) {
-                    int key = i / (dv / 8), c = i % (dv / 8), j = kt + key;
-                    uint4 val = make_uint4(0, 0, 0, 0);
-                    if (j <= hi) val = *(const uint4*)(v + (long long)j * vrb + (long long)g * vhb + 16 * c);
-                    *(uint4*)(vs + key * KS + 8 * c) = val;
-                }
+            fa_tile(ks, KS, k, krb, khb, kty, g, kt, hi, dk);
+            if (pass == 1) fa_tile(vs, KS, v, vrb, vhb, vty, g, kt, hi, dv);
             __syncthreads();
             if (kt > whi || kt + FA_KEYS <= wlo) continue; // every row of this warp masks the whole tile
             // S = Q K^T for this warp's 16 rows and the tile's 64 keys: 8 blocks of 8 keys.

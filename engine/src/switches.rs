@@ -163,6 +163,8 @@ pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
 pub const BATCH_ATTENTION: &str = "STRATA_BATCH_ATTENTION";
 /// A CUDA step of several tokens reads each expert's rows once per group of the tokens routed to it.
 pub const MOE_GROUPS: &str = "STRATA_MOE_GROUPS";
+/// CUDA prefill attention over an int8 (Q8_0) KV cache on the tensor cores.
+pub const INT8_FLASH: &str = "STRATA_INT8_FLASH";
 /// Most tokens of a CUDA step whose experts run on the device's routing (a tuning knob).
 pub const MOE_DEVICE_TOKENS: &str = "STRATA_MOE_DEVICE_TOKENS";
 /// Most tokens a CUDA dense matmul runs as matrix-vector products (a tuning knob).
@@ -308,7 +310,15 @@ pub const SWITCHES: &[Switch] = &[
         true,
         Applies::Cuda,
         false,
-        "1: a CUDA step of several tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once for up to 4 of the tokens routed to it, instead of once per token (the same results, bit for bit; off until measured on the device)",
+        "1: a CUDA step of several tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once for up to 4 of the tokens routed to it, instead of once per token (the same results, bit for bit; off: on the H200 no faster, 836 against 900 tok/s with 8 sequences decoding together, 1,280 against 1,318 with 16)",
+    ),
+    speed(
+        INT8_FLASH,
+        "1 on CUDA",
+        false,
+        Applies::Cuda,
+        true,
+        "0: CUDA prefill attention over an int8 (Q8_0) KV cache runs through a score matrix in f32, instead of on the tensor cores as the f16 cache's does with its keys and values dequantized to f16 tiles (there queries and probabilities are rounded to f16, which the CPU keeps in f32 against an int8 cache: output within 4.4e-4 relative error of the CPU's, mean KLD 2.6e-5 on the tiny MoE in cuda_parity; an 8,192-token prompt 7,439 tok/s through strata serve on the H200, against 298)",
     ),
     sw(
         MMV_DENSE_TOKENS,
@@ -317,8 +327,8 @@ pub const SWITCHES: &[Switch] = &[
     ),
     sw(
         MOE_DEVICE_TOKENS,
-        "4",
-        "N (1-64): most tokens of a CUDA step without an expert cache whose experts run on the device's routing (the decode kernels, no read-back); larger steps read the routing back and run the experts as prefill does (tuning; 4 until measured on the device)",
+        "64",
+        "N (1-64): most tokens of a CUDA step of several sequences (strata serve's batches) without an expert cache whose experts run on the device's routing (the decode kernels, no read-back); larger steps read the routing back and run the experts as prefill does, and so does a step of one sequence past 4 tokens (tuning; 8 sequences decoding together: 900 tok/s at 64 against 450 at 4 on the H200)",
     ),
     sw(
         JOIN_ROUND_TRIP_US,
@@ -668,7 +678,10 @@ mod tests {
             "{line}"
         );
         assert_eq!(r.on_exact, ["PDL", "FETCH_OVERLAP"]);
-        assert_eq!(r.on_inexact, ["DEVICE_SLOT_TABLE", "CPU_JOIN", "BATCH_ATTENTION"]);
+        assert_eq!(
+            r.on_inexact,
+            ["DEVICE_SLOT_TABLE", "CPU_JOIN", "BATCH_ATTENTION", "INT8_FLASH"]
+        );
         assert!(r.off.contains(&"CUDA_GRAPHS".to_string()), "{line}");
         assert_eq!(r.set, ["CUDA_GRAPHS=0"]);
         assert!(line.ends_with("; set by you: CUDA_GRAPHS=0"), "{line}");

@@ -653,6 +653,12 @@ pub trait Backend: Send + Sync {
     /// between the two calls but through [`Backend::download`].
     fn step_begin(&self, _n_tok: usize, _key: StepKey) {}
 
+    /// Tells the backend how many sequences the forward pass about to run carries (its [`BatchLayout`]'s runs;
+    /// called first by every forward pass): a GPU may pick other kernels for a step of several sequences, whose
+    /// results are judged against each sequence alone within a tolerance, than for one sequence, whose results
+    /// its expert cache must not change. The default ignores it.
+    fn step_sequences(&self, _n: usize) {}
+
     /// Ends the step begun by [`Backend::step_begin`] (a GPU backend launches the step's graph here).
     fn step_end(&self) {}
 

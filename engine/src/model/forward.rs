@@ -306,6 +306,7 @@ impl Model {
         let w = &self.weights;
         let n = tokens.len();
         assert!(n > 0 && layout.n_tok() == n, "forward: the layout is not the tokens'");
+        be.step_sequences(layout.runs().len());
         let mut dump = self
             .routing_dump
             .as_ref()

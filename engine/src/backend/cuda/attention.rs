@@ -232,10 +232,13 @@ impl CudaBackend {
                 );
             }
             let group = p.n_head / p.n_head_kv;
-            let tensor_cores = kty == GgmlType::F16
-                && vty == GgmlType::F16
-                && group <= 8
-                && [dk, dv].iter().all(|&d| d % 16 == 0 && d <= 128);
+            // An int8 cache takes the tensor cores behind STRATA_INT8_FLASH (its rows dequantized to f16 tiles in
+            // blocks of 32).
+            let int8_flash = self.int8_flash.load(std::sync::atomic::Ordering::Relaxed);
+            let tile_ok = |t: GgmlType, d: usize| {
+                d % 16 == 0 && d <= 128 && (t == GgmlType::F16 || (int8_flash && t == GgmlType::Q8_0 && d % 32 == 0))
+            };
+            let tensor_cores = group <= 8 && tile_ok(kty, dk) && tile_ok(vty, dv);
             if tensor_cores {
                 // A block: one KV head, 16-token groups for every query head of its GQA group (8 warps at most).
                 let tgroups = (8 / group).max(1);
@@ -261,6 +264,8 @@ impl CudaBackend {
                         Arg::L(vrb as i64),
                         Arg::I(vhb as i32),
                         Arg::I(tgroups as i32),
+                        Arg::I(code(kty)),
+                        Arg::I(code(vty)),
                     ],
                 );
             }

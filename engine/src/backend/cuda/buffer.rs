@@ -71,6 +71,24 @@ impl DevBuf {
             .map_err(CudaError::driver("host-to-device copy"))
     }
 
+    /// Copies the first `bytes` bytes of `src` to the start of this buffer, in `stream`'s order (no wait).
+    ///
+    /// Panics if either buffer is shorter than `bytes`. Errors: the copy failed.
+    pub fn copy_from(&mut self, stream: &Arc<CudaStream>, src: &DevBuf, bytes: usize) -> Result<(), CudaError> {
+        assert!(
+            bytes <= self.bytes && bytes <= src.bytes,
+            "DevBuf::copy_from: {bytes} bytes from {} into {}",
+            src.bytes,
+            self.bytes
+        );
+        if bytes == 0 {
+            return Ok(());
+        }
+        stream
+            .memcpy_dtod(&src.buf.slice(0..bytes), &mut self.buf.slice_mut(0..bytes))
+            .map_err(CudaError::driver("device-to-device copy"))
+    }
+
     /// Reads the first `out.len()` bytes into `out`, waiting for the stream.
     pub fn read(&self, stream: &Arc<CudaStream>, out: &mut [u8]) -> Result<(), CudaError> {
         self.read_at(stream, 0, out)

@@ -6,7 +6,7 @@ use super::error::CudaError;
 use super::launch::Arg;
 use super::{CudaBackend, DevVec, Gpu, Inner, grid1};
 use crate::quant::GgmlType;
-use crate::state::kv::{KvLayer, KvRows};
+use crate::state::kv::{KvCache, KvLayer, KvRows};
 
 /// A KV cache's device twin.
 pub(super) struct DevKv {
@@ -30,6 +30,44 @@ impl CudaBackend {
         let mut out = vec![0u8; d.buf.bytes];
         d.buf.read(&self.gpu.stream, &mut out).ok()?;
         Some(out)
+    }
+
+    /// [`Backend::share_kv_prefix`] (the trait's method calls this): copies cells `0..cells` of every layer's keys
+    /// and values from `src`'s device twins into `dst`'s, on the stream after the steps that wrote them. Returns
+    /// false, copying nothing, when `src` has no twin for some layer (it never stored a cell there).
+    pub(super) fn copy_kv_prefix_dev(&self, src: &KvCache, dst: &KvCache, cells: usize) -> bool {
+        assert!(
+            src.layers.len() == dst.layers.len() && cells <= src.n_ctx().min(dst.n_ctx()),
+            "share_kv_prefix: caches of different shapes, or {cells} cells"
+        );
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        let pairs = || {
+            src.layers
+                .iter()
+                .zip(&dst.layers)
+                .flat_map(|(a, b)| [(&a.k, &b.k), (&a.v, &b.v)])
+        };
+        if pairs().any(|(a, _)| s.kv.get(&a.id()).is_none_or(|d| d.ty != a.ty())) {
+            return false;
+        }
+        Self::check((|| {
+            for (a, b) in pairs() {
+                assert!(
+                    a.ty() == b.ty() && a.heads() == b.heads() && a.head_dim() == b.head_dim(),
+                    "share_kv_prefix: row shapes"
+                );
+                let (_, row_bytes) = kv_geometry(a.ty(), a.heads(), a.head_dim());
+                s.kv_twin(g, b)?;
+                // The destination is taken out of the map while the source is borrowed from it.
+                let mut d = s.kv.remove(&b.id()).expect("twin made above");
+                let r = d.buf.copy_from(&g.stream, &s.kv[&a.id()].buf, cells * row_bytes);
+                s.kv.insert(b.id(), d);
+                r?;
+            }
+            Ok(())
+        })());
+        true
     }
 
     /// [`Backend::store_kv`] (the trait's method calls this).

@@ -212,9 +212,11 @@ struct Inner {
     /// A step of several tokens groups its routing slots by expert (`STRATA_MOE_GROUPS`, read at start; tests
     /// compare both ways).
     moe_groups: bool,
-    /// Most tokens of a step without an expert cache whose experts run on the device's routing
-    /// (`STRATA_MOE_DEVICE_TOKENS`, read at start, at most [`MOE_DEVICE_TOKENS_MAX`]).
+    /// Most tokens of a step of several sequences without an expert cache whose experts run on the device's
+    /// routing (`STRATA_MOE_DEVICE_TOKENS`, read at start, at most [`MOE_DEVICE_TOKENS_MAX`]).
     moe_device_tokens: usize,
+    /// The sequences the running forward pass carries ([`Backend::step_sequences`]).
+    step_sequences: usize,
     /// Most tokens a dense matmul runs as matrix-vector products, one token per block column as a lone decode
     /// step's (`STRATA_MMV_DENSE_TOKENS`, read at start, at least [`MMV_MAX_TOKENS`], at most
     /// [`MOE_DEVICE_TOKENS_MAX`]); larger steps take the GEMM.
@@ -232,6 +234,9 @@ pub struct CudaBackend {
     cpu: CpuBackend,
     /// A step of several sequences attends over their decode tokens in one launch (`STRATA_BATCH_ATTENTION`).
     batch_attention: std::sync::atomic::AtomicBool,
+    /// Prefill attention over an int8 cache on the tensor cores (`STRATA_INT8_FLASH`, read at start; tests compare
+    /// both ways).
+    int8_flash: std::sync::atomic::AtomicBool,
 }
 
 /// An open device with the kernels loaded: opened in [`context`], launching in [`launch`] and `graph`.
@@ -349,9 +354,10 @@ impl CudaBackend {
         }
         let batch_attention = crate::switches::speed_on(crate::switches::BATCH_ATTENTION, &gpu.target);
         let moe_groups = crate::switches::speed_on(crate::switches::MOE_GROUPS, &gpu.target);
+        let int8_flash = crate::switches::speed_on(crate::switches::INT8_FLASH, &gpu.target);
         let moe_device_tokens =
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
-                .unwrap_or(MMV_MAX_TOKENS);
+                .unwrap_or(MOE_DEVICE_TOKENS_MAX);
         let mmv_dense_tokens = crate::switches::usize_in(
             crate::switches::MMV_DENSE_TOKENS,
             MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
@@ -373,11 +379,13 @@ impl CudaBackend {
                 moe_on_host: false,
                 moe_groups,
                 moe_device_tokens,
+                step_sequences: 1,
                 mmv_dense_tokens,
                 routers: Vec::new(),
             }),
             cpu: CpuBackend,
             batch_attention: std::sync::atomic::AtomicBool::new(batch_attention),
+            int8_flash: std::sync::atomic::AtomicBool::new(int8_flash),
         })
     }
 
@@ -385,6 +393,12 @@ impl CudaBackend {
     /// (`STRATA_BATCH_ATTENTION`, read at start; tests compare both ways).
     pub fn set_batch_attention(&self, on: bool) {
         self.batch_attention.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether prefill attention over an int8 (Q8_0) cache runs on the tensor cores, dequantized to f16 tiles
+    /// (`STRATA_INT8_FLASH`, read at start; not the CPU's rounding: tests compare both ways by KL divergence).
+    pub fn set_int8_flash(&self, on: bool) {
+        self.int8_flash.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether a step of several tokens groups its routing slots by expert, each expert's rows read once per group
@@ -1030,6 +1044,10 @@ impl Backend for CudaBackend {
         self.moe_add_rms_norm_dev(router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch);
     }
 
+    fn step_sequences(&self, n: usize) {
+        self.lock().step_sequences = n;
+    }
+
     fn step_begin(&self, n_tok: usize, key: StepKey) {
         self.decode_step_begin(n_tok);
         self.gpu.step_begin(key, n_tok == 1);
@@ -1058,15 +1076,15 @@ impl Backend for CudaBackend {
         Self::check(s.read_slot(&self.gpu, Slot::MoeIds, out));
     }
 
-    /// The device holds each sequence's cache (its host rows are not kept current): a device-to-device copy of
-    /// the cells is not written yet, so the caller computes them.
+    /// The device holds each sequence's cache (its host rows are not kept current): the cells are copied from
+    /// device to device, into `dst`'s own twin (each slot keeps its whole context on the device).
     fn share_kv_prefix(
         &self,
-        _src: &crate::state::kv::KvCache,
-        _dst: &mut crate::state::kv::KvCache,
-        _cells: usize,
+        src: &crate::state::kv::KvCache,
+        dst: &mut crate::state::kv::KvCache,
+        cells: usize,
     ) -> bool {
-        false
+        self.copy_kv_prefix_dev(src, dst, cells)
     }
 
     fn release_slot(&self, slot: SeqSlot) {

@@ -20,10 +20,11 @@ fn moe_on_device(ex: &Experts<'_>) -> bool {
 impl Inner {
     /// Most tokens of a step whose experts run on the device's routing, with no host read-back of it (larger steps
     /// read it back and group the slots by expert on the host, as prefill does): with an expert cache (`cached`),
-    /// the decode kernels' [`MMV_MAX_TOKENS`] (its staging slots are sized for them); without, the
-    /// `STRATA_MOE_DEVICE_TOKENS` setting, within what the group table takes (`k` experts per token).
+    /// the decode kernels' [`MMV_MAX_TOKENS`] (its staging slots are sized for them); for one sequence the same,
+    /// so its logits are the same bits with a cache and without; for a step of several sequences without a
+    /// cache, the `STRATA_MOE_DEVICE_TOKENS` setting, within what the group table takes (`k` experts per token).
     fn device_routed_tokens(&self, cached: bool, k: usize) -> usize {
-        if cached {
+        if cached || self.step_sequences <= 1 {
             MMV_MAX_TOKENS
         } else {
             self.moe_device_tokens.min(MOE_GROUP_MAX_SLOTS / k.max(1)).max(1)

@@ -444,6 +444,12 @@ impl Backend for AnyBackend {
             be.moe_add_rms_norm(router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch)
         )
     }
+    fn step_sequences(&self, n: usize) {
+        if let AnyBackend::Cuda(c) = self {
+            c.step_sequences(n)
+        }
+    }
+
     fn step_begin(&self, n_tok: usize, key: StepKey) {
         if let AnyBackend::Cuda(c) = self {
             c.step_begin(n_tok, key)
