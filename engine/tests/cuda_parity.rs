@@ -1649,8 +1649,8 @@ fn batched_decode_attention_equals_attending_run_by_run() {
 }
 
 /// Steps of several tokens group their routing slots by expert (`mmv_moe_group_*`, `STRATA_MOE_GROUPS`), steps of
-/// up to 64 tokens on the device's routing (`STRATA_MOE_DEVICE_TOKENS` 64, so prompt chunks take the grouped kernels
-/// too): with Q4_K and with Q6_K experts, rows of 1,280 values (five super-blocks: the kernels' long-row path) into
+/// up to 64 tokens on the device's routing (`STRATA_MOE_DEVICE_TOKENS` 64, so the prompt chunks in steps of several
+/// sequences take the grouped kernels too): with Q4_K and with Q6_K experts, rows of 1,280 values (five super-blocks: the kernels' long-row path) into
 /// 256-value rows (the short-row path), six sequences through the scheduler give bit for bit the logits of
 /// computing each routing slot alone, and the same tokens.
 #[test]

@@ -240,6 +240,15 @@ impl Metrics {
         self.preempted.set(g(u.waiting_preempted));
     }
 
+    /// Zeroes the gauges of a worker that stopped (requests running, preempted requests, KV blocks used and
+    /// shared): its slots and caches went with it. The pool's total stays (the next worker's is the same).
+    pub fn clear_worker_state(&self) {
+        self.running.set(0);
+        self.kv_blocks_used.set(0);
+        self.kv_blocks_shared.set(0);
+        self.preempted.set(0);
+    }
+
     /// Adds one completed request's counts and times.
     pub fn record_timings(&self, t: &Timings) {
         self.prompt_tokens.inc_by(t.prompt_tokens() as u64);

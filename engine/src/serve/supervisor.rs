@@ -496,7 +496,7 @@ async fn serve(
                 message: message.to_string(),
             });
         }
-        metrics.running.set(0);
+        metrics.clear_worker_state();
     };
     let outcome = loop {
         tokio::select! {

@@ -182,6 +182,15 @@ fn a_worker_death_ends_every_request_in_flight_then_serves_again() {
         assert!(msg.contains("the engine stopped unexpectedly"), "stream {i}: {err}");
     }
     assert_eq!(plain.join().unwrap(), 503);
+    // The dead worker's slots and KV blocks went with it: its gauges read 0, not its last report.
+    let metrics = s.metrics();
+    for gauge in [
+        "strata_requests_running 0",
+        "strata_kv_blocks_used 0",
+        "strata_kv_blocks_shared 0",
+    ] {
+        assert!(metrics.contains(gauge), "{gauge}: {metrics}");
+    }
     s.wait_ready(Duration::from_secs(60));
     let (status, v) = s.post("/v1/chat/completions", &request("Hi", false));
     assert_eq!(status, 200, "{v}");

@@ -1,5 +1,6 @@
 //! Attention on the device: decode in one launch or split over the keys (flash-decoding), prefill on tensor cores
-//! for f16 caches, the general scores / softmax / P·V path for the rest, and the fused q/k-norm and RoPE launch
+//! for f16 caches and (`STRATA_INT8_FLASH`) int8 caches dequantized to f16 tiles, the general scores / softmax /
+//! P·V path for the rest, and the fused q/k-norm and RoPE launch
 //! (with the K/V store, and inside attn_decode at decode).
 
 use super::error::CudaError;

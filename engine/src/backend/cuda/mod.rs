@@ -215,7 +215,8 @@ struct Inner {
     /// Most tokens of a step of several sequences without an expert cache whose experts run on the device's
     /// routing (`STRATA_MOE_DEVICE_TOKENS`, read at start, at most [`MOE_DEVICE_TOKENS_MAX`]).
     moe_device_tokens: usize,
-    /// The sequences the running forward pass carries ([`Backend::step_sequences`]).
+    /// The sequences the running forward pass carries ([`Backend::step_sequences`]); it holds until the next
+    /// forward pass (a replayed graph is a one-token step, which takes the device's routing either way).
     step_sequences: usize,
     /// Most tokens a dense matmul runs as matrix-vector products, one token per block column as a lone decode
     /// step's (`STRATA_MMV_DENSE_TOKENS`, read at start, at least [`MMV_MAX_TOKENS`], at most
@@ -407,7 +408,8 @@ impl CudaBackend {
         self.lock().moe_groups = on;
     }
 
-    /// The most tokens of a step without an expert cache whose experts run on the device's routing, `n` clamped
+    /// The most tokens of a step of several sequences without an expert cache whose experts run on the device's
+    /// routing (a lone sequence's steps take at most [`MMV_MAX_TOKENS`] there), `n` clamped
     /// to 1..=[`MOE_DEVICE_TOKENS_MAX`] (`STRATA_MOE_DEVICE_TOKENS`, read at start; tests set it).
     pub fn set_moe_device_tokens(&self, n: usize) {
         self.lock().moe_device_tokens = n.clamp(1, MOE_DEVICE_TOKENS_MAX);
