@@ -22,7 +22,15 @@ arm() { # name, binary, env...
     --sequences "${SEQ:-1,4,8,16,32}" --reps 2 --llama-bench off > "$OUT/bench-$name.md" 2> "$OUT/bench-$name.log"
   echo "== $name: rc $?"
 }
-[ -x carry/strata-base ] && arm base carry/strata-base
+# A base binary older than `strata bench --sequences` cannot run these tests: said, and skipped.
+if [ -x carry/strata-base ]; then
+  if carry/strata-base bench --help 2>/dev/null | grep -q -- --sequences; then
+    arm base carry/strata-base
+  else
+    echo "== base: skipped ($(carry/strata-base --version 2>&1 | head -1) has no bench --sequences)"
+  fi
+fi
+for b in carry/strata carry/strata-base; do [ -x $b ] && echo "$b: $($b --version 2>&1)"; done
 arm new carry/strata
 IFS=";" read -ra extra <<< "${ARMS-STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=0;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1 STRATA_MMV_DENSE_TOKENS=64}"
 i=0
