@@ -1070,16 +1070,21 @@ fn tiny_qwen3moe_kld_vs_cpu() {
 #[path = "common/interleave.rs"]
 mod interleave;
 
+/// The tiny qwen3moe, written to a temporary folder (removed with the returned guard) and loaded.
+fn tiny_moe() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
+    let model = Model::load(&path).unwrap();
+    (dir, model)
+}
+
 /// Two sequences through one CUDA backend, interleaved step by step (each records and replays its own decode
 /// graphs), each get the greedy tokens they get alone, and the CPU's.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn two_sequences_interleaved_give_each_its_tokens_alone() {
-    let dir = std::env::temp_dir().join(format!("strata-cuda-interleave-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny-qwen3moe.gguf");
-    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
-    let model = Model::load(&path).unwrap();
+    let (_dir, model) = tiny_moe();
     let cfg = SessionConfig {
         max_context: 512,
         kv: KvType::F16,
@@ -1102,7 +1107,6 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
     println!(
         "interleaved: {same} of 48 greedy tokens equal to the CPU's; {captured} graphs captured, {replays} replays"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A prompt prefix copied from another sequence's device cache (a device-to-device copy) gives the logits bits of
@@ -1110,12 +1114,8 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn a_prefix_copied_from_another_sequence_gives_the_bits_of_computing_it() {
-    let dir = std::env::temp_dir().join(format!("strata-cuda-prefix-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny-qwen3moe.gguf");
-    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
-    interleave::assert_adopted_prefix_equals_computed(&Model::load(&path).unwrap(), &gpu());
-    let _ = std::fs::remove_dir_all(&dir);
+    let (_dir, model) = tiny_moe();
+    interleave::assert_adopted_prefix_equals_computed(&model, &gpu());
 }
 
 /// One CUDA forward step carrying two sequences (two prompts; then one decode token of one and three new tokens
@@ -1127,11 +1127,7 @@ fn a_prefix_copied_from_another_sequence_gives_the_bits_of_computing_it() {
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
-    let dir = std::env::temp_dir().join(format!("strata-cuda-batch-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny-qwen3moe.gguf");
-    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
-    let model = Model::load(&path).unwrap();
+    let (_dir, model) = tiny_moe();
     let g = gpu();
     for (tokens, tol) in [(4, 1e-4), (64, 1e-3)] {
         g.set_moe_device_tokens(tokens);
@@ -1142,7 +1138,6 @@ fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
             );
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A tiny qwen3moe whose prefill steps stream more experts than the staging slots hold: 32 experts, top-2 (8
@@ -1609,11 +1604,7 @@ fn batched_greedy(
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn batched_decode_attention_equals_attending_run_by_run() {
-    let dir = std::env::temp_dir().join(format!("strata-cuda-batcher-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny-qwen3moe.gguf");
-    SynthSpec::tiny_qwen3moe().write(&path).unwrap();
-    let model = Model::load(&path).unwrap();
+    let (_dir, model) = tiny_moe();
     let prompts: Vec<Vec<u32>> = [7u32, 20, 150, 40, 3]
         .iter()
         .map(|&n| (0..n).map(|i| 300 + (i * 37 + n) % 1500).collect())
@@ -1645,7 +1636,6 @@ fn batched_decode_attention_equals_attending_run_by_run() {
         "mean KLD {kld:e}, largest difference {worst:e}"
     );
     assert_eq!(t_one, t_run);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Steps of several tokens group their routing slots by expert (`mmv_moe_group_*`, `STRATA_MOE_GROUPS`), steps of

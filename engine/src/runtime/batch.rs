@@ -446,20 +446,21 @@ impl<'m, B: Backend> Batcher<'m, B> {
         if free >= need {
             return true;
         }
-        let idle: Vec<usize> = self
+        // Each droppable cache with the rows dropping it gives back.
+        let idle: Vec<(usize, usize)> = self
             .idle_caches()
             .into_iter()
             .filter(|&j| j != i && source.is_none_or(|(_, s)| s != j))
+            .map(|j| (j, kv(j).rows_freed_by_truncate(0)))
             .collect();
-        let reclaim: usize = idle.iter().map(|&j| kv(j).rows_freed_by_truncate(0)).sum();
-        if free + reclaim < need {
+        if free + idle.iter().map(|&(_, rows)| rows).sum::<usize>() < need {
             return self.slots.iter().all(|s| s.running.is_none());
         }
-        for j in idle {
+        for (j, rows) in idle {
             if free >= need {
                 break;
             }
-            free += self.slots[j].session.kv().rows_freed_by_truncate(0);
+            free += rows;
             self.slots[j].session.clear();
         }
         true

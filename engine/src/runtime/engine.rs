@@ -822,6 +822,9 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Resul
         device: flags.device.clone(),
         why,
     };
+    // Every sequence at its whole context at once: the most the pool can be used for.
+    let sequences = cfg.sequences.max(1);
+    let full = cfg.context.saturating_mul(sequences);
     let tokens = match flags.plan.kv_tokens {
         Some(_) if gpu => {
             return Err(bad(format!(
@@ -835,18 +838,15 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Resul
                 cfg.context
             )));
         }
-        Some(t) => {
-            let full = cfg.context.saturating_mul(cfg.sequences.max(1));
-            if t > full {
-                eprintln!(
-                    "strata: --kv-tokens {t} is more than the sequences can hold at once (--parallel {} x --max-context {}): the pool holds {full}",
-                    cfg.sequences.max(1),
-                    cfg.context
-                );
-            }
-            t.min(full)
+        Some(t) if t > full => {
+            eprintln!(
+                "strata: --kv-tokens {t} is more than the sequences can hold at once (--parallel {sequences} x --max-context {}): the pool holds {full}",
+                cfg.context
+            );
+            full
         }
-        None => cfg.context.saturating_mul(cfg.sequences.max(1)),
+        Some(t) => t,
+        None => full,
     };
     Ok(KvPool::new(&model.hp.kv_shape(), Some(tokens)))
 }

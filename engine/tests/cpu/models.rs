@@ -416,14 +416,20 @@ fn a_prefill_cancelled_inside_a_chunk_leaves_the_cache_as_good_as_new() {
 #[path = "../common/interleave.rs"]
 mod interleave;
 
+/// SmolLM2 (dense) and the synthetic qwen3moe (MoE, written to a temporary folder removed with the returned guard).
+fn dense_and_tiny_moe() -> (tempfile::TempDir, [PathBuf; 2]) {
+    let dir = tempfile::tempdir().unwrap();
+    let moe = dir.path().join("tiny-qwen3moe.gguf");
+    SynthSpec::tiny_qwen3moe().write(&moe).unwrap();
+    (dir, [smollm2_path(), moe])
+}
+
 /// Two sequences through one engine (one model, one backend), interleaved step by step, each get the greedy tokens
 /// they get alone: on SmolLM2 (dense) and the synthetic qwen3moe (MoE), f16 and int8 caches.
 #[test]
 fn two_sequences_interleaved_give_each_its_tokens_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let moe = dir.path().join("tiny-qwen3moe.gguf");
-    SynthSpec::tiny_qwen3moe().write(&moe).unwrap();
-    for path in [smollm2_path(), moe] {
+    let (_dir, paths) = dense_and_tiny_moe();
+    for path in paths {
         let model = Model::load(&path).unwrap();
         let a: Vec<u32> = (0..7).map(|i| 300 + i * 37).collect();
         let b: Vec<u32> = (0..61).map(|i| 500 + i * 11).collect();
@@ -437,10 +443,8 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
 /// leaves the other sequence as it was: on SmolLM2 (dense) and the synthetic qwen3moe (MoE), f16 and int8 caches.
 #[test]
 fn a_prefix_taken_from_another_sequence_gives_the_bits_of_computing_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let moe = dir.path().join("tiny-qwen3moe.gguf");
-    SynthSpec::tiny_qwen3moe().write(&moe).unwrap();
-    for path in [smollm2_path(), moe] {
+    let (_dir, paths) = dense_and_tiny_moe();
+    for path in paths {
         interleave::assert_adopted_prefix_equals_computed(&Model::load(&path).unwrap(), &CpuBackend);
     }
 }
@@ -450,10 +454,8 @@ fn a_prefix_taken_from_another_sequence_gives_the_bits_of_computing_it() {
 /// caches, bit for bit (the CPU's matmuls give a token the same bits whatever else the batch holds).
 #[test]
 fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let moe = dir.path().join("tiny-qwen3moe.gguf");
-    SynthSpec::tiny_qwen3moe().write(&moe).unwrap();
-    for path in [smollm2_path(), moe] {
+    let (_dir, paths) = dense_and_tiny_moe();
+    for path in paths {
         let model = Model::load(&path).unwrap();
         for kv in [KvType::F16, KvType::Int8] {
             let d = interleave::assert_batched_steps_equal_alone(&model, &CpuBackend, kv, 0.0);
