@@ -3,7 +3,8 @@
 # (P sequences decoding together as strata serve's batches do), this build (carry/strata) against
 # carry/strata-base in the same call, after the CUDA parity tests of batching (PARITY=0 skips them).
 # Env: DEVICE (default cuda:0), MODEL (default synth:qwen3-30b-a3b), SEQ (default 1,4,8,16,32), GEN (decode tokens, default 64), ARMS
-# (more runs of carry/strata, separated by ";", each a list of VAR=VALUE; default: the experts of steps up to 64
+# (more runs of carry/strata, separated by ";", each a list of VAR=VALUE and --flags for strata bench, e.g.
+# "--batch-invariant"; default: the experts of steps up to 64
 # tokens on the device's routing, per slot and grouped, and grouped with the dense matmuls of up to 64 tokens as
 # matrix-vector products).
 set -u
@@ -16,10 +17,11 @@ if [ "${PARITY:-1}" = 1 ]; then
   carry/cuda_parity --ignored --test-threads 1 --nocapture ${PARITY_TESTS:-grouped_experts batched_decode one_step two_sequences a_prefix_copied} 2>&1 \
     | grep -E "^test |test result|panicked|grouped|largest|differ" | tee "$OUT/parity.txt"
 fi
-arm() { # name, binary, env...
-  local name=$1 bin=$2; shift 2
-  env "$@" "$bin" bench --device "${DEVICE:-cuda:0}" --model "$MODEL" --prompt-tokens 512 --gen-tokens "${GEN:-64}" \
-    --sequences "${SEQ:-1,4,8,16,32}" --reps 2 --llama-bench off > "$OUT/bench-$name.md" 2> "$OUT/bench-$name.log"
+arm() { # name, binary, env and flags...
+  local name=$1 bin=$2 w envs=() flags=(); shift 2
+  for w in "$@"; do case $w in --*) flags+=("$w") ;; *) envs+=("$w") ;; esac; done
+  env "${envs[@]}" "$bin" bench --device "${DEVICE:-cuda:0}" --model "$MODEL" --prompt-tokens 512 --gen-tokens "${GEN:-64}" \
+    --sequences "${SEQ:-1,4,8,16,32}" --reps 2 --llama-bench off "${flags[@]}" > "$OUT/bench-$name.md" 2> "$OUT/bench-$name.log"
   echo "== $name: rc $?"
 }
 # A base binary older than `strata bench --sequences` cannot run these tests: said, and skipped.

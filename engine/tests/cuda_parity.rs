@@ -1138,6 +1138,13 @@ fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
             );
         }
     }
+    // Batch-invariant kernels: the bits of each alone.
+    g.set_batch_invariant(true);
+    for kv in [KvType::F16, KvType::Int8] {
+        interleave::assert_batched_steps_equal_alone(&model, &g, kv, 0.0);
+        println!("batched step, {kv} KV, batch-invariant: the bits of each sequence alone");
+    }
+    g.set_batch_invariant(false);
 }
 
 /// A tiny qwen3moe whose prefill steps stream more experts than the staging slots hold: 32 experts, top-2 (8
@@ -1542,22 +1549,39 @@ impl strata_engine::runtime::generate::TokenSampler for Recording {
     }
 }
 
-/// `prompts` through the continuous-batching scheduler on `g` (one slot each, steps of at most 64 tokens),
-/// `max_tokens` greedy tokens each: each sequence's tokens and the logits of every step it sampled from. Panics
-/// unless some step carried at least four decode tokens.
+/// `prompts` through the continuous-batching scheduler on `g` (one slot each, steps of at most 64 tokens, an f16
+/// cache), `max_tokens` greedy tokens each: each sequence's tokens and the logits of every step it sampled from.
+/// Panics unless some step carried at least four decode tokens.
 fn batched_greedy(
     g: &CudaBackend,
     model: &Model,
     prompts: &[Vec<u32>],
     max_tokens: usize,
 ) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
+    let (tokens, logits, most) = scheduled_greedy(g, model, prompts, max_tokens, KvType::F16);
+    assert!(most >= 4, "the steps never carried four decode tokens");
+    (tokens, logits)
+}
+
+/// Each sequence's logits of every step it sampled from.
+type StepsLogits = Vec<Vec<Vec<f32>>>;
+
+/// [`batched_greedy`] with a cache of type `kv`, and no check on the steps: also returns the most decode tokens a
+/// step carried.
+fn scheduled_greedy(
+    g: &CudaBackend,
+    model: &Model,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    kv: KvType,
+) -> (Vec<Vec<u32>>, StepsLogits, usize) {
     use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher};
     use strata_engine::runtime::generate::GenerateOptions;
     use strata_engine::tokenizer::Tokenizer;
     let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
     let cfg = SessionConfig {
         max_context: 512,
-        kv: KvType::F16,
+        kv,
         prefill_chunk: Some(64),
     };
     let sessions = (0..prompts.len())
@@ -1592,9 +1616,56 @@ fn batched_greedy(
         });
         most = most.max(r.decoding);
     }
-    assert!(most >= 4, "the steps never carried four decode tokens");
     let logits = logs.iter().map(|l| l.lock().unwrap().clone()).collect();
-    (tokens, logits)
+    (tokens, logits, most)
+}
+
+/// With batch-invariant kernels (`--batch-invariant`), six sequences through the continuous-batching scheduler on
+/// CUDA (prompts of 3 to 300 tokens: chunks of 64 mixed with the others' decode tokens, spans past two blocks of
+/// 128 cells) give each the logits bits, hence the tokens, of the same sequence alone through the scheduler:
+/// f16 and int8 caches, the tiny MoE at Q8_0 and with Q4_K experts (the 30B shape's decode kernels). Prints how
+/// many of the steps' logits differ without them.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn batch_invariant_kernels_give_each_sequence_its_bits_alone() {
+    let prompts: Vec<Vec<u32>> = [7u32, 150, 300, 40, 3, 90]
+        .iter()
+        .map(|&n| (0..n).map(|i| 300 + (i * 37 + n) % 1500).collect())
+        .collect();
+    let g = gpu();
+    for (name, spec) in [
+        ("Q8_0", SynthSpec::tiny_qwen3moe()),
+        ("Q4_K experts", cache_test_spec()),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("moe.gguf");
+        spec.write(&path).unwrap();
+        let model = Model::load(&path).unwrap();
+        for kv in [KvType::F16, KvType::Int8] {
+            let compare = |invariant: bool| {
+                g.set_batch_invariant(invariant);
+                let (together, l_together, most) = scheduled_greedy(&g, &model, &prompts, 20, kv);
+                assert!(most >= 4, "the steps never carried four decode tokens");
+                let mut differ = 0;
+                for (i, p) in prompts.iter().enumerate() {
+                    let (alone, l_alone, _) = scheduled_greedy(&g, &model, std::slice::from_ref(p), 20, kv);
+                    assert_eq!(l_alone[0].len(), l_together[i].len(), "sequence {i}: steps");
+                    differ += l_alone[0].iter().zip(&l_together[i]).filter(|(a, b)| a != b).count();
+                    if invariant {
+                        assert_eq!(together[i], alone[0], "{name}, {kv} KV, sequence {i}: tokens");
+                    }
+                }
+                differ
+            };
+            let without = compare(false);
+            let with = compare(true);
+            g.set_batch_invariant(false);
+            println!(
+                "{name}, {kv} KV: steps whose logits differ from alone: {with} of 120 batch-invariant, {without} without"
+            );
+            assert_eq!(with, 0, "{name}, {kv} KV: batch-invariant steps differ from alone");
+        }
+    }
 }
 
 /// Five sequences through the continuous-batching scheduler on CUDA, prompts of 3 to 150 tokens (past one span

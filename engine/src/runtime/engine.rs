@@ -58,6 +58,12 @@ pub struct EngineFlags {
     /// models only; on a GPU each MoE layer then reads its routing back, so decode runs without CUDA graphs.
     #[arg(long)]
     pub dump_routing: Option<PathBuf>,
+    /// Batch-invariant kernels: a sequence gets the same logits bits, hence tokens, alone and inside any batch of
+    /// `strata serve`, on a GPU too (every step's tokens take the kernels of a lone decode step, whose arithmetic
+    /// for one token does not depend on the others'; prompts read slower). The CPU's kernels are batch-invariant
+    /// already. Not with an expert cache or --dump-routing.
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 /// A two-state switch spelled `on` or `off` on the command line.
@@ -199,8 +205,51 @@ impl EngineFlags {
         if let Some(p) = &self.dump_routing {
             a.extend(["--dump-routing".into(), p.display().to_string()]);
         }
+        if self.batch_invariant {
+            a.push("--batch-invariant".into());
+        }
         a
     }
+}
+
+/// `--batch-invariant`: turned on for a GPU ([`crate::backend::cuda::CudaBackend::set_batch_invariant`]) with a
+/// line saying what it costs; on the CPU (and a `sim:` device, whose arithmetic is the CPU's) a line saying the
+/// kernels already are.
+///
+/// Errors: [`EngineError::Plan`] when the GPU keeps an expert cache (its prefill streams experts through the
+/// GEMM) or `--dump-routing` is given (it reads a step's routing back whole, which batch-invariant steps route
+/// in groups).
+fn batch_invariant(backend: &AnyBackend, flags: &EngineFlags) -> Result<(), EngineError> {
+    if !flags.batch_invariant {
+        return Ok(());
+    }
+    let Some(c) = backend.cuda() else {
+        eprintln!(
+            "strata: --batch-invariant: {}'s kernels are batch-invariant already (each token's dot products in one order, whatever the batch): nothing changes",
+            flags.device
+        );
+        return Ok(());
+    };
+    let refuse = |why: String| EngineError::Plan {
+        device: flags.device.clone(),
+        why: format!("--batch-invariant {why}"),
+    };
+    if let Some(cfg) = c.expert_cache_config() {
+        return Err(refuse(format!(
+            "needs every expert in VRAM, and this model's experts go through an expert cache of {} slots (its prompts stream experts through the GEMM, whose order follows the step): leave out --batch-invariant, or give the card room for every expert",
+            cfg.slots
+        )));
+    }
+    if flags.dump_routing.is_some() {
+        return Err(refuse(
+            "and --dump-routing cannot be used together (a batch-invariant step routes its experts in groups; the dump reads a step's routing back whole)".into(),
+        ));
+    }
+    c.set_batch_invariant(true);
+    eprintln!(
+        "strata: --batch-invariant: every step's tokens take a lone decode step's kernels (matrix-vector products, each query's attention over its keys in order), so a sequence's logits are the same bits alone and in any batch; prompts read slower than with the GEMM and tensor-core attention"
+    );
+    Ok(())
 }
 
 /// Why an engine could not be opened; each names the input at fault.
@@ -335,6 +384,7 @@ impl Engine {
             Some(c) => plan_device(c, &mut model, flags, &faults)?,
             None => None,
         };
+        batch_invariant(&backend, flags)?;
         let sim = match &flags.device {
             Device::Sim(name) => {
                 let hold = crate::runtime::sim::open(name, &mut model, flags)?;
@@ -1308,6 +1358,7 @@ mod tests {
                 "3",
                 "--gemm-fallback",
                 "off",
+                "--batch-invariant",
             ],
             vec!["x", "--prefill", "64"],
         ] {

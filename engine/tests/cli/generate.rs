@@ -100,6 +100,22 @@ fn the_same_seed_gives_the_same_text_and_stop_strings_cut_it() {
     );
 }
 
+/// `--batch-invariant` on the CPU says its kernels are batch-invariant already and changes nothing.
+#[test]
+fn batch_invariant_on_the_cpu_says_so_and_changes_nothing() {
+    let args = ["generate", "--prompt", "The capital of France is", "--max-tokens", "12"];
+    let plain = run(&args);
+    let inv = run(&[&args[..], &["--batch-invariant"]].concat());
+    assert!(plain.status.success() && inv.status.success(), "{}", text(&inv.stderr));
+    assert_eq!(text(&inv.stdout), text(&plain.stdout));
+    let err = text(&inv.stderr);
+    assert!(
+        err.contains("--batch-invariant: cpu's kernels are batch-invariant already"),
+        "{err}"
+    );
+    assert!(!text(&plain.stderr).contains("--batch-invariant"));
+}
+
 #[test]
 fn a_prompt_over_the_context_fails_naming_both_counts() {
     let long = "word ".repeat(200);

@@ -18,6 +18,9 @@ const ATTN_SPLIT_KEYS: usize = 128;
 /// heads times the splits would not give every SM two blocks; see [`decode_splits`]), a shorter one runs in one
 /// block per head.
 const DECODE_SPLIT_CELLS: usize = 64;
+/// Most bytes of scores one batch-invariant attention launch stages (its queries' rows over the whole cache, where a
+/// span is too long for shared memory): longer steps take several launches.
+const BATCH_INVARIANT_SCORES: usize = 256 << 20;
 /// Most splits of a decode attention: longer spans give each split more cells.
 const DECODE_MAX_SPLITS: usize = 256;
 
@@ -62,6 +65,71 @@ pub(super) struct DecodeRope {
     neox: bool,
 }
 
+/// One attn_decode launch's arguments (kernels/attention.cu): the queries, caches, scores and output addresses, the
+/// positions (`pos`, one per token row of the grid), the heads' geometry as the kernel takes it, the fused RoPE
+/// ([`DecodeRope`]; all 0: none), the caches it stores the token's key and value into (`kc`, `vc`; 0: none) and the
+/// per-token cache table of a step of several sequences (`kvtab`; 0: none).
+struct DecodeLaunch<'a> {
+    q: u64,
+    k: u64,
+    v: u64,
+    scores: u64,
+    out: u64,
+    pos: u64,
+    p: &'a AttnParams,
+    /// (row bytes, head bytes, type code) of the key and value caches.
+    kgeo: (usize, usize, i32),
+    vgeo: (usize, usize, i32),
+    n_ctx: usize,
+    rope: DecodeRope,
+    kc: u64,
+    vc: u64,
+    kvtab: u64,
+}
+
+/// Launches attn_decode over `n_tok` token rows (grid (heads, n_tok)).
+fn launch_attn_decode(g: &Gpu, n_tok: usize, l: &DecodeLaunch<'_>) -> Result<(), CudaError> {
+    let (p, r) = (l.p, &l.rope);
+    g.launch(
+        "attn_decode",
+        (p.n_head as u32, n_tok as u32, 1),
+        (256, 1, 1),
+        &[
+            Arg::P(l.q),
+            Arg::P(l.k),
+            Arg::P(l.v),
+            Arg::P(l.scores),
+            Arg::P(l.out),
+            Arg::P(l.pos),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.n_head_kv as i32),
+            Arg::I(p.head_dim as i32),
+            Arg::I(p.head_dim_v as i32),
+            Arg::F(p.scale),
+            Arg::I(p.window.unwrap_or(0) as i32),
+            Arg::L(l.kgeo.0 as i64),
+            Arg::I(l.kgeo.1 as i32),
+            Arg::I(l.kgeo.2),
+            Arg::L(l.vgeo.0 as i64),
+            Arg::I(l.vgeo.1 as i32),
+            Arg::I(l.vgeo.2),
+            Arg::I(l.n_ctx as i32),
+            Arg::P(r.kraw),
+            Arg::P(r.vraw),
+            Arg::P(r.qw),
+            Arg::P(r.kw),
+            Arg::F(r.eps),
+            Arg::I(r.n_rot as i32),
+            Arg::F(r.theta_scale),
+            Arg::F(r.freq_scale),
+            Arg::I(r.neox as i32),
+            Arg::P(l.kc),
+            Arg::P(l.vc),
+            Arg::P(l.kvtab),
+        ],
+    )
+}
+
 impl CudaBackend {
     /// [`Backend::attention`], with (`rope`) attn_decode's fused q/k-norm, RoPE and K/V store of one token
     /// ([`Backend::rope_store_attention`]: the caller checked that the step takes attn_decode).
@@ -97,6 +165,23 @@ impl CudaBackend {
             let code = |t: GgmlType| if t == GgmlType::F16 { 0 } else { 1 };
             let pp = s.positions(g, positions)?;
             let n_ctx = kv.k.bytes() / krb;
+            // attn_decode's arguments over this cache, unfused (the launches below set their buffers).
+            let launch = DecodeLaunch {
+                q: q.ptr(),
+                k: kp,
+                v: vp,
+                scores: 0,
+                out: out.ptr(),
+                pos: pp,
+                p,
+                kgeo: (krb, khb, code(kty)),
+                vgeo: (vrb, vhb, code(vty)),
+                n_ctx,
+                rope: DecodeRope::default(),
+                kc: 0,
+                vc: 0,
+                kvtab: 0,
+            };
             // Decode splits by the span (the step's key holds it in blocks of ATTN_SPAN_BLOCK, so a replayed
             // graph's split count and length stay right: both depend on the block count alone); the split buffers
             // are sized for the whole cache, so a longer span allocates nothing and the graphs of shorter ones stay
@@ -108,6 +193,26 @@ impl CudaBackend {
             } else {
                 (1, n_ctx)
             };
+            if s.batch_invariant && rope.is_none() && dk <= 512 && dv <= 256 {
+                // Batch-invariant: every query in its own attn_decode block over its keys in order, whatever the
+                // step's other tokens (no split over the keys, whose count follows the span; no tensor cores,
+                // whose tiles a decode step does not take), in launches of at most BATCH_INVARIANT_SCORES bytes
+                // of scores.
+                let per_tok = p.n_head * n_ctx * 4;
+                let group = (BATCH_INVARIANT_SCORES / per_tok).clamp(1, n_tok.min(65_535));
+                let sp = s.slot(g, Slot::Scores, group * per_tok)?;
+                for t0 in (0..n_tok).step_by(group) {
+                    let l = DecodeLaunch {
+                        q: q.ptr() + (t0 * p.n_head * dk * 4) as u64,
+                        scores: sp,
+                        out: out.ptr() + (t0 * p.n_head * dv * 4) as u64,
+                        pos: pp + (t0 * 4) as u64,
+                        ..launch
+                    };
+                    launch_attn_decode(g, (n_tok - t0).min(group), &l)?;
+                }
+                return Ok(());
+            }
             // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
             // has position-dependent arguments, which a replayed graph must never have. Heads over 512 wide, which
             // neither decode kernel stages, take that path: correct, but their decode steps keep re-recording.)
@@ -192,45 +297,14 @@ impl CudaBackend {
             if decode && dv <= 256 {
                 // Decode over a short cache: one launch whose arguments do not depend on the position.
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
-                let r = rope.unwrap_or_default();
-                return g.launch(
-                    "attn_decode",
-                    (p.n_head as u32, n_tok as u32, 1),
-                    (256, 1, 1),
-                    &[
-                        Arg::P(q.ptr()),
-                        Arg::P(kp),
-                        Arg::P(vp),
-                        Arg::P(sp),
-                        Arg::P(out.ptr()),
-                        Arg::P(pp),
-                        Arg::I(p.n_head as i32),
-                        Arg::I(p.n_head_kv as i32),
-                        Arg::I(dk as i32),
-                        Arg::I(dv as i32),
-                        Arg::F(p.scale),
-                        Arg::I(p.window.unwrap_or(0) as i32),
-                        Arg::L(krb as i64),
-                        Arg::I(khb as i32),
-                        Arg::I(code(kty)),
-                        Arg::L(vrb as i64),
-                        Arg::I(vhb as i32),
-                        Arg::I(code(vty)),
-                        Arg::I(n_ctx as i32),
-                        Arg::P(r.kraw),
-                        Arg::P(r.vraw),
-                        Arg::P(r.qw),
-                        Arg::P(r.kw),
-                        Arg::F(r.eps),
-                        Arg::I(r.n_rot as i32),
-                        Arg::F(r.theta_scale),
-                        Arg::F(r.freq_scale),
-                        Arg::I(r.neox as i32),
-                        Arg::P(if rope.is_some() { kp } else { 0 }),
-                        Arg::P(if rope.is_some() { vp } else { 0 }),
-                        Arg::P(0),
-                    ],
-                );
+                let l = DecodeLaunch {
+                    scores: sp,
+                    rope: rope.unwrap_or_default(),
+                    kc: if rope.is_some() { kp } else { 0 },
+                    vc: if rope.is_some() { vp } else { 0 },
+                    ..launch
+                };
+                return launch_attn_decode(g, n_tok, &l);
             }
             let group = p.n_head / p.n_head_kv;
             // An int8 cache takes the tensor cores behind STRATA_INT8_FLASH (its rows dequantized to f16 tiles in
@@ -427,7 +501,10 @@ impl CudaBackend {
         let (dk, dv) = (p.head_dim, p.head_dim_v);
         // One launch (attn_decode with its q/k-norm, RoPE and K/V store) where a decode step takes attn_decode:
         // one token within the first span block, f16 caches, heads it stages whole in 16-byte rows.
+        // (Not when batch-invariant: the fused kernel's dot product of the token's own key sums in another order
+        // than a prompt's query takes.)
         let fused = positions.len() == 1
+            && !self.lock().batch_invariant
             && (positions[0] as usize) < crate::backend::ATTN_SPAN_BLOCK
             && kv.k.ty() == GgmlType::F16
             && kv.v.ty() == GgmlType::F16
@@ -539,44 +616,33 @@ impl CudaBackend {
             let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
             let qw = s.norm_weights(g, a.norms.0)?;
             let kw = s.norm_weights(g, a.norms.1)?;
-            g.launch(
-                "attn_decode",
-                (p.n_head as u32, n as u32, 1),
-                (256, 1, 1),
-                &[
-                    Arg::P(q.ptr()),
-                    Arg::P(tab[0]),
-                    Arg::P(tab[1]),
-                    Arg::P(sp),
-                    Arg::P(out.ptr()),
-                    Arg::P(pp),
-                    Arg::I(p.n_head as i32),
-                    Arg::I(p.n_head_kv as i32),
-                    Arg::I(dk as i32),
-                    Arg::I(dv as i32),
-                    Arg::F(p.scale),
-                    Arg::I(p.window.unwrap_or(0) as i32),
-                    Arg::L(krb as i64),
-                    Arg::I(khb as i32),
-                    Arg::I(0),
-                    Arg::L(vrb as i64),
-                    Arg::I(vhb as i32),
-                    Arg::I(0),
-                    Arg::I(n_ctx as i32),
-                    Arg::P(k.ptr()),
-                    Arg::P(v.ptr()),
-                    Arg::P(qw),
-                    Arg::P(kw),
-                    Arg::F(a.eps),
-                    Arg::I(rope.n_rot as i32),
-                    Arg::F(rope.theta_scale()),
-                    Arg::F(rope.freq_scale),
-                    Arg::I((rope.kind == RopeKind::Neox) as i32),
-                    Arg::P(tab[0]),
-                    Arg::P(tab[1]),
-                    Arg::P(tp),
-                ],
-            )
+            let l = DecodeLaunch {
+                q: q.ptr(),
+                k: tab[0],
+                v: tab[1],
+                scores: sp,
+                out: out.ptr(),
+                pos: pp,
+                p,
+                kgeo: (krb, khb, 0),
+                vgeo: (vrb, vhb, 0),
+                n_ctx,
+                rope: DecodeRope {
+                    kraw: k.ptr(),
+                    vraw: v.ptr(),
+                    qw,
+                    kw,
+                    eps: a.eps,
+                    n_rot: rope.n_rot,
+                    theta_scale: rope.theta_scale(),
+                    freq_scale: rope.freq_scale,
+                    neox: rope.kind == RopeKind::Neox,
+                },
+                kc: tab[0],
+                vc: tab[1],
+                kvtab: tp,
+            };
+            launch_attn_decode(g, n, &l)
         })());
         true
     }

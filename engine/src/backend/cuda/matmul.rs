@@ -11,6 +11,9 @@ use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
 use crate::quant::GgmlType;
 
+/// Most rows of a grid's second dimension (CUDA's limit): `mmv`'s launches carry a token per row.
+const GRID_Y_MAX: usize = 65_535;
+
 impl Inner {
     /// Matrix-vector products of up to three matrices of one type and width over the same `n_tok` activation
     /// rows (one launch): `ys[i][t][r] = ws[i][r] · x[t]`.
@@ -23,6 +26,17 @@ impl Inner {
     ) -> Result<(), CudaError> {
         assert!((1..=3).contains(&ws.len()), "mmv: one to three matrices");
         let w0 = ws[0].0;
+        if n_tok > GRID_Y_MAX {
+            // A token per block row: launches of at most the grid's rows.
+            for t0 in (0..n_tok).step_by(GRID_Y_MAX) {
+                let at: Vec<(&QMat<'_>, u64, u64)> = ws
+                    .iter()
+                    .map(|&(w, wp, yp)| (w, wp, yp + (t0 * w.rows * 4) as u64))
+                    .collect();
+                self.mmv(gpu, &at, xp + (t0 * w0.cols * 4) as u64, (n_tok - t0).min(GRID_Y_MAX))?;
+            }
+            return Ok(());
+        }
         let mut p = [(0u64, 0u64, 0i32); 3];
         for (i, (w, wp, yp)) in ws.iter().enumerate() {
             p[i] = (*wp, *yp, w.rows as i32);
@@ -71,7 +85,8 @@ impl Inner {
     }
 
     /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens (up to
-    /// `STRATA_MMV_DENSE_TOKENS`, default [`super::MMV_MAX_TOKENS`]), else the GEMM.
+    /// `STRATA_MMV_DENSE_TOKENS`, default [`super::MMV_MAX_TOKENS`]) and for every step when batch-invariant,
+    /// else the GEMM.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_dev(
         &mut self,
@@ -83,7 +98,7 @@ impl Inner {
         yp: u64,
     ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows, w.cols);
-        if n_tok <= self.mmv_dense_tokens {
+        if n_tok <= self.mmv_dense_tokens || self.batch_invariant {
             return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);
         }
         if !self.blas_failed {

@@ -222,6 +222,9 @@ struct Inner {
     /// step's (`STRATA_MMV_DENSE_TOKENS`, read at start, at least [`MMV_MAX_TOKENS`], at most
     /// [`MOE_DEVICE_TOKENS_MAX`]); larger steps take the GEMM.
     mmv_dense_tokens: usize,
+    /// `--batch-invariant`: every step's tokens take the kernels of a lone decode step, each token's arithmetic
+    /// in one order whatever else the step carries ([`CudaBackend::set_batch_invariant`]).
+    batch_invariant: bool,
     /// Per layer, its router when `router_route` routes it, once a step has run the layer: the device address of
     /// the f32 matrix and its shape (rows = experts, columns = width; `(0, 0, 0)`: not known). What the expert
     /// prefetch applies ahead of the layer.
@@ -382,6 +385,7 @@ impl CudaBackend {
                 moe_device_tokens,
                 step_sequences: 1,
                 mmv_dense_tokens,
+                batch_invariant: false,
                 routers: Vec::new(),
             }),
             cpu: CpuBackend,
@@ -413,6 +417,28 @@ impl CudaBackend {
     /// to 1..=[`MOE_DEVICE_TOKENS_MAX`] (`STRATA_MOE_DEVICE_TOKENS`, read at start; tests set it).
     pub fn set_moe_device_tokens(&self, n: usize) {
         self.lock().moe_device_tokens = n.clamp(1, MOE_DEVICE_TOKENS_MAX);
+    }
+
+    /// Batch-invariant kernels (`--batch-invariant`; off by default): each token of every step takes the kernels
+    /// of a lone decode step, whose arithmetic for one token does not depend on the step's other tokens, so a
+    /// sequence gets the same logits bits alone and inside any batch of other sequences, whatever its prompt's
+    /// chunks. Dense matrices (the output head included) and experts run as matrix-vector products (no GEMM: the
+    /// library picks its tiling and split by the step's size), experts on the device's routing in groups of up
+    /// to `STRATA_MOE_DEVICE_TOKENS` tokens, and every query attends in one attn_decode block over its keys in
+    /// order (no split over the keys, which depends on the span; no fused RoPE, whose dot products sum in another
+    /// order; no tensor-core prefill attention). Prompts read slower: `strata bench --batch-invariant` measures
+    /// it. An expert cache is outside the guarantee (its prefill streams experts through the GEMM): the engine
+    /// refuses the two together.
+    ///
+    /// Source: the batch-invariant kernels of "Defeating Nondeterminism in LLM Inference" (He and Thinking
+    /// Machines, 2025): a reduction order fixed per token, not per batch.
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.lock().batch_invariant = on;
+    }
+
+    /// Whether [`CudaBackend::set_batch_invariant`] is on.
+    pub fn batch_invariant(&self) -> bool {
+        self.lock().batch_invariant
     }
 
     /// The device and how its kernels were obtained.
@@ -876,7 +902,9 @@ impl Backend for CudaBackend {
 
     fn matmul_many(&self, ws: &[QMat<'_>], x: &DevVec, n_tok: usize, outs: &mut [&mut DevVec]) {
         assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
-        let fusable = n_tok <= MMV_MAX_TOKENS
+        // Batch-invariant steps fuse at every size, so each matrix takes the same kernel (chosen by the launch's
+        // rows) whatever the step's tokens.
+        let fusable = (n_tok <= MMV_MAX_TOKENS || self.lock().batch_invariant)
             && (1..=3).contains(&ws.len())
             && ws
                 .iter()
@@ -1000,7 +1028,10 @@ impl Backend for CudaBackend {
     ) {
         let runs = layout.runs();
         let nd = runs.iter().take_while(|r| r.len == 1).count();
-        let rest = if self.batch_attention.load(std::sync::atomic::Ordering::Relaxed)
+        // Batch-invariant steps attend run by run: the batched launch fuses each token's RoPE (another order).
+        let invariant = self.lock().batch_invariant;
+        let rest = if !invariant
+            && self.batch_attention.load(std::sync::atomic::Ordering::Relaxed)
             && self.attend_decode_runs(q, k, v, kvs, layer, &runs[..nd], layout.positions(), a, out)
         {
             &runs[nd..]

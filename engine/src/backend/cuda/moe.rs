@@ -23,8 +23,10 @@ impl Inner {
     /// the decode kernels' [`MMV_MAX_TOKENS`] (its staging slots are sized for them); for one sequence the same,
     /// so its logits are the same bits with a cache and without; for a step of several sequences without a
     /// cache, the `STRATA_MOE_DEVICE_TOKENS` setting, within what the group table takes (`k` experts per token).
+    /// Batch-invariant steps take the device's routing at every size without a cache, in groups of this many
+    /// ([`CudaBackend::set_batch_invariant`]).
     fn device_routed_tokens(&self, cached: bool, k: usize) -> usize {
-        if cached || self.step_sequences <= 1 {
+        if cached || (self.step_sequences <= 1 && !self.batch_invariant) {
             MMV_MAX_TOKENS
         } else {
             self.moe_device_tokens.min(MOE_GROUP_MAX_SLOTS / k.max(1)).max(1)
@@ -91,9 +93,19 @@ impl CudaBackend {
         let g = &*self.gpu;
         let mut s = self.lock();
         s.moe_on_host = false;
+        // Batch-invariant: every token on the device's routing, in groups it takes.
+        let group = match s.batch_invariant {
+            true => s.device_routed_tokens(s.experts.is_some(), k),
+            false => n_tok,
+        };
         Self::check((|| {
-            s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
-            s.moe_dispatch(g, ex, x.ptr(), n_tok, k, normalize, MoeSum::Out(out.ptr()))
+            for t0 in (0..n_tok).step_by(group) {
+                let n = (n_tok - t0).min(group);
+                s.moe_route(g, logits.at(t0 * ex.n_expert), n, ex.n_expert, k, normalize)?;
+                let sum = MoeSum::Out(out.at(t0 * n_embd));
+                s.moe_dispatch(g, ex, x.at(t0 * n_embd), n, k, normalize, sum)?;
+            }
+            Ok(())
         })());
     }
 
@@ -115,11 +127,11 @@ impl CudaBackend {
         scratch: &mut MoeScratch,
     ) {
         let n_embd = ex.gate.cols;
-        let device_tokens = {
+        let (device_tokens, invariant) = {
             let s = self.lock();
-            s.device_routed_tokens(s.experts.is_some(), k)
+            (s.device_routed_tokens(s.experts.is_some(), k), s.batch_invariant)
         };
-        if n_tok > device_tokens || !moe_on_device(ex) {
+        if (n_tok > device_tokens && !invariant) || !moe_on_device(ex) {
             return crate::backend::moe_add_rms_norm_steps(
                 self, router, ex, logits, h, n_tok, k, normalize, tmp, x, norm, eps, scratch,
             );
@@ -145,33 +157,40 @@ impl CudaBackend {
         s.moe_on_host = false;
         Self::check((|| {
             let w = s.norm_weights(g, norm)?;
-            if routed_by_router {
-                let rw = s.weights.device_ptr(&g.stream, router.data)?;
-                if s.routers.len() <= ex.layer {
-                    s.routers.resize(ex.layer + 1, (0, 0, 0));
+            // Batch-invariant steps of more tokens than the device's routing takes run in groups of them (each
+            // token's arithmetic is the same in any group).
+            for t0 in (0..n_tok).step_by(device_tokens) {
+                let n = (n_tok - t0).min(device_tokens);
+                let (hp, lp) = (h.at(t0 * n_embd), logits.at(t0 * ex.n_expert));
+                if routed_by_router {
+                    let rw = s.weights.device_ptr(&g.stream, router.data)?;
+                    if s.routers.len() <= ex.layer {
+                        s.routers.resize(ex.layer + 1, (0, 0, 0));
+                    }
+                    s.routers[ex.layer] = (rw, router.rows, router.cols);
+                    let ids = s.slot(g, Slot::MoeIds, n * k * 4)?;
+                    let wts = s.slot(g, Slot::MoeW, n * k * 4)?;
+                    let route = RouterRoute {
+                        router: rw,
+                        x: hp,
+                        n_tok: n,
+                        logits: lp,
+                        ids,
+                        wts,
+                    };
+                    s.router_route(g, &route, ex.n_expert, n_embd, k, normalize)?;
+                } else {
+                    s.moe_route(g, lp, n, ex.n_expert, k, normalize)?;
                 }
-                s.routers[ex.layer] = (rw, router.rows, router.cols);
-                let ids = s.slot(g, Slot::MoeIds, n_tok * k * 4)?;
-                let wts = s.slot(g, Slot::MoeW, n_tok * k * 4)?;
-                let route = RouterRoute {
-                    router: rw,
-                    x: h.ptr(),
-                    n_tok,
-                    logits: logits.ptr(),
-                    ids,
-                    wts,
+                let sum = MoeSum::AddNorm {
+                    x: x.at(t0 * n_embd),
+                    h: hp,
+                    w,
+                    eps,
                 };
-                s.router_route(g, &route, ex.n_expert, n_embd, k, normalize)?;
-            } else {
-                s.moe_route(g, logits.ptr(), n_tok, ex.n_expert, k, normalize)?;
+                s.moe_dispatch(g, ex, hp, n, k, normalize, sum)?;
             }
-            let sum = MoeSum::AddNorm {
-                x: x.ptr(),
-                h: h.ptr(),
-                w,
-                eps,
-            };
-            s.moe_dispatch(g, ex, h.ptr(), n_tok, k, normalize, sum)
+            Ok(())
         })());
     }
 }
