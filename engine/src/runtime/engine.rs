@@ -153,6 +153,7 @@ impl EngineFlags {
     /// [`EngineError::RoutingTrace`], [`EngineError::ExpertProfile`], [`EngineError::DumpRouting`]; the model
     /// cannot be read.
     pub fn check_routing_trace(&self, model: &std::path::Path) -> Result<Option<RoutingReplay>, EngineError> {
+        self.check_batch_invariant()?;
         self.check_routing_device()?;
         self.check_expert_flags()?;
         let ef = &self.plan.experts;
@@ -189,6 +190,29 @@ impl EngineFlags {
         Ok(replay)
     }
 
+    /// `--batch-invariant` with a flag whose routing it cannot keep invariant: `--dump-routing` (it reads a step's
+    /// routing back whole, which batch-invariant steps route in groups) or `--routing-trace` (its experts follow
+    /// the order of the steps' tokens, not each token's own).
+    ///
+    /// Errors: [`EngineError::Plan`] naming both flags.
+    pub fn check_batch_invariant(&self) -> Result<(), EngineError> {
+        let with = match (&self.dump_routing, &self.plan.experts.routing_trace) {
+            // The CPU's kernels are invariant already: the flag changes nothing there.
+            _ if !self.batch_invariant || !matches!(self.device, Device::Cuda(_)) => return Ok(()),
+            (Some(_), _) => {
+                "--dump-routing (it reads a step's routing back whole; batch-invariant steps route their experts in groups)"
+            }
+            (None, Some(_)) => {
+                "--routing-trace (a trace's experts follow the order of the steps' tokens, so they depend on the batch)"
+            }
+            (None, None) => return Ok(()),
+        };
+        Err(EngineError::Plan {
+            device: self.device.clone(),
+            why: format!("--batch-invariant cannot be used with {with}"),
+        })
+    }
+
     /// The flags as command-line arguments (for `strata worker`): parsing them back gives these flags.
     pub fn to_args(&self) -> Vec<String> {
         let mut a = vec![
@@ -216,10 +240,10 @@ impl EngineFlags {
 /// line saying what it costs; on the CPU (and a `sim:` device, whose arithmetic is the CPU's) a line saying the
 /// kernels already are.
 ///
-/// Errors: [`EngineError::Plan`] when the GPU keeps an expert cache (its prefill streams experts through the
-/// GEMM) or `--dump-routing` is given (it reads a step's routing back whole, which batch-invariant steps route
-/// in groups).
-fn batch_invariant(backend: &AnyBackend, flags: &EngineFlags) -> Result<(), EngineError> {
+/// Errors: [`EngineError::Plan`] when the GPU keeps an expert cache (misses the CPU computes take the CPU's
+/// arithmetic), or the model's heads are wider than the decode attention kernel stages (keys over 512 values,
+/// values over 256). (The flags it cannot be used with were checked: [`EngineFlags::check_batch_invariant`].)
+fn batch_invariant(backend: &AnyBackend, flags: &EngineFlags, hp: &crate::model::HParams) -> Result<(), EngineError> {
     if !flags.batch_invariant {
         return Ok(());
     }
@@ -236,14 +260,15 @@ fn batch_invariant(backend: &AnyBackend, flags: &EngineFlags) -> Result<(), Engi
     };
     if let Some(cfg) = c.expert_cache_config() {
         return Err(refuse(format!(
-            "needs every expert in VRAM, and this model's experts go through an expert cache of {} slots (its prompts stream experts through the GEMM, whose order follows the step): leave out --batch-invariant, or give the card room for every expert",
+            "needs every expert in VRAM, and this model's experts go through an expert cache of {} slots (misses the CPU computes take its arithmetic, not the GPU's): leave out --batch-invariant, or give the card room for every expert",
             cfg.slots
         )));
     }
-    if flags.dump_routing.is_some() {
-        return Err(refuse(
-            "and --dump-routing cannot be used together (a batch-invariant step routes its experts in groups; the dump reads a step's routing back whole)".into(),
-        ));
+    let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
+    if dk > 512 || dv > 256 {
+        return Err(refuse(format!(
+            "needs heads its decode attention kernel stages whole (keys of at most 512 values, values of at most 256); this model's are {dk} and {dv}"
+        )));
     }
     c.set_batch_invariant(true);
     eprintln!(
@@ -384,7 +409,7 @@ impl Engine {
             Some(c) => plan_device(c, &mut model, flags, &faults)?,
             None => None,
         };
-        batch_invariant(&backend, flags)?;
+        batch_invariant(&backend, flags, &model.hp)?;
         let sim = match &flags.device {
             Device::Sim(name) => {
                 let hold = crate::runtime::sim::open(name, &mut model, flags)?;
@@ -1375,6 +1400,26 @@ mod tests {
             let bad = Cli::try_parse_from(["x", flag, v]).err().unwrap().to_string();
             assert!(bad.contains(flag), "{bad}");
         }
+    }
+
+    #[test]
+    fn batch_invariant_refuses_the_routing_flags_on_a_gpu_alone() {
+        let check = |args: &[&str]| {
+            let a = Cli::parse_from([&["x", "--batch-invariant"], args].concat()).flags;
+            a.check_batch_invariant().map_err(|e| e.to_string())
+        };
+        let dump = check(&["--device", "cuda:0", "--dump-routing", "r.jsonl"]).unwrap_err();
+        assert!(
+            dump.contains("--batch-invariant cannot be used with --dump-routing"),
+            "{dump}"
+        );
+        let trace = check(&["--device", "cuda:0", "--routing-trace", "synth:locality"]).unwrap_err();
+        assert!(trace.contains("with --routing-trace"), "{trace}");
+        assert!(check(&["--device", "cuda:0"]).is_ok());
+        // The CPU's kernels are invariant already: nothing to refuse.
+        assert!(check(&["--dump-routing", "r.jsonl"]).is_ok());
+        let off = Cli::parse_from(["x", "--device", "cuda:0", "--dump-routing", "r.jsonl"]).flags;
+        assert!(off.check_batch_invariant().is_ok());
     }
 
     #[test]

@@ -20,7 +20,10 @@ const ATTN_SPLIT_KEYS: usize = 128;
 const DECODE_SPLIT_CELLS: usize = 64;
 /// Most bytes of scores one batch-invariant attention launch stages (its queries' rows over the whole cache, where a
 /// span is too long for shared memory): longer steps take several launches.
-const BATCH_INVARIANT_SCORES: usize = 256 << 20;
+pub(super) const BATCH_INVARIANT_SCORES: usize = 256 << 20;
+/// Keys attn_decode keeps in shared memory (kernels/attention.cu `ATTN_DEC_KEYS`): a query over no more stages no
+/// scores in global memory.
+const ATTN_DEC_KEYS: usize = 1024;
 /// Most splits of a decode attention: longer spans give each split more cells.
 const DECODE_MAX_SPLITS: usize = 256;
 
@@ -197,10 +200,14 @@ impl CudaBackend {
                 // Batch-invariant: every query in its own attn_decode block over its keys in order, whatever the
                 // step's other tokens (no split over the keys, whose count follows the span; no tensor cores,
                 // whose tiles a decode step does not take), in launches of at most BATCH_INVARIANT_SCORES bytes
-                // of scores.
+                // of scores (none where every span fits shared memory, unless one token: a decode step's
+                // arguments stay the same at every position, so its graph replays).
                 let per_tok = p.n_head * n_ctx * 4;
-                let group = (BATCH_INVARIANT_SCORES / per_tok).clamp(1, n_tok.min(65_535));
-                let sp = s.slot(g, Slot::Scores, group * per_tok)?;
+                let group = (s.bi_scores / per_tok).clamp(1, n_tok.min(65_535));
+                let sp = match n_tok > 1 && n_keys <= ATTN_DEC_KEYS {
+                    true => 0,
+                    false => s.slot(g, Slot::Scores, group * per_tok)?,
+                };
                 for t0 in (0..n_tok).step_by(group) {
                     let l = DecodeLaunch {
                         q: q.ptr() + (t0 * p.n_head * dk * 4) as u64,

@@ -52,6 +52,12 @@ impl Gpu {
         self.raw_launch(kernel, grid, block, args)
     }
 
+    /// Drops every recorded graph: a setting that changes a step's kernels was changed, and a whole-step replay
+    /// ([`Gpu::can_replay`]) of a graph recorded before must not run the old ones.
+    pub(super) fn forget_graphs(&self) {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).graphs.clear();
+    }
+
     /// Decode steps run their launches one by one from now on (a sticky fault counts every launch).
     pub(super) fn graphs_off(&self) {
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).enabled = false;

@@ -225,6 +225,8 @@ struct Inner {
     /// `--batch-invariant`: every step's tokens take the kernels of a lone decode step, each token's arithmetic
     /// in one order whatever else the step carries ([`CudaBackend::set_batch_invariant`]).
     batch_invariant: bool,
+    /// [`CudaBackend::set_batch_invariant_scores`].
+    bi_scores: usize,
     /// Per layer, its router when `router_route` routes it, once a step has run the layer: the device address of
     /// the f32 matrix and its shape (rows = experts, columns = width; `(0, 0, 0)`: not known). What the expert
     /// prefetch applies ahead of the layer.
@@ -386,6 +388,7 @@ impl CudaBackend {
                 step_sequences: 1,
                 mmv_dense_tokens,
                 batch_invariant: false,
+                bi_scores: attention::BATCH_INVARIANT_SCORES,
                 routers: Vec::new(),
             }),
             cpu: CpuBackend,
@@ -427,13 +430,24 @@ impl CudaBackend {
     /// to `STRATA_MOE_DEVICE_TOKENS` tokens, and every query attends in one attn_decode block over its keys in
     /// order (no split over the keys, which depends on the span; no fused RoPE, whose dot products sum in another
     /// order; no tensor-core prefill attention). Prompts read slower: `strata bench --batch-invariant` measures
-    /// it. An expert cache is outside the guarantee (its prefill streams experts through the GEMM): the engine
-    /// refuses the two together.
+    /// it. Recorded decode graphs are dropped, so none recorded under the other setting replays. Outside the
+    /// guarantee, which the engine refuses together with it: an expert cache (misses the CPU computes take its
+    /// arithmetic), a routing dump (it reads a step's routing back whole, which these steps route in groups), a
+    /// routing trace (its experts follow the order of the steps' tokens), heads wider than attn_decode stages
+    /// (`head_dim` over 512 or `head_dim_v` over 256).
     ///
     /// Source: the batch-invariant kernels of "Defeating Nondeterminism in LLM Inference" (He and Thinking
     /// Machines, 2025): a reduction order fixed per token, not per batch.
     pub fn set_batch_invariant(&self, on: bool) {
         self.lock().batch_invariant = on;
+        self.gpu.forget_graphs();
+    }
+
+    /// Most bytes of scores a batch-invariant attention launch stages for queries whose spans pass shared memory
+    /// (default [`attention::BATCH_INVARIANT_SCORES`], 256 MiB; longer steps take several launches). Tests make
+    /// it small to run several.
+    pub fn set_batch_invariant_scores(&self, bytes: usize) {
+        self.lock().bi_scores = bytes.max(1);
     }
 
     /// Whether [`CudaBackend::set_batch_invariant`] is on.
