@@ -276,21 +276,25 @@ extern "C" __global__ void moe_combine_add_rms_norm(const float* __restrict__ d,
 // rms_norm_row per head, then rope_token). One warp per head row: rows 0 .. n_tok * n_head - 1 are the queries,
 // the next n_tok * n_head_kv the keys. With kc given (an f16 KV cache), the rotated keys also go to the cache at
 // their positions and n_tok * n_head_kv more rows copy the value heads (vsrc, dv wide) into vc, so the keys and
-// values are stored in the same launch (cpu: store_kv). Grid ceil(rows / 8), block 256.
+// values are stored in the same launch (cpu: store_kv); with kvtab too (a step of several sequences), token t's
+// key and value go to its own sequence's caches kvtab[2t] and kvtab[2t + 1] instead (kc only says to store).
+// Grid ceil(rows / 8), block 256.
 extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ qw,
                                         const float* __restrict__ kw, const unsigned int* __restrict__ pos,
                                         int n_tok, int n_head, int n_head_kv, int head_dim, float eps, int n_rot,
-                                        float theta_scale, float freq_scale, int neox, u16* __restrict__ kc,
-                                        const float* __restrict__ vsrc, u16* __restrict__ vc, int dv) {
+                                        float theta_scale, float freq_scale, int neox, u16* kc,
+                                        const float* __restrict__ vsrc, u16* vc, int dv,
+                                        const unsigned long long* __restrict__ kvtab) {
     pdl_enter();
     long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     long long nq = (long long)n_tok * n_head, nk = (long long)n_tok * n_head_kv;
     if (kc && r >= nq + nk && r < nq + 2 * nk) {
-        // A value head, straight into the f16 cache.
+        // A value head, straight into the f16 cache (token t's own with kvtab).
         long long j = r - nq - nk;
         int t = (int)(j / n_head_kv), hv = (int)(j % n_head_kv);
         const float* src = vsrc + j * dv;
+        if (kvtab) vc = (u16*)kvtab[2 * t + 1];
         u16* dst = vc + ((long long)pos[t] * n_head_kv + hv) * dv;
         for (int i = lane; i < dv; i += 32) dst[i] = f2h(src[i]);
         return;
@@ -304,6 +308,7 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
         // The rotated key, into the f16 cache too.
         long long j = r - nq;
         int hk = (int)(j % n_head_kv);
+        if (kvtab) kc = (u16*)kvtab[2 * t];
         u16* dst = kc + ((long long)pos[t] * n_head_kv + hk) * head_dim;
         for (int i = lane; i < head_dim; i += 32) dst[i] = f2h(v[i]);
     }

@@ -133,6 +133,62 @@ fn launch_attn_decode(g: &Gpu, n_tok: usize, l: &DecodeLaunch<'_>) -> Result<(),
     )
 }
 
+/// One qk_norm_rope launch's arguments (kernels/elementwise.cu): the queries and keys (rotated in place), the
+/// norms' weights (0: none), the positions, and, with `kc` (0: no store), the f16 caches the keys and the values
+/// (`vsrc`, `dv` wide) go to: `kc` and `vc`, or each token's own with `kvtab` (a step of several sequences).
+struct QkNormRope {
+    q: u64,
+    k: u64,
+    qw: u64,
+    kw: u64,
+    pos: u64,
+    n_tok: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    eps: f32,
+    rope: RopeParams,
+    kc: u64,
+    vsrc: u64,
+    vc: u64,
+    dv: usize,
+    kvtab: u64,
+}
+
+/// Launches qk_norm_rope: a warp per query and key head row, and per value head row when it stores.
+fn launch_qk_norm_rope(g: &Gpu, l: &QkNormRope) -> Result<(), CudaError> {
+    let mut rows = l.n_tok * (l.n_head + l.n_head_kv);
+    if l.kc != 0 {
+        rows += l.n_tok * l.n_head_kv;
+    }
+    g.launch(
+        "qk_norm_rope",
+        (rows.div_ceil(8) as u32, 1, 1),
+        (256, 1, 1),
+        &[
+            Arg::P(l.q),
+            Arg::P(l.k),
+            Arg::P(l.qw),
+            Arg::P(l.kw),
+            Arg::P(l.pos),
+            Arg::I(l.n_tok as i32),
+            Arg::I(l.n_head as i32),
+            Arg::I(l.n_head_kv as i32),
+            Arg::I(l.head_dim as i32),
+            Arg::F(l.eps),
+            Arg::I(l.rope.n_rot as i32),
+            Arg::F(l.rope.theta_scale()),
+            Arg::F(l.rope.freq_scale),
+            Arg::I((l.rope.kind == RopeKind::Neox) as i32),
+            Arg::P(l.kc),
+            Arg::P(l.vsrc),
+            Arg::P(l.vc),
+            Arg::I(l.dv as i32),
+            Arg::P(l.kvtab),
+        ],
+    )
+}
+
 impl CudaBackend {
     /// [`Backend::attention`], with (`rope`) attn_decode's fused q/k-norm, RoPE and K/V store of one token
     /// ([`Backend::rope_store_attention`]: the caller checked that the step takes attn_decode).
@@ -447,12 +503,10 @@ impl CudaBackend {
         }
         let g = &*self.gpu;
         let mut s = self.lock();
-        let theta_scale = p.theta_scale();
         Self::check((|| {
             let qw = s.norm_weights(g, norms.0)?;
             let kw = s.norm_weights(g, norms.1)?;
             let pp = s.positions(g, positions)?;
-            let mut rows = n_tok * (n_head + n_head_kv);
             let (mut kc, mut vp, mut vc, mut dv) = (0, 0, 0, 0);
             if let Some((v, kv)) = store {
                 dv = kv.v.head_dim();
@@ -460,33 +514,26 @@ impl CudaBackend {
                 kc = s.kv_twin(g, &kv.k)?.0;
                 vc = s.kv_twin(g, &kv.v)?.0;
                 vp = v.ptr();
-                rows += n_tok * n_head_kv;
             }
-            g.launch(
-                "qk_norm_rope",
-                (rows.div_ceil(8) as u32, 1, 1),
-                (256, 1, 1),
-                &[
-                    Arg::P(q.ptr()),
-                    Arg::P(k.ptr()),
-                    Arg::P(qw),
-                    Arg::P(kw),
-                    Arg::P(pp),
-                    Arg::I(n_tok as i32),
-                    Arg::I(n_head as i32),
-                    Arg::I(n_head_kv as i32),
-                    Arg::I(head_dim as i32),
-                    Arg::F(eps),
-                    Arg::I(p.n_rot as i32),
-                    Arg::F(theta_scale),
-                    Arg::F(p.freq_scale),
-                    Arg::I((p.kind == RopeKind::Neox) as i32),
-                    Arg::P(kc),
-                    Arg::P(vp),
-                    Arg::P(vc),
-                    Arg::I(dv as i32),
-                ],
-            )
+            let l = QkNormRope {
+                q: q.ptr(),
+                k: k.ptr(),
+                qw,
+                kw,
+                pos: pp,
+                n_tok,
+                n_head,
+                n_head_kv,
+                head_dim,
+                eps,
+                rope: *p,
+                kc,
+                vsrc: vp,
+                vc,
+                dv,
+                kvtab: 0,
+            };
+            launch_qk_norm_rope(g, &l)
         })());
     }
 
@@ -557,14 +604,16 @@ impl CudaBackend {
 impl CudaBackend {
     /// The decode tokens of a step of several sequences in one attn_decode launch (continuous batching): `runs`
     /// are one-token runs at rows 0..runs.len() of `q`, `k`, `v` and `out`, each over layer `layer` of its own
-    /// sequence's cache `kvs[run.seq]`, with attn_decode's fused q/k-norm, RoPE and K/V store. Returns false
-    /// (nothing done) where that launch does not apply: a query scale (gemma3), caches that are not f16, heads it
-    /// does not stage, or fewer than two runs; the caller then attends run by run.
+    /// sequence's cache `kvs[run.seq]`, with attn_decode's fused q/k-norm, RoPE and K/V store; `invariant`
+    /// (batch-invariant steps), with the q/k-norm, RoPE and K/V store of a lone step's qk_norm_rope launch first
+    /// (into each token's own caches) and attn_decode unfused, each token's arithmetic that of its step alone.
+    /// Returns false (nothing done) where that launch does not apply: a query scale (gemma3), caches that are not
+    /// f16, heads it does not stage, or fewer than two runs; the caller then attends run by run.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attend_decode_runs(
         &self,
-        q: &DevVec,
-        k: &DevVec,
+        q: &mut DevVec,
+        k: &mut DevVec,
         v: &DevVec,
         kvs: &mut [&mut crate::state::kv::KvCache],
         layer: usize,
@@ -572,6 +621,7 @@ impl CudaBackend {
         positions: &[u32],
         a: &crate::backend::AttnOp<'_>,
         out: &mut DevVec,
+        invariant: bool,
     ) -> bool {
         let p = &a.params;
         let (dk, dv, n) = (p.head_dim, p.head_dim_v, runs.len());
@@ -623,7 +673,7 @@ impl CudaBackend {
             let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
             let qw = s.norm_weights(g, a.norms.0)?;
             let kw = s.norm_weights(g, a.norms.1)?;
-            let l = DecodeLaunch {
+            let mut l = DecodeLaunch {
                 q: q.ptr(),
                 k: tab[0],
                 v: tab[1],
@@ -649,6 +699,28 @@ impl CudaBackend {
                 vc: tab[1],
                 kvtab: tp,
             };
+            if invariant {
+                let store = QkNormRope {
+                    q: q.ptr(),
+                    k: k.ptr(),
+                    qw,
+                    kw,
+                    pos: pp,
+                    n_tok: n,
+                    n_head: p.n_head,
+                    n_head_kv: p.n_head_kv,
+                    head_dim: dk,
+                    eps: a.eps,
+                    rope: *rope,
+                    kc: tab[0],
+                    vsrc: v.ptr(),
+                    vc: tab[1],
+                    dv,
+                    kvtab: tp,
+                };
+                launch_qk_norm_rope(g, &store)?;
+                (l.rope, l.kc, l.vc) = (DecodeRope::default(), 0, 0);
+            }
             launch_attn_decode(g, n, &l)
         })());
         true

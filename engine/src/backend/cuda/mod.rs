@@ -1042,11 +1042,10 @@ impl Backend for CudaBackend {
     ) {
         let runs = layout.runs();
         let nd = runs.iter().take_while(|r| r.len == 1).count();
-        // Batch-invariant steps attend run by run: the batched launch fuses each token's RoPE (another order).
+        // Batch-invariant steps store and rotate first, then attend unfused, as their steps alone do.
         let invariant = self.lock().batch_invariant;
-        let rest = if !invariant
-            && self.batch_attention.load(std::sync::atomic::Ordering::Relaxed)
-            && self.attend_decode_runs(q, k, v, kvs, layer, &runs[..nd], layout.positions(), a, out)
+        let rest = if self.batch_attention.load(std::sync::atomic::Ordering::Relaxed)
+            && self.attend_decode_runs(q, k, v, kvs, layer, &runs[..nd], layout.positions(), a, out, invariant)
         {
             &runs[nd..]
         } else {
