@@ -85,7 +85,7 @@ impl Inner {
     }
 
     /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens (up to
-    /// `STRATA_MMV_DENSE_TOKENS`, default [`super::MMV_MAX_TOKENS`]) and for every step when batch-invariant,
+    /// `STRATA_MMV_DENSE_TOKENS`, default [`super::MMV_DENSE_TOKENS`]) and for every step when batch-invariant,
     /// else the GEMM.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_dev(

@@ -75,6 +75,11 @@ use weights::{ResidentStore, WeightStore};
 
 /// Most tokens a matmul runs as matrix-vector products; larger batches use the GEMM.
 const MMV_MAX_TOKENS: usize = 4;
+/// Most tokens a dense matmul runs as matrix-vector products by default (`STRATA_MMV_DENSE_TOKENS`): each token
+/// reads the matrix again (from L2 when it fits), where the GEMM first writes an f16 copy of it; measured on an
+/// H100 with the 30B shape's 10 MB of dense weights a layer, 8 is faster than 4 at 8 tokens and 16 slower at 16
+/// (`reports/2026-12-05-h100-batch-invariant.md`).
+const MMV_DENSE_TOKENS: usize = 8;
 
 /// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
@@ -368,7 +373,7 @@ impl CudaBackend {
             crate::switches::MMV_DENSE_TOKENS,
             MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
         )
-        .unwrap_or(MMV_MAX_TOKENS);
+        .unwrap_or(MMV_DENSE_TOKENS);
         Ok(CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
