@@ -460,6 +460,13 @@ impl CudaBackend {
         self.lock().batch_invariant
     }
 
+    /// The most tokens a dense matmul runs as matrix-vector products, `n` clamped to
+    /// [`MMV_MAX_TOKENS`]..=[`MOE_DEVICE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start, default 8; tests
+    /// set it).
+    pub fn set_mmv_dense_tokens(&self, n: usize) {
+        self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MOE_DEVICE_TOKENS_MAX);
+    }
+
     /// The device and how its kernels were obtained.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
