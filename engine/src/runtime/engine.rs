@@ -61,7 +61,7 @@ pub struct EngineFlags {
     /// Batch-invariant kernels: a sequence gets the same logits bits, hence tokens, alone and inside any batch of
     /// `strata serve`, on a GPU too (every step's tokens take the kernels of a lone decode step, whose arithmetic
     /// for one token does not depend on the others'; prompts read slower). The CPU's kernels are batch-invariant
-    /// already. Not with an expert cache or --dump-routing.
+    /// already. Not with an expert cache, --dump-routing or --routing-trace on a GPU.
     #[arg(long)]
     pub batch_invariant: bool,
 }
