@@ -68,6 +68,23 @@ pub(super) struct DecodeRope {
     neox: bool,
 }
 
+impl DecodeRope {
+    /// The fused launch's arguments: raw keys and values at `kraw` / `vraw`, the norms' weights at `qw` / `kw`.
+    fn fused(kraw: u64, vraw: u64, qw: u64, kw: u64, eps: f32, rope: &RopeParams) -> DecodeRope {
+        DecodeRope {
+            kraw,
+            vraw,
+            qw,
+            kw,
+            eps,
+            n_rot: rope.n_rot,
+            theta_scale: rope.theta_scale(),
+            freq_scale: rope.freq_scale,
+            neox: rope.kind == RopeKind::Neox,
+        }
+    }
+}
+
 /// One attn_decode launch's arguments (kernels/attention.cu): the queries, caches, scores and output addresses, the
 /// positions (`pos`, one per token row of the grid), the heads' geometry as the kernel takes it, the fused RoPE
 /// ([`DecodeRope`]; all 0: none), the caches it stores the token's key and value into (`kc`, `vc`; 0: none) and the
@@ -374,7 +391,9 @@ impl CudaBackend {
             // blocks of 32).
             let int8_flash = self.int8_flash.load(std::sync::atomic::Ordering::Relaxed);
             let tile_ok = |t: GgmlType, d: usize| {
-                d % 16 == 0 && d <= 128 && (t == GgmlType::F16 || (int8_flash && t == GgmlType::Q8_0 && d % 32 == 0))
+                d.is_multiple_of(16)
+                    && d <= 128
+                    && (t == GgmlType::F16 || (int8_flash && t == GgmlType::Q8_0 && d.is_multiple_of(32)))
             };
             let tensor_cores = group <= 8 && tile_ok(kty, dk) && tile_ok(vty, dv);
             if tensor_cores {
@@ -585,17 +604,7 @@ impl CudaBackend {
             let mut s = self.lock();
             let qw = Self::check(s.norm_weights(g, norms.0));
             let kw = Self::check(s.norm_weights(g, norms.1));
-            DecodeRope {
-                kraw: k.ptr(),
-                vraw: v.ptr(),
-                qw,
-                kw,
-                eps,
-                n_rot: rope.n_rot,
-                theta_scale: rope.theta_scale(),
-                freq_scale: rope.freq_scale,
-                neox: rope.kind == RopeKind::Neox,
-            }
+            DecodeRope::fused(k.ptr(), v.ptr(), qw, kw, eps, rope)
         };
         self.attention_dev(q, kv, positions, p, out, Some(rp));
     }
@@ -673,7 +682,12 @@ impl CudaBackend {
             let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
             let qw = s.norm_weights(g, a.norms.0)?;
             let kw = s.norm_weights(g, a.norms.1)?;
-            let mut l = DecodeLaunch {
+            // Fused: attn_decode rotates and stores each token itself; batch-invariant: qk_norm_rope first.
+            let (fused, kc, vc) = match invariant {
+                false => (DecodeRope::fused(k.ptr(), v.ptr(), qw, kw, a.eps, rope), tab[0], tab[1]),
+                true => (DecodeRope::default(), 0, 0),
+            };
+            let l = DecodeLaunch {
                 q: q.ptr(),
                 k: tab[0],
                 v: tab[1],
@@ -684,19 +698,9 @@ impl CudaBackend {
                 kgeo: (krb, khb, 0),
                 vgeo: (vrb, vhb, 0),
                 n_ctx,
-                rope: DecodeRope {
-                    kraw: k.ptr(),
-                    vraw: v.ptr(),
-                    qw,
-                    kw,
-                    eps: a.eps,
-                    n_rot: rope.n_rot,
-                    theta_scale: rope.theta_scale(),
-                    freq_scale: rope.freq_scale,
-                    neox: rope.kind == RopeKind::Neox,
-                },
-                kc: tab[0],
-                vc: tab[1],
+                rope: fused,
+                kc,
+                vc,
                 kvtab: tp,
             };
             if invariant {
@@ -719,7 +723,6 @@ impl CudaBackend {
                     kvtab: tp,
                 };
                 launch_qk_norm_rope(g, &store)?;
-                (l.rope, l.kc, l.vc) = (DecodeRope::default(), 0, 0);
             }
             launch_attn_decode(g, n, &l)
         })());

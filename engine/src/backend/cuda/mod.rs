@@ -455,11 +455,6 @@ impl CudaBackend {
         self.lock().bi_scores = bytes.max(1);
     }
 
-    /// Whether [`CudaBackend::set_batch_invariant`] is on.
-    pub fn batch_invariant(&self) -> bool {
-        self.lock().batch_invariant
-    }
-
     /// The most tokens a dense matmul runs as matrix-vector products, `n` clamped to
     /// [`MMV_MAX_TOKENS`]..=[`MOE_DEVICE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start, default 8; tests
     /// set it).

@@ -157,17 +157,23 @@ impl CudaBackend {
         s.moe_on_host = false;
         Self::check((|| {
             let w = s.norm_weights(g, norm)?;
+            let rw = match routed_by_router {
+                true => {
+                    let rw = s.weights.device_ptr(&g.stream, router.data)?;
+                    if s.routers.len() <= ex.layer {
+                        s.routers.resize(ex.layer + 1, (0, 0, 0));
+                    }
+                    s.routers[ex.layer] = (rw, router.rows, router.cols);
+                    rw
+                }
+                false => 0,
+            };
             // Batch-invariant steps of more tokens than the device's routing takes run in groups of them (each
             // token's arithmetic is the same in any group).
             for t0 in (0..n_tok).step_by(device_tokens) {
                 let n = (n_tok - t0).min(device_tokens);
                 let (hp, lp) = (h.at(t0 * n_embd), logits.at(t0 * ex.n_expert));
                 if routed_by_router {
-                    let rw = s.weights.device_ptr(&g.stream, router.data)?;
-                    if s.routers.len() <= ex.layer {
-                        s.routers.resize(ex.layer + 1, (0, 0, 0));
-                    }
-                    s.routers[ex.layer] = (rw, router.rows, router.cols);
                     let ids = s.slot(g, Slot::MoeIds, n * k * 4)?;
                     let wts = s.slot(g, Slot::MoeW, n * k * 4)?;
                     let route = RouterRoute {
