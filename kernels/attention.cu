@@ -1,32 +1,34 @@
 // Causal GQA attention over the cache, in three passes that keep the CPU's rounding (cpu: Backend::attention):
 // scores (q.k, with q rounded to f16 against an f16 cache), an exact softmax per row (sum in f64) whose
 // probabilities are rounded to f16 against an f16 cache, then P.V split over the keys (split-K) and summed.
-// Cache rows: cell j holds heads * head_bytes bytes; ty 0 = f16, 1 = Q8_0 (34-byte blocks of 32).
+// Cache rows: cell j holds heads * head_bytes bytes; ty 0 = f16, 1 = Q8_0 (34-byte blocks of 32). A cache is its
+// layer's pool array (k or v: rows of every sequence's blocks) and the sequence's page table (pg): cell j is row
+// kv_cell(pg, j) of the array (common.cuh).
 
-__device__ __forceinline__ float kv_load(const u8* base, long long row_bytes, int head_bytes, int ty, int cell,
-                                         int head, int d) {
-    const u8* h = base + (long long)cell * row_bytes + (long long)head * head_bytes;
+__device__ __forceinline__ float kv_load(const u8* base, const u32* pg, long long row_bytes, int head_bytes, int ty,
+                                         int cell, int head, int d) {
+    const u8* h = base + kv_cell(pg, cell) * row_bytes + (long long)head * head_bytes;
     if (ty == 0) return h2f(((const u16*)h)[d]);
     const u8* b = h + 34 * (d >> 5);
     return h2f(ld16(b)) * (float)(i8)b[2 + (d & 31)];
 }
 
 // Values d and d + 1 (0 when !pair) of head g in cell `cell`: one 4-byte load from an f16 cache.
-__device__ __forceinline__ void kv_load_pair(const u8* base, long long row_bytes, int head_bytes, int ty, int cell,
-                                             int g, int d, bool pair, float* v0, float* v1) {
+__device__ __forceinline__ void kv_load_pair(const u8* base, const u32* pg, long long row_bytes, int head_bytes,
+                                             int ty, int cell, int g, int d, bool pair, float* v0, float* v1) {
     if (ty == 0 && pair) {
-        u32 h = *(const u32*)(base + (long long)cell * row_bytes + (long long)g * head_bytes + 2 * d);
+        u32 h = *(const u32*)(base + kv_cell(pg, cell) * row_bytes + (long long)g * head_bytes + 2 * d);
         *v0 = h2f((u16)(h & 0xFFFF)), *v1 = h2f((u16)(h >> 16));
     } else {
-        *v0 = kv_load(base, row_bytes, head_bytes, ty, cell, g, d);
-        *v1 = pair ? kv_load(base, row_bytes, head_bytes, ty, cell, g, d + 1) : 0.f;
+        *v0 = kv_load(base, pg, row_bytes, head_bytes, ty, cell, g, d);
+        *v1 = pair ? kv_load(base, pg, row_bytes, head_bytes, ty, cell, g, d + 1) : 0.f;
     }
 }
 
 // scores[(t * n_head + h) * n_keys + (j - lo)] for lo <= j < lo + n_keys; -inf outside the query's window.
 // Grid (n_tok * n_head, ceil(n_keys / 8)), block 256: one warp per key, lanes over the head's dims.
 extern "C" __global__ void attn_scores(const float* __restrict__ q, const u8* __restrict__ k,
-                                       float* __restrict__ scores, const unsigned int* __restrict__ pos,
+                                       const u32* __restrict__ pg, float* __restrict__ scores, const unsigned int* __restrict__ pos,
                                        int n_head, int n_head_kv, int dk, int lo, int n_keys, float scale,
                                        int window, long long row_bytes, int head_bytes, int ty) {
     pdl_enter();
@@ -46,7 +48,7 @@ extern "C" __global__ void attn_scores(const float* __restrict__ q, const u8* __
     for (int d = lane; d < dk; d += 32) {
         float a = qv[d];
         if (ty == 0) a = round_f16(a);
-        acc += a * kv_load(k, row_bytes, head_bytes, ty, j, g, d);
+        acc += a * kv_load(k, pg, row_bytes, head_bytes, ty, j, g, d);
     }
     acc = warp_sum(acc);
     if (lane == 0) *out = scale * acc;
@@ -88,7 +90,7 @@ extern "C" __global__ void attn_softmax(float* __restrict__ scores, int n_keys, 
 // part[split][th][d] = sum over this split's keys of P[th][j] * V[j][g][d]. Grid (n_tok * n_head, n_split),
 // block min(dv, 256) threads looping over dims.
 extern "C" __global__ void attn_pv(const float* __restrict__ probs, const u8* __restrict__ v,
-                                   float* __restrict__ part, int n_rows, int n_head, int n_head_kv, int dv,
+                                   const u32* __restrict__ pg, float* __restrict__ part, int n_rows, int n_head, int n_head_kv, int dv,
                                    int lo, int n_keys, int split_len, long long row_bytes, int head_bytes, int ty) {
     pdl_enter();
     int th = blockIdx.x, split = blockIdx.y;
@@ -99,7 +101,7 @@ extern "C" __global__ void attn_pv(const float* __restrict__ probs, const u8* __
         float acc = 0.f;
         for (int key = k0; key < k1; ++key) {
             float w = pr[key];
-            if (w != 0.f) acc += w * kv_load(v, row_bytes, head_bytes, ty, lo + key, g, d);
+            if (w != 0.f) acc += w * kv_load(v, pg, row_bytes, head_bytes, ty, lo + key, g, d);
         }
         part[((long long)split * n_rows + th) * dv + d] = acc;
     }
@@ -125,7 +127,7 @@ extern "C" __global__ void sum_splits(const float* __restrict__ part, float* __r
 // value over the same lanes. Returns the thread's largest score (-inf if none). Every thread of the block calls
 // it (warp-uniform loops: the shuffles need every lane).
 __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs, const u8* __restrict__ k,
-                                                   long long krb, int khb, int kty, int first, int g, int dk,
+                                                   const u32* __restrict__ pg, long long krb, int khb, int kty, int first, int g, int dk,
                                                    float scale, int j0, int j1, float* sc) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, l8 = lane & 7;
     int step = (blockDim.x >> 5) * 4;
@@ -140,7 +142,8 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
             uint4 w[ATTN_KEYS_IN_FLIGHT][4];
 #pragma unroll
             for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u) {
-                const uint4* r4 = (const uint4*)(k + (long long)(first + js[u]) * krb + (long long)g * khb);
+                const uint4* r4 =
+                    (const uint4*)(k + kv_cell(pg, js[u] < j1 ? first + js[u] : first + j0) * krb + (long long)g * khb);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     int c = l8 + 8 * i;
@@ -164,7 +167,7 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
 #pragma unroll
                 for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u)
                     if (js[u] < j1) {
-                        uint4 x = ((const uint4*)(k + (long long)(first + js[u]) * krb + (long long)g * khb))[c];
+                        uint4 x = ((const uint4*)(k + kv_cell(pg, first + js[u]) * krb + (long long)g * khb))[c];
                         u32 h[4] = {x.x, x.y, x.z, x.w};
                         for (int e = 0; e < 4; ++e)
                             acc[u] += qs[8 * c + 2 * e] * h2f((u16)(h[e] & 0xFFFF)) +
@@ -174,7 +177,7 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
 #pragma unroll
             for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u)
                 if (js[u] < j1)
-                    for (int d = l8; d < dk; d += 8) acc[u] += qs[d] * kv_load(k, krb, khb, kty, first + js[u], g, d);
+                    for (int d = l8; d < dk; d += 8) acc[u] += qs[d] * kv_load(k, pg, krb, khb, kty, first + js[u], g, d);
         }
 #pragma unroll
         for (int u = 0; u < ATTN_KEYS_IN_FLIGHT; ++u) {
@@ -198,7 +201,7 @@ __device__ __forceinline__ float attn_scores_block(const float* __restrict__ qs,
 // flight; the groups' sums meet in pv (shared, dv floats). Dims d_off..d_off + dv of the head (dv / 2 at most the
 // block's threads). Every thread of the block calls it (it synchronises).
 __device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool round, const u8* __restrict__ v,
-                                              long long vrb, int vhb, int vty, int first, int g, int j0, int j1,
+                                              const u32* __restrict__ pg, long long vrb, int vhb, int vty, int first, int g, int j0, int j1,
                                               int d_off, int dv, float* pv) {
     int per = ((dv + 1) / 2 + 31) & ~31;
     int groups = max(1, (int)blockDim.x / per);
@@ -216,7 +219,7 @@ __device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool r
             for (int u = 0; u < 8; ++u) {
                 int cell = first + j + u * groups;
                 pr[u] = sc[j + u * groups];
-                kv_load_pair(v, vrb, vhb, vty, cell, g, d_off + d, pair, &v0[u], &v1[u]);
+                kv_load_pair(v, pg, vrb, vhb, vty, cell, g, d_off + d, pair, &v0[u], &v1[u]);
             }
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
@@ -229,8 +232,8 @@ __device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool r
         for (; j < j1; j += groups) {
             float p = sc[j] * inv;
             if (round) p = round_f16(p);
-            a0[0] += p * kv_load(v, vrb, vhb, vty, first + j, g, d_off + d);
-            if (pair) a1[0] += p * kv_load(v, vrb, vhb, vty, first + j, g, d_off + d + 1);
+            a0[0] += p * kv_load(v, pg, vrb, vhb, vty, first + j, g, d_off + d);
+            if (pair) a1[0] += p * kv_load(v, pg, vrb, vhb, vty, first + j, g, d_off + d + 1);
         }
         acc0 = ((a0[0] + a0[1]) + (a0[2] + a0[3])) + ((a0[4] + a0[5]) + (a0[6] + a0[7]));
         acc1 = ((a1[0] + a1[1]) + (a1[2] + a1[3])) + ((a1[4] + a1[5]) + (a1[6] + a1[7]));
@@ -250,8 +253,9 @@ __device__ __forceinline__ void attn_pv_block(const float* sc, float inv, bool r
 // block's threads): each thread takes eight dims (one 16-byte load per key), the block's threads split into groups
 // of dv / 8, each group taking every groups-th key with eight keys in flight, so a span of 128 keys (dv 128, 256
 // threads) is one round of loads; the groups' sums meet in shared memory (groups * dv <= 8 * blockDim.x floats).
-__device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, const u8* __restrict__ v, long long vrb,
-                                                  int vhb, int first, int g, int j0, int j1, int dv, float* pv) {
+__device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, const u8* __restrict__ v,
+                                                  const u32* __restrict__ pg, long long vrb, int vhb, int first,
+                                                  int g, int j0, int j1, int dv, float* pv) {
     __shared__ float part[2048];
     int per = dv / 8, groups = (int)blockDim.x / per;
     int grp = threadIdx.x / per, d = 8 * (threadIdx.x % per);
@@ -267,7 +271,7 @@ __device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, co
             for (int u = 0; u < 8; ++u) {
                 int jj = j + u * groups;
                 if (jj < j1) {
-                    w[u] = *(const uint4*)(base + (long long)(first + jj) * vrb);
+                    w[u] = *(const uint4*)(base + kv_cell(pg, first + jj) * vrb);
                     pr[u] = round_f16(sc[jj] * inv);
                 } else {
                     w[u] = make_uint4(0, 0, 0, 0);
@@ -309,13 +313,15 @@ __device__ __forceinline__ void attn_pv_block_f16(const float* sc, float inv, co
 // vc, the same buffers as k and v: no block reads cell pos from them, so the loads through the restrict pointers
 // never meet the stores). The cell's score and P.V term come from those shared copies.
 //
-// With kvtab given (a step of several sequences' decode tokens, continuous batching): token t's key and value
-// caches are kvtab[2t] and kvtab[2t + 1] in place of k and v (and of kc and vc), and with kraw its raw rows are row
-// t of kraw and vraw; the caches share their geometry (krb, khb, vrb, vhb, n_ctx).
+// k and v (and kc and vc) are the layer's pool arrays, pg the sequence's page table (kv_cell). With kvtab given (a
+// step of several sequences' decode tokens, continuous batching): token t's cache is its page table kvtab[3t] and
+// the arrays kvtab[3t + 1] and kvtab[3t + 2] (keys, values) in place of pg, k and v (and kc and vc), and with kraw
+// its raw rows are row t of kraw and vraw; the caches share their geometry (krb, khb, vrb, vhb, n_ctx).
 #define ATTN_DEC_KEYS 1024
 #define ATTN_DK_MAX 512
 extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __restrict__ k,
-                                       const u8* __restrict__ v, float* __restrict__ scores,
+                                       const u8* __restrict__ v, const u32* __restrict__ pg,
+                                       float* __restrict__ scores,
                                        float* __restrict__ out, const unsigned int* __restrict__ pos, int n_head,
                                        int n_head_kv, int dk, int dv, float scale, int window, long long krb,
                                        int khb, int kty, long long vrb, int vhb, int vty, int n_ctx,
@@ -334,10 +340,11 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     int h = blockIdx.x, t = blockIdx.y, th = t * n_head + h;
     if (kvtab) {
         // A step of several sequences: token t attends over (and, fused, stores into) its own sequence's cache.
-        k = (const u8*)kvtab[2 * t];
-        v = (const u8*)kvtab[2 * t + 1];
-        kc = (u16*)kvtab[2 * t];
-        vc = (u16*)kvtab[2 * t + 1];
+        pg = (const u32*)kvtab[3 * t];
+        k = (const u8*)kvtab[3 * t + 1];
+        v = (const u8*)kvtab[3 * t + 2];
+        kc = (u16*)kvtab[3 * t + 1];
+        vc = (u16*)kvtab[3 * t + 2];
     }
     int group = n_head / n_head_kv, g = h / group;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -357,8 +364,9 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
         if (warp == 1) head_norm_rope(ks, kw, dk, eps, p, n_rot, theta_scale, freq_scale, neox);
         __syncthreads();
         bool writer = h % group == 0;
-        u16* kdst = (u16*)((u8*)kc + (long long)p * krb + (long long)g * khb);
-        u16* vdst = (u16*)((u8*)vc + (long long)p * vrb + (long long)g * vhb);
+        long long row = kv_cell(pg, p);
+        u16* kdst = (u16*)((u8*)kc + row * krb + (long long)g * khb);
+        u16* vdst = (u16*)((u8*)vc + row * vrb + (long long)g * vhb);
         for (int d = threadIdx.x; d < dk; d += blockDim.x) {
             u16 kh = f2h(ks[d]);
             if (writer) kdst[d] = kh;
@@ -374,7 +382,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
         for (int d = threadIdx.x; d < dk; d += blockDim.x) qs[d] = kty == 0 ? round_f16(qv[d]) : qv[d];
     }
     __syncthreads();
-    float m = attn_scores_block(qs, k, krb, khb, kty, first, g, dk, scale, 0, n_cached, sc);
+    float m = attn_scores_block(qs, k, pg, krb, khb, kty, first, g, dk, scale, 0, n_cached, sc);
     if (kraw && warp == 0) {
         float a = 0.f;
         for (int d = lane; d < dk; d += 32) a += qs[d] * ks[d];
@@ -400,9 +408,9 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     for (int w = 0; w < 8; ++w) tot += redd[w];
     float inv = (float)(1.0 / tot);
     if (vty == 0 && (dv & 7) == 0 && dv / 8 <= (int)blockDim.x && ((vrb | vhb) & 15) == 0)
-        attn_pv_block_f16(sc, inv, v, vrb, vhb, first, g, 0, n_cached, dv, pv);
+        attn_pv_block_f16(sc, inv, v, pg, vrb, vhb, first, g, 0, n_cached, dv, pv);
     else
-        attn_pv_block(sc, inv, vty == 0, v, vrb, vhb, vty, first, g, 0, n_cached, 0, dv, pv);
+        attn_pv_block(sc, inv, vty == 0, v, pg, vrb, vhb, vty, first, g, 0, n_cached, 0, dv, pv);
     float* o = out + (long long)th * dv;
     if (threadIdx.x < dv) o[threadIdx.x] = kraw ? pv[threadIdx.x] + round_f16(sc[n - 1] * inv) * vs[threadIdx.x]
                                                 : pv[threadIdx.x];
@@ -427,13 +435,13 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
 
 // Rows kt.. kt + FA_KEYS - 1 of head g (0 past hi) into the f16 tile t (row stride ks halves): 16-byte copies from
 // an f16 cache, or Q8_0 blocks dequantized (one block of 32 values per thread and step).
-__device__ __forceinline__ void fa_tile(u16* t, int ks, const u8* src, long long rb, int hb, int ty, int g, int kt,
-                                        int hi, int d) {
+__device__ __forceinline__ void fa_tile(u16* t, int ks, const u8* src, const u32* __restrict__ pg, long long rb,
+                                        int hb, int ty, int g, int kt, int hi, int d) {
     if (ty == 0) {
         for (int i = threadIdx.x; i < FA_KEYS * d / 8; i += blockDim.x) {
             int key = i / (d / 8), c = i % (d / 8), j = kt + key;
             uint4 val = make_uint4(0, 0, 0, 0);
-            if (j <= hi) val = *(const uint4*)(src + (long long)j * rb + (long long)g * hb + 16 * c);
+            if (j <= hi) val = *(const uint4*)(src + kv_cell(pg, j) * rb + (long long)g * hb + 16 * c);
             *(uint4*)(t + key * ks + 8 * c) = val;
         }
         return;
@@ -445,7 +453,7 @@ __device__ __forceinline__ void fa_tile(u16* t, int ks, const u8* src, long long
             for (int c = 0; c < 4; ++c) dst[c] = make_uint4(0, 0, 0, 0);
             continue;
         }
-        const u8* blk = src + (long long)j * rb + (long long)g * hb + 34 * b;
+        const u8* blk = src + kv_cell(pg, j) * rb + (long long)g * hb + 34 * b;
         float scale = h2f(ld16(blk));
         const u16* qs = (const u16*)(blk + 2); // 2-byte aligned: blocks are 34 bytes, rows and heads even
         for (int c = 0; c < 4; ++c) {
@@ -460,8 +468,8 @@ __device__ __forceinline__ void fa_tile(u16* t, int ks, const u8* src, long long
 }
 
 extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
-    const float* __restrict__ q, const u8* __restrict__ k, const u8* __restrict__ v, float* __restrict__ out,
-    const unsigned int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, int dk, int dv, float scale,
+    const float* __restrict__ q, const u8* __restrict__ k, const u8* __restrict__ v, const u32* __restrict__ pg,
+    float* __restrict__ out, const unsigned int* __restrict__ pos, int n_tok, int n_head, int n_head_kv, int dk, int dv, float scale,
     int window, long long krb, int khb, long long vrb, int vhb, int tgroups, int kty, int vty) {
     pdl_enter();
     const int KS = FA_DMAX + 8; // padded row strides (halves) of the key and value tiles
@@ -514,8 +522,8 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
     for (int pass = 0; pass < 2; ++pass) {
         for (int kt = lo; kt <= hi; kt += FA_KEYS) {
             __syncthreads();
-            fa_tile(ks, KS, k, krb, khb, kty, g, kt, hi, dk);
-            if (pass == 1) fa_tile(vs, KS, v, vrb, vhb, vty, g, kt, hi, dv);
+            fa_tile(ks, KS, k, pg, krb, khb, kty, g, kt, hi, dk);
+            if (pass == 1) fa_tile(vs, KS, v, pg, vrb, vhb, vty, g, kt, hi, dv);
             __syncthreads();
             if (kt > whi || kt + FA_KEYS <= wlo) continue; // every row of this warp masks the whole tile
             // S = Q K^T for this warp's 16 rows and the tile's 64 keys: 8 blocks of 8 keys.
@@ -613,7 +621,8 @@ __device__ __forceinline__ int attn_gqa_chunk(int dk) { return min(ATTN_GQA_CHUN
 // Step 1, block 256: scores of the split into scores[th * n_ctx + j] and the split's maximum into
 // pmax[th * n_split + s] for every query head th of the group; eight lanes per key as attn_scores_block.
 extern "C" __global__ void __launch_bounds__(256)
-    attn_split_scores(const float* __restrict__ q, const u8* __restrict__ k, float* __restrict__ scores,
+    attn_split_scores(const float* __restrict__ q, const u8* __restrict__ k, const u32* __restrict__ pg,
+                      float* __restrict__ scores,
                       float* __restrict__ pmax, const unsigned int* __restrict__ pos, int n_head, int n_head_kv,
                       int dk, float scale, int window, long long krb, int khb, int kty, int n_ctx, int split_len) {
     pdl_enter();
@@ -643,7 +652,7 @@ extern "C" __global__ void __launch_bounds__(256)
             float acc[ATTN_GQA_CHUNK];
 #pragma unroll
             for (int i = 0; i < ATTN_GQA_CHUNK; ++i) acc[i] = 0.f;
-            const u8* row = k + (long long)(first + (ok ? j : j0)) * krb + (long long)g * khb;
+            const u8* row = k + kv_cell(pg, first + (ok ? j : j0)) * krb + (long long)g * khb;
             if (vec) {
                 for (int c = l8; c < dk / 8; c += 8) {
                     uint4 w = ((const uint4*)row)[c];
@@ -661,7 +670,7 @@ extern "C" __global__ void __launch_bounds__(256)
                 }
             } else {
                 for (int d = l8; d < dk; d += 8) {
-                    float kv = kv_load(k, krb, khb, kty, first + (ok ? j : j0), g, d);
+                    float kv = kv_load(k, pg, krb, khb, kty, first + (ok ? j : j0), g, d);
 #pragma unroll
                     for (int i = 0; i < ATTN_GQA_CHUNK; ++i)
                         if (i < nh) acc[i] += qs[i * dk + d] * kv;
@@ -732,7 +741,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // groups-th key), every value pair read once for the chunk's heads; dims in chunks of 256.
 extern "C" __global__ void __launch_bounds__(256)
     attn_split_pv(const float* __restrict__ scores, const double* __restrict__ psum, const u8* __restrict__ v,
-                  float* __restrict__ part, const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dv,
+                  const u32* __restrict__ pg, float* __restrict__ part, const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dv,
                   int window, long long vrb, int vhb, int vty, int n_ctx, int split_len, int rows) {
     pdl_enter();
     __shared__ float inv[ATTN_GQA_CHUNK];
@@ -782,7 +791,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
                     for (int u = 0; u < 4; ++u) {
                         int jk = jj + u * groups, cell = first + c0 + min(jk, cn - 1);
-                        kv_load_pair(v, vrb, vhb, vty, cell, g, d0 + d, pair, &v0[u], &v1[u]);
+                        kv_load_pair(v, pg, vrb, vhb, vty, cell, g, d0 + d, pair, &v0[u], &v1[u]);
                         if (jk >= cn) v0[u] = v1[u] = 0.f;
                     }
 #pragma unroll

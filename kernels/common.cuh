@@ -8,6 +8,15 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 #define STRATA_INF __int_as_float(0x7f800000)
 
+// A paged KV cache (engine/src/state/kv.rs): a sequence's cells are taken in blocks of KV_BLOCK_CELLS from a pool
+// whose every layer's keys (and values) are one array of rows, block b at rows b * KV_BLOCK_CELLS..; the sequence's
+// page table `pages` names the pool block of each of its blocks. Cell c is row kv_cell(pages, c) of the layer's
+// array.
+#define KV_BLOCK_CELLS 16
+__device__ __forceinline__ long long kv_cell(const u32* __restrict__ pages, int c) {
+    return (long long)pages[c / KV_BLOCK_CELLS] * KV_BLOCK_CELLS + c % KV_BLOCK_CELLS;
+}
+
 // f16 bits -> f32 (exact).
 __device__ __forceinline__ float h2f(u16 h) {
     float f;

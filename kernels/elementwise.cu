@@ -70,41 +70,45 @@ extern "C" __global__ void glu(float* __restrict__ g, const float* __restrict__ 
     g[i] = a * u[i];
 }
 
-// Writes n_tok rows of `width` values into cache cells pos[t] as f16 (row_bytes = 2 * width).
+// Writes n_tok rows of `width` values into cache cells pos[t] as f16 (row_bytes = 2 * width): rows of the
+// layer's pool array dst through the sequence's page table pg (kv_cell).
 extern "C" __global__ void kv_store_f16(const float* __restrict__ src, u8* __restrict__ dst,
-                                        const unsigned int* __restrict__ pos, int n_tok, int width,
-                                        long long row_bytes) {
+                                        const u32* __restrict__ pg, const unsigned int* __restrict__ pos,
+                                        int n_tok, int width, long long row_bytes) {
     pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_tok * width) return;
     int t = (int)(i / width), c = (int)(i % width);
-    u16* row = (u16*)(dst + (long long)pos[t] * row_bytes);
+    u16* row = (u16*)(dst + kv_cell(pg, (int)pos[t]) * row_bytes);
     row[c] = f2h(src[i]);
 }
 
-// Keys and values of n_tok tokens into their f16 caches in one launch (rows of wk and wv values at cell pos[t]).
+// Keys and values of n_tok tokens into their f16 caches in one launch (rows of wk and wv values at cell pos[t],
+// through the page table pg).
 extern "C" __global__ void kv_store2_f16(const float* __restrict__ sk, u16* __restrict__ dk,
                                          const float* __restrict__ sv, u16* __restrict__ dv,
-                                         const unsigned int* __restrict__ pos, int n_tok, int wk, int wv) {
+                                         const u32* __restrict__ pg, const unsigned int* __restrict__ pos,
+                                         int n_tok, int wk, int wv) {
     pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long nk = (long long)n_tok * wk;
     if (i < nk) {
         int t = (int)(i / wk), c = (int)(i % wk);
-        dk[(long long)pos[t] * wk + c] = f2h(sk[i]);
+        dk[kv_cell(pg, (int)pos[t]) * wk + c] = f2h(sk[i]);
     } else if (i < nk + (long long)n_tok * wv) {
         long long j = i - nk;
         int t = (int)(j / wv), c = (int)(j % wv);
-        dv[(long long)pos[t] * wv + c] = f2h(sv[j]);
+        dv[kv_cell(pg, (int)pos[t]) * wv + c] = f2h(sv[j]);
     }
 }
 
 // The same as Q8_0 blocks (ggml's quantize_row_q8_0_ref, the CPU's quantize_q8_0): d = amax / 127, codes
 // round(x / d) (half away from zero) clamped to [-128, 127], d stored as f16. One warp per block of 32 values,
-// lane l quantizing value l: block b of row t is at pos[t] * row_bytes + 34 * b. Grid: n_tok * width / 32 warps.
+// lane l quantizing value l: block b of row t is at kv_cell(pg, pos[t]) * row_bytes + 34 * b. Grid: n_tok * width
+// / 32 warps.
 extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u8* __restrict__ dst,
-                                         const unsigned int* __restrict__ pos, int n_tok, int width,
-                                         long long row_bytes) {
+                                         const u32* __restrict__ pg, const unsigned int* __restrict__ pos,
+                                         int n_tok, int width, long long row_bytes) {
     pdl_enter();
     int nb = width / 32;
     long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -117,7 +121,7 @@ extern "C" __global__ void kv_store_q8_0(const float* __restrict__ src, u8* __re
     float id = d != 0.f ? 1.0f / d : 0.f;
     int q = (int)roundf(x * id);
     q = q < -128 ? -128 : (q > 127 ? 127 : q);
-    u8* blk = dst + (long long)pos[t] * row_bytes + 34LL * b;
+    u8* blk = dst + kv_cell(pg, (int)pos[t]) * row_bytes + 34LL * b;
     blk[2 + lane] = (u8)(q & 0xFF);
     // The scale as one 16-bit store, as kv_store_f16 writes its values (blocks start at even offsets: row_bytes
     // and 34 * b are even). Storing f2h's result byte by byte lost its low byte on the H200 (sm_90, NVRTC 13.0):
@@ -276,15 +280,16 @@ extern "C" __global__ void moe_combine_add_rms_norm(const float* __restrict__ d,
 // rms_norm_row per head, then rope_token). One warp per head row: rows 0 .. n_tok * n_head - 1 are the queries,
 // the next n_tok * n_head_kv the keys. With kc given (an f16 KV cache), the rotated keys also go to the cache at
 // their positions and n_tok * n_head_kv more rows copy the value heads (vsrc, dv wide) into vc, so the keys and
-// values are stored in the same launch (cpu: store_kv); with kvtab too (a step of several sequences), token t's
-// key and value go to its own sequence's caches kvtab[2t] and kvtab[2t + 1] instead (kc only says to store).
-// Grid ceil(rows / 8), block 256.
+// values are stored in the same launch (cpu: store_kv), kc and vc being the layer's pool arrays and pg the
+// sequence's page table (kv_cell); with kvtab too (a step of several sequences), token t's cache is its own
+// sequence's: page table kvtab[3t], arrays kvtab[3t + 1] (keys) and kvtab[3t + 2] (values). Grid ceil(rows / 8),
+// block 256.
 extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ qw,
                                         const float* __restrict__ kw, const unsigned int* __restrict__ pos,
                                         int n_tok, int n_head, int n_head_kv, int head_dim, float eps, int n_rot,
                                         float theta_scale, float freq_scale, int neox, u16* kc,
                                         const float* __restrict__ vsrc, u16* vc, int dv,
-                                        const unsigned long long* __restrict__ kvtab) {
+                                        const u32* __restrict__ pg, const unsigned long long* __restrict__ kvtab) {
     pdl_enter();
     long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -294,8 +299,8 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
         long long j = r - nq - nk;
         int t = (int)(j / n_head_kv), hv = (int)(j % n_head_kv);
         const float* src = vsrc + j * dv;
-        if (kvtab) vc = (u16*)kvtab[2 * t + 1];
-        u16* dst = vc + ((long long)pos[t] * n_head_kv + hv) * dv;
+        if (kvtab) pg = (const u32*)kvtab[3 * t], vc = (u16*)kvtab[3 * t + 2];
+        u16* dst = vc + (kv_cell(pg, (int)pos[t]) * n_head_kv + hv) * dv;
         for (int i = lane; i < dv; i += 32) dst[i] = f2h(src[i]);
         return;
     }
@@ -308,8 +313,8 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
         // The rotated key, into the f16 cache too.
         long long j = r - nq;
         int hk = (int)(j % n_head_kv);
-        if (kvtab) kc = (u16*)kvtab[2 * t];
-        u16* dst = kc + ((long long)pos[t] * n_head_kv + hk) * head_dim;
+        if (kvtab) pg = (const u32*)kvtab[3 * t], kc = (u16*)kvtab[3 * t + 1];
+        u16* dst = kc + (kv_cell(pg, (int)pos[t]) * n_head_kv + hk) * head_dim;
         for (int i = lane; i < head_dim; i += 32) dst[i] = f2h(v[i]);
     }
 }

@@ -13,7 +13,7 @@ use strata_engine::model::{HParams, Model};
 use strata_engine::quant::{self, GgmlType};
 use strata_engine::runtime::sampling::TopLogits;
 use strata_engine::runtime::session::{Session, SessionConfig, StepLogits};
-use strata_engine::state::kv::{KvCache, KvRows, KvType};
+use strata_engine::state::kv::{KV_BLOCK_CELLS, KvCache, KvRows, KvType};
 
 const NEEDS_GPU: &str = "needs a CUDA GPU: run ci/device-test.sh on the device machine";
 
@@ -436,7 +436,7 @@ fn elementwise_ops_match_cpu() {
     report(&rows);
 }
 
-/// The cache cells `cells` of every KV head as the GPU's device twin `rg` holds them (rows of `ty`) and as the CPU's
+/// The cache cells `cells` of every KV head as the GPU's pages of `rg` hold them (rows of `ty`) and as the CPU's
 /// cache `rc` holds them, dequantized: `(got, want)`.
 fn cached_cells(
     gpu: &CudaBackend,
@@ -448,7 +448,7 @@ fn cached_cells(
     ty: GgmlType,
 ) -> (Vec<f32>, Vec<f32>) {
     let hb = ty.row_bytes(hd as u64).unwrap() as usize;
-    let dev = gpu.kv_device_bytes(rg).expect("twin after store");
+    let dev = gpu.kv_device_bytes(rg).expect("pages after store");
     let (mut got, mut want, mut buf) = (Vec::new(), Vec::new(), vec![0f32; hd]);
     for &c in cells {
         for h in 0..nkv {
@@ -522,14 +522,14 @@ fn attention_matches_cpu() {
                 let q = rng.vec(n * nh * hd, 2.0);
                 cpu.store_kv(&mut kc.layers[0], &k, &v, &pos);
                 gpu.store_kv(&mut kg.layers[0], &up(&gpu, &k), &up(&gpu, &v), &pos);
-                // The stored cells themselves, dequantized: the GPU's twin against the CPU's cache.
+                // The stored cells themselves, dequantized: the GPU's pages against the CPU's cache.
                 for (name, rc, rg) in [
                     ("k", &kc.layers[0].k, &kg.layers[0].k),
                     ("v", &kc.layers[0].v, &kg.layers[0].v),
                 ] {
                     let ty = kv_ty.ggml();
                     let hb = ty.row_bytes(hd as u64).unwrap() as usize;
-                    let dev = gpu.kv_device_bytes(rg).expect("twin after store");
+                    let dev = gpu.kv_device_bytes(rg).expect("pages after store");
                     let (mut want, mut got) = (Vec::new(), Vec::new());
                     let mut buf = vec![0f32; hd];
                     for &c in &pos {
@@ -1069,6 +1069,52 @@ fn tiny_qwen3moe_kld_vs_cpu() {
 
 #[path = "common/interleave.rs"]
 mod interleave;
+
+#[path = "common/batched.rs"]
+mod batched;
+
+/// The KV cache paged on the device, through the continuous-batching scheduler with batch-invariant kernels (so a
+/// sequence's bits do not depend on the company its steps keep): requests reusing another's 40-token prefix share
+/// its blocks (and copy the partly filled one when they write it), and in a pool of 6 blocks (96 tokens) for 3
+/// slots requests are preempted and computed again. Every request gives the tokens, logits bits, end and text it
+/// gives alone through the scheduler (one slot, a pool of its own), and the pool's count of blocks matches the
+/// caches' at every step (the helper checks it).
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn paged_kv_on_the_device_shares_prefixes_and_preempts_as_alone() {
+    let (_dir, model) = tiny_moe();
+    let g = gpu();
+    g.set_batch_invariant(true);
+    let tok = strata_engine::tokenizer::Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let prompts = batched::prompts(&tok);
+    let ids = tok.encode(batched::TEXT, true, false).unwrap();
+    let later = vec![[&ids[..40], &ids[50..55]].concat()];
+    let want: Vec<_> = prompts
+        .iter()
+        .chain(&later)
+        .map(|p| {
+            let one = batched::batched(&model, &g, &tok, std::slice::from_ref(p), &[], 1, 24, None, None);
+            one.done[0].clone().unwrap()
+        })
+        .collect();
+    let ran = batched::batched(&model, &g, &tok, &prompts, &later, 3, 24, None, None);
+    batched::assert_as_alone(&tok, &ran, &want);
+    for i in [3, 4] {
+        let p = &ran.done[i].as_ref().unwrap().prefill;
+        assert_eq!(p.reused, 40, "request {i}: {p:?}");
+    }
+    let shared = ran.kv.iter().map(|k| k.blocks_shared).max().unwrap();
+    assert!(shared >= 40 / KV_BLOCK_CELLS, "no block was shared: {:?}", ran.kv);
+    let ran = batched::batched(&model, &g, &tok, &prompts, &[], 3, 24, None, Some(96));
+    batched::assert_as_alone(&tok, &ran, &want[..4]);
+    let preempted: u32 = ran.done.iter().map(|d| d.as_ref().unwrap().preempted).sum();
+    assert!(preempted > 0, "nothing was preempted: {:?}", ran.kv);
+    assert_eq!(ran.kv.last().unwrap().blocks_total, Some(6));
+    println!(
+        "paged KV on the device: 5 requests as alone with up to {shared} blocks shared; in 6 blocks, {preempted} preemptions and every request as alone"
+    );
+    g.set_batch_invariant(false);
+}
 
 /// The tiny qwen3moe, written to a temporary folder (removed with the returned guard) and loaded.
 fn tiny_moe() -> (tempfile::TempDir, Model) {

@@ -684,19 +684,17 @@ pub trait Backend: Send + Sync {
     /// the sequence ended. The default keeps nothing.
     fn release_slot(&self, _slot: SeqSlot) {}
 
-    /// Makes cells `0..cells` of sequence `src`'s KV cache `dst`'s (two sequences of this model with caches of
-    /// one type in one pool: a prompt prefix the other sequence computed, shared instead of computed again).
-    /// Returns whether it did; `false` leaves `dst` as it was, and the caller computes those cells. The default
-    /// shares the host blocks, where the CPU keeps its caches ([`crate::state::kv::KvCache::share_prefix_from`]).
-    fn share_kv_prefix(
-        &self,
-        src: &crate::state::kv::KvCache,
-        dst: &mut crate::state::kv::KvCache,
-        cells: usize,
-    ) -> bool {
-        dst.share_prefix_from(src, cells);
-        true
+    /// Whether the backend keeps KV caches on a device (their blocks then come from a pool made with
+    /// [`crate::state::kv::KvPool::on_device`]), not in the host rows (the CPU; the default).
+    fn kv_on_device(&self) -> bool {
+        false
     }
+
+    /// Makes cells `from..to` of `kv` writable before a step that stores there without a forward pass on the host
+    /// (a replayed decode step, [`Backend::replay_step`]): a device takes their blocks and updates its page table.
+    /// A forward pass's stores do this themselves. The default (host caches, written as they are stored) does
+    /// nothing.
+    fn reserve_kv(&self, _kv: &KvCache, _from: usize, _to: usize) {}
 
     /// Hands the backend the injected faults and the `--gemm-fallback` policy. Returns whether the backend
     /// applies them itself (a GPU with a library GEMM and our own kernel behind it); otherwise the session

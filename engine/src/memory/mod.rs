@@ -196,6 +196,8 @@ pub struct PlanConfig {
     pub kv: KvType,
     /// Sequences, each with a KV cache of `context` cells (`--parallel`).
     pub sequences: usize,
+    /// `--kv-tokens`: the cells the sequences' KV caches share (default: `sequences` x `context`).
+    pub kv_tokens: Option<usize>,
     /// Tokens per prefill chunk.
     pub prefill_chunk: usize,
     /// Bytes kept free on the device (`--vram-reserve-mib`).
@@ -214,6 +216,7 @@ impl PlanConfig {
             context: context_cells(flags.max_context(), n_ctx_train),
             kv: flags.kv,
             sequences: flags.sequences(),
+            kv_tokens: flags.kv_tokens,
             prefill_chunk: flags.prefill_chunk(),
             reserve: flags.experts.reserve_bytes(),
             cache: flags.experts.expert_cache,
@@ -284,8 +287,11 @@ pub struct MemoryPlan {
     pub parts: Vec<(Part, u64)>,
     /// KV cells planned for, per sequence.
     pub context: usize,
-    /// Sequences with a KV cache of `context` cells each.
+    /// Sequences with a KV cache of up to `context` cells each.
     pub sequences: usize,
+    /// KV cells of all sequences together: `--kv-tokens` rounded up to whole blocks, at most `sequences` x
+    /// `context` (their default).
+    pub kv_cells: usize,
     #[serde(serialize_with = "display")]
     pub kv: KvType,
     /// Where the routed experts go (`None`: the model has none).
@@ -318,7 +324,8 @@ impl MemoryPlan {
         config: &PlanConfig,
         free: u64,
     ) -> Result<MemoryPlan, KvError> {
-        let kv = kv_bytes(&hp.kv_shape(), config.kv, config.context)?.saturating_mul(config.sequences.max(1) as u64);
+        let kv_cells = kv_cells(config);
+        let kv = kv_bytes(&hp.kv_shape(), config.kv, kv_cells)?;
         // A chunk's activations: six f32 buffers of the widest row (the FFN's, or the routed experts' together),
         // one f16 copy of the chunk's hidden states, and the largest matrix dequantized to f16 for the GEMM.
         let chunk = config.prefill_chunk as u64;
@@ -332,6 +339,7 @@ impl MemoryPlan {
             parts: vec![(Part::DenseWeights, weights.dense)],
             context: config.context,
             sequences: config.sequences.max(1),
+            kv_cells,
             kv: config.kv,
             experts: None,
             free,
@@ -504,6 +512,19 @@ fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {
     budget.map_or(free, |b| free.min(b.saturating_add(reserve)))
 }
 
+/// KV cells the sequences of `config` share: `--kv-tokens` rounded up to whole blocks of
+/// [`crate::state::kv::KV_BLOCK_CELLS`], at most (and by default) every sequence at its whole context.
+pub fn kv_cells(config: &PlanConfig) -> usize {
+    let full = config.context.saturating_mul(config.sequences.max(1));
+    config
+        .kv_tokens
+        .map_or(full, |t| {
+            t.saturating_add(crate::state::kv::KV_BLOCK_CELLS - 1) / crate::state::kv::KV_BLOCK_CELLS
+                * crate::state::kv::KV_BLOCK_CELLS
+        })
+        .min(full)
+}
+
 /// Bytes of a KV cache of `cells` cells of type `ty`: what [`crate::state::kv::KvCache::new`] allocates.
 ///
 /// Errors: [`KvError::HeadDim`] for an int8 cache of a head width that is not a multiple of 32.
@@ -632,6 +653,7 @@ mod tests {
         let cfg = PlanConfig {
             context: 300,
             sequences: 1,
+            kv_tokens: None,
             kv: KvType::F16,
             prefill_chunk: 8,
             reserve: 7,
@@ -692,6 +714,7 @@ mod tests {
         let cfg = PlanConfig {
             context: 16,
             sequences: 1,
+            kv_tokens: None,
             kv: KvType::F16,
             prefill_chunk: 8,
             reserve: 100,
@@ -753,6 +776,7 @@ mod tests {
         let cfg = PlanConfig {
             context: 16,
             sequences: 1,
+            kv_tokens: None,
             kv: KvType::Int8,
             prefill_chunk: 8,
             reserve: 0,

@@ -399,9 +399,7 @@ impl Engine {
         }
         let (mut model, tokenizer, template) = loaded?;
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
-        // A simulated card keeps its KV caches in its (simulated) device memory, as a real one does.
-        let gpu = backend.cuda().is_some() || matches!(flags.device, Device::Sim(_));
-        let kv_pool = kv_pool(&model, flags, gpu)?;
+        let kv_pool = kv_pool(&model, flags, crate::backend::Backend::kv_on_device(&backend))?;
         if backend.cuda().is_none() {
             check_host_kv(&model, flags, &kv_pool)?;
         }
@@ -874,24 +872,28 @@ fn plan_device(
     }
     if let Ok((left, _)) = c.gpu().mem_info() {
         eprintln!(
-            "strata: {} MiB of VRAM free with everything loaded (each sequence's KV cache comes out of it: {} MiB for {} x {} tokens)",
+            "strata: {} MiB of VRAM free with everything loaded (the KV cache comes out of it as sequences fill it: {} MiB for {} tokens{})",
             left >> 20,
             plan.bytes(Part::KvCache) >> 20,
-            plan.sequences,
-            plan.context
+            plan.kv_cells,
+            match flags.plan.kv_tokens {
+                Some(_) => " (--kv-tokens)".to_string(),
+                None => format!(", {} sequences x {}", plan.sequences, plan.context),
+            }
         );
     }
     Ok(pinned)
 }
 
 /// The engine's KV block pool: `--kv-tokens` cells, or room for every sequence (`--parallel`) at its whole
-/// context.
+/// context; its blocks on the device where the backend keeps its caches there (`on_device`: a GPU), else in host
+/// memory.
 ///
 /// `--kv-tokens` past what the sequences can hold at once is lowered to that, with a line saying so.
 ///
-/// Errors: [`EngineError::Plan`] for `--kv-tokens` on a GPU (its caches are whole contexts on the device) or
-/// below one sequence's context (a sequence could never reach it, and would be preempted for ever).
-fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Result<Arc<KvPool>, EngineError> {
+/// Errors: [`EngineError::Plan`] for `--kv-tokens` below one sequence's context (a sequence could never reach
+/// it, and would be preempted for ever).
+fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, on_device: bool) -> Result<Arc<KvPool>, EngineError> {
     let cfg = crate::memory::PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
     let bad = |why: String| EngineError::Plan {
         device: flags.device.clone(),
@@ -901,12 +903,6 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Resul
     let sequences = cfg.sequences.max(1);
     let full = cfg.context.saturating_mul(sequences);
     let tokens = match flags.plan.kv_tokens {
-        Some(_) if gpu => {
-            return Err(bad(format!(
-                "--kv-tokens sizes the KV blocks the CPU's sequences share; on {} each of the --parallel sequences keeps its whole --max-context of KV cache on the device (a paged cache there is not written yet)",
-                flags.device
-            )));
-        }
         Some(t) if t < cfg.context => {
             return Err(bad(format!(
                 "--kv-tokens {t} is less than one sequence's context ({} tokens, --max-context): a sequence could never reach it; raise --kv-tokens or lower --max-context",
@@ -923,7 +919,11 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, gpu: bool) -> Resul
         Some(t) => t,
         None => full,
     };
-    Ok(KvPool::new(&model.hp.kv_shape(), Some(tokens)))
+    let shape = model.hp.kv_shape();
+    Ok(match on_device {
+        true => KvPool::on_device(&shape, Some(tokens)),
+        false => KvPool::new(&shape, Some(tokens)),
+    })
 }
 
 /// On the CPU the KV caches live in host memory: the pool's blocks (`--kv-tokens`, by default `--parallel` of

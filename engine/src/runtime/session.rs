@@ -128,7 +128,12 @@ impl<'m, B: Backend> Session<'m, B> {
     ///
     /// Errors: a zero context; an int8 cache for a head width that is not a multiple of 32.
     pub fn new(model: &'m Model, backend: &'m B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
-        Session::new_in(model, backend, config, &KvPool::new(&model.hp.kv_shape(), None))
+        let shape = model.hp.kv_shape();
+        let pool = match backend.kv_on_device() {
+            true => KvPool::on_device(&shape, None),
+            false => KvPool::new(&shape, None),
+        };
+        Session::new_in(model, backend, config, &pool)
     }
 
     /// [`Session::new`] whose cache takes its blocks from `pool` (made for this model: an engine's sequences
@@ -253,10 +258,14 @@ impl<'m, B: Backend> Session<'m, B> {
         self.layout.clear();
         self.layout.push(0, pos0, n);
         let layout = &self.layout;
-        if graphable && want != Logits::None && be.replay_step(key, tokens, layout.positions()) {
-            return self
-                .model
-                .read_logits(be, &mut self.scratch, want, layout, want == Logits::Top);
+        if graphable && want != Logits::None {
+            // A replayed step stores its keys and values with no forward pass on the host: its cells first.
+            be.reserve_kv(&self.kv, pos0, pos0 + n);
+            if be.replay_step(key, tokens, layout.positions()) {
+                return self
+                    .model
+                    .read_logits(be, &mut self.scratch, want, layout, want == Logits::Top);
+            }
         }
         if graphable {
             be.step_begin(n, key);
@@ -378,8 +387,8 @@ impl<'m, B: Backend> Session<'m, B> {
 
     /// Takes the first `n` tokens of `other`'s cache as this sequence's own (a prompt prefix the other sequence
     /// computed: `strata serve`'s slots share a system prompt or earlier turns), when the two caches share a KV
-    /// pool and the backend can share those cells ([`Backend::share_kv_prefix`]); this sequence then holds exactly
-    /// those `n` tokens. Returns whether it did; `false` leaves it as it was.
+    /// pool ([`KvCache::share_prefix_from`]: the blocks are shared, on the host or on a device); this sequence then
+    /// holds exactly those `n` tokens. Returns whether it did; `false` leaves it as it was.
     ///
     /// Panics if `other` holds fewer than `n` tokens.
     pub fn adopt_prefix(&mut self, other: &Session<'m, B>, n: usize) -> bool {
@@ -388,13 +397,10 @@ impl<'m, B: Backend> Session<'m, B> {
             "adopt_prefix: {n} of {} tokens",
             other.tokens.len()
         );
-        if n > self.n_ctx()
-            || other.kv.ty() != self.kv.ty()
-            || !Arc::ptr_eq(other.kv.pool(), self.kv.pool())
-            || !self.backend.share_kv_prefix(&other.kv, &mut self.kv, n)
-        {
+        if n > self.n_ctx() || other.kv.ty() != self.kv.ty() || !Arc::ptr_eq(other.kv.pool(), self.kv.pool()) {
             return false;
         }
+        self.kv.share_prefix_from(&other.kv, n);
         self.tokens.clear();
         self.tokens.extend_from_slice(&other.tokens[..n]);
         true

@@ -3,7 +3,10 @@
 //! Cell `p` of a layer holds the token at position `p` of one sequence. Cells are stored in blocks of
 //! [`KV_BLOCK_CELLS`] taken from a [`KvPool`] the engine's sequences share as they are written (a paged cache):
 //! a sequence holds only the blocks of the tokens it has, and sequences with a common prompt prefix share its
-//! blocks, copying one only when they write it. A row is
+//! blocks, copying one only when they write it. Where the blocks live depends on the pool: in host memory, a
+//! block per layer's keys or values, for the CPU; or on a device ([`KvPool::on_device`]), where a block is a
+//! numbered row range of the pool's arrays of every layer and the cache keeps only its [`BlockTable`] (the GPU
+//! backend stores and reads the data). A row is
 //! one token's keys (or values) for all KV heads, `n_head_kv * head_dim` values, stored as whole blocks of a
 //! GGML type so the quant module's dot products and dequantizers apply as they are:
 //! - `f16`: [`GgmlType::F16`], 2 bytes per value;
@@ -12,8 +15,8 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use half::slice::HalfFloatSliceExt;
 
@@ -96,7 +99,7 @@ impl KvShape {
 }
 
 /// A sequence slot: the identity of one KV cache (one sequence's state) for as long as it lives, unique in the
-/// process. A backend keys its device state by it (a GPU's twin of the cache, its recorded decode graphs), never
+/// process. A backend keys its device state by it (a GPU's page table of the cache, its recorded decode graphs), never
 /// by a host address, and releases it when the sequence ends ([`crate::backend::Backend::release_slot`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqSlot(pub u32);
@@ -132,25 +135,67 @@ pub const KV_BLOCK_CELLS: usize = 16;
 ///
 /// The pool never refuses a write: the scheduler asks [`KvCache::rows_needed`] before a step and makes room first
 /// (`runtime::batch`: it drops idle slots' caches, then preempts the newest sequence).
+///
+/// A pool on a device ([`KvPool::on_device`]) hands out whole blocks of every layer at once, numbered
+/// `0..`[`KvPool::id_bound`] (a freed number is handed out again first), for the caches' [`BlockTable`]s.
 #[derive(Debug)]
 pub struct KvPool {
+    /// Unique in the process: a backend's key for its storage of the pool's blocks.
+    id: u32,
     /// Row blocks per block: 2 per layer.
     rows_per_block: usize,
     /// Most row blocks held at once; `None`: no limit.
     capacity: Option<usize>,
     held: AtomicUsize,
+    /// The caches' blocks live on a device: their [`BlockTable`]s count, not their host rows.
+    on_device: bool,
+    /// Device block numbers given back, handed out again before new ones.
+    free_ids: Mutex<Vec<u32>>,
+    /// One past the largest device block number handed out.
+    next_id: AtomicU32,
 }
 
 impl KvPool {
-    /// A pool for caches of `shape` holding at most `tokens` cells per layer in all (rounded up to whole blocks),
-    /// or any number (`None`).
+    /// A pool of host blocks for caches of `shape` holding at most `tokens` cells per layer in all (rounded up to
+    /// whole blocks), or any number (`None`).
     pub fn new(shape: &KvShape, tokens: Option<usize>) -> Arc<KvPool> {
+        KvPool::make(shape, tokens, false)
+    }
+
+    /// [`KvPool::new`] for caches a device keeps (a GPU backend's): blocks are numbered for the caches' block
+    /// tables ([`KvCache::take_device_blocks`]), and the counts follow those tables.
+    pub fn on_device(shape: &KvShape, tokens: Option<usize>) -> Arc<KvPool> {
+        KvPool::make(shape, tokens, true)
+    }
+
+    fn make(shape: &KvShape, tokens: Option<usize>, on_device: bool) -> Arc<KvPool> {
+        static NEXT: AtomicU32 = AtomicU32::new(1);
         let rows_per_block = 2 * shape.n_layer.max(1);
         Arc::new(KvPool {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
             rows_per_block,
             capacity: tokens.map(|t| t.div_ceil(KV_BLOCK_CELLS).saturating_mul(rows_per_block)),
             held: AtomicUsize::new(0),
+            on_device,
+            free_ids: Mutex::new(Vec::new()),
+            next_id: AtomicU32::new(0),
         })
+    }
+
+    /// The pool's identity (unique in the process).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Whether the caches' blocks live on a device ([`KvPool::on_device`]).
+    pub fn is_on_device(&self) -> bool {
+        self.on_device
+    }
+
+    /// One past the largest device block number handed out so far: a device's arrays for the pool need this many
+    /// blocks of rows. Never more than the most blocks held at once (freed numbers are handed out first).
+    pub fn id_bound(&self) -> usize {
+        self.next_id.load(Ordering::Relaxed) as usize
     }
 
     /// Blocks the pool may hold (`None`: no limit).
@@ -214,6 +259,123 @@ impl Drop for RowBlock {
     }
 }
 
+/// A block of a device pool: a number, rows `id * KV_BLOCK_CELLS..` of every layer's arrays on the device,
+/// counted in its pool (as `rows_per_block` row blocks) while it lives and given back when dropped.
+#[derive(Debug)]
+struct DevBlock {
+    id: u32,
+    pool: Arc<KvPool>,
+}
+
+impl DevBlock {
+    fn take(pool: &Arc<KvPool>) -> DevBlock {
+        pool.held.fetch_add(pool.rows_per_block, Ordering::Relaxed);
+        let reused = pool.free_ids.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let id = reused.unwrap_or_else(|| pool.next_id.fetch_add(1, Ordering::Relaxed));
+        DevBlock { id, pool: pool.clone() }
+    }
+}
+
+impl Drop for DevBlock {
+    fn drop(&mut self) {
+        self.pool.held.fetch_sub(self.pool.rows_per_block, Ordering::Relaxed);
+        self.pool
+            .free_ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(self.id);
+    }
+}
+
+/// A copy a device makes before a step writes a shared block ([`KvCache::take_device_blocks`]): every layer's
+/// rows of block `src` into block `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: u32,
+    pub dst: u32,
+}
+
+/// The page table of a cache a device keeps: the pool block of each of its blocks of [`KV_BLOCK_CELLS`] cells
+/// (cell `c` is row `ids()[c / KV_BLOCK_CELLS] * KV_BLOCK_CELLS + c % KV_BLOCK_CELLS` of each layer's array; the
+/// kernels' `kv_cell`, kernels/common.cuh). Shared by the cache's layers, so a backend handed one layer reaches it
+/// ([`KvRows::table`]).
+#[derive(Debug, Default)]
+pub struct BlockTable {
+    blocks: Vec<Arc<DevBlock>>,
+    /// Counts the changes of `blocks` (a device's copy of the table is current while this is what it copied).
+    version: u64,
+}
+
+impl BlockTable {
+    /// Changes with every change of the numbers (see [`BlockTable::ids`]).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    fn truncate(&mut self, keep: usize) {
+        if keep < self.blocks.len() {
+            self.blocks.truncate(keep);
+            self.version += 1;
+        }
+    }
+
+    fn set(&mut self, blocks: Vec<Arc<DevBlock>>) {
+        self.blocks = blocks;
+        self.version += 1;
+    }
+
+    /// The pool block numbers of the cache's blocks `0..len`, in order.
+    pub fn ids(&self) -> impl ExactSizeIterator<Item = u32> + '_ {
+        self.blocks.iter().map(|b| b.id)
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Blocks a write of cells `from..to` would take: those not held yet and those another cache shares.
+    fn needed(&self, from: usize, to: usize) -> usize {
+        if from >= to {
+            return 0;
+        }
+        (from / KV_BLOCK_CELLS..=(to - 1) / KV_BLOCK_CELLS)
+            .filter(|&b| self.blocks.get(b).is_none_or(|blk| Arc::strong_count(blk) > 1))
+            .count()
+    }
+
+    /// Takes from `pool` the blocks of cells `0..to` not held yet and, for those of `from..to` another cache
+    /// shares, a block of its own whose copy it appends to `copies`. Returns whether any number changed.
+    fn take(&mut self, pool: &Arc<KvPool>, from: usize, to: usize, copies: &mut Vec<BlockCopy>) -> bool {
+        if from >= to {
+            return false;
+        }
+        let last = (to - 1) / KV_BLOCK_CELLS;
+        let mut changed = false;
+        while self.blocks.len() <= last {
+            self.blocks.push(Arc::new(DevBlock::take(pool)));
+            changed = true;
+        }
+        for b in from / KV_BLOCK_CELLS..=last {
+            if Arc::strong_count(&self.blocks[b]) > 1 {
+                let own = Arc::new(DevBlock::take(pool));
+                copies.push(BlockCopy {
+                    src: self.blocks[b].id,
+                    dst: own.id,
+                });
+                self.blocks[b] = own;
+                changed = true;
+            }
+        }
+        self.version += changed as u64;
+        changed
+    }
+}
+
 /// One layer's keys or values: `n_ctx` rows of `heads * head_dim` values, in blocks of [`KV_BLOCK_CELLS`] rows
 /// taken from the cache's [`KvPool`] as they are first written (a paged cache: cell `p` is row `p %
 /// KV_BLOCK_CELLS` of block `p / KV_BLOCK_CELLS`). A block another sequence shares is copied before it is
@@ -225,6 +387,8 @@ pub struct KvRows {
     /// Blocks of cells `0..blocks.len() * KV_BLOCK_CELLS`.
     blocks: Vec<Arc<RowBlock>>,
     pool: Arc<KvPool>,
+    /// The cache's page table on a device (every layer's rows share it).
+    table: Arc<Mutex<BlockTable>>,
     n_ctx: usize,
     head_dim: usize,
     heads: usize,
@@ -233,13 +397,21 @@ pub struct KvRows {
 }
 
 impl KvRows {
-    fn new(id: KvRowsId, ty: GgmlType, n_ctx: usize, heads: usize, head_dim: usize, pool: &Arc<KvPool>) -> KvRows {
+    fn new(
+        id: KvRowsId,
+        ty: GgmlType,
+        n_ctx: usize,
+        (heads, head_dim): (usize, usize),
+        pool: &Arc<KvPool>,
+        table: &Arc<Mutex<BlockTable>>,
+    ) -> KvRows {
         let head_bytes = ty.row_bytes(head_dim as u64).expect("head width checked") as usize;
         KvRows {
             id,
             ty,
             blocks: Vec::new(),
             pool: pool.clone(),
+            table: table.clone(),
             n_ctx,
             head_dim,
             heads,
@@ -247,8 +419,31 @@ impl KvRows {
         }
     }
 
-    fn row_bytes(&self) -> usize {
+    /// Bytes of one row (`heads` heads of [`KvRows::head_dim`] values of [`KvRows::ty`]).
+    pub fn row_bytes(&self) -> usize {
         self.heads * self.head_bytes
+    }
+
+    /// The pool the cache's blocks come from.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
+    }
+
+    /// The cache's page table on a device (the same for every layer's rows of the cache). A device backend holds
+    /// the lock while it reads or changes the table; nothing else takes it during a step.
+    pub fn table(&self) -> MutexGuard<'_, BlockTable> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// For a device writing cells `from..to` of the cache: takes the blocks of cells `0..to` not held yet and
+    /// gives each block of `from..to` that another cache shares a block of its own, appending the copies of their
+    /// rows the device must make first to `copies` (every layer's: the first layer a step writes takes them for
+    /// all). Returns whether the table changed (the device's copy of it is stale).
+    ///
+    /// Panics if `to` is past `n_ctx`.
+    pub fn take_device_blocks(&self, from: usize, to: usize, copies: &mut Vec<BlockCopy>) -> bool {
+        assert!(to <= self.n_ctx, "KV write up to cell {to} of {}", self.n_ctx);
+        self.table().take(&self.pool, from, to, copies)
     }
 
     /// Stores `row` (`heads * head_dim` values) at `cell`, rounding to the cache type. Takes the cell's block
@@ -348,8 +543,7 @@ impl KvRows {
         self.heads * self.head_dim
     }
 
-    /// Bytes of all `n_ctx` rows: what the rows take with every cell held (a device's twin of them is this
-    /// size).
+    /// Bytes of all `n_ctx` rows: what the rows take with every cell held.
     pub fn bytes(&self) -> usize {
         self.n_ctx * self.row_bytes()
     }
@@ -388,6 +582,8 @@ pub struct KvCache {
     ty: KvType,
     n_ctx: usize,
     pool: Arc<KvPool>,
+    /// The page table on a device (a pool [`KvPool::on_device`]; every layer's rows hold it too).
+    table: Arc<Mutex<BlockTable>>,
     pub layers: Vec<KvLayer>,
 }
 
@@ -423,10 +619,11 @@ impl KvCache {
             layer: layer as u32,
             values,
         };
+        let table = Arc::new(Mutex::new(BlockTable::default()));
         let layers = (0..shape.n_layer)
             .map(|il| KvLayer {
-                k: KvRows::new(id(il, false), ty.ggml(), n_ctx, heads, dk, pool),
-                v: KvRows::new(id(il, true), ty.ggml(), n_ctx, heads, dv, pool),
+                k: KvRows::new(id(il, false), ty.ggml(), n_ctx, (heads, dk), pool, &table),
+                v: KvRows::new(id(il, true), ty.ggml(), n_ctx, (heads, dv), pool, &table),
             })
             .collect();
         Ok(KvCache {
@@ -434,6 +631,7 @@ impl KvCache {
             ty,
             n_ctx,
             pool: pool.clone(),
+            table,
             layers,
         })
     }
@@ -464,12 +662,24 @@ impl KvCache {
 
     /// Bytes of the blocks the cache holds now (shared blocks included).
     pub fn held_bytes(&self) -> usize {
+        if self.pool.on_device {
+            let cell: usize = self.layers.iter().map(|l| l.k.row_bytes() + l.v.row_bytes()).sum();
+            return self.held_blocks() * KV_BLOCK_CELLS * cell;
+        }
         self.layers.iter().map(|l| l.k.held_bytes() + l.v.held_bytes()).sum()
     }
 
     /// Blocks the cache holds now (shared ones included).
     pub fn held_blocks(&self) -> usize {
+        if self.pool.on_device {
+            return self.table().len();
+        }
         self.layers.first().map_or(0, |l| l.k.blocks.len())
+    }
+
+    /// The page table on a device (see [`KvRows::table`]).
+    pub fn table(&self) -> MutexGuard<'_, BlockTable> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Keeps cells `0..cells` and gives the blocks past them back to the pool (the sequence forgot those tokens).
@@ -479,12 +689,18 @@ impl KvCache {
             l.k.blocks.truncate(keep);
             l.v.blocks.truncate(keep);
         }
+        self.table().truncate(keep);
     }
 
     /// Row blocks [`KvCache::truncate`] to `cells` would give back to the pool: the blocks past them that no other
     /// cache shares.
     pub fn rows_freed_by_truncate(&self, cells: usize) -> usize {
         let keep = cells.div_ceil(KV_BLOCK_CELLS);
+        if self.pool.on_device {
+            let t = self.table();
+            let own = t.blocks.iter().skip(keep).filter(|b| Arc::strong_count(b) == 1).count();
+            return own * self.pool.rows_per_block;
+        }
         self.layers
             .iter()
             .flat_map(|l| [&l.k, &l.v])
@@ -495,10 +711,19 @@ impl KvCache {
     /// Row blocks a step writing cells `from..to` would take from the pool (see [`KvPool`]): in every layer,
     /// the blocks of those cells not held yet and those another sequence shares.
     pub fn rows_needed(&self, from: usize, to: usize) -> usize {
+        if self.pool.on_device {
+            return self.table().needed(from, to) * self.pool.rows_per_block;
+        }
         self.layers
             .iter()
             .map(|l| l.k.rows_needed(from, to) + l.v.rows_needed(from, to))
             .sum()
+    }
+
+    /// [`KvRows::take_device_blocks`] for the whole cache.
+    pub fn take_device_blocks(&self, from: usize, to: usize, copies: &mut Vec<BlockCopy>) -> bool {
+        assert!(to <= self.n_ctx, "KV write up to cell {to} of {}", self.n_ctx);
+        self.table().take(&self.pool, from, to, copies)
     }
 
     /// Makes cells `0..cells` the blocks of `src` (a cache of the same model and type, in the same pool: a
@@ -515,6 +740,8 @@ impl KvCache {
             "share_prefix_from: caches of different shapes or pools, or {cells} cells"
         );
         let n = cells.div_ceil(KV_BLOCK_CELLS);
+        let shared: Vec<Arc<DevBlock>> = src.table().blocks.iter().take(n).cloned().collect();
+        self.table().set(shared);
         for (d, s) in self.layers.iter_mut().zip(&src.layers) {
             for (d, s) in [(&mut d.k, &s.k), (&mut d.v, &s.v)] {
                 assert!(
@@ -530,6 +757,16 @@ impl KvCache {
     /// Adds to `out` an identity (an address) of each block of the first layer's keys that another cache shares
     /// (`strata serve`'s count of shared blocks: the same identity from two caches is one block).
     pub fn shared_blocks(&self, out: &mut std::collections::HashSet<usize>) {
+        if self.pool.on_device {
+            let t = self.table();
+            out.extend(
+                t.blocks
+                    .iter()
+                    .filter(|b| Arc::strong_count(b) > 1)
+                    .map(|b| Arc::as_ptr(b) as usize),
+            );
+            return;
+        }
         if let Some(l) = self.layers.first() {
             out.extend(
                 l.k.blocks
@@ -632,6 +869,65 @@ mod tests {
         assert_eq!(a.rows_needed(18, 20), 0, "a's copy is its own again");
         drop(a);
         assert_eq!(b.rows_needed(0, 1), 0, "the last holder writes in place");
+        drop(b);
+        assert_eq!(pool.held_rows(), 0);
+    }
+
+    /// A device pool numbers whole blocks (every layer at once), hands a freed number out again first, shares a
+    /// prefix's numbers, and gives a sequence writing a shared block a number of its own with the copy to make;
+    /// its counts follow the tables, not the (empty) host rows.
+    #[test]
+    fn a_device_pool_numbers_blocks_shares_them_and_lists_the_copies_on_write() {
+        let pool = KvPool::on_device(&shape(), Some(64));
+        let rows = 2 * 2;
+        let mut a = KvCache::new_in(&shape(), 64, KvType::F16, &pool).unwrap();
+        let mut b = KvCache::new_in(&shape(), 64, KvType::F16, &pool).unwrap();
+        assert_eq!(a.rows_needed(0, 20), 2 * rows);
+        let mut copies = vec![];
+        assert!(
+            a.layers[1].v.take_device_blocks(0, 20, &mut copies),
+            "any layer takes for the cache"
+        );
+        assert!(copies.is_empty());
+        assert_eq!(a.table().ids().collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(
+            (pool.held_blocks(), pool.held_rows(), pool.id_bound()),
+            (2, 2 * rows, 2)
+        );
+        assert_eq!(
+            (a.held_blocks(), a.rows_needed(0, 32), a.rows_needed(30, 33)),
+            (2, 0, rows)
+        );
+        let v = a.table().version();
+        assert!(!a.take_device_blocks(16, 20, &mut copies), "nothing new");
+        assert_eq!(a.table().version(), v);
+        // b shares the first 18 cells: both blocks, counted once.
+        b.share_prefix_from(&a, 18);
+        assert_eq!(b.table().ids().collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(pool.held_blocks(), 2);
+        let mut shared = std::collections::HashSet::new();
+        a.shared_blocks(&mut shared);
+        assert_eq!(shared.len(), 2);
+        assert_eq!((b.rows_freed_by_truncate(0), b.rows_needed(18, 19)), (0, rows));
+        // b writes cell 18: block 1 becomes its own, a copy of a's; block 0 stays shared.
+        assert!(b.take_device_blocks(18, 19, &mut copies));
+        assert_eq!(copies, [BlockCopy { src: 1, dst: 2 }]);
+        assert_eq!(b.table().ids().collect::<Vec<_>>(), [0, 2]);
+        assert_eq!((pool.held_blocks(), a.rows_needed(18, 20)), (3, 0));
+        // a forgets its second block: number 1 is free and handed out first.
+        assert_eq!(a.rows_freed_by_truncate(16), rows);
+        a.truncate(16);
+        assert_eq!((pool.held_blocks(), a.table().version() > v), (2, true));
+        copies.clear();
+        a.take_device_blocks(16, 40, &mut copies);
+        assert_eq!(a.table().ids().collect::<Vec<_>>(), [0, 1, 3]);
+        assert!(copies.is_empty());
+        assert_eq!(
+            (a.layers[0].k.blocks.len(), a.held_bytes()),
+            (0, 3 * KV_BLOCK_CELLS * 2 * 2 * 64 * 2)
+        );
+        drop(a);
+        assert_eq!((pool.held_blocks(), b.rows_needed(0, 1)), (2, 0));
         drop(b);
         assert_eq!(pool.held_rows(), 0);
     }

@@ -4,8 +4,6 @@
 //! does a request preempted for KV blocks and computed again.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::backend::{AttnOp, AttnParams, Backend, RopeKind, RopeParams, RunBufs, attend_runs_one_by_one};
@@ -14,172 +12,18 @@ use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::quant::GgmlType;
 use strata_engine::rng::SplitMix64;
-use strata_engine::runtime::batch::{BatchEvent, BatchJob, Batcher, KvUsage, StepReport};
-use strata_engine::runtime::generate::{GenerateOptions, GenerateStats, Greedy, StopReason, generate};
-use strata_engine::runtime::session::{Session, SessionConfig};
+use strata_engine::runtime::generate::{GenerateStats, StopReason};
 use strata_engine::state::batch::BatchLayout;
-use strata_engine::state::kv::{KV_BLOCK_CELLS, KvCache, KvPool, KvShape, KvType};
+use strata_engine::state::kv::{KV_BLOCK_CELLS, KvCache, KvShape, KvType};
 use strata_engine::tokenizer::Tokenizer;
 
-const TEXT: &str = "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named \
-after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed \
-\"La dame de fer\" (French for \"Iron Lady\"), it was constructed as the centrepiece of the 1889 World's Fair.";
-
-/// Prefill chunks of 16 tokens: every prompt below takes several steps, mixed with the others' decode tokens.
-fn config() -> SessionConfig {
-    SessionConfig {
-        max_context: 512,
-        kv: KvType::F16,
-        prefill_chunk: Some(16),
-    }
-}
-
-fn opts(max_tokens: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_tokens,
-        stop: vec![],
-        logits_digest: true,
-        logprobs: None,
-    }
-}
-
-/// Each prompt alone on a fresh session: the reference.
-fn alone(model: &Model, tok: &Tokenizer, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<GenerateStats> {
-    prompts
-        .iter()
-        .map(|p| {
-            let mut s = Session::new(model, &CpuBackend, config()).unwrap();
-            generate(&mut s, tok, p, &opts(max_tokens), &mut Greedy, &mut |_| {})
-                .unwrap()
-                .1
-        })
-        .collect()
-}
-
-struct Ran {
-    done: Vec<Option<GenerateStats>>,
-    failed: Vec<Option<String>>,
-    text: Vec<String>,
-    steps: Vec<StepReport>,
-    /// The KV pool after each step.
-    kv: Vec<KvUsage>,
-    /// Request ids in the order they ended (done or failed).
-    ended: Vec<u64>,
-}
-
-/// Runs `prompts` through a scheduler of `parallel` slots, all submitted at once (request i has id i), then, once
-/// they have all ended, `then` (ids following); `cancel` is set on request `cancel_at.0` once `cancel_at.1` steps
-/// have run. The slots share a KV pool of `kv_tokens` (no limit: `None`).
-#[allow(clippy::too_many_arguments)]
-fn batched(
-    model: &Model,
-    tok: &Tokenizer,
-    prompts: &[Vec<u32>],
-    then: &[Vec<u32>],
-    parallel: usize,
-    max_tokens: usize,
-    cancel_at: Option<(usize, usize)>,
-    kv_tokens: Option<usize>,
-) -> Ran {
-    let pool = KvPool::new(&model.hp.kv_shape(), kv_tokens);
-    let sessions = (0..parallel)
-        .map(|_| Session::new_in(model, &CpuBackend, config(), &pool).unwrap())
-        .collect();
-    let mut b = Batcher::new(sessions, 16);
-    let all: Vec<&Vec<u32>> = prompts.iter().chain(then).collect();
-    let flags: Vec<Arc<AtomicBool>> = all.iter().map(|_| Arc::new(AtomicBool::new(false))).collect();
-    let job = |i: usize| BatchJob {
-        id: i as u64,
-        prompt: all[i].clone(),
-        opts: opts(max_tokens),
-        sampler: Box::new(Greedy),
-        cancel: flags[i].clone(),
-    };
-    for i in 0..prompts.len() {
-        b.submit(job(i));
-    }
-    let n = all.len();
-    let mut ran = Ran {
-        done: vec![None; n],
-        failed: vec![None; n],
-        text: vec![String::new(); n],
-        steps: vec![],
-        kv: vec![],
-        ended: vec![],
-    };
-    let mut second = false;
-    loop {
-        if b.is_idle() {
-            if second || then.is_empty() {
-                break;
-            }
-            second = true;
-            for i in prompts.len()..n {
-                b.submit(job(i));
-            }
-        }
-        if let Some((who, after)) = cancel_at
-            && ran.steps.len() == after
-        {
-            flags[who].store(true, Ordering::Relaxed);
-        }
-        let report = b.step(tok, &mut |ev| match ev {
-            BatchEvent::Text { id, text, .. } => ran.text[id as usize].push_str(text),
-            BatchEvent::Done { id, stats } => {
-                ran.done[id as usize] = Some(stats);
-                ran.ended.push(id);
-            }
-            BatchEvent::Failed { id, error } => {
-                ran.failed[id as usize] = Some(error.to_string());
-                ran.ended.push(id);
-            }
-            BatchEvent::Progress { .. } => {}
-        });
-        assert!(report.sequences <= parallel && report.tokens <= 16, "{report:?}");
-        ran.steps.push(report);
-        let kv = b.kv_usage();
-        assert_eq!(kv.blocks_used, pool.held_blocks());
-        if let Some(total) = kv.blocks_total {
-            assert!(kv.blocks_used <= total, "step {}: {kv:?}", ran.steps.len());
-        }
-        ran.kv.push(kv);
-        assert!(ran.steps.len() < 10_000, "the scheduler never went idle");
-    }
-    ran
-}
-
-fn prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
-    let ids = tok.encode(TEXT, true, false).unwrap();
-    assert!(ids.len() >= 60);
-    vec![
-        ids[..7].to_vec(),
-        ids[..60].to_vec(),
-        tok.encode("What is the capital of France? The capital of France is", true, false)
-            .unwrap(),
-        // Waits for a slot.
-        [&ids[..40], &ids[45..50]].concat(),
-    ]
-}
+use crate::batched::{TEXT, alone, assert_as_alone, batched, prompts};
 
 fn tiny_moe() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny-qwen3moe.gguf");
     SynthSpec::tiny_qwen3moe().write(&path).unwrap();
     (dir, path)
-}
-
-/// Every request of `ran` ended as it does alone (`want`): the same tokens, logits bits, end and text.
-fn assert_as_alone(tok: &Tokenizer, ran: &Ran, want: &[GenerateStats]) {
-    for (i, w) in want.iter().enumerate() {
-        let got = ran.done[i]
-            .as_ref()
-            .unwrap_or_else(|| panic!("request {i}: {:?}", ran.failed[i]));
-        assert_eq!(got.tokens, w.tokens, "request {i}: tokens");
-        assert_eq!(got.logits_digests, w.logits_digests, "request {i}: logits bits");
-        assert_eq!(got.stop, w.stop, "request {i}");
-        let printed: Vec<u32> = w.tokens.iter().copied().filter(|&t| !tok.is_eog(t)).collect();
-        assert_eq!(ran.text[i], tok.decode(&printed).unwrap(), "request {i}: text");
-    }
 }
 
 /// Runs `check` on the default model and on a tiny MoE.
@@ -197,8 +41,8 @@ fn check_equal_to_alone(path: &Path) {
     // second's slot and reuses that prefix.
     let ids = tok.encode(TEXT, true, false).unwrap();
     let later = vec![[&ids[..40], &ids[50..55]].concat()];
-    let want = alone(&model, &tok, &[&prompts[..], &later[..]].concat(), 24);
-    let ran = batched(&model, &tok, &prompts, &later, 3, 24, None, None);
+    let want = alone(&model, &CpuBackend, &tok, &[&prompts[..], &later[..]].concat(), 24);
+    let ran = batched(&model, &CpuBackend, &tok, &prompts, &later, 3, 24, None, None);
     assert_as_alone(&tok, &ran, &want);
     // It was a batch: steps of several sequences, some mixing a prompt chunk with decode tokens.
     assert!(ran.steps.iter().any(|s| s.sequences == 3), "{:?}", ran.steps);
@@ -258,9 +102,9 @@ fn a_cancelled_or_failed_request_leaves_the_others_as_they_were() {
     let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
     let mut prompts = prompts(&tok);
     prompts[2] = vec![1, 2, u32::MAX];
-    let want = alone(&model, &tok, &prompts[..2], 24);
+    let want = alone(&model, &CpuBackend, &tok, &prompts[..2], 24);
     // Request 1 is cancelled in its prefill (60 tokens in chunks of at most 16: it needs four or more steps).
-    let ran = batched(&model, &tok, &prompts, &[], 3, 24, Some((1, 2)), None);
+    let ran = batched(&model, &CpuBackend, &tok, &prompts, &[], 3, 24, Some((1, 2)), None);
     let first = ran.done[0].as_ref().unwrap();
     assert_eq!(first.tokens, want[0].tokens);
     assert_eq!(first.logits_digests, want[0].logits_digests);
@@ -274,7 +118,7 @@ fn a_cancelled_or_failed_request_leaves_the_others_as_they_were() {
     assert!(failed.contains("outside the model's vocabulary"), "{failed}");
     // The fourth took a free slot and ran as it does alone.
     let fourth = ran.done[3].as_ref().unwrap();
-    let want4 = alone(&model, &tok, &prompts[3..], 24);
+    let want4 = alone(&model, &CpuBackend, &tok, &prompts[3..], 24);
     assert_eq!(fourth.tokens, want4[0].tokens);
     assert_eq!(fourth.logits_digests, want4[0].logits_digests);
 }
@@ -286,8 +130,8 @@ fn check_preempted_equal_to_alone(path: &Path) {
     let model = Model::load(path).unwrap();
     let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
     let prompts = prompts(&tok);
-    let want = alone(&model, &tok, &prompts, 24);
-    let ran = batched(&model, &tok, &prompts, &[], 3, 24, None, Some(96));
+    let want = alone(&model, &CpuBackend, &tok, &prompts, 24);
+    let ran = batched(&model, &CpuBackend, &tok, &prompts, &[], 3, 24, None, Some(96));
     assert_as_alone(&tok, &ran, &want);
     let done: Vec<&GenerateStats> = ran.done.iter().map(|d| d.as_ref().unwrap()).collect();
     let preempted: u32 = done.iter().map(|d| d.preempted).sum();
@@ -313,8 +157,8 @@ fn a_tight_pool_keeps_the_prefix_a_slot_holds() {
     let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
     let ids = tok.encode(TEXT, true, false).unwrap();
     let (first, then) = (ids[..60].to_vec(), [&ids[..40], &ids[50..55]].concat());
-    let want = alone(&model, &tok, &[first.clone(), then.clone()], 24);
-    let ran = batched(&model, &tok, &[first], &[then], 1, 24, None, Some(96));
+    let want = alone(&model, &CpuBackend, &tok, &[first.clone(), then.clone()], 24);
+    let ran = batched(&model, &CpuBackend, &tok, &[first], &[then], 1, 24, None, Some(96));
     assert_as_alone(&tok, &ran, &want);
     let second = ran.done[1].as_ref().unwrap();
     assert_eq!(second.prefill.reused, 40, "{:?}", second.prefill);
@@ -328,7 +172,17 @@ fn a_request_cancelled_while_waiting_ends_at_once() {
     let model = Model::load(&path).unwrap();
     let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
     let prompts = prompts(&tok);
-    let ran = batched(&model, &tok, &prompts[..3], &[], 1, 24, Some((1, 2)), Some(512));
+    let ran = batched(
+        &model,
+        &CpuBackend,
+        &tok,
+        &prompts[..3],
+        &[],
+        1,
+        24,
+        Some((1, 2)),
+        Some(512),
+    );
     let cancelled = ran.done[1].as_ref().unwrap();
     assert_eq!(cancelled.stop, StopReason::Cancelled);
     assert_eq!(ran.ended[0], 1, "the cancelled request ended first: {:?}", ran.ended);
@@ -344,8 +198,8 @@ fn a_request_larger_than_the_kv_pool_fails_and_the_others_run() {
     let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
     let prompts = prompts(&tok);
     let (small, big) = (prompts[0].clone(), prompts[1].clone());
-    let want = alone(&model, &tok, std::slice::from_ref(&small), 8);
-    let ran = batched(&model, &tok, &[small, big], &[], 2, 8, None, Some(48));
+    let want = alone(&model, &CpuBackend, &tok, std::slice::from_ref(&small), 8);
+    let ran = batched(&model, &CpuBackend, &tok, &[small, big], &[], 2, 8, None, Some(48));
     assert_eq!(ran.done[0].as_ref().unwrap().tokens, want[0].tokens);
     let failed = ran.failed[1].as_deref().unwrap_or_else(|| panic!("{:?}", ran.done[1]));
     assert!(failed.contains("KV cache pool holds 48 tokens"), "{failed}");

@@ -3,6 +3,8 @@
 //! One test binary per area (each links the engine once); each module is one former test file.
 
 mod batch;
+#[path = "../common/batched.rs"]
+mod batched;
 mod generator;
 mod goldens;
 mod grammar;

@@ -88,11 +88,13 @@ impl DecodeRope {
 /// One attn_decode launch's arguments (kernels/attention.cu): the queries, caches, scores and output addresses, the
 /// positions (`pos`, one per token row of the grid), the heads' geometry as the kernel takes it, the fused RoPE
 /// ([`DecodeRope`]; all 0: none), the caches it stores the token's key and value into (`kc`, `vc`; 0: none) and the
-/// per-token cache table of a step of several sequences (`kvtab`; 0: none).
+/// per-token page tables of a step of several sequences (`kvtab`; 0: none). The caches are their layer's pool
+/// arrays (`k`, `v`) and the sequence's page table (`pages`; kernels/common.cuh `kv_cell`).
 struct DecodeLaunch<'a> {
     q: u64,
     k: u64,
     v: u64,
+    pages: u64,
     scores: u64,
     out: u64,
     pos: u64,
@@ -118,6 +120,7 @@ fn launch_attn_decode(g: &Gpu, n_tok: usize, l: &DecodeLaunch<'_>) -> Result<(),
             Arg::P(l.q),
             Arg::P(l.k),
             Arg::P(l.v),
+            Arg::P(l.pages),
             Arg::P(l.scores),
             Arg::P(l.out),
             Arg::P(l.pos),
@@ -152,7 +155,8 @@ fn launch_attn_decode(g: &Gpu, n_tok: usize, l: &DecodeLaunch<'_>) -> Result<(),
 
 /// One qk_norm_rope launch's arguments (kernels/elementwise.cu): the queries and keys (rotated in place), the
 /// norms' weights (0: none), the positions, and, with `kc` (0: no store), the f16 caches the keys and the values
-/// (`vsrc`, `dv` wide) go to: `kc` and `vc`, or each token's own with `kvtab` (a step of several sequences).
+/// (`vsrc`, `dv` wide) go to: the pool arrays `kc` and `vc` at the cells the page table `pages` names, or each
+/// token's own table's with `kvtab` (a step of several sequences).
 struct QkNormRope {
     q: u64,
     k: u64,
@@ -169,6 +173,7 @@ struct QkNormRope {
     vsrc: u64,
     vc: u64,
     dv: usize,
+    pages: u64,
     kvtab: u64,
 }
 
@@ -201,6 +206,7 @@ fn launch_qk_norm_rope(g: &Gpu, l: &QkNormRope) -> Result<(), CudaError> {
             Arg::P(l.vsrc),
             Arg::P(l.vc),
             Arg::I(l.dv as i32),
+            Arg::P(l.pages),
             Arg::P(l.kvtab),
         ],
     )
@@ -236,8 +242,12 @@ impl CudaBackend {
         Self::check((|| {
             let (khb, krb) = kv_geometry(kv.k.ty(), p.n_head_kv, dk);
             let (vhb, vrb) = kv_geometry(kv.v.ty(), p.n_head_kv, dv);
-            let (kp, kty) = s.kv_twin(g, &kv.k)?;
-            let (vp, vty) = s.kv_twin(g, &kv.v)?;
+            if rope.is_some() {
+                // attn_decode stores the token's key and value.
+                s.kv_store_cells(g, kv, positions)?;
+            }
+            let (kd, vd) = (s.kv_dev(g, &kv.k)?, s.kv_dev(g, &kv.v)?);
+            let (kp, kty, vp, vty, pg) = (kd.base, kd.ty, vd.base, vd.ty, kd.pages);
             let code = |t: GgmlType| if t == GgmlType::F16 { 0 } else { 1 };
             let pp = s.positions(g, positions)?;
             let n_ctx = kv.k.bytes() / krb;
@@ -246,6 +256,7 @@ impl CudaBackend {
                 q: q.ptr(),
                 k: kp,
                 v: vp,
+                pages: pg,
                 scores: 0,
                 out: out.ptr(),
                 pos: pp,
@@ -320,6 +331,7 @@ impl CudaBackend {
                     &[
                         Arg::P(q.ptr()),
                         Arg::P(kp),
+                        Arg::P(pg),
                         Arg::P(sp),
                         Arg::P(mp),
                         Arg::P(pp),
@@ -358,6 +370,7 @@ impl CudaBackend {
                         Arg::P(sp),
                         Arg::P(ps),
                         Arg::P(vp),
+                        Arg::P(pg),
                         Arg::P(part),
                         Arg::P(pp),
                         Arg::I(p.n_head as i32),
@@ -407,6 +420,7 @@ impl CudaBackend {
                         Arg::P(q.ptr()),
                         Arg::P(kp),
                         Arg::P(vp),
+                        Arg::P(pg),
                         Arg::P(out.ptr()),
                         Arg::P(pp),
                         Arg::I(n_tok as i32),
@@ -435,6 +449,7 @@ impl CudaBackend {
                 &[
                     Arg::P(q.ptr()),
                     Arg::P(kp),
+                    Arg::P(pg),
                     Arg::P(sp),
                     Arg::P(pp),
                     Arg::I(p.n_head as i32),
@@ -475,6 +490,7 @@ impl CudaBackend {
                 &[
                     Arg::P(sp),
                     Arg::P(vp),
+                    Arg::P(pg),
                     Arg::P(target),
                     Arg::I(rows as i32),
                     Arg::I(p.n_head as i32),
@@ -526,12 +542,13 @@ impl CudaBackend {
             let qw = s.norm_weights(g, norms.0)?;
             let kw = s.norm_weights(g, norms.1)?;
             let pp = s.positions(g, positions)?;
-            let (mut kc, mut vp, mut vc, mut dv) = (0, 0, 0, 0);
+            let (mut kc, mut vp, mut vc, mut dv, mut pages) = (0, 0, 0, 0, 0);
             if let Some((v, kv)) = store {
                 dv = kv.v.head_dim();
                 assert!(v.capacity() >= n_tok * n_head_kv * dv, "qk_norm_rope_store: values");
-                kc = s.kv_twin(g, &kv.k)?.0;
-                vc = s.kv_twin(g, &kv.v)?.0;
+                s.kv_store_cells(g, kv, positions)?;
+                let (kd, vd) = (s.kv_dev(g, &kv.k)?, s.kv_dev(g, &kv.v)?);
+                (kc, vc, pages) = (kd.base, vd.base, kd.pages);
                 vp = v.ptr();
             }
             let l = QkNormRope {
@@ -550,6 +567,7 @@ impl CudaBackend {
                 vsrc: vp,
                 vc,
                 dv,
+                pages,
                 kvtab: 0,
             };
             launch_qk_norm_rope(g, &l)
@@ -671,11 +689,14 @@ impl CudaBackend {
             let (khb, krb) = kv_geometry(GgmlType::F16, p.n_head_kv, dk);
             let (vhb, vrb) = kv_geometry(GgmlType::F16, p.n_head_kv, dv);
             let n_ctx = first.k.bytes() / krb;
-            let mut tab: Vec<u64> = Vec::with_capacity(2 * n);
-            for r in runs {
+            // Each token's cell in its own sequence's cache; the kernels' table: its page table and its pool's
+            // key and value arrays.
+            let mut tab: Vec<u64> = Vec::with_capacity(3 * n);
+            for (r, &pos) in runs.iter().zip(positions) {
                 let kv = &kvs[r.seq].layers[layer];
-                tab.push(s.kv_twin(g, &kv.k)?.0);
-                tab.push(s.kv_twin(g, &kv.v)?.0);
+                s.kv_cells(g, &kv.k, pos as usize, pos as usize + 1)?;
+                let (kd, vd) = (s.kv_dev(g, &kv.k)?, s.kv_dev(g, &kv.v)?);
+                tab.extend([kd.pages, kd.base, vd.base]);
             }
             let tp = s.upload(g, Slot::KvTable, bytemuck::cast_slice(&tab))?;
             let pp = s.positions(g, &positions[..n])?;
@@ -684,13 +705,14 @@ impl CudaBackend {
             let kw = s.norm_weights(g, a.norms.1)?;
             // Fused: attn_decode rotates and stores each token itself; batch-invariant: qk_norm_rope first.
             let (fused, kc, vc) = match invariant {
-                false => (DecodeRope::fused(k.ptr(), v.ptr(), qw, kw, a.eps, rope), tab[0], tab[1]),
+                false => (DecodeRope::fused(k.ptr(), v.ptr(), qw, kw, a.eps, rope), tab[1], tab[2]),
                 true => (DecodeRope::default(), 0, 0),
             };
             let l = DecodeLaunch {
                 q: q.ptr(),
-                k: tab[0],
-                v: tab[1],
+                k: tab[1],
+                v: tab[2],
+                pages: tab[0],
                 scores: sp,
                 out: out.ptr(),
                 pos: pp,
@@ -716,10 +738,11 @@ impl CudaBackend {
                     head_dim: dk,
                     eps: a.eps,
                     rope: *rope,
-                    kc: tab[0],
+                    kc: tab[1],
                     vsrc: v.ptr(),
-                    vc: tab[1],
+                    vc: tab[2],
                     dv,
+                    pages: tab[0],
                     kvtab: tp,
                 };
                 launch_qk_norm_rope(g, &store)?;

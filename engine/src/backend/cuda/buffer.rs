@@ -89,6 +89,31 @@ impl DevBuf {
             .map_err(CudaError::driver("device-to-device copy"))
     }
 
+    /// Copies `bytes` bytes from device address `src` (inside any buffer of this context, this one included, not
+    /// overlapping the destination) to bytes `offset..offset + bytes` of this buffer, in `stream`'s order (no wait).
+    ///
+    /// Panics if the destination range is past the buffer. Errors: the copy failed.
+    pub fn copy_in(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        offset: usize,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), CudaError> {
+        assert!(
+            offset + bytes <= self.bytes,
+            "DevBuf::copy_in: {offset} + {bytes} > {}",
+            self.bytes
+        );
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the destination range is inside this buffer (checked), the source is a device range the caller
+        // names, and the copy is ordered on `stream` with every other use of both.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(self.ptr + offset as u64, src, bytes, stream.cu_stream()) }
+            .map_err(CudaError::driver("device-to-device copy"))
+    }
+
     /// Reads the first `out.len()` bytes into `out`, waiting for the stream.
     pub fn read(&self, stream: &Arc<CudaStream>, out: &mut [u8]) -> Result<(), CudaError> {
         self.read_at(stream, 0, out)

@@ -1,17 +1,45 @@
-//! KV caches on the device: each cache's device twin (keyed by sequence slot, layer and K/V, released with the slot;
-//! the cache's only copy of the data), its row geometry, and the stores into it.
+//! KV caches on the device, paged: each [`KvPool`] of the engine has, per layer's keys or values, one array of rows
+//! on the device (`blocks * KV_BLOCK_CELLS` rows, block `b` at rows `b * KV_BLOCK_CELLS..`), and each sequence a
+//! page table (`u32` per block of its cells: the pool block holding them; the cache's [`BlockTable`]). Kernels find
+//! cell `c` at row `pages[c / KV_BLOCK_CELLS] * KV_BLOCK_CELLS + c % KV_BLOCK_CELLS` (`kv_cell`,
+//! kernels/common.cuh). Sequences with a common prefix share its blocks; a block is copied (every layer's rows) when
+//! a sequence writes one another holds ("Efficient Memory Management for Large Language Model Serving with
+//! PagedAttention", Kwon et al. 2023, sections 4.1-4.4).
+//!
+//! The device's copy is the cache's only copy of the data (its host rows stay empty); the host keeps the block
+//! numbers ([`KvPool::on_device`] counts them).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
 
 use super::buffer::DevBuf;
 use super::error::CudaError;
 use super::launch::Arg;
 use super::{CudaBackend, DevVec, Gpu, Inner, grid1};
 use crate::quant::GgmlType;
-use crate::state::kv::{KvCache, KvLayer, KvRows};
+use crate::state::kv::{BlockCopy, KV_BLOCK_CELLS, KvLayer, KvPool, KvRows, SeqSlot};
 
-/// A KV cache's device twin.
-pub(super) struct DevKv {
+/// One layer's keys or values of a pool on the device.
+struct DevArray {
     buf: DevBuf,
+    /// Bytes of one row (one cell).
+    row_bytes: usize,
     ty: GgmlType,
+}
+
+/// A [`KvPool`]'s rows on the device: an array per layer's keys or values, allocated at its first use, all of
+/// `blocks` blocks. Dropped once the pool is (the backend holds it weakly).
+pub(super) struct DevPool {
+    pool: Weak<KvPool>,
+    blocks: usize,
+    arrays: HashMap<(u32, bool), DevArray>,
+}
+
+/// A sequence's page table on the device, and the version of the host's table it holds
+/// ([`crate::state::kv::BlockTable::version`]; `None`: none yet).
+pub(super) struct DevTable {
+    buf: DevBuf,
+    version: Option<u64>,
 }
 
 /// Bytes of one head of a cache row and of a whole row, for `heads` heads of `head_dim` values of `ty`.
@@ -22,79 +50,73 @@ pub(super) fn kv_geometry(ty: GgmlType, heads: usize, head_dim: usize) -> (usize
     (hb, hb * heads)
 }
 
+/// Where one layer's keys or values of a sequence are on the device: the layer's array of the pool and the
+/// sequence's page table (kernels/common.cuh `kv_cell`).
+#[derive(Clone, Copy)]
+pub(super) struct KvDev {
+    pub base: u64,
+    pub pages: u64,
+    pub ty: GgmlType,
+}
+
 impl CudaBackend {
-    /// The bytes of the device twin of one K or V cache (tests and diagnostics); `None` before its first store.
+    /// The bytes of one K or V cache's `n_ctx` rows as the device holds them, cell by cell (tests and
+    /// diagnostics); cells of blocks the cache does not hold read as zeros. `None` before the pool's array for those
+    /// rows exists (nothing was stored in that layer).
     pub fn kv_device_bytes(&self, rows: &KvRows) -> Option<Vec<u8>> {
         let s = self.lock();
-        let d = s.kv.get(&rows.id())?;
-        let mut out = vec![0u8; d.buf.bytes];
-        d.buf.read(&self.gpu.stream, &mut out).ok()?;
+        let a = s
+            .kv_pools
+            .get(&rows.pool().id())?
+            .arrays
+            .get(&(rows.id().layer, rows.id().values))?;
+        let rb = a.row_bytes;
+        let mut out = vec![0u8; rows.bytes()];
+        let ids: Vec<u32> = rows.table().ids().collect();
+        for (b, chunk) in out.chunks_mut(KV_BLOCK_CELLS * rb).enumerate() {
+            if let Some(&id) = ids.get(b) {
+                a.buf
+                    .read_at(&self.gpu.stream, id as usize * KV_BLOCK_CELLS * rb, chunk)
+                    .ok()?;
+            }
+        }
         Some(out)
     }
 
-    /// [`Backend::share_kv_prefix`] (the trait's method calls this): copies cells `0..cells` of every layer's keys
-    /// and values from `src`'s device twins into `dst`'s, on the stream after the steps that wrote them. Returns
-    /// false, copying nothing, when `src` has no twin for some layer (it never stored a cell there).
-    pub(super) fn copy_kv_prefix_dev(&self, src: &KvCache, dst: &KvCache, cells: usize) -> bool {
-        assert!(
-            src.layers.len() == dst.layers.len() && cells <= src.n_ctx().min(dst.n_ctx()),
-            "share_kv_prefix: caches of different shapes, or {cells} cells"
-        );
+    /// [`crate::backend::Backend::reserve_kv`] (the trait's method calls this).
+    pub(super) fn reserve_kv_dev(&self, kv: &crate::state::kv::KvCache, from: usize, to: usize) {
+        let Some(l) = kv.layers.first() else { return };
         let g = &*self.gpu;
-        let mut s = self.lock();
-        let pairs = || {
-            src.layers
-                .iter()
-                .zip(&dst.layers)
-                .flat_map(|(a, b)| [(&a.k, &b.k), (&a.v, &b.v)])
-        };
-        if pairs().any(|(a, _)| s.kv.get(&a.id()).is_none_or(|d| d.ty != a.ty())) {
-            return false;
-        }
-        Self::check((|| {
-            for (a, b) in pairs() {
-                assert!(
-                    a.ty() == b.ty() && a.heads() == b.heads() && a.head_dim() == b.head_dim(),
-                    "share_kv_prefix: row shapes"
-                );
-                let (_, row_bytes) = kv_geometry(a.ty(), a.heads(), a.head_dim());
-                s.kv_twin(g, b)?;
-                // The destination is taken out of the map while the source is borrowed from it.
-                let mut d = s.kv.remove(&b.id()).expect("twin made above");
-                let r = d.buf.copy_from(&g.stream, &s.kv[&a.id()].buf, cells * row_bytes);
-                s.kv.insert(b.id(), d);
-                r?;
-            }
-            Ok(())
-        })());
-        true
+        Self::check(self.lock().kv_cells(g, &l.k, from, to));
     }
 
-    /// [`Backend::store_kv`] (the trait's method calls this).
+    /// [`crate::backend::Backend::store_kv`] (the trait's method calls this).
     pub(super) fn store_kv_dev(&self, kv: &mut KvLayer, k: &DevVec, v: &DevVec, positions: &[u32]) {
         let n_tok = positions.len();
         let g = &*self.gpu;
         let mut s = self.lock();
         Self::check((|| {
+            s.kv_store_cells(g, kv, positions)?;
             let pp = s.positions(g, positions)?;
-            if kv.k.ty() == GgmlType::F16 && kv.v.ty() == GgmlType::F16 {
+            let kd = s.kv_dev(g, &kv.k)?;
+            let vd = s.kv_dev(g, &kv.v)?;
+            if kd.ty == GgmlType::F16 && vd.ty == GgmlType::F16 {
                 // Keys and values in one launch.
                 let (wk, wv) = (kv.k.width(), kv.v.width());
                 assert!(
                     k.capacity() >= n_tok * wk && v.capacity() >= n_tok * wv,
                     "store_kv: shapes"
                 );
-                let (kd, _) = s.kv_twin(g, &kv.k)?;
-                let (vd, _) = s.kv_twin(g, &kv.v)?;
                 return g.launch(
                     "kv_store2_f16",
                     grid1(n_tok * (wk + wv), 256),
                     (256, 1, 1),
                     &[
                         Arg::P(k.ptr()),
-                        Arg::P(kd),
+                        Arg::P(kd.base),
                         Arg::P(v.ptr()),
-                        Arg::P(vd),
+                        Arg::P(vd.base),
+                        Arg::P(kd.pages),
                         Arg::P(pp),
                         Arg::I(n_tok as i32),
                         Arg::I(wk as i32),
@@ -102,12 +124,10 @@ impl CudaBackend {
                     ],
                 );
             }
-            for (rows, data) in [(&kv.k, k), (&kv.v, v)] {
+            for (rows, data, d) in [(&kv.k, k, kd), (&kv.v, v, vd)] {
                 let width = rows.width();
                 assert!(data.capacity() >= n_tok * width, "store_kv: shapes");
-                let (_, row_bytes) = kv_geometry(rows.ty(), rows.heads(), rows.head_dim());
-                let (dst, ty) = s.kv_twin(g, rows)?;
-                let kernel = match ty {
+                let kernel = match d.ty {
                     GgmlType::F16 => "kv_store_f16",
                     // One warp per 32-value block.
                     _ => "kv_store_q8_0",
@@ -118,11 +138,12 @@ impl CudaBackend {
                     (256, 1, 1),
                     &[
                         Arg::P(data.ptr()),
-                        Arg::P(dst),
+                        Arg::P(d.base),
+                        Arg::P(d.pages),
                         Arg::P(pp),
                         Arg::I(n_tok as i32),
                         Arg::I(width as i32),
-                        Arg::L(row_bytes as i64),
+                        Arg::L(rows.row_bytes() as i64),
                     ],
                 )?;
             }
@@ -132,19 +153,129 @@ impl CudaBackend {
 }
 
 impl Inner {
-    /// The device twin of one K or V cache of `width` values per row.
-    pub(super) fn kv_twin(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<(u64, GgmlType), CudaError> {
-        let key = rows.id();
-        let fresh = self
-            .kv
-            .get(&key)
-            .is_none_or(|d| d.buf.bytes != rows.bytes() || d.ty != rows.ty());
-        if fresh {
-            self.kv.remove(&key);
-            let buf = DevBuf::alloc(&gpu.stream, rows.bytes())?;
-            self.kv.insert(key, DevKv { buf, ty: rows.ty() });
+    /// Before a store into `kv` at `positions` (a run's consecutive cells): [`Inner::kv_cells`] over them.
+    pub(super) fn kv_store_cells(&mut self, gpu: &Gpu, kv: &KvLayer, positions: &[u32]) -> Result<(), CudaError> {
+        let lo = positions.iter().min().map_or(0, |&p| p as usize);
+        let hi = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        self.kv_cells(gpu, &kv.k, lo, hi)
+    }
+
+    /// Makes cells `from..to` of the cache `rows` belongs to writable on the device: takes their blocks
+    /// ([`KvRows::take_device_blocks`]), grows the pool's arrays to every block number handed out, copies the rows
+    /// of each block the cache no longer shares (every layer's), and uploads the cache's page table where it
+    /// changed. The first layer a step writes does this for every layer; the others find nothing to do (no more
+    /// than a look at the table and two map lookups: this runs for every layer of every sequence of a step).
+    ///
+    /// Errors: an allocation or copy failed.
+    pub(super) fn kv_cells(&mut self, gpu: &Gpu, rows: &KvRows, from: usize, to: usize) -> Result<(), CudaError> {
+        let mut copies: Vec<BlockCopy> = Vec::new();
+        rows.take_device_blocks(from, to, &mut copies);
+        let pool = rows.pool();
+        let room = self.kv_pools.get(&pool.id()).map_or(0, |p| p.blocks);
+        if !copies.is_empty() || pool.id_bound() > room {
+            let p = self.kv_pool_blocks(gpu, rows)?;
+            for c in &copies {
+                for a in p.arrays.values_mut() {
+                    let bytes = KV_BLOCK_CELLS * a.row_bytes;
+                    let src = a.buf.ptr + (c.src as usize * bytes) as u64;
+                    a.buf.copy_in(&gpu.stream, c.dst as usize * bytes, src, bytes)?;
+                }
+            }
         }
-        let d = &self.kv[&key];
-        Ok((d.buf.ptr, d.ty))
+        self.kv_table(gpu, rows).map(|_| ())
+    }
+
+    /// The pool of `rows` on the device, with room for every block number its pool handed out: made at its first
+    /// use with the pool's capacity (or the cache's whole context, for a pool without one), and grown (by half again
+    /// at least) when numbers pass it. Growing moves the arrays: a recorded graph naming them is not replayed
+    /// whole after an allocation ([`Gpu::can_replay`]), and a step compared with it launch by launch finds other
+    /// arguments and records anew. Pools dropped on the host are freed when a new one is made.
+    fn kv_pool_blocks(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<&mut DevPool, CudaError> {
+        let pool = rows.pool();
+        if !self.kv_pools.contains_key(&pool.id()) {
+            self.kv_pools.retain(|_, p| p.pool.strong_count() > 0);
+        }
+        let need = pool.id_bound().max(1);
+        let p = self.kv_pools.entry(pool.id()).or_insert_with(|| DevPool {
+            pool: Arc::downgrade(pool),
+            blocks: pool
+                .capacity_blocks()
+                .unwrap_or_else(|| rows.bytes().div_ceil(rows.row_bytes()).div_ceil(KV_BLOCK_CELLS))
+                .max(need),
+            arrays: HashMap::new(),
+        });
+        if need > p.blocks {
+            let blocks = need.max(p.blocks + p.blocks / 2);
+            for a in p.arrays.values_mut() {
+                let mut buf = DevBuf::alloc(&gpu.stream, blocks * KV_BLOCK_CELLS * a.row_bytes)?;
+                buf.copy_from(&gpu.stream, &a.buf, a.buf.bytes)?;
+                a.buf = buf;
+            }
+            p.blocks = blocks;
+        }
+        Ok(p)
+    }
+
+    /// The sequence's page table on the device, uploaded when the host's changed since; returns its address.
+    fn kv_table(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<u64, CudaError> {
+        let slot: SeqSlot = rows.id().slot;
+        let table = rows.table();
+        if let Some(t) = self.kv_tables.get(&slot)
+            && t.version == Some(table.version())
+        {
+            return Ok(t.buf.ptr);
+        }
+        let n_blocks = rows.bytes().div_ceil(rows.row_bytes()).div_ceil(KV_BLOCK_CELLS).max(1);
+        if self.kv_tables.get(&slot).is_none_or(|t| t.buf.bytes != 4 * n_blocks) {
+            let buf = DevBuf::upload(&gpu.stream, &vec![0u8; 4 * n_blocks])?;
+            self.kv_tables.insert(slot, DevTable { buf, version: None });
+        }
+        let t = self.kv_tables.get_mut(&slot).expect("made above");
+        let ids: Vec<u32> = table.ids().collect();
+        t.buf.write(&gpu.stream, bytemuck::cast_slice(&ids))?;
+        t.version = Some(table.version());
+        Ok(t.buf.ptr)
+    }
+
+    /// Where `rows` are on the device (made if need be: the pool's array, zero blocks of the page table before
+    /// any is taken).
+    ///
+    /// Errors: an allocation failed.
+    pub(super) fn kv_dev(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<KvDev, CudaError> {
+        let pages = self.kv_table(gpu, rows)?;
+        let key = (rows.id().layer, rows.id().values);
+        let have = self.kv_pools.get(&rows.pool().id()).and_then(|p| p.arrays.get(&key));
+        if let Some(a) = have
+            && a.ty == rows.ty()
+            && a.row_bytes == rows.row_bytes()
+        {
+            return Ok(KvDev {
+                base: a.buf.ptr,
+                pages,
+                ty: a.ty,
+            });
+        }
+        let p = self.kv_pool_blocks(gpu, rows)?;
+        let fresh = p
+            .arrays
+            .get(&key)
+            .is_none_or(|a| a.ty != rows.ty() || a.row_bytes != rows.row_bytes());
+        if fresh {
+            let buf = DevBuf::alloc(&gpu.stream, p.blocks * KV_BLOCK_CELLS * rows.row_bytes())?;
+            p.arrays.insert(
+                key,
+                DevArray {
+                    buf,
+                    row_bytes: rows.row_bytes(),
+                    ty: rows.ty(),
+                },
+            );
+        }
+        let a = &p.arrays[&key];
+        Ok(KvDev {
+            base: a.buf.ptr,
+            pages,
+            ty: a.ty,
+        })
     }
 }

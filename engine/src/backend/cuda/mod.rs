@@ -3,8 +3,9 @@
 //! Activations live on the device ([`DevVec`], the backend's buffer type): a forward pass uploads token ids
 //! and downloads logits, nothing else crosses PCIe. Every weight matrix is copied once, on first use, into a
 //! [`weights::WeightStore`] (all resident in VRAM here; a MoE layer's stacked expert tensors are one buffer each,
-//! an expert being a row range of it), and each KV cache has a device twin keyed by its sequence slot (released with it), which is
-//! the cache's only copy of the data (the host `KvCache` keeps the layout). The forward pass stays the one of
+//! an expert being a row range of it). KV caches are paged on the device ([`kv`]): a pool's blocks are rows of one array per
+//! layer's keys or values, each sequence has a page table (released with its slot), and the device holds the cache's
+//! only copy of the data (the host `KvCache` keeps the block numbers). The forward pass stays the one of
 //! `model::forward`. Weight types without a kernel (the IQ types) run on the CPU backend through host copies.
 //!
 //! MoE: the router's softmax and top-k run on the device (`moe_route`; at decode with an f32 router in the router's
@@ -63,13 +64,13 @@ use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
 use crate::events::{self, EventKind, Fallback};
 use crate::experts::trace::RoutingReplay;
 use crate::quant::{self, GgmlType};
-use crate::state::kv::{KvLayer, KvRowsId, SeqSlot};
+use crate::state::kv::{KvLayer, SeqSlot};
 use buffer::DevBuf;
 use compile::CompileReport;
 use error::CudaError;
 use experts::{ExpertCacheConfig, ExpertCacheStats, ExpertPool, HostPin};
 use graph::Graphs;
-use kv::DevKv;
+use kv::{DevPool, DevTable};
 use launch::{Arg, Profile};
 use weights::{ResidentStore, WeightStore};
 
@@ -196,8 +197,10 @@ impl DevVec {
 
 struct Inner {
     weights: Box<dyn WeightStore>,
-    /// Device twins of KV rows, by sequence slot, layer and K/V (released with the slot).
-    kv: HashMap<KvRowsId, DevKv>,
+    /// The KV pools' rows on the device, by pool ([`crate::state::kv::KvPool::id`]; freed once the pool is).
+    kv_pools: HashMap<u32, DevPool>,
+    /// Each sequence's page table on the device (released with the slot).
+    kv_tables: HashMap<SeqSlot, DevTable>,
     slots: Vec<Option<DevBuf>>,
     /// The positions last uploaded to [`Slot::Pos`] (a decode step changes one value).
     pos: Vec<u32>,
@@ -378,7 +381,8 @@ impl CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
                 weights: Box::new(ResidentStore::default()),
-                kv: HashMap::new(),
+                kv_pools: HashMap::new(),
+                kv_tables: HashMap::new(),
                 slots: (0..SLOTS).map(|_| None).collect(),
                 pos: Vec::new(),
                 blas_failed: blas.is_none(),
@@ -1129,20 +1133,17 @@ impl Backend for CudaBackend {
         Self::check(s.read_slot(&self.gpu, Slot::MoeIds, out));
     }
 
-    /// The device holds each sequence's cache (its host rows are not kept current): the cells are copied from
-    /// device to device, into `dst`'s own twin (each slot keeps its whole context on the device).
-    fn share_kv_prefix(
-        &self,
-        src: &crate::state::kv::KvCache,
-        dst: &mut crate::state::kv::KvCache,
-        cells: usize,
-    ) -> bool {
-        self.copy_kv_prefix_dev(src, dst, cells)
+    fn kv_on_device(&self) -> bool {
+        true
+    }
+
+    fn reserve_kv(&self, kv: &crate::state::kv::KvCache, from: usize, to: usize) {
+        self.reserve_kv_dev(kv, from, to)
     }
 
     fn release_slot(&self, slot: SeqSlot) {
         self.gpu.forget_slot(slot);
-        self.lock().kv.retain(|id, _| id.slot != slot);
+        self.lock().kv_tables.remove(&slot);
     }
 
     fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {

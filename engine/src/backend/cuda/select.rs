@@ -465,15 +465,12 @@ impl Backend for AnyBackend {
             c.release_slot(slot)
         }
     }
-    fn share_kv_prefix(
-        &self,
-        src: &crate::state::kv::KvCache,
-        dst: &mut crate::state::kv::KvCache,
-        cells: usize,
-    ) -> bool {
-        match self {
-            AnyBackend::Cuda(c) => c.share_kv_prefix(src, dst, cells),
-            AnyBackend::Cpu(c, _) => c.share_kv_prefix(src, dst, cells),
+    fn kv_on_device(&self) -> bool {
+        matches!(self, AnyBackend::Cuda(_))
+    }
+    fn reserve_kv(&self, kv: &crate::state::kv::KvCache, from: usize, to: usize) {
+        if let AnyBackend::Cuda(c) = self {
+            c.reserve_kv(kv, from, to)
         }
     }
     fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {

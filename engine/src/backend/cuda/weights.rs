@@ -1,4 +1,4 @@
-//! Device copies of weights, made on first use and kept (a KV cache's device twin is in [`super::kv`]).
+//! Device copies of weights, made on first use and kept (the KV caches' pages are in [`super::kv`]).
 //!
 //! [`WeightStore`] is the expert-store interface of the CUDA backend: the forward pass hands the backend host
 //! views ([`QMat`]) and the store answers with a device pointer. [`ResidentStore`] keeps every matrix resident
