@@ -438,6 +438,9 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
 __device__ __forceinline__ void fa_tile(u16* t, int ks, const u8* src, const u32* __restrict__ pg, long long rb,
                                         int hb, int ty, int g, int kt, int hi, int d) {
     if (ty == 0) {
+        // Unrolled so a thread's page-table reads (one per key row) are in flight together, not each ahead of
+        // its row's load.
+#pragma unroll 4
         for (int i = threadIdx.x; i < FA_KEYS * d / 8; i += blockDim.x) {
             int key = i / (d / 8), c = i % (d / 8), j = kt + key;
             uint4 val = make_uint4(0, 0, 0, 0);
@@ -446,6 +449,7 @@ __device__ __forceinline__ void fa_tile(u16* t, int ks, const u8* src, const u32
         }
         return;
     }
+#pragma unroll 2
     for (int i = threadIdx.x; i < FA_KEYS * d / 32; i += blockDim.x) {
         int key = i / (d / 32), b = i % (d / 32), j = kt + key;
         uint4* dst = (uint4*)(t + key * ks + 32 * b);

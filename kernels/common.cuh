@@ -14,7 +14,8 @@ typedef unsigned long long u64;
 // array.
 #define KV_BLOCK_CELLS 16
 __device__ __forceinline__ long long kv_cell(const u32* __restrict__ pages, int c) {
-    return (long long)pages[c / KV_BLOCK_CELLS] * KV_BLOCK_CELLS + c % KV_BLOCK_CELLS;
+    u32 u = (u32)c; // cells are never negative: shifts and masks, not signed division
+    return (long long)pages[u / KV_BLOCK_CELLS] * KV_BLOCK_CELLS + (u & (KV_BLOCK_CELLS - 1));
 }
 
 // f16 bits -> f32 (exact).
