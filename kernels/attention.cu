@@ -337,6 +337,7 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     __shared__ float ks[ATTN_DK_MAX];
     __shared__ float vs[256];
     __shared__ float scs[ATTN_DEC_KEYS];
+    __shared__ u32 pgs[ATTN_DEC_KEYS / KV_BLOCK_CELLS + 1];
     int h = blockIdx.x, t = blockIdx.y, th = t * n_head + h;
     if (kvtab) {
         // A step of several sequences: token t attends over (and, fused, stores into) its own sequence's cache.
@@ -353,6 +354,13 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
     int n = p + 1 - first;
     float* sc = n <= ATTN_DEC_KEYS ? scs : scores + (long long)th * n_ctx;
     const float* qv = q + (long long)th * dk;
+    if (n <= ATTN_DEC_KEYS) {
+        // The span's page-table entries in shared memory (read after the __syncthreads below), so the key and
+        // value loops wait on no global read of the table ahead of each row.
+        int b0 = first / KV_BLOCK_CELLS, nb = p / KV_BLOCK_CELLS - b0 + 1;
+        for (int i = threadIdx.x; i < nb; i += blockDim.x) pgs[i] = pg[b0 + i];
+        pg = pgs - b0;
+    }
     // Keys from the cache: all n, or (fused) the n - 1 before the token's own.
     int n_cached = n;
     if (kraw) {

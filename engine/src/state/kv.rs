@@ -137,7 +137,8 @@ pub const KV_BLOCK_CELLS: usize = 16;
 /// (`runtime::batch`: it drops idle slots' caches, then preempts the newest sequence).
 ///
 /// A pool on a device ([`KvPool::on_device`]) hands out whole blocks of every layer at once, numbered
-/// `0..`[`KvPool::id_bound`] (a freed number is handed out again first), for the caches' [`BlockTable`]s.
+/// `0..`[`KvPool::id_bound`] (the lowest freed number first, so a sequence that starts again after another ended
+/// gets the same ascending rows), for the caches' [`BlockTable`]s.
 #[derive(Debug)]
 pub struct KvPool {
     /// Unique in the process: a backend's key for its storage of the pool's blocks.
@@ -149,8 +150,8 @@ pub struct KvPool {
     held: AtomicUsize,
     /// The caches' blocks live on a device: their [`BlockTable`]s count, not their host rows.
     on_device: bool,
-    /// Device block numbers given back, handed out again before new ones.
-    free_ids: Mutex<Vec<u32>>,
+    /// Device block numbers given back, handed out again (lowest first) before new ones.
+    free_ids: Mutex<std::collections::BinaryHeap<std::cmp::Reverse<u32>>>,
     /// One past the largest device block number handed out.
     next_id: AtomicU32,
 }
@@ -177,7 +178,7 @@ impl KvPool {
             capacity: tokens.map(|t| t.div_ceil(KV_BLOCK_CELLS).saturating_mul(rows_per_block)),
             held: AtomicUsize::new(0),
             on_device,
-            free_ids: Mutex::new(Vec::new()),
+            free_ids: Mutex::new(std::collections::BinaryHeap::new()),
             next_id: AtomicU32::new(0),
         })
     }
@@ -270,7 +271,7 @@ struct DevBlock {
 impl DevBlock {
     fn take(pool: &Arc<KvPool>) -> DevBlock {
         pool.held.fetch_add(pool.rows_per_block, Ordering::Relaxed);
-        let reused = pool.free_ids.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let reused = pool.free_ids.lock().unwrap_or_else(|e| e.into_inner()).pop().map(|r| r.0);
         let id = reused.unwrap_or_else(|| pool.next_id.fetch_add(1, Ordering::Relaxed));
         DevBlock { id, pool: pool.clone() }
     }
@@ -283,7 +284,7 @@ impl Drop for DevBlock {
             .free_ids
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(self.id);
+            .push(std::cmp::Reverse(self.id));
     }
 }
 
@@ -930,5 +931,10 @@ mod tests {
         assert_eq!((pool.held_blocks(), b.rows_needed(0, 1)), (2, 0));
         drop(b);
         assert_eq!(pool.held_rows(), 0);
+        // Every number is free: a new sequence gets the lowest, in order.
+        let c = KvCache::new_in(&shape(), 64, KvType::F16, &pool).unwrap();
+        c.take_device_blocks(0, 64, &mut copies);
+        assert_eq!(c.table().ids().collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert_eq!(pool.id_bound(), 4);
     }
 }
