@@ -98,10 +98,11 @@ pub struct PlanFlags {
     #[arg(long, value_parser = parse_parallel, allow_hyphen_values = true)]
     pub parallel: Option<usize>,
     /// Tokens of KV cache all sequences share, rounded up to blocks of 16 (default: --parallel x --max-context,
-    /// every sequence at its full context at once; `strata serve` only: refused by `strata bench`). A smaller pool lets more sequences run than fit at full length:
-    /// when it fills, idle slots' cached prompts are dropped, then the newest sequence is preempted and
-    /// recomputed once there is room. At least --max-context; past --parallel x --max-context it is lowered to that. On the CPU (a GPU keeps each sequence's whole
-    /// context on the device).
+    /// every sequence at its full context at once; `strata serve` only: refused by `strata bench`). A smaller pool
+    /// lets more sequences run than fit at full length: when it fills, idle slots' cached prompts are dropped, then
+    /// the newest sequence is preempted and recomputed once there is room. At least --max-context; past --parallel
+    /// x --max-context it is lowered to that. On a GPU the pool is allocated at this size in VRAM (the memory
+    /// plan's KV cache part).
     #[arg(long, value_parser = parse_kv_tokens, allow_hyphen_values = true)]
     pub kv_tokens: Option<usize>,
     /// The expert cache's flags.

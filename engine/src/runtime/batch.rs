@@ -22,7 +22,9 @@
 //! preemption): its blocks go back, and it waits ahead of new requests. When it has a slot again, its prompt and
 //! the tokens it generated so far are computed again as a prompt, and it goes on with the token it was about to
 //! feed, its sampler and stop state as they were. A preempted request's tokens are those it would have had without
-//! the preemption (tests/cpu: `preempted_sequences_give_the_tokens_and_logits_of_each_alone`).
+//! the preemption (tests/cpu: `preempted_sequences_give_the_tokens_and_logits_of_each_alone`; on CUDA with
+//! batch-invariant kernels, cuda_parity: `paged_kv_on_the_device_shares_prefixes_and_preempts_as_alone`). The
+//! blocks are host memory on the CPU and rows of the pool's arrays in VRAM on a GPU (`backend::cuda::kv`).
 //!
 //! Every op but attention treats a step's tokens as independent rows, and attention reads each sequence's own
 //! cache ([`crate::state::batch::BatchLayout`]), so on the CPU a token's result does not depend on the batch it is

@@ -134,17 +134,19 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     let budget = flags.engine.plan.prefill_chunk();
     let mut batcher = Batcher::new(sessions, budget);
     let pool = engine.kv_pool();
-    // On a GPU each slot's cache is a whole context on the device (the memory plan's lines say so).
-    if let (None, Some(blocks), Ok(cell)) = (
-        engine.backend().cuda(),
+    if let (Some(blocks), Ok(cell)) = (
         pool.capacity_blocks(),
         model.hp.kv_shape().cell_bytes(flags.engine.plan.kv),
     ) {
         let tokens = blocks * crate::state::kv::KV_BLOCK_CELLS;
         eprintln!(
-            "strata serve: KV cache: {blocks} blocks of {} tokens ({tokens} tokens, {} MiB at most) for {parallel} slots of up to {n_ctx} tokens",
+            "strata serve: KV cache: {blocks} blocks of {} tokens ({tokens} tokens, {} MiB at most, {}) for {parallel} slots of up to {n_ctx} tokens",
             crate::state::kv::KV_BLOCK_CELLS,
             (tokens as u64 * cell as u64) >> 20,
+            match pool.is_on_device() {
+                true => "in VRAM",
+                false => "in host memory",
+            }
         );
     }
     events::emit(EventKind::Load(events::Load {
