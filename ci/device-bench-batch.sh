@@ -14,7 +14,7 @@ nvidia-smi -L
 export RUST_BACKTRACE=1
 MODEL=${MODEL:-synth:qwen3-30b-a3b}
 if [ "${PARITY:-1}" = 1 ]; then
-  carry/cuda_parity --ignored --test-threads 1 --nocapture ${PARITY_TESTS:-grouped_experts batched_decode one_step two_sequences a_prefix_copied} 2>&1 \
+  carry/cuda_parity --ignored --test-threads 1 --nocapture ${PARITY_TESTS:-grouped_experts batched_decode one_step two_sequences a_prefix_taken paged_kv a_device_pool} 2>&1 \
     | grep -E "^test |test result|panicked|grouped|largest|differ" | tee "$OUT/parity.txt"
 fi
 arm() { # name, binary, env and flags...

@@ -1073,6 +1073,22 @@ mod interleave;
 #[path = "common/batched.rs"]
 mod batched;
 
+/// A device pool without a limit grows its arrays while four sequences take blocks, also inside a step that
+/// carries all four (every run's cell is taken before the step reads the arrays' addresses), and each sequence
+/// keeps the logits bits of its steps alone (batch-invariant kernels).
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn a_device_pool_grows_inside_a_step_and_each_sequence_keeps_its_bits() {
+    let (_dir, model) = tiny_moe();
+    let g = gpu();
+    g.set_batch_invariant(true);
+    let pool = strata_engine::state::kv::KvPool::on_device(&model.hp.kv_shape(), None);
+    interleave::assert_growing_pool_keeps_each_alone(&model, &g, &pool, 0.0);
+    assert_eq!(pool.id_bound(), 8, "four sequences of two blocks each");
+    println!("a device pool grown from 2 to 8 blocks: every step of four sequences as each alone, bit for bit");
+    g.set_batch_invariant(false);
+}
+
 /// The KV cache paged on the device, through the continuous-batching scheduler with batch-invariant kernels (so a
 /// sequence's bits do not depend on the company its steps keep): requests reusing another's 40-token prefix share
 /// its blocks (and copy the partly filled one when they write it), and in a pool of 6 blocks (96 tokens) for 3
@@ -1155,11 +1171,12 @@ fn two_sequences_interleaved_give_each_its_tokens_alone() {
     );
 }
 
-/// A prompt prefix copied from another sequence's device cache (a device-to-device copy) gives the logits bits of
-/// computing it, and leaves the other sequence as it was: the tiny qwen3moe, f16 and int8 caches.
+/// A prompt prefix taken from another sequence's device cache (its blocks shared, the partly filled one copied when
+/// written) gives the logits bits of computing it, and leaves the other sequence as it was: the tiny qwen3moe, f16
+/// and int8 caches.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
-fn a_prefix_copied_from_another_sequence_gives_the_bits_of_computing_it() {
+fn a_prefix_taken_from_another_sequence_gives_the_bits_of_computing_it() {
     let (_dir, model) = tiny_moe();
     interleave::assert_adopted_prefix_equals_computed(&model, &gpu());
 }

@@ -514,16 +514,23 @@ fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {
 }
 
 /// KV cells the sequences of `config` share: `--kv-tokens` rounded up to whole blocks of
-/// [`crate::state::kv::KV_BLOCK_CELLS`], at most (and by default) every sequence at its whole context.
+/// [`crate::state::kv::KV_BLOCK_CELLS`], at most (and by default) every sequence at its whole context
+/// ([`full_pool_cells`]).
 pub fn kv_cells(config: &PlanConfig) -> usize {
-    let full = config.context.saturating_mul(config.sequences.max(1));
-    config
-        .kv_tokens
-        .map_or(full, |t| {
-            t.saturating_add(crate::state::kv::KV_BLOCK_CELLS - 1) / crate::state::kv::KV_BLOCK_CELLS
-                * crate::state::kv::KV_BLOCK_CELLS
-        })
-        .min(full)
+    let full = full_pool_cells(config.context, config.sequences);
+    config.kv_tokens.map_or(full, |t| whole_blocks(t).min(full))
+}
+
+/// KV cells that hold `sequences` sequences of `context` cells each at once: each sequence's cells in whole blocks
+/// of [`crate::state::kv::KV_BLOCK_CELLS`] (a block is never split between two sequences).
+pub fn full_pool_cells(context: usize, sequences: usize) -> usize {
+    whole_blocks(context).saturating_mul(sequences.max(1))
+}
+
+/// `cells` rounded up to whole KV blocks.
+fn whole_blocks(cells: usize) -> usize {
+    let b = crate::state::kv::KV_BLOCK_CELLS;
+    cells.div_ceil(b).saturating_mul(b)
 }
 
 /// Bytes of a KV cache of `cells` cells of type `ty`: what [`crate::state::kv::KvCache::new`] allocates.
@@ -662,17 +669,24 @@ mod tests {
             budget: None,
         };
         let plan = MemoryPlan::new(&W, &h, None, &cfg, u64::MAX).unwrap();
-        let cache = crate::state::kv::KvCache::new(&h.kv_shape(), 300, KvType::F16).unwrap();
-        // 2 layers x 2 heads x (64 + 64) values x 2 bytes x 300 cells, counted by hand.
-        assert_eq!(plan.bytes(Part::KvCache), 2 * 2 * 128 * 2 * 300);
-        assert_eq!(plan.bytes(Part::KvCache), cache.bytes() as u64);
+        let mut cache = crate::state::kv::KvCache::new(&h.kv_shape(), 300, KvType::F16).unwrap();
+        for cell in 0..300 {
+            for l in &mut cache.layers {
+                l.k.write(cell, &[0.5; 128]);
+                l.v.write(cell, &[0.5; 128]);
+            }
+        }
+        // 2 layers x 2 heads x (64 + 64) values x 2 bytes x 304 cells (300 in whole blocks of 16), counted by hand:
+        // what the cache holds once its 300 cells are written.
+        assert_eq!(plan.bytes(Part::KvCache), 2 * 2 * 128 * 2 * 304);
+        assert_eq!(plan.bytes(Part::KvCache), cache.held_bytes() as u64);
         assert_eq!(plan.bytes(Part::Reserve), 7);
         assert_eq!(plan.bytes(Part::Experts), 0);
         // Prefill: 8 x 512 x 24 + 10 x 2 + 8 x 256 x 2.
         assert_eq!(plan.bytes(Part::PrefillBuffers), 8 * 512 * 24 + 20 + 8 * 256 * 2);
         assert_eq!(
             plan.total(),
-            1000 + 2 * 2 * 128 * 2 * 300 + 8 * 512 * 24 + 20 + 8 * 256 * 2 + 7
+            1000 + 2 * 2 * 128 * 2 * 304 + 8 * 512 * 24 + 20 + 8 * 256 * 2 + 7
         );
     }
 

@@ -375,8 +375,8 @@ impl<'m, B: Backend> Batcher<'m, B> {
     }
 
     /// Before slot `i` takes `prompt`: when another slot (running or idle) holds a longer prefix of it than slot
-    /// `i` does, slot `i` copies those cells from it ([`Session::adopt_prefix`], where the backend can), so a
-    /// prefix that any sequence computed (a system prompt, earlier turns) is not computed again. The last prompt
+    /// `i` does, slot `i` shares those cells' blocks with it ([`Session::adopt_prefix`]), so a prefix that any
+    /// sequence computed (a system prompt, earlier turns) is not computed again. The last prompt
     /// token is always computed (its logits are sampled).
     fn share_prefix(&mut self, i: usize, prompt: &[u32]) {
         let Some((n, j)) = self.prefix_source(i, prompt).1 else {

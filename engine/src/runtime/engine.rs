@@ -899,9 +899,9 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, on_device: bool) ->
         device: flags.device.clone(),
         why,
     };
-    // Every sequence at its whole context at once: the most the pool can be used for.
+    // Every sequence at its whole context at once (each in whole blocks): the most the pool can be used for.
     let sequences = cfg.sequences.max(1);
-    let full = cfg.context.saturating_mul(sequences);
+    let full = crate::memory::full_pool_cells(cfg.context, sequences);
     let tokens = match flags.plan.kv_tokens {
         Some(t) if t < cfg.context => {
             return Err(bad(format!(

@@ -271,7 +271,12 @@ struct DevBlock {
 impl DevBlock {
     fn take(pool: &Arc<KvPool>) -> DevBlock {
         pool.held.fetch_add(pool.rows_per_block, Ordering::Relaxed);
-        let reused = pool.free_ids.lock().unwrap_or_else(|e| e.into_inner()).pop().map(|r| r.0);
+        let reused = pool
+            .free_ids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .map(|r| r.0);
         let id = reused.unwrap_or_else(|| pool.next_id.fetch_add(1, Ordering::Relaxed));
         DevBlock { id, pool: pool.clone() }
     }

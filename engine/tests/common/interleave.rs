@@ -153,10 +153,10 @@ pub fn assert_batched_steps_equal_alone<B: Backend>(model: &Model, be: &B, kv: K
     worst
 }
 
-/// A prompt prefix taken from another sequence ([`Session::adopt_prefix`]: shared blocks on the CPU, a
-/// device-to-device copy on a GPU) gives the bits of computing it: sequence A prefills 60 tokens in 16-token chunks;
-/// B, which held another prompt, takes A's first 45 cells (part of a block: B's writes after them copy that block
-/// on the CPU) and prefills a prompt that continues them differently, then decodes 4 tokens; C computes 48 tokens
+/// A prompt prefix taken from another sequence ([`Session::adopt_prefix`]: shared blocks, in host memory on the CPU
+/// and in VRAM on a GPU) gives the bits of computing it: sequence A prefills 60 tokens in 16-token chunks;
+/// B, which held another prompt, takes A's first 45 cells (part of a block: B's writes after them copy that block)
+/// and prefills a prompt that continues them differently, then decodes 4 tokens; C computes 48 tokens
 /// in A's chunks, then the same prompt (keeping 45) and tokens. B's logits at every step equal C's bit for bit (the
 /// same kernels over the same cells), and A's next step is as if nothing was taken, for an f16 and an int8 cache.
 pub fn assert_adopted_prefix_equals_computed<B: Backend>(model: &Model, be: &B) {
@@ -206,4 +206,72 @@ pub fn assert_adopted_prefix_equals_computed<B: Backend>(model: &Model, be: &B) 
             "{kv}: the source sequence changed"
         );
     }
+}
+
+/// Four sequences whose caches of 32 cells take their blocks from `pool` (on a GPU, a device pool without a limit
+/// starts at the first cache's context, 2 blocks, and grows its arrays as blocks are taken): each prefills 12
+/// tokens alone, then the four decode 12 tokens together, one token each per step, so the step at position 16 takes
+/// four new blocks at once. Each sequence's logits at every step equal, within `tol`, those of the same steps run
+/// alone with a cache of its own (and the same greedy token). Returns the largest difference seen.
+pub fn assert_growing_pool_keeps_each_alone<B: Backend>(
+    model: &Model,
+    be: &B,
+    pool: &std::sync::Arc<KvPool>,
+    tol: f32,
+) -> f32 {
+    let (shape, vocab) = (model.hp.kv_shape(), model.weights.output.rows);
+    let prompt = |s: usize| -> Vec<u32> { (0..12).map(|i| (100 + 31 * s + 7 * i) as u32).collect() };
+    let next = |s: usize, i: usize| (400 + 13 * s + 5 * i) as u32;
+    let argmax = |x: &[f32]| {
+        (0..x.len())
+            .max_by(|&i, &j| x[i].total_cmp(&x[j]).then(j.cmp(&i)))
+            .unwrap()
+    };
+    let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
+    for s in 0..4 {
+        let mut cache = KvCache::new(&shape, 32, KvType::F16).unwrap();
+        let mut sc = Scratch::<B>::default();
+        let mut got = vec![step(
+            model,
+            be,
+            &prompt(s),
+            &BatchLayout::one(0, 12),
+            &mut [&mut cache],
+            &mut sc,
+        )];
+        for i in 0..12 {
+            let l = BatchLayout::one(12 + i, 1);
+            got.push(step(model, be, &[next(s, i)], &l, &mut [&mut cache], &mut sc));
+        }
+        alone.push(got);
+    }
+    let mut caches: Vec<KvCache> = (0..4)
+        .map(|_| KvCache::new_in(&shape, 32, KvType::F16, pool).unwrap())
+        .collect();
+    let mut sc = Scratch::<B>::default();
+    let mut worst = 0f32;
+    let mut check = |what: String, got: &[f32], want: &[f32]| {
+        let d = rel_diff(got, want);
+        assert!(d <= tol, "{what}: {d:e} from alone (tolerance {tol:e})");
+        assert_eq!(argmax(got), argmax(want), "{what}: greedy token");
+        worst = worst.max(d);
+    };
+    for (s, c) in caches.iter_mut().enumerate() {
+        let got = step(model, be, &prompt(s), &BatchLayout::one(0, 12), &mut [c], &mut sc);
+        check(format!("sequence {s}'s prompt"), &got, &alone[s][0]);
+    }
+    for i in 0..12 {
+        let mut layout = BatchLayout::default();
+        for s in 0..4 {
+            layout.push(s, 12 + i, 1);
+        }
+        let tokens: Vec<u32> = (0..4).map(|s| next(s, i)).collect();
+        let mut kvs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let got = step(model, be, &tokens, &layout, &mut kvs, &mut sc);
+        for s in 0..4 {
+            let what = format!("sequence {s}'s decode step at position {}", 12 + i);
+            check(what, &got[s * vocab..(s + 1) * vocab], &alone[s][1 + i]);
+        }
+    }
+    worst
 }

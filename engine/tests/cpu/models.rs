@@ -449,6 +449,17 @@ fn a_prefix_taken_from_another_sequence_gives_the_bits_of_computing_it() {
     }
 }
 
+/// Four sequences taking their blocks from one pool and decoding together get, each, the logits bits of their
+/// steps alone (on a GPU the same test grows a device pool inside a step: cuda_parity).
+#[test]
+fn four_sequences_of_one_pool_decoding_together_keep_each_their_logits() {
+    let (_dir, paths) = dense_and_tiny_moe();
+    let model = Model::load(&paths[1]).unwrap();
+    let pool = strata_engine::state::kv::KvPool::new(&model.hp.kv_shape(), None);
+    interleave::assert_growing_pool_keeps_each_alone(&model, &CpuBackend, &pool, 0.0);
+    assert_eq!(pool.held_rows(), 0, "every block given back with its cache");
+}
+
 /// One forward step carrying two sequences (two prompts; then one decode token of one and three new tokens of the
 /// other) gives each the logits it gets alone: on SmolLM2 (dense) and the synthetic qwen3moe (MoE), f16 and int8
 /// caches, bit for bit (the CPU's matmuls give a token the same bits whatever else the batch holds).

@@ -691,10 +691,13 @@ impl CudaBackend {
             let n_ctx = first.k.bytes() / krb;
             // Each token's cell in its own sequence's cache; the kernels' table: its page table and its pool's
             // key and value arrays.
-            let mut tab: Vec<u64> = Vec::with_capacity(3 * n);
+            // (Every run's cell first: taking one may grow its pool's arrays, which moves them.)
             for (r, &pos) in runs.iter().zip(positions) {
+                s.kv_cells(g, &kvs[r.seq].layers[layer].k, pos as usize, pos as usize + 1)?;
+            }
+            let mut tab: Vec<u64> = Vec::with_capacity(3 * n);
+            for r in runs {
                 let kv = &kvs[r.seq].layers[layer];
-                s.kv_cells(g, &kv.k, pos as usize, pos as usize + 1)?;
                 let (kd, vd) = (s.kv_dev(g, &kv.k)?, s.kv_dev(g, &kv.v)?);
                 tab.extend([kd.pages, kd.base, vd.base]);
             }

@@ -238,9 +238,12 @@ impl Inner {
     }
 
     /// Where `rows` are on the device (made if need be: the pool's array, zero blocks of the page table before
-    /// any is taken).
+    /// any is taken). The addresses hold until the next [`Inner::kv_cells`] of the pool, which may grow (move)
+    /// its arrays.
     ///
     /// Errors: an allocation failed.
+    ///
+    /// Panics if the pool's array for these rows holds another row type (caches of two KV types in one pool).
     pub(super) fn kv_dev(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<KvDev, CudaError> {
         let pages = self.kv_table(gpu, rows)?;
         let key = (rows.id().layer, rows.id().values);
@@ -256,21 +259,27 @@ impl Inner {
             });
         }
         let p = self.kv_pool_blocks(gpu, rows)?;
-        let fresh = p
-            .arrays
-            .get(&key)
-            .is_none_or(|a| a.ty != rows.ty() || a.row_bytes != rows.row_bytes());
-        if fresh {
-            let buf = DevBuf::alloc(&gpu.stream, p.blocks * KV_BLOCK_CELLS * rows.row_bytes())?;
-            p.arrays.insert(
-                key,
-                DevArray {
-                    buf,
-                    row_bytes: rows.row_bytes(),
-                    ty: rows.ty(),
-                },
+        if let Some(a) = p.arrays.get(&key) {
+            // One array per layer's keys or values: every cache of a pool has the pool's row type.
+            panic!(
+                "KV pool {}: layer {} rows of {:?}, {} bytes, and a cache of {:?}, {} bytes in it",
+                rows.pool().id(),
+                key.0,
+                a.ty,
+                a.row_bytes,
+                rows.ty(),
+                rows.row_bytes()
             );
         }
+        let buf = DevBuf::alloc(&gpu.stream, p.blocks * KV_BLOCK_CELLS * rows.row_bytes())?;
+        p.arrays.insert(
+            key,
+            DevArray {
+                buf,
+                row_bytes: rows.row_bytes(),
+                ty: rows.ty(),
+            },
+        );
         let a = &p.arrays[&key];
         Ok(KvDev {
             base: a.buf.ptr,
