@@ -59,6 +59,9 @@ fn parse_max_context(s: &str) -> Result<usize, String> {
 fn parse_kv_tokens(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
+        Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => {
+            Err(format!("--kv-tokens `{s}` is too large (at most {})", usize::MAX))
+        }
         _ => Err(format!("--kv-tokens takes a positive token count, not `{s}`")),
     }
 }
@@ -98,8 +101,8 @@ pub struct PlanFlags {
     #[arg(long, value_parser = parse_parallel, allow_hyphen_values = true)]
     pub parallel: Option<usize>,
     /// Tokens of KV cache all sequences share, rounded up to blocks of 16 (default: --parallel x --max-context,
-    /// every sequence at its full context at once; `strata serve` only: refused by `strata bench`). A smaller pool
-    /// lets more sequences run than fit at full length: when it fills, idle slots' cached prompts are dropped, then
+    /// each in whole blocks: every sequence at its full context at once). It matters where sequences share the pool
+    /// (`strata serve`); refused by `strata bench`. A smaller pool lets more sequences run than fit at full length: when it fills, idle slots' cached prompts are dropped, then
     /// the newest sequence is preempted and recomputed once there is room. At least --max-context; past --parallel
     /// x --max-context it is lowered to that. On a GPU the pool is allocated at this size in VRAM (the memory
     /// plan's KV cache part).

@@ -911,8 +911,9 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, on_device: bool) ->
         }
         Some(t) if t > full => {
             eprintln!(
-                "strata: --kv-tokens {t} is more than the sequences can hold at once (--parallel {sequences} x --max-context {}): the pool holds {full}",
-                cfg.context
+                "strata: --kv-tokens {t} is more than the sequences can hold at once (--parallel {sequences} x --max-context {}, each in whole blocks of {}): the pool holds {full}",
+                cfg.context,
+                crate::state::kv::KV_BLOCK_CELLS
             );
             full
         }

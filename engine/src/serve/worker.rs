@@ -140,9 +140,9 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     ) {
         let tokens = blocks * crate::state::kv::KV_BLOCK_CELLS;
         eprintln!(
-            "strata serve: KV cache: {blocks} blocks of {} tokens ({tokens} tokens, {} MiB at most, {}) for {parallel} slots of up to {n_ctx} tokens",
+            "strata serve: KV cache: {blocks} blocks of {} tokens ({tokens} tokens, {:.1} MiB at most, {}) for {parallel} slots of up to {n_ctx} tokens",
             crate::state::kv::KV_BLOCK_CELLS,
-            (tokens as u64 * cell as u64) >> 20,
+            tokens as f64 * cell as f64 / (1u64 << 20) as f64,
             match pool.is_on_device() {
                 true => "in VRAM",
                 false => "in host memory",

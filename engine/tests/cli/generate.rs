@@ -209,6 +209,10 @@ fn a_kv_pool_smaller_than_a_context_or_past_the_memory_is_refused() {
         assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
         assert!(err.contains("--kv-tokens takes a positive token count"), "{bad}: {err}");
     }
+    let out = run(&["generate", "--prompt", "hi", "--kv-tokens", "99999999999999999999"]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--kv-tokens `99999999999999999999` is too large"), "{err}");
     // Past what the sequences can hold at once: lowered to that, with a line saying so.
     let huge = (1u64 << 40).to_string();
     let out = run(&["generate", "--prompt", "hi", "--max-tokens", "1", "--kv-tokens", &huge]);
@@ -216,7 +220,7 @@ fn a_kv_pool_smaller_than_a_context_or_past_the_memory_is_refused() {
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(
         err.contains(&format!(
-            "--kv-tokens {huge} is more than the sequences can hold at once (--parallel 1 x --max-context 4096): the pool holds 4096"
+            "--kv-tokens {huge} is more than the sequences can hold at once (--parallel 1 x --max-context 4096, each in whole blocks of 16): the pool holds 4096"
         )),
         "{err}"
     );
