@@ -97,7 +97,7 @@ pub struct PlanFlags {
     #[arg(long, value_parser = parse_prefill)]
     pub prefill: Option<PrefillChunk>,
     /// Sequences computed together, 1 to 256 (`strata serve`'s slots, default 4 there; 1 elsewhere). Each may
-    /// hold up to --max-context tokens of KV cache, and the plan holds that many.
+    /// hold up to --max-context tokens of KV cache; the plan holds --kv-tokens, by default that many for each.
     #[arg(long, value_parser = parse_parallel, allow_hyphen_values = true)]
     pub parallel: Option<usize>,
     /// Tokens of KV cache all sequences share, rounded up to blocks of 16 (default: --parallel x --max-context,

@@ -19,8 +19,7 @@ use crate::experts::profile::ExpertProfile;
 use crate::experts::store::host_available_bytes;
 use crate::experts::trace::{RoutingReplay, RoutingSource};
 use crate::memory::{
-    CacheSize, ExpertFlags, ExpertGeometry, ExpertPlacement, MemoryPlan, Part, PlanConfig, Verdict, WeightBytes,
-    human_bytes,
+    CacheSize, ExpertFlags, ExpertGeometry, ExpertPlacement, MemoryPlan, PlanConfig, Verdict, WeightBytes, human_bytes,
 };
 pub use crate::memory::{PlanFlags, PrefillChunk};
 use crate::model::{Model, ModelError};
@@ -404,7 +403,7 @@ impl Engine {
             check_host_kv(&model, flags, &kv_pool)?;
         }
         let pinned = match backend.cuda() {
-            Some(c) => plan_device(c, &mut model, flags, &faults)?,
+            Some(c) => plan_device(c, &mut model, flags, &faults, &kv_pool)?,
             None => None,
         };
         batch_invariant(&backend, flags, &model.hp)?;
@@ -639,7 +638,7 @@ impl Engine {
             cuda_memory(
                 c,
                 &self.flags.device,
-                "a sequence's KV cache and buffers",
+                "a sequence's buffers",
                 before.saturating_sub(after) as u64,
                 false,
             );
@@ -740,6 +739,7 @@ fn plan_device(
     model: &mut Model,
     flags: &EngineFlags,
     faults: &FaultPlan,
+    kv_pool: &Arc<KvPool>,
 ) -> Result<Option<HostPin>, EngineError> {
     let device = flags.device.clone();
     let fail = |why: String, plan: &MemoryPlan| EngineError::Plan {
@@ -870,11 +870,19 @@ fn plan_device(
             )
         })?;
     }
+    // The KV pool's arrays now, at the plan's size: a failure names the plan here, not at the first request. Any
+    // cache of the pool gives the layers' geometry; this one takes no block.
+    let probe = crate::state::kv::KvCache::new_in(&model.hp.kv_shape(), config.context, config.kv, kv_pool)
+        .map_err(|e| fail(format!("the KV cache: {e}"), &plan))?;
+    let kv_bytes = c
+        .alloc_kv_pool(&probe)
+        .map_err(|e| fail(format!("the KV cache pool ({} tokens): {e}", plan.kv_cells), &plan))?;
+    cuda_memory(c, &device, "the KV cache pool", kv_bytes, false);
     if let Ok((left, _)) = c.gpu().mem_info() {
         eprintln!(
-            "strata: {} MiB of VRAM free with everything loaded (the KV cache comes out of it as sequences fill it: {} MiB for {} tokens{})",
+            "strata: {} MiB of VRAM free with everything loaded, the KV cache pool included ({} MiB for {} tokens{})",
             left >> 20,
-            plan.bytes(Part::KvCache) >> 20,
+            kv_bytes >> 20,
             plan.kv_cells,
             match flags.plan.kv_tokens {
                 Some(_) => " (--kv-tokens)".to_string(),

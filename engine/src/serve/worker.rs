@@ -140,12 +140,12 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     ) {
         let tokens = blocks * crate::state::kv::KV_BLOCK_CELLS;
         eprintln!(
-            "strata serve: KV cache: {blocks} blocks of {} tokens ({tokens} tokens, {:.1} MiB at most, {}) for {parallel} slots of up to {n_ctx} tokens",
+            "strata serve: KV cache: {blocks} blocks of {} tokens ({tokens} tokens, {:.1} MiB {}) for {parallel} slots of up to {n_ctx} tokens",
             crate::state::kv::KV_BLOCK_CELLS,
             tokens as f64 * cell as f64 / (1u64 << 20) as f64,
             match pool.is_on_device() {
-                true => "in VRAM",
-                false => "in host memory",
+                true => "of VRAM, taken at start",
+                false => "of host memory at most, taken as blocks are written",
             }
         );
     }

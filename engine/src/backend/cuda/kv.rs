@@ -83,6 +83,23 @@ impl CudaBackend {
         Some(out)
     }
 
+    /// Allocates the device arrays of `cache`'s pool (every layer's keys and values, at the pool's size) now, not
+    /// at the first step that stores into them: the engine does this at start, after the weights, so the memory plan
+    /// is met or refused before any request. `cache` is any cache of the pool (its rows give the layers' geometry).
+    /// Returns the bytes the pool's arrays take.
+    ///
+    /// Errors: an allocation failed.
+    pub fn alloc_kv_pool(&self, cache: &crate::state::kv::KvCache) -> Result<u64, CudaError> {
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        for l in &cache.layers {
+            s.kv_array(g, &l.k)?;
+            s.kv_array(g, &l.v)?;
+        }
+        let p = s.kv_pools.get(&cache.pool().id());
+        Ok(p.map_or(0, |p| p.arrays.values().map(|a| a.buf.bytes as u64).sum()))
+    }
+
     /// [`crate::backend::Backend::reserve_kv`] (the trait's method calls this).
     pub(super) fn reserve_kv_dev(&self, kv: &crate::state::kv::KvCache, from: usize, to: usize) {
         let Some(l) = kv.layers.first() else { return };
@@ -246,17 +263,22 @@ impl Inner {
     /// Panics if the pool's array for these rows holds another row type (caches of two KV types in one pool).
     pub(super) fn kv_dev(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<KvDev, CudaError> {
         let pages = self.kv_table(gpu, rows)?;
+        let (base, ty) = self.kv_array(gpu, rows)?;
+        Ok(KvDev { base, pages, ty })
+    }
+
+    /// The address and row type of the pool's array for `rows` (its layer's keys or values), allocated at the
+    /// pool's size if it is not yet.
+    ///
+    /// Errors and panics: as [`Inner::kv_dev`].
+    fn kv_array(&mut self, gpu: &Gpu, rows: &KvRows) -> Result<(u64, GgmlType), CudaError> {
         let key = (rows.id().layer, rows.id().values);
         let have = self.kv_pools.get(&rows.pool().id()).and_then(|p| p.arrays.get(&key));
         if let Some(a) = have
             && a.ty == rows.ty()
             && a.row_bytes == rows.row_bytes()
         {
-            return Ok(KvDev {
-                base: a.buf.ptr,
-                pages,
-                ty: a.ty,
-            });
+            return Ok((a.buf.ptr, a.ty));
         }
         let p = self.kv_pool_blocks(gpu, rows)?;
         if let Some(a) = p.arrays.get(&key) {
@@ -272,6 +294,7 @@ impl Inner {
             );
         }
         let buf = DevBuf::alloc(&gpu.stream, p.blocks * KV_BLOCK_CELLS * rows.row_bytes())?;
+        let ptr = buf.ptr;
         p.arrays.insert(
             key,
             DevArray {
@@ -280,11 +303,6 @@ impl Inner {
                 ty: rows.ty(),
             },
         );
-        let a = &p.arrays[&key];
-        Ok(KvDev {
-            base: a.buf.ptr,
-            pages,
-            ty: a.ty,
-        })
+        Ok((ptr, rows.ty()))
     }
 }
