@@ -503,8 +503,15 @@ impl MemoryPlan {
             }
             _ => format!("{} free on the device", human_bytes(self.free)),
         };
+        let kv = match self.bytes(Part::KvCache) {
+            0 => String::new(),
+            _ => format!(
+                "; the KV cache ({} tokens) shrinks with a lower --kv-tokens, --parallel or --max-context",
+                self.kv_cells
+            ),
+        };
         format!(
-            "the memory plan needs {} ({}) and the limit is {limit}",
+            "the memory plan needs {} ({}) and the limit is {limit}{kv}",
             human_bytes(self.total()),
             parts.join(" + ")
         )
@@ -705,6 +712,11 @@ mod tests {
         let text = at(total - 1).to_text();
         assert!(text.contains("plan vs free               DOES NOT FIT"), "{text}");
         assert!(at(total - 1).shortfall().contains("free on the device"));
+        let why = at(total - 1).shortfall();
+        assert!(
+            why.contains("the KV cache (4096 tokens) shrinks with a lower --kv-tokens, --parallel or --max-context"),
+            "{why}"
+        );
         // A budget caps the parts, the reserve apart.
         let budget = PlanConfig {
             budget: Some(total - cfg.reserve - 1),
