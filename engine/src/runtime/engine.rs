@@ -264,9 +264,10 @@ fn batch_invariant(backend: &AnyBackend, flags: &EngineFlags, hp: &crate::model:
         )));
     }
     let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
-    if dk > 512 || dv > 256 {
+    let (max_dk, max_dv) = (crate::backend::cuda::DECODE_MAX_DK, crate::backend::cuda::DECODE_MAX_DV);
+    if dk > max_dk || dv > max_dv {
         return Err(refuse(format!(
-            "needs heads its decode attention kernel stages whole (keys of at most 512 values, values of at most 256); this model's are {dk} and {dv}"
+            "needs heads its decode attention kernel stages whole (keys of at most {max_dk} values, values of at most {max_dv}); this model's are {dk} and {dv}"
         )));
     }
     c.set_batch_invariant(true);

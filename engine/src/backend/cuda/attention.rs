@@ -24,6 +24,11 @@ pub(super) const BATCH_INVARIANT_SCORES: usize = 256 << 20;
 /// Keys attn_decode keeps in shared memory (kernels/attention.cu `ATTN_DEC_KEYS`): a query over no more stages no
 /// scores in global memory.
 const ATTN_DEC_KEYS: usize = 1024;
+/// Widest key head `attn_decode` (and the split kernels' first step) stages in shared memory: kernels/attention.cu
+/// `ATTN_DK_MAX`.
+pub const DECODE_MAX_DK: usize = 512;
+/// Widest value head `attn_decode` stages (its P·V sums, 256 floats of shared memory).
+pub const DECODE_MAX_DV: usize = 256;
 /// Most splits of a decode attention: longer spans give each split more cells.
 const DECODE_MAX_SPLITS: usize = 256;
 
@@ -280,7 +285,7 @@ impl CudaBackend {
             } else {
                 (1, n_ctx)
             };
-            if s.batch_invariant && rope.is_none() && dk <= 512 && dv <= 256 {
+            if s.batch_invariant && rope.is_none() && dk <= DECODE_MAX_DK && dv <= DECODE_MAX_DV {
                 // Batch-invariant: every query in its own attn_decode block over its keys in order, whatever the
                 // step's other tokens (no split over the keys, whose count follows the span; no tensor cores,
                 // whose tiles a decode step does not take), in launches of at most BATCH_INVARIANT_SCORES bytes
@@ -307,12 +312,12 @@ impl CudaBackend {
             // (Heads wider than attn_decode takes also split, into one part if need be: the general path below
             // has position-dependent arguments, which a replayed graph must never have. Heads over 512 wide, which
             // neither decode kernel stages, take that path: correct, but their decode steps keep re-recording.)
-            let decode = n_tok <= MMV_MAX_TOKENS && dk <= 512;
+            let decode = n_tok <= MMV_MAX_TOKENS && dk <= DECODE_MAX_DK;
             assert!(
-                rope.is_none() || (decode && n_split == 1 && dv <= 256),
+                rope.is_none() || (decode && n_split == 1 && dv <= DECODE_MAX_DV),
                 "attention: the fused RoPE serves attn_decode alone"
             );
-            if decode && (n_split > 1 || dv > 256) {
+            if decode && (n_split > 1 || dv > DECODE_MAX_DV) {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
                 let rows = n_tok * p.n_head;
@@ -387,7 +392,7 @@ impl CudaBackend {
                 )?;
                 return sum_splits_dev(g, part, out.ptr(), n_split, rows * dv);
             }
-            if decode && dv <= 256 {
+            if decode && dv <= DECODE_MAX_DV {
                 // Decode over a short cache: one launch whose arguments do not depend on the position.
                 let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
                 let l = DecodeLaunch {
@@ -600,8 +605,8 @@ impl CudaBackend {
             && kv.k.ty() == GgmlType::F16
             && kv.v.ty() == GgmlType::F16
             && (kv.k.heads(), kv.k.head_dim(), kv.v.head_dim()) == (p.n_head_kv, dk, dv)
-            && dk <= 512
-            && dv <= 256
+            && dk <= DECODE_MAX_DK
+            && dv <= DECODE_MAX_DV
             && dk.is_multiple_of(8)
             && dv.is_multiple_of(8)
             && rope.n_rot <= dk
@@ -664,8 +669,8 @@ impl CudaBackend {
             && a.q_scale.is_none()
             && runs.iter().enumerate().all(|(i, r)| r.len == 1 && r.start == i)
             && same_geometry
-            && dk <= 512
-            && dv <= 256
+            && dk <= DECODE_MAX_DK
+            && dv <= DECODE_MAX_DV
             && dk.is_multiple_of(8)
             && dv.is_multiple_of(8)
             && rope.n_rot <= dk

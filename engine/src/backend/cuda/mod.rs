@@ -35,6 +35,7 @@
 //! has the types they share and the [`Backend`] impl, which calls into them.
 
 mod attention;
+pub use attention::{DECODE_MAX_DK, DECODE_MAX_DV};
 pub mod buffer;
 mod ceilings;
 pub mod compile;
