@@ -911,29 +911,23 @@ fn kv_pool(model: &crate::model::Model, flags: &EngineFlags, on_device: bool) ->
     // Every sequence at its whole context at once (each in whole blocks): the most the pool can be used for.
     let sequences = cfg.sequences.max(1);
     let full = crate::memory::full_pool_cells(cfg.context, sequences);
-    let tokens = match flags.plan.kv_tokens {
+    match flags.plan.kv_tokens {
         Some(t) if t < cfg.context => {
             return Err(bad(format!(
                 "--kv-tokens {t} is less than one sequence's context ({} tokens, --max-context): a sequence could never reach it; raise --kv-tokens or lower --max-context",
                 cfg.context
             )));
         }
-        Some(t) if t > full => {
-            eprintln!(
-                "strata: --kv-tokens {t} is more than the sequences can hold at once (--parallel {sequences} x --max-context {}, each in whole blocks of {}): the pool holds {full}",
-                cfg.context,
-                crate::state::kv::KV_BLOCK_CELLS
-            );
-            full
-        }
-        Some(t) => t,
-        None => full,
-    };
-    let shape = model.hp.kv_shape();
-    Ok(match on_device {
-        true => KvPool::on_device(&shape, Some(tokens)),
-        false => KvPool::new(&shape, Some(tokens)),
-    })
+        Some(t) if t > full => eprintln!(
+            "strata: --kv-tokens {t} is more than the sequences can hold at once (--parallel {sequences} x --max-context {}, each in whole blocks of {}): the pool holds {full}",
+            cfg.context,
+            crate::state::kv::KV_BLOCK_CELLS
+        ),
+        _ => {}
+    }
+    // The plan's KV cells: --kv-tokens in whole blocks, at most `full`.
+    let cells = crate::memory::kv_cells(&cfg);
+    Ok(KvPool::placed(&model.hp.kv_shape(), Some(cells), on_device))
 }
 
 /// On the CPU the KV caches live in host memory: the pool's blocks (`--kv-tokens`, by default `--parallel` of

@@ -129,11 +129,12 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Errors: a zero context; an int8 cache for a head width that is not a multiple of 32.
     pub fn new(model: &'m Model, backend: &'m B, config: SessionConfig) -> Result<Session<'m, B>, SessionError> {
         let shape = model.hp.kv_shape();
-        let pool = match backend.kv_on_device() {
-            true => KvPool::on_device(&shape, None),
-            false => KvPool::new(&shape, None),
-        };
-        Session::new_in(model, backend, config, &pool)
+        Session::new_in(
+            model,
+            backend,
+            config,
+            &KvPool::placed(&shape, None, backend.kv_on_device()),
+        )
     }
 
     /// [`Session::new`] whose cache takes its blocks from `pool` (made for this model: an engine's sequences

@@ -160,16 +160,18 @@ impl KvPool {
     /// A pool of host blocks for caches of `shape` holding at most `tokens` cells per layer in all (rounded up to
     /// whole blocks), or any number (`None`).
     pub fn new(shape: &KvShape, tokens: Option<usize>) -> Arc<KvPool> {
-        KvPool::make(shape, tokens, false)
+        KvPool::placed(shape, tokens, false)
     }
 
     /// [`KvPool::new`] for caches a device keeps (a GPU backend's): blocks are numbered for the caches' block
-    /// tables ([`KvCache::take_device_blocks`]), and the counts follow those tables.
+    /// tables ([`KvRows::take_device_blocks`]), and the counts follow those tables.
     pub fn on_device(shape: &KvShape, tokens: Option<usize>) -> Arc<KvPool> {
-        KvPool::make(shape, tokens, true)
+        KvPool::placed(shape, tokens, true)
     }
 
-    fn make(shape: &KvShape, tokens: Option<usize>, on_device: bool) -> Arc<KvPool> {
+    /// [`KvPool::on_device`] or [`KvPool::new`] as `on_device` says (a backend's
+    /// [`crate::backend::Backend::kv_on_device`]).
+    pub fn placed(shape: &KvShape, tokens: Option<usize>, on_device: bool) -> Arc<KvPool> {
         static NEXT: AtomicU32 = AtomicU32::new(1);
         let rows_per_block = 2 * shape.n_layer.max(1);
         Arc::new(KvPool {
@@ -260,6 +262,32 @@ impl Drop for RowBlock {
     }
 }
 
+/// Blocks of `blocks` (a cache's, per layer on the host or its device table) a write of cells `from..to` would
+/// take from the pool: those not held yet and those another cache shares (copied on write).
+fn blocks_to_take<T>(blocks: &[Arc<T>], from: usize, to: usize) -> usize {
+    if from >= to {
+        return 0;
+    }
+    (from / KV_BLOCK_CELLS..=(to - 1) / KV_BLOCK_CELLS)
+        .filter(|&b| blocks.get(b).is_none_or(|blk| Arc::strong_count(blk) > 1))
+        .count()
+}
+
+/// Blocks of `blocks` past the first `keep` that no other cache shares (given back by a truncation to them).
+fn own_past<T>(blocks: &[Arc<T>], keep: usize) -> usize {
+    blocks.iter().skip(keep).filter(|b| Arc::strong_count(b) == 1).count()
+}
+
+/// Adds an identity (an address) of each block of `blocks` another cache shares to `out`.
+fn add_shared<T>(blocks: &[Arc<T>], out: &mut std::collections::HashSet<usize>) {
+    out.extend(
+        blocks
+            .iter()
+            .filter(|b| Arc::strong_count(b) > 1)
+            .map(|b| Arc::as_ptr(b) as *const u8 as usize),
+    );
+}
+
 /// A block of a device pool: a number, rows `id * KV_BLOCK_CELLS..` of every layer's arrays on the device,
 /// counted in its pool (as `rows_per_block` row blocks) while it lives and given back when dropped.
 #[derive(Debug)]
@@ -293,7 +321,7 @@ impl Drop for DevBlock {
     }
 }
 
-/// A copy a device makes before a step writes a shared block ([`KvCache::take_device_blocks`]): every layer's
+/// A copy a device makes before a step writes a shared block ([`KvRows::take_device_blocks`]): every layer's
 /// rows of block `src` into block `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockCopy {
@@ -342,16 +370,6 @@ impl BlockTable {
 
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
-    }
-
-    /// Blocks a write of cells `from..to` would take: those not held yet and those another cache shares.
-    fn needed(&self, from: usize, to: usize) -> usize {
-        if from >= to {
-            return 0;
-        }
-        (from / KV_BLOCK_CELLS..=(to - 1) / KV_BLOCK_CELLS)
-            .filter(|&b| self.blocks.get(b).is_none_or(|blk| Arc::strong_count(blk) > 1))
-            .count()
     }
 
     /// Takes from `pool` the blocks of cells `0..to` not held yet and, for those of `from..to` another cache
@@ -558,17 +576,6 @@ impl KvRows {
     pub fn held_bytes(&self) -> usize {
         self.blocks.len() * KV_BLOCK_CELLS * self.row_bytes()
     }
-
-    /// Row blocks a write of cells `from..to` would take from the pool: blocks not held yet, and held blocks
-    /// another sequence shares (copied on write).
-    fn rows_needed(&self, from: usize, to: usize) -> usize {
-        if from >= to {
-            return 0;
-        }
-        (from / KV_BLOCK_CELLS..=(to - 1) / KV_BLOCK_CELLS)
-            .filter(|&b| self.blocks.get(b).is_none_or(|blk| Arc::strong_count(blk) > 1))
-            .count()
-    }
 }
 
 /// One layer of the cache.
@@ -703,14 +710,12 @@ impl KvCache {
     pub fn rows_freed_by_truncate(&self, cells: usize) -> usize {
         let keep = cells.div_ceil(KV_BLOCK_CELLS);
         if self.pool.on_device {
-            let t = self.table();
-            let own = t.blocks.iter().skip(keep).filter(|b| Arc::strong_count(b) == 1).count();
-            return own * self.pool.rows_per_block;
+            return own_past(&self.table().blocks, keep) * self.pool.rows_per_block;
         }
         self.layers
             .iter()
             .flat_map(|l| [&l.k, &l.v])
-            .map(|r| r.blocks.iter().skip(keep).filter(|b| Arc::strong_count(b) == 1).count())
+            .map(|r| own_past(&r.blocks, keep))
             .sum()
     }
 
@@ -718,18 +723,12 @@ impl KvCache {
     /// the blocks of those cells not held yet and those another sequence shares.
     pub fn rows_needed(&self, from: usize, to: usize) -> usize {
         if self.pool.on_device {
-            return self.table().needed(from, to) * self.pool.rows_per_block;
+            return blocks_to_take(&self.table().blocks, from, to) * self.pool.rows_per_block;
         }
         self.layers
             .iter()
-            .map(|l| l.k.rows_needed(from, to) + l.v.rows_needed(from, to))
+            .map(|l| blocks_to_take(&l.k.blocks, from, to) + blocks_to_take(&l.v.blocks, from, to))
             .sum()
-    }
-
-    /// [`KvRows::take_device_blocks`] for the whole cache.
-    pub fn take_device_blocks(&self, from: usize, to: usize, copies: &mut Vec<BlockCopy>) -> bool {
-        assert!(to <= self.n_ctx, "KV write up to cell {to} of {}", self.n_ctx);
-        self.table().take(&self.pool, from, to, copies)
     }
 
     /// Makes cells `0..cells` the blocks of `src` (a cache of the same model and type, in the same pool: a
@@ -764,22 +763,9 @@ impl KvCache {
     /// (`strata serve`'s count of shared blocks: the same identity from two caches is one block).
     pub fn shared_blocks(&self, out: &mut std::collections::HashSet<usize>) {
         if self.pool.on_device {
-            let t = self.table();
-            out.extend(
-                t.blocks
-                    .iter()
-                    .filter(|b| Arc::strong_count(b) > 1)
-                    .map(|b| Arc::as_ptr(b) as usize),
-            );
-            return;
-        }
-        if let Some(l) = self.layers.first() {
-            out.extend(
-                l.k.blocks
-                    .iter()
-                    .filter(|b| Arc::strong_count(b) > 1)
-                    .map(|b| Arc::as_ptr(b) as usize),
-            );
+            add_shared(&self.table().blocks, out);
+        } else if let Some(l) = self.layers.first() {
+            add_shared(&l.k.blocks, out);
         }
     }
 }
@@ -905,7 +891,7 @@ mod tests {
             (2, 0, rows)
         );
         let v = a.table().version();
-        assert!(!a.take_device_blocks(16, 20, &mut copies), "nothing new");
+        assert!(!a.layers[0].k.take_device_blocks(16, 20, &mut copies), "nothing new");
         assert_eq!(a.table().version(), v);
         // b shares the first 18 cells: both blocks, counted once.
         b.share_prefix_from(&a, 18);
@@ -916,7 +902,7 @@ mod tests {
         assert_eq!(shared.len(), 2);
         assert_eq!((b.rows_freed_by_truncate(0), b.rows_needed(18, 19)), (0, rows));
         // b writes cell 18: block 1 becomes its own, a copy of a's; block 0 stays shared.
-        assert!(b.take_device_blocks(18, 19, &mut copies));
+        assert!(b.layers[0].k.take_device_blocks(18, 19, &mut copies));
         assert_eq!(copies, [BlockCopy { src: 1, dst: 2 }]);
         assert_eq!(b.table().ids().collect::<Vec<_>>(), [0, 2]);
         assert_eq!((pool.held_blocks(), a.rows_needed(18, 20)), (3, 0));
@@ -925,7 +911,7 @@ mod tests {
         a.truncate(16);
         assert_eq!((pool.held_blocks(), a.table().version() > v), (2, true));
         copies.clear();
-        a.take_device_blocks(16, 40, &mut copies);
+        a.layers[0].k.take_device_blocks(16, 40, &mut copies);
         assert_eq!(a.table().ids().collect::<Vec<_>>(), [0, 1, 3]);
         assert!(copies.is_empty());
         assert_eq!(
@@ -938,7 +924,7 @@ mod tests {
         assert_eq!(pool.held_rows(), 0);
         // Every number is free: a new sequence gets the lowest, in order.
         let c = KvCache::new_in(&shape(), 64, KvType::F16, &pool).unwrap();
-        c.take_device_blocks(0, 64, &mut copies);
+        c.layers[0].k.take_device_blocks(0, 64, &mut copies);
         assert_eq!(c.table().ids().collect::<Vec<_>>(), [0, 1, 2, 3]);
         assert_eq!(pool.id_bound(), 4);
     }

@@ -82,10 +82,7 @@ pub fn batched<B: Backend>(
     cancel_at: Option<(usize, usize)>,
     kv_tokens: Option<usize>,
 ) -> Ran {
-    let pool = match be.kv_on_device() {
-        true => KvPool::on_device(&model.hp.kv_shape(), kv_tokens),
-        false => KvPool::new(&model.hp.kv_shape(), kv_tokens),
-    };
+    let pool = KvPool::placed(&model.hp.kv_shape(), kv_tokens, be.kv_on_device());
     let sessions = (0..parallel)
         .map(|_| Session::new_in(model, be, config(), &pool).unwrap())
         .collect();
