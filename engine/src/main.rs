@@ -238,6 +238,10 @@ struct SynthArgs {
     /// Share the embedding as the output projection.
     #[arg(long)]
     tied_output: bool,
+    /// Filler tokens (past the bytes and the specials) as words that render as text, not unused tokens: a
+    /// random model's streams then carry text (the qwen3-30b-a3b preset's default).
+    #[arg(long)]
+    word_fillers: bool,
     /// Zipf exponent of expert popularity (0: uniform routing).
     #[arg(long)]
     zipf: Option<f64>,
@@ -435,6 +439,7 @@ fn synth_spec(a: &SynthArgs) -> SynthSpec {
     let t = &mut s.types;
     set_types(t, a);
     s.tied_output |= a.tied_output;
+    s.word_fillers |= a.word_fillers;
     s
 }
 

@@ -109,7 +109,7 @@ pub const SYNTH_PREFIX: &str = "synth:";
 pub const SYNTH_MODELS: &[(&str, &str)] = &[
     (
         "qwen3-30b-a3b",
-        "Qwen3-30B-A3B's shape (qwen3moe, 48 layers, 128 experts, top-8), Q4_K with a Q6_K output, random blocks, about 17 GB",
+        "Qwen3-30B-A3B's shape (qwen3moe, 48 layers, 128 experts, top-8), Q4_K with a Q6_K output, random blocks, filler tokens that render as words, about 17 GB",
     ),
     (
         "tiny-qwen3moe",
@@ -156,7 +156,21 @@ fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
     };
     let path = cached(&format!("synth/{name}.gguf"));
     if path.is_file() {
-        return Ok(path);
+        // A file generated before the spec's filler tokens changed is generated again; one that does not parse
+        // is left for the load to name.
+        let fillers = crate::gguf::GgufFile::open(&path).map(|f| {
+            let md = f.metadata();
+            md.get_str(crate::fixtures::synth::FILLERS_KEY)
+                .unwrap_or("unused")
+                .to_string()
+        });
+        match fillers {
+            Ok(f) if f != spec.fillers_name() => eprintln!(
+                "strata: synth:{name} in the cache has {f} filler tokens, this build's has {}; generating it again",
+                spec.fillers_name()
+            ),
+            _ => return Ok(path),
+        }
     }
     let fail = |reason: String| ModelsError::NotGenerated {
         name: name.to_string(),

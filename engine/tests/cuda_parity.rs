@@ -915,6 +915,7 @@ fn smollm2_shaped() -> SynthSpec {
         tied_output: true,
         zipf: 0.0,
         seed: 2,
+        word_fillers: false,
     }
 }
 

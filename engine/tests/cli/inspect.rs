@@ -300,3 +300,41 @@ fn with_metadata(src: &std::path::Path, out: &std::path::Path, edit: impl FnOnce
     }
     writer.finish().unwrap();
 }
+
+#[test]
+fn a_cached_synth_model_whose_filler_tokens_changed_is_generated_again() {
+    use strata_engine::fixtures::synth::{FILLERS_KEY, SynthSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let cached = dir.path().join("synth/tiny-qwen3moe.gguf");
+    std::fs::create_dir_all(cached.parent().unwrap()).unwrap();
+    // A file of the other kind of fillers stands where the cache keeps synth:tiny-qwen3moe.
+    let stale = SynthSpec {
+        word_fillers: true,
+        ..SynthSpec::tiny_qwen3moe()
+    };
+    stale.write(&cached).unwrap();
+    let fillers = |p: &std::path::Path| {
+        let f = strata_engine::gguf::GgufFile::open(p).unwrap();
+        f.metadata().get_str(FILLERS_KEY).unwrap().to_string()
+    };
+    assert_eq!(fillers(&cached), "words");
+    let run = || {
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["inspect", "synth:tiny-qwen3moe"])
+            .env(strata_engine::switches::MODELS_DIR, dir.path())
+            .output()
+            .unwrap()
+    };
+    let out = run();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("has words filler tokens, this build's has unused; generating it again"),
+        "{err}"
+    );
+    assert_eq!(fillers(&cached), "unused");
+    // Now it matches and is used as it is.
+    let again = run();
+    assert!(again.status.success());
+    assert!(!String::from_utf8_lossy(&again.stderr).contains("generating"));
+}
