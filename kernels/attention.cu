@@ -625,7 +625,10 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
 // arguments that do not depend on the position (CUDA graphs). Steps 1 and 3 serve a KV head's whole GQA group in one
 // block (grid (n_head_kv, n_tok, n_split)), so each key and value row is read once for all the group's query heads:
 // heads in chunks of ATTN_GQA_CHUNK (fewer when 16 * dk would not fit the staged queries). Step 2 runs per query
-// head (grid (n_head, n_tok, n_split)). The splits' maxima and sums are reduced by the whole block.
+// head (grid (n_head, n_tok, n_split)). The splits' maxima and sums are reduced by the whole block. With kvtab given
+// (a step of several sequences' decode tokens, as attn_decode's), token t reads its own sequence's cache: page table
+// kvtab[3t], key array kvtab[3t + 1] and value array kvtab[3t + 2] in place of pg, k and v; a token whose span is
+// shorter than the launch's splits cover leaves its later splits empty (maximum -inf, sum 0, P.V 0).
 #define ATTN_GQA_CHUNK 16
 #define ATTN_GQA_QS 4096
 __device__ __forceinline__ int attn_gqa_chunk(int dk) { return min(ATTN_GQA_CHUNK, ATTN_GQA_QS / dk); }
@@ -636,11 +639,13 @@ extern "C" __global__ void __launch_bounds__(256)
     attn_split_scores(const float* __restrict__ q, const u8* __restrict__ k, const u32* __restrict__ pg,
                       float* __restrict__ scores,
                       float* __restrict__ pmax, const unsigned int* __restrict__ pos, int n_head, int n_head_kv,
-                      int dk, float scale, int window, long long krb, int khb, int kty, int n_ctx, int split_len) {
+                      int dk, float scale, int window, long long krb, int khb, int kty, int n_ctx, int split_len,
+                      const unsigned long long* __restrict__ kvtab) {
     pdl_enter();
     __shared__ float qs[ATTN_GQA_QS];
     __shared__ float red[8][ATTN_GQA_CHUNK];
     int g = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z;
+    if (kvtab) pg = (const u32*)kvtab[3 * t], k = (const u8*)kvtab[3 * t + 1];
     int gs = n_head / n_head_kv, hpc = attn_gqa_chunk(dk);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, l8 = lane & 7;
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
@@ -754,12 +759,14 @@ extern "C" __global__ void __launch_bounds__(128)
 extern "C" __global__ void __launch_bounds__(256)
     attn_split_pv(const float* __restrict__ scores, const double* __restrict__ psum, const u8* __restrict__ v,
                   const u32* __restrict__ pg, float* __restrict__ part, const unsigned int* __restrict__ pos, int n_head, int n_head_kv, int dv,
-                  int window, long long vrb, int vhb, int vty, int n_ctx, int split_len, int rows) {
+                  int window, long long vrb, int vhb, int vty, int n_ctx, int split_len, int rows,
+                  const unsigned long long* __restrict__ kvtab) {
     pdl_enter();
     __shared__ float inv[ATTN_GQA_CHUNK];
     __shared__ float pv[ATTN_GQA_CHUNK * 256];
     __shared__ float ps[ATTN_GQA_CHUNK * 64];
     int g = blockIdx.x, t = blockIdx.y, s = blockIdx.z, n_split = gridDim.z;
+    if (kvtab) pg = (const u32*)kvtab[3 * t], v = (const u8*)kvtab[3 * t + 2];
     int gs = n_head / n_head_kv, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = (int)pos[t], first = window > 0 ? max(0, p + 1 - window) : 0, n = p + 1 - first;
     int j0 = s * split_len, j1 = min(n, j0 + split_len);

@@ -167,6 +167,8 @@ pub const MOE_GROUPS: &str = "STRATA_MOE_GROUPS";
 pub const INT8_FLASH: &str = "STRATA_INT8_FLASH";
 /// Most tokens of a CUDA step whose experts run on the device's routing (a tuning knob).
 pub const MOE_DEVICE_TOKENS: &str = "STRATA_MOE_DEVICE_TOKENS";
+/// Most cells of the longest decode span a CUDA step of several sequences attends over in one launch (a tuning knob).
+pub const BATCH_SPLIT_CELLS: &str = "STRATA_BATCH_SPLIT_CELLS";
 /// Most tokens a CUDA dense matmul runs as matrix-vector products (a tuning knob).
 pub const MMV_DENSE_TOKENS: &str = "STRATA_MMV_DENSE_TOKENS";
 /// Off: every speed switch the user did not set is off, whatever the arch's default.
@@ -324,6 +326,11 @@ pub const SWITCHES: &[Switch] = &[
         MMV_DENSE_TOKENS,
         "8",
         "N (4-64): most tokens a CUDA dense matmul runs as matrix-vector products, each token's the kernel of a lone decode step, instead of an f16 copy of the matrix and cuBLAS (tuning; on an H100, 30B shape: 8 sequences decoding together 941 tok/s at 8 against 840 at 4; 16 sequences 1,110 at 16 against 1,248 at 4)",
+    ),
+    sw(
+        BATCH_SPLIT_CELLS,
+        "1024",
+        "N: a CUDA step of several sequences (strata serve's batches) whose longest decode span is over N cells attends split over the keys (flash-decoding: a block per KV head's GQA group, token and split, each key row read once for the group) instead of in one attn_decode launch (a block per query head and token over all its keys); 0: always split (tuning; another summation order, logits within 1e-3 of the largest)",
     ),
     sw(
         MOE_DEVICE_TOKENS,

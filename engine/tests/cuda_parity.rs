@@ -1754,8 +1754,9 @@ fn batch_invariant_kernels_give_each_sequence_its_bits_alone() {
 
 /// Five sequences through the continuous-batching scheduler on CUDA, prompts of 3 to 150 tokens (past one span
 /// block of 128 cells, where a lone decode step splits its keys), 20 greedy tokens each: the decode tokens of a
-/// step in one attn_decode launch over their own caches give the logits of attending run by run (mean KLD at most
-/// 1e-6, every logit within 1e-3 of the largest), and the same tokens.
+/// step in one attn_decode launch over their own caches, and split over the keys (`STRATA_BATCH_SPLIT_CELLS` 0),
+/// give the logits of attending run by run (mean KLD at most 1e-6, every logit within 1e-3 of the largest), and
+/// the same tokens.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn batched_decode_attention_equals_attending_run_by_run() {
@@ -1765,32 +1766,38 @@ fn batched_decode_attention_equals_attending_run_by_run() {
         .map(|&n| (0..n).map(|i| 300 + (i * 37 + n) % 1500).collect())
         .collect();
     let g = gpu();
-    let run = |by_run: bool| {
+    let run = |by_run: bool, split_cells: usize| {
         g.set_batch_attention(!by_run);
+        g.set_batch_split_cells(split_cells);
         batched_greedy(&g, &model, &prompts, 20)
     };
-    let (t_run, l_run) = run(true);
-    let (t_one, l_one) = run(false);
-    let (mut worst, mut kld, mut steps) = (0f64, 0f64, 0usize);
-    for (i, (a, b)) in l_one.iter().zip(&l_run).enumerate() {
-        assert_eq!(a.len(), b.len(), "sequence {i}: steps");
-        for (x, y) in a.iter().zip(b) {
-            worst = worst.max(rel_err(x, y));
-            kld += mean_kld(y, x, y.len());
-            steps += 1;
+    let (t_run, l_run) = run(true, usize::MAX);
+    // The step's decode tokens in one attn_decode launch, then split over the keys (every span over 0 cells).
+    for (how, split_cells) in [("in one launch", usize::MAX), ("split over the keys", 0)] {
+        let (t_one, l_one) = run(false, split_cells);
+        let (mut worst, mut kld, mut steps) = (0f64, 0f64, 0usize);
+        for (i, (a, b)) in l_one.iter().zip(&l_run).enumerate() {
+            assert_eq!(a.len(), b.len(), "{how}, sequence {i}: steps");
+            for (x, y) in a.iter().zip(b) {
+                worst = worst.max(rel_err(x, y));
+                kld += mean_kld(y, x, y.len());
+                steps += 1;
+            }
         }
+        let kld = kld / steps as f64;
+        println!(
+            "batched decode attention {how}: over {steps} steps, mean KLD from run by run {kld:e}, largest logit difference {worst:e} of the largest logit"
+        );
+        // The batched launches sum each token's keys in another order than a lone decode step (which splits past
+        // 128 cells, by its own span), so the logits are close, not equal: far closer than this model's
+        // CUDA-to-CPU KLD (about 2e-5).
+        assert!(
+            kld <= 1e-6 && worst <= 1e-3,
+            "{how}: mean KLD {kld:e}, largest difference {worst:e}"
+        );
+        assert_eq!(t_one, t_run, "{how}");
     }
-    let kld = kld / steps as f64;
-    println!(
-        "batched decode attention: over {steps} steps, mean KLD from run by run {kld:e}, largest logit difference {worst:e} of the largest logit"
-    );
-    // The one launch sums each token's keys in another order than a lone decode step (which splits past 128
-    // cells), so the logits are close, not equal: far closer than this model's CUDA-to-CPU KLD (about 2e-5).
-    assert!(
-        kld <= 1e-6 && worst <= 1e-3,
-        "mean KLD {kld:e}, largest difference {worst:e}"
-    );
-    assert_eq!(t_one, t_run);
+    g.set_batch_split_cells(strata_engine::backend::cuda::BATCH_SPLIT_CELLS);
 }
 
 /// Steps of several tokens group their routing slots by expert (`mmv_moe_group_*`, `STRATA_MOE_GROUPS`), steps of

@@ -158,6 +158,96 @@ fn launch_attn_decode(g: &Gpu, n_tok: usize, l: &DecodeLaunch<'_>) -> Result<(),
     )
 }
 
+/// The split decode attention's buffers and shape (kernels/attention.cu `attn_split_*`): the scores (`n_tok` x
+/// heads x the cache's cells, f32), the splits' maxima (f32) and sums (f64), `n_split` per query head, and the
+/// splits' P.V parts (`n_split` x `n_tok` x heads x `dv`, f32), `split_len` cells per split.
+struct SplitLaunch {
+    scores: u64,
+    pmax: u64,
+    psum: u64,
+    part: u64,
+    n_tok: usize,
+    n_split: usize,
+    split_len: usize,
+}
+
+/// Launches the decode attention split over the keys (flash-decoding) for `s.n_tok` token rows: scores and P.V a
+/// block per KV head's GQA group (grid (KV heads, tokens, splits)), the exponentials per query head, then the splits'
+/// sum into `l.out`. Takes `l`'s queries, caches, positions, geometry and `kvtab` (per-token caches of a step of
+/// several sequences; 0: `l.k`, `l.v` and `l.pages` for every token); not its scores or fused RoPE.
+fn launch_split_decode(g: &Gpu, l: &DecodeLaunch<'_>, s: &SplitLaunch) -> Result<(), CudaError> {
+    let p = l.p;
+    let rows = s.n_tok * p.n_head;
+    let grid = (p.n_head as u32, s.n_tok as u32, s.n_split as u32);
+    // Scores and P.V serve a KV head's whole GQA group per block.
+    let grid_kv = (p.n_head_kv as u32, s.n_tok as u32, s.n_split as u32);
+    let window = p.window.unwrap_or(0) as i32;
+    g.launch(
+        "attn_split_scores",
+        grid_kv,
+        (256, 1, 1),
+        &[
+            Arg::P(l.q),
+            Arg::P(l.k),
+            Arg::P(l.pages),
+            Arg::P(s.scores),
+            Arg::P(s.pmax),
+            Arg::P(l.pos),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.n_head_kv as i32),
+            Arg::I(p.head_dim as i32),
+            Arg::F(p.scale),
+            Arg::I(window),
+            Arg::L(l.kgeo.0 as i64),
+            Arg::I(l.kgeo.1 as i32),
+            Arg::I(l.kgeo.2),
+            Arg::I(l.n_ctx as i32),
+            Arg::I(s.split_len as i32),
+            Arg::P(l.kvtab),
+        ],
+    )?;
+    g.launch(
+        "attn_split_exp",
+        grid,
+        (128, 1, 1),
+        &[
+            Arg::P(s.scores),
+            Arg::P(s.pmax),
+            Arg::P(s.psum),
+            Arg::P(l.pos),
+            Arg::I(p.n_head as i32),
+            Arg::I(window),
+            Arg::I(l.n_ctx as i32),
+            Arg::I(s.split_len as i32),
+        ],
+    )?;
+    g.launch(
+        "attn_split_pv",
+        grid_kv,
+        (256, 1, 1),
+        &[
+            Arg::P(s.scores),
+            Arg::P(s.psum),
+            Arg::P(l.v),
+            Arg::P(l.pages),
+            Arg::P(s.part),
+            Arg::P(l.pos),
+            Arg::I(p.n_head as i32),
+            Arg::I(p.n_head_kv as i32),
+            Arg::I(p.head_dim_v as i32),
+            Arg::I(window),
+            Arg::L(l.vgeo.0 as i64),
+            Arg::I(l.vgeo.1 as i32),
+            Arg::I(l.vgeo.2),
+            Arg::I(l.n_ctx as i32),
+            Arg::I(s.split_len as i32),
+            Arg::I(rows as i32),
+            Arg::P(l.kvtab),
+        ],
+    )?;
+    sum_splits_dev(g, s.part, l.out, s.n_split, rows * p.head_dim_v)
+}
+
 /// One qk_norm_rope launch's arguments (kernels/elementwise.cu): the queries and keys (rotated in place), the
 /// norms' weights (0: none), the positions, and, with `kc` (0: no store), the f16 caches the keys and the values
 /// (`vsrc`, `dv` wide) go to: the pool arrays `kc` and `vc` at the cells the page table `pages` names, or each
@@ -321,76 +411,16 @@ impl CudaBackend {
                 // Decode over a long span: split over the keys (four launches, arguments independent of the
                 // position within the span block, so CUDA graphs replay them).
                 let rows = n_tok * p.n_head;
-                let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
-                let mp = s.slot(g, Slot::SplitMax, rows * max_split * 4)?;
-                let ps = s.slot(g, Slot::SplitSum, rows * max_split * 8)?;
-                let part = s.slot(g, Slot::Part, max_split * rows * dv * 4)?;
-                let grid = (p.n_head as u32, n_tok as u32, n_split as u32);
-                // Scores and P.V serve a KV head's whole GQA group per block.
-                let grid_kv = (p.n_head_kv as u32, n_tok as u32, n_split as u32);
-                let window = p.window.unwrap_or(0) as i32;
-                g.launch(
-                    "attn_split_scores",
-                    grid_kv,
-                    (256, 1, 1),
-                    &[
-                        Arg::P(q.ptr()),
-                        Arg::P(kp),
-                        Arg::P(pg),
-                        Arg::P(sp),
-                        Arg::P(mp),
-                        Arg::P(pp),
-                        Arg::I(p.n_head as i32),
-                        Arg::I(p.n_head_kv as i32),
-                        Arg::I(dk as i32),
-                        Arg::F(p.scale),
-                        Arg::I(window),
-                        Arg::L(krb as i64),
-                        Arg::I(khb as i32),
-                        Arg::I(code(kty)),
-                        Arg::I(n_ctx as i32),
-                        Arg::I(split_len as i32),
-                    ],
-                )?;
-                g.launch(
-                    "attn_split_exp",
-                    grid,
-                    (128, 1, 1),
-                    &[
-                        Arg::P(sp),
-                        Arg::P(mp),
-                        Arg::P(ps),
-                        Arg::P(pp),
-                        Arg::I(p.n_head as i32),
-                        Arg::I(window),
-                        Arg::I(n_ctx as i32),
-                        Arg::I(split_len as i32),
-                    ],
-                )?;
-                g.launch(
-                    "attn_split_pv",
-                    grid_kv,
-                    (256, 1, 1),
-                    &[
-                        Arg::P(sp),
-                        Arg::P(ps),
-                        Arg::P(vp),
-                        Arg::P(pg),
-                        Arg::P(part),
-                        Arg::P(pp),
-                        Arg::I(p.n_head as i32),
-                        Arg::I(p.n_head_kv as i32),
-                        Arg::I(dv as i32),
-                        Arg::I(window),
-                        Arg::L(vrb as i64),
-                        Arg::I(vhb as i32),
-                        Arg::I(code(vty)),
-                        Arg::I(n_ctx as i32),
-                        Arg::I(split_len as i32),
-                        Arg::I(rows as i32),
-                    ],
-                )?;
-                return sum_splits_dev(g, part, out.ptr(), n_split, rows * dv);
+                let split = SplitLaunch {
+                    scores: s.slot(g, Slot::Scores, rows * n_ctx * 4)?,
+                    pmax: s.slot(g, Slot::SplitMax, rows * max_split * 4)?,
+                    psum: s.slot(g, Slot::SplitSum, rows * max_split * 8)?,
+                    part: s.slot(g, Slot::Part, max_split * rows * dv * 4)?,
+                    n_tok,
+                    n_split,
+                    split_len,
+                };
+                return launch_split_decode(g, &launch, &split);
             }
             if decode && dv <= DECODE_MAX_DV {
                 // Decode over a short cache: one launch whose arguments do not depend on the position.
@@ -711,8 +741,13 @@ impl CudaBackend {
             let sp = s.slot(g, Slot::Scores, rows * n_ctx * 4)?;
             let qw = s.norm_weights(g, a.norms.0)?;
             let kw = s.norm_weights(g, a.norms.1)?;
-            // Fused: attn_decode rotates and stores each token itself; batch-invariant: qk_norm_rope first.
-            let (fused, kc, vc) = match invariant {
+            // A long span splits over the keys (each key row read once for its GQA group, the work spread over
+            // more blocks than heads x tokens), unless batch-invariant.
+            let span = positions[..n].iter().map(|&x| x as usize + 1).max().unwrap_or(0);
+            let split = !invariant && span > self.batch_split_cells.load(std::sync::atomic::Ordering::Relaxed);
+            // Fused: attn_decode rotates and stores each token itself; batch-invariant and split: qk_norm_rope
+            // first.
+            let (fused, kc, vc) = match invariant || split {
                 false => (DecodeRope::fused(k.ptr(), v.ptr(), qw, kw, a.eps, rope), tab[1], tab[2]),
                 true => (DecodeRope::default(), 0, 0),
             };
@@ -733,7 +768,7 @@ impl CudaBackend {
                 vc,
                 kvtab: tp,
             };
-            if invariant {
+            if invariant || split {
                 let store = QkNormRope {
                     q: q.ptr(),
                     k: k.ptr(),
@@ -754,6 +789,20 @@ impl CudaBackend {
                     kvtab: tp,
                 };
                 launch_qk_norm_rope(g, &store)?;
+            }
+            if split {
+                let span_blocks = span.div_ceil(crate::backend::ATTN_SPAN_BLOCK);
+                let (n_split, split_len) = decode_splits(span_blocks, p.n_head_kv * n, g.sms, DECODE_MAX_SPLITS);
+                let sl = SplitLaunch {
+                    scores: sp,
+                    pmax: s.slot(g, Slot::SplitMax, rows * n_split * 4)?,
+                    psum: s.slot(g, Slot::SplitSum, rows * n_split * 8)?,
+                    part: s.slot(g, Slot::Part, n_split * rows * dv * 4)?,
+                    n_tok: n,
+                    n_split,
+                    split_len,
+                };
+                return launch_split_decode(g, &l, &sl);
             }
             launch_attn_decode(g, n, &l)
         })());

@@ -252,7 +252,15 @@ pub struct CudaBackend {
     /// Prefill attention over an int8 cache on the tensor cores (`STRATA_INT8_FLASH`, read at start; tests compare
     /// both ways).
     int8_flash: std::sync::atomic::AtomicBool,
+    /// A step of several sequences whose longest decode span is over this many cells attends split over the keys
+    /// (`STRATA_BATCH_SPLIT_CELLS`, read at start, default [`BATCH_SPLIT_CELLS`]; tests set it).
+    batch_split_cells: std::sync::atomic::AtomicUsize,
 }
+
+/// Most cells of the longest decode span a step of several sequences attends over in one attn_decode launch (a
+/// block per query head and token over all its keys) by default; past it the step splits over the keys, a block
+/// per KV head's GQA group, token and split (`STRATA_BATCH_SPLIT_CELLS`).
+pub const BATCH_SPLIT_CELLS: usize = 1024;
 
 /// An open device with the kernels loaded: opened in [`context`], launching in [`launch`] and `graph`.
 pub struct Gpu {
@@ -378,6 +386,8 @@ impl CudaBackend {
             MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
         )
         .unwrap_or(MMV_DENSE_TOKENS);
+        let batch_split_cells =
+            crate::switches::usize_in(crate::switches::BATCH_SPLIT_CELLS, 0..=usize::MAX).unwrap_or(BATCH_SPLIT_CELLS);
         Ok(CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
@@ -404,7 +414,16 @@ impl CudaBackend {
             cpu: CpuBackend,
             batch_attention: std::sync::atomic::AtomicBool::new(batch_attention),
             int8_flash: std::sync::atomic::AtomicBool::new(int8_flash),
+            batch_split_cells: std::sync::atomic::AtomicUsize::new(batch_split_cells),
         })
+    }
+
+    /// Most cells of the longest decode span a step of several sequences attends over in one attn_decode launch;
+    /// past it the step splits over the keys (`STRATA_BATCH_SPLIT_CELLS`, read at start; 0: always split,
+    /// `usize::MAX`: never).
+    pub fn set_batch_split_cells(&self, cells: usize) {
+        self.batch_split_cells
+            .store(cells, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether a step of several sequences attends over their decode tokens in one launch
