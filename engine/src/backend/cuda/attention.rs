@@ -47,6 +47,19 @@ fn decode_splits(span_blocks: usize, n_head_kv: usize, sms: usize, max_split: us
     (cells.div_ceil(len), len)
 }
 
+/// (splits, cells per split) of the decode attention of a step of several sequences whose longest span is `cells`
+/// cells, over `groups` KV heads x tokens: as few splits as give every SM two blocks (each block's staging and
+/// reductions are then spread over many keys), each a multiple of 8 cells, at least [`DECODE_SPLIT_CELLS`] cells
+/// long (a short span takes one split). No graph replays such a step, so the count may follow the span.
+fn batch_splits(cells: usize, groups: usize, sms: usize) -> (usize, usize) {
+    let want = (2 * sms)
+        .div_ceil(groups.max(1))
+        .min(cells.div_ceil(DECODE_SPLIT_CELLS))
+        .clamp(1, DECODE_MAX_SPLITS);
+    let len = cells.div_ceil(want).next_multiple_of(8);
+    (cells.div_ceil(len), len)
+}
+
 /// `out[i] = Σ_s part[s][i]` over `n_split` partial results of `n` values (split-K attention).
 fn sum_splits_dev(gpu: &Gpu, part: u64, out: u64, n_split: usize, n: usize) -> Result<(), CudaError> {
     gpu.launch(
@@ -791,8 +804,7 @@ impl CudaBackend {
                 launch_qk_norm_rope(g, &store)?;
             }
             if split {
-                let span_blocks = span.div_ceil(crate::backend::ATTN_SPAN_BLOCK);
-                let (n_split, split_len) = decode_splits(span_blocks, p.n_head_kv * n, g.sms, DECODE_MAX_SPLITS);
+                let (n_split, split_len) = batch_splits(span, p.n_head_kv * n, g.sms);
                 let sl = SplitLaunch {
                     scores: sp,
                     pmax: s.slot(g, Slot::SplitMax, rows * n_split * 4)?,
@@ -843,6 +855,21 @@ mod tests {
             }
         }
         assert_eq!(decode_splits(9, 4, 132, DECODE_MAX_SPLITS), (48, 24));
+        // A batch: 32 sequences x 4 KV heads fill the SMs' two blocks with 3 splits; 8 sequences with 9.
+        assert_eq!(batch_splits(4096, 128, 132), (3, 1368));
+        assert_eq!(batch_splits(4096, 32, 132), (9, 456));
+        assert_eq!(batch_splits(100, 128, 132), (2, 56));
+        assert_eq!(batch_splits(64, 128, 132), (1, 64));
+        for cells in [1, 7, 64, 65, 1000, 4096, 40_000] {
+            for groups in [1, 8, 128, 4096] {
+                let (n, len) = batch_splits(cells, groups, 132);
+                assert!(
+                    n * len >= cells && (n - 1) * len < cells,
+                    "{cells} cells, {groups}: {n} x {len}"
+                );
+                assert!(len.is_multiple_of(8) && n <= DECODE_MAX_SPLITS);
+            }
+        }
         assert_eq!(decode_splits(65, 4, 132, DECODE_MAX_SPLITS), (130, 64));
     }
 }

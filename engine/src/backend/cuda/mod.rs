@@ -253,14 +253,16 @@ pub struct CudaBackend {
     /// both ways).
     int8_flash: std::sync::atomic::AtomicBool,
     /// A step of several sequences whose longest decode span is over this many cells attends split over the keys
-    /// (`STRATA_BATCH_SPLIT_CELLS`, read at start, default [`BATCH_SPLIT_CELLS`]; tests set it).
+    /// (`STRATA_BATCH_SPLIT_CELLS`, read at start, default [`BATCH_SPLIT_CELLS`]: never; tests set it).
     batch_split_cells: std::sync::atomic::AtomicUsize,
 }
 
 /// Most cells of the longest decode span a step of several sequences attends over in one attn_decode launch (a
 /// block per query head and token over all its keys) by default; past it the step splits over the keys, a block
-/// per KV head's GQA group, token and split (`STRATA_BATCH_SPLIT_CELLS`).
-pub const BATCH_SPLIT_CELLS: usize = 1024;
+/// per KV head's GQA group, token and split (`STRATA_BATCH_SPLIT_CELLS`). By default no step splits: on the H200,
+/// 32 sequences at depth 4,096 decoded at 576 tok/s split into 64-cell splits against 803 in one launch
+/// (reports/2026-12-05-h200-batch-split.md).
+pub const BATCH_SPLIT_CELLS: usize = usize::MAX;
 
 /// An open device with the kernels loaded: opened in [`context`], launching in [`launch`] and `graph`.
 pub struct Gpu {
@@ -419,7 +421,7 @@ impl CudaBackend {
     }
 
     /// Most cells of the longest decode span a step of several sequences attends over in one attn_decode launch;
-    /// past it the step splits over the keys (`STRATA_BATCH_SPLIT_CELLS`, read at start; 0: always split,
+    /// past it the step splits over the keys (`STRATA_BATCH_SPLIT_CELLS`, read at start, unset: never; 0: always,
     /// `usize::MAX`: never).
     pub fn set_batch_split_cells(&self, cells: usize) {
         self.batch_split_cells
