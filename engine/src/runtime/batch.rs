@@ -162,6 +162,11 @@ struct Running {
     /// Times preempted, and tokens computed again since.
     preempted: u32,
     recomputed: usize,
+    /// Since when it waits preempted (for a slot and KV blocks), and its waits so far in its prompt and in its
+    /// decode, ms: counted in `queued_ms`, not in the prompt's or the decode's time.
+    parked: Option<Instant>,
+    parked_prefill_ms: f64,
+    parked_decode_ms: f64,
 }
 
 impl Running {
@@ -182,6 +187,21 @@ impl Running {
             recompute: None,
             preempted: 0,
             recomputed: 0,
+            parked: None,
+            parked_prefill_ms: 0.0,
+            parked_decode_ms: 0.0,
+        }
+    }
+
+    /// Back in a slot after a preemption: its wait counts as queued, not as prompt or decode time.
+    fn unpark(&mut self) {
+        if let Some(t) = self.parked.take() {
+            let waited = ms_since(t);
+            self.queued_ms += waited;
+            match self.decoding {
+                Some(_) => self.parked_decode_ms += waited,
+                None => self.parked_prefill_ms += waited,
+            }
         }
     }
 
@@ -204,7 +224,7 @@ impl Running {
             read: self.read,
             ms: match self.decoding {
                 Some(_) => self.prefill_ms,
-                None => ms_since(self.started),
+                None => ms_since(self.started) - self.parked_prefill_ms,
             },
             gemm_fallback: self.gemm_fallback.clone(),
             cancelled,
@@ -481,6 +501,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
                 return;
             }
             let mut r = self.preempted.pop_front().expect("checked");
+            r.unpark();
             self.share_prefix(i, &target);
             self.clock += 1;
             let slot = &mut self.slots[i];
@@ -694,6 +715,7 @@ impl<'m, B: Backend> Batcher<'m, B> {
             r.preempted += 1;
             self.preemptions += 1;
         }
+        r.parked = Some(Instant::now());
         let at = self.preempted.partition_point(|p| p.order < r.order);
         self.preempted.insert(at, r);
     }
@@ -829,7 +851,7 @@ impl StepTotals {
     pub fn line(&self, seconds: f64) -> String {
         let n = self.steps.max(1) as f64;
         format!(
-            "{} steps in {seconds:.0} s: {:.1} sequences a step (most {}), {:.1} tokens a step; forward and logits {:.2} ms, sampling {:.2} ms a step",
+            "{} steps in {seconds:.1} s: {:.1} sequences a step (most {}), {:.1} tokens a step; forward and logits {:.2} ms, sampling {:.2} ms a step",
             self.steps,
             self.sequences as f64 / n,
             self.max_sequences,
@@ -878,7 +900,7 @@ fn ready_to_sample<'r>(
             });
             return None;
         }
-        r.prefill_ms = ms_since(r.started);
+        r.prefill_ms = ms_since(r.started) - r.parked_prefill_ms;
         r.decoding = Some((Decoding::new(&r.job.prompt, &r.job.opts), 0, Instant::now()));
     }
     if r.job.cancel.load(Ordering::Relaxed) {
@@ -922,16 +944,19 @@ fn accept(
 }
 
 /// Ends request `r` with `stop`: flushes its held-back text and sends `Done` with its numbers.
-fn finish(r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+fn finish(mut r: Running, stop: StopReason, on_event: &mut dyn FnMut(BatchEvent<'_>)) {
+    // Ended while preempted (cancelled): its wait counts as queued too.
+    r.unpark();
     let id = r.job.id;
     let prefill = r.prefill_stats(r.decoding.is_none() && stop == StopReason::Cancelled);
     let (queued_ms, batch_mean, preempted, recomputed) = (r.queued_ms, r.batch_mean(), r.preempted, r.recomputed);
+    let parked_decode_ms = r.parked_decode_ms;
     let (end, decode_ms) = match r.decoding {
         Some((dec, _, t0)) => (
             dec.finish(stop, &mut |text, logprobs| {
                 on_event(BatchEvent::Text { id, text, logprobs })
             }),
-            ms_since(t0),
+            ms_since(t0) - parked_decode_ms,
         ),
         None => (Finished::default(), 0.0),
     };

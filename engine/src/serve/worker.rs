@@ -223,17 +223,24 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     let mut totals = StepTotals::default();
     let mut last_kv = batcher.kv_usage();
     let mut period_start = std::time::Instant::now();
+    let mut last_step = period_start;
     loop {
         // Wait for work when there is none; take every job that has arrived, at each step boundary.
         if batcher.is_idle() {
             running_id.store(0, Ordering::SeqCst);
+            // A burst of steps ended: its line now, over its own time (the idle time after it is no step's).
+            if totals.steps > 0 {
+                if totals.max_sequences > 1 {
+                    let busy = last_step.duration_since(period_start).as_secs_f64();
+                    eprintln!("strata serve: batching: {}", totals.line(busy));
+                }
+                totals = StepTotals::default();
+            }
             match jobs_rx.recv() {
                 Ok(w) => take(&mut batcher, w, &mut samplers),
                 Err(_) => break,
             }
-            if totals.steps == 0 {
-                period_start = std::time::Instant::now();
-            }
+            period_start = std::time::Instant::now();
         }
         while let Ok(w) = jobs_rx.try_recv() {
             take(&mut batcher, w, &mut samplers);
@@ -272,8 +279,9 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
             send(&Message::Kv(kv));
             last_kv = kv;
         }
-        // Every BATCH_LOG_PERIOD with steps of several sequences, one line of what batching did.
+        // Every BATCH_LOG_PERIOD with steps of several sequences, and when they end, one line of what batching did.
         totals.add(&report);
+        last_step = std::time::Instant::now();
         let since = period_start.elapsed();
         if since >= BATCH_LOG_PERIOD {
             if totals.max_sequences > 1 {
