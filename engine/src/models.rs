@@ -156,19 +156,10 @@ fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
     };
     let path = cached(&format!("synth/{name}.gguf"));
     if path.is_file() {
-        // A file generated before the spec's filler tokens changed is generated again; one that does not parse
-        // is left for the load to name.
-        let fillers = crate::gguf::GgufFile::open(&path).map(|f| {
-            let md = f.metadata();
-            md.get_str(crate::fixtures::synth::FILLERS_KEY)
-                .unwrap_or("unused")
-                .to_string()
-        });
-        match fillers {
-            Ok(f) if f != spec.fillers_name() => eprintln!(
-                "strata: synth:{name} in the cache has {f} filler tokens, this build's has {}; generating it again",
-                spec.fillers_name()
-            ),
+        // A file that is not what this build generates (another model there, an older generator's) is generated
+        // again; one that does not parse is left for the load to name.
+        match crate::gguf::GgufFile::open(&path).map(|f| synth_mismatch(f.metadata(), &spec)) {
+            Ok(Some(why)) => eprintln!("strata: synth:{name} in the cache {why}; generating it again"),
             _ => return Ok(path),
         }
     }
@@ -179,14 +170,56 @@ fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
     };
     let dir = path.parent().expect("a file in the cache");
     std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
-    let tmp = path.with_extension(format!("gguf.tmp{}", std::process::id()));
+    remove_dead_partials(dir);
     eprintln!("strata: generating synth:{name} into {}", path.display());
-    spec.write_with(&tmp, true).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        fail(e.to_string())
-    })?;
-    std::fs::rename(&tmp, &path).map_err(|e| fail(e.to_string()))?;
+    // The writer writes beside the path and renames into place, removing its partial file on failure.
+    spec.write_with(&path, true).map_err(|e| fail(e.to_string()))?;
     Ok(path)
+}
+
+/// Why a cached synthetic model's metadata `md` is not what `spec` generates: the first of its architecture, shape,
+/// vocabulary size, seed, router skew and filler tokens that differs (`None`: all agree).
+fn synth_mismatch(md: &crate::gguf::Metadata, spec: &crate::fixtures::synth::SynthSpec) -> Option<String> {
+    let want = spec.metadata();
+    let a = spec.arch.gguf_arch();
+    let keys = [
+        "general.architecture".to_string(),
+        format!("{a}.block_count"),
+        format!("{a}.embedding_length"),
+        format!("{a}.expert_count"),
+        format!("{a}.vocab_size"),
+        "strata.synth.seed".to_string(),
+        "strata.synth.zipf".to_string(),
+        crate::fixtures::synth::FILLERS_KEY.to_string(),
+    ];
+    let show = |v: Option<&crate::gguf::Value>| v.map_or("absent".to_string(), |v| v.to_string());
+    keys.iter().find(|k| md.get(k) != want.get(k)).map(|k| {
+        format!(
+            "has {k} {} where this build's has {}",
+            show(md.get(k)),
+            show(want.get(k))
+        )
+    })
+}
+
+/// Removes the partial files (`.NAME.partial-PID`, the GGUF writer's) that generators killed mid-write left in
+/// `dir`: those whose process is gone (Linux's `/proc`; elsewhere none is removed).
+fn remove_dead_partials(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let proc_dir = Path::new("/proc");
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix('.')
+            .and_then(|n| n.rsplit_once(".partial-"))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok());
+        let Some(pid) = pid else { continue };
+        if pid != std::process::id() && proc_dir.is_dir() && !proc_dir.join(pid.to_string()).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Runs `ci/fetch-models.sh WHAT` (`default` or `all`), which fills the cache; its progress goes to stderr.

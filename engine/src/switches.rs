@@ -330,7 +330,7 @@ pub const SWITCHES: &[Switch] = &[
     sw(
         BATCH_SPLIT_CELLS,
         "never",
-        "N: a CUDA step of several sequences (strata serve's batches) whose longest decode span is over N cells attends split over the keys (flash-decoding: a block per KV head's GQA group, token and split, each key row read once for the group, as few splits as give every SM two blocks) instead of in one attn_decode launch (a block per query head and token over all its keys); 0: always split (tuning; another summation order, logits within 1e-3 of the largest; on the H200 with 64-cell splits, 32 sequences at depth 4,096 decoded at 576 tok/s against 803 in one launch)",
+        "N or never: a CUDA step of several sequences (strata serve's batches) whose longest decode span is over N cells attends split over the keys (flash-decoding: a block per KV head's GQA group, token and split, each key row read once for the group, as few splits as give every SM two blocks) instead of in one attn_decode launch (a block per query head and token over all its keys); 0: always split (tuning; another summation order, logits within 1e-3 of the largest; on the H200 with 64-cell splits, 32 sequences at depth 4,096 decoded at 576 tok/s against 803 in one launch)",
     ),
     sw(
         MOE_DEVICE_TOKENS,

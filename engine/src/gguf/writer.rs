@@ -244,7 +244,9 @@ impl GgufWriter {
     ///
     /// Errors: [`GgufWriteError::BadMetadata`] (bad `general.alignment`, an array whose items are not all of its
     /// element type, or nesting deeper than [`MAX_ARRAY_DEPTH`]); [`GgufWriteError::BadTensor`] (duplicate name,
-    /// more than [`MAX_DIMS`] dims, a row that is not whole blocks, overflow); [`GgufWriteError::Io`].
+    /// more than [`MAX_DIMS`] dims, a row that is not whole blocks, overflow); [`GgufWriteError::Io`], also for a
+    /// destination that is a symbolic link, a folder or not a regular file (a device, FIFO or socket), which the
+    /// rename at `finish` would replace.
     pub fn create<S: Into<TensorSpec>>(
         path: impl AsRef<Path>,
         metadata: impl Borrow<Metadata>,
@@ -257,6 +259,26 @@ impl GgufWriter {
             file: path.clone(),
             source,
         };
+        // The file is renamed into place at `finish`, which would replace a link, a device or a FIFO there (and
+        // fail on a folder): such a destination is refused now.
+        if let Ok(m) = std::fs::symlink_metadata(&path) {
+            let t = m.file_type();
+            let what = if t.is_symlink() {
+                Some("a symbolic link (give the path of the file it names)")
+            } else if t.is_dir() {
+                Some("a folder")
+            } else if !t.is_file() {
+                Some("not a regular file (a device, FIFO or socket)")
+            } else {
+                None
+            };
+            if let Some(what) = what {
+                return Err(io(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("the destination is {what}, which writing a GGUF file there would replace"),
+                )));
+            }
+        }
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -583,6 +605,41 @@ mod tests {
         });
         w.finish().unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), bytes);
+    }
+
+    #[test]
+    #[cfg(unix)]
+    fn a_link_a_folder_or_a_fifo_at_the_destination_is_refused_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let md = Metadata::new();
+        let tensors = sample_tensors();
+        let target = dir.path().join("target.gguf");
+        std::fs::write(&target, b"keep").unwrap();
+        let link = dir.path().join("link.gguf");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let folder = dir.path().join("folder.gguf");
+        std::fs::create_dir(&folder).unwrap();
+        let fifo = dir.path().join("fifo.gguf");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        for (path, what) in [
+            (&link, "symbolic link"),
+            (&folder, "folder"),
+            (&fifo, "not a regular file"),
+        ] {
+            let err = GgufWriter::write_file(path, &md, &borrowed(&tensors))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(what) && err.contains(path.to_str().unwrap()), "{err}");
+        }
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        assert!(folder.is_dir());
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+        // Nothing else was left in the folder (no partial files).
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 4);
     }
 
     #[test]

@@ -81,9 +81,9 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Requests allowed to wait for a slot (`--parallel` run at once); beyond it the answer is 503 with
-    /// Retry-After.
-    #[arg(long, default_value_t = 16)]
+    /// Requests allowed to wait for a slot (`--parallel` run at once; 1 to 1,000,000); beyond it the answer is 503
+    /// with Retry-After. A request with `n` choices takes `n`.
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_queue: usize,
     /// A worker silent this many seconds while a request is in flight is killed and restarted (at most a week).
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=604_800))]

@@ -575,6 +575,15 @@ async fn respond(
             ));
         }
     };
+    // Each choice is a request in the queue: more than it holds could never be queued at once.
+    let max_queue = state.supervisor.max_queue();
+    if n > max_queue {
+        return Err(ApiError::field(
+            API,
+            "n",
+            format!("n is {n}, but the server queues at most {max_queue} requests (--max-queue), one per choice"),
+        ));
+    }
     let format = state.model.tool_format;
     let id = response_id(kind.prefix());
     let model = state.model.id.clone();

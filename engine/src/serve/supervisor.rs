@@ -176,6 +176,11 @@ impl Supervisor {
         }
     }
 
+    /// Requests allowed to wait for a slot (`--max-queue`, at least 1).
+    pub fn max_queue(&self) -> usize {
+        self.max_queue
+    }
+
     /// The worker's current state.
     pub fn state(&self) -> WorkerState {
         self.state.borrow().clone()

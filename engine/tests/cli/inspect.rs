@@ -302,22 +302,15 @@ fn with_metadata(src: &std::path::Path, out: &std::path::Path, edit: impl FnOnce
 }
 
 #[test]
-fn a_cached_synth_model_whose_filler_tokens_changed_is_generated_again() {
+fn a_cached_synth_model_that_is_not_this_builds_is_generated_again() {
     use strata_engine::fixtures::synth::{FILLERS_KEY, SynthSpec};
     let dir = tempfile::tempdir().unwrap();
     let cached = dir.path().join("synth/tiny-qwen3moe.gguf");
     std::fs::create_dir_all(cached.parent().unwrap()).unwrap();
-    // A file of the other kind of fillers stands where the cache keeps synth:tiny-qwen3moe.
-    let stale = SynthSpec {
-        word_fillers: true,
-        ..SynthSpec::tiny_qwen3moe()
-    };
-    stale.write(&cached).unwrap();
     let fillers = |p: &std::path::Path| {
         let f = strata_engine::gguf::GgufFile::open(p).unwrap();
-        f.metadata().get_str(FILLERS_KEY).unwrap().to_string()
+        f.metadata().get(FILLERS_KEY).map(|v| v.to_string())
     };
-    assert_eq!(fillers(&cached), "words");
     let run = || {
         Command::new(env!("CARGO_BIN_EXE_strata"))
             .args(["inspect", "synth:tiny-qwen3moe"])
@@ -325,16 +318,48 @@ fn a_cached_synth_model_whose_filler_tokens_changed_is_generated_again() {
             .output()
             .unwrap()
     };
-    let out = run();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    assert!(
-        err.contains("has words filler tokens, this build's has unused; generating it again"),
-        "{err}"
-    );
-    assert_eq!(fillers(&cached), "unused");
-    // Now it matches and is used as it is.
+    // Files of other specs stand where the cache keeps synth:tiny-qwen3moe: word fillers, another seed.
+    let stale = [
+        (
+            SynthSpec {
+                word_fillers: true,
+                ..SynthSpec::tiny_qwen3moe()
+            },
+            "has strata.synth.fillers \"words\" where this build's has absent",
+        ),
+        (
+            SynthSpec {
+                seed: 2,
+                ..SynthSpec::tiny_qwen3moe()
+            },
+            "has strata.synth.seed 2 where this build's has 1",
+        ),
+    ];
+    for (spec, why) in stale {
+        spec.write(&cached).unwrap();
+        let out = run();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains(&format!("{why}; generating it again")), "{err}");
+        assert_eq!(fillers(&cached), None);
+        assert_eq!(
+            std::fs::read(&cached).unwrap(),
+            std::fs::read({
+                let fresh = dir.path().join("fresh.gguf");
+                SynthSpec::tiny_qwen3moe().write_with(&fresh, true).unwrap();
+                fresh
+            })
+            .unwrap(),
+            "the file generated again is this build's"
+        );
+    }
+    // Now it matches and is used as it is; no partial file is left beside it.
     let again = run();
     assert!(again.status.success());
     assert!(!String::from_utf8_lossy(&again.stderr).contains("generating"));
+    let names: Vec<_> = std::fs::read_dir(cached.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["tiny-qwen3moe.gguf"]);
 }

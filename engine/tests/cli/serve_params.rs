@@ -562,6 +562,15 @@ fn n_choices_are_decoded_as_separate_sequences() {
         assert_eq!(status, 400, "{v}");
         assert_eq!(v["error"]["param"], "n");
     }
+    // Each choice is a request in the queue: more choices than --max-queue could never all be queued (an idle
+    // server answered 503 for ever), so they are refused as a bad request naming the flag.
+    let small = Server::start_with(&["--max-queue", "2"], &[]);
+    let (status, v) = small.post("/v1/chat/completions", &merged(&base, &json!({"n": 3})));
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "n");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-queue"), "{v}");
+    let (status, v) = small.post("/v1/chat/completions", &merged(&base, &json!({"n": 2})));
+    assert_eq!(status, 200, "{v}");
 }
 
 /// Review fixes: U+FDD0 typed in a message is kept; a repeat_penalty small enough to overflow the logits is a

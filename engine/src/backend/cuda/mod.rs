@@ -388,8 +388,11 @@ impl CudaBackend {
             MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
         )
         .unwrap_or(MMV_DENSE_TOKENS);
-        let batch_split_cells =
-            crate::switches::usize_in(crate::switches::BATCH_SPLIT_CELLS, 0..=usize::MAX).unwrap_or(BATCH_SPLIT_CELLS);
+        let batch_split_cells = match crate::switches::text_lossy(crate::switches::BATCH_SPLIT_CELLS) {
+            Some(v) if v.trim() == "never" => usize::MAX,
+            _ => crate::switches::usize_in(crate::switches::BATCH_SPLIT_CELLS, 0..=usize::MAX)
+                .unwrap_or(BATCH_SPLIT_CELLS),
+        };
         Ok(CudaBackend {
             gpu,
             inner: Mutex::new(Inner {
