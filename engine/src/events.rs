@@ -315,7 +315,8 @@ fn rate(n: usize, ms: f64) -> f64 {
 
 impl fmt::Display for Request {
     /// The summary line: `prompt 53 tokens = 0 reused + 53 read in 634 ms (83.6 tok/s), 47 generated in 775 ms
-    /// (60.6 tok/s)`.
+    /// (60.6 tok/s)`, then for a preempted request `; preempted N times for KV blocks, M tokens computed again,
+    /// queued Q ms in all` and for a cancelled one `; cancelled`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -333,9 +334,12 @@ impl fmt::Display for Request {
             let times = if self.preempted == 1 { "time" } else { "times" };
             write!(
                 f,
-                "; preempted {} {times} for KV blocks, {} tokens computed again",
-                self.preempted, self.recomputed
+                "; preempted {} {times} for KV blocks, {} tokens computed again, queued {:.0} ms in all",
+                self.preempted, self.recomputed, self.queued_ms
             )?;
+        }
+        if self.stop == "cancelled" {
+            write!(f, "; cancelled")?;
         }
         Ok(())
     }
@@ -595,7 +599,7 @@ mod tests {
         assert_eq!(serde_json::to_value(&r).unwrap()["preempted"], 2);
         assert!(
             r.to_string()
-                .ends_with("; preempted 2 times for KV blocks, 75 tokens computed again"),
+                .ends_with("; preempted 2 times for KV blocks, 75 tokens computed again, queued 2 ms in all"),
             "{r}"
         );
         round_trip(EventKind::Request(r));

@@ -422,6 +422,14 @@ fn engine_request(
     state.model.check_name(API, c.model.as_deref())?;
     // OpenAI's default for legacy completions is 16 tokens; a chat answer runs to its end.
     let default_max = matches!(kind, Kind::Text).then_some(16);
+    // A bad max_completion_tokens is named as itself (limit() says max_tokens).
+    if let Some(n) = c.max_completion_tokens.filter(|&n| n <= 0) {
+        return Err(ApiError::field(
+            API,
+            "max_completion_tokens",
+            format!("max_completion_tokens must be at least 1, got {n}"),
+        ));
+    }
     let max = c.max_completion_tokens.or(c.max_tokens).or(default_max);
     let max_tokens = state.model.limit(API, &prompt, max)?;
     let stop = c.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();

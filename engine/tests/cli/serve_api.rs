@@ -221,7 +221,7 @@ fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
                 .to_string()
                 .into_bytes(),
             400,
-            "at least 1",
+            "max_completion_tokens must be at least 1, got -5",
         ),
         (
             json!({"messages": msgs, "temperature": -1}).to_string().into_bytes(),
