@@ -170,7 +170,7 @@ fn synthesized(name: &str) -> Result<PathBuf, ModelsError> {
     };
     let dir = path.parent().expect("a file in the cache");
     std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
-    remove_dead_partials(dir);
+    crate::gguf::writer::remove_dead_partials(dir);
     eprintln!("strata: generating synth:{name} into {}", path.display());
     // The writer writes beside the path and renames into place, removing its partial file on failure.
     spec.write_with(&path, true).map_err(|e| fail(e.to_string()))?;
@@ -200,26 +200,6 @@ fn synth_mismatch(md: &crate::gguf::Metadata, spec: &crate::fixtures::synth::Syn
             show(want.get(k))
         )
     })
-}
-
-/// Removes the partial files (`.NAME.partial-PID`, the GGUF writer's) that generators killed mid-write left in
-/// `dir`: those whose process is gone (Linux's `/proc`; elsewhere none is removed).
-fn remove_dead_partials(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    let proc_dir = Path::new("/proc");
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let pid = name
-            .strip_prefix('.')
-            .and_then(|n| n.rsplit_once(".partial-"))
-            .and_then(|(_, pid)| pid.parse::<u32>().ok());
-        let Some(pid) = pid else { continue };
-        if pid != std::process::id() && proc_dir.is_dir() && !proc_dir.join(pid.to_string()).exists() {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
 }
 
 /// Runs `ci/fetch-models.sh WHAT` (`default` or `all`), which fills the cache; its progress goes to stderr.

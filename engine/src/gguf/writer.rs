@@ -230,6 +230,29 @@ pub struct GgufWriter {
     file_bytes: u64,
 }
 
+/// What a writer's partial file adds to the destination's name, before its process id (`.NAME.partial-PID`).
+const PARTIAL: &str = ".partial-";
+
+/// Removes the partial files (`.NAME.partial-PID`) that writers killed mid-write left in `dir`: those whose process
+/// is gone (Linux's `/proc`; elsewhere none is removed). A writer that fails or is dropped removes its own.
+pub fn remove_dead_partials(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let proc_dir = Path::new("/proc");
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix('.')
+            .and_then(|n| n.rsplit_once(PARTIAL))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok());
+        let Some(pid) = pid else { continue };
+        if pid != std::process::id() && proc_dir.is_dir() && !proc_dir.join(pid.to_string()).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 impl Drop for GgufWriter {
     fn drop(&mut self) {
         if !self.finished {
@@ -283,7 +306,7 @@ impl GgufWriter {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let partial = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+        let partial = path.with_file_name(format!(".{name}{PARTIAL}{}", std::process::id()));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -640,6 +663,23 @@ mod tests {
         assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
         // Nothing else was left in the folder (no partial files).
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 4);
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn partial_files_of_dead_writers_are_removed_and_others_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |n: &str| {
+            std::fs::write(dir.path().join(n), b"x").unwrap();
+            dir.path().join(n)
+        };
+        // No process has an id this large (Linux's pid_max is at most 2^22).
+        let dead = file(".m.gguf.partial-4000000000");
+        let mine = file(&format!(".m.gguf.partial-{}", std::process::id()));
+        let other = file("m.gguf.partial-4000000000");
+        remove_dead_partials(dir.path());
+        assert!(!dead.exists());
+        assert!(mine.exists() && other.exists());
     }
 
     #[test]

@@ -230,11 +230,7 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
             running_id.store(0, Ordering::SeqCst);
             // A burst of steps ended: its line now, over its own time (the idle time after it is no step's).
             if totals.steps > 0 {
-                if totals.max_sequences > 1 {
-                    let busy = last_step.duration_since(period_start).as_secs_f64();
-                    eprintln!("strata serve: batching: {}", totals.line(busy));
-                }
-                totals = StepTotals::default();
+                log_batching(&mut totals, last_step.duration_since(period_start));
             }
             match jobs_rx.recv() {
                 Ok(w) => take(&mut batcher, w, &mut samplers),
@@ -284,14 +280,19 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         last_step = std::time::Instant::now();
         let since = period_start.elapsed();
         if since >= BATCH_LOG_PERIOD {
-            if totals.max_sequences > 1 {
-                eprintln!("strata serve: batching: {}", totals.line(since.as_secs_f64()));
-            }
-            totals = StepTotals::default();
+            log_batching(&mut totals, since);
             period_start = std::time::Instant::now();
         }
     }
     Ok(())
+}
+
+/// Logs what batching did over `busy` (when steps carried several sequences) and starts the next totals.
+fn log_batching(totals: &mut StepTotals, busy: std::time::Duration) {
+    if totals.max_sequences > 1 {
+        eprintln!("strata serve: batching: {}", totals.line(busy.as_secs_f64()));
+    }
+    *totals = StepTotals::default();
 }
 
 /// The cancel flags of the requests the worker knows, and the ids the front cancelled before their job arrived.
