@@ -194,6 +194,8 @@ struct BenchReport {
     results: Vec<TestResult>,
     llama_bench: Option<String>,
     llama_bench_error: Option<String>,
+    /// What was changed in llama.cpp's runs for them to finish (its weight repacking turned off after a crash).
+    llama_bench_notes: Vec<String>,
     expert_cache: Option<CacheInfo>,
 }
 
@@ -365,6 +367,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let counts = together.counts.clone();
     drop(together);
 
+    let mut llama_bench_notes = Vec::new();
     let (llama_bench, llama_bench_error) = match llama_bench_path(&args.llama_bench) {
         Ok(None) => (
             None,
@@ -374,13 +377,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             // llama-batched-bench beside llama-bench (the same build) for the batched decode tests; either may fail
             // alone, and the other's figures stay.
             let mut errors = Vec::new();
-            let mut rows = run_llama_bench(&bin, &path, &args, threads).unwrap_or_else(|e| {
+            let notes = &mut llama_bench_notes;
+            let mut rows = run_llama_bench(&bin, &path, &args, threads, notes).unwrap_or_else(|e| {
                 errors.push(format!("{e:#}"));
                 Vec::new()
             });
             if !counts.is_empty() {
                 let batched = bin.with_file_name("llama-batched-bench");
-                match run_llama_batched_bench(&batched, &path, &args, &counts, threads) {
+                match run_llama_batched_bench(&batched, &path, &args, &counts, threads, notes) {
                     Ok(more) => rows.extend(more),
                     Err(e) => errors.push(format!("{e:#}")),
                 }
@@ -427,6 +431,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         results,
         llama_bench,
         llama_bench_error,
+        llama_bench_notes,
         expert_cache: cache_info,
     };
     if args.json {
@@ -766,6 +771,7 @@ fn run_llama_batched_bench(
     args: &BenchArgs,
     counts: &[usize],
     threads: usize,
+    notes: &mut Vec<String>,
 ) -> Result<Vec<(String, f64)>> {
     if !bin.is_file() {
         bail!(
@@ -778,20 +784,20 @@ fn run_llama_batched_bench(
     for &depth in &args.depth {
         let pp = depth.max(1);
         let npl: Vec<String> = counts.iter().map(|p| p.to_string()).collect();
-        let mut cmd = Command::new(bin);
-        cmd.arg("-m")
-            .arg(model)
-            .args(["-c", &(most * (pp + args.gen_tokens) + 16).to_string()])
-            .args(["-npp", &pp.to_string(), "-ntg", &args.gen_tokens.to_string()])
-            .args([
-                "-npl",
-                &npl.join(","),
-                "-t",
-                &threads.to_string(),
-                "--output-format",
-                "jsonl",
-            ]);
-        let out = tool_output(&mut cmd, bin)?;
+        let out = llama_tool_output(bin, &["--no-repack"], notes, |cmd| {
+            cmd.arg("-m")
+                .arg(model)
+                .args(["-c", &(most * (pp + args.gen_tokens) + 16).to_string()])
+                .args(["-npp", &pp.to_string(), "-ntg", &args.gen_tokens.to_string()])
+                .args([
+                    "-npl",
+                    &npl.join(","),
+                    "-t",
+                    &threads.to_string(),
+                    "--output-format",
+                    "jsonl",
+                ]);
+        })?;
         let found = rows.len();
         for line in String::from_utf8_lossy(&out).lines() {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
@@ -810,9 +816,18 @@ fn run_llama_batched_bench(
 
 /// Runs `cmd`, a llama.cpp tool (`bin`), and returns its standard output.
 ///
-/// Errors: it cannot start, or exits with a failure (its last line of stderr in the message).
+/// Errors: it cannot start, dies of a signal ([`KilledBy`]), or exits with a failure (its last line of stderr in
+/// the message).
 fn tool_output(cmd: &mut Command, bin: &Path) -> Result<Vec<u8>> {
     let out = cmd.output().with_context(|| format!("cannot run {}", bin.display()))?;
+    #[cfg(unix)]
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
+        return Err(KilledBy {
+            bin: bin.to_path_buf(),
+            signal,
+        }
+        .into());
+    }
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         bail!(
@@ -825,16 +840,68 @@ fn tool_output(cmd: &mut Command, bin: &Path) -> Result<Vec<u8>> {
     Ok(out.stdout)
 }
 
-/// Runs llama-bench with the same tests and threads; returns (test, mean tok/s) pairs.
-fn run_llama_bench(bin: &Path, model: &Path, args: &BenchArgs, threads: usize) -> Result<Vec<(String, f64)>> {
+/// Runs `bin`, a llama.cpp tool, with the arguments `args` adds, and returns its standard output. When it dies
+/// of a signal, it runs once more with `no_repack` added (llama.cpp's CPU weight repacking off), and a line in
+/// `notes` says so: on a CPU that reports AMX, llama.cpp 0.3.36 built natively repacks into its AMX path, which
+/// crashed (SIGSEGV in `ggml_backend_amx_mul_mat`, or SIGILL) on the 2-core Intel VM of 2026-12-05. With repacking off it
+/// runs its ordinary AVX kernels, which is what these comparisons need to run at all.
+///
+/// Errors: as [`tool_output`], of the second run when there is one.
+fn llama_tool_output(
+    bin: &Path,
+    no_repack: &[&str],
+    notes: &mut Vec<String>,
+    args: impl Fn(&mut Command),
+) -> Result<Vec<u8>> {
     let mut cmd = Command::new(bin);
-    cmd.arg("-m")
-        .arg(model)
-        .args(["-t", &threads.to_string(), "-r", &args.reps.to_string(), "-o", "json"]);
+    args(&mut cmd);
+    match tool_output(&mut cmd, bin) {
+        Err(e) if e.downcast_ref::<KilledBy>().is_some() => {
+            let mut again = Command::new(bin);
+            args(&mut again);
+            again.args(no_repack);
+            let out = tool_output(&mut again, bin)?;
+            notes.push(format!(
+                "{e:#}; its figures are from a second run with `{}`",
+                no_repack.join(" ")
+            ));
+            Ok(out)
+        }
+        other => other,
+    }
+}
+
+/// A tool killed by a signal (a crash), as [`tool_output`] reports it.
+#[derive(Debug)]
+struct KilledBy {
+    bin: PathBuf,
+    signal: i32,
+}
+
+impl std::fmt::Display for KilledBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} died of signal {}", self.bin.display(), self.signal)
+    }
+}
+
+impl std::error::Error for KilledBy {}
+
+/// Runs llama-bench with the same tests and threads; returns (test, mean tok/s) pairs.
+fn run_llama_bench(
+    bin: &Path,
+    model: &Path,
+    args: &BenchArgs,
+    threads: usize,
+    notes: &mut Vec<String>,
+) -> Result<Vec<(String, f64)>> {
     let pp: Vec<String> = args.prompt_tokens.iter().map(|n| n.to_string()).collect();
-    cmd.args(["-p", &if pp.is_empty() { "0".into() } else { pp.join(",") }]);
-    cmd.args(["-n", &args.gen_tokens.to_string()]);
-    let out = tool_output(&mut cmd, bin)?;
+    let out = llama_tool_output(bin, &["--repack", "0"], notes, |cmd| {
+        cmd.arg("-m")
+            .arg(model)
+            .args(["-t", &threads.to_string(), "-r", &args.reps.to_string(), "-o", "json"]);
+        cmd.args(["-p", &if pp.is_empty() { "0".into() } else { pp.join(",") }]);
+        cmd.args(["-n", &args.gen_tokens.to_string()]);
+    })?;
     let rows: serde_json::Value =
         serde_json::from_slice(&out).with_context(|| format!("{}: output is not JSON", bin.display()))?;
     let rows = rows.as_array().context("llama-bench JSON is not an array")?;
@@ -924,6 +991,9 @@ fn markdown(r: &BenchReport) -> String {
         }
         (_, Some(e)) => s += &format!("- llama.cpp: {e}\n"),
         (None, None) => {}
+    }
+    for n in &r.llama_bench_notes {
+        s += &format!("- llama.cpp: {n}\n");
     }
     let anchor_col = if r.gpu.is_some() {
         "llama-bench on the H200 (DESIGN.md §5)"

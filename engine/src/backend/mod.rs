@@ -86,6 +86,37 @@ pub mod progress {
     pub fn aborted() -> bool {
         ABORTED.get()
     }
+
+    /// The armed cancel flag, carried to another thread by [`on_rayon`].
+    struct Armed(*const AtomicBool);
+
+    // SAFETY: the flag is an `AtomicBool` (Sync) that the caller's `CancelScope` keeps alive for as long as
+    // `on_rayon` runs, which is as long as the other thread holds the pointer.
+    unsafe impl Send for Armed {}
+
+    /// Runs `f` on a thread of rayon's global pool, unless this thread is one already, and returns its value:
+    /// with this thread's cancel flag armed there for its forward pass ([`stop_here`]), and with whether the pass
+    /// stopped early brought back here ([`take_aborted`]). The CPU backend's ops fork onto rayon's pool: forked
+    /// from a thread outside it, each op puts its caller to sleep and wakes it again, about 240 sleeps and wakes a
+    /// decode step of SmolLM2-135M; from a worker, the caller works on the op's first tasks and nobody sleeps
+    /// (tg64 121 -> 158-170 tok/s on the 2-core Intel VM, `reports/2026-12-05-cpu-matmul-prefetch.md`).
+    pub fn on_rayon<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        if rayon::current_thread_index().is_some() {
+            return f();
+        }
+        let armed = Armed(CANCEL.get());
+        let (r, aborted) = rayon::scope(move |_| {
+            let armed = armed;
+            let previous = CANCEL.replace(armed.0);
+            let r = f();
+            CANCEL.set(previous);
+            (r, ABORTED.replace(false))
+        });
+        if aborted {
+            ABORTED.set(true);
+        }
+        r
+    }
 }
 pub mod top;
 
@@ -658,6 +689,12 @@ pub trait Backend: Send + Sync {
     /// results are judged against each sequence alone within a tolerance, than for one sequence, whose results
     /// its expert cache must not change. The default ignores it.
     fn step_sequences(&self, _n: usize) {}
+
+    /// Whether forward passes should run on a thread of rayon's pool ([`progress::on_rayon`]): the CPU backend's,
+    /// whose ops fork onto that pool. The default (false) runs them on the caller's thread.
+    fn forward_on_rayon(&self) -> bool {
+        false
+    }
 
     /// Ends the step begun by [`Backend::step_begin`] (a GPU backend launches the step's graph here).
     fn step_end(&self) {}

@@ -302,6 +302,9 @@ impl Model {
         s: &mut Scratch<B>,
         logits: Logits,
     ) -> ForwardOut {
+        if be.forward_on_rayon() && rayon::current_thread_index().is_none() {
+            return crate::backend::progress::on_rayon(|| self.forward(be, tokens, layout, kvs, s, logits));
+        }
         let hp = &self.hp;
         let w = &self.weights;
         let n = tokens.len();

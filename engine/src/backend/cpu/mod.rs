@@ -47,12 +47,18 @@ pub fn init_threads(threads: Option<usize>) -> Result<(), rayon::ThreadPoolBuild
 
 thread_local! {
     // The calling thread's activation buffer: grown to the largest matrix, then reused (no allocation per token,
-    // no lock). Matmuls never nest on one thread.
+    // no lock).
     static ACTIVATIONS: RefCell<QuantizedActivations> = RefCell::new(QuantizedActivations::new());
 }
 
 /// Most matrices [`Backend::matmul_many`] fuses into one dispatch.
 const MAX_FUSED: usize = 4;
+/// How many rows ahead of the one it computes a matmul task asks the cache for ([`prefetch_row`]). A task's rows
+/// are a few KB (16 rows of 360 B for SmolLM2-135M at Q4_1), too short a stream for the hardware prefetcher to ramp
+/// up on some machines: on this project's 2-core Intel CI-class VM (2026-12-05), decode waited on its weight loads,
+/// and asking 2 to 8 rows ahead took tg64 from 74.3 to 114-121 tok/s and 4 sequences from 147 to 226-235
+/// (`reports/2026-12-05-cpu-matmul-prefetch.md`).
+const MATMUL_PREFETCH_ROWS: usize = 4;
 
 /// The CPU backend (no state: threads come from rayon's global pool).
 #[derive(Debug, Default, Clone, Copy)]
@@ -130,10 +136,14 @@ impl CpuBackend {
         }
         let tok_tiles = n_tok.div_ceil(PREFILL_TOKENS);
         let tasks = first_block[ws.len()] * tok_tiles;
-        ACTIVATIONS.with_borrow_mut(|qa| {
-            qa.quantize(ws[0].ty, x, ws[0].cols)
-                .expect("matrix checked at construction");
-            let qa = &*qa;
+        // Taken out of this thread's slot for the parallel pass, not borrowed across it: a rayon worker that waits
+        // for its tasks may meanwhile run another caller's forward pass (work stealing), whose matmuls then find
+        // the slot empty and use a buffer of their own.
+        let mut qa = ACTIVATIONS.take();
+        qa.quantize(ws[0].ty, x, ws[0].cols)
+            .expect("matrix checked at construction");
+        {
+            let qa = &qa;
             (0..tasks).into_par_iter().for_each(|task| {
                 if n_tok > 1 {
                     super::progress::tick();
@@ -151,6 +161,9 @@ impl CpuBackend {
                     for t in t0..t1 {
                         let v = qa.vector(t);
                         for r in r0..r1 {
+                            if r + MATMUL_PREFETCH_ROWS < rows {
+                                prefetch_row(w, r + MATMUL_PREFETCH_ROWS);
+                            }
                             // SAFETY: element (t, r) of matrix i belongs to this task's row block and token tile
                             // only, and is inside its output (t < n_tok, r < rows).
                             unsafe { *out.ptr().add(t * rows + r) = (w.dot_q8)(w.row(r), &v) };
@@ -165,6 +178,9 @@ impl CpuBackend {
                     let vs: [_; MANY_TOKENS] = std::array::from_fn(|k| qa.vector((g0 + k).min(g1 - 1)));
                     let (vs, ys) = (&vs[..g1 - g0], &mut ys[..g1 - g0]);
                     for r in r0..r1 {
+                        if r + MATMUL_PREFETCH_ROWS < rows {
+                            prefetch_row(w, r + MATMUL_PREFETCH_ROWS);
+                        }
                         many(w.row(r), vs, ys);
                         for (k, y) in ys.iter().enumerate() {
                             // SAFETY: element (g0 + k, r) of matrix i belongs to this task's row block and token
@@ -174,7 +190,8 @@ impl CpuBackend {
                     }
                 }
             });
-        });
+        }
+        ACTIVATIONS.set(qa);
     }
 }
 
@@ -837,6 +854,10 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn forward_on_rayon(&self) -> bool {
+        true
     }
 
     fn reserve(&self, buf: &mut Vec<f32>, len: usize) {

@@ -450,6 +450,13 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn forward_on_rayon(&self) -> bool {
+        match self {
+            AnyBackend::Cpu(c, _) => c.forward_on_rayon(),
+            AnyBackend::Cuda(c) => c.forward_on_rayon(),
+        }
+    }
+
     fn step_begin(&self, n_tok: usize, key: StepKey) {
         if let AnyBackend::Cuda(c) = self {
             c.step_begin(n_tok, key)
