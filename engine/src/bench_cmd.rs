@@ -842,29 +842,34 @@ fn tool_output(cmd: &mut Command, bin: &Path) -> Result<Vec<u8>> {
 
 /// Runs `bin`, a llama.cpp tool, with the arguments `args` adds, and returns its standard output. When it dies
 /// of a signal, it runs once more with `no_repack` added (llama.cpp's CPU weight repacking off), and a line in
-/// `notes` says so: on a CPU that reports AMX, llama.cpp 0.3.36 built natively repacks into its AMX path, which
+/// `notes` says so; a tool `notes` already names runs with it off from the start (llama-batched-bench runs once per
+/// depth): on a CPU that reports AMX, llama.cpp 0.3.36 built natively repacks into its AMX path, which
 /// crashed (SIGSEGV in `ggml_backend_amx_mul_mat`, or SIGILL) on the 2-core Intel VM of 2026-12-05. With repacking off it
 /// runs its ordinary AVX kernels, which is what these comparisons need to run at all.
 ///
-/// Errors: as [`tool_output`], of the second run when there is one.
+/// Errors: as [`tool_output`]; after a crash, the second run's error, which names the crash.
 fn llama_tool_output(
     bin: &Path,
     no_repack: &[&str],
     notes: &mut Vec<String>,
     args: impl Fn(&mut Command),
 ) -> Result<Vec<u8>> {
-    let mut cmd = Command::new(bin);
-    args(&mut cmd);
-    match tool_output(&mut cmd, bin) {
+    let run = |off: bool| {
+        let mut cmd = Command::new(bin);
+        args(&mut cmd);
+        if off {
+            cmd.args(no_repack);
+        }
+        tool_output(&mut cmd, bin)
+    };
+    let flags = no_repack.join(" ");
+    if notes.iter().any(|n| n.starts_with(&bin.display().to_string())) {
+        return run(true);
+    }
+    match run(false) {
         Err(e) if e.downcast_ref::<KilledBy>().is_some() => {
-            let mut again = Command::new(bin);
-            args(&mut again);
-            again.args(no_repack);
-            let out = tool_output(&mut again, bin)?;
-            notes.push(format!(
-                "{e:#}; its figures are from a second run with `{}`",
-                no_repack.join(" ")
-            ));
+            let out = run(true).with_context(|| format!("{e:#}, then run again with `{flags}`"))?;
+            notes.push(format!("{e:#}; its figures are from runs with `{flags}`"));
             Ok(out)
         }
         other => other,

@@ -68,8 +68,9 @@ pub mod progress {
     /// Whether a forward pass should stop here: the armed flag is set. Records that it did ([`take_aborted`]).
     pub fn stop_here() -> bool {
         let p = CANCEL.get();
-        // SAFETY: a non-null pointer was set by a CancelScope that borrows the flag and resets it on drop, so the
-        // flag outlives every read here.
+        // SAFETY: a non-null pointer was set by a CancelScope that borrows the flag and resets it on drop, or by
+        // `on_rayon` for the length of its call, inside the caller's scope, resetting it on return and on unwind
+        // (`Lent`): the flag outlives every read here.
         let stop = !p.is_null() && unsafe { (*p).load(Ordering::Relaxed) };
         if stop {
             ABORTED.set(true);
@@ -91,12 +92,28 @@ pub mod progress {
     struct Armed(*const AtomicBool);
 
     // SAFETY: the flag is an `AtomicBool` (Sync) that the caller's `CancelScope` keeps alive for as long as
-    // `on_rayon` runs, which is as long as the other thread holds the pointer.
+    // `on_rayon` runs, and the other thread holds the pointer no longer than that (`Lent` takes it back there, on
+    // return and on unwind).
     unsafe impl Send for Armed {}
 
-    /// Runs `f` on a thread of rayon's global pool, unless this thread is one already, and returns its value:
-    /// with this thread's cancel flag armed there for its forward pass ([`stop_here`]), and with whether the pass
-    /// stopped early brought back here ([`take_aborted`]). The CPU backend's ops fork onto rayon's pool: forked
+    /// The cancel flag and abort record a rayon worker had before [`on_rayon`] lent it another thread's, put back
+    /// when dropped, also when the pass panics: no pointer to a flag outlives its lender, and a pass nested inside
+    /// another on the same worker (work stealing) neither sees nor clears the other's record.
+    struct Lent {
+        cancel: *const AtomicBool,
+        aborted: bool,
+    }
+
+    impl Drop for Lent {
+        fn drop(&mut self) {
+            CANCEL.set(self.cancel);
+            ABORTED.set(self.aborted);
+        }
+    }
+
+    /// Runs `f` on a thread of rayon's global pool, unless this thread is a worker of a rayon pool already, and
+    /// returns its value: with this thread's cancel flag armed there for its forward pass ([`stop_here`]), and
+    /// with whether the pass stopped early brought back here ([`take_aborted`]). The CPU backend's ops fork onto rayon's pool: forked
     /// from a thread outside it, each op puts its caller to sleep and wakes it again, about 240 sleeps and wakes a
     /// decode step of SmolLM2-135M; from a worker, the caller works on the op's first tasks and nobody sleeps
     /// (tg64 121 -> 158-170 tok/s on the 2-core Intel VM, `reports/2026-12-05-cpu-matmul-prefetch.md`).
@@ -107,15 +124,54 @@ pub mod progress {
         let armed = Armed(CANCEL.get());
         let (r, aborted) = rayon::scope(move |_| {
             let armed = armed;
-            let previous = CANCEL.replace(armed.0);
+            let _lent = Lent {
+                cancel: CANCEL.replace(armed.0),
+                aborted: ABORTED.replace(false),
+            };
             let r = f();
-            CANCEL.set(previous);
-            (r, ABORTED.replace(false))
+            (r, ABORTED.get())
         });
         if aborted {
             ABORTED.set(true);
         }
         r
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_pass_on_a_worker_reads_the_callers_flag_and_its_stop_comes_back() {
+            let flag = AtomicBool::new(false);
+            let _scope = cancel_scope(&flag);
+            take_aborted();
+            let (on_worker, stopped) = on_rayon(|| (rayon::current_thread_index().is_some(), stop_here()));
+            assert!(on_worker && !stopped);
+            assert!(!take_aborted());
+            flag.store(true, Ordering::Relaxed);
+            assert!(on_rayon(stop_here), "the caller's flag is armed on the worker");
+            assert!(take_aborted(), "the worker's stop is the caller's");
+            assert!(!take_aborted());
+        }
+
+        #[test]
+        fn a_pass_that_panics_on_a_worker_leaves_no_flag_there() {
+            let flag = AtomicBool::new(true);
+            {
+                let _scope = cancel_scope(&flag);
+                let r = std::panic::catch_unwind(|| {
+                    on_rayon(|| {
+                        assert!(stop_here());
+                        panic!("a pass panics");
+                    })
+                });
+                assert!(r.is_err());
+            }
+            // Every worker of the pool is back to no flag and no abort record.
+            let clean = rayon::broadcast(|_| CANCEL.get().is_null() && !ABORTED.get());
+            assert!(clean.iter().all(|&c| c), "{clean:?}");
+        }
     }
 }
 pub mod top;

@@ -302,7 +302,9 @@ impl Model {
         s: &mut Scratch<B>,
         logits: Logits,
     ) -> ForwardOut {
-        if be.forward_on_rayon() && rayon::current_thread_index().is_none() {
+        // Not while dumping routing: the pass holds the dump's lock, and a worker waiting for its tasks may start
+        // another pass on this model (work stealing), which would wait for that lock under the first.
+        if be.forward_on_rayon() && self.routing_dump.is_none() && rayon::current_thread_index().is_none() {
             return crate::backend::progress::on_rayon(|| self.forward(be, tokens, layout, kvs, s, logits));
         }
         let hp = &self.hp;

@@ -15,7 +15,7 @@
 pub mod kernels;
 pub mod spin;
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
 use rayon::prelude::*;
 
@@ -48,7 +48,7 @@ pub fn init_threads(threads: Option<usize>) -> Result<(), rayon::ThreadPoolBuild
 thread_local! {
     // The calling thread's activation buffer: grown to the largest matrix, then reused (no allocation per token,
     // no lock).
-    static ACTIVATIONS: RefCell<QuantizedActivations> = RefCell::new(QuantizedActivations::new());
+    static ACTIVATIONS: Cell<Option<Box<QuantizedActivations>>> = const { Cell::new(None) };
 }
 
 /// Most matrices [`Backend::matmul_many`] fuses into one dispatch.
@@ -141,7 +141,7 @@ impl CpuBackend {
         // the slot empty and use a buffer of their own. Boxed, not on this stack: the other threads read it while
         // this thread, a worker computing tasks too, writes its own stack frames, and sharing their cache lines
         // made every multi-token step slower (pp512 288 against 343 tok/s on the 2-core Intel VM).
-        let mut qa = Box::new(ACTIVATIONS.take());
+        let mut qa = ACTIVATIONS.take().unwrap_or_default();
         qa.quantize(ws[0].ty, x, ws[0].cols)
             .expect("matrix checked at construction");
         {
@@ -163,7 +163,8 @@ impl CpuBackend {
                     for t in t0..t1 {
                         let v = qa.vector(t);
                         for r in r0..r1 {
-                            if r + MATMUL_PREFETCH_ROWS < rows {
+                            // The rows' first pass asks for them; later tokens find them in the cache.
+                            if t == t0 && r + MATMUL_PREFETCH_ROWS < rows {
                                 prefetch_row(w, r + MATMUL_PREFETCH_ROWS);
                             }
                             // SAFETY: element (t, r) of matrix i belongs to this task's row block and token tile
@@ -180,7 +181,7 @@ impl CpuBackend {
                     let vs: [_; MANY_TOKENS] = std::array::from_fn(|k| qa.vector((g0 + k).min(g1 - 1)));
                     let (vs, ys) = (&vs[..g1 - g0], &mut ys[..g1 - g0]);
                     for r in r0..r1 {
-                        if r + MATMUL_PREFETCH_ROWS < rows {
+                        if g0 == t0 && r + MATMUL_PREFETCH_ROWS < rows {
                             prefetch_row(w, r + MATMUL_PREFETCH_ROWS);
                         }
                         many(w.row(r), vs, ys);
@@ -193,7 +194,7 @@ impl CpuBackend {
                 }
             });
         }
-        ACTIVATIONS.set(*qa);
+        ACTIVATIONS.set(Some(qa));
     }
 }
 
