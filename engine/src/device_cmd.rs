@@ -261,11 +261,16 @@ fn list_devices() -> Result<()> {
 const ARENA_BYTES: usize = 64 << 20;
 
 fn selftest(a: &DeviceArgs) -> Result<()> {
-    let Device::Cuda(ord) = a.device.clone() else {
-        bail!(
+    let ord = match &a.device {
+        Device::Cuda(ord) => *ord,
+        Device::Split(_) => bail!(
+            "--selftest tests one CUDA device; --device {} is a layer split: test each of its devices (--device cuda:N)",
+            a.device
+        ),
+        _ => bail!(
             "--selftest tests a CUDA device; --device {} has nothing to test",
             a.device
-        );
+        ),
     };
     let t0 = Instant::now();
     let gpu = Gpu::open(ord)?;

@@ -1845,3 +1845,49 @@ fn grouped_experts_give_the_bits_of_each_slot_alone() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A layer split over two stages on this one GPU (`--device cuda:0,cuda:0`: two backends, each with its own
+/// stream, weights and KV arrays of its layers) gives each sequence the tokens and logits bits of one backend,
+/// alone and batched with a shared prefix (the first stage takes the shared block and copies its layers' rows;
+/// the second makes the same copy in its own arrays).
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn a_layer_split_on_one_gpu_gives_the_bits_of_one_backend() {
+    use strata_engine::backend::AnyBackend;
+    use strata_engine::backend::split::Split;
+    use strata_engine::device::Device;
+    let (_dir, model) = tiny_moe();
+    let tok = strata_engine::tokenizer::Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let n = model.hp.n_layer as usize;
+    let stage = || (Device::Cuda(0), AnyBackend::Cuda(Box::new(gpu())));
+    let mut split = Split::new(vec![stage(), stage()]);
+    split.place(&[0..n / 2, n / 2..n]);
+    let sp = AnyBackend::Split(Box::new(split));
+    let g = gpu();
+    let prompts = batched::prompts(&tok);
+    let ids = tok.encode(batched::TEXT, true, false).unwrap();
+    let later = vec![[&ids[..40], &ids[50..55]].concat()];
+    let all = [&prompts[..], &later[..]].concat();
+    let one = batched::alone(&model, &g, &tok, &all, 24);
+    let two = batched::alone(&model, &sp, &tok, &all, 24);
+    for (i, (a, b)) in one.iter().zip(&two).enumerate() {
+        assert_eq!(b.tokens, a.tokens, "request {i} alone: tokens");
+        assert_eq!(b.logits_digests, a.logits_digests, "request {i} alone: logits bits");
+    }
+    let want = batched::batched(&model, &g, &tok, &prompts, &later, 3, 24, None, None);
+    let got = batched::batched(&model, &sp, &tok, &prompts, &later, 3, 24, None, None);
+    for i in 0..all.len() {
+        let (a, b) = (want.done[i].as_ref().unwrap(), got.done[i].as_ref().unwrap());
+        assert_eq!(b.tokens, a.tokens, "request {i} batched: tokens");
+        assert_eq!(b.logits_digests, a.logits_digests, "request {i} batched: logits bits");
+    }
+    assert_eq!(got.done[3].as_ref().unwrap().prefill.reused, 40);
+    let (carried, values) = sp.split().unwrap().carried();
+    assert!(carried > 0, "nothing crossed the boundary");
+    println!(
+        "layer split 0..{} | {}..{n} on cuda:0 twice: {} requests with the bits of one backend, alone and batched; {carried} buffers ({values} values) carried",
+        n / 2,
+        n / 2,
+        all.len()
+    );
+}

@@ -174,6 +174,7 @@ pub mod progress {
         }
     }
 }
+pub mod split;
 pub mod top;
 
 pub use crate::device::Device;
@@ -754,6 +755,18 @@ pub trait Backend: Send + Sync {
 
     /// Ends the step begun by [`Backend::step_begin`] (a GPU backend launches the step's graph here).
     fn step_end(&self) {}
+
+    /// The forward pass is at layer `il` (`0` also at the start of a step, before the embeddings). A layer split
+    /// ([`split`]) moves to the stage computing it, and answers `true` at the first layer of a stage after the
+    /// first: the caller then sizes its scratch buffers again (on the new stage) and carries the residual stream
+    /// into it ([`Backend::carry`]). Every other backend: `false`.
+    fn enter_layer(&self, _il: usize) -> bool {
+        false
+    }
+
+    /// After [`Backend::enter_layer`] answered `true`: the first `len` values of `buf` from the previous stage's
+    /// copy into the current stage's (sized). Nothing on a backend that is not a split.
+    fn carry(&self, _buf: &mut Self::Buf, _len: usize) {}
 
     /// Runs a whole decode step from a graph verified on earlier steps, when the backend has one for `key` and
     /// nothing it depends on changed since: `ids` and `positions` become its inputs and its logits land where the

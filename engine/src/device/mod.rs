@@ -23,13 +23,25 @@ pub enum Device {
     Cuda(usize),
     /// A simulated device described by `scenarios/devices/PROFILE.yaml`.
     Sim(String),
+    /// Several CUDA devices of this machine, in pipeline order (`cuda:0,cuda:1`): the model's layers are split over
+    /// them (`--layer-split`), the first holds the token embeddings and the last the output head. A device may be
+    /// named twice (`cuda:0,cuda:0`: two stages on one card, each with its own stream, for testing the split where
+    /// one GPU is all there is).
+    Split(Vec<usize>),
 }
+
+/// Most devices a layer split takes.
+pub const MAX_SPLIT_DEVICES: usize = 16;
 
 /// Why a device cannot be used here.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DeviceError {
-    #[error("unknown device `{0}`; known: cpu, cuda, cuda:N, sim:PROFILE")]
+    #[error(
+        "unknown device `{0}`; known: cpu, cuda, cuda:N, sim:PROFILE, or CUDA devices split by layers: cuda:0,cuda:1"
+    )]
     Unknown(String),
+    #[error("--device {device}: {why}")]
+    BadSplit { device: String, why: String },
     #[error("{device}: no CUDA here ({why})")]
     NoCuda { device: String, why: String },
     #[error("{device}: this machine has {count} CUDA device(s)")]
@@ -54,6 +66,27 @@ impl FromStr for Device {
         match s {
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda(0)),
+            _ if s.contains(',') => {
+                let bad = |why: String| DeviceError::BadSplit { device: s.into(), why };
+                let mut ords = Vec::new();
+                for part in s.split(',') {
+                    match part.parse::<Device>() {
+                        Ok(Device::Cuda(n)) => ords.push(n),
+                        _ => {
+                            return Err(bad(format!(
+                                "`{part}` is not a CUDA device: a layer split takes CUDA devices only (cuda:N,cuda:M)"
+                            )));
+                        }
+                    }
+                }
+                if ords.len() > MAX_SPLIT_DEVICES {
+                    return Err(bad(format!(
+                        "{} devices; a layer split takes at most {MAX_SPLIT_DEVICES}",
+                        ords.len()
+                    )));
+                }
+                Ok(Device::Split(ords))
+            }
             _ => {
                 if let Some(n) = s.strip_prefix("cuda:") {
                     return n.parse().map(Device::Cuda).map_err(|_| DeviceError::Unknown(s.into()));
@@ -81,11 +114,22 @@ impl fmt::Display for Device {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
             Device::Sim(p) => write!(f, "sim:{p}"),
+            Device::Split(ords) => {
+                for (i, n) in ords.iter().enumerate() {
+                    write!(f, "{}cuda:{n}", if i == 0 { "" } else { "," })?;
+                }
+                Ok(())
+            }
         }
     }
 }
 
 impl Device {
+    /// Whether the device computes on CUDA: `cuda:N`, or a layer split over CUDA devices.
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda(_) | Device::Split(_))
+    }
+
     /// Whether this machine can run the device: always for `cpu`; for `cuda:N` a driver with more than N
     /// devices; for `sim:PROFILE` a profile that reads and validates, of an arch its build was compiled for.
     ///
@@ -106,6 +150,7 @@ impl Device {
                 }
                 Ok(())
             }
+            Device::Split(ords) => ords.iter().try_for_each(|&n| Device::Cuda(n).available()),
             Device::Sim(p) => {
                 let prof = profile::DeviceProfile::find(p).map_err(|source| DeviceError::Profile {
                     device: self.to_string(),
@@ -135,6 +180,17 @@ mod tests {
             assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
         }
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        for s in ["cuda:0,cuda:1", "cuda:0,cuda:0", "cuda:1,cuda:0,cuda:2"] {
+            assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
+        }
+        assert_eq!("cuda,cuda:1".parse::<Device>().unwrap(), Device::Split(vec![0, 1]));
+        for bad in ["cuda:0,cpu", "cuda:0,", ",cuda:1", "sim:h200,cuda:0", "cuda:0,cuda:x"] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("CUDA devices only"), "{e}");
+        }
+        let many = vec!["cuda:0"; MAX_SPLIT_DEVICES + 1].join(",");
+        let e = many.parse::<Device>().unwrap_err().to_string();
+        assert!(e.contains("at most 16"), "{e}");
         for bad in [
             "gpu", "cuda:", "cuda:x", "cuda:-1", "sim:", "sim:../x", "sim:a/b", "CPU",
         ] {

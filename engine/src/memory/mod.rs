@@ -10,6 +10,7 @@
 use std::fmt;
 
 pub mod cache;
+pub mod split;
 
 pub use cache::{CacheSize, CacheSizing, ExpertFlags, ExpertGeometry, ExpertPlacement};
 
@@ -164,12 +165,18 @@ pub struct WeightBytes {
 impl WeightBytes {
     /// Sums `model`'s tensor table. Sums saturate: a hostile header cannot overflow them.
     pub fn of(model: &GgufModel) -> WeightBytes {
+        WeightBytes::of_matching(model, |_| true)
+    }
+
+    /// [`WeightBytes::of`] over the tensors whose name `keep` accepts (a stage's of a layer split:
+    /// [`split::stage_holds`]).
+    pub fn of_matching(model: &GgufModel, keep: impl Fn(&str) -> bool) -> WeightBytes {
         let mut w = WeightBytes {
             dense: 0,
             experts: 0,
             largest_elements: 0,
         };
-        for t in model.tensors() {
+        for t in model.tensors().iter().filter(|t| keep(&t.name)) {
             if is_routed_expert(&t.name) {
                 w.experts = w.experts.saturating_add(t.n_bytes);
             } else {

@@ -232,14 +232,21 @@ impl Model {
 
     /// Every weight a device keeps resident whatever the expert cache does, as the bytes the forward pass hands
     /// the backend: the matrices (embeddings, attention, dense FFNs, routers, output head) and the norm vectors.
-    /// The routed experts are not among them.
-    pub fn dense_weight_bytes(&self) -> Vec<&[u8]> {
+    /// The routed experts are not among them. `layers`: the layers the device computes (`0..n_layer`, or a stage's of a
+    /// layer split: the embeddings go with layer 0, the output norm and head with the last layer).
+    pub fn dense_weight_bytes(&self, layers: &std::ops::Range<usize>) -> Vec<&[u8]> {
         fn norm(v: &[f32]) -> &[u8] {
             bytemuck::cast_slice(v)
         }
         let w = &self.weights;
-        let mut out = vec![self.m(&w.token_embd).data, self.m(&w.output).data, norm(&w.output_norm)];
-        for l in &w.layers {
+        let mut out = Vec::new();
+        if layers.start == 0 {
+            out.push(self.m(&w.token_embd).data);
+        }
+        if layers.end >= w.layers.len() {
+            out.extend([self.m(&w.output).data, norm(&w.output_norm)]);
+        }
+        for l in w.layers.get(layers.clone()).unwrap_or_default() {
             let Mixer::Attention(at) = &l.mixer;
             out.extend([&at.wq, &at.wk, &at.wv, &at.wo].map(|r| self.m(r).data));
             out.extend(
@@ -260,6 +267,17 @@ impl Model {
     #[inline]
     fn m<'a>(&'a self, r: &crate::backend::MatRef) -> QMat<'a> {
         r.view(&self.gguf)
+    }
+
+    /// How many of `layers` have routed experts.
+    pub fn moe_layers_in(&self, layers: &std::ops::Range<usize>) -> usize {
+        self.weights
+            .layers
+            .get(layers.clone())
+            .unwrap_or_default()
+            .iter()
+            .filter(|l| matches!(l.ffn, Ffn::Moe { .. }))
+            .count()
     }
 
     /// Layer `il`'s routed experts, viewed where the expert store keeps them (the arena, or the mapped file);
@@ -327,21 +345,9 @@ impl Model {
         }
         let (e, nh, nkv) = (hp.n_embd as usize, hp.n_head as usize, hp.n_head_kv as usize);
         let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
-        let (n_ff, nx) = (self.max_ff(), hp.n_expert as usize);
-        for (buf, len) in [
-            (&mut s.x, n * e),
-            (&mut s.h, n * e),
-            (&mut s.q, n * nh * dk),
-            (&mut s.k, n * nkv * dk),
-            (&mut s.v, n * nkv * dv),
-            (&mut s.att, n * nh * dv),
-            (&mut s.o, n * e),
-            (&mut s.gate, n * n_ff),
-            (&mut s.up, n * n_ff),
-            (&mut s.router, n * nx.max(1)),
-        ] {
-            be.reserve(buf, len);
-        }
+        // A layer split starts every step on its first stage.
+        be.enter_layer(0);
+        self.reserve_step(be, s, n);
 
         let embd = self.m(&w.token_embd);
         for &id in tokens {
@@ -368,6 +374,13 @@ impl Model {
             if crate::backend::progress::stop_here() {
                 // A cancelled prefill chunk (Session::prefill_cancellable): the caller drops the whole chunk.
                 return ForwardOut { topped: false };
+            }
+            if be.enter_layer(il) {
+                // The next stage of a layer split: its buffers, and the residual stream with this layer's
+                // attn_norm of it (computed with the add that ended the layer before).
+                self.reserve_step(be, s, n);
+                be.carry(&mut s.x, n * e);
+                be.carry(&mut s.h, n * e);
             }
             trace(be, "attn_norm", Some(il), &s.h, n * e);
             // The mixer: attention (the one mixer so far).
@@ -547,6 +560,28 @@ impl Model {
         }
         be.download(&s.lg, 0, &mut s.logits[..len]);
         &s.logits[..len]
+    }
+
+    /// Sizes a step's activation buffers for `n` tokens (on a layer split, the current stage's).
+    fn reserve_step<B: Backend>(&self, be: &B, s: &mut Scratch<B>, n: usize) {
+        let hp = &self.hp;
+        let (e, nh, nkv) = (hp.n_embd as usize, hp.n_head as usize, hp.n_head_kv as usize);
+        let (dk, dv) = (hp.head_dim as usize, hp.head_dim_v as usize);
+        let (n_ff, nx) = (self.max_ff(), hp.n_expert as usize);
+        for (buf, len) in [
+            (&mut s.x, n * e),
+            (&mut s.h, n * e),
+            (&mut s.q, n * nh * dk),
+            (&mut s.k, n * nkv * dk),
+            (&mut s.v, n * nkv * dv),
+            (&mut s.att, n * nh * dv),
+            (&mut s.o, n * e),
+            (&mut s.gate, n * n_ff),
+            (&mut s.up, n * n_ff),
+            (&mut s.router, n * nx.max(1)),
+        ] {
+            be.reserve(buf, len);
+        }
     }
 
     /// The widest FFN of any layer (dense `n_ff`; 0 for MoE layers, whose buffers the backend keeps).

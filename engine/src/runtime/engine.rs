@@ -57,6 +57,11 @@ pub struct EngineFlags {
     /// models only; on a GPU each MoE layer then reads its routing back, so decode runs without CUDA graphs.
     #[arg(long)]
     pub dump_routing: Option<PathBuf>,
+    /// With a device list (`--device cuda:0,cuda:1`): how the model's layers are split over the devices, `auto`
+    /// (in proportion to what each card may hold once the embeddings and the output head are placed) or one layer
+    /// count per device (`24,24`).
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<crate::memory::split::LayerSplit>())]
+    pub layer_split: crate::memory::split::LayerSplit,
     /// Batch-invariant kernels: a sequence gets the same logits bits, hence tokens, alone and inside any batch of
     /// `strata serve`, on a GPU too (every step's tokens take the kernels of a lone decode step, whose arithmetic
     /// for one token does not depend on the others'; prompts read slower). The CPU's kernels are batch-invariant
@@ -105,11 +110,51 @@ impl EngineFlags {
         }
     }
 
+    /// `--layer-split` needs a device list, and a split does not yet take the flags that read one card's expert
+    /// cache whole (the expert profiles) or `--batch-invariant`.
+    ///
+    /// Errors: [`EngineError::Plan`] naming the flag.
+    pub fn check_split(&self) -> Result<(), EngineError> {
+        let refuse = |why: String| {
+            Err(EngineError::Plan {
+                device: self.device.clone(),
+                why,
+            })
+        };
+        let Device::Split(_) = self.device else {
+            if self.layer_split != crate::memory::split::LayerSplit::Auto {
+                return refuse(format!(
+                    "--layer-split {} splits layers over several devices: name them (--device cuda:0,cuda:1)",
+                    self.layer_split
+                ));
+            }
+            return Ok(());
+        };
+        let ef = &self.plan.experts;
+        let flag = if self.batch_invariant {
+            Some("--batch-invariant")
+        } else if ef.expert_profile.is_some() {
+            Some("--expert-profile")
+        } else if ef.save_expert_profile.is_some() {
+            Some("--save-expert-profile")
+        } else if ef.expert_policy == Policy::Profile {
+            Some("--expert-policy profile")
+        } else {
+            None
+        };
+        match flag {
+            Some(f) => refuse(format!(
+                "{f} is not available with a layer split yet: use one device (--device cuda:N)"
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// `--routing-trace` needs a CUDA device.
     ///
     /// Errors: [`EngineError::Plan`] naming the flag and the device.
     pub fn check_routing_device(&self) -> Result<(), EngineError> {
-        if self.plan.experts.routing_trace.is_some() && !matches!(self.device, Device::Cuda(_)) {
+        if self.plan.experts.routing_trace.is_some() && !self.device.is_cuda() {
             return Err(EngineError::Plan {
                 device: self.device.clone(),
                 why: "--routing-trace drives a GPU's routers: use --device cuda:N".into(),
@@ -219,6 +264,8 @@ impl EngineFlags {
             self.model.clone(),
             "--device".into(),
             self.device.to_string(),
+            "--layer-split".into(),
+            self.layer_split.to_string(),
         ];
         a.extend(self.plan.to_args());
         if let Some(t) = self.threads {
@@ -360,11 +407,11 @@ impl Engine {
             device: flags.device.clone(),
             source,
         })?;
-        if let Some(c) = backend.cuda() {
+        for c in backend.cudas() {
             let k = &c.gpu().compile;
             eprintln!(
                 "strata: {} ready in {} ms (kernels for {} {} in {:.0} ms)",
-                flags.device,
+                Device::Cuda(c.gpu().ctx.ordinal()),
                 start.elapsed().as_millis(),
                 k.arch,
                 if k.cached { "read from the cache" } else { "compiled" },
@@ -373,7 +420,8 @@ impl Engine {
         }
         flags.check_routing_device()?;
         flags.check_expert_flags()?;
-        if backend.cuda().is_none()
+        flags.check_split()?;
+        if backend.cudas().is_empty()
             && !matches!(flags.device, Device::Sim(_))
             && flags.plan.experts != ExpertFlags::default()
         {
@@ -399,14 +447,21 @@ impl Engine {
         }
         let (mut model, tokenizer, template) = loaded?;
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
+        let parts = place_split(&mut backend, &model, flags)?;
         let kv_pool = kv_pool(&model, flags, crate::backend::Backend::kv_on_device(&backend))?;
-        if backend.cuda().is_none() {
+        if backend.cudas().is_empty() {
             check_host_kv(&model, flags, &kv_pool)?;
         }
-        let pinned = match backend.cuda() {
-            Some(c) => plan_device(c, &mut model, flags, &faults, &kv_pool)?,
-            None => None,
-        };
+        let mut pinned = None;
+        if let Some(split) = backend.split() {
+            for (st, part) in split.stages().iter().zip(&parts) {
+                let c = st.be.cuda().expect("a split's stages are CUDA backends");
+                plan_device(c, &mut model, flags, &faults, &kv_pool, part, &mut pinned)?;
+            }
+        } else if let Some(c) = backend.cuda() {
+            let whole = DevicePart::whole(&flags.device, model.hp.n_layer as usize);
+            plan_device(c, &mut model, flags, &faults, &kv_pool, &whole, &mut pinned)?;
+        }
         batch_invariant(&backend, flags, &model.hp)?;
         let sim = match &flags.device {
             Device::Sim(name) => {
@@ -416,7 +471,7 @@ impl Engine {
             }
             _ => None,
         };
-        let target = match (backend.cuda(), &sim) {
+        let target = match (backend.cudas().first(), &sim) {
             (Some(c), _) => c.gpu().target.clone(),
             // A simulated card's arithmetic is the CPU backend's: its own arch's switches do not apply.
             (None, Some(hold)) => crate::switches::Target::Cpu {
@@ -425,7 +480,7 @@ impl Engine {
             (None, None) => crate::switches::Target::host(),
         };
         eprintln!("strata: {}", crate::switches::SpeedReport::of(&target));
-        if faults.probe_unsynced && backend.cuda().is_none() {
+        if faults.probe_unsynced && backend.cudas().is_empty() {
             return Err(EngineError::FaultRule {
                 why: format!(
                     "probe:unsynced: the link probe that times copies it did not wait for is a CUDA device's; {} has none (a sim: profile's link.probe_gb_s gives its readings)",
@@ -502,8 +557,9 @@ impl Engine {
             eprintln!("strata: routing written to {} (--dump-routing)", p.display());
         }
         if let (Some(t), Some(replay)) = (&flags.plan.experts.routing_trace, replay) {
-            if let Some(c) = backend.cuda() {
-                c.set_routing_replay(Some(replay));
+            // Each stage keeps its own copy: a replay's cursors are per layer.
+            for c in backend.cudas() {
+                c.set_routing_replay(Some(replay.clone()));
             }
             eprintln!("strata: routing from {t} (--routing-trace): the tokens are not the model's");
         }
@@ -583,7 +639,17 @@ impl Engine {
     /// nothing without a cache.
     pub fn emit_expert_cache(&self, request: Option<u64>) {
         self.save_expert_profile();
-        let Some(st) = self.backend.cuda().and_then(|c| c.take_expert_cache_stats()) else {
+        // A split's stages each cache their own layers' experts: their counts add up to the model's.
+        let Some(st) = self
+            .backend
+            .cudas()
+            .iter()
+            .filter_map(|c| c.take_expert_cache_stats())
+            .reduce(|mut a, b| {
+                a.add(&b);
+                a
+            })
+        else {
             return;
         };
         for (phase, p) in [("prefill", st.prefill), ("decode", st.decode)] {
@@ -722,7 +788,7 @@ impl Drop for Engine {
     /// Drains the device's stream first: expert uploads may still read the arena the model frees.
     fn drop(&mut self) {
         self.save_expert_profile();
-        if let Some(c) = self.backend.cuda() {
+        for c in self.backend.cudas() {
             let _ = c.synchronize();
         }
     }
@@ -735,33 +801,149 @@ impl Drop for Engine {
 ///
 /// Errors: [`EngineError::Plan`] when the plan does not fit (before anything is allocated) or an allocation of it
 /// fails, naming the part and the numbers.
+/// The part of the model one CUDA backend computes: every layer, or a stage's of a layer split.
+struct DevicePart {
+    /// The device as messages name it (`cuda:1`; a stage of a split: `cuda:1 (layers 24-47)`).
+    device: Device,
+    label: String,
+    layers: std::ops::Range<usize>,
+    /// Stages of the split still to be planned on this card, this one included (they share its free memory and
+    /// `--vram-budget`); 1 without a split.
+    share: u64,
+    /// Stages of the split on this card in all (the budget is the card's).
+    on_card: u64,
+}
+
+impl DevicePart {
+    fn whole(device: &Device, n_layer: usize) -> DevicePart {
+        DevicePart {
+            device: device.clone(),
+            label: device.to_string(),
+            layers: 0..n_layer,
+            share: 1,
+            on_card: 1,
+        }
+    }
+}
+
+/// Places a layer split's stages (`--layer-split`, or `auto` from what each card may hold) and says how.
+///
+/// Errors: [`EngineError::Plan`] for a split the model cannot take (counts that do not add up, fewer layers than
+/// devices) or a card whose free memory cannot be read.
+fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> Result<Vec<DevicePart>, EngineError> {
+    let Some(split) = backend.split_mut() else {
+        return Ok(Vec::new());
+    };
+    let device = &flags.device;
+    let err = |why: String| EngineError::Plan {
+        device: device.clone(),
+        why,
+    };
+    let n_layer = model.hp.n_layer as usize;
+    let ords: Vec<usize> = match device {
+        Device::Split(o) => o.clone(),
+        _ => unreachable!("a split backend is opened for a split device"),
+    };
+    let on_card = |o: usize| ords.iter().filter(|&&x| x == o).count() as u64;
+    let tied = crate::memory::split::tied_head(model.gguf.tensors().iter().map(|t| t.name.as_str()));
+    let reserve = flags.plan.experts.reserve_bytes();
+    let mut room = Vec::with_capacity(ords.len());
+    for (i, st) in split.stages().iter().enumerate() {
+        let c = st.be.cuda().expect("a split's stages are CUDA backends");
+        let (free, _) = c
+            .gpu()
+            .mem_info()
+            .map_err(|e| err(format!("{}: cannot read the free device memory: {e}", st.device)))?;
+        let k = on_card(ords[i]);
+        let limit = flags
+            .plan
+            .experts
+            .vram_budget
+            .map_or(free as u64, |b| b.min(free as u64))
+            / k;
+        // The ends' own tensors: the embeddings on the first stage, the output head on the last.
+        let (first, last) = (i == 0, i + 1 == ords.len());
+        let fixed = WeightBytes::of_matching(&model.gguf, |name| {
+            crate::memory::split::tensor_layer(name).is_none()
+                && ((first && name.starts_with("token_embd"))
+                    || (last && crate::memory::split::stage_holds(name, &(n_layer..n_layer), n_layer, tied)))
+        })
+        .total();
+        room.push(limit.saturating_sub(reserve).saturating_sub(fixed));
+    }
+    let ranges = flags.layer_split.ranges(n_layer, &room).map_err(err)?;
+    split.place(&ranges);
+    let mut parts = Vec::new();
+    let mut seen = std::collections::HashMap::new();
+    for (i, r) in ranges.iter().enumerate() {
+        let k = on_card(ords[i]);
+        let planned = seen.entry(ords[i]).or_insert(0u64);
+        parts.push(DevicePart {
+            device: Device::Cuda(ords[i]),
+            label: format!("cuda:{} (layers {}-{})", ords[i], r.start, r.end - 1),
+            layers: r.clone(),
+            share: k - *planned,
+            on_card: k,
+        });
+        *planned += 1;
+    }
+    eprintln!(
+        "strata: layer split over {device} ({}): {}; the hidden state crosses each boundary through host memory",
+        if flags.layer_split == crate::memory::split::LayerSplit::Auto {
+            "auto, by what each card may hold".to_string()
+        } else {
+            format!("--layer-split {}", flags.layer_split)
+        },
+        parts
+            .iter()
+            .map(|p| format!("{} {} layers", p.label, p.layers.len()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(parts)
+}
+
 fn plan_device(
     c: &CudaBackend,
     model: &mut Model,
     flags: &EngineFlags,
     faults: &FaultPlan,
     kv_pool: &Arc<KvPool>,
-) -> Result<Option<HostPin>, EngineError> {
+    part: &DevicePart,
+    pinned: &mut Option<HostPin>,
+) -> Result<(), EngineError> {
     let device = flags.device.clone();
     let fail = |why: String, plan: &MemoryPlan| EngineError::Plan {
         device: device.clone(),
-        why: format!("{why}\nmemory plan:\n{}", plan.to_text()),
+        why: format!("{}{why}\nmemory plan:\n{}", stage_prefix(part), plan.to_text()),
     };
     let (free, _) = c.gpu().mem_info().map_err(|e| EngineError::Plan {
         device: device.clone(),
-        why: format!("cannot read the free device memory: {e}"),
+        why: format!("{}cannot read the free device memory: {e}", stage_prefix(part)),
     })?;
+    // Stages of a split on one card share its free memory and its budget.
+    let free = free as u64 / part.share;
     let ef = &flags.plan.experts;
-    let config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
-    let geometry = ExpertGeometry::of(&model.gguf, &model.hp);
-    let weights = WeightBytes::of(&model.gguf);
-    let mut plan = MemoryPlan::new(&weights, &model.hp, geometry.as_ref(), &config, free as u64).map_err(|e| {
-        EngineError::Plan {
-            device: device.clone(),
-            why: format!("--kv {}: {e}", flags.plan.kv),
-        }
+    let mut config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
+    config.budget = config.budget.map(|b| b / part.on_card);
+    let n_layer = model.hp.n_layer as usize;
+    let whole = part.layers == (0..n_layer);
+    let mut hp = model.hp.clone();
+    hp.n_layer = part.layers.len() as u32;
+    let moe_layers = model.moe_layers_in(&part.layers);
+    let geometry = ExpertGeometry::of(&model.gguf, &model.hp).map(|g| ExpertGeometry { moe_layers, ..g });
+    let tied = crate::memory::split::tied_head(model.gguf.tensors().iter().map(|t| t.name.as_str()));
+    let weights = WeightBytes::of_matching(&model.gguf, |name| {
+        crate::memory::split::stage_holds(name, &part.layers, n_layer, tied)
+    });
+    let mut plan = MemoryPlan::new(&weights, &hp, geometry.as_ref(), &config, free).map_err(|e| EngineError::Plan {
+        device: device.clone(),
+        why: format!("{}--kv {}: {e}", stage_prefix(part), flags.plan.kv),
     })?;
-    if plan.cache_slots().is_some() && !ef.mmap_experts {
+    if !whole {
+        eprintln!("strata: {}: memory plan of its layers:\n{}", part.label, plan.to_text());
+    }
+    if plan.cache_slots().is_some() && !ef.mmap_experts && pinned.is_none() {
         plan = plan.with_host_arena(weights.experts, host_available_bytes());
     }
     let budget = ef
@@ -785,7 +967,6 @@ fn plan_device(
     if plan.verdict() == Verdict::DoesNotFit {
         return Err(fail(plan.shortfall(), &plan));
     }
-    let mut pinned = None;
     if let (
         Some(ExpertPlacement::Cache {
             slots,
@@ -800,10 +981,11 @@ fn plan_device(
                 "strata: experts read in place from the model file ({:.2} GiB, --mmap-experts)",
                 weights.experts as f64 / GIB
             );
-        } else {
-            pinned = make_arena(c, model, weights.experts);
+        } else if pinned.is_none() {
+            let all = WeightBytes::of(&model.gguf).experts;
+            *pinned = make_arena(c, model, all);
             if pinned.is_some() {
-                cuda_memory(c, &device, "the expert arena", weights.experts, true);
+                cuda_memory(c, &device, "the expert arena", all, true);
             }
         }
         let bytes = c
@@ -846,7 +1028,7 @@ fn plan_device(
             }
         );
     }
-    let dense = model.dense_weight_bytes();
+    let dense = model.dense_weight_bytes(&part.layers);
     c.preload(&dense)
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
     cuda_memory(
@@ -876,7 +1058,7 @@ fn plan_device(
     let probe = crate::state::kv::KvCache::new_in(&model.hp.kv_shape(), config.context, config.kv, kv_pool)
         .map_err(|e| fail(format!("the KV cache: {e}"), &plan))?;
     let kv_bytes = c
-        .alloc_kv_pool(&probe)
+        .alloc_kv_pool(&probe, part.layers.clone())
         .map_err(|e| fail(format!("the KV cache pool ({} tokens): {e}", plan.kv_cells), &plan))?;
     cuda_memory(c, &device, "the KV cache pool", kv_bytes, false);
     if let Ok((left, _)) = c.gpu().mem_info() {
@@ -891,7 +1073,16 @@ fn plan_device(
             }
         );
     }
-    Ok(pinned)
+    Ok(())
+}
+
+/// `cuda:1 (layers 24-47): ` for a stage of a layer split, nothing for a whole model.
+fn stage_prefix(part: &DevicePart) -> String {
+    if part.share == 1 && part.on_card == 1 && part.label == part.device.to_string() {
+        String::new()
+    } else {
+        format!("{}: ", part.label)
+    }
 }
 
 /// The engine's KV block pool: `--kv-tokens` cells, or room for every sequence (`--parallel`) at its whole

@@ -5,8 +5,11 @@
 
 use std::path::{Path, PathBuf};
 
+use strata_engine::backend::AnyBackend;
 use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::split::Split;
 use strata_engine::backend::{AttnOp, AttnParams, Backend, RopeKind, RopeParams, RunBufs, attend_runs_one_by_one};
+use strata_engine::device::Device;
 use strata_engine::fixtures::synth::SynthSpec;
 use strata_engine::model::Model;
 use strata_engine::models;
@@ -301,4 +304,47 @@ fn attending_every_run_at_once_equals_attending_run_by_run() {
             }
         }
     }
+}
+
+/// A split of the layers over three CPU backends, `0..1`, `1..n-1` and `n-1..n` (two boundaries; the
+/// embeddings on the first, the head on the last; the block tables shared and copied on write across stages).
+fn three_stages(n_layer: usize) -> AnyBackend {
+    let cpu = || (Device::Cpu, AnyBackend::Cpu(CpuBackend, None));
+    let mut split = Split::new(vec![cpu(), cpu(), cpu()]);
+    split.place(&[0..1, 1..n_layer - 1, n_layer - 1..n_layer]);
+    AnyBackend::Split(Box::new(split))
+}
+
+fn check_split_equal_to_one_backend(path: &Path) {
+    let model = Model::load(path).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let prompts = prompts(&tok);
+    let ids = tok.encode(TEXT, true, false).unwrap();
+    let later = vec![[&ids[..40], &ids[50..55]].concat()];
+    let all = [&prompts[..], &later[..]].concat();
+    let want = alone(&model, &CpuBackend, &tok, &all, 24);
+    let be = three_stages(model.hp.n_layer as usize);
+    let split_alone = alone(&model, &be, &tok, &all, 24);
+    for (i, (got, w)) in split_alone.iter().zip(&want).enumerate() {
+        assert_eq!(got.tokens, w.tokens, "request {i} alone: tokens");
+        assert_eq!(got.logits_digests, w.logits_digests, "request {i} alone: logits bits");
+    }
+    let ran = batched(&model, &be, &tok, &prompts, &later, 3, 24, None, None);
+    assert_as_alone(&tok, &ran, &want);
+    // The fourth request reused a prefix another slot held: shared blocks across the stages.
+    assert_eq!(ran.done[3].as_ref().unwrap().prefill.reused, 40);
+    // Every step crossed both boundaries with the residual stream and its norm.
+    let (carried, values) = be.split().unwrap().carried();
+    assert!(carried > 0 && carried % 4 == 0, "{carried} buffers carried");
+    assert!(
+        values >= carried * model.hp.n_embd as u64,
+        "{values} values in {carried} buffers"
+    );
+}
+
+/// A layer split (`--device cuda:0,cuda:1`; here over CPU backends, which run the same boundary logic) gives
+/// every sequence the tokens and logits bits of one backend, alone and batched with a shared prefix.
+#[test]
+fn a_layer_split_gives_the_tokens_and_logits_bits_of_one_backend() {
+    on_dense_and_moe(check_split_equal_to_one_backend);
 }

@@ -106,6 +106,26 @@ pub struct ExpertCacheStats {
     pub decode: PhaseStats,
 }
 
+impl PhaseStats {
+    /// Adds `o`'s counts (another cache's: a layer split's stages).
+    pub fn add(&mut self, o: &PhaseStats) {
+        self.cache += o.cache;
+        self.bytes_uploaded += o.bytes_uploaded;
+        self.cpu_computed += o.cpu_computed;
+        self.cpu_us += o.cpu_us;
+        self.prefetched += o.prefetched;
+        self.prefetch_used += o.prefetch_used;
+    }
+}
+
+impl ExpertCacheStats {
+    /// Adds `o`'s counts, phase by phase.
+    pub fn add(&mut self, o: &ExpertCacheStats) {
+        self.prefill.add(&o.prefill);
+        self.decode.add(&o.decode);
+    }
+}
+
 const UNSET: u32 = u32::MAX;
 /// `slot_of`'s value for an expert the CPU computes in this layer-step.
 const ON_CPU: u32 = u32::MAX - 1;

@@ -35,6 +35,22 @@ pub(super) struct DevPool {
     arrays: HashMap<(u32, bool), DevArray>,
 }
 
+impl DevPool {
+    /// Room for `need` blocks: the arrays grown (by half again at least) and their rows moved when fewer.
+    fn grow(&mut self, gpu: &Gpu, need: usize) -> Result<(), CudaError> {
+        if need > self.blocks {
+            let blocks = need.max(self.blocks + self.blocks / 2);
+            for a in self.arrays.values_mut() {
+                let mut buf = DevBuf::alloc(&gpu.stream, blocks * KV_BLOCK_CELLS * a.row_bytes)?;
+                buf.copy_from(&gpu.stream, &a.buf, a.buf.bytes)?;
+                a.buf = buf;
+            }
+            self.blocks = blocks;
+        }
+        Ok(())
+    }
+}
+
 /// A sequence's page table on the device, and the version of the host's table it holds
 /// ([`crate::state::kv::BlockTable::version`]; `None`: none yet).
 pub(super) struct DevTable {
@@ -85,19 +101,63 @@ impl CudaBackend {
 
     /// Allocates the device arrays of `cache`'s pool (every layer's keys and values, at the pool's size) now, not
     /// at the first step that stores into them: the engine does this at start, after the weights, so the memory plan
-    /// is met or refused before any request. `cache` is any cache of the pool (its rows give the layers' geometry).
-    /// Returns the bytes the pool's arrays take.
+    /// is met or refused before any request. `cache` is any cache of the pool (its rows give the layers' geometry);
+    /// `layers`, the layers this backend computes (all of them, or a stage's of a layer split). Returns the bytes
+    /// the pool's arrays take.
     ///
     /// Errors: an allocation failed.
-    pub fn alloc_kv_pool(&self, cache: &crate::state::kv::KvCache) -> Result<u64, CudaError> {
+    pub fn alloc_kv_pool(
+        &self,
+        cache: &crate::state::kv::KvCache,
+        layers: std::ops::Range<usize>,
+    ) -> Result<u64, CudaError> {
         let g = &*self.gpu;
         let mut s = self.lock();
-        for l in &cache.layers {
+        for l in cache.layers.get(layers).unwrap_or_default() {
             s.kv_array(g, &l.k)?;
             s.kv_array(g, &l.v)?;
         }
         let p = s.kv_pools.get(&cache.pool().id());
         Ok(p.map_or(0, |p| p.arrays.values().map(|a| a.buf.bytes as u64).sum()))
+    }
+
+    /// Makes this backend a stage of a layer split, whose sequences' block tables the other stages share: the
+    /// copy-on-write copies its steps make are kept for [`CudaBackend::take_kv_copies`] (the first stage to write a
+    /// shared block takes it in the host's table, so the others learn of the copy only this way).
+    pub fn share_kv_copies(&self) {
+        self.lock().kv_copies_out.get_or_insert_with(Vec::new);
+    }
+
+    /// The copy-on-write copies made since the last call (empty unless [`CudaBackend::share_kv_copies`]).
+    pub fn take_kv_copies(&self) -> Vec<(u32, BlockCopy)> {
+        self.lock()
+            .kv_copies_out
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Makes another stage's copy-on-write copies in this backend's arrays (its layers' rows), on its stream, ahead of
+    /// its next kernels. A pool this backend has no arrays of yet holds nothing to copy.
+    pub fn make_kv_copies(&self, copies: &[(u32, BlockCopy)]) {
+        if copies.is_empty() {
+            return;
+        }
+        let g = &*self.gpu;
+        let mut s = self.lock();
+        Self::check((|| {
+            for &(pool, c) in copies {
+                let Some(p) = s.kv_pools.get_mut(&pool) else { continue };
+                let need = p.pool.upgrade().map_or(0, |pl| pl.id_bound());
+                p.grow(g, need)?;
+                for a in p.arrays.values_mut() {
+                    let bytes = KV_BLOCK_CELLS * a.row_bytes;
+                    let src = a.buf.ptr + (c.src as usize * bytes) as u64;
+                    a.buf.copy_in(&g.stream, c.dst as usize * bytes, src, bytes)?;
+                }
+            }
+            Ok(())
+        })());
     }
 
     /// [`crate::backend::Backend::reserve_kv`] (the trait's method calls this).
@@ -188,6 +248,9 @@ impl Inner {
         let mut copies: Vec<BlockCopy> = Vec::new();
         rows.take_device_blocks(from, to, &mut copies);
         let pool = rows.pool();
+        if let Some(out) = self.kv_copies_out.as_mut() {
+            out.extend(copies.iter().map(|c| (pool.id(), *c)));
+        }
         let room = self.kv_pools.get(&pool.id()).map_or(0, |p| p.blocks);
         if !copies.is_empty() || pool.id_bound() > room {
             let p = self.kv_pool_blocks(gpu, rows)?;
@@ -221,15 +284,7 @@ impl Inner {
                 .max(need),
             arrays: HashMap::new(),
         });
-        if need > p.blocks {
-            let blocks = need.max(p.blocks + p.blocks / 2);
-            for a in p.arrays.values_mut() {
-                let mut buf = DevBuf::alloc(&gpu.stream, blocks * KV_BLOCK_CELLS * a.row_bytes)?;
-                buf.copy_from(&gpu.stream, &a.buf, a.buf.bytes)?;
-                a.buf = buf;
-            }
-            p.blocks = blocks;
-        }
+        p.grow(gpu, need)?;
         Ok(p)
     }
 

@@ -65,7 +65,7 @@ use crate::device::fault::{FaultPlan, OP_PREFILL_GEMM};
 use crate::events::{self, EventKind, Fallback};
 use crate::experts::trace::RoutingReplay;
 use crate::quant::{self, GgmlType};
-use crate::state::kv::{KvLayer, SeqSlot};
+use crate::state::kv::{BlockCopy, KvLayer, SeqSlot};
 use buffer::DevBuf;
 use compile::CompileReport;
 use error::CudaError;
@@ -202,6 +202,9 @@ struct Inner {
     kv_pools: HashMap<u32, DevPool>,
     /// Each sequence's page table on the device (released with the slot).
     kv_tables: HashMap<SeqSlot, DevTable>,
+    /// A stage of a layer split ([`CudaBackend::share_kv_copies`]): the copy-on-write block copies this backend's
+    /// steps made (the pool, the copy), for the other stages to make in their layers' arrays.
+    kv_copies_out: Option<Vec<(u32, BlockCopy)>>,
     slots: Vec<Option<DevBuf>>,
     /// The positions last uploaded to [`Slot::Pos`] (a decode step changes one value).
     pos: Vec<u32>,
@@ -398,6 +401,7 @@ impl CudaBackend {
             inner: Mutex::new(Inner {
                 weights: Box::new(ResidentStore::default()),
                 kv_pools: HashMap::new(),
+                kv_copies_out: None,
                 kv_tables: HashMap::new(),
                 slots: (0..SLOTS).map(|_| None).collect(),
                 pos: Vec::new(),

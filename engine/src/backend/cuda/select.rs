@@ -4,6 +4,7 @@ use super::error::CudaError;
 use super::{CudaBackend, DevVec};
 use crate::backend::StepKey;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::split::{Split, with_stage_bufs};
 use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams, RunBufs};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -27,6 +28,8 @@ pub enum AnyBackend {
     /// The CPU; on a `sim:` device with a sticky fault, the launches it counts.
     Cpu(CpuBackend, Option<Box<SimLaunches>>),
     Cuda(Box<CudaBackend>),
+    /// A layer split: each op goes to the stage computing now ([`crate::backend::split`]).
+    Split(Box<Split>),
 }
 
 /// A `sim:` device's launches under a sticky fault (`STRATA_FAULT=sticky:KERNEL@N`, seed 003): every backend op
@@ -71,6 +74,13 @@ impl AnyBackend {
         Ok(match device {
             Device::Cpu => AnyBackend::Cpu(CpuBackend, None),
             Device::Cuda(n) => AnyBackend::Cuda(Box::new(CudaBackend::new(*n)?)),
+            Device::Split(ords) => {
+                let mut stages = Vec::with_capacity(ords.len());
+                for &n in ords {
+                    stages.push((Device::Cuda(n), AnyBackend::Cuda(Box::new(CudaBackend::new(n)?))));
+                }
+                AnyBackend::Split(Box::new(Split::new(stages)))
+            }
             Device::Sim(_) => {
                 device.available()?;
                 AnyBackend::Cpu(CpuBackend, None)
@@ -88,6 +98,9 @@ impl AnyBackend {
     pub fn arm_sticky(&mut self, device: &Device, rule: &StickyRule, error: &str) -> Result<bool, String> {
         match self {
             AnyBackend::Cuda(c) => c.arm_sticky(rule),
+            AnyBackend::Split(_) => Err(format!(
+                "{rule}: a sticky fault counts the launches of one device; {device} is a layer split (use --device cuda:N)"
+            )),
             AnyBackend::Cpu(_, sim) => {
                 if !matches!(device, Device::Sim(_)) {
                     return Err(format!(
@@ -106,11 +119,36 @@ impl AnyBackend {
         }
     }
 
-    /// The CUDA backend, when that is what this is.
+    /// The CUDA backend, when that is what this is (a split is several: [`AnyBackend::cudas`]).
     pub fn cuda(&self) -> Option<&CudaBackend> {
         match self {
             AnyBackend::Cuda(c) => Some(c),
-            AnyBackend::Cpu(..) => None,
+            AnyBackend::Cpu(..) | AnyBackend::Split(_) => None,
+        }
+    }
+
+    /// Every CUDA backend this computes on: this one, or a split's stages' in pipeline order.
+    pub fn cudas(&self) -> Vec<&CudaBackend> {
+        match self {
+            AnyBackend::Cuda(c) => vec![c],
+            AnyBackend::Cpu(..) => Vec::new(),
+            AnyBackend::Split(s) => s.stages().iter().flat_map(|st| st.be.cudas()).collect(),
+        }
+    }
+
+    /// The layer split, when this is one.
+    pub fn split(&self) -> Option<&Split> {
+        match self {
+            AnyBackend::Split(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The layer split, to place its layers ([`Split::place`]).
+    pub fn split_mut(&mut self) -> Option<&mut Split> {
+        match self {
+            AnyBackend::Split(s) => Some(s),
+            _ => None,
         }
     }
 }
@@ -123,6 +161,8 @@ pub enum AnyBuf {
     Empty,
     Host(Vec<f32>),
     Dev(DevVec),
+    /// A layer split's buffer: one per stage, each of its stage's backend ([`crate::backend::split`]).
+    Staged(Vec<AnyBuf>),
 }
 
 impl AnyBuf {
@@ -149,6 +189,24 @@ impl AnyBuf {
             AnyBuf::Dev(v) => v,
             _ => panic!("AnyBackend: a CUDA op got a buffer the CUDA backend did not size"),
         }
+    }
+    /// Stage `i`'s buffer of a split's.
+    pub(crate) fn stage(&self, i: usize) -> &AnyBuf {
+        match self {
+            AnyBuf::Staged(v) if i < v.len() => &v[i],
+            _ => panic!("AnyBackend: a split's op got a buffer its stage {i} did not size"),
+        }
+    }
+    /// Stage `i`'s buffer of a split's, made (empty) where it is not yet.
+    pub(crate) fn stage_mut(&mut self, i: usize) -> &mut AnyBuf {
+        if !matches!(self, AnyBuf::Staged(_)) {
+            *self = AnyBuf::Staged(Vec::new());
+        }
+        let AnyBuf::Staged(v) = self else { unreachable!() };
+        if v.len() <= i {
+            v.resize_with(i + 1, AnyBuf::default);
+        }
+        &mut v[i]
     }
 }
 
@@ -197,6 +255,12 @@ macro_rules! dispatch {
                 $(let $r = $r.dev();)*
                 $call
             }
+            AnyBackend::Split(sp) => {
+                let (i, $be) = sp.current();
+                $(let $m = $m.stage_mut(i);)*
+                $(let $r = $r.stage(i);)*
+                $call
+            }
         }
     };
 }
@@ -208,6 +272,7 @@ impl Backend for AnyBackend {
         match self {
             AnyBackend::Cpu(c, _) => c.name(),
             AnyBackend::Cuda(c) => c.name(),
+            AnyBackend::Split(s) => s.current().1.name(),
         }
     }
     fn reserve(&self, buf: &mut AnyBuf, len: usize) {
@@ -224,6 +289,21 @@ impl Backend for AnyBackend {
                 }
                 Backend::reserve(&**c, buf.dev_mut(), len)
             }
+            AnyBackend::Split(s) => {
+                let (i, be) = s.current();
+                be.reserve(buf.stage_mut(i), len)
+            }
+        }
+    }
+    fn enter_layer(&self, il: usize) -> bool {
+        match self {
+            AnyBackend::Split(s) => s.enter_layer(il),
+            AnyBackend::Cpu(..) | AnyBackend::Cuda(_) => false,
+        }
+    }
+    fn carry(&self, buf: &mut AnyBuf, len: usize) {
+        if let AnyBackend::Split(s) = self {
+            s.carry(buf, len)
         }
     }
     fn upload(&self, src: &[f32], dst: &mut AnyBuf) {
@@ -260,6 +340,11 @@ impl Backend for AnyBackend {
             AnyBackend::Cuda(be) => {
                 let mut o: Vec<&mut DevVec> = outs.iter_mut().map(|b| b.dev_mut()).collect();
                 Backend::matmul_many(&**be, ws, x.dev(), n_tok, &mut o)
+            }
+            AnyBackend::Split(s) => {
+                let (i, be) = s.current();
+                let mut o: Vec<&mut AnyBuf> = outs.iter_mut().map(|b| b.stage_mut(i)).collect();
+                be.matmul_many(ws, x.stage(i), n_tok, &mut o)
             }
         }
     }
@@ -393,6 +478,11 @@ impl Backend for AnyBackend {
                     be.attend_runs(q, k, v, kvs, layer, layout, a, out, t)
                 })
             }
+            AnyBackend::Split(s) => {
+                let (i, be) = s.current();
+                let (q, k, v, out) = (q.stage_mut(i), k.stage_mut(i), v.stage(i), out.stage_mut(i));
+                with_stage_bufs(tmp, i, |t| be.attend_runs(q, k, v, kvs, layer, layout, a, out, t))
+            }
         }
     }
     fn glu(&self, gate: &mut AnyBuf, up: &AnyBuf, len: usize, act: GluKind) {
@@ -445,8 +535,10 @@ impl Backend for AnyBackend {
         )
     }
     fn step_sequences(&self, n: usize) {
-        if let AnyBackend::Cuda(c) = self {
-            c.step_sequences(n)
+        match self {
+            AnyBackend::Cuda(c) => c.step_sequences(n),
+            AnyBackend::Split(s) => s.stages().iter().for_each(|st| st.be.step_sequences(n)),
+            AnyBackend::Cpu(..) => {}
         }
     }
 
@@ -454,9 +546,11 @@ impl Backend for AnyBackend {
         match self {
             AnyBackend::Cpu(c, _) => c.forward_on_rayon(),
             AnyBackend::Cuda(c) => c.forward_on_rayon(),
+            AnyBackend::Split(s) => s.stages().iter().all(|st| st.be.forward_on_rayon()),
         }
     }
 
+    // A split records no steps yet: each stage runs its launches as they come (no CUDA graphs).
     fn step_begin(&self, n_tok: usize, key: StepKey) {
         if let AnyBackend::Cuda(c) = self {
             c.step_begin(n_tok, key)
@@ -468,16 +562,24 @@ impl Backend for AnyBackend {
         }
     }
     fn release_slot(&self, slot: SeqSlot) {
-        if let AnyBackend::Cuda(c) = self {
-            c.release_slot(slot)
+        match self {
+            AnyBackend::Cuda(c) => c.release_slot(slot),
+            AnyBackend::Split(s) => s.stages().iter().for_each(|st| st.be.release_slot(slot)),
+            AnyBackend::Cpu(..) => {}
         }
     }
     fn kv_on_device(&self) -> bool {
-        matches!(self, AnyBackend::Cuda(_))
+        match self {
+            AnyBackend::Cuda(_) => true,
+            AnyBackend::Cpu(..) => false,
+            AnyBackend::Split(s) => s.stages().iter().any(|st| st.be.kv_on_device()),
+        }
     }
     fn reserve_kv(&self, kv: &crate::state::kv::KvCache, from: usize, to: usize) {
-        if let AnyBackend::Cuda(c) = self {
-            c.reserve_kv(kv, from, to)
+        match self {
+            AnyBackend::Cuda(c) => c.reserve_kv(kv, from, to),
+            AnyBackend::Split(s) => s.reserve_kv(kv, from, to),
+            AnyBackend::Cpu(..) => {}
         }
     }
     fn routed_experts(&self, scratch: &MoeScratch, n_tok: usize, k: usize, out: &mut Vec<u32>) {
@@ -489,12 +591,13 @@ impl Backend for AnyBackend {
                 }
                 c.routed_experts(scratch, n_tok, k, out)
             }
+            AnyBackend::Split(s) => s.current().1.routed_experts(scratch, n_tok, k, out),
         }
     }
     fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
         match self {
             AnyBackend::Cuda(c) => c.replay_step(key, ids, positions),
-            AnyBackend::Cpu(..) => false,
+            AnyBackend::Cpu(..) | AnyBackend::Split(_) => false,
         }
     }
     fn add_rms_norm_into(&self, x: &mut AnyBuf, y: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
@@ -564,6 +667,7 @@ impl Backend for AnyBackend {
                 c.read_top_logits(n, out)
             }
             AnyBackend::Cuda(c) => c.read_top_logits(n, out),
+            AnyBackend::Split(s) => s.current().1.read_top_logits(n, out),
         }
     }
     fn top_logits_rows(&self, logits: &AnyBuf, rows: usize, n: usize) -> bool {
@@ -585,12 +689,16 @@ impl Backend for AnyBackend {
                 c.read_top_logits_rows(n, out)
             }
             AnyBackend::Cuda(c) => c.read_top_logits_rows(n, out),
+            AnyBackend::Split(s) => s.current().1.read_top_logits_rows(n, out),
         }
     }
     fn set_fault_policy(&self, faults: FaultPlan, gemm_fallback: bool) -> bool {
         match self {
             AnyBackend::Cpu(c, _) => c.set_fault_policy(faults, gemm_fallback),
             AnyBackend::Cuda(c) => c.set_fault_policy(faults, gemm_fallback),
+            AnyBackend::Split(s) => s.stages().iter().fold(false, |any, st| {
+                st.be.set_fault_policy(faults.clone(), gemm_fallback) | any
+            }),
         }
     }
 }
