@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21's one-GPU part, on the GPU machine with carry/strata and carry/cuda_parity (release builds): the layer
 # split with both stages on cuda:0 (`--device cuda:0,cuda:0`, two backends with a stream each).
-#   1. cuda_parity, every test (the split's test and the paged KV cache's, whose arrays the split changed)
+#   1. cuda_parity, every test, or those whose names contain $PARITY_FILTER (the split's test and the paged KV
+#      cache's, whose arrays the split changed)
 #   2. the 30B shape, greedy, 32 tokens: one card against the split; the logprobs files must be equal byte for byte
 #   3. `strata bench` pp512 and tg64 of the 30B shape, all resident, one card against the split; then the same
 #      under --vram-budget $BUDGET (default 21.4GiB: on one card the split's two stages share it, 10.7 GiB each)
@@ -11,7 +12,7 @@ OUT=${OUT:-device-out}
 mkdir -p "$OUT"
 nvidia-smi -L
 M=synth:qwen3-30b-a3b
-timeout 300 carry/cuda_parity --ignored --test-threads 1 --nocapture > "$OUT/parity.txt" 2>&1
+timeout 300 carry/cuda_parity --ignored --test-threads 1 --nocapture ${PARITY_FILTER:-} > "$OUT/parity.txt" 2>&1
 echo "parity rc $?"
 grep -E "^test result|FAILED|panicked|layer split" "$OUT/parity.txt" | head -8
 P="The capital of France is"
