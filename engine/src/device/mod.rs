@@ -72,6 +72,11 @@ impl FromStr for Device {
                 for part in s.split(',') {
                     match part.parse::<Device>() {
                         Ok(Device::Cuda(n)) => ords.push(n),
+                        _ if part.is_empty() => {
+                            return Err(bad(
+                                "an empty entry (a stray comma?); name CUDA devices: cuda:0,cuda:1".into()
+                            ));
+                        }
                         _ => {
                             return Err(bad(format!(
                                 "`{part}` is not a CUDA device: a layer split takes CUDA devices only (cuda:N,cuda:M)"
@@ -184,9 +189,13 @@ mod tests {
             assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
         }
         assert_eq!("cuda,cuda:1".parse::<Device>().unwrap(), Device::Split(vec![0, 1]));
-        for bad in ["cuda:0,cpu", "cuda:0,", ",cuda:1", "sim:h200,cuda:0", "cuda:0,cuda:x"] {
+        for bad in ["cuda:0,cpu", "sim:h200,cuda:0", "cuda:0,cuda:x"] {
             let e = bad.parse::<Device>().unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("CUDA devices only"), "{e}");
+        }
+        for bad in ["cuda:0,", ",cuda:1", "cuda:0,,cuda:1"] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("stray comma"), "{e}");
         }
         let many = vec!["cuda:0"; MAX_SPLIT_DEVICES + 1].join(",");
         let e = many.parse::<Device>().unwrap_err().to_string();

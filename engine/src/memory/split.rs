@@ -97,17 +97,20 @@ fn auto_counts(n_layer: usize, room: &[u64]) -> Vec<usize> {
     let floor = room.iter().copied().filter(|&r| r > 0).min().unwrap_or(1);
     let w: Vec<f64> = room.iter().map(|&r| r.max(floor) as f64).collect();
     let total: f64 = w.iter().sum();
-    // One layer each first, the rest in proportion.
-    let spare = (n_layer - n) as f64;
-    let exact: Vec<f64> = w.iter().map(|x| spare * x / total).collect();
-    let mut counts: Vec<usize> = exact.iter().map(|e| 1 + e.floor() as usize).collect();
-    let mut left = n_layer - counts.iter().sum::<usize>();
+    let exact: Vec<f64> = w.iter().map(|x| n_layer as f64 * x / total).collect();
+    let mut counts: Vec<usize> = exact.iter().map(|e| (e.floor() as usize).max(1)).collect();
+    // Over: a device raised to its one layer takes it from the one with the most.
+    while counts.iter().sum::<usize>() > n_layer {
+        let i = (0..n).max_by_key(|&i| counts[i]).expect("devices");
+        counts[i] -= 1;
+    }
+    // Under: the largest remainders first; ties to the later device (the first also holds the embeddings).
     let mut order: Vec<usize> = (0..n).collect();
-    // Largest remainder first; ties to the later device (the first also holds the embeddings).
     order.sort_by(|&a, &b| {
-        let (ra, rb) = (exact[a] - exact[a].floor(), exact[b] - exact[b].floor());
+        let (ra, rb) = (exact[a] - counts[a] as f64, exact[b] - counts[b] as f64);
         rb.total_cmp(&ra).then(b.cmp(&a))
     });
+    let mut left = n_layer - counts.iter().sum::<usize>();
     for &i in order.iter().cycle() {
         if left == 0 {
             break;

@@ -197,14 +197,17 @@ impl EngineFlags {
     /// [`EngineError::RoutingTrace`], [`EngineError::ExpertProfile`], [`EngineError::DumpRouting`]; the model
     /// cannot be read.
     pub fn check_routing_trace(&self, model: &std::path::Path) -> Result<Option<RoutingReplay>, EngineError> {
+        self.check_split()?;
         self.check_batch_invariant()?;
         self.check_routing_device()?;
         self.check_expert_flags()?;
         let ef = &self.plan.experts;
+        let split_counts = matches!(self.layer_split, crate::memory::split::LayerSplit::Counts(_));
         if ef.routing_trace.is_none()
             && ef.expert_profile.is_none()
             && ef.save_expert_profile.is_none()
             && self.dump_routing.is_none()
+            && !split_counts
         {
             return Ok(None);
         }
@@ -219,6 +222,15 @@ impl EngineFlags {
                 source,
             })
         })?;
+        if let Device::Split(ords) = &self.device {
+            // Counts that do not add up to the model's layers: refused here, before a server's worker starts.
+            self.layer_split
+                .ranges(hp.n_layer as usize, &vec![1; ords.len()])
+                .map_err(|why| EngineError::Plan {
+                    device: self.device.clone(),
+                    why,
+                })?;
+        }
         let replay = ef.routing_trace.as_ref().map(|t| replay_for(t, &hp)).transpose()?;
         if let Some(p) = &ef.expert_profile {
             read_profile(p, &hp)?;
@@ -418,9 +430,9 @@ impl Engine {
                 k.ms
             );
         }
+        flags.check_split()?;
         flags.check_routing_device()?;
         flags.check_expert_flags()?;
-        flags.check_split()?;
         if backend.cudas().is_empty()
             && !matches!(flags.device, Device::Sim(_))
             && flags.plan.experts != ExpertFlags::default()
@@ -944,7 +956,8 @@ fn plan_device(
         eprintln!("strata: {}: memory plan of its layers:\n{}", part.label, plan.to_text());
     }
     if plan.cache_slots().is_some() && !ef.mmap_experts && pinned.is_none() {
-        plan = plan.with_host_arena(weights.experts, host_available_bytes());
+        // The arena holds every expert of the model, whichever stage caches them.
+        plan = plan.with_host_arena(WeightBytes::of(&model.gguf).experts, host_available_bytes());
     }
     let budget = ef
         .vram_budget
@@ -985,7 +998,7 @@ fn plan_device(
             let all = WeightBytes::of(&model.gguf).experts;
             *pinned = make_arena(c, model, all);
             if pinned.is_some() {
-                cuda_memory(c, &device, "the expert arena", all, true);
+                cuda_memory(c, &part.device, "the expert arena", all, true);
             }
         }
         let bytes = c
@@ -1007,7 +1020,7 @@ fn plan_device(
                 prefetch: ef.expert_prefetch && ef.routing_trace.is_none(),
             })
             .map_err(|e| fail(format!("the expert cache's {slots} + {staging} slots: {e}"), &plan))?;
-        cuda_memory(c, &device, "the expert cache", bytes as u64, false);
+        cuda_memory(c, &part.device, "the expert cache", bytes as u64, false);
         eprintln!(
             "strata: expert cache {slots} of {} slots ({:.1}%), {:.2} GiB of VRAM ({staging} staging slots, {} per slot, {} eviction{}, {})",
             g.all(),
@@ -1033,7 +1046,7 @@ fn plan_device(
         .map_err(|e| fail(format!("the dense weights: {e}"), &plan))?;
     cuda_memory(
         c,
-        &device,
+        &part.device,
         "the dense weights",
         dense.iter().map(|w| w.len() as u64).sum(),
         false,
@@ -1060,7 +1073,7 @@ fn plan_device(
     let kv_bytes = c
         .alloc_kv_pool(&probe, part.layers.clone())
         .map_err(|e| fail(format!("the KV cache pool ({} tokens): {e}", plan.kv_cells), &plan))?;
-    cuda_memory(c, &device, "the KV cache pool", kv_bytes, false);
+    cuda_memory(c, &part.device, "the KV cache pool", kv_bytes, false);
     if let Ok((left, _)) = c.gpu().mem_info() {
         eprintln!(
             "strata: {} MiB of VRAM free with everything loaded, the KV cache pool included ({} MiB for {} tokens{})",
