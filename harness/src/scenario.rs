@@ -24,7 +24,7 @@ pub struct Scenario {
     /// A .gguf path, or `default` for the default model (fetched on first use).
     #[serde(default = "default_model")]
     pub model: String,
-    /// `cpu`, `cuda:N` or `sim:PROFILE`; `--device` overrides it.
+    /// `cpu`, `cuda:N`, `sim:PROFILE`, or CUDA devices split by layers (`cuda:0,cuda:1`); `--device` overrides it.
     #[serde(default = "default_device")]
     pub device: String,
     /// `strata serve` arguments shared by every arm.
