@@ -67,28 +67,36 @@ impl FromStr for Device {
             "cpu" => Ok(Device::Cpu),
             "cuda" => Ok(Device::Cuda(0)),
             _ if s.contains(',') => {
-                let bad = |why: String| DeviceError::BadSplit { device: s.into(), why };
+                // A long list is named by its start (the error line stays short).
+                let shown: String = match s.char_indices().nth(80) {
+                    Some((at, _)) => format!("{}…", &s[..at]),
+                    None => s.into(),
+                };
+                let bad = |why: String| DeviceError::BadSplit {
+                    device: shown.clone(),
+                    why,
+                };
+                let n = s.split(',').count();
+                if n > MAX_SPLIT_DEVICES {
+                    return Err(bad(format!(
+                        "{n} devices; a layer split takes at most {MAX_SPLIT_DEVICES}"
+                    )));
+                }
+                if s.split(',').any(|p| p.trim().is_empty()) {
+                    return Err(bad(
+                        "an empty entry (a stray comma?); name CUDA devices: cuda:0,cuda:1".into()
+                    ));
+                }
                 let mut ords = Vec::new();
-                for part in s.split(',') {
+                for part in s.split(',').map(str::trim) {
                     match part.parse::<Device>() {
                         Ok(Device::Cuda(n)) => ords.push(n),
-                        _ if part.is_empty() => {
-                            return Err(bad(
-                                "an empty entry (a stray comma?); name CUDA devices: cuda:0,cuda:1".into()
-                            ));
-                        }
                         _ => {
                             return Err(bad(format!(
                                 "`{part}` is not a CUDA device: a layer split takes CUDA devices only (cuda:N,cuda:M)"
                             )));
                         }
                     }
-                }
-                if ords.len() > MAX_SPLIT_DEVICES {
-                    return Err(bad(format!(
-                        "{} devices; a layer split takes at most {MAX_SPLIT_DEVICES}",
-                        ords.len()
-                    )));
                 }
                 Ok(Device::Split(ords))
             }
@@ -189,17 +197,24 @@ mod tests {
             assert_eq!(s.parse::<Device>().unwrap().to_string(), s);
         }
         assert_eq!("cuda,cuda:1".parse::<Device>().unwrap(), Device::Split(vec![0, 1]));
+        assert_eq!(" cuda:0, cuda:1".parse::<Device>().unwrap(), Device::Split(vec![0, 1]));
         for bad in ["cuda:0,cpu", "sim:h200,cuda:0", "cuda:0,cuda:x"] {
             let e = bad.parse::<Device>().unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("CUDA devices only"), "{e}");
         }
-        for bad in ["cuda:0,", ",cuda:1", "cuda:0,,cuda:1"] {
+        for bad in ["cuda:0,", ",cuda:1", "cuda:0,,cuda:1", "cpu,", "cuda:0, ,cuda:1"] {
             let e = bad.parse::<Device>().unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("stray comma"), "{e}");
         }
         let many = vec!["cuda:0"; MAX_SPLIT_DEVICES + 1].join(",");
         let e = many.parse::<Device>().unwrap_err().to_string();
-        assert!(e.contains("at most 16"), "{e}");
+        assert!(e.contains("17 devices; a layer split takes at most 16"), "{e}");
+        let e = vec!["cuda:0"; 15_000]
+            .join(",")
+            .parse::<Device>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.len() < 200 && e.contains("15000 devices"), "{e}");
         for bad in [
             "gpu", "cuda:", "cuda:x", "cuda:-1", "sim:", "sim:../x", "sim:a/b", "CPU",
         ] {

@@ -69,8 +69,10 @@ impl LayerSplit {
                         c.len()
                     ));
                 }
-                let sum: usize = c.iter().sum();
-                if sum != n_layer {
+                // Checked: counts near usize::MAX must not wrap around to the model's layer count.
+                let sum = c.iter().try_fold(0usize, |a, &x| a.checked_add(x));
+                if sum != Some(n_layer) {
+                    let sum = sum.map_or("more than usize::MAX".to_string(), |s| s.to_string());
                     return Err(format!(
                         "--layer-split {self}: the counts add up to {sum}, and the model has {n_layer} layers"
                     ));
@@ -165,6 +167,10 @@ mod tests {
         assert_eq!(c.ranges(48, &[1, 1]).unwrap(), vec![0..20, 20..48]);
         let e = c.ranges(47, &[1, 1]).unwrap_err();
         assert!(e.contains("add up to 48") && e.contains("47 layers"), "{e}");
+        let e = LayerSplit::Counts(vec![usize::MAX, 31])
+            .ranges(30, &[1, 1])
+            .unwrap_err();
+        assert!(e.contains("more than usize::MAX") && e.contains("30 layers"), "{e}");
         let e = c.ranges(48, &[1, 1, 1]).unwrap_err();
         assert!(e.contains("2 counts for 3 devices"), "{e}");
         let e = LayerSplit::Auto.ranges(1, &[1, 1]).unwrap_err();

@@ -414,6 +414,8 @@ impl Engine {
                 why: "--cache-sizing original reproduces the original Strata's sizing on a simulated device: use --device sim:PROFILE".into(),
             });
         }
+        // The split's flags are checked before a card is opened.
+        flags.check_split()?;
         let start = Instant::now();
         let mut backend = AnyBackend::open(&flags.device).map_err(|source| EngineError::Device {
             device: flags.device.clone(),
@@ -430,7 +432,6 @@ impl Engine {
                 k.ms
             );
         }
-        flags.check_split()?;
         flags.check_routing_device()?;
         flags.check_expert_flags()?;
         if backend.cudas().is_empty()

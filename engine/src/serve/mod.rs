@@ -176,6 +176,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let addr = bind_address(&args.host, args.port, api_key.is_some(), args.insecure_public)?;
     // A malformed fault switch is an error now, not a worker that dies at every start.
     crate::device::fault::FaultPlan::from_env()?;
+    // Flags a layer split refuses, before the device is opened.
+    args.engine.check_split()?;
     // A device the worker cannot open is an error now, not a worker restarted for ever behind a 503.
     let device = &args.engine.device;
     device

@@ -333,3 +333,33 @@ fn serve_on_a_device_it_cannot_open_exits_with_one_line() {
     assert!(err.contains("cannot use --device cuda:99"), "{err}");
     assert!(!err.contains("listening"), "{err}");
 }
+
+/// The layer split's flag conflicts are refused before any device is opened (here, a machine without CUDA
+/// would otherwise only say so), in `generate` and in `serve` (which would start a worker otherwise).
+#[test]
+fn a_layer_splits_flag_conflicts_are_named_before_the_device_opens() {
+    for (extra, says) in [
+        (
+            &["--device", "cuda:0,cuda:1", "--batch-invariant"][..],
+            "--batch-invariant is not available with a layer split",
+        ),
+        (
+            &["--device", "cuda:0,cuda:1", "--expert-policy", "profile"][..],
+            "--expert-policy profile is not available with a layer split",
+        ),
+        (
+            &["--layer-split", "15,15"][..],
+            "--layer-split 15,15 splits layers over several devices",
+        ),
+        (
+            &["--device", "cuda:0", "--layer-split", "15,15"][..],
+            "--layer-split 15,15 splits layers over several devices",
+        ),
+    ] {
+        for cmd in [&["generate", "--prompt", "Hi"][..], &["serve", "--port", "0"][..]] {
+            let out = run(&[cmd, extra].concat());
+            let err = text(&out.stderr);
+            assert!(!out.status.success() && err.contains(says), "{cmd:?} {extra:?}: {err}");
+        }
+    }
+}
