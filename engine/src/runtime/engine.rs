@@ -807,24 +807,20 @@ impl Drop for Engine {
     }
 }
 
-/// Sizes a CUDA device's memory from the plan (DESIGN.md section 3, "Memory plan"), logging it as the original
-/// Strata does: every expert resident when they fit, else the expert cache over the host store (the page-locked
-/// arena, or the mapped GGUF with `--mmap-experts` or when the arena cannot be made); then the dense weights are
-/// copied and the free memory left is logged. Returns the arena's page lock.
-///
-/// Errors: [`EngineError::Plan`] when the plan does not fit (before anything is allocated) or an allocation of it
-/// fails, naming the part and the numbers.
 /// The part of the model one CUDA backend computes: every layer, or a stage's of a layer split.
 struct DevicePart {
-    /// The device as messages name it (`cuda:1`; a stage of a split: `cuda:1 (layers 24-47)`).
+    /// The card.
     device: Device,
+    /// The part as messages name it (`cuda:1`; a stage of a split: `cuda:1 (layers 24-47)`).
     label: String,
     layers: std::ops::Range<usize>,
-    /// Stages of the split still to be planned on this card, this one included (they share its free memory and
-    /// `--vram-budget`); 1 without a split.
-    share: u64,
-    /// Stages of the split on this card in all (the budget is the card's).
-    on_card: u64,
+    /// Whether this is the whole model on one card (no split).
+    whole: bool,
+    /// Its fraction of the card's free memory when it is planned (stages of a split on one card are planned in
+    /// turn): `(its layers, the layers of the card's stages still to be planned, its own included)`.
+    free_share: (u64, u64),
+    /// Its fraction of the card's `--vram-budget`: `(its layers, the layers of every stage on the card)`.
+    budget_share: (u64, u64),
 }
 
 impl DevicePart {
@@ -833,10 +829,30 @@ impl DevicePart {
             device: device.clone(),
             label: device.to_string(),
             layers: 0..n_layer,
-            share: 1,
-            on_card: 1,
+            whole: true,
+            free_share: (1, 1),
+            budget_share: (1, 1),
         }
     }
+}
+
+/// Each stage's [`DevicePart::free_share`] and [`DevicePart::budget_share`]: stages on one card (`ords`, the
+/// card of each) share its memory in proportion to their layers (`ranges`).
+fn card_shares(ords: &[usize], ranges: &[std::ops::Range<usize>]) -> Vec<((u64, u64), (u64, u64))> {
+    let len = |i: usize| ranges[i].len() as u64;
+    (0..ords.len())
+        .map(|i| {
+            let on_card = |j: &usize| ords[*j] == ords[i];
+            let left: u64 = (i..ords.len()).filter(on_card).map(len).sum();
+            let all: u64 = (0..ords.len()).filter(on_card).map(len).sum();
+            ((len(i), left), (len(i), all))
+        })
+        .collect()
+}
+
+/// `x * num / den`, rounded down, without overflow.
+fn scaled(x: u64, (num, den): (u64, u64)) -> u64 {
+    (x as u128 * num as u128 / den.max(1) as u128) as u64
 }
 
 /// Places a layer split's stages (`--layer-split`, or `auto` from what each card may hold) and says how.
@@ -886,20 +902,19 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
     }
     let ranges = flags.layer_split.ranges(n_layer, &room).map_err(err)?;
     split.place(&ranges);
-    let mut parts = Vec::new();
-    let mut seen = std::collections::HashMap::new();
-    for (i, r) in ranges.iter().enumerate() {
-        let k = on_card(ords[i]);
-        let planned = seen.entry(ords[i]).or_insert(0u64);
-        parts.push(DevicePart {
+    let parts: Vec<DevicePart> = ranges
+        .iter()
+        .zip(card_shares(&ords, &ranges))
+        .enumerate()
+        .map(|(i, (r, (free_share, budget_share)))| DevicePart {
             device: Device::Cuda(ords[i]),
             label: format!("cuda:{} (layers {}-{})", ords[i], r.start, r.end - 1),
             layers: r.clone(),
-            share: k - *planned,
-            on_card: k,
-        });
-        *planned += 1;
-    }
+            whole: false,
+            free_share,
+            budget_share,
+        })
+        .collect();
     eprintln!(
         "strata: layer split over {device} ({}): {}; the hidden state crosses each boundary through host memory",
         if flags.layer_split == crate::memory::split::LayerSplit::Auto {
@@ -916,6 +931,14 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
     Ok(parts)
 }
 
+/// Sizes a CUDA device's memory from the plan (DESIGN.md section 3, "Memory plan"), logging it as the original
+/// Strata does: every expert resident when they fit, else the expert cache over the host store (the page-locked
+/// arena, or the mapped GGUF with `--mmap-experts` or when the arena cannot be made); then the dense weights are
+/// copied and the free memory left is logged. `part`: the whole model, or one stage of a layer split (its layers,
+/// its share of the card); `pinned`: the arena's page lock, made here by the first part that needs the arena.
+///
+/// Errors: [`EngineError::Plan`] when the plan does not fit (before anything is allocated) or an allocation of it
+/// fails, naming the part and the numbers.
 fn plan_device(
     c: &CudaBackend,
     model: &mut Model,
@@ -934,11 +957,11 @@ fn plan_device(
         device: device.clone(),
         why: format!("{}cannot read the free device memory: {e}", stage_prefix(part)),
     })?;
-    // Stages of a split on one card share its free memory and its budget.
-    let free = free as u64 / part.share;
+    // Stages of a split on one card share its free memory and its budget, in proportion to their layers.
+    let free = scaled(free as u64, part.free_share);
     let ef = &flags.plan.experts;
     let mut config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
-    config.budget = config.budget.map(|b| b / part.on_card);
+    config.budget = config.budget.map(|b| scaled(b, part.budget_share));
     let n_layer = model.hp.n_layer as usize;
     let whole = part.layers == (0..n_layer);
     let mut hp = model.hp.clone();
@@ -1092,7 +1115,7 @@ fn plan_device(
 
 /// `cuda:1 (layers 24-47): ` for a stage of a layer split, nothing for a whole model.
 fn stage_prefix(part: &DevicePart) -> String {
-    if part.share == 1 && part.on_card == 1 && part.label == part.device.to_string() {
+    if part.whole {
         String::new()
     } else {
         format!("{}: ", part.label)
@@ -1564,6 +1587,27 @@ fn make_arena(c: &CudaBackend, model: &mut Model, bytes: u64) -> Option<HostPin>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stages_on_one_card_share_it_by_their_layers() {
+        // Two stages on cuda:0, 40 and 8 layers: the first plans with 40/48 of the free memory and of the budget,
+        // the second with all that is left and 8/48 of the budget.
+        let s = card_shares(&[0, 0], &[0..40, 40..48]);
+        assert_eq!(s, vec![((40, 48), (40, 48)), ((8, 8), (8, 48))]);
+        // One stage a card: each has its card to itself.
+        assert_eq!(
+            card_shares(&[0, 1], &[0..20, 20..48]),
+            vec![((20, 20), (20, 20)), ((28, 28), (28, 28))]
+        );
+        // cuda:0, cuda:1, cuda:0: the two on cuda:0 share it, the one on cuda:1 does not.
+        let s = card_shares(&[0, 1, 0], &[0..10, 10..30, 30..48]);
+        assert_eq!(
+            s,
+            vec![((10, 28), (10, 28)), ((20, 20), (20, 20)), ((18, 18), (18, 28))]
+        );
+        assert_eq!(scaled(u64::MAX, (1, 2)), u64::MAX / 2);
+        assert_eq!(scaled(48 << 30, (40, 48)), 40 << 30);
+    }
     use clap::Parser;
 
     #[derive(Parser)]
