@@ -20,8 +20,8 @@ use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use super::Backend;
 use super::cuda::select::{AnyBackend, AnyBuf};
-use super::{Backend, RunBufs};
 use crate::device::Device;
 
 /// One stage of a split: the layers it computes, on which backend.
@@ -111,12 +111,16 @@ impl Split {
 
     /// [`Backend::enter_layer`]: at layer 0 (the start of a step) the first stage computes again; at a stage's
     /// first layer that stage takes over (after the copies the stages before it made in shared KV blocks), and
-    /// the answer is `true`.
+    /// the answer is `true`. Within a stage nothing changes (no copies are shared: a stage's copies are made at its
+    /// first layer's store, before the next stage takes over).
     pub fn enter_layer(&self, il: usize) -> bool {
         let to = if il == 0 { 0 } else { self.stage_of(il) };
         let from = self.cur.swap(to, Ordering::Relaxed);
+        if to == from {
+            return false;
+        }
         self.share_kv_copies();
-        il > 0 && to != from
+        il > 0
     }
 
     /// [`Backend::carry`]: `len` values of `buf` from the previous stage's buffer into the current one's (sized
@@ -168,24 +172,4 @@ impl Split {
             self.share_kv_copies();
         }
     }
-}
-
-/// Moves stage `i`'s buffers out of the split's [`RunBufs`] for one call of that stage's backend, and back.
-pub(crate) fn with_stage_bufs<R>(
-    bufs: &mut RunBufs<AnyBuf>,
-    i: usize,
-    call: impl FnOnce(&mut RunBufs<AnyBuf>) -> R,
-) -> R {
-    let mut t = RunBufs {
-        q: std::mem::take(bufs.q.stage_mut(i)),
-        k: std::mem::take(bufs.k.stage_mut(i)),
-        v: std::mem::take(bufs.v.stage_mut(i)),
-        att: std::mem::take(bufs.att.stage_mut(i)),
-    };
-    let r = call(&mut t);
-    *bufs.q.stage_mut(i) = t.q;
-    *bufs.k.stage_mut(i) = t.k;
-    *bufs.v.stage_mut(i) = t.v;
-    *bufs.att.stage_mut(i) = t.att;
-    r
 }

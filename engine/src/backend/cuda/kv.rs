@@ -49,6 +49,16 @@ impl DevPool {
         }
         Ok(())
     }
+
+    /// Every array's rows of block `c.src` into block `c.dst` (a copy-on-write), on the stream.
+    fn copy_block(&mut self, gpu: &Gpu, c: BlockCopy) -> Result<(), CudaError> {
+        for a in self.arrays.values_mut() {
+            let bytes = KV_BLOCK_CELLS * a.row_bytes;
+            let src = a.buf.ptr + (c.src as usize * bytes) as u64;
+            a.buf.copy_in(&gpu.stream, c.dst as usize * bytes, src, bytes)?;
+        }
+        Ok(())
+    }
 }
 
 /// A sequence's page table on the device, and the version of the host's table it holds
@@ -150,11 +160,7 @@ impl CudaBackend {
                 let Some(p) = s.kv_pools.get_mut(&pool) else { continue };
                 let need = p.pool.upgrade().map_or(0, |pl| pl.id_bound());
                 p.grow(g, need)?;
-                for a in p.arrays.values_mut() {
-                    let bytes = KV_BLOCK_CELLS * a.row_bytes;
-                    let src = a.buf.ptr + (c.src as usize * bytes) as u64;
-                    a.buf.copy_in(&g.stream, c.dst as usize * bytes, src, bytes)?;
-                }
+                p.copy_block(g, c)?;
             }
             Ok(())
         })());
@@ -254,12 +260,8 @@ impl Inner {
         let room = self.kv_pools.get(&pool.id()).map_or(0, |p| p.blocks);
         if !copies.is_empty() || pool.id_bound() > room {
             let p = self.kv_pool_blocks(gpu, rows)?;
-            for c in &copies {
-                for a in p.arrays.values_mut() {
-                    let bytes = KV_BLOCK_CELLS * a.row_bytes;
-                    let src = a.buf.ptr + (c.src as usize * bytes) as u64;
-                    a.buf.copy_in(&gpu.stream, c.dst as usize * bytes, src, bytes)?;
-                }
+            for &c in &copies {
+                p.copy_block(gpu, c)?;
             }
         }
         self.kv_table(gpu, rows).map(|_| ())

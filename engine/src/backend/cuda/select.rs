@@ -4,7 +4,7 @@ use super::error::CudaError;
 use super::{CudaBackend, DevVec};
 use crate::backend::StepKey;
 use crate::backend::cpu::CpuBackend;
-use crate::backend::split::{Split, with_stage_bufs};
+use crate::backend::split::Split;
 use crate::backend::{AttnOp, AttnParams, Backend, Experts, GluKind, MoeScratch, QMat, RopeParams, RunBufs};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -211,14 +211,22 @@ impl AnyBuf {
 }
 
 /// Moves scratch buffers out of [`AnyBuf`]s for one backend's call and back after it: a buffer of the other
-/// backend's kind (or none) starts empty, and the backend sizes it.
+/// backend's kind (or none) starts empty, and the backend sizes it. `stage`: a layer split's stage, whose buffers
+/// of the split's ([`AnyBuf::Staged`]) are the ones moved; `None`: the buffers themselves.
 fn with_bufs<T: Default, R>(
     bufs: &mut RunBufs<AnyBuf>,
+    stage: Option<usize>,
     take: fn(AnyBuf) -> Option<T>,
     wrap: fn(T) -> AnyBuf,
     call: impl FnOnce(&mut RunBufs<T>) -> R,
 ) -> R {
-    let out = |b: &mut AnyBuf| take(std::mem::take(b)).unwrap_or_default();
+    fn at(b: &mut AnyBuf, stage: Option<usize>) -> &mut AnyBuf {
+        match stage {
+            Some(i) => b.stage_mut(i),
+            None => b,
+        }
+    }
+    let out = |b: &mut AnyBuf| take(std::mem::take(at(b, stage))).unwrap_or_default();
     let mut t = RunBufs {
         q: out(&mut bufs.q),
         k: out(&mut bufs.k),
@@ -226,12 +234,10 @@ fn with_bufs<T: Default, R>(
         att: out(&mut bufs.att),
     };
     let r = call(&mut t);
-    *bufs = RunBufs {
-        q: wrap(t.q),
-        k: wrap(t.k),
-        v: wrap(t.v),
-        att: wrap(t.att),
-    };
+    *at(&mut bufs.q, stage) = wrap(t.q);
+    *at(&mut bufs.k, stage) = wrap(t.k);
+    *at(&mut bufs.v, stage) = wrap(t.v);
+    *at(&mut bufs.att, stage) = wrap(t.att);
     r
 }
 
@@ -463,7 +469,7 @@ impl Backend for AnyBackend {
                     AnyBuf::Host(v) => Some(v),
                     _ => None,
                 };
-                with_bufs(tmp, take, AnyBuf::Host, |t| {
+                with_bufs(tmp, None, take, AnyBuf::Host, |t| {
                     be.attend_runs(q, k, v, kvs, layer, layout, a, out, t)
                 })
             }
@@ -474,14 +480,16 @@ impl Backend for AnyBackend {
                     AnyBuf::Dev(v) => Some(v),
                     _ => None,
                 };
-                with_bufs(tmp, take, AnyBuf::Dev, |t| {
+                with_bufs(tmp, None, take, AnyBuf::Dev, |t| {
                     be.attend_runs(q, k, v, kvs, layer, layout, a, out, t)
                 })
             }
             AnyBackend::Split(s) => {
                 let (i, be) = s.current();
                 let (q, k, v, out) = (q.stage_mut(i), k.stage_mut(i), v.stage(i), out.stage_mut(i));
-                with_stage_bufs(tmp, i, |t| be.attend_runs(q, k, v, kvs, layer, layout, a, out, t))
+                with_bufs(tmp, Some(i), Some, std::convert::identity, |t| {
+                    be.attend_runs(q, k, v, kvs, layer, layout, a, out, t)
+                })
             }
         }
     }
