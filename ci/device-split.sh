@@ -3,9 +3,13 @@
 # split with both stages on cuda:0 (`--device cuda:0,cuda:0`, two backends with a stream each).
 #   1. cuda_parity, every test, or those whose names contain $PARITY_FILTER (the split's test and the paged KV
 #      cache's, whose arrays the split changed)
-#   2. the 30B shape, greedy, 32 tokens: one card against the split; the logprobs files must be equal byte for byte
-#   3. `strata bench` pp512 and tg64 of the 30B shape, all resident, one card against the split; then the same
-#      under --vram-budget $BUDGET (default 21.4GiB: on one card the split's two stages share it, 10.7 GiB each)
+#   2. the 30B shape, greedy, 32 tokens: one card against the split, and against the split under a 10 GiB budget
+#      (5 GiB a stage: each stage's expert cache over its layers, misses uploaded); the logprobs files must be
+#      equal byte for byte
+#   3. `strata bench` pp512 and tg64 of the 30B shape, all resident, one card against the split; then under a
+#      budget per card that forces offload on one card: one card at --vram-budget $BUDGET (default 10.7GiB,
+#      DESIGN.md section 5's figure) against the split at twice that (its two stages on cuda:0 share a budget by
+#      their layers: $BUDGET each, as two cards of $BUDGET would have)
 # Logs go to $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-device-out}
@@ -16,22 +20,32 @@ timeout 300 carry/cuda_parity --ignored --test-threads 1 --nocapture ${PARITY_FI
 echo "parity rc $?"
 grep -E "^test result|FAILED|panicked|layer split" "$OUT/parity.txt" | head -8
 P="The capital of France is"
-for arm in one split; do
-  case $arm in one) dev=cuda:0 ;; split) dev=cuda:0,cuda:0 ;; esac
-  timeout 400 carry/strata generate --model $M --device $dev --prompt "$P" --max-tokens 32 --temp 0 \
+for arm in one split split-cache; do
+  case $arm in one) dev=cuda:0 ;; split*) dev=cuda:0,cuda:0 ;; esac
+  # split-cache: 5 GiB a stage, so each caches its layers' experts; misses uploaded, so the bits stay the same.
+  c=(); [ $arm = split-cache ] && c=(--vram-budget 10GiB --miss-policy upload)
+  timeout 400 carry/strata generate --model $M --device $dev --prompt "$P" --max-tokens 32 --temp 0 "${c[@]}" \
     --logprobs "$OUT/$arm.logprobs.jsonl" > "$OUT/$arm.txt" 2> "$OUT/$arm.gen.log"
   echo "generate $arm rc $?"; grep -E "layer split|memory plan|ready in|error" "$OUT/$arm.gen.log" | head -6
 done
 cmp "$OUT/one.logprobs.jsonl" "$OUT/split.logprobs.jsonl" && echo "greedy: logprobs equal byte for byte ($(wc -l < "$OUT/one.logprobs.jsonl") lines)"
 cmp "$OUT/one.txt" "$OUT/split.txt" && echo "greedy: text equal"
-for budget in none "${BUDGET:-21.4GiB}"; do
+cmp "$OUT/one.logprobs.jsonl" "$OUT/split-cache.logprobs.jsonl" && echo "greedy, split with expert caches: logprobs equal byte for byte"
+grep -E "hit rate|expert cache" "$OUT/split-cache.gen.log" | head -6
+BUDGET=${BUDGET:-10.7GiB}
+for budget in none "$BUDGET"; do
   for arm in one split; do
     case $arm in one) dev=cuda:0 ;; split) dev=cuda:0,cuda:0 ;; esac
-    b=(); [ "$budget" != none ] && b=(--vram-budget "$budget")
-    timeout 300 carry/strata bench --device $dev --model $M --prompt-tokens 512 --gen-tokens 64 --reps 1 \
+    b=()
+    if [ "$budget" != none ]; then
+      per=${budget%GiB}; [ $arm = split ] && per=$(python3 -c "print(2 * $per)")
+      b=(--vram-budget "${per}GiB")
+    fi
+    timeout 300 carry/strata bench --device $dev --model $M --prompt-tokens 512 --gen-tokens 64 --reps 3 \
       --llama-bench off "${b[@]}" > "$OUT/bench-$arm-$budget.md" 2> "$OUT/bench-$arm-$budget.log"
     echo "bench $arm budget $budget: rc $?"
     grep -E "^\| (pp|tg)" "$OUT/bench-$arm-$budget.md" | awk -F'|' -v a="$arm $budget" '{printf "  %-22s %-8s %10s\n", a, $2, $3}' | tee -a "$OUT/table.txt"
+    grep -E "expert cache auto" "$OUT/bench-$arm-$budget.log" | sed 's/^/    /'
   done
 done
 echo "== table (tok/s) =="; cat "$OUT/table.txt"

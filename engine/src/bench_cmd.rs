@@ -353,8 +353,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
         true => Some(gpu_info(model, &mut session, &mut together, &args)?),
         false => None,
     };
+    // A layer split reads each layer's weights on its own card: the slowest card's copy bandwidth bounds it (the
+    // host bounce between stages is not counted).
+    let stages = session.backend().cudas();
     let read_bandwidth_gb_s = match &gpu {
         Some(g) => g.copy_gb_s,
+        None if !stages.is_empty() => {
+            let mut slowest = f64::INFINITY;
+            for c in stages {
+                slowest = slowest.min(c.measure_copy_gb_s()?);
+            }
+            slowest
+        }
         None => read_bandwidth() / 1e9,
     };
     for r in results.iter_mut().filter(|r| r.parallel > 1) {

@@ -1884,8 +1884,14 @@ fn a_layer_split_on_one_gpu_gives_the_bits_of_one_backend() {
     assert_eq!(got.done[3].as_ref().unwrap().prefill.reused, 40);
     let (carried, values) = sp.split().unwrap().carried();
     assert!(carried > 0, "nothing crossed the boundary");
+    // Decode steps ran as each stage's CUDA graph, and whole (every stage's graph in turn).
+    let replayed = sp.split().unwrap().replayed();
+    assert!(replayed > 0, "no decode step of the split was replayed whole");
+    for c in sp.cudas() {
+        assert!(c.gpu().graph_counts().0 > 0, "a stage captured no decode graph");
+    }
     println!(
-        "layer split 0..{} | {}..{n} on cuda:0 twice: {} requests with the bits of one backend, alone and batched; {carried} buffers ({values} values) carried",
+        "layer split 0..{} | {}..{n} on cuda:0 twice: {} requests with the bits of one backend, alone and batched; {carried} buffers ({values} values) carried; {replayed} steps replayed whole",
         n / 2,
         n / 2,
         all.len()

@@ -768,6 +768,11 @@ pub trait Backend: Send + Sync {
     /// copy into the current stage's (sized). Nothing on a backend that is not a split.
     fn carry(&self, _buf: &mut Self::Buf, _len: usize) {}
 
+    /// After the [`Backend::carry`]s at a stage's first layer: the stage may begin its part of the step (a layer
+    /// split begins the stage's step here, after the carried values arrived, so that the CUDA graph of the
+    /// stage's launches reads them from its input buffers). Nothing on a backend that is not a split.
+    fn carried(&self) {}
+
     /// Runs a whole decode step from a graph verified on earlier steps, when the backend has one for `key` and
     /// nothing it depends on changed since: `ids` and `positions` become its inputs and its logits land where the
     /// forward pass leaves them. Returns false (nothing done) otherwise; the caller then runs the forward pass,

@@ -14,15 +14,24 @@
 //! and copies its own layers' rows; the copies it made are handed to the other stages before they run
 //! ([`Split::share_kv_copies`]).
 //!
+//! A step ([`Backend::step_begin`] to [`Backend::step_end`]) is one step of each stage in turn: the stage's
+//! expert cache decides the step as on one card, and a decode step is a CUDA graph of the stage's launches. A
+//! stage's step ends before its values are carried out (the download waits for it), and the next one's begins
+//! after they were carried in ([`Backend::carried`]), so no host copy falls inside a stage's graph. A decode
+//! step whose every stage has a verified graph is replayed whole ([`Backend::replay_step`]): each stage's graph in
+//! turn, the carried buffers copied between them by the addresses the last forward pass of that key used.
+//!
 //! One step runs at a time (the engine's step driver is one thread): the current stage is the split's state.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use super::Backend;
 use super::cuda::select::{AnyBackend, AnyBuf};
+use super::{Backend, StepKey};
 use crate::device::Device;
+use crate::state::kv::SeqSlot;
 
 /// One stage of a split: the layers it computes, on which backend.
 pub struct Stage {
@@ -42,6 +51,33 @@ pub struct Split {
     /// Buffers carried across a boundary so far, and their values.
     carried: AtomicU64,
     carried_values: AtomicU64,
+    /// The step begun ([`Split::step_begin`]) and the stage whose part of it is open, if one is.
+    step: Mutex<StepState>,
+    /// Per step key, the buffers its last forward pass carried (GPU stages only): what a whole-step replay
+    /// copies between the stages' graphs.
+    replays: Mutex<HashMap<StepKey, Vec<Carried>>>,
+    /// Steps replayed whole so far.
+    replayed: AtomicU64,
+}
+
+/// One buffer carried into stage `into` by a forward pass: `len` f32 values from device address `src` of the
+/// stage before to `dst` of `into`.
+#[derive(Clone, Copy, Debug)]
+struct Carried {
+    into: usize,
+    src: u64,
+    dst: u64,
+    len: usize,
+}
+
+/// A split's step: its shape and key, between [`Split::step_begin`] and [`Split::step_end`], and the stage whose
+/// own step is open.
+#[derive(Default)]
+struct StepState {
+    step: Option<(usize, StepKey)>,
+    open: Option<usize>,
+    /// What the step carried so far.
+    carried: Vec<Carried>,
 }
 
 impl Split {
@@ -70,6 +106,9 @@ impl Split {
             bounce: Mutex::new(Vec::new()),
             carried: AtomicU64::new(0),
             carried_values: AtomicU64::new(0),
+            step: Mutex::new(StepState::default()),
+            replays: Mutex::new(HashMap::new()),
+            replayed: AtomicU64::new(0),
         }
     }
 
@@ -116,11 +155,67 @@ impl Split {
     pub fn enter_layer(&self, il: usize) -> bool {
         let to = if il == 0 { 0 } else { self.stage_of(il) };
         let from = self.cur.swap(to, Ordering::Relaxed);
-        if to == from {
-            return false;
+        if to != from {
+            // The stage left ends its part of the step (its graph runs) before its values are read back.
+            self.end_stage_step();
+            self.share_kv_copies();
         }
-        self.share_kv_copies();
-        il > 0
+        if il == 0 {
+            // The first stage has nothing carried in: its part of the step begins now.
+            self.begin_stage_step();
+        }
+        to != from && il > 0
+    }
+
+    /// [`Backend::carried`]: the current stage begins its part of the step, once the carried values are in.
+    pub fn carried_in(&self) {
+        self.begin_stage_step();
+    }
+
+    /// [`Backend::step_begin`]: remembered, and begun on each stage in turn as the forward pass reaches it.
+    pub fn step_begin(&self, n_tok: usize, key: StepKey) {
+        self.end_stage_step();
+        let mut st = self.lock_step();
+        st.step = Some((n_tok, key));
+        st.carried.clear();
+    }
+
+    /// [`Backend::step_end`]: the open stage's part of the step ends (on the last stage, its graph runs), and
+    /// what the step carried is kept for a whole-step replay of its key.
+    pub fn step_end(&self) {
+        self.end_stage_step();
+        let mut st = self.lock_step();
+        if let Some((_, key)) = st.step.take() {
+            let carried = std::mem::take(&mut st.carried);
+            drop(st);
+            let mut replays = self.replays.lock().unwrap_or_else(|e| e.into_inner());
+            match carried.is_empty() {
+                true => replays.remove(&key),
+                false => replays.insert(key, carried),
+            };
+        }
+    }
+
+    fn lock_step(&self) -> std::sync::MutexGuard<'_, StepState> {
+        self.step.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Begins the step on the current stage, if a step is under way and no stage's part of it is open.
+    fn begin_stage_step(&self) {
+        let mut st = self.lock_step();
+        if let (Some((n_tok, key)), None) = (st.step, st.open) {
+            let i = self.cur.load(Ordering::Relaxed);
+            self.stages[i].be.step_begin(n_tok, key);
+            st.open = Some(i);
+        }
+    }
+
+    /// Ends the open stage's part of the step, if one is open.
+    fn end_stage_step(&self) {
+        let open = self.lock_step().open.take();
+        if let Some(i) = open {
+            self.stages[i].be.step_end();
+        }
     }
 
     /// [`Backend::carry`]: `len` values of `buf` from the previous stage's buffer into the current one's (sized
@@ -136,8 +231,75 @@ impl Split {
         host.resize(len, 0.0);
         self.stages[i - 1].be.download(&before[i - 1], 0, &mut host[..len]);
         self.stages[i].be.upload(&host[..len], &mut here[0]);
+        self.count_carry(len);
+        if let (AnyBuf::Dev(src), AnyBuf::Dev(dst)) = (&before[i - 1], &here[0]) {
+            let mut st = self.lock_step();
+            if st.step.is_some() {
+                st.carried.push(Carried {
+                    into: i,
+                    src: src.ptr(),
+                    dst: dst.ptr(),
+                    len,
+                });
+            }
+        }
+    }
+
+    fn count_carry(&self, len: usize) {
         self.carried.fetch_add(1, Ordering::Relaxed);
         self.carried_values.fetch_add(len as u64, Ordering::Relaxed);
+    }
+
+    /// [`Backend::replay_step`]: when every stage holds a verified graph of `key` (no device allocation since,
+    /// so the carried buffers' addresses still hold) and the last forward pass of `key` carried between GPU
+    /// stages, each stage's graph runs in turn, with the carried values copied between them. `false` (nothing
+    /// done) otherwise. A stage after the first may still refuse (its expert cache chose another decode path
+    /// for this step): then `false` as well, and the forward pass computes the whole step again, writing the
+    /// same keys and values the stages before it wrote.
+    pub fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
+        let Some(carried) = self
+            .replays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .cloned()
+        else {
+            return false;
+        };
+        let cudas: Vec<_> = self.stages.iter().filter_map(|s| s.be.cuda()).collect();
+        if cudas.len() != self.stages.len() || !cudas.iter().all(|c| c.gpu().can_replay(key)) {
+            return false;
+        }
+        for (i, c) in cudas.iter().enumerate() {
+            if i > 0 {
+                let mut host = self.bounce.lock().unwrap_or_else(|e| e.into_inner());
+                for b in carried.iter().filter(|b| b.into == i) {
+                    host.resize(b.len, 0.0);
+                    cudas[i - 1].read_f32_at(b.src, &mut host[..b.len]);
+                    c.write_f32_at(b.dst, &host[..b.len]);
+                    self.count_carry(b.len);
+                }
+            }
+            self.cur.store(i, Ordering::Relaxed);
+            if !self.stages[i].be.replay_step(key, ids, positions) {
+                return false;
+            }
+        }
+        self.replayed.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Steps replayed whole ([`Split::replay_step`]) since the split was made.
+    pub fn replayed(&self) -> u64 {
+        self.replayed.load(Ordering::Relaxed)
+    }
+
+    /// [`Backend::release_slot`]'s part here: the replays of sequence `slot`'s steps are dropped.
+    pub fn forget_slot(&self, slot: SeqSlot) {
+        self.replays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|k, _| k.slot != slot);
     }
 
     /// Buffers carried across a boundary since the split was made, and their values (f32 each).

@@ -381,6 +381,7 @@ impl Model {
                 self.reserve_step(be, s, n);
                 be.carry(&mut s.x, n * e);
                 be.carry(&mut s.h, n * e);
+                be.carried();
             }
             trace(be, "attn_norm", Some(il), &s.h, n * e);
             // The mixer: attention (the one mixer so far).

@@ -816,11 +816,13 @@ struct DevicePart {
     layers: std::ops::Range<usize>,
     /// Whether this is the whole model on one card (no split).
     whole: bool,
-    /// Its fraction of the card's free memory when it is planned (stages of a split on one card are planned in
-    /// turn): `(its layers, the layers of the card's stages still to be planned, its own included)`.
-    free_share: (u64, u64),
-    /// Its fraction of the card's `--vram-budget`: `(its layers, the layers of every stage on the card)`.
-    budget_share: (u64, u64),
+    /// Its fraction of the card's free memory and `--vram-budget`: `(its layers, the layers of every stage on
+    /// the card)`; `(1, 1)` for a card of its own.
+    share: (u64, u64),
+    /// A split stage's card's free memory in bytes, read once before any stage allocated (stages on one card are
+    /// planned before the first one's experts are uploaded, so what a later one reads would count memory the
+    /// earlier one is about to take); `None`: read it when the part is planned.
+    card_free: Option<u64>,
 }
 
 impl DevicePart {
@@ -830,22 +832,20 @@ impl DevicePart {
             label: device.to_string(),
             layers: 0..n_layer,
             whole: true,
-            free_share: (1, 1),
-            budget_share: (1, 1),
+            share: (1, 1),
+            card_free: None,
         }
     }
 }
 
-/// Each stage's [`DevicePart::free_share`] and [`DevicePart::budget_share`]: stages on one card (`ords`, the
-/// card of each) share its memory in proportion to their layers (`ranges`).
-fn card_shares(ords: &[usize], ranges: &[std::ops::Range<usize>]) -> Vec<((u64, u64), (u64, u64))> {
+/// Each stage's [`DevicePart::share`]: stages on one card (`ords`, the card of each) share its memory in
+/// proportion to their layers (`ranges`).
+fn card_shares(ords: &[usize], ranges: &[std::ops::Range<usize>]) -> Vec<(u64, u64)> {
     let len = |i: usize| ranges[i].len() as u64;
     (0..ords.len())
         .map(|i| {
-            let on_card = |j: &usize| ords[*j] == ords[i];
-            let left: u64 = (i..ords.len()).filter(on_card).map(len).sum();
-            let all: u64 = (0..ords.len()).filter(on_card).map(len).sum();
-            ((len(i), left), (len(i), all))
+            let all: u64 = (0..ords.len()).filter(|&j| ords[j] == ords[i]).map(len).sum();
+            (len(i), all)
         })
         .collect()
 }
@@ -877,12 +877,14 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
     let tied = crate::memory::split::tied_head(model.gguf.tensors().iter().map(|t| t.name.as_str()));
     let reserve = flags.plan.experts.reserve_bytes();
     let mut room = Vec::with_capacity(ords.len());
+    let mut card_free = Vec::with_capacity(ords.len());
     for (i, st) in split.stages().iter().enumerate() {
         let c = st.be.cuda().expect("a split's stages are CUDA backends");
         let (free, _) = c
             .gpu()
             .mem_info()
             .map_err(|e| err(format!("{}: cannot read the free device memory: {e}", st.device)))?;
+        card_free.push(free as u64);
         let k = on_card(ords[i]);
         let limit = flags
             .plan
@@ -906,13 +908,13 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
         .iter()
         .zip(card_shares(&ords, &ranges))
         .enumerate()
-        .map(|(i, (r, (free_share, budget_share)))| DevicePart {
+        .map(|(i, (r, share))| DevicePart {
             device: Device::Cuda(ords[i]),
             label: format!("cuda:{} (layers {}-{})", ords[i], r.start, r.end - 1),
             layers: r.clone(),
             whole: false,
-            free_share,
-            budget_share,
+            share,
+            card_free: Some(card_free[i]),
         })
         .collect();
     eprintln!(
@@ -953,15 +955,23 @@ fn plan_device(
         device: device.clone(),
         why: format!("{}{why}\nmemory plan:\n{}", stage_prefix(part), plan.to_text()),
     };
-    let (free, _) = c.gpu().mem_info().map_err(|e| EngineError::Plan {
-        device: device.clone(),
-        why: format!("{}cannot read the free device memory: {e}", stage_prefix(part)),
-    })?;
+    let free = match part.card_free {
+        Some(free) => free,
+        None => {
+            c.gpu()
+                .mem_info()
+                .map_err(|e| EngineError::Plan {
+                    device: device.clone(),
+                    why: format!("{}cannot read the free device memory: {e}", stage_prefix(part)),
+                })?
+                .0 as u64
+        }
+    };
     // Stages of a split on one card share its free memory and its budget, in proportion to their layers.
-    let free = scaled(free as u64, part.free_share);
+    let free = scaled(free, part.share);
     let ef = &flags.plan.experts;
     let mut config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
-    config.budget = config.budget.map(|b| scaled(b, part.budget_share));
+    config.budget = config.budget.map(|b| scaled(b, part.share));
     let n_layer = model.hp.n_layer as usize;
     let whole = part.layers == (0..n_layer);
     let mut hp = model.hp.clone();
@@ -983,8 +993,8 @@ fn plan_device(
         // The arena holds every expert of the model, whichever stage caches them.
         plan = plan.with_host_arena(WeightBytes::of(&model.gguf).experts, host_available_bytes());
     }
-    let budget = ef
-        .vram_budget
+    let budget = config
+        .budget
         .map(|b| format!(", budget {:.2} GiB", b as f64 / GIB))
         .unwrap_or_default();
     let sizing = |what: String| {
@@ -1590,21 +1600,14 @@ mod tests {
 
     #[test]
     fn stages_on_one_card_share_it_by_their_layers() {
-        // Two stages on cuda:0, 40 and 8 layers: the first plans with 40/48 of the free memory and of the budget,
-        // the second with all that is left and 8/48 of the budget.
+        // Two stages on cuda:0, 40 and 8 layers: 40/48 and 8/48 of its free memory and of its budget.
         let s = card_shares(&[0, 0], &[0..40, 40..48]);
-        assert_eq!(s, vec![((40, 48), (40, 48)), ((8, 8), (8, 48))]);
+        assert_eq!(s, vec![(40, 48), (8, 48)]);
         // One stage a card: each has its card to itself.
-        assert_eq!(
-            card_shares(&[0, 1], &[0..20, 20..48]),
-            vec![((20, 20), (20, 20)), ((28, 28), (28, 28))]
-        );
+        assert_eq!(card_shares(&[0, 1], &[0..20, 20..48]), vec![(20, 20), (28, 28)]);
         // cuda:0, cuda:1, cuda:0: the two on cuda:0 share it, the one on cuda:1 does not.
         let s = card_shares(&[0, 1, 0], &[0..10, 10..30, 30..48]);
-        assert_eq!(
-            s,
-            vec![((10, 28), (10, 28)), ((20, 20), (20, 20)), ((18, 18), (18, 28))]
-        );
+        assert_eq!(s, vec![(10, 28), (20, 20), (18, 28)]);
         assert_eq!(scaled(u64::MAX, (1, 2)), u64::MAX / 2);
         assert_eq!(scaled(48 << 30, (40, 48)), 40 << 30);
     }

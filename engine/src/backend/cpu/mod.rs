@@ -374,10 +374,19 @@ impl CpuBackend {
             assert_eq!(kv.k.heads(), p.n_head_kv, "attention: cache KV heads");
         }
         let group = p.n_head / p.n_head_kv;
-        // Per run: tokens per task (1 in decode), query heads per task (a whole GQA group in prefill, so each key
-        // and value read serves all of them; one head in decode, so a few KV heads still spread over every
-        // thread), and where its tasks start among the step's.
-        let shape = |r: &SeqRun| if r.len == 1 { (1, 1) } else { (ATTN_TOKENS, group) };
+        // Per run: tokens per task (1 in decode), query heads per task, and where its tasks start among the
+        // step's. A task takes a whole GQA group in prefill, and in decode when the step's decode tokens times
+        // the KV heads give every thread two tasks or more (several sequences), so each key and value converted
+        // serves all of the group's heads; otherwise one head a task, so a lone sequence's few KV heads still
+        // spread over every thread. Bit for bit the same either way: a query's scores and sums do not depend on
+        // which other heads share its task.
+        let decode_runs = runs.iter().filter(|r| r.len == 1).count();
+        let decode_group = decode_runs * p.n_head_kv >= 2 * rayon::current_num_threads();
+        let shape = |r: &SeqRun| match (r.len, decode_group) {
+            (1, false) => (1, 1),
+            (1, true) => (1, group),
+            _ => (ATTN_TOKENS, group),
+        };
         let mut first_task = Vec::with_capacity(runs.len() + 1);
         first_task.push(0);
         // Runs in order and disjoint (as `BatchLayout` makes them): each step row belongs to one run, so the tasks

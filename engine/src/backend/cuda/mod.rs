@@ -500,6 +500,45 @@ impl CudaBackend {
         &self.gpu
     }
 
+    /// Reads `dst.len()` f32 values at device address `ptr` after everything queued on this backend's stream,
+    /// and waits for them: a layer split's whole-step replay carries a stage's output buffer by its address (a
+    /// buffer of the session's scratch that no allocation moved since, [`Gpu::can_replay`]).
+    ///
+    /// Panics (after a `fault` event) on a failed copy; `ptr..ptr + 4 * dst.len()` must lie inside one buffer of
+    /// this backend's device.
+    pub fn read_f32_at(&self, ptr: u64, dst: &mut [f32]) {
+        Self::check(self.gpu.poisoned("device-to-host copy"));
+        Self::check((|| {
+            self.gpu
+                .ctx
+                .bind_to_thread()
+                .map_err(CudaError::driver("bind context"))?;
+            // SAFETY: the caller names a live device range of `dst`'s size; the copy is ordered on this stream
+            // and waited for before `dst` is used.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, ptr, self.gpu.stream.cu_stream()) }
+                .map_err(CudaError::driver("device-to-host copy"))?;
+            self.gpu
+                .stream
+                .synchronize()
+                .map_err(CudaError::driver("stream synchronize"))
+        })());
+    }
+
+    /// Writes `src` at device address `ptr`, in this backend's stream order (the host buffer may be reused on
+    /// return: a copy from pageable memory is staged before the call returns). See [`CudaBackend::read_f32_at`].
+    pub fn write_f32_at(&self, ptr: u64, src: &[f32]) {
+        Self::check(self.gpu.poisoned("host-to-device copy"));
+        Self::check((|| {
+            self.gpu
+                .ctx
+                .bind_to_thread()
+                .map_err(CudaError::driver("bind context"))?;
+            // SAFETY: as in `read_f32_at`; the source is pageable host memory, staged by the driver on return.
+            unsafe { cudarc::driver::result::memcpy_htod_async(ptr, src, self.gpu.stream.cu_stream()) }
+                .map_err(CudaError::driver("host-to-device copy"))
+        })());
+    }
+
     /// Arms a sticky fault: the rule's launch fails (`sticky:`, the driver's `CUDA_ERROR_LAUNCH_FAILED` injected
     /// at it, or at the next call when launches are not synchronised) or traps (`trap:`, a real poisoned
     /// context), and every later launch, copy and synchronisation fails. Decode steps run without CUDA graphs from

@@ -312,6 +312,11 @@ impl Backend for AnyBackend {
             s.carry(buf, len)
         }
     }
+    fn carried(&self) {
+        if let AnyBackend::Split(s) = self {
+            s.carried_in()
+        }
+    }
     fn upload(&self, src: &[f32], dst: &mut AnyBuf) {
         dispatch!(self, be, upload, [dst], [], be.upload(src, dst))
     }
@@ -558,21 +563,27 @@ impl Backend for AnyBackend {
         }
     }
 
-    // A split records no steps yet: each stage runs its launches as they come (no CUDA graphs).
     fn step_begin(&self, n_tok: usize, key: StepKey) {
-        if let AnyBackend::Cuda(c) = self {
-            c.step_begin(n_tok, key)
+        match self {
+            AnyBackend::Cuda(c) => c.step_begin(n_tok, key),
+            AnyBackend::Split(s) => s.step_begin(n_tok, key),
+            AnyBackend::Cpu(..) => {}
         }
     }
     fn step_end(&self) {
-        if let AnyBackend::Cuda(c) = self {
-            c.step_end()
+        match self {
+            AnyBackend::Cuda(c) => c.step_end(),
+            AnyBackend::Split(s) => s.step_end(),
+            AnyBackend::Cpu(..) => {}
         }
     }
     fn release_slot(&self, slot: SeqSlot) {
         match self {
             AnyBackend::Cuda(c) => c.release_slot(slot),
-            AnyBackend::Split(s) => s.stages().iter().for_each(|st| st.be.release_slot(slot)),
+            AnyBackend::Split(s) => {
+                s.forget_slot(slot);
+                s.stages().iter().for_each(|st| st.be.release_slot(slot))
+            }
             AnyBackend::Cpu(..) => {}
         }
     }
@@ -605,7 +616,8 @@ impl Backend for AnyBackend {
     fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
         match self {
             AnyBackend::Cuda(c) => c.replay_step(key, ids, positions),
-            AnyBackend::Cpu(..) | AnyBackend::Split(_) => false,
+            AnyBackend::Split(s) => s.replay_step(key, ids, positions),
+            AnyBackend::Cpu(..) => false,
         }
     }
     fn add_rms_norm_into(&self, x: &mut AnyBuf, y: &AnyBuf, out: &mut AnyBuf, rows: usize, w: &[f32], eps: f32) {
