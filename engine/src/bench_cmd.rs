@@ -197,6 +197,8 @@ struct BenchReport {
     /// What was changed in llama.cpp's runs for them to finish (its weight repacking turned off after a crash).
     llama_bench_notes: Vec<String>,
     expert_cache: Option<CacheInfo>,
+    /// A layer split over CUDA devices (no anchors).
+    split: bool,
 }
 
 /// Runs the benchmark and prints the report on stdout.
@@ -246,9 +248,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut session = engine.session_with(config)?;
     let vocab = model.weights.output.rows as u32;
     let mut results = Vec::new();
-    let cuda = engine.backend().cuda();
-    let cache_info = match cuda.and_then(|c| c.expert_cache_config().map(|k| (c, k))) {
-        Some((c, k)) => {
+    // A split's stages each cache their own layers' experts: their slots add up, the first stage's link and
+    // CPU are measured.
+    let cudas = engine.backend().cudas();
+    let caches: Vec<_> = cudas
+        .iter()
+        .filter_map(|c| c.expert_cache_config().map(|k| (*c, k)))
+        .collect();
+    let cache_info = match caches.first() {
+        Some(&(c, ref k)) => {
             let first_experts = (0..model.weights.layers.len()).find_map(|il| model.layer_experts(il));
             let src = model
                 .experts
@@ -257,8 +265,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 .unwrap_or(&[]);
             let probe = &src[..src.len().min(256 << 20)];
             Some(CacheInfo {
-                slots: k.slots,
-                staging: k.staging,
+                slots: caches.iter().map(|(_, k)| k.slots).sum(),
+                staging: caches.iter().map(|(_, k)| k.staging).sum(),
                 experts: ExpertGeometry::of(&model.gguf, &model.hp).map_or(0, |g| g.all()),
                 slot_bytes: k.slot_bytes,
                 policy: k.policy.to_string(),
@@ -281,7 +289,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     // The cache's counts over a test's runs, in its phase, per token.
     let take = |decode: bool, tokens: usize| -> Option<CacheUse> {
-        let st = cuda?.take_expert_cache_stats()?;
+        let st = engine.take_expert_cache_stats()?;
         let p = if decode { st.decode } else { st.prefill };
         Some(CacheUse {
             lookups: p.cache.lookups,
@@ -445,6 +453,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         llama_bench_error,
         llama_bench_notes,
         expert_cache: cache_info,
+        split,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -1012,10 +1021,10 @@ fn markdown(r: &BenchReport) -> String {
     for n in &r.llama_bench_notes {
         s += &format!("- llama.cpp: {n}\n");
     }
-    let anchor_col = if r.gpu.is_some() {
-        "llama-bench on the H200 (DESIGN.md §5)"
-    } else {
-        "llama-bench on the CI machine"
+    let anchor_col = match (&r.gpu, r.split) {
+        (Some(_), _) => "llama-bench on the H200 (DESIGN.md §5)",
+        (None, false) => "llama-bench on the CI machine",
+        (None, true) => "anchor (none for a layer split)",
     };
     s += &format!(
         "\n| test | strata tok/s (median) | min – max | llama.cpp tok/s | strata ÷ llama.cpp | target | {anchor_col} | fraction of bound |\n"

@@ -58,6 +58,8 @@ pub enum Applies {
     CudaSm90,
     /// Every target, where the host CPU has AVX-512F and BW (a CUDA device's expert misses run on the CPU too).
     HostAvx512bw,
+    /// Every target, where the host CPU has AVX-512 VNNI and AVX512VL.
+    HostVnni,
 }
 
 impl Applies {
@@ -67,6 +69,7 @@ impl Applies {
             Applies::Cuda => matches!(target, Target::Cuda { .. }),
             Applies::CudaSm90 => matches!(target, Target::Cuda { major, .. } if *major >= 9),
             Applies::HostAvx512bw => host_avx512bw(),
+            Applies::HostVnni => host_vnni(),
         }
     }
 }
@@ -125,6 +128,15 @@ fn host_avx512bw() -> bool {
     false
 }
 
+fn host_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The model cache folder.
 pub const MODELS_DIR: &str = "STRATA_MODELS_DIR";
 /// The compiled-kernel cache folder.
@@ -159,6 +171,8 @@ pub const EXPERT_PREFETCH: &str = "STRATA_EXPERT_PREFETCH";
 pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
 /// The CPU's 512-bit Q4_K kernel, where the CPU has AVX-512BW (off by default).
 pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
+/// The CPU's int8 dot products of 32-value blocks through AVX-512 VNNI's `vpdpbusd`, where the CPU has it.
+pub const CPU_VNNI: &str = "STRATA_CPU_VNNI";
 /// A CUDA step of several sequences attends over their decode tokens in one launch.
 pub const BATCH_ATTENTION: &str = "STRATA_BATCH_ATTENTION";
 /// A CUDA step of several tokens reads each expert's rows once per group of the tokens routed to it.
@@ -297,6 +311,14 @@ pub const SWITCHES: &[Switch] = &[
         Applies::HostAvx512bw,
         false,
         "1: the CPU's Q4_K dot products on 512-bit registers where the CPU has AVX-512BW (the same results; on the H200 machine's Xeon slower with all cores busy; for comparing speed)",
+    ),
+    speed(
+        CPU_VNNI,
+        "1 where the CPU has AVX-512 VNNI",
+        true,
+        Applies::HostVnni,
+        true,
+        "0: the CPU's int8 dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL weights without AVX-512 VNNI's vpdpbusd (the same results; for comparing speed)",
     ),
     speed(
         BATCH_ATTENTION,

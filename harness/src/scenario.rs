@@ -1200,14 +1200,16 @@ mod tests {
                 "CUDA_GRAPHS-off",
                 "FETCH_OVERLAP-off",
                 "CPU_AVX512-on",
+                "CPU_VNNI-off",
                 "MOE_GROUPS-on",
                 "all-exact-off"
             ]
         );
         assert_eq!(arms[1].env["STRATA_PDL"], "0");
         assert_eq!(arms[4].env["STRATA_CPU_AVX512"], "1");
-        assert_eq!(arms[5].env["STRATA_MOE_GROUPS"], "1");
-        let all_off = &arms[6].env;
+        assert_eq!(arms[5].env["STRATA_CPU_VNNI"], "0");
+        assert_eq!(arms[6].env["STRATA_MOE_GROUPS"], "1");
+        let all_off = &arms[7].env;
         assert_eq!(
             (
                 all_off["STRATA_ARCH_DEFAULTS"].as_str(),

@@ -37,10 +37,44 @@ fn ldq(q: &[i8]) -> __m256i {
 }
 
 /// `Σ` of pairs of pairs of `w[k] * x[k]` (w unsigned, x signed): 8 i32 lanes, lane k covering bytes 4k..4k+4.
+/// `V` ([`vnni_available`]): one `vpdpbusd` instead of `vpmaddubsw` and `vpmaddwd`; the same sums (the pairs
+/// never saturate here, see the module docs).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn mul_sum_u8_i8(w: __m256i, x: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+fn mul_sum_u8_i8<const V: bool>(w: __m256i, x: __m256i) -> __m256i {
+    if V {
+        dpbusd(_mm256_setzero_si256(), w, x)
+    } else {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+    }
+}
+
+/// `acc + Σ` of quadruples of `w[k] * x[k]` (w unsigned, x signed) per i32 lane: AVX-512 VNNI's `vpdpbusd` on
+/// 256-bit registers (EVEX-encoded, so AVX512VL too). Written as inline assembly so the kernels keep their AVX2
+/// feature set and are compiled once for both paths; reached only where [`vnni_available`] found the CPU has it.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dpbusd(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    let mut acc = acc;
+    // SAFETY: a register-only instruction (no memory, no stack, no flags), run only on CPUs with AVX-512 VNNI and
+    // AVX512VL (the `V` entries are handed out only after `vnni_available()`).
+    unsafe {
+        std::arch::asm!(
+            "{{evex}} vpdpbusd {acc}, {w}, {x}",
+            acc = inout(ymm_reg) acc,
+            w = in(ymm_reg) w,
+            x = in(ymm_reg) x,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// Whether the kernels' `V` forms run: this CPU has AVX-512 VNNI and AVX512VL, and `STRATA_CPU_VNNI` is not off
+/// (read once). The results are the same bits either way.
+pub(super) fn vnni_available() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::switches::speed_on(crate::switches::CPU_VNNI, &crate::switches::Target::host()))
 }
 
 /// The 32 nibbles of a 16-byte `qs` in element order: low nibbles (elements 0..16), then high.
@@ -248,25 +282,25 @@ fn sum_blocks32<B: QuantBlock, W: Copy, const N: usize, const MIN: bool>(
 
 /// Q4_0 × Q8_1 (`ggml_vec_dot_q4_0_q8_0`): `d_w d_x (Σ nibble·q - 8 Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q4_0<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+fn k_q4_0<const N: usize, const V: bool>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
     let Some((blocks, acts)) = split32::<BlockQ4_0, N>(row, xs) else {
         return [f32::NAN; N];
     };
     let unpack = |b: &BlockQ4_0| (nibbles32(&b.qs), f16(b.d), 0.0);
     sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, s| {
         // 8 lanes minus Σq each: minus 8 Σq in total.
-        _mm256_sub_epi32(mul_sum_u8_i8(w, ldq(q)), _mm256_set1_epi32(s as i32))
+        _mm256_sub_epi32(mul_sum_u8_i8::<V>(w, ldq(q)), _mm256_set1_epi32(s as i32))
     })
 }
 
 /// Q4_1 × Q8_1 (`ggml_vec_dot_q4_1_q8_1`): `d_w d_x Σ nibble·q + m d_x Σ q`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q4_1<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+fn k_q4_1<const N: usize, const V: bool>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
     let Some((blocks, acts)) = split32::<BlockQ4_1, N>(row, xs) else {
         return [f32::NAN; N];
     };
     let unpack = |b: &BlockQ4_1| (nibbles32(&b.qs), f16(b.d), f16(b.m));
-    sum_blocks32::<_, _, N, true>(blocks, &acts, unpack, |w, q, _| mul_sum_u8_i8(w, ldq(q)))
+    sum_blocks32::<_, _, N, true>(blocks, &acts, unpack, |w, q, _| mul_sum_u8_i8::<V>(w, ldq(q)))
 }
 
 /// The 32 five-bit codes (0..32) of a Q5 block.
@@ -279,24 +313,24 @@ fn five_bit32(qs: &[u8], qh: [u8; 4]) -> __m256i {
 
 /// Q5_0 × Q8_1 (`ggml_vec_dot_q5_0_q8_0`): `d_w d_x (Σ code·q - 16 Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q5_0<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+fn k_q5_0<const N: usize, const V: bool>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
     let Some((blocks, acts)) = split32::<BlockQ5_0, N>(row, xs) else {
         return [f32::NAN; N];
     };
     let unpack = |b: &BlockQ5_0| (five_bit32(&b.qs, b.qh), f16(b.d), 0.0);
     sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, s| {
-        _mm256_sub_epi32(mul_sum_u8_i8(w, ldq(q)), _mm256_set1_epi32(2 * s as i32))
+        _mm256_sub_epi32(mul_sum_u8_i8::<V>(w, ldq(q)), _mm256_set1_epi32(2 * s as i32))
     })
 }
 
 /// Q5_1 × Q8_1 (`ggml_vec_dot_q5_1_q8_1`).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q5_1<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+fn k_q5_1<const N: usize, const V: bool>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
     let Some((blocks, acts)) = split32::<BlockQ5_1, N>(row, xs) else {
         return [f32::NAN; N];
     };
     let unpack = |b: &BlockQ5_1| (five_bit32(&b.qs, b.qh), f16(b.d), f16(b.m));
-    sum_blocks32::<_, _, N, true>(blocks, &acts, unpack, |w, q, _| mul_sum_u8_i8(w, ldq(q)))
+    sum_blocks32::<_, _, N, true>(blocks, &acts, unpack, |w, q, _| mul_sum_u8_i8::<V>(w, ldq(q)))
 }
 
 /// Signed weights as `vpmaddubsw` takes them: `|w|`, and `w` whose sign goes onto the activations.
@@ -310,30 +344,30 @@ fn signed(w: __m256i) -> (__m256i, __m256i) {
 /// `|w|` worked out once for every token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn mul_sum_signed(w: (__m256i, __m256i), x: __m256i) -> __m256i {
-    mul_sum_u8_i8(w.0, _mm256_sign_epi8(x, w.1))
+fn mul_sum_signed<const V: bool>(w: (__m256i, __m256i), x: __m256i) -> __m256i {
+    mul_sum_u8_i8::<V>(w.0, _mm256_sign_epi8(x, w.1))
 }
 
 /// Q8_0 × Q8_1 (`ggml_vec_dot_q8_0_q8_0`).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_q8_0<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+fn k_q8_0<const N: usize, const V: bool>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
     let Some((blocks, acts)) = split32::<BlockQ8_0, N>(row, xs) else {
         return [f32::NAN; N];
     };
     let unpack = |b: &BlockQ8_0| (signed(ldq(&b.qs)), f16(b.d), 0.0);
-    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, _| mul_sum_signed(w, ldq(q)))
+    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, _| mul_sum_signed::<V>(w, ldq(q)))
 }
 
 /// IQ4_NL × Q8_1 (`ggml_vec_dot_iq4_nl_q8_0`): nibbles to levels through `vpshufb`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k_iq4_nl<const N: usize>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
+fn k_iq4_nl<const N: usize, const V: bool>(row: &[u8], xs: &[ActivationVector<'_>; N]) -> [f32; N] {
     let Some((blocks, acts)) = split32::<BlockIQ4NL, N>(row, xs) else {
         return [f32::NAN; N];
     };
     let table = ld128(cast_slice(&KVALUES_IQ4NL));
     let table = _mm256_set_m128i(table, table);
     let unpack = |b: &BlockIQ4NL| (signed(_mm256_shuffle_epi8(table, nibbles32(&b.qs))), f16(b.d), 0.0);
-    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, _| mul_sum_signed(w, ldq(q)))
+    sum_blocks32::<_, _, N, false>(blocks, &acts, unpack, |w, q, _| mul_sum_signed::<V>(w, ldq(q)))
 }
 
 // ---- super-blocks × Q8_K --------------------------------------------------------------------------------------
@@ -712,29 +746,31 @@ macro_rules! entries {
     )*};
 }
 
-/// The one-token [`super::DotQ8Fn`] entry of a kernel written for `N` tokens.
+/// The one-token [`super::DotQ8Fn`] entry of a kernel written for `N` tokens; `kernel<V>`: a kernel with a
+/// VNNI form, and an entry generic over it (`V` only where [`vnni_available`]).
 macro_rules! one_token_entries {
-    ($($entry:ident => $kernel:ident,)*) => {$(
+    ($($entry:ident => $kernel:ident $(<$v:ident>)?,)*) => {$(
         #[doc = concat!("[`super::DotQ8Fn`] entry for `", stringify!($kernel), "`; only valid where `simd_available()`.")]
-        pub(super) fn $entry(row: &[u8], x: &ActivationVector<'_>) -> f32 {
+        pub(super) fn $entry $(<const $v: bool>)? (row: &[u8], x: &ActivationVector<'_>) -> f32 {
             // The one-token kernel behind a function of the same features, so this entry is a tail call.
             #[target_feature(enable = "avx2,fma,f16c")]
-            fn one(row: &[u8], x: &ActivationVector<'_>) -> f32 {
-                $kernel::<1>(row, std::array::from_ref(x))[0]
+            fn one $(<const $v: bool>)? (row: &[u8], x: &ActivationVector<'_>) -> f32 {
+                $kernel::<1 $(, $v)?>(row, std::array::from_ref(x))[0]
             }
-            debug_assert!(super::simd_available());
-            // SAFETY: as in `entries!`.
-            unsafe { one(row, x) }
+            debug_assert!(super::simd_available() $(&& (!$v || vnni_available()))?);
+            // SAFETY: as in `entries!` (and the VNNI form only where `vnni_available()`).
+            unsafe { one $(::<$v>)? (row, x) }
         }
     )*};
 }
 
-/// The [`super::DotQ8ManyFn`] entry of a kernel written for `N` tokens: 4 tokens a call, then 2, then 1.
+/// The [`super::DotQ8ManyFn`] entry of a kernel written for `N` tokens: 4 tokens a call, then 2, then 1;
+/// `kernel<V>` as in `one_token_entries!`.
 macro_rules! many_entries {
-    ($($entry:ident => $kernel:ident,)*) => {$(
+    ($($entry:ident => $kernel:ident $(<$v:ident>)?,)*) => {$(
         #[doc = concat!("[`super::DotQ8ManyFn`] entry for `", stringify!($kernel), "`; only valid where `simd_available()`.")]
-        pub(super) fn $entry(row: &[u8], xs: &[ActivationVector<'_>], out: &mut [f32]) {
-            debug_assert!(super::simd_available());
+        pub(super) fn $entry $(<const $v: bool>)? (row: &[u8], xs: &[ActivationVector<'_>], out: &mut [f32]) {
+            debug_assert!(super::simd_available() $(&& (!$v || vnni_available()))?);
             assert_eq!(xs.len(), out.len(), "dot_q8_many: one result per activation vector");
             let mut i = 0;
             // SAFETY: these entries are reached only through `super::dot_q8_many_fn`, which returns them only
@@ -742,16 +778,16 @@ macro_rules! many_entries {
             unsafe {
                 while i + 4 <= xs.len() {
                     let four: &[ActivationVector<'_>; 4] = xs[i..i + 4].try_into().expect("4 vectors");
-                    out[i..i + 4].copy_from_slice(&$kernel::<4>(row, four));
+                    out[i..i + 4].copy_from_slice(&$kernel::<4 $(, $v)?>(row, four));
                     i += 4;
                 }
                 if i + 2 <= xs.len() {
                     let two: &[ActivationVector<'_>; 2] = xs[i..i + 2].try_into().expect("2 vectors");
-                    out[i..i + 2].copy_from_slice(&$kernel::<2>(row, two));
+                    out[i..i + 2].copy_from_slice(&$kernel::<2 $(, $v)?>(row, two));
                     i += 2;
                 }
                 if i < xs.len() {
-                    out[i] = $kernel::<1>(row, std::array::from_ref(&xs[i]))[0];
+                    out[i] = $kernel::<1 $(, $v)?>(row, std::array::from_ref(&xs[i]))[0];
                 }
             }
         }
@@ -759,23 +795,23 @@ macro_rules! many_entries {
 }
 
 one_token_entries! {
-    dot_q4_0 => k_q4_0,
-    dot_q4_1 => k_q4_1,
-    dot_q5_0 => k_q5_0,
-    dot_q5_1 => k_q5_1,
-    dot_q8_0 => k_q8_0,
-    dot_iq4_nl => k_iq4_nl,
+    dot_q4_0 => k_q4_0<V>,
+    dot_q4_1 => k_q4_1<V>,
+    dot_q5_0 => k_q5_0<V>,
+    dot_q5_1 => k_q5_1<V>,
+    dot_q8_0 => k_q8_0<V>,
+    dot_iq4_nl => k_iq4_nl<V>,
     dot_q5_k => k_q5_k,
     dot_q6_k => k_q6_k,
 }
 
 many_entries! {
-    dot_q4_0_many => k_q4_0,
-    dot_q4_1_many => k_q4_1,
-    dot_q5_0_many => k_q5_0,
-    dot_q5_1_many => k_q5_1,
-    dot_q8_0_many => k_q8_0,
-    dot_iq4_nl_many => k_iq4_nl,
+    dot_q4_0_many => k_q4_0<V>,
+    dot_q4_1_many => k_q4_1<V>,
+    dot_q5_0_many => k_q5_0<V>,
+    dot_q5_1_many => k_q5_1<V>,
+    dot_q8_0_many => k_q8_0<V>,
+    dot_iq4_nl_many => k_iq4_nl<V>,
     dot_q4_k_many => k_q4_k,
     dot_q5_k_many => k_q5_k,
     dot_q6_k_many => k_q6_k,

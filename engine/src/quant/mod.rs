@@ -407,6 +407,21 @@ macro_rules! many8 {
     };
 }
 
+/// The AVX2 kernel `$name` of type `$fn_ty` in `avx2_int8` that has a VNNI form: that form where
+/// `avx2_int8::vnni_available()`.
+macro_rules! vnni {
+    ($fn_ty:ty, $name:ident) => {{
+        #[cfg(target_arch = "x86_64")]
+        let f: Option<$fn_ty> = Some(match avx2_int8::vnni_available() {
+            true => avx2_int8::$name::<true>,
+            false => avx2_int8::$name::<false>,
+        });
+        #[cfg(not(target_arch = "x86_64"))]
+        let f: Option<$fn_ty> = None;
+        f
+    }};
+}
+
 pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantError> {
     use ActivationFormat::{F32 as A_F32, Q8_1 as A_Q8_1, Q8_K as A_Q8_K};
     use GgmlType as T;
@@ -460,20 +475,20 @@ pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantEr
         }
         .int8(A_F32, int8::dot_bf16, simd8!(dot_bf16)),
         T::Q4_0 => blocks::<BlockQ4_0>(simd!(dot_q4_0), Some(q::quantize_q4_0))
-            .int8(A_Q8_1, b32::<BlockQ4_0>(), simd8!(dot_q4_0))
-            .many(many8!(dot_q4_0_many)),
+            .int8(A_Q8_1, b32::<BlockQ4_0>(), vnni!(DotQ8Fn, dot_q4_0))
+            .many(vnni!(DotQ8ManyFn, dot_q4_0_many)),
         T::Q4_1 => blocks::<BlockQ4_1>(simd!(dot_q4_1), Some(q::quantize_q4_1))
-            .int8(A_Q8_1, b32::<BlockQ4_1>(), simd8!(dot_q4_1))
-            .many(many8!(dot_q4_1_many)),
+            .int8(A_Q8_1, b32::<BlockQ4_1>(), vnni!(DotQ8Fn, dot_q4_1))
+            .many(vnni!(DotQ8ManyFn, dot_q4_1_many)),
         T::Q5_0 => blocks::<BlockQ5_0>(simd!(dot_q5_0), Some(q::quantize_q5_0))
-            .int8(A_Q8_1, b32::<BlockQ5_0>(), simd8!(dot_q5_0))
-            .many(many8!(dot_q5_0_many)),
+            .int8(A_Q8_1, b32::<BlockQ5_0>(), vnni!(DotQ8Fn, dot_q5_0))
+            .many(vnni!(DotQ8ManyFn, dot_q5_0_many)),
         T::Q5_1 => blocks::<BlockQ5_1>(simd!(dot_q5_1), Some(q::quantize_q5_1))
-            .int8(A_Q8_1, b32::<BlockQ5_1>(), simd8!(dot_q5_1))
-            .many(many8!(dot_q5_1_many)),
+            .int8(A_Q8_1, b32::<BlockQ5_1>(), vnni!(DotQ8Fn, dot_q5_1))
+            .many(vnni!(DotQ8ManyFn, dot_q5_1_many)),
         T::Q8_0 => blocks::<BlockQ8_0>(simd!(dot_q8_0), Some(q::quantize_q8_0))
-            .int8(A_Q8_1, b32::<BlockQ8_0>(), simd8!(dot_q8_0))
-            .many(many8!(dot_q8_0_many)),
+            .int8(A_Q8_1, b32::<BlockQ8_0>(), vnni!(DotQ8Fn, dot_q8_0))
+            .many(vnni!(DotQ8ManyFn, dot_q8_0_many)),
         T::Q2_K => {
             blocks::<BlockQ2K>(simd!(dot_q2_k), Some(q::quantize_q2_k)).int8(A_Q8_K, bk::<BlockQ2K>(), simd8!(dot_q2_k))
         }
@@ -491,8 +506,8 @@ pub(crate) fn kernels(ty: GgmlType, op: &'static str) -> Result<Kernels, QuantEr
             .many(many8!(dot_q6_k_many)),
         T::Q8_K => blocks::<BlockQ8K>(None, None),
         T::IQ4_NL => blocks::<BlockIQ4NL>(simd!(dot_iq4_nl), None)
-            .int8(A_Q8_1, b32::<BlockIQ4NL>(), simd8!(dot_iq4_nl))
-            .many(many8!(dot_iq4_nl_many)),
+            .int8(A_Q8_1, b32::<BlockIQ4NL>(), vnni!(DotQ8Fn, dot_iq4_nl))
+            .many(vnni!(DotQ8ManyFn, dot_iq4_nl_many)),
         T::IQ4_XS => blocks::<BlockIQ4XS>(simd!(dot_iq4_xs), None).int8(A_Q8_K, bk::<BlockIQ4XS>(), simd8!(dot_iq4_xs)),
         T::IQ3_S => blocks::<BlockIQ3S>(simd!(dot_iq3_s), None).int8(A_Q8_K, bk::<BlockIQ3S>(), simd8!(dot_iq3_s)),
         T::IQ2_XS => blocks::<BlockIQ2XS>(simd!(dot_iq2_xs), None).int8(A_Q8_K, bk::<BlockIQ2XS>(), simd8!(dot_iq2_xs)),

@@ -683,6 +683,100 @@ fn q4_k_on_512_bit_registers_gives_the_avx2_kernels_bits() {
 }
 
 #[test]
+fn vnni_kernels_give_the_avx2_kernels_bits() {
+    if !simd_available() || !avx2_int8::vnni_available() {
+        eprintln!("skipping: no AVX-512 VNNI on this CPU, or STRATA_CPU_VNNI=0 (nothing to compare)");
+        return;
+    }
+    type Pair = (DotQ8Fn, DotQ8Fn, DotQ8ManyFn, DotQ8ManyFn);
+    let kernels: [(GgmlType, Pair); 6] = [
+        (
+            GgmlType::Q4_0,
+            (
+                avx2_int8::dot_q4_0::<true>,
+                avx2_int8::dot_q4_0::<false>,
+                avx2_int8::dot_q4_0_many::<true>,
+                avx2_int8::dot_q4_0_many::<false>,
+            ),
+        ),
+        (
+            GgmlType::Q4_1,
+            (
+                avx2_int8::dot_q4_1::<true>,
+                avx2_int8::dot_q4_1::<false>,
+                avx2_int8::dot_q4_1_many::<true>,
+                avx2_int8::dot_q4_1_many::<false>,
+            ),
+        ),
+        (
+            GgmlType::Q5_0,
+            (
+                avx2_int8::dot_q5_0::<true>,
+                avx2_int8::dot_q5_0::<false>,
+                avx2_int8::dot_q5_0_many::<true>,
+                avx2_int8::dot_q5_0_many::<false>,
+            ),
+        ),
+        (
+            GgmlType::Q5_1,
+            (
+                avx2_int8::dot_q5_1::<true>,
+                avx2_int8::dot_q5_1::<false>,
+                avx2_int8::dot_q5_1_many::<true>,
+                avx2_int8::dot_q5_1_many::<false>,
+            ),
+        ),
+        (
+            GgmlType::Q8_0,
+            (
+                avx2_int8::dot_q8_0::<true>,
+                avx2_int8::dot_q8_0::<false>,
+                avx2_int8::dot_q8_0_many::<true>,
+                avx2_int8::dot_q8_0_many::<false>,
+            ),
+        ),
+        (
+            GgmlType::IQ4_NL,
+            (
+                avx2_int8::dot_iq4_nl::<true>,
+                avx2_int8::dot_iq4_nl::<false>,
+                avx2_int8::dot_iq4_nl_many::<true>,
+                avx2_int8::dot_iq4_nl_many::<false>,
+            ),
+        ),
+    ];
+    let mut rng = Rng(0x564e_4e49);
+    for (ty, (one_v, one, many_v, many)) in kernels {
+        // Random bytes as weights reach every code (Q8_0's -128 too); the activations' largest code is ±127.
+        for n_blocks in [1, 2, 7, 18] {
+            let row = random_row(&mut rng, ty, n_blocks);
+            let n = n_blocks * 32;
+            let x: Vec<f32> = (0..5 * n).map(|_| rng.gauss() * 3.0).collect();
+            let mut a = QuantizedActivations::new();
+            a.quantize(ty, &x, n).unwrap();
+            let vs: Vec<_> = (0..5).map(|t| a.vector(t)).collect();
+            for v in &vs {
+                let (got, want) = (one_v(&row, v), one(&row, v));
+                assert!(want.is_finite(), "{ty:?} {n_blocks} blocks: {want}");
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{ty:?} {n_blocks} blocks: {got} vs {want}"
+                );
+            }
+            let (mut got, mut want) = ([0f32; 5], [0f32; 5]);
+            many_v(&row, &vs, &mut got);
+            many(&row, &vs, &mut want);
+            assert_eq!(
+                got.map(f32::to_bits),
+                want.map(f32::to_bits),
+                "{ty:?} {n_blocks} blocks, 5 tokens"
+            );
+        }
+    }
+}
+
+#[test]
 fn several_token_kernels_give_each_tokens_one_token_bits() {
     if !simd_available() {
         eprintln!("skipping: no AVX2+FMA+F16C on this CPU (no several-token kernels run there)");

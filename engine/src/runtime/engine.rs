@@ -647,14 +647,10 @@ impl Engine {
         }
     }
 
-    /// Emits what the expert cache did since the last call (one `expert_cache` event per phase that looked an
-    /// expert up, for `request`), zeroes its counts, and saves the learned profile (`--save-expert-profile`);
-    /// nothing without a cache.
-    pub fn emit_expert_cache(&self, request: Option<u64>) {
-        self.save_expert_profile();
-        // A split's stages each cache their own layers' experts: their counts add up to the model's.
-        let Some(st) = self
-            .backend
+    /// What the expert cache did since the last call (or [`Engine::emit_expert_cache`]), its counts zeroed;
+    /// `None` without a cache. A split's stages each cache their own layers' experts: their counts add up.
+    pub fn take_expert_cache_stats(&self) -> Option<crate::backend::cuda::experts::ExpertCacheStats> {
+        self.backend
             .cudas()
             .iter()
             .filter_map(|c| c.take_expert_cache_stats())
@@ -662,7 +658,14 @@ impl Engine {
                 a.add(&b);
                 a
             })
-        else {
+    }
+
+    /// Emits what the expert cache did since the last call (one `expert_cache` event per phase that looked an
+    /// expert up, for `request`), zeroes its counts, and saves the learned profile (`--save-expert-profile`);
+    /// nothing without a cache.
+    pub fn emit_expert_cache(&self, request: Option<u64>) {
+        self.save_expert_profile();
+        let Some(st) = self.take_expert_cache_stats() else {
             return;
         };
         for (phase, p) in [("prefill", st.prefill), ("decode", st.decode)] {
