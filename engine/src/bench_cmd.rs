@@ -361,19 +361,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
         true => Some(gpu_info(model, &mut session, &mut together, &args)?),
         false => None,
     };
-    // A layer split reads each layer's weights on its own card: the slowest card's copy bandwidth bounds it (the
-    // host bounce between stages is not counted).
-    let stages = session.backend().cudas();
-    let read_bandwidth_gb_s = match &gpu {
-        Some(g) => g.copy_gb_s,
-        None if !stages.is_empty() => {
-            let mut slowest = f64::INFINITY;
-            for c in stages {
-                slowest = slowest.min(c.measure_copy_gb_s()?);
+    // A layer split reads each layer's weights on its own card, one stage after the other: its bandwidth is the
+    // stages' copy bandwidths combined as the time they take, each over its share of the layers (the fixed
+    // tensors at the ends and the host bounce between stages are not counted).
+    let read_bandwidth_gb_s = match (&gpu, session.backend().split()) {
+        (Some(g), _) => g.copy_gb_s,
+        (None, Some(split)) => {
+            let n_layer = model.hp.n_layer.max(1) as f64;
+            let mut s_per_gb = 0.0;
+            for st in split.stages() {
+                let c = st.be.cuda().expect("a split's stages are CUDA backends");
+                s_per_gb += st.layers.len() as f64 / n_layer / c.measure_copy_gb_s()?;
             }
-            slowest
+            1.0 / s_per_gb
         }
-        None => read_bandwidth() / 1e9,
+        (None, None) => read_bandwidth() / 1e9,
     };
     for r in results.iter_mut().filter(|r| r.parallel > 1) {
         r.bound_tok_s = Some(read_bandwidth_gb_s * 1e9 / bytes_per_token_of_step(model, r.parallel));

@@ -148,9 +148,10 @@ impl Split {
         (i, &self.stages[i].be)
     }
 
-    /// [`Backend::enter_layer`]: at layer 0 (the start of a step) the first stage computes again; at a stage's
-    /// first layer that stage takes over (after the copies the stages before it made in shared KV blocks), and
-    /// the answer is `true`. Within a stage nothing changes (no copies are shared: a stage's copies are made at its
+    /// [`Backend::enter_layer`]: at layer 0 (the start of a step) the first stage computes again and begins its
+    /// part of the step; at a stage's first layer the stage before ends its part (its graph runs), that stage
+    /// takes over (after the copies the stages before it made in shared KV blocks) and the answer is `true` (its
+    /// part begins at [`Split::carried_in`]). Within a stage nothing changes (no copies are shared: a stage's copies are made at its
     /// first layer's store, before the next stage takes over).
     pub fn enter_layer(&self, il: usize) -> bool {
         let to = if il == 0 { 0 } else { self.stage_of(il) };
@@ -234,7 +235,8 @@ impl Split {
         self.count_carry(len);
         if let (AnyBuf::Dev(src), AnyBuf::Dev(dst)) = (&before[i - 1], &here[0]) {
             let mut st = self.lock_step();
-            if st.step.is_some() {
+            // Decode steps only (one token): the steps a whole-step replay may take.
+            if st.step.is_some_and(|(n_tok, _)| n_tok == 1) {
                 st.carried.push(Carried {
                     into: i,
                     src: src.ptr(),
@@ -251,11 +253,11 @@ impl Split {
     }
 
     /// [`Backend::replay_step`]: when every stage holds a verified graph of `key` (no device allocation since,
-    /// so the carried buffers' addresses still hold) and the last forward pass of `key` carried between GPU
-    /// stages, each stage's graph runs in turn, with the carried values copied between them. `false` (nothing
-    /// done) otherwise. A stage after the first may still refuse (its expert cache chose another decode path
-    /// for this step): then `false` as well, and the forward pass computes the whole step again, writing the
-    /// same keys and values the stages before it wrote.
+    /// so the carried buffers' addresses still hold), the last forward pass of `key` carried into every stage
+    /// after the first, and every stage's expert cache decides this step as its graph was recorded, each stage's
+    /// graph runs in turn, with the carried values copied between them. `false` (nothing launched) otherwise:
+    /// the forward pass then runs, and the stages that had decided keep their open decisions
+    /// ([`crate::backend::cuda::CudaBackend::replay_ready`]), so no stage counts or routes the step twice.
     pub fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
         let Some(carried) = self
             .replays
@@ -267,7 +269,11 @@ impl Split {
             return false;
         };
         let cudas: Vec<_> = self.stages.iter().filter_map(|s| s.be.cuda()).collect();
-        if cudas.len() != self.stages.len() || !cudas.iter().all(|c| c.gpu().can_replay(key)) {
+        if cudas.len() != self.stages.len() || !(1..cudas.len()).all(|i| carried.iter().any(|b| b.into == i)) {
+            return false;
+        }
+        // Every stage decides first; only then does any graph run.
+        if !cudas.iter().all(|c| c.replay_ready(key)) {
             return false;
         }
         for (i, c) in cudas.iter().enumerate() {
@@ -281,9 +287,7 @@ impl Split {
                 }
             }
             self.cur.store(i, Ordering::Relaxed);
-            if !self.stages[i].be.replay_step(key, ids, positions) {
-                return false;
-            }
+            c.replay_now(key, ids, positions);
         }
         self.replayed.fetch_add(1, Ordering::Relaxed);
         true

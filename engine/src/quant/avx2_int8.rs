@@ -117,7 +117,7 @@ struct Act32<'a> {
 
 /// The blocks and each of `N` tokens' activations that both sides cover, for Q8_1 activations (`None` when a
 /// token's are in another format). All tokens cover the same blocks: the fewest any of them, or the row, has.
-#[inline]
+#[inline(always)]
 fn split32<'a, B: QuantBlock, const N: usize>(
     row: &'a [u8],
     xs: &[ActivationVector<'a>; N],

@@ -840,6 +840,30 @@ impl CudaBackend {
         true
     }
 
+    /// The first half of [`Backend::replay_step`]: whether `key`'s verified graph can run as this decode step.
+    /// With an expert cache the step's decision is made here and stays open; when the answer is `false`, the
+    /// forward pass that runs instead keeps it ([`ExpertPool::decode_step_begin`] answers the open step's).
+    pub fn replay_ready(&self, key: StepKey) -> bool {
+        if !self.gpu.can_replay(key) {
+            return false;
+        }
+        // With an expert cache, a recorded step reads the device's slot table: replay it only when this step
+        // uses the table too (else the step runs, and decides on the host).
+        if !self.decode_step_begin(1) && self.lock().experts.is_some() {
+            return false;
+        }
+        // The path just chosen sets the step's variant: the graph must be of the same one.
+        self.gpu.can_replay(key)
+    }
+
+    /// The second half of [`Backend::replay_step`], after [`CudaBackend::replay_ready`] answered `true`: the
+    /// step's inputs written, its graph launched and the expert cache's step ended.
+    pub fn replay_now(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
+        let replayed = self.replay_recorded(key, ids, positions);
+        self.decode_step_end();
+        replayed
+    }
+
     /// Starts a forward step of `n_tok` tokens for the expert cache, if there is one
     /// ([`ExpertPool::decode_step_begin`]): whether the step decides its experts on the device's slot table.
     fn decode_step_begin(&self, n_tok: usize) -> bool {
@@ -1215,21 +1239,7 @@ impl Backend for CudaBackend {
     }
 
     fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
-        if !self.gpu.can_replay(key) {
-            return false;
-        }
-        // With an expert cache, a recorded step reads the device's slot table: replay it only when this step
-        // uses the table too (else the step runs, and decides on the host).
-        if !self.decode_step_begin(1) && self.lock().experts.is_some() {
-            return false;
-        }
-        // The path just chosen sets the step's variant: the graph must be of the same one.
-        if !self.gpu.can_replay(key) {
-            return false;
-        }
-        let replayed = self.replay_recorded(key, ids, positions);
-        self.decode_step_end();
-        replayed
+        self.replay_ready(key) && self.replay_now(key, ids, positions)
     }
 
     fn add_rms_norm_into(&self, x: &mut DevVec, y: &DevVec, out: &mut DevVec, rows: usize, w: &[f32], eps: f32) {
