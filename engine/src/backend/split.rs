@@ -28,6 +28,7 @@ use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use super::cuda::Link;
 use super::cuda::select::{AnyBackend, AnyBuf};
 use super::{Backend, StepKey};
 use crate::device::Device;
@@ -46,6 +47,9 @@ pub struct Stage {
 pub struct Split {
     stages: Vec<Stage>,
     cur: AtomicUsize,
+    /// How the values cross into stage `i` (index `i`; `None` at 0 and where either side is not a GPU, whose
+    /// buffers cross through host memory).
+    links: Vec<Option<Link>>,
     /// The host copy of a carried buffer (crossing between devices through host memory).
     bounce: Mutex<Vec<f32>>,
     /// Buffers carried across a boundary so far, and their values.
@@ -100,9 +104,26 @@ impl Split {
                 c.share_kv_copies();
             }
         }
+        let links = (0..stages.len())
+            .map(|i| {
+                let (a, b) = (stages[i.checked_sub(1)?].be.cuda()?, stages[i].be.cuda()?);
+                match a.link_to(b) {
+                    Ok(link) => Some(link),
+                    Err(e) => {
+                        eprintln!(
+                            "strata: layer split: {} to {}: the hidden state crosses through host memory ({e})",
+                            stages[i - 1].device,
+                            stages[i].device
+                        );
+                        None
+                    }
+                }
+            })
+            .collect();
         Split {
             stages,
             cur: AtomicUsize::new(0),
+            links,
             bounce: Mutex::new(Vec::new()),
             carried: AtomicU64::new(0),
             carried_values: AtomicU64::new(0),
@@ -219,8 +240,29 @@ impl Split {
         }
     }
 
+    /// How the hidden state crosses into stage `i` (`None`: through host memory, or `i` is 0).
+    pub fn link(&self, i: usize) -> Option<Link> {
+        self.links.get(i).copied().flatten()
+    }
+
+    /// The time one crossing into each stage after the first takes, carrying `bytes` ([`Split::link`] by
+    /// [`crate::backend::cuda::CudaBackend::measure_send`]; `None` for a crossing through host memory).
+    ///
+    /// Errors: an allocation or a copy failed.
+    pub fn measure_links(&self, bytes: usize) -> Result<Vec<Option<f64>>, super::cuda::error::CudaError> {
+        (1..self.stages.len())
+            .map(
+                |i| match (self.link(i), self.stages[i - 1].be.cuda(), self.stages[i].be.cuda()) {
+                    (Some(_), Some(a), Some(b)) => a.measure_send(b, bytes).map(Some),
+                    _ => Ok(None),
+                },
+            )
+            .collect()
+    }
+
     /// [`Backend::carry`]: `len` values of `buf` from the previous stage's buffer into the current one's (sized
-    /// by the caller), through host memory.
+    /// by the caller): a device copy where [`Split::link`] has one (the next stage's stream waits for it, no host
+    /// round trip), else through host memory.
     pub fn carry(&self, buf: &mut AnyBuf, len: usize) {
         let i = self.cur.load(Ordering::Relaxed);
         assert!(i > 0, "carry: the first stage has no stage before it");
@@ -228,10 +270,19 @@ impl Split {
             panic!("carry: a buffer the split did not size")
         };
         let (before, here) = per.split_at_mut(i);
-        let mut host = self.bounce.lock().unwrap_or_else(|e| e.into_inner());
-        host.resize(len, 0.0);
-        self.stages[i - 1].be.download(&before[i - 1], 0, &mut host[..len]);
-        self.stages[i].be.upload(&host[..len], &mut here[0]);
+        let device = match (&before[i - 1], &here[0], self.link(i)) {
+            (AnyBuf::Dev(src), AnyBuf::Dev(dst), Some(_)) => Some((src.ptr(), dst.ptr())),
+            _ => None,
+        };
+        match device {
+            Some((src, dst)) => self.send(i, src, dst, len),
+            None => {
+                let mut host = self.bounce.lock().unwrap_or_else(|e| e.into_inner());
+                host.resize(len, 0.0);
+                self.stages[i - 1].be.download(&before[i - 1], 0, &mut host[..len]);
+                self.stages[i].be.upload(&host[..len], &mut here[0]);
+            }
+        }
         self.count_carry(len);
         if let (AnyBuf::Dev(src), AnyBuf::Dev(dst)) = (&before[i - 1], &here[0]) {
             let mut st = self.lock_step();
@@ -247,13 +298,24 @@ impl Split {
         }
     }
 
+    /// `len` values from address `src` of stage `i - 1` to `dst` of stage `i`, by [`Split::link`]'s device copy
+    /// (there is one: both stages are GPUs).
+    fn send(&self, i: usize, src: u64, dst: u64, len: usize) {
+        let (a, b) = (
+            self.stages[i - 1].be.cuda().expect("a GPU stage"),
+            self.stages[i].be.cuda().expect("a GPU stage"),
+        );
+        a.send_f32(src, b, dst, len);
+    }
+
     fn count_carry(&self, len: usize) {
         self.carried.fetch_add(1, Ordering::Relaxed);
         self.carried_values.fetch_add(len as u64, Ordering::Relaxed);
     }
 
     /// [`Backend::replay_step`]: when every stage holds a verified graph of `key` (no device allocation since,
-    /// so the carried buffers' addresses still hold), the last forward pass of `key` carried into every stage
+    /// so the carried buffers' addresses still hold), every boundary has a device copy ([`Split::link`]), the
+    /// last forward pass of `key` carried into every stage
     /// after the first, and every stage's expert cache decides this step as its graph was recorded, each stage's
     /// graph runs in turn, with the carried values copied between them. `false` (nothing launched) otherwise:
     /// the forward pass then runs, and the stages that had decided keep their open decisions
@@ -269,7 +331,12 @@ impl Split {
             return false;
         };
         let cudas: Vec<_> = self.stages.iter().filter_map(|s| s.be.cuda()).collect();
-        if cudas.len() != self.stages.len() || !(1..cudas.len()).all(|i| carried.iter().any(|b| b.into == i)) {
+        let boundaries = 1..cudas.len();
+        if cudas.len() != self.stages.len()
+            || !boundaries
+                .clone()
+                .all(|i| self.link(i).is_some() && carried.iter().any(|b| b.into == i))
+        {
             return false;
         }
         // Every stage decides first; only then does any graph run.
@@ -277,14 +344,9 @@ impl Split {
             return false;
         }
         for (i, c) in cudas.iter().enumerate() {
-            if i > 0 {
-                let mut host = self.bounce.lock().unwrap_or_else(|e| e.into_inner());
-                for b in carried.iter().filter(|b| b.into == i) {
-                    host.resize(b.len, 0.0);
-                    cudas[i - 1].read_f32_at(b.src, &mut host[..b.len]);
-                    c.write_f32_at(b.dst, &host[..b.len]);
-                    self.count_carry(b.len);
-                }
+            for b in carried.iter().filter(|b| b.into == i) {
+                self.send(i, b.src, b.dst, b.len);
+                self.count_carry(b.len);
             }
             self.cur.store(i, Ordering::Relaxed);
             c.replay_now(key, ids, positions);

@@ -921,7 +921,7 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
         })
         .collect();
     eprintln!(
-        "strata: layer split over {device} ({}): {}; the hidden state crosses each boundary through host memory",
+        "strata: layer split over {device} ({}): {}",
         if flags.layer_split == crate::memory::split::LayerSplit::Auto {
             "auto, by what each card may hold".to_string()
         } else {
@@ -933,6 +933,23 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
             .collect::<Vec<_>>()
             .join(", ")
     );
+    // Each boundary: how the hidden state and its norm (one token's, in decode) cross, and what a crossing took.
+    let split = backend.split().expect("a split backend");
+    let bytes = 2 * model.hp.n_embd as usize * 4;
+    let times = split
+        .measure_links(bytes)
+        .map_err(|e| err(format!("measuring the links between stages: {e}")))?;
+    for (i, t) in times.iter().enumerate() {
+        let how = match (split.link(i + 1), t) {
+            (Some(link), Some(t)) => format!("{link}, {:.1} us a crossing of {} KiB", t * 1e6, bytes / 1024),
+            _ => "through host memory (a download, then an upload)".to_string(),
+        };
+        eprintln!(
+            "strata: layer split: {} -> {}: {how}",
+            parts[i].label,
+            parts[i + 1].label
+        );
+    }
     Ok(parts)
 }
 

@@ -108,3 +108,33 @@ impl CudaBackend {
         Ok(start.elapsed_ms(&end).map_err(CudaError::driver("event elapsed"))? as f64)
     }
 }
+
+impl CudaBackend {
+    /// The time of one [`CudaBackend::send_f32`] of `bytes` to `to` (best of 3 rounds of 20, in seconds, the
+    /// copies queued back to back and waited for on `to`'s stream): what a layer split's boundary costs a step
+    /// when `bytes` is what it carries, and `bytes ÷ time` its rate for large buffers.
+    ///
+    /// Errors: an allocation or a copy failed.
+    pub fn measure_send(&self, to: &CudaBackend, bytes: usize) -> Result<f64, CudaError> {
+        let len = bytes.div_ceil(4).max(1);
+        let src = DevBuf::alloc(&self.gpu.stream, len * 4)?;
+        let dst = DevBuf::alloc(&to.gpu.stream, len * 4)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            to.gpu
+                .stream
+                .synchronize()
+                .map_err(CudaError::driver("stream synchronize"))?;
+            let start = std::time::Instant::now();
+            for _ in 0..20 {
+                self.send_f32(src.ptr, to, dst.ptr, len);
+            }
+            to.gpu
+                .stream
+                .synchronize()
+                .map_err(CudaError::driver("stream synchronize"))?;
+            best = best.min(start.elapsed().as_secs_f64() / 20.0);
+        }
+        Ok(best)
+    }
+}

@@ -174,6 +174,27 @@ const _: () = assert!(MMV_MAX_TOKENS <= COUNTERS);
 // tokens.
 const _: () = assert!(MMV_MAX_TOKENS <= crate::experts::STAGING_TOKENS);
 
+/// How values cross from one CUDA device to another ([`CudaBackend::link_to`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// Both backends share one device (and context): a device-to-device copy.
+    SameDevice,
+    /// Two devices with peer access enabled both ways: a copy over the peer link (NVLink or PCIe P2P).
+    Peer,
+    /// Two devices without peer access: the driver stages the copy through host memory.
+    Staged,
+}
+
+impl std::fmt::Display for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Link::SameDevice => "a device-to-device copy (one card)",
+            Link::Peer => "a peer copy (peer access on)",
+            Link::Staged => "a copy staged through host memory by the driver (no peer access)",
+        })
+    }
+}
+
 /// An f32 activation buffer on the device: the CUDA backend's [`Backend::Buf`].
 #[derive(Default)]
 pub struct DevVec {
@@ -500,42 +521,78 @@ impl CudaBackend {
         &self.gpu
     }
 
-    /// Reads `dst.len()` f32 values at device address `ptr` after everything queued on this backend's stream,
-    /// and waits for them: a layer split's whole-step replay carries a stage's output buffer by its address (a
-    /// buffer of the session's scratch that no allocation moved since, [`Gpu::can_replay`]).
+    /// How values cross from this backend's device to `to`'s ([`CudaBackend::send_f32`]), enabling peer access
+    /// both ways where the two devices allow it (`cuDeviceCanAccessPeer`; `cuCtxEnablePeerAccess`).
     ///
-    /// Panics (after a `fault` event) on a failed copy; `ptr..ptr + 4 * dst.len()` must lie inside one buffer of
-    /// this backend's device.
-    pub fn read_f32_at(&self, ptr: u64, dst: &mut [f32]) {
-        Self::check(self.gpu.poisoned("device-to-host copy"));
-        Self::check((|| {
-            self.gpu
-                .ctx
-                .bind_to_thread()
-                .map_err(CudaError::driver("bind context"))?;
-            // SAFETY: the caller names a live device range of `dst`'s size; the copy is ordered on this stream
-            // and waited for before `dst` is used.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, ptr, self.gpu.stream.cu_stream()) }
-                .map_err(CudaError::driver("device-to-host copy"))?;
-            self.gpu
-                .stream
-                .synchronize()
-                .map_err(CudaError::driver("stream synchronize"))
-        })());
+    /// Errors: a driver call failed.
+    pub fn link_to(&self, to: &CudaBackend) -> Result<Link, CudaError> {
+        use cudarc::driver::sys;
+        let (a, b) = (&self.gpu.ctx, &to.gpu.ctx);
+        if a.cu_ctx() == b.cu_ctx() {
+            return Ok(Link::SameDevice);
+        }
+        let mut can = [0i32; 2];
+        for (i, (x, y)) in [(a, b), (b, a)].into_iter().enumerate() {
+            // SAFETY: `can[i]` is a live int the call writes; both devices are open.
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can[i], x.cu_device(), y.cu_device()) }
+                .result()
+                .map_err(CudaError::driver("cuDeviceCanAccessPeer"))?;
+        }
+        if can != [1, 1] {
+            return Ok(Link::Staged);
+        }
+        for (x, y) in [(a, b), (b, a)] {
+            x.bind_to_thread().map_err(CudaError::driver("bind context"))?;
+            // SAFETY: `y`'s context is alive (held by its backend); enabling twice answers ALREADY_ENABLED.
+            match unsafe { sys::cuCtxEnablePeerAccess(y.cu_ctx(), 0) } {
+                sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+                e => {
+                    return e
+                        .result()
+                        .map(|_| Link::Staged)
+                        .map_err(CudaError::driver("cuCtxEnablePeerAccess"));
+                }
+            }
+        }
+        Ok(Link::Peer)
     }
 
-    /// Writes `src` at device address `ptr`, in this backend's stream order (the host buffer may be reused on
-    /// return: a copy from pageable memory is staged before the call returns). See [`CudaBackend::read_f32_at`].
-    pub fn write_f32_at(&self, ptr: u64, src: &[f32]) {
-        Self::check(self.gpu.poisoned("host-to-device copy"));
+    /// Copies `len` f32 values from device address `src` (inside a buffer of this backend) to `dst` (inside a
+    /// buffer of `to`, on this device or another) after everything queued on this backend's stream, and makes
+    /// `to`'s stream wait for the copy: no host round trip. `cuMemcpyPeerAsync` moves them over the peer link
+    /// where [`CudaBackend::link_to`] enabled it, through host memory inside the driver otherwise. A layer split
+    /// carries the hidden state between its stages this way, by the addresses of its buffers.
+    ///
+    /// Panics (after a `fault` event) on a failed copy.
+    pub fn send_f32(&self, src: u64, to: &CudaBackend, dst: u64, len: usize) {
+        Self::check(self.gpu.poisoned("device-to-device copy"));
+        if len == 0 {
+            return;
+        }
         Self::check((|| {
             self.gpu
                 .ctx
                 .bind_to_thread()
                 .map_err(CudaError::driver("bind context"))?;
-            // SAFETY: as in `read_f32_at`; the source is pageable host memory, staged by the driver on return.
-            unsafe { cudarc::driver::result::memcpy_htod_async(ptr, src, self.gpu.stream.cu_stream()) }
-                .map_err(CudaError::driver("host-to-device copy"))
+            // SAFETY: the caller names live device ranges of `len` f32 values on each side; the copy is ordered
+            // on this stream, and `to`'s stream waits for it before its next work.
+            unsafe {
+                cudarc::driver::result::memcpy_peer_async(
+                    to.gpu.ctx.cu_ctx(),
+                    dst,
+                    self.gpu.ctx.cu_ctx(),
+                    src,
+                    len * 4,
+                    self.gpu.stream.cu_stream(),
+                )
+            }
+            .map_err(CudaError::driver("device-to-device copy"))?;
+            let done = self
+                .gpu
+                .stream
+                .record_event(None)
+                .map_err(CudaError::driver("record event"))?;
+            to.gpu.stream.wait(&done).map_err(CudaError::driver("stream wait"))
         })());
     }
 
