@@ -254,6 +254,36 @@ fn list_devices() -> Result<()> {
             Err(e) => println!("  our kernels         cannot run: {e}"),
         }
     }
+    print_links(n)
+}
+
+/// The links between the devices, as a layer split (`--device cuda:0,cuda:1`) would use them: peer access each
+/// way (`cuDeviceCanAccessPeer`) for every pair; without it the split's copies are staged through host memory by
+/// the driver. The split logs what one crossing measured at start.
+fn print_links(n: usize) -> Result<()> {
+    if n < 2 {
+        println!("links: one device (a layer split over cuda:0,cuda:0 copies on the card)");
+        return Ok(());
+    }
+    let devs = (0..n)
+        .map(|i| Ok(cudarc::driver::CudaContext::new(i)?.cu_device()))
+        .collect::<Result<Vec<_>>>()?;
+    println!("links (peer access, as a layer split copies between the cards):");
+    for a in 0..n {
+        for b in (a + 1)..n {
+            let mut can = [0i32; 2];
+            for (k, (x, y)) in [(a, b), (b, a)].into_iter().enumerate() {
+                // SAFETY: `can[k]` is a live int the call writes; both devices exist (ordinals below the count).
+                unsafe { cudarc::driver::sys::cuDeviceCanAccessPeer(&mut can[k], devs[x], devs[y]) }.result()?;
+            }
+            let how = match can {
+                [1, 1] => "peer access both ways: direct copies",
+                [0, 0] => "no peer access: copies staged through host memory",
+                _ => "peer access one way only: copies staged through host memory",
+            };
+            println!("  cuda:{a} <-> cuda:{b}: {how}");
+        }
+    }
     Ok(())
 }
 
