@@ -363,7 +363,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     // A layer split reads each layer's weights on its own card, one stage after the other: its bandwidth is the
     // stages' copy bandwidths combined as the time they take, each over its share of the layers (the fixed
-    // tensors at the ends and the host bounce between stages are not counted).
+    // tensors at the ends and the copies between stages are not counted).
     let read_bandwidth_gb_s = match (&gpu, session.backend().split()) {
         (Some(g), _) => g.copy_gb_s,
         (None, Some(split)) => {

@@ -16,8 +16,10 @@
 //!
 //! A step ([`Backend::step_begin`] to [`Backend::step_end`]) is one step of each stage in turn: the stage's
 //! expert cache decides the step as on one card, and a decode step is a CUDA graph of the stage's launches. A
-//! stage's step ends before its values are carried out (the download waits for it), and the next one's begins
-//! after they were carried in ([`Backend::carried`]), so no host copy falls inside a stage's graph. A decode
+//! stage's step ends before its values are carried out, and the next one's begins after they were carried in
+//! ([`Backend::carried`]), so no copy falls inside a stage's graph. The copy runs on the sending stage's stream,
+//! after the receiving stage's earlier work, and the receiving stage waits for it (events both ways): the host
+//! does not wait between stages. A decode
 //! step whose every stage has a verified graph is replayed whole ([`Backend::replay_step`]): each stage's graph in
 //! turn, the carried buffers copied between them by the addresses the last forward pass of that key used.
 //!
@@ -50,7 +52,8 @@ pub struct Split {
     /// How the values cross into stage `i` (index `i`; `None` at 0 and where either side is not a GPU, whose
     /// buffers cross through host memory).
     links: Vec<Option<Link>>,
-    /// The host copy of a carried buffer (crossing between devices through host memory).
+    /// The host copy of a carried buffer, where a boundary has no device copy (a CPU stage, or a link that
+    /// could not be set up).
     bounce: Mutex<Vec<f32>>,
     /// Buffers carried across a boundary so far, and their values.
     carried: AtomicU64,
@@ -271,7 +274,15 @@ impl Split {
         };
         let (before, here) = per.split_at_mut(i);
         let device = match (&before[i - 1], &here[0], self.link(i)) {
-            (AnyBuf::Dev(src), AnyBuf::Dev(dst), Some(_)) => Some((src.ptr(), dst.ptr())),
+            (AnyBuf::Dev(src), AnyBuf::Dev(dst), Some(_)) => {
+                assert!(
+                    len <= src.capacity() && len <= dst.capacity(),
+                    "carry: {len} values from a buffer of {} into one of {}",
+                    src.capacity(),
+                    dst.capacity()
+                );
+                Some((src.ptr(), dst.ptr()))
+            }
             _ => None,
         };
         match device {

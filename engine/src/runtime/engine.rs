@@ -936,13 +936,15 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
     // Each boundary: how the hidden state and its norm (one token's, in decode) cross, and what a crossing took.
     let split = backend.split().expect("a split backend");
     let bytes = 2 * model.hp.n_embd as usize * 4;
-    let times = split
-        .measure_links(bytes)
-        .map_err(|e| err(format!("measuring the links between stages: {e}")))?;
+    let times = split.measure_links(bytes).unwrap_or_else(|e| {
+        eprintln!("strata: layer split: the crossings between stages were not measured ({e})");
+        vec![None; parts.len().saturating_sub(1)]
+    });
     for (i, t) in times.iter().enumerate() {
         let how = match (split.link(i + 1), t) {
             (Some(link), Some(t)) => format!("{link}, {:.1} us a crossing of {} KiB", t * 1e6, bytes / 1024),
-            _ => "through host memory (a download, then an upload)".to_string(),
+            (Some(link), None) => link.to_string(),
+            (None, _) => "through host memory (a download, then an upload)".to_string(),
         };
         eprintln!(
             "strata: layer split: {} -> {}: {how}",

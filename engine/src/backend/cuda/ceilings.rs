@@ -111,10 +111,10 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// The time of one [`CudaBackend::send_f32`] of `bytes` to `to` (best of 3 rounds of 20, in seconds, the
-    /// copies queued back to back and waited for on `to`'s stream): what a layer split's boundary costs a step
-    /// when `bytes` is what it carries, and `bytes ÷ time` its rate for large buffers.
+    /// copies queued back to back, host submission included, and waited for on `to`'s stream): about what a
+    /// layer split's boundary costs a step when `bytes` is what it carries.
     ///
-    /// Errors: an allocation or a copy failed.
+    /// Errors: an allocation failed. Panics (after a `fault` event) when a copy fails, as `send_f32` does.
     pub fn measure_send(&self, to: &CudaBackend, bytes: usize) -> Result<f64, CudaError> {
         let len = bytes.div_ceil(4).max(1);
         let src = DevBuf::alloc(&self.gpu.stream, len * 4)?;

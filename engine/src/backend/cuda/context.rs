@@ -35,7 +35,8 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("context creation"))?;
         // One stream, and buffers whose order we keep ourselves: cudarc's per-buffer events are not needed.
         // SAFETY: every buffer of this backend is used on `stream`, or on `side` between a fork and a join that order
-        // it with `stream` (Gpu::fork).
+        // it with `stream` (Gpu::fork), or by another backend's copy ordered with `stream` by events both ways
+        // (CudaBackend::send_f32).
         unsafe { ctx.disable_event_tracking() };
         // A stream of our own: the legacy default stream cannot be captured into a CUDA graph.
         let stream = ctx.new_stream().map_err(CudaError::driver("stream creation"))?;

@@ -559,7 +559,8 @@ impl CudaBackend {
 
     /// Copies `len` f32 values from device address `src` (inside a buffer of this backend) to `dst` (inside a
     /// buffer of `to`, on this device or another) after everything queued on this backend's stream, and makes
-    /// `to`'s stream wait for the copy: no host round trip. `cuMemcpyPeerAsync` moves them over the peer link
+    /// `to`'s stream wait for the copy: no host round trip. The copy itself waits for the work already queued on
+    /// `to`'s stream (which may still read or write the destination). `cuMemcpyPeerAsync` moves them over the peer link
     /// where [`CudaBackend::link_to`] enabled it, through host memory inside the driver otherwise. A layer split
     /// carries the hidden state between its stages this way, by the addresses of its buffers.
     ///
@@ -574,8 +575,20 @@ impl CudaBackend {
                 .ctx
                 .bind_to_thread()
                 .map_err(CudaError::driver("bind context"))?;
+            // The copy writes `to`'s buffer: it waits for everything queued on `to`'s stream first (its last use
+            // of that buffer, a step still running there, the buffer's allocation on that stream).
+            let free = to
+                .gpu
+                .stream
+                .record_event(None)
+                .map_err(CudaError::driver("record event"))?;
+            self.gpu.stream.wait(&free).map_err(CudaError::driver("stream wait"))?;
+            self.gpu
+                .ctx
+                .bind_to_thread()
+                .map_err(CudaError::driver("bind context"))?;
             // SAFETY: the caller names live device ranges of `len` f32 values on each side; the copy is ordered
-            // on this stream, and `to`'s stream waits for it before its next work.
+            // on this stream after `to`'s earlier work, and `to`'s stream waits for it before its next work.
             unsafe {
                 cudarc::driver::result::memcpy_peer_async(
                     to.gpu.ctx.cu_ctx(),
