@@ -286,7 +286,14 @@ impl Split {
             _ => None,
         };
         match device {
-            Some((src, dst)) => self.send(i, src, dst, len),
+            Some((src, dst)) => {
+                self.send(i, src, dst, len);
+                // Kept for a whole-step replay of this key: decode steps only (one token), the ones it takes.
+                let mut st = self.lock_step();
+                if st.step.is_some_and(|(n_tok, _)| n_tok == 1) {
+                    st.carried.push(Carried { into: i, src, dst, len });
+                }
+            }
             None => {
                 let mut host = self.bounce.lock().unwrap_or_else(|e| e.into_inner());
                 host.resize(len, 0.0);
@@ -295,18 +302,6 @@ impl Split {
             }
         }
         self.count_carry(len);
-        if let (AnyBuf::Dev(src), AnyBuf::Dev(dst)) = (&before[i - 1], &here[0]) {
-            let mut st = self.lock_step();
-            // Decode steps only (one token): the steps a whole-step replay may take.
-            if st.step.is_some_and(|(n_tok, _)| n_tok == 1) {
-                st.carried.push(Carried {
-                    into: i,
-                    src: src.ptr(),
-                    dst: dst.ptr(),
-                    len,
-                });
-            }
-        }
     }
 
     /// `len` values from address `src` of stage `i - 1` to `dst` of stage `i`, by [`Split::link`]'s device copy
@@ -332,35 +327,27 @@ impl Split {
     /// the forward pass then runs, and the stages that had decided keep their open decisions
     /// ([`crate::backend::cuda::CudaBackend::replay_ready`]), so no stage counts or routes the step twice.
     pub fn replay_step(&self, key: StepKey, ids: &[u32], positions: &[u32]) -> bool {
-        let Some(carried) = self
-            .replays
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-            .cloned()
-        else {
+        let replays = self.replays.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(carried) = replays.get(&key) else {
             return false;
         };
-        let cudas: Vec<_> = self.stages.iter().filter_map(|s| s.be.cuda()).collect();
-        let boundaries = 1..cudas.len();
-        if cudas.len() != self.stages.len()
-            || !boundaries
-                .clone()
-                .all(|i| self.link(i).is_some() && carried.iter().any(|b| b.into == i))
-        {
+        // A link into every stage after the first makes every stage a GPU.
+        let n = self.stages.len();
+        if !(1..n).all(|i| self.link(i).is_some() && carried.iter().any(|b| b.into == i)) {
             return false;
         }
+        let cuda = |i: usize| self.stages[i].be.cuda().expect("a GPU stage");
         // Every stage decides first; only then does any graph run.
-        if !cudas.iter().all(|c| c.replay_ready(key)) {
+        if !(0..n).all(|i| cuda(i).replay_ready(key)) {
             return false;
         }
-        for (i, c) in cudas.iter().enumerate() {
+        for i in 0..n {
             for b in carried.iter().filter(|b| b.into == i) {
                 self.send(i, b.src, b.dst, b.len);
                 self.count_carry(b.len);
             }
             self.cur.store(i, Ordering::Relaxed);
-            c.replay_now(key, ids, positions);
+            cuda(i).replay_now(key, ids, positions);
         }
         self.replayed.fetch_add(1, Ordering::Relaxed);
         true

@@ -688,62 +688,27 @@ fn vnni_kernels_give_the_avx2_kernels_bits() {
         eprintln!("skipping: no AVX-512 VNNI on this CPU, or STRATA_CPU_VNNI=0 (nothing to compare)");
         return;
     }
-    type Pair = (DotQ8Fn, DotQ8Fn, DotQ8ManyFn, DotQ8ManyFn);
-    let kernels: [(GgmlType, Pair); 6] = [
-        (
-            GgmlType::Q4_0,
+    /// A type's one-token and several-token entries, VNNI form first.
+    macro_rules! forms {
+        ($ty:ident, $one:ident, $many:ident) => {
             (
-                avx2_int8::dot_q4_0::<true>,
-                avx2_int8::dot_q4_0::<false>,
-                avx2_int8::dot_q4_0_many::<true>,
-                avx2_int8::dot_q4_0_many::<false>,
-            ),
-        ),
-        (
-            GgmlType::Q4_1,
-            (
-                avx2_int8::dot_q4_1::<true>,
-                avx2_int8::dot_q4_1::<false>,
-                avx2_int8::dot_q4_1_many::<true>,
-                avx2_int8::dot_q4_1_many::<false>,
-            ),
-        ),
-        (
-            GgmlType::Q5_0,
-            (
-                avx2_int8::dot_q5_0::<true>,
-                avx2_int8::dot_q5_0::<false>,
-                avx2_int8::dot_q5_0_many::<true>,
-                avx2_int8::dot_q5_0_many::<false>,
-            ),
-        ),
-        (
-            GgmlType::Q5_1,
-            (
-                avx2_int8::dot_q5_1::<true>,
-                avx2_int8::dot_q5_1::<false>,
-                avx2_int8::dot_q5_1_many::<true>,
-                avx2_int8::dot_q5_1_many::<false>,
-            ),
-        ),
-        (
-            GgmlType::Q8_0,
-            (
-                avx2_int8::dot_q8_0::<true>,
-                avx2_int8::dot_q8_0::<false>,
-                avx2_int8::dot_q8_0_many::<true>,
-                avx2_int8::dot_q8_0_many::<false>,
-            ),
-        ),
-        (
-            GgmlType::IQ4_NL,
-            (
-                avx2_int8::dot_iq4_nl::<true>,
-                avx2_int8::dot_iq4_nl::<false>,
-                avx2_int8::dot_iq4_nl_many::<true>,
-                avx2_int8::dot_iq4_nl_many::<false>,
-            ),
-        ),
+                GgmlType::$ty,
+                (
+                    avx2_int8::$one::<true> as DotQ8Fn,
+                    avx2_int8::$one::<false> as DotQ8Fn,
+                    avx2_int8::$many::<true> as DotQ8ManyFn,
+                    avx2_int8::$many::<false> as DotQ8ManyFn,
+                ),
+            )
+        };
+    }
+    let kernels = [
+        forms!(Q4_0, dot_q4_0, dot_q4_0_many),
+        forms!(Q4_1, dot_q4_1, dot_q4_1_many),
+        forms!(Q5_0, dot_q5_0, dot_q5_0_many),
+        forms!(Q5_1, dot_q5_1, dot_q5_1_many),
+        forms!(Q8_0, dot_q8_0, dot_q8_0_many),
+        forms!(IQ4_NL, dot_iq4_nl, dot_iq4_nl_many),
     ];
     let mut rng = Rng(0x564e_4e49);
     for (ty, (one_v, one, many_v, many)) in kernels {

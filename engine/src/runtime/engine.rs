@@ -995,7 +995,7 @@ fn plan_device(
     let mut config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
     config.budget = config.budget.map(|b| scaled(b, part.share));
     let n_layer = model.hp.n_layer as usize;
-    let whole = part.layers == (0..n_layer);
+    let whole = part.whole;
     let mut hp = model.hp.clone();
     hp.n_layer = part.layers.len() as u32;
     let moe_layers = model.moe_layers_in(&part.layers);

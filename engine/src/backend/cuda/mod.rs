@@ -547,10 +547,8 @@ impl CudaBackend {
             match unsafe { sys::cuCtxEnablePeerAccess(y.cu_ctx(), 0) } {
                 sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
                 e => {
-                    return e
-                        .result()
-                        .map(|_| Link::Staged)
-                        .map_err(CudaError::driver("cuCtxEnablePeerAccess"));
+                    let err = e.result().expect_err("not CUDA_SUCCESS");
+                    return Err(CudaError::driver("cuCtxEnablePeerAccess")(err));
                 }
             }
         }
@@ -571,22 +569,13 @@ impl CudaBackend {
             return;
         }
         Self::check((|| {
-            self.gpu
-                .ctx
-                .bind_to_thread()
-                .map_err(CudaError::driver("bind context"))?;
             // The copy writes `to`'s buffer: it waits for everything queued on `to`'s stream first (its last use
-            // of that buffer, a step still running there, the buffer's allocation on that stream).
-            let free = to
-                .gpu
-                .stream
-                .record_event(None)
-                .map_err(CudaError::driver("record event"))?;
-            self.gpu.stream.wait(&free).map_err(CudaError::driver("stream wait"))?;
+            // of that buffer, a step still running there, the buffer's allocation on that stream). The wait
+            // leaves this backend's context current, as the copy below needs.
             self.gpu
-                .ctx
-                .bind_to_thread()
-                .map_err(CudaError::driver("bind context"))?;
+                .stream
+                .join(&to.gpu.stream)
+                .map_err(CudaError::driver("stream wait"))?;
             // SAFETY: the caller names live device ranges of `len` f32 values on each side; the copy is ordered
             // on this stream after `to`'s earlier work, and `to`'s stream waits for it before its next work.
             unsafe {
@@ -600,12 +589,10 @@ impl CudaBackend {
                 )
             }
             .map_err(CudaError::driver("device-to-device copy"))?;
-            let done = self
-                .gpu
+            to.gpu
                 .stream
-                .record_event(None)
-                .map_err(CudaError::driver("record event"))?;
-            to.gpu.stream.wait(&done).map_err(CudaError::driver("stream wait"))
+                .join(&self.gpu.stream)
+                .map_err(CudaError::driver("stream wait"))
         })());
     }
 
