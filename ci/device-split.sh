@@ -6,7 +6,8 @@
 #   2. the 30B shape, greedy, 32 tokens: one card against the split, and against the split under a 10 GiB budget
 #      (5 GiB a stage: each stage's expert cache over its layers, misses uploaded); the logprobs files must be
 #      equal byte for byte
-#   3. `strata bench` pp512 and tg64 of the 30B shape, all resident, one card against the split; then under a
+#   3. `strata device --selftest` on the split with the 30B shape: each stage's memory plan
+#   4. `strata bench` pp512 and tg64 of the 30B shape, all resident, one card against the split; then under a
 #      budget per card that forces offload on one card: one card at --vram-budget $BUDGET (default 10.7GiB,
 #      DESIGN.md section 5's figure) against the split at twice that (its two stages on cuda:0 share a budget by
 #      their layers: $BUDGET each, as two cards of $BUDGET would have)
@@ -32,6 +33,9 @@ cmp "$OUT/one.logprobs.jsonl" "$OUT/split.logprobs.jsonl" && echo "greedy: logpr
 cmp "$OUT/one.txt" "$OUT/split.txt" && echo "greedy: text equal"
 cmp "$OUT/one.logprobs.jsonl" "$OUT/split-cache.logprobs.jsonl" && echo "greedy, split with expert caches: logprobs equal byte for byte"
 grep -E "hit rate|expert cache" "$OUT/split-cache.gen.log" | head -6
+# The self-test on the split: the card tested once, then each stage's memory plan as the engine places it.
+timeout 120 carry/strata device --selftest --device cuda:0,cuda:0 --model $M --vram-budget 10GiB > "$OUT/selftest-split.txt" 2>&1
+echo "selftest split rc $?"; grep -E "^device|^layer split|^memory plan|^  (plan|total|expert cache)|FITS|selftest OK" "$OUT/selftest-split.txt" | head -16
 BUDGET=${BUDGET:-10.7GiB}
 for budget in none "$BUDGET"; do
   for arm in one split; do

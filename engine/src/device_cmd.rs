@@ -11,7 +11,8 @@ use strata_engine::device::Device;
 use strata_engine::device::cuda_libs as loader;
 use strata_engine::device::sim::SimDevice;
 use strata_engine::experts::store::host_available_bytes;
-use strata_engine::memory::{ExpertGeometry, MemoryPlan, PlanConfig, PlanFlags, WeightBytes, gib};
+use strata_engine::memory::split::{self as layer_split, LayerSplit};
+use strata_engine::memory::{ExpertGeometry, MemoryPlan, PlanConfig, PlanFlags, Verdict, WeightBytes, gib};
 use strata_engine::{gguf::GgufModel, model::HParams, models};
 
 #[derive(Args)]
@@ -26,9 +27,14 @@ pub struct DeviceArgs {
     /// Compile every kernel with NVRTC for sm_90 and sm_80 (needs NVRTC only, no GPU or driver).
     #[arg(long)]
     check_kernels: bool,
-    /// The device of --selftest; with --list-devices, a `sim:PROFILE` lists the reported machine's devices.
+    /// The device of --selftest (a layer split such as `cuda:0,cuda:1` tests each card and prints each stage's
+    /// plan); with --list-devices, a `sim:PROFILE` lists the reported machine's devices.
     #[arg(long, default_value = "cuda:0")]
     device: Device,
+    /// With --selftest on a layer split and --model: the layers of each stage, as the engine takes it (`auto`:
+    /// by what each card may hold).
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<LayerSplit>())]
+    layer_split: LayerSplit,
     /// A model whose memory plan --selftest prints (`default` for the default model).
     #[arg(long)]
     model: Option<String>,
@@ -38,6 +44,12 @@ pub struct DeviceArgs {
 }
 
 pub fn run(a: DeviceArgs) -> Result<()> {
+    if a.layer_split != LayerSplit::Auto && !a.selftest {
+        bail!(
+            "--layer-split {} goes with --selftest on a layer split (--device cuda:0,cuda:1)",
+            a.layer_split
+        );
+    }
     if a.check_kernels {
         return check_kernels();
     }
@@ -290,18 +302,120 @@ fn print_links(n: usize) -> Result<()> {
 /// Arena of the allocation test.
 const ARENA_BYTES: usize = 64 << 20;
 
+/// `--selftest` on a CUDA device, or on each card of a layer split; then the memory plan of `--model` (each
+/// stage's, placed as the engine places them, for a split).
 fn selftest(a: &DeviceArgs) -> Result<()> {
-    let ord = match &a.device {
-        Device::Cuda(ord) => *ord,
-        Device::Split(_) => bail!(
-            "--selftest tests one CUDA device; --device {} is a layer split: test each of its devices (--device cuda:N)",
-            a.device
-        ),
+    let ords = match &a.device {
+        Device::Cuda(ord) => vec![*ord],
+        Device::Split(ords) => ords.clone(),
         _ => bail!(
             "--selftest tests a CUDA device; --device {} has nothing to test",
             a.device
         ),
     };
+    if ords.len() == 1 && a.layer_split != LayerSplit::Auto {
+        bail!(
+            "--layer-split {} places the layers of a split over several devices; --device {} is one",
+            a.layer_split,
+            a.device
+        );
+    }
+    // Each card once, in the order the split names them; its free memory read before its test.
+    let mut free_of = std::collections::BTreeMap::new();
+    for &ord in &ords {
+        if let std::collections::btree_map::Entry::Vacant(e) = free_of.entry(ord) {
+            if ords.len() > 1 {
+                println!();
+            }
+            e.insert(card_selftest(ord)?);
+        }
+    }
+    if let Some(m) = &a.model {
+        if ords.len() == 1 {
+            plan(m, a, free_of[&ords[0]], None)?;
+        } else {
+            split_plans(m, a, &ords, &free_of)?;
+        }
+    }
+    if ords.len() > 1 {
+        println!("\nstrata device selftest OK ({} cards: {})", free_of.len(), a.device);
+    } else {
+        println!("strata device selftest OK");
+    }
+    Ok(())
+}
+
+/// Each stage's memory plan of `model` on a layer split over `ords`, placed as the engine places it
+/// ([`layer_split::place`]) from the cards' free memory `free_of` (bytes, by ordinal); the host arena is counted
+/// once, on the first stage with an expert cache.
+fn split_plans(
+    model: &str,
+    a: &DeviceArgs,
+    ords: &[usize],
+    free_of: &std::collections::BTreeMap<usize, usize>,
+) -> Result<()> {
+    let path = models::resolve(Some(model))?;
+    let gguf = GgufModel::open(&path)?;
+    let hp = HParams::from_metadata(gguf.metadata())?;
+    let config = PlanConfig::from_flags(&a.plan, hp.n_ctx_train);
+    let card_free: Vec<u64> = ords.iter().map(|o| free_of[o] as u64).collect();
+    let stages = layer_split::place(&gguf, &hp, ords, &card_free, &config, &a.layer_split)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    println!(
+        "\nlayer split over {} ({}): {}",
+        a.device,
+        match &a.layer_split {
+            LayerSplit::Auto => "auto, by what each card may hold".to_string(),
+            s => format!("--layer-split {s}"),
+        },
+        stages
+            .iter()
+            .map(|s| format!("cuda:{} {} layers", s.ord, s.layers.len()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let mut arena = false;
+    let mut unfit = Vec::new();
+    for (s, free) in stages.iter().zip(card_free) {
+        let mut plan = layer_split::stage_plan(&gguf, &hp, &s.layers, s.share, free, &config)
+            .map_err(|e| anyhow::anyhow!("{}: --kv {}: {e}", path.display(), a.plan.kv))?;
+        if plan.cache_slots().is_some() && !a.plan.experts.mmap_experts && !arena {
+            plan = plan.with_host_arena(WeightBytes::of(&gguf).experts, host_available_bytes());
+            arena = true;
+        }
+        let label = format!("cuda:{} (layers {}-{})", s.ord, s.layers.start, s.layers.end - 1);
+        println!(
+            "\nmemory plan  {label}  {}  --max-context {} --kv {} --prefill {} --expert-cache {}{}",
+            path.display(),
+            plan.context,
+            plan.kv,
+            config.prefill_chunk,
+            config.cache,
+            if s.share.0 < s.share.1 {
+                format!(
+                    " (a {}/{} share of the card: its layers of the layers it holds)",
+                    s.share.0, s.share.1
+                )
+            } else {
+                String::new()
+            }
+        );
+        print!("{}", plan.to_text());
+        if plan.verdict() == Verdict::DoesNotFit {
+            unfit.push(label);
+        }
+    }
+    if !unfit.is_empty() {
+        println!("\nthe plan does not fit on {}", unfit.join(", "));
+    }
+    Ok(())
+}
+
+/// The self-test of one CUDA card: what it is, an arena allocation, an over-allocation the driver must refuse
+/// and the card still usable after it. Returns its free memory in bytes, read before the test allocated.
+///
+/// Errors: the card does not open, or the over-allocation was not refused.
+fn card_selftest(ord: usize) -> Result<usize> {
     let t0 = Instant::now();
     let gpu = Gpu::open(ord)?;
     let start_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -340,11 +454,8 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
     let after = DevBuf::alloc(&gpu.stream, 1 << 20).is_ok();
     drop(arena);
 
-    if let Some(m) = &a.model {
-        plan(m, a, free, None)?;
-    }
     println!(
-        "\nselftest: arena {}, used {} after two 1 MiB allocations",
+        "selftest: arena {}, used {} after two 1 MiB allocations",
         gib(ARENA_BYTES as u64),
         gib(used as u64)
     );
@@ -358,8 +469,7 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
         "selftest: over-allocation refused as required ({} asked of the driver)",
         gib(over as u64)
     );
-    println!("strata device selftest OK");
-    Ok(())
+    Ok(free)
 }
 
 /// The memory plan of `model` under the plan flags, against `free` bytes; on a simulated device `sim`, the reserve

@@ -135,6 +135,22 @@ pub struct ExpertCache {
     /// Of those, the ones the lookup then used (`prefetched - prefetch_used` were wasted).
     #[serde(default)]
     pub prefetch_used: u64,
+    /// On a layer split, each stage's own cache (the counts above add them up); empty on one card.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageCache>,
+}
+
+/// One stage's part of an [`ExpertCache`] event on a layer split: its card's cache of its layers' experts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageCache {
+    /// The stage as messages name it: `cuda:1 (layers 24-47)`.
+    pub stage: String,
+    pub lookups: u64,
+    pub hits: u64,
+    /// Bytes copied from host memory to this card.
+    pub bytes_uploaded: u64,
+    /// Misses of this stage's layers computed by the CPU.
+    pub cpu_computed: u64,
 }
 
 /// `load`: a worker (or command) loaded its model.
@@ -388,6 +404,15 @@ impl fmt::Display for Fault {
     }
 }
 
+/// `hits` of `lookups` in percent (0 without lookups).
+fn hit_rate(hits: u64, lookups: u64) -> f64 {
+    if lookups > 0 {
+        100.0 * hits as f64 / lookups as f64
+    } else {
+        0.0
+    }
+}
+
 impl fmt::Display for EventKind {
     /// The human log line of the event (without the `strata:` prefix).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -403,11 +428,7 @@ impl fmt::Display for EventKind {
                     f,
                     "{} expert cache hit rate: {:.1}% ({} hits / {} lookups), {} uploaded ({} into slots, {} staged, {} evictions), {:.1} MB",
                     c.phase,
-                    if c.lookups > 0 {
-                        100.0 * c.hits as f64 / c.lookups as f64
-                    } else {
-                        0.0
-                    },
+                    hit_rate(c.hits, c.lookups),
                     c.hits,
                     c.lookups,
                     c.admitted + c.staged,
@@ -426,6 +447,17 @@ impl fmt::Display for EventKind {
                         c.prefetched,
                         c.prefetch_used,
                         c.prefetched.saturating_sub(c.prefetch_used)
+                    )?;
+                }
+                for s in &c.stages {
+                    write!(
+                        f,
+                        "; {}: {:.1}% ({} / {}), {:.1} MB",
+                        s.stage,
+                        hit_rate(s.hits, s.lookups),
+                        s.hits,
+                        s.lookups,
+                        s.bytes_uploaded as f64 / 1e6
                     )?;
                 }
                 Ok(())
@@ -615,6 +647,7 @@ mod tests {
             cpu_computed: 0,
             prefetched: 0,
             prefetch_used: 0,
+            stages: Vec::new(),
         };
         // The original's line (seed 000), then what was uploaded.
         assert_eq!(
@@ -666,6 +699,35 @@ mod tests {
             EventKind::ExpertCache(pf.clone())
         );
         round_trip(EventKind::ExpertCache(pf));
+        // A layer split names each stage's cache last; one card's event has no `stages` field.
+        assert!(!line.contains("stages"), "{line}");
+        let split = ExpertCache {
+            stages: vec![
+                StageCache {
+                    stage: "cuda:0 (layers 0-23)".into(),
+                    lookups: 12000,
+                    hits: 11000,
+                    bytes_uploaded: 2_000_000_000,
+                    cpu_computed: 0,
+                },
+                StageCache {
+                    stage: "cuda:1 (layers 24-47)".into(),
+                    lookups: 10118,
+                    hits: 8579,
+                    bytes_uploaded: 4_728_000_000,
+                    cpu_computed: 0,
+                },
+            ],
+            ..c.clone()
+        };
+        let text = EventKind::ExpertCache(split.clone()).to_string();
+        assert!(
+            text.ends_with(
+                "6728.0 MB; cuda:0 (layers 0-23): 91.7% (11000 / 12000), 2000.0 MB; cuda:1 (layers 24-47): 84.8% (8579 / 10118), 4728.0 MB"
+            ),
+            "{text}"
+        );
+        round_trip(EventKind::ExpertCache(split));
     }
 
     #[test]

@@ -337,15 +337,7 @@ impl MemoryPlan {
     ) -> Result<MemoryPlan, KvError> {
         let kv_cells = kv_cells(config);
         let kv = kv_bytes(&hp.kv_shape(), config.kv, kv_cells)?;
-        // A chunk's activations: six f32 buffers of the widest row (the FFN's, or the routed experts' together),
-        // one f16 copy of the chunk's hidden states, and the largest matrix dequantized to f16 for the GEMM.
-        let chunk = config.prefill_chunk as u64;
-        let widest = (hp.n_embd.max(hp.n_ff).max(hp.n_ff_exp * hp.n_expert_used.max(1)) as u64).max(1);
-        let prefill = chunk
-            .saturating_mul(widest)
-            .saturating_mul(4 * 6)
-            .saturating_add(weights.largest_elements.saturating_mul(2))
-            .saturating_add(chunk.saturating_mul(hp.n_embd as u64).saturating_mul(2));
+        let prefill = prefill_bytes(hp, weights.largest_elements, config.prefill_chunk);
         let mut plan = MemoryPlan {
             parts: vec![(Part::DenseWeights, weights.dense)],
             context: config.context,
@@ -526,7 +518,20 @@ impl MemoryPlan {
 }
 
 /// [`MemoryPlan::limit`] of a device with `free` bytes free, a budget and a reserve.
-fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {
+/// The prefill buffers' bytes ([`Part::PrefillBuffers`]) for chunks of `chunk` tokens: six f32 buffers of the
+/// widest row (the FFN's, or the routed experts' together), one f16 copy of the chunk's hidden states, and the
+/// largest dense matrix (`largest_elements`) dequantized to f16 for the GEMM. Saturating.
+pub fn prefill_bytes(hp: &HParams, largest_elements: u64, chunk: usize) -> u64 {
+    let chunk = chunk as u64;
+    let widest = (hp.n_embd.max(hp.n_ff).max(hp.n_ff_exp * hp.n_expert_used.max(1)) as u64).max(1);
+    chunk
+        .saturating_mul(widest)
+        .saturating_mul(4 * 6)
+        .saturating_add(largest_elements.saturating_mul(2))
+        .saturating_add(chunk.saturating_mul(hp.n_embd as u64).saturating_mul(2))
+}
+
+pub(crate) fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {
     budget.map_or(free, |b| free.min(b.saturating_add(reserve)))
 }
 

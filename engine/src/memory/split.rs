@@ -7,6 +7,11 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
+use super::{ExpertGeometry, MemoryPlan, PlanConfig, WeightBytes, limit_of, prefill_bytes};
+use crate::gguf::GgufModel;
+use crate::model::HParams;
+use crate::state::kv::KvError;
+
 /// `--layer-split`: how the layers are spread over the devices of a split.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum LayerSplit {
@@ -123,6 +128,137 @@ fn auto_counts(n_layer: usize, room: &[u64]) -> Vec<usize> {
     counts
 }
 
+/// One stage of a placed split: its card, its layers, and its share of the card.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stage {
+    /// The CUDA device ordinal.
+    pub ord: usize,
+    /// The transformer blocks it computes.
+    pub layers: Range<usize>,
+    /// Its fraction of its card's free memory, `--vram-budget` and `--vram-reserve-mib`: `(its layers, the layers
+    /// of every stage on the card)`; `(n, n)` for a card of its own.
+    pub share: (u64, u64),
+}
+
+/// `x * num / den`, rounded down, without overflow.
+pub fn scaled(x: u64, (num, den): (u64, u64)) -> u64 {
+    (x as u128 * num as u128 / den.max(1) as u128) as u64
+}
+
+/// Places the stages of a split over the cards `ords` (one stage each, in order; a card may appear more than once)
+/// by `split` (`auto`: by what each stage may hold).
+///
+/// `card_free[i]` is the free memory of stage `i`'s card in bytes, read before any stage allocated. A stage's
+/// room for its layers is its part of its card (an equal part while the layers are not yet placed): the card's
+/// limit under `--vram-budget`, less its part of the reserve, the tensors only it holds (the embeddings on the
+/// first stage, the output norm and head on the last) and its prefill buffers: the whole memory plan but the
+/// parts that grow with its layers (dense weights, experts, KV cache), which [`LayerSplit::ranges`] then
+/// divides in proportion.
+///
+/// Errors: as [`LayerSplit::ranges`]; one `card_free` per card is required.
+pub fn place(
+    gguf: &GgufModel,
+    hp: &HParams,
+    ords: &[usize],
+    card_free: &[u64],
+    config: &PlanConfig,
+    split: &LayerSplit,
+) -> Result<Vec<Stage>, String> {
+    assert_eq!(ords.len(), card_free.len(), "one free-memory reading per stage");
+    let n_layer = hp.n_layer as usize;
+    let tied = tied_head(gguf.tensors().iter().map(|t| t.name.as_str()));
+    let on_card = |o: usize| ords.iter().filter(|&&x| x == o).count() as u64;
+    let largest = WeightBytes::of(gguf).largest_elements;
+    let prefill = prefill_bytes(hp, largest, config.prefill_chunk);
+    let room: Vec<u64> = (0..ords.len())
+        .map(|i| {
+            let part = (1, on_card(ords[i]));
+            let reserve = scaled(config.reserve, part);
+            let limit = limit_of(
+                scaled(card_free[i], part),
+                config.budget.map(|b| scaled(b, part)),
+                reserve,
+            );
+            let (first, last) = (i == 0, i + 1 == ords.len());
+            let fixed = WeightBytes::of_matching(gguf, |name| {
+                tensor_layer(name).is_none()
+                    && ((first && name.starts_with("token_embd"))
+                        || (last && stage_holds(name, &(n_layer..n_layer), n_layer, tied)))
+            })
+            .total();
+            limit
+                .saturating_sub(reserve)
+                .saturating_sub(fixed)
+                .saturating_sub(prefill)
+        })
+        .collect();
+    let ranges = split.ranges(n_layer, &room)?;
+    Ok(ranges
+        .iter()
+        .zip(card_shares(ords, &ranges))
+        .enumerate()
+        .map(|(i, (r, share))| Stage {
+            ord: ords[i],
+            layers: r.clone(),
+            share,
+        })
+        .collect())
+}
+
+/// Each stage's [`Stage::share`]: stages on one card (`ords`, the card of each) share its memory in proportion to
+/// their layers (`ranges`).
+fn card_shares(ords: &[usize], ranges: &[Range<usize>]) -> Vec<(u64, u64)> {
+    let len = |i: usize| ranges[i].len() as u64;
+    (0..ords.len())
+        .map(|i| {
+            let all: u64 = (0..ords.len()).filter(|&j| ords[j] == ords[i]).map(len).sum();
+            (len(i), all)
+        })
+        .collect()
+}
+
+/// The memory plan of the part of a model that computes `layers` (all of them on one card; a stage's own of a
+/// split) with `share` of a card whose free memory is `free` bytes: its blocks' tensors (and the embeddings or
+/// the head at the ends), its layers' experts and KV cache, its prefill buffers, against its share of the free
+/// memory, `--vram-budget` and the reserve (stages on one card together keep the reserve once).
+///
+/// Errors: as [`MemoryPlan::new`].
+pub fn stage_plan(
+    gguf: &GgufModel,
+    hp: &HParams,
+    layers: &Range<usize>,
+    share: (u64, u64),
+    free: u64,
+    config: &PlanConfig,
+) -> Result<MemoryPlan, KvError> {
+    let n_layer = hp.n_layer as usize;
+    let tied = tied_head(gguf.tensors().iter().map(|t| t.name.as_str()));
+    let mut config = *config;
+    config.budget = config.budget.map(|b| scaled(b, share));
+    config.reserve = scaled(config.reserve, share);
+    let mut stage_hp = hp.clone();
+    stage_hp.n_layer = layers.len() as u32;
+    // The slot size stays the model's (a slot holds any expert); the layers are the stage's.
+    let geometry = ExpertGeometry::of(gguf, hp).map(|g| ExpertGeometry {
+        moe_layers: moe_layers_in(gguf, layers),
+        ..g
+    });
+    let weights = WeightBytes::of_matching(gguf, |name| stage_holds(name, layers, n_layer, tied));
+    MemoryPlan::new(&weights, &stage_hp, geometry.as_ref(), &config, scaled(free, share))
+}
+
+/// The layers in `layers` with routed experts (`blk.N.ffn_*_exps` tensors).
+fn moe_layers_in(gguf: &GgufModel, layers: &Range<usize>) -> usize {
+    let moe: std::collections::BTreeSet<usize> = gguf
+        .tensors()
+        .iter()
+        .filter(|t| super::is_routed_expert(&t.name))
+        .filter_map(|t| tensor_layer(&t.name))
+        .filter(|il| layers.contains(il))
+        .collect();
+    moe.len()
+}
+
 /// Which layers a tensor belongs to: `Some(il)` for `blk.IL.…`, `None` for the embeddings, the output norm and
 /// head, and other tensors outside the blocks (llama.cpp's tensor names).
 pub fn tensor_layer(name: &str) -> Option<usize> {
@@ -201,6 +337,125 @@ mod tests {
                 "{r:?}"
             );
         }
+    }
+
+    #[test]
+    fn stages_on_one_card_share_it_by_their_layers() {
+        // Two stages on cuda:0, 40 and 8 layers: 40/48 and 8/48 of its free memory and of its budget.
+        let s = card_shares(&[0, 0], &[0..40, 40..48]);
+        assert_eq!(s, vec![(40, 48), (8, 48)]);
+        // One stage a card: each has its card to itself.
+        assert_eq!(card_shares(&[0, 1], &[0..20, 20..48]), vec![(20, 20), (28, 28)]);
+        // cuda:0, cuda:1, cuda:0: the two on cuda:0 share it, the one on cuda:1 does not.
+        let s = card_shares(&[0, 1, 0], &[0..10, 10..30, 30..48]);
+        assert_eq!(s, vec![(10, 28), (20, 20), (18, 28)]);
+        assert_eq!(scaled(u64::MAX, (1, 2)), u64::MAX / 2);
+        assert_eq!(scaled(48 << 30, (40, 48)), 40 << 30);
+    }
+
+    /// A synthetic MoE of `n_layer` layers written to a temporary file and opened.
+    fn moe(n_layer: u32) -> (tempfile::TempDir, GgufModel, HParams) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let spec = crate::fixtures::synth::SynthSpec {
+            n_layer,
+            ..crate::fixtures::synth::SynthSpec::tiny_qwen3moe()
+        };
+        spec.write(&path).unwrap();
+        let gguf = GgufModel::open(&path).unwrap();
+        let hp = HParams::from_metadata(gguf.metadata()).unwrap();
+        (dir, gguf, hp)
+    }
+
+    /// Every expert resident, so what fits depends on the layers alone.
+    fn config(reserve: u64, prefill_chunk: usize) -> PlanConfig {
+        PlanConfig {
+            context: 256,
+            kv: crate::state::kv::KvType::F16,
+            sequences: 1,
+            kv_tokens: None,
+            prefill_chunk,
+            reserve,
+            cache: super::super::CacheSize::Slots(usize::MAX),
+            budget: None,
+        }
+    }
+
+    #[test]
+    fn the_stages_plans_add_up_to_the_whole_and_share_one_reserve() {
+        let (_dir, gguf, hp) = moe(8);
+        let cfg = config(1 << 20, 64);
+        let free = 1u64 << 40;
+        let whole = stage_plan(&gguf, &hp, &(0..8), (1, 1), free, &cfg).unwrap();
+        let stages = place(
+            &gguf,
+            &hp,
+            &[0, 0],
+            &[free, free],
+            &cfg,
+            &LayerSplit::Counts(vec![3, 5]),
+        )
+        .unwrap();
+        assert_eq!(
+            stages,
+            vec![
+                Stage {
+                    ord: 0,
+                    layers: 0..3,
+                    share: (3, 8)
+                },
+                Stage {
+                    ord: 0,
+                    layers: 3..8,
+                    share: (5, 8)
+                },
+            ]
+        );
+        let plans: Vec<MemoryPlan> = stages
+            .iter()
+            .map(|s| stage_plan(&gguf, &hp, &s.layers, s.share, free, &cfg).unwrap())
+            .collect();
+        use super::super::Part;
+        // Every tensor, expert and KV layer is on exactly one stage.
+        for part in [Part::DenseWeights, Part::Experts, Part::KvCache] {
+            let sum: u64 = plans.iter().map(|p| p.bytes(part)).sum();
+            assert_eq!(sum, whole.bytes(part), "{part:?}");
+        }
+        // Two stages on one card keep its reserve once between them (3/8 and 5/8 of it), and see their shares of
+        // its free memory.
+        let reserve: u64 = plans.iter().map(|p| p.bytes(Part::Reserve)).sum();
+        assert!(reserve.abs_diff(whole.bytes(Part::Reserve)) <= 1, "{reserve}");
+        assert_eq!(plans[0].free, free / 8 * 3);
+        // Each has prefill buffers of its own.
+        assert!(plans.iter().all(|p| p.bytes(Part::PrefillBuffers) > 0));
+    }
+
+    #[test]
+    fn auto_places_the_layers_so_each_stage_fits_when_the_cards_can_hold_them() {
+        let (_dir, gguf, hp) = moe(12);
+        // Prefill buffers of several layers' size: a placement that left them out would overfill the small card.
+        let cfg = config(1 << 20, 2048);
+        use super::super::Part;
+        let whole = stage_plan(&gguf, &hp, &(0..12), (1, 1), u64::MAX, &cfg).unwrap();
+        let layer = (whole.bytes(Part::DenseWeights) + whole.bytes(Part::Experts) + whole.bytes(Part::KvCache)) / 12;
+        assert!(whole.bytes(Part::PrefillBuffers) > 4 * layer);
+        // Two cards, each with what 4 | 8 layers need and half a layer more: no other split fits, and a placement
+        // that counted only the weights would give the small card more than 4.
+        let need = |r: Range<usize>| {
+            let n = r.len() as u64;
+            stage_plan(&gguf, &hp, &r, (n, n), u64::MAX, &cfg).unwrap().total() + layer / 2
+        };
+        let free = [need(0..4), need(4..12)];
+        let stages = place(&gguf, &hp, &[0, 1], &free, &cfg, &LayerSplit::Auto).unwrap();
+        assert_eq!(stages[0].layers, 0..4, "{stages:?}");
+        for (s, f) in stages.iter().zip(free) {
+            let plan = stage_plan(&gguf, &hp, &s.layers, s.share, f, &cfg).unwrap();
+            assert_eq!(plan.verdict(), super::super::Verdict::Fits, "{s:?}\n{}", plan.to_text());
+        }
+        // Divided in proportion to the free memory alone (the prefill buffers and the ends' tensors counted as
+        // layers), the small card would have taken more.
+        let naive = LayerSplit::Auto.ranges(12, &free).unwrap();
+        assert!(naive[0].len() > 4, "{naive:?}");
     }
 
     #[test]

@@ -650,14 +650,45 @@ impl Engine {
     /// What the expert cache did since the last call (or [`Engine::emit_expert_cache`]), its counts zeroed;
     /// `None` without a cache. A split's stages each cache their own layers' experts: their counts add up.
     pub fn take_expert_cache_stats(&self) -> Option<crate::backend::cuda::experts::ExpertCacheStats> {
-        self.backend
-            .cudas()
-            .iter()
-            .filter_map(|c| c.take_expert_cache_stats())
-            .reduce(|mut a, b| {
-                a.add(&b);
-                a
-            })
+        Self::sum_stages(&self.take_expert_cache_stages())
+    }
+
+    /// [`Engine::take_expert_cache_stats`] by cache: on a layer split, each stage's with its label (`cuda:1
+    /// (layers 24-47)`); on one card, its one cache with an empty label; empty without a cache.
+    pub fn take_expert_cache_stages(&self) -> Vec<(String, crate::backend::cuda::experts::ExpertCacheStats)> {
+        match self.backend.split() {
+            Some(split) => split
+                .stages()
+                .iter()
+                .filter_map(|st| {
+                    let stats = st.be.cuda()?.take_expert_cache_stats()?;
+                    let label = format!(
+                        "{} (layers {}-{})",
+                        st.device,
+                        st.layers.start,
+                        st.layers.end.saturating_sub(1)
+                    );
+                    Some((label, stats))
+                })
+                .collect(),
+            None => self
+                .backend
+                .cudas()
+                .iter()
+                .filter_map(|c| c.take_expert_cache_stats())
+                .map(|s| (String::new(), s))
+                .collect(),
+        }
+    }
+
+    /// The caches' counts added up (`None` without a cache).
+    fn sum_stages(
+        stages: &[(String, crate::backend::cuda::experts::ExpertCacheStats)],
+    ) -> Option<crate::backend::cuda::experts::ExpertCacheStats> {
+        stages.iter().map(|(_, s)| *s).reduce(|mut a, b| {
+            a.add(&b);
+            a
+        })
     }
 
     /// Emits what the expert cache did since the last call (one `expert_cache` event per phase that looked an
@@ -665,13 +696,34 @@ impl Engine {
     /// nothing without a cache.
     pub fn emit_expert_cache(&self, request: Option<u64>) {
         self.save_expert_profile();
-        let Some(st) = self.take_expert_cache_stats() else {
+        let stages = self.take_expert_cache_stages();
+        let Some(st) = Self::sum_stages(&stages) else {
             return;
         };
         for (phase, p) in [("prefill", st.prefill), ("decode", st.decode)] {
             if p.cache.lookups == 0 {
                 continue;
             }
+            let of_phase = |s: &crate::backend::cuda::experts::ExpertCacheStats| {
+                if phase == "prefill" { s.prefill } else { s.decode }
+            };
+            let per_stage = if stages.len() > 1 {
+                stages
+                    .iter()
+                    .map(|(label, s)| {
+                        let q = of_phase(s);
+                        crate::events::StageCache {
+                            stage: label.clone(),
+                            lookups: q.cache.lookups,
+                            hits: q.cache.hits,
+                            bytes_uploaded: q.bytes_uploaded,
+                            cpu_computed: q.cpu_computed,
+                        }
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
             crate::events::emit(crate::events::EventKind::ExpertCache(crate::events::ExpertCache {
                 request,
                 phase: phase.into(),
@@ -684,6 +736,7 @@ impl Engine {
                 prefetch_used: p.prefetch_used,
                 evictions: p.cache.evictions,
                 bytes_uploaded: p.bytes_uploaded,
+                stages: per_stage,
             }));
         }
     }
@@ -841,23 +894,6 @@ impl DevicePart {
     }
 }
 
-/// Each stage's [`DevicePart::share`]: stages on one card (`ords`, the card of each) share its memory in
-/// proportion to their layers (`ranges`).
-fn card_shares(ords: &[usize], ranges: &[std::ops::Range<usize>]) -> Vec<(u64, u64)> {
-    let len = |i: usize| ranges[i].len() as u64;
-    (0..ords.len())
-        .map(|i| {
-            let all: u64 = (0..ords.len()).filter(|&j| ords[j] == ords[i]).map(len).sum();
-            (len(i), all)
-        })
-        .collect()
-}
-
-/// `x * num / den`, rounded down, without overflow.
-fn scaled(x: u64, (num, den): (u64, u64)) -> u64 {
-    (x as u128 * num as u128 / den.max(1) as u128) as u64
-}
-
 /// Places a layer split's stages (`--layer-split`, or `auto` from what each card may hold) and says how.
 ///
 /// Errors: [`EngineError::Plan`] for a split the model cannot take (counts that do not add up, fewer layers than
@@ -871,52 +907,33 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
         device: device.clone(),
         why,
     };
-    let n_layer = model.hp.n_layer as usize;
     let ords: Vec<usize> = match device {
         Device::Split(o) => o.clone(),
         _ => unreachable!("a split backend is opened for a split device"),
     };
-    let on_card = |o: usize| ords.iter().filter(|&&x| x == o).count() as u64;
-    let tied = crate::memory::split::tied_head(model.gguf.tensors().iter().map(|t| t.name.as_str()));
-    let reserve = flags.plan.experts.reserve_bytes();
-    let mut room = Vec::with_capacity(ords.len());
     let mut card_free = Vec::with_capacity(ords.len());
-    for (i, st) in split.stages().iter().enumerate() {
+    for st in split.stages() {
         let c = st.be.cuda().expect("a split's stages are CUDA backends");
         let (free, _) = c
             .gpu()
             .mem_info()
             .map_err(|e| err(format!("{}: cannot read the free device memory: {e}", st.device)))?;
         card_free.push(free as u64);
-        let k = on_card(ords[i]);
-        let limit = flags
-            .plan
-            .experts
-            .vram_budget
-            .map_or(free as u64, |b| b.min(free as u64))
-            / k;
-        // The ends' own tensors: the embeddings on the first stage, the output head on the last.
-        let (first, last) = (i == 0, i + 1 == ords.len());
-        let fixed = WeightBytes::of_matching(&model.gguf, |name| {
-            crate::memory::split::tensor_layer(name).is_none()
-                && ((first && name.starts_with("token_embd"))
-                    || (last && crate::memory::split::stage_holds(name, &(n_layer..n_layer), n_layer, tied)))
-        })
-        .total();
-        room.push(limit.saturating_sub(reserve).saturating_sub(fixed));
     }
-    let ranges = flags.layer_split.ranges(n_layer, &room).map_err(err)?;
+    let config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
+    let stages = crate::memory::split::place(&model.gguf, &model.hp, &ords, &card_free, &config, &flags.layer_split)
+        .map_err(err)?;
+    let ranges: Vec<_> = stages.iter().map(|s| s.layers.clone()).collect();
     split.place(&ranges);
-    let parts: Vec<DevicePart> = ranges
-        .iter()
-        .zip(card_shares(&ords, &ranges))
+    let parts: Vec<DevicePart> = stages
+        .into_iter()
         .enumerate()
-        .map(|(i, (r, share))| DevicePart {
-            device: Device::Cuda(ords[i]),
-            label: format!("cuda:{} (layers {}-{})", ords[i], r.start, r.end - 1),
-            layers: r.clone(),
+        .map(|(i, s)| DevicePart {
+            device: Device::Cuda(s.ord),
+            label: format!("cuda:{} (layers {}-{})", s.ord, s.layers.start, s.layers.end - 1),
+            layers: s.layers,
             whole: false,
-            share,
+            share: s.share,
             card_free: Some(card_free[i]),
         })
         .collect();
@@ -989,25 +1006,29 @@ fn plan_device(
                 .0 as u64
         }
     };
-    // Stages of a split on one card share its free memory and its budget, in proportion to their layers.
-    let free = scaled(free, part.share);
     let ef = &flags.plan.experts;
-    let mut config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
-    config.budget = config.budget.map(|b| scaled(b, part.share));
-    let n_layer = model.hp.n_layer as usize;
+    let config = PlanConfig::from_flags(&flags.plan, model.hp.n_ctx_train);
     let whole = part.whole;
-    let mut hp = model.hp.clone();
-    hp.n_layer = part.layers.len() as u32;
-    let moe_layers = model.moe_layers_in(&part.layers);
-    let geometry = ExpertGeometry::of(&model.gguf, &model.hp).map(|g| ExpertGeometry { moe_layers, ..g });
+    // Stages of a split on one card share its free memory, budget and reserve, in proportion to their layers.
+    let mut plan = crate::memory::split::stage_plan(&model.gguf, &model.hp, &part.layers, part.share, free, &config)
+        .map_err(|e| EngineError::Plan {
+            device: device.clone(),
+            why: format!("{}--kv {}: {e}", stage_prefix(part), flags.plan.kv),
+        })?;
+    let free = plan.free;
+    let config = PlanConfig {
+        budget: plan.budget,
+        ..config
+    };
+    let geometry = ExpertGeometry::of(&model.gguf, &model.hp).map(|g| ExpertGeometry {
+        moe_layers: model.moe_layers_in(&part.layers),
+        ..g
+    });
     let tied = crate::memory::split::tied_head(model.gguf.tensors().iter().map(|t| t.name.as_str()));
+    let n_layer = model.hp.n_layer as usize;
     let weights = WeightBytes::of_matching(&model.gguf, |name| {
         crate::memory::split::stage_holds(name, &part.layers, n_layer, tied)
     });
-    let mut plan = MemoryPlan::new(&weights, &hp, geometry.as_ref(), &config, free).map_err(|e| EngineError::Plan {
-        device: device.clone(),
-        why: format!("{}--kv {}: {e}", stage_prefix(part), flags.plan.kv),
-    })?;
     if !whole {
         eprintln!("strata: {}: memory plan of its layers:\n{}", part.label, plan.to_text());
     }
@@ -1024,7 +1045,7 @@ fn plan_device(
             eprintln!(
                 "strata: expert cache auto: {:.2} GiB free, {} MiB reserved{budget} -> {what}",
                 free as f64 / GIB,
-                ef.vram_reserve_mib
+                plan.bytes(crate::memory::Part::Reserve) >> 20
             );
         }
     };
@@ -1620,19 +1641,6 @@ fn make_arena(c: &CudaBackend, model: &mut Model, bytes: u64) -> Option<HostPin>
 mod tests {
     use super::*;
 
-    #[test]
-    fn stages_on_one_card_share_it_by_their_layers() {
-        // Two stages on cuda:0, 40 and 8 layers: 40/48 and 8/48 of its free memory and of its budget.
-        let s = card_shares(&[0, 0], &[0..40, 40..48]);
-        assert_eq!(s, vec![(40, 48), (8, 48)]);
-        // One stage a card: each has its card to itself.
-        assert_eq!(card_shares(&[0, 1], &[0..20, 20..48]), vec![(20, 20), (28, 28)]);
-        // cuda:0, cuda:1, cuda:0: the two on cuda:0 share it, the one on cuda:1 does not.
-        let s = card_shares(&[0, 1, 0], &[0..10, 10..30, 30..48]);
-        assert_eq!(s, vec![(10, 28), (20, 20), (18, 28)]);
-        assert_eq!(scaled(u64::MAX, (1, 2)), u64::MAX / 2);
-        assert_eq!(scaled(48 << 30, (40, 48)), 40 << 30);
-    }
     use clap::Parser;
 
     #[derive(Parser)]

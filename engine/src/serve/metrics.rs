@@ -65,6 +65,14 @@ pub struct Metrics {
     pub expert_cache_prefetched: IntCounterVec,
     /// `strata_expert_cache_prefetch_used_total{phase}`: prefetched experts their layer then used.
     pub expert_cache_prefetch_used: IntCounterVec,
+    /// `strata_expert_cache_stage_lookups_total{stage,phase}`: on a layer split, each stage's own cache
+    /// (`stage` as the log names it: `cuda:1 (layers 24-47)`); no series on one card.
+    pub expert_cache_stage_lookups: IntCounterVec,
+    /// `strata_expert_cache_stage_hits_total{stage,phase}`.
+    pub expert_cache_stage_hits: IntCounterVec,
+    /// `strata_expert_cache_stage_uploaded_bytes_total{stage,phase}`: bytes copied from host memory to the
+    /// stage's card.
+    pub expert_cache_stage_uploaded_bytes: IntCounterVec,
 }
 
 impl Metrics {
@@ -88,7 +96,22 @@ impl Metrics {
         };
         let by_phase =
             |name: &str, help: &str| IntCounterVec::new(Opts::new(name, help), &["phase"]).expect("valid metric");
+        let by_stage = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["stage", "phase"]).expect("valid metric")
+        };
         let m = Metrics {
+            expert_cache_stage_lookups: by_stage(
+                "strata_expert_cache_stage_lookups_total",
+                "lookups of (layer, expert) in one layer-split stage's expert cache, by stage and phase",
+            ),
+            expert_cache_stage_hits: by_stage(
+                "strata_expert_cache_stage_hits_total",
+                "a layer-split stage's expert cache lookups that hit, by stage and phase",
+            ),
+            expert_cache_stage_uploaded_bytes: by_stage(
+                "strata_expert_cache_stage_uploaded_bytes_total",
+                "bytes of experts copied from host memory to a layer-split stage's card, by stage and phase",
+            ),
             expert_cache_lookups: by_phase(
                 "strata_expert_cache_lookups_total",
                 "lookups of (layer, expert) in the VRAM expert cache, by phase",
@@ -196,7 +219,10 @@ impl Metrics {
             }
         }
         let r = &m.registry;
-        let all: [Box<dyn prometheus::core::Collector>; 27] = [
+        let all: [Box<dyn prometheus::core::Collector>; 30] = [
+            Box::new(m.expert_cache_stage_lookups.clone()),
+            Box::new(m.expert_cache_stage_hits.clone()),
+            Box::new(m.expert_cache_stage_uploaded_bytes.clone()),
             Box::new(m.preempted.clone()),
             Box::new(m.kv_blocks_used.clone()),
             Box::new(m.kv_blocks_total.clone()),
@@ -275,6 +301,14 @@ impl Metrics {
         self.expert_cache_prefetch_used
             .with_label_values(&phase)
             .inc_by(c.prefetch_used);
+        for s in &c.stages {
+            let l = [s.stage.as_str(), c.phase.as_str()];
+            self.expert_cache_stage_lookups.with_label_values(&l).inc_by(s.lookups);
+            self.expert_cache_stage_hits.with_label_values(&l).inc_by(s.hits);
+            self.expert_cache_stage_uploaded_bytes
+                .with_label_values(&l)
+                .inc_by(s.bytes_uploaded);
+        }
     }
 
     /// The registry in the Prometheus text exposition format (version 0.0.4).
@@ -320,7 +354,33 @@ mod tests {
             cpu_computed: lookups / 10,
             prefetched: lookups / 5,
             prefetch_used: lookups / 25,
+            stages: Vec::new(),
         };
+        assert!(!fresh.contains("strata_expert_cache_stage_lookups_total{"), "{fresh}");
+        // A layer split's event: its stages' counts go to their own series, the totals as on one card.
+        let stage = |s: &str, lookups, hits, bytes| crate::events::StageCache {
+            stage: s.into(),
+            lookups,
+            hits,
+            bytes_uploaded: bytes,
+            cpu_computed: 0,
+        };
+        let mut split = ev("decode", 100, 90, 1000);
+        split.stages = vec![
+            stage("cuda:0 (layers 0-23)", 60, 58, 200),
+            stage("cuda:1 (layers 24-47)", 40, 32, 800),
+        ];
+        m.record_expert_cache(&split);
+        let text = m.render();
+        for line in [
+            r#"strata_expert_cache_stage_lookups_total{phase="decode",stage="cuda:0 (layers 0-23)"} 60"#,
+            r#"strata_expert_cache_stage_hits_total{phase="decode",stage="cuda:1 (layers 24-47)"} 32"#,
+            r#"strata_expert_cache_stage_uploaded_bytes_total{phase="decode",stage="cuda:1 (layers 24-47)"} 800"#,
+            r#"strata_expert_cache_lookups_total{phase="decode"} 100"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        let m = Metrics::new();
         m.record_expert_cache(&ev("decode", 100, 90, 1000));
         m.record_expert_cache(&ev("decode", 50, 10, 7));
         m.record_expert_cache(&ev("prefill", 8, 0, 64));
