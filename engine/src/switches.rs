@@ -60,6 +60,8 @@ pub enum Applies {
     HostAvx512bw,
     /// Every target, where the host CPU has AVX-512 VNNI and AVX512VL.
     HostVnni,
+    /// The CPU backend (the host's, or a `sim:` device's), where the host CPU has AVX2, FMA and F16C.
+    CpuAvx2,
 }
 
 impl Applies {
@@ -70,6 +72,7 @@ impl Applies {
             Applies::CudaSm90 => matches!(target, Target::Cuda { major, .. } if *major >= 9),
             Applies::HostAvx512bw => host_avx512bw(),
             Applies::HostVnni => host_vnni(),
+            Applies::CpuAvx2 => matches!(target, Target::Cpu { .. }) && crate::quant::simd_available(),
         }
     }
 }
@@ -128,7 +131,7 @@ fn host_avx512bw() -> bool {
     false
 }
 
-fn host_vnni() -> bool {
+pub(crate) fn host_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
@@ -173,6 +176,8 @@ pub const PREFETCH_MAX: &str = "STRATA_PREFETCH_MAX";
 pub const CPU_AVX512: &str = "STRATA_CPU_AVX512";
 /// The CPU's int8 dot products of 32-value blocks through AVX-512 VNNI's `vpdpbusd`, where the CPU has it.
 pub const CPU_VNNI: &str = "STRATA_CPU_VNNI";
+/// The CPU backend packs Q4_0, Q4_1 and Q8_0 matrices eight rows at a time at load (`quant::packed`).
+pub const CPU_PACK: &str = "STRATA_CPU_PACK";
 /// A CUDA step of several sequences attends over their decode tokens in one launch.
 pub const BATCH_ATTENTION: &str = "STRATA_BATCH_ATTENTION";
 /// A CUDA step of several tokens reads each expert's rows once per group of the tokens routed to it.
@@ -319,6 +324,14 @@ pub const SWITCHES: &[Switch] = &[
         Applies::HostVnni,
         true,
         "0: the CPU's int8 dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL weights without AVX-512 VNNI's vpdpbusd (the same results; for comparing speed)",
+    ),
+    speed(
+        CPU_PACK,
+        "1 on the CPU where it has AVX2",
+        false,
+        Applies::CpuAvx2,
+        true,
+        "0: the CPU backend reads Q4_0, Q4_1 and Q8_0 matrices in the file's layout, a row at a time, instead of packing them eight rows at a time at load (another summation order: logits within float rounding, a token's bits the same alone and in any batch either way; packed, the float work per row and token is an eighth, and on a 2-core AMD EPYC VM 4 decoding sequences read 1.5x the tokens per second)",
     ),
     speed(
         BATCH_ATTENTION,

@@ -208,6 +208,9 @@ pub struct QMat<'a> {
     pub dot_q8_many: Option<DotQ8ManyFn>,
     /// The activation format `dot_q8` takes; [`ActivationFormat::F32`] for float weights, which use `dot`.
     pub act: ActivationFormat,
+    /// The rows packed eight at a time for the CPU's matmul (`STRATA_CPU_PACK`, [`crate::quant::packed`]), which
+    /// then computes every token of the matrix from them; `data` stays the file's layout for everything else.
+    pub packed: Option<&'a crate::quant::packed::Packed>,
 }
 
 impl<'a> QMat<'a> {
@@ -245,6 +248,7 @@ impl<'a> QMat<'a> {
             dot_q8,
             dot_q8_many,
             act,
+            packed: None,
         })
     }
 
@@ -259,6 +263,7 @@ impl<'a> QMat<'a> {
         QMat {
             data: &self.data[start * self.row_bytes..(start + n) * self.row_bytes],
             rows: n,
+            packed: None,
             ..*self
         }
     }
@@ -271,16 +276,30 @@ pub struct MatRef {
     pub info: TensorInfo,
     pub rows: usize,
     pub cols: usize,
+    /// Its rows packed for the CPU's matmul ([`MatRef::pack`]), where they are.
+    pub packed: Option<std::sync::Arc<crate::quant::packed::Packed>>,
 }
 
 impl MatRef {
-    /// The zero-copy view of this matrix in `gguf`.
+    /// The zero-copy view of this matrix in `gguf` (with its packed rows, where it has them).
     ///
     /// Panics if `gguf` is not the model the reference was built from (the loader checked every matrix).
     #[inline]
-    pub fn view<'a>(&self, gguf: &'a GgufModel) -> QMat<'a> {
-        QMat::new(self.info.ty, gguf.tensor_data(&self.info), self.rows, self.cols)
-            .expect("matrix checked at load time")
+    pub fn view<'a>(&'a self, gguf: &'a GgufModel) -> QMat<'a> {
+        let mut m = QMat::new(self.info.ty, gguf.tensor_data(&self.info), self.rows, self.cols)
+            .expect("matrix checked at load time");
+        m.packed = self.packed.as_deref();
+        m
+    }
+
+    /// Packs the matrix's rows for the CPU's matmul ([`crate::quant::packed::pack`]); returns whether it could
+    /// (its type has a packed layout, its rows are a multiple of 8 and the CPU has the kernels).
+    pub fn pack(&mut self, gguf: &GgufModel) -> bool {
+        if self.packed.is_none() {
+            let data = gguf.tensor_data(&self.info);
+            self.packed = crate::quant::packed::pack(self.info.ty, data, self.rows, self.cols).map(std::sync::Arc::new);
+        }
+        self.packed.is_some()
     }
 }
 

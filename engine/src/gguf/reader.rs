@@ -198,6 +198,24 @@ impl GgufFile {
         range.and_then(|r| self.bytes.get(r)).unwrap_or(&[])
     }
 
+    /// Tells the OS that `info`'s bytes will not be read again soon: on a mapped file, `madvise(MADV_DONTNEED)`
+    /// over them, so their pages leave this process's resident set (a later read maps them again from the page
+    /// cache or the file, with the same bytes). Nothing for bytes held in memory, or a tensor outside the file.
+    pub fn release(&self, info: &TensorInfo) {
+        #[cfg(unix)]
+        if let Bytes::Mapped(m) = &self.bytes {
+            let data = self.tensor_data(info);
+            if data.is_empty() {
+                return;
+            }
+            let start = data.as_ptr() as usize - m.as_ptr() as usize;
+            // SAFETY: the range is inside the mapping (it is `tensor_data`'s). The mapping is read-only and
+            // shared, so dropping its pages discards nothing: every later read sees the file's bytes again.
+            // Advice is only advice: a refusal changes nothing, and is ignored.
+            let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, data.len()) };
+        }
+    }
+
     /// File offset of the tensor info record of tensor number `index` (for error messages).
     pub(crate) fn info_offset(&self, index: usize) -> u64 {
         self.header.info_offsets.get(index).copied().unwrap_or(0)

@@ -168,6 +168,13 @@ impl GgufModel {
         self.shards.get(info.shard).map_or(&[], |s| s.tensor_data(info))
     }
 
+    /// [`GgufFile::release`] of `info` in its shard.
+    pub fn release(&self, info: &TensorInfo) {
+        if let Some(s) = self.shards.get(info.shard) {
+            s.release(info);
+        }
+    }
+
     /// The files of the model, in shard order.
     pub fn paths(&self) -> Vec<&Path> {
         self.shards.iter().map(GgufFile::path).collect()

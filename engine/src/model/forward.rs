@@ -265,8 +265,35 @@ impl Model {
     }
 
     #[inline]
-    fn m<'a>(&'a self, r: &crate::backend::MatRef) -> QMat<'a> {
+    fn m<'a>(&'a self, r: &'a crate::backend::MatRef) -> QMat<'a> {
         r.view(&self.gguf)
+    }
+
+    /// Packs the dense matrices the CPU's matmul reads every step (attention, dense FFNs, the output head) eight
+    /// rows at a time ([`crate::quant::packed`]) where their type has a packed layout, and releases the file's
+    /// pages of each once packed ([`crate::gguf::GgufModel::release`]; the token embeddings' rows are still read
+    /// from the file). Returns how many matrices were packed and their bytes. Routed experts and routers are left
+    /// as they are.
+    pub fn pack_for_cpu(&mut self) -> (usize, u64) {
+        let gguf = &self.gguf;
+        let w = &mut self.weights;
+        let mut mats: Vec<&mut crate::backend::MatRef> = vec![&mut w.output];
+        for l in &mut w.layers {
+            let Mixer::Attention(at) = &mut l.mixer;
+            mats.extend([&mut at.wq, &mut at.wk, &mut at.wv, &mut at.wo]);
+            if let Ffn::Dense { gate, up, down } = &mut l.ffn {
+                mats.extend([gate, up, down]);
+            }
+        }
+        let (mut n, mut bytes) = (0, 0);
+        for m in mats {
+            if m.pack(gguf) {
+                n += 1;
+                bytes += m.packed.as_ref().map_or(0, |p| p.bytes.len() as u64);
+                gguf.release(&m.info);
+            }
+        }
+        (n, bytes)
     }
 
     /// How many of `layers` have routed experts.

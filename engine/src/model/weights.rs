@@ -162,6 +162,7 @@ impl Loader<'_> {
             info: info.clone(),
             rows,
             cols,
+            packed: None,
         })
     }
 

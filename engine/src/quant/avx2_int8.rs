@@ -54,7 +54,7 @@ fn mul_sum_u8_i8<const V: bool>(w: __m256i, x: __m256i) -> __m256i {
 /// feature set and are compiled once for both paths; reached only where [`vnni_available`] found the CPU has it.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dpbusd(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+pub(super) fn dpbusd(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
     let mut acc = acc;
     // SAFETY: a register-only instruction (no memory, no stack, no flags), run only on CPUs with AVX-512 VNNI and
     // AVX512VL (the `V` entries are handed out only after `vnni_available()`).

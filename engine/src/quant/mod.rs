@@ -71,6 +71,7 @@ pub mod activations;
 pub mod blocks;
 mod int8;
 pub mod iq_tables;
+pub mod packed;
 pub mod quantize;
 pub mod reference;
 pub mod types;
@@ -79,6 +80,8 @@ pub mod types;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_int8;
+#[cfg(target_arch = "x86_64")]
+mod avx2_packed;
 
 pub use activations::{ActivationFormat, ActivationVector, QuantizedActivations};
 pub use types::{Geometry, GgmlType, QK_K};

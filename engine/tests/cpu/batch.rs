@@ -37,7 +37,10 @@ fn on_dense_and_moe(check: fn(&Path)) {
 }
 
 fn check_equal_to_alone(path: &Path) {
-    let model = Model::load(path).unwrap();
+    check_model_equal_to_alone(Model::load(path).unwrap());
+}
+
+fn check_model_equal_to_alone(model: Model) {
     let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
     let prompts = prompts(&tok);
     // A prompt sharing its first 40 tokens with the second, sent once the first four have ended: it takes the
@@ -81,6 +84,18 @@ fn check_equal_to_alone(path: &Path) {
 #[test]
 fn batched_sequences_give_the_tokens_and_logits_of_each_alone() {
     on_dense_and_moe(check_equal_to_alone);
+}
+
+/// The default model with its matrices packed eight rows at a time (`STRATA_CPU_PACK`, the engine's default on an
+/// AVX2 CPU): every token of a packed matrix goes through the packed kernel, so a batch still changes no bit.
+#[test]
+fn packed_matrices_give_batched_sequences_the_bits_of_each_alone() {
+    let mut model = Model::load(models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"))).unwrap();
+    if model.pack_for_cpu().0 == 0 {
+        eprintln!("skipped: this CPU has no packed kernels (AVX2, FMA and F16C)");
+        return;
+    }
+    check_model_equal_to_alone(model);
 }
 
 /// Float matrices (F16 attention and dense layers, BF16 experts, an F32 output) take their own dot product per

@@ -155,21 +155,43 @@ fn check_teacher(model: &Model, golden: &Value) -> (f64, f64) {
     (agree as f64 / positions.len() as f64, kld_sum / positions.len() as f64)
 }
 
+/// The default model as the CPU backend runs it: its matrices in the file's layout, then packed eight rows at a
+/// time (`STRATA_CPU_PACK`, the engine's default where the CPU has AVX2), each checked against the goldens.
+fn smollm2_layouts() -> Vec<(&'static str, Model)> {
+    let mut out = vec![(
+        "file layout",
+        Model::load(cached_model(models::DEFAULT_MODEL_FILE)).unwrap(),
+    )];
+    let mut packed = Model::load(cached_model(models::DEFAULT_MODEL_FILE)).unwrap();
+    if packed.pack_for_cpu().0 > 0 {
+        out.push(("packed", packed));
+    }
+    out
+}
+
 #[test]
 fn smollm2_greedy_sequences_match_llama_cpp() {
-    let model = Model::load(cached_model(models::DEFAULT_MODEL_FILE)).unwrap();
+    for (layout, model) in smollm2_layouts() {
+        smollm2_greedy(layout, &model);
+    }
+}
+
+fn smollm2_greedy(layout: &str, model: &Model) {
     let golden = read_json(&goldens_dir("smollm2-135m-instruct-q4_1").join("greedy.json"));
-    let (identical, diverged) = check_greedy(&model, &golden);
+    let (identical, diverged) = check_greedy(model, &golden);
     let n = golden["prompts"].as_array().unwrap().len();
-    eprintln!("smollm2 greedy: {identical} of {n} prompts identical; divergences: {diverged:#?}");
+    eprintln!("smollm2 greedy ({layout}): {identical} of {n} prompts identical; divergences: {diverged:#?}");
     // Issue 3's bar is a relative gap below 1e-3. Today (int8 activations, f16 KV): prompts 5-7 identical over
     // all steps; prompts 0-3 diverge at relative gaps 1.1e-3..2.3e-3 (0.03-0.06 logits); prompt 4 at step 7 where
     // llama.cpp's top two logits are 2.57 and 2.35 (0.23 apart, 8.8e-2 relative only because both are small).
     // This guard stops regressions without claiming the bar is met.
     for d in &diverged {
-        assert!(d.llama_gap < 0.3, "{d:?}: llama.cpp was not close to a tie there");
+        assert!(
+            d.llama_gap < 0.3,
+            "{layout}: {d:?}: llama.cpp was not close to a tie there"
+        );
     }
-    assert!(identical >= 3, "only {identical} of {n} prompts identical");
+    assert!(identical >= 3, "{layout}: only {identical} of {n} prompts identical");
 }
 
 #[test]
@@ -183,19 +205,24 @@ fn smollm2_greedy_divergences_are_near_ties_only() {
 
 #[test]
 fn smollm2_teacher_forced_distribution_matches_llama_cpp() {
-    let model = Model::load(cached_model(models::DEFAULT_MODEL_FILE)).unwrap();
+    for (layout, model) in smollm2_layouts() {
+        smollm2_teacher(layout, &model);
+    }
+}
+
+fn smollm2_teacher(layout: &str, model: &Model) {
     let golden = read_json(&goldens_dir("smollm2-135m-instruct-q4_1").join("teacher.json"));
-    let (top1, kld) = check_teacher(&model, &golden);
+    let (top1, kld) = check_teacher(model, &golden);
     eprintln!(
-        "smollm2 teacher-forced: top-1 agreement {:.2}%, mean KLD {kld:.2e}",
+        "smollm2 teacher-forced ({layout}): top-1 agreement {:.2}%, mean KLD {kld:.2e}",
         top1 * 100.0
     );
-    assert!(kld <= 0.005, "mean KLD {kld}");
+    assert!(kld <= 0.005, "{layout}: mean KLD {kld}");
     // Issue 3 asks for 99%. llama.cpp does not agree with itself that well: its token-by-token pass (n_ubatch 1)
     // against its batched pass gives 96.1% and KLD 2.4e-3 on this model, its flash-attention toggle 94.1% and
     // 2.9e-3 (noise floor in fixtures/goldens/README.md); Strata measures 95.3% and 2.9e-3. The guard is the
     // lower of llama.cpp's own figures.
-    assert!(top1 >= 0.94, "top-1 agreement {top1}");
+    assert!(top1 >= 0.94, "{layout}: top-1 agreement {top1}");
 }
 
 /// A generated golden model, written into `dir` and checked against the golden's recorded size.

@@ -84,11 +84,83 @@ fn matmul_matches_dequantized_reference_for_decode_and_prefill_tiles() {
     }
 }
 
+/// `matmul_many` of `ws` gives each matrix `matmul`'s results bit for bit.
+fn assert_fused_equals_each(ws: &[QMat<'_>], x: &[f32], n_tok: usize, what: &str) {
+    let be = CpuBackend;
+    let mut got: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n_tok * w.rows]).collect();
+    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| o.as_mut_slice()).collect();
+    be.matmul_many(ws, x, n_tok, &mut outs);
+    for (i, w) in ws.iter().enumerate() {
+        let mut want = vec![0f32; n_tok * w.rows];
+        be.matmul(w, x, n_tok, &mut want);
+        assert_eq!(got[i], want, "{what} matrix {i} ({}) n_tok={n_tok}", w.ty);
+    }
+}
+
+#[test]
+fn packed_matmul_gives_each_token_the_packed_kernels_bits_in_any_batch() {
+    // STRATA_CPU_PACK: Q4_0, Q4_1 and Q8_0 rows packed eight at a time. Every (row, token) of a matmul is the
+    // packed kernel's scalar reference bit for bit, whatever the batch and tiling, and within the int8 rounding of
+    // the f32 product; matmul_many fuses packed matrices with the same bits.
+    let be = CpuBackend;
+    let cols = 96;
+    let mats: Vec<(GgmlType, usize, Vec<u8>, Vec<f32>)> =
+        [(GgmlType::Q4_0, 40), (GgmlType::Q4_1, 64), (GgmlType::Q8_0, 24)]
+            .into_iter()
+            .enumerate()
+            .map(|(i, (ty, rows))| {
+                let (bytes, deq) = quantized(ty, rows, cols, 90 + i as u64);
+                (ty, rows, bytes, deq)
+            })
+            .collect();
+    let packs: Vec<_> = mats
+        .iter()
+        .map(|(ty, rows, bytes, _)| quant::packed::pack(*ty, bytes, *rows, cols))
+        .collect();
+    if !quant::simd_available() {
+        assert!(packs.iter().all(Option::is_none), "packed without the AVX2 kernels");
+        return;
+    }
+    let ws: Vec<QMat<'_>> = mats
+        .iter()
+        .zip(&packs)
+        .map(|((ty, rows, bytes, _), p)| {
+            let mut w = QMat::new(*ty, bytes, *rows, cols).unwrap();
+            w.packed = Some(p.as_ref().expect("packable"));
+            w
+        })
+        .collect();
+    for n_tok in [1, 2, 5, 65, 130] {
+        let x = values(n_tok * cols, 200 + n_tok as u64);
+        for (w, (ty, rows, _, deq)) in ws.iter().zip(&mats) {
+            let mut out = vec![f32::NAN; n_tok * rows];
+            be.matmul(w, &x, n_tok, &mut out);
+            let err = max_rel_err(&out, &naive_matmul(deq, *rows, cols, &x, n_tok));
+            assert!(err < 2e-2, "{ty} n_tok={n_tok}: {err}");
+            let p = w.packed.unwrap();
+            for t in 0..n_tok {
+                let qa = quant::quantize_activations(*ty, &x[t * cols..(t + 1) * cols]).unwrap();
+                for g in 0..rows / 8 {
+                    let want = quant::packed::reference(*ty, p.group(g), &qa.vector(0));
+                    for (i, want) in want.iter().enumerate() {
+                        assert_eq!(
+                            out[t * rows + 8 * g + i].to_bits(),
+                            want.to_bits(),
+                            "{ty} row {} token {t} of {n_tok}",
+                            8 * g + i
+                        );
+                    }
+                }
+            }
+        }
+        assert_fused_equals_each(&ws, &x, n_tok, "packed");
+    }
+}
+
 #[test]
 fn matmul_many_equals_one_matmul_per_matrix() {
     // q/k/v-like (three types sharing Q8_1 activations: fused in decode), gate/up-like (Q4_K, Q8_K), and a mix of
     // activation formats (not fusable: the fallback). Every case must give matmul's results bit for bit.
-    let be = CpuBackend;
     let cases: [&[(GgmlType, usize)]; 3] = [
         &[(GgmlType::Q4_1, 64), (GgmlType::Q8_0, 17), (GgmlType::Q5_0, 33)],
         &[(GgmlType::Q4_K, 40), (GgmlType::Q6_K, 40)],
@@ -107,14 +179,7 @@ fn matmul_many_equals_one_matmul_per_matrix() {
             .collect();
         for n_tok in [1, 3] {
             let x = values(n_tok * cols, 60 + n_tok as u64);
-            let mut got: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n_tok * w.rows]).collect();
-            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| o.as_mut_slice()).collect();
-            be.matmul_many(&ws, &x, n_tok, &mut outs);
-            for (i, w) in ws.iter().enumerate() {
-                let mut want = vec![0f32; n_tok * w.rows];
-                be.matmul(w, &x, n_tok, &mut want);
-                assert_eq!(got[i], want, "case {ci} matrix {i} ({}) n_tok={n_tok}", w.ty);
-            }
+            assert_fused_equals_each(&ws, &x, n_tok, &format!("case {ci}"));
         }
     }
 }

@@ -29,8 +29,10 @@ use crate::state::kv::{KV_BLOCK_CELLS, KvCache, KvLayer};
 const PREFILL_ROWS: usize = 16;
 /// Tokens per prefill tile: the number of times each dequantized row is reused.
 const PREFILL_TOKENS: usize = 64;
-/// Tokens a several-token dot product (`QMat::dot_q8_many`) takes at once in a matmul tile.
+/// Tokens a several-token dot product (`QMat::dot_q8_many`, or a packed kernel) takes at once in a matmul tile.
 const MANY_TOKENS: usize = 4;
+// A prefill tile holds whole groups of packed rows.
+const _: () = assert!(PREFILL_ROWS % crate::quant::packed::ROWS == 0);
 /// Tokens per attention task in prefill.
 const ATTN_TOKENS: usize = 16;
 
@@ -159,6 +161,35 @@ impl CpuBackend {
                 let r1 = (r0 + PREFILL_ROWS).min(rows);
                 let t0 = tt * PREFILL_TOKENS;
                 let t1 = (t0 + PREFILL_TOKENS).min(n_tok);
+                if let Some(p) = w.packed {
+                    // Rows packed eight at a time: every token of the matrix, one alone too, goes through the
+                    // packed kernel (the same bits in any batch). Tiles start at multiples of PREFILL_ROWS, a
+                    // multiple of 8, and a packed matrix has whole groups of 8 rows.
+                    let mut ys = [[0f32; crate::quant::packed::ROWS]; MANY_TOKENS];
+                    let groups = rows / crate::quant::packed::ROWS;
+                    for g0 in (t0..t1).step_by(MANY_TOKENS) {
+                        let g1 = (g0 + MANY_TOKENS).min(t1);
+                        let vs: [_; MANY_TOKENS] = std::array::from_fn(|k| qa.vector((g0 + k).min(g1 - 1)));
+                        let (vs, ys) = (&vs[..g1 - g0], &mut ys[..g1 - g0]);
+                        for grp in r0 / crate::quant::packed::ROWS..r1 / crate::quant::packed::ROWS {
+                            if g0 == t0 && grp + 1 < groups {
+                                prefetch_bytes(p.group(grp + 1));
+                            }
+                            (p.kernel)(p.group(grp), vs, ys);
+                            for (k, y) in ys.iter().enumerate() {
+                                for (i, v) in y.iter().enumerate() {
+                                    // SAFETY: element (g0 + k, 8 grp + i) of matrix i belongs to this task's row
+                                    // block and token tile only, and is inside its output (g0 + k < n_tok,
+                                    // 8 grp + i < r1 <= rows).
+                                    unsafe {
+                                        *out.ptr().add((g0 + k) * rows + grp * crate::quant::packed::ROWS + i) = *v
+                                    };
+                                }
+                            }
+                        }
+                    }
+                    return;
+                }
                 let Some(many) = w.dot_q8_many.filter(|_| t1 - t0 > 1) else {
                     for t in t0..t1 {
                         let v = qa.vector(t);
@@ -618,10 +649,15 @@ fn expert_tuning() -> ExpertTuning {
 /// Asks the cache for row `r` of `w` (each of its 64-byte lines), a hint only; nothing off x86-64.
 #[inline(always)]
 fn prefetch_row(w: &QMat<'_>, r: usize) {
+    prefetch_bytes(w.row(r));
+}
+
+/// Asks the cache for every line of `row` (a prefetch never faults and reads nothing).
+#[inline]
+fn prefetch_bytes(row: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let row = w.row(r);
         let p = row.as_ptr();
         // Every line the row touches: from its first byte, then its last (a row need not start on a line).
         for o in (0..row.len()).step_by(64).chain(row.len().checked_sub(1)) {
@@ -630,7 +666,7 @@ fn prefetch_row(w: &QMat<'_>, r: usize) {
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (w, r);
+    let _ = row;
 }
 
 /// Reusable buffers of [`CpuBackend::expert_rows`] (grown on demand, kept between calls).
