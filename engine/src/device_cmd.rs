@@ -313,6 +313,12 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
             a.device
         ),
     };
+    if a.layer_split != LayerSplit::Auto && a.model.is_none() {
+        bail!(
+            "--layer-split {} places a model's layers: it goes with --model",
+            a.layer_split
+        );
+    }
     if ords.len() == 1 && a.layer_split != LayerSplit::Auto {
         bail!(
             "--layer-split {} places the layers of a split over several devices; --device {} is one",

@@ -74,6 +74,11 @@ impl LayerSplit {
                         c.len()
                     ));
                 }
+                if c.contains(&0) {
+                    return Err(format!(
+                        "--layer-split {self}: every device computes at least one layer"
+                    ));
+                }
                 // Checked: counts near usize::MAX must not wrap around to the model's layer count.
                 let sum = c.iter().try_fold(0usize, |a, &x| a.checked_add(x));
                 if sum != Some(n_layer) {
@@ -168,8 +173,8 @@ pub fn place(
     let n_layer = hp.n_layer as usize;
     let tied = tied_head(gguf.tensors().iter().map(|t| t.name.as_str()));
     let on_card = |o: usize| ords.iter().filter(|&&x| x == o).count() as u64;
-    let largest = WeightBytes::of(gguf).largest_elements;
-    let prefill = prefill_bytes(hp, largest, config.prefill_chunk);
+    // A stage's prefill buffers hold its largest dense matrix dequantized: a block's, or one only it holds.
+    let largest_block = WeightBytes::of_matching(gguf, |name| tensor_layer(name).is_some()).largest_elements;
     let room: Vec<u64> = (0..ords.len())
         .map(|i| {
             let part = (1, on_card(ords[i]));
@@ -184,11 +189,11 @@ pub fn place(
                 tensor_layer(name).is_none()
                     && ((first && name.starts_with("token_embd"))
                         || (last && stage_holds(name, &(n_layer..n_layer), n_layer, tied)))
-            })
-            .total();
+            });
+            let prefill = prefill_bytes(hp, largest_block.max(fixed.largest_elements), config.prefill_chunk);
             limit
                 .saturating_sub(reserve)
-                .saturating_sub(fixed)
+                .saturating_sub(fixed.total())
                 .saturating_sub(prefill)
         })
         .collect();
@@ -307,6 +312,8 @@ mod tests {
             .ranges(30, &[1, 1])
             .unwrap_err();
         assert!(e.contains("more than usize::MAX") && e.contains("30 layers"), "{e}");
+        let e = LayerSplit::Counts(vec![0, 48]).ranges(48, &[1, 1]).unwrap_err();
+        assert!(e.contains("at least one layer"), "{e}");
         let e = c.ranges(48, &[1, 1, 1]).unwrap_err();
         assert!(e.contains("2 counts for 3 devices"), "{e}");
         let e = LayerSplit::Auto.ranges(1, &[1, 1]).unwrap_err();

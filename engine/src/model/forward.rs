@@ -274,7 +274,10 @@ impl Model {
     /// pages of each once packed ([`crate::gguf::GgufModel::release`]; the token embeddings' rows are still read
     /// from the file). Returns how many matrices were packed and their bytes. Routed experts and routers are left
     /// as they are.
-    pub fn pack_for_cpu(&mut self) -> (usize, u64) {
+    ///
+    /// Errors: the packed copies would take more than `limit` bytes (host memory to spare); nothing is packed, and
+    /// the error is the bytes they would take.
+    pub fn pack_for_cpu(&mut self, limit: Option<u64>) -> Result<(usize, u64), u64> {
         let gguf = &self.gguf;
         let w = &mut self.weights;
         let mut mats: Vec<&mut crate::backend::MatRef> = vec![&mut w.output];
@@ -285,6 +288,16 @@ impl Model {
                 mats.extend([gate, up, down]);
             }
         }
+        let need: u64 = mats
+            .iter()
+            .filter(|m| {
+                crate::quant::packed::block_bytes(m.info.ty).is_some() && m.rows % crate::quant::packed::ROWS == 0
+            })
+            .map(|m| m.info.n_bytes)
+            .sum();
+        if limit.is_some_and(|l| need > l) {
+            return Err(need);
+        }
         let (mut n, mut bytes) = (0, 0);
         for m in mats {
             if m.pack(gguf) {
@@ -293,7 +306,7 @@ impl Model {
                 gguf.release(&m.info);
             }
         }
-        (n, bytes)
+        Ok((n, bytes))
     }
 
     /// How many of `layers` have routed experts.

@@ -291,6 +291,47 @@ mod tests {
                     }
                 }
             }
+            // The integer bounds: Q4 codes all 15 and Q8_0 codes all -128 (which the quantizer never writes, but a
+            // file may hold) against activation codes of ±127 in every lane.
+            let mut extreme = data.clone();
+            let bb = ty.geometry().block_bytes;
+            for blk in extreme.chunks_exact_mut(bb) {
+                let qs = match ty {
+                    GgmlType::Q4_1 => &mut blk[4..],
+                    _ => &mut blk[2..],
+                };
+                qs.fill(if ty == GgmlType::Q8_0 { 0x80 } else { 0xFF });
+            }
+            let pe = pack(ty, &extreme, rows, cols).unwrap();
+            let x: Vec<f32> = (0..cols).map(|i| if (i / 3) % 2 == 0 { 3.0 } else { -3.0 }).collect();
+            let mut qx = QuantizedActivations::default();
+            qx.quantize(ty, &x, cols).unwrap();
+            assert!(qx.vector(0).qs.iter().all(|q| q.abs() == 127));
+            let plus: Vec<f32> = vec![3.0; cols];
+            let mut qp = QuantizedActivations::default();
+            qp.quantize(ty, &plus, cols).unwrap();
+            for x in [qx.vector(0), qp.vector(0)] {
+                let want = reference(ty, pe.group(0), &x);
+                let row = &extreme[..extreme.len() / rows];
+                let by_row = crate::quant::vec_dot_q8(ty, row, &x).unwrap();
+                assert!(
+                    (want[0] - by_row).abs() <= 1e-5 * by_row.abs().max(1.0),
+                    "{ty}: {} against {by_row}",
+                    want[0]
+                );
+                for vnni in [false, true] {
+                    if vnni && !crate::switches::host_vnni() {
+                        continue;
+                    }
+                    let mut out = [[0f32; ROWS]; 1];
+                    super::super::avx2_packed::dot_with(ty, vnni, pe.group(0), std::slice::from_ref(&x), &mut out);
+                    assert_eq!(
+                        out[0].map(f32::to_bits),
+                        want.map(f32::to_bits),
+                        "{ty} extreme, vnni {vnni}"
+                    );
+                }
+            }
             // Activations of another format give NaN, never a wrong number.
             let other = acts(GgmlType::Q4_K, 1, 256, 1);
             let mut out = [[0f32; ROWS]; 1];

@@ -463,14 +463,23 @@ impl Engine {
             && crate::switches::speed_on(crate::switches::CPU_PACK, &crate::switches::Target::host())
         {
             let t = Instant::now();
-            let (n, bytes) = model.pack_for_cpu();
-            if n > 0 {
-                eprintln!(
+            // The packed copies are the process's own memory (the file's pages are released): at most half of
+            // what the host has available, so the KV cache and everything else keep room.
+            let available = host_available_bytes();
+            match model.pack_for_cpu(available.map(|a| a / 2)) {
+                Ok((n, bytes)) if n > 0 => eprintln!(
                     "strata: {n} matrices packed eight rows at a time for the CPU's int8 matmul ({:.1} MiB in {:.0} ms; {}=0 reads them in the file's layout)",
                     bytes as f64 / (1u64 << 20) as f64,
                     t.elapsed().as_secs_f64() * 1e3,
                     crate::switches::CPU_PACK
-                );
+                ),
+                Ok(_) => {}
+                Err(need) => eprintln!(
+                    "strata: the CPU reads the matrices in the file's layout: packing them ({}) would take {:.2} GiB, more than half of the {:.2} GiB of host memory available",
+                    crate::switches::CPU_PACK,
+                    need as f64 / GIB,
+                    available.unwrap_or(0) as f64 / GIB
+                ),
             }
         }
         let load_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -721,7 +730,7 @@ impl Engine {
             let of_phase = |s: &crate::backend::cuda::experts::ExpertCacheStats| {
                 if phase == "prefill" { s.prefill } else { s.decode }
             };
-            let per_stage = if stages.len() > 1 {
+            let per_stage = if self.backend.split().is_some() {
                 stages
                     .iter()
                     .map(|(label, s)| {
@@ -799,28 +808,44 @@ impl Engine {
 
     /// Starts a thread that reads the device's memory every `period` and emits a `memory` event of op `reading`
     /// (what: `device memory`, bytes: in use) at once and then whenever the free memory changed, until the
-    /// returned guard is dropped (a reading holds until the next: an idle device adds no events). `None` on the CPU (no device memory). The harness draws these over time
+    /// returned guard is dropped (a reading holds until the next: an idle device adds no events); on a layer split,
+    /// each card's, named by its card. `None` on the CPU (no device memory). The harness draws these over time
     /// beside the host's memory (DESIGN.md section 3, "Device profiles"; issue 17 point 7). A reading that fails
     /// (a CUDA context a fault poisoned) ends the thread.
     pub fn memory_readings(&self, period: Duration) -> Option<MemoryReadings> {
-        let device = self.flags.device.to_string();
-        let read: Box<dyn Fn() -> Option<(u64, u64, f64)> + Send> = match (self.backend.cuda(), &self._sim) {
-            (Some(c), _) => {
-                let ctx = c.gpu().ctx.clone();
-                Box::new(move || ctx.mem_get_info().ok().map(|(f, t)| (f as u64, t as u64, 1.0)))
-            }
-            (None, Some(hold)) => {
-                let dev = hold.device.clone();
-                Box::new(move || {
-                    let (f, t) = dev.mem_info();
-                    Some((f, t, dev.scale()))
-                })
-            }
-            (None, None) => return None,
+        type Read = Box<dyn Fn() -> Option<(u64, u64, f64)> + Send>;
+        let cuda = |c: &CudaBackend| -> Read {
+            let ctx = c.gpu().ctx.clone();
+            Box::new(move || ctx.mem_get_info().ok().map(|(f, t)| (f as u64, t as u64, 1.0)))
         };
-        let emit = move |(free, total, scale): (u64, u64, f64)| {
+        // One reader per card: a layer split's cards each (a card named twice read once).
+        let mut cards: Vec<(String, Read)> = Vec::new();
+        if self.backend.split().is_some() {
+            for c in self.backend.cudas() {
+                let name = Device::Cuda(c.gpu().ctx.ordinal()).to_string();
+                if !cards.iter().any(|(n, _)| *n == name) {
+                    cards.push((name, cuda(c)));
+                }
+            }
+        } else {
+            match (self.backend.cuda(), &self._sim) {
+                (Some(c), _) => cards.push((self.flags.device.to_string(), cuda(c))),
+                (None, Some(hold)) => {
+                    let dev = hold.device.clone();
+                    cards.push((
+                        self.flags.device.to_string(),
+                        Box::new(move || {
+                            let (f, t) = dev.mem_info();
+                            Some((f, t, dev.scale()))
+                        }),
+                    ));
+                }
+                (None, None) => {}
+            }
+        }
+        let emit = move |device: &str, (free, total, scale): (u64, u64, f64)| {
             crate::events::emit(crate::events::EventKind::Memory(crate::events::Memory {
-                device: device.clone(),
+                device: device.to_string(),
                 op: "reading".into(),
                 what: "device memory".into(),
                 bytes: total.saturating_sub(free),
@@ -830,22 +855,30 @@ impl Engine {
                 scale,
             }));
         };
-        // The first reading here, before any request can run (a worker a fault kills still has it).
-        let first = read()?;
-        emit(first);
+        // The first readings here, before any request can run (a worker a fault kills still has them).
+        let mut last = Vec::with_capacity(cards.len());
+        for (name, read) in &cards {
+            let r = read()?;
+            emit(name, r);
+            last.push(r.0);
+        }
+        if cards.is_empty() {
+            return None;
+        }
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stop2 = stop.clone();
         let handle = std::thread::spawn(move || {
-            let mut last = first.0;
             loop {
                 std::thread::park_timeout(period);
                 if stop2.load(std::sync::atomic::Ordering::Relaxed) {
                     break;
                 }
-                let Some(r) = read() else { break };
-                if r.0 != last {
-                    emit(r);
-                    last = r.0;
+                for ((name, read), last) in cards.iter().zip(last.iter_mut()) {
+                    let Some(r) = read() else { return };
+                    if r.0 != *last {
+                        emit(name, r);
+                        *last = r.0;
+                    }
                 }
             }
         });

@@ -91,7 +91,7 @@ fn batched_sequences_give_the_tokens_and_logits_of_each_alone() {
 #[test]
 fn packed_matrices_give_batched_sequences_the_bits_of_each_alone() {
     let mut model = Model::load(models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"))).unwrap();
-    if model.pack_for_cpu().0 == 0 {
+    if model.pack_for_cpu(None).unwrap().0 == 0 {
         eprintln!("skipped: this CPU has no packed kernels (AVX2, FMA and F16C)");
         return;
     }

@@ -107,8 +107,9 @@ pub fn gelu_ggml(x: f32) -> f32 {
 }
 
 impl CpuBackend {
-    /// The matmul ([`Self::matmul_fused`] of one matrix). A token's result is its row's one-token dot product,
-    /// never depending on which other tokens share the batch: a decode token alone or among others, a prompt in
+    /// The matmul ([`Self::matmul_fused`] of one matrix). A token's result is its row's one-token dot product
+    /// (for a packed matrix, the packed kernel's: [`crate::quant::packed`]), never depending on which other tokens
+    /// share the batch: a decode token alone or among others, a prompt in
     /// any chunking, and an expert that receives one token of a batch all give the same bits.
     fn matmul_as(w: &QMat<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
         Self::matmul_fused(std::slice::from_ref(w), x, n_tok, &mut [out]);
@@ -120,8 +121,9 @@ impl CpuBackend {
     /// [`PREFILL_ROWS`] rows × [`PREFILL_TOKENS`] tokens of all of them (a tile never spans two matrices), so
     /// they cost one fork-join, not three or two; a tile keeps its block of weight rows in cache while its tokens
     /// pass over it. Inside a tile, a matrix with a several-token kernel ([`QMat::dot_q8_many`]) unpacks each row
-    /// once for every [`MANY_TOKENS`] tokens. Each (row, token) result is, bit for bit, that row's one-token dot
-    /// product with that token's activations, whatever the batch.
+    /// once for every [`MANY_TOKENS`] tokens; a packed matrix ([`QMat::packed`]) computes every token, one alone
+    /// too, with its packed kernel, 8 rows at a time. Each (row, token) result is, bit for bit, that row's
+    /// one-token result with that token's activations, whatever the batch.
     fn matmul_fused(ws: &[QMat<'_>], x: &[f32], n_tok: usize, outs: &mut [&mut [f32]]) {
         assert!(ws.len() <= MAX_FUSED && ws.len() == outs.len(), "matmul_many: matrices");
         let mut ptrs = [SharedOut(std::ptr::null_mut()); MAX_FUSED];
