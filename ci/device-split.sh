@@ -6,7 +6,9 @@
 #   2. the 30B shape, greedy, 32 tokens: one card against the split, and against the split under a 10 GiB budget
 #      (5 GiB a stage: each stage's expert cache over its layers, misses uploaded); the logprobs files must be
 #      equal byte for byte
-#   3. `strata device --selftest` on the split with the 30B shape: each stage's memory plan
+#   3. `strata device --selftest` on the split with the 30B shape: each stage's memory plan; `strata serve` on the
+#      split, one request: each card's memory readings and each stage's expert-cache counts in its events and
+#      /metrics
 #   4. `strata bench` pp512 and tg64 of the 30B shape, all resident, one card against the split; then under a
 #      budget per card that forces offload on one card: one card at --vram-budget $BUDGET (default 10.7GiB,
 #      DESIGN.md section 5's figure) against the split at twice that (its two stages on cuda:0 share a budget by
@@ -36,6 +38,20 @@ grep -E "hit rate|expert cache" "$OUT/split-cache.gen.log" | head -6
 # The self-test on the split: the card tested once, then each stage's memory plan as the engine places it.
 timeout 120 carry/strata device --selftest --device cuda:0,cuda:0 --model $M --vram-budget 10GiB > "$OUT/selftest-split.txt" 2>&1
 echo "selftest split rc $?"; grep -E "^device|^layer split|^memory plan|^  (plan|total|expert cache)|FITS|selftest OK" "$OUT/selftest-split.txt" | head -16
+# strata serve on the split: one request; the events must hold each card's memory readings and each stage's
+# expert-cache counts.
+PORT=$((20000 + RANDOM % 20000))
+carry/strata serve --device cuda:0,cuda:0 --model $M --vram-budget 10GiB --miss-policy upload --port $PORT \
+  --events "$OUT/serve-split.events.jsonl" > "$OUT/serve-split.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 300); do curl -fs "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && break; sleep 1; done
+curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}' > "$OUT/serve-split.json"
+echo "serve split: $(head -c 200 "$OUT/serve-split.json")"
+curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^strata_expert_cache_stage_(lookups|hits)_total" | head -4
+kill $SERVER; wait $SERVER 2>/dev/null
+grep '"reading"' "$OUT/serve-split.events.jsonl" | head -2 | cut -c1-220
+grep '"expert_cache"' "$OUT/serve-split.events.jsonl" | grep -c '"stages"' | sed 's/^/expert_cache events with stages: /'
 BUDGET=${BUDGET:-10.7GiB}
 for budget in none "$BUDGET"; do
   for arm in one split; do
