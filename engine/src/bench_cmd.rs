@@ -177,6 +177,8 @@ struct BenchReport {
     arch: String,
     threads: usize,
     kv: String,
+    /// The speed switches as the engine's start line gave them (`STRATA_CPU_PACK` and the others).
+    speed_switches: String,
     cpu: String,
     load_before: String,
     load_after: String,
@@ -441,6 +443,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         arch: model.hp.arch.to_string(),
         threads,
         kv: args.engine.plan.kv.to_string(),
+        speed_switches: engine.speed_switches.clone(),
         cpu: cpu_name(),
         load_before,
         load_after: load_average(),
@@ -955,6 +958,7 @@ fn markdown(r: &BenchReport) -> String {
         r.kv,
         r.threads
     );
+    s += &format!("- speed switches: {}\n", r.speed_switches);
     s += &format!(
         "- machine: {}; load average {} before, {} after\n",
         r.cpu, r.load_before, r.load_after

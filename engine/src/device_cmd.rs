@@ -44,11 +44,26 @@ pub struct DeviceArgs {
 }
 
 pub fn run(a: DeviceArgs) -> Result<()> {
-    if a.layer_split != LayerSplit::Auto && !a.selftest {
-        bail!(
-            "--layer-split {} goes with --selftest on a layer split (--device cuda:0,cuda:1)",
-            a.layer_split
-        );
+    if a.layer_split != LayerSplit::Auto {
+        if !a.selftest {
+            bail!(
+                "--layer-split {} goes with --selftest on a layer split (--device cuda:0,cuda:1)",
+                a.layer_split
+            );
+        }
+        if a.model.is_none() {
+            bail!(
+                "--layer-split {} places a model's layers: it goes with --model",
+                a.layer_split
+            );
+        }
+        if !matches!(a.device, Device::Split(_)) {
+            bail!(
+                "--layer-split {} places the layers of a split over several devices; --device {} is one",
+                a.layer_split,
+                a.device
+            );
+        }
     }
     if a.check_kernels {
         return check_kernels();
@@ -313,19 +328,6 @@ fn selftest(a: &DeviceArgs) -> Result<()> {
             a.device
         ),
     };
-    if a.layer_split != LayerSplit::Auto && a.model.is_none() {
-        bail!(
-            "--layer-split {} places a model's layers: it goes with --model",
-            a.layer_split
-        );
-    }
-    if ords.len() == 1 && a.layer_split != LayerSplit::Auto {
-        bail!(
-            "--layer-split {} places the layers of a split over several devices; --device {} is one",
-            a.layer_split,
-            a.device
-        );
-    }
     // Each card once, in the order the split names them; its free memory read before its test.
     let mut free_of = std::collections::BTreeMap::new();
     for &ord in &ords {

@@ -292,12 +292,15 @@ impl MatRef {
         m
     }
 
-    /// Packs the matrix's rows for the CPU's matmul ([`crate::quant::packed::pack`]); returns whether it could
-    /// (its type has a packed layout, its rows are a multiple of 8 and the CPU has the kernels).
+    /// Packs the matrix's rows for the CPU's matmul ([`crate::quant::packed::pack`]), releasing the file's pages
+    /// of each chunk of rows once packed ([`GgufModel::release_range`]); returns whether it could (its type has a
+    /// packed layout, its rows are a multiple of 8 and the CPU has the kernels).
     pub fn pack(&mut self, gguf: &GgufModel) -> bool {
         if self.packed.is_none() {
             let data = gguf.tensor_data(&self.info);
-            self.packed = crate::quant::packed::pack(self.info.ty, data, self.rows, self.cols).map(std::sync::Arc::new);
+            let release = |r: std::ops::Range<usize>| gguf.release_range(&self.info, r);
+            self.packed = crate::quant::packed::pack_with(self.info.ty, data, self.rows, self.cols, release)
+                .map(std::sync::Arc::new);
         }
         self.packed.is_some()
     }

@@ -202,9 +202,16 @@ impl GgufFile {
     /// over them, so their pages leave this process's resident set (a later read maps them again from the page
     /// cache or the file, with the same bytes). Nothing for bytes held in memory, or a tensor outside the file.
     pub fn release(&self, info: &TensorInfo) {
+        self.release_range(info, 0..usize::MAX);
+    }
+
+    /// [`GgufFile::release`] of bytes `range` of `info`'s (clamped to them).
+    pub fn release_range(&self, info: &TensorInfo, range: std::ops::Range<usize>) {
         #[cfg(unix)]
         if let Bytes::Mapped(m) = &self.bytes {
-            let data = self.tensor_data(info);
+            let all = self.tensor_data(info);
+            let end = range.end.min(all.len());
+            let data = &all[range.start.min(end)..end];
             if data.is_empty() {
                 return;
             }
@@ -214,6 +221,8 @@ impl GgufFile {
             // Advice is only advice: a refusal changes nothing, and is ignored.
             let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, data.len()) };
         }
+        #[cfg(not(unix))]
+        let _ = (info, range);
     }
 
     /// File offset of the tensor info record of tensor number `index` (for error messages).

@@ -32,7 +32,7 @@ impl FromStr for LayerSplit {
         match counts {
             Ok(c) if c.len() >= 2 && c.iter().all(|&n| n > 0) => Ok(LayerSplit::Counts(c)),
             _ => Err(format!(
-                "--layer-split takes `auto` or one positive layer count per device, comma-separated (24,24), not `{s}`"
+                "--layer-split takes `auto` or one positive layer count per device of a split (two or more), comma-separated (24,24), not `{s}`"
             )),
         }
     }

@@ -303,7 +303,6 @@ impl Model {
             if m.pack(gguf) {
                 n += 1;
                 bytes += m.packed.as_ref().map_or(0, |p| p.bytes.len() as u64);
-                gguf.release(&m.info);
             }
         }
         Ok((n, bytes))

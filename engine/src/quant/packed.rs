@@ -85,14 +85,41 @@ pub fn block_bytes(ty: GgmlType) -> Option<usize> {
 /// `None` where it cannot be: a type without a packed layout, rows not a multiple of 8, a row length that is
 /// not whole blocks or data of another length, or a CPU without the AVX2 kernels.
 pub fn pack(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Packed> {
+    pack_with(ty, data, rows, cols, |_| {})
+}
+
+/// Rows packed per step of [`pack_with`].
+const PACK_CHUNK_ROWS: usize = 1024;
+
+/// [`pack`], calling `done(range)` with each byte range of `data` once its rows are packed (up to 1,024 rows at a
+/// time), so the caller can release them as it goes: the file's pages and the packed copy are then never both
+/// held in full.
+pub fn pack_with(
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    mut done: impl FnMut(std::ops::Range<usize>),
+) -> Option<Packed> {
     let kernel = kernel(ty)?;
-    let bytes = pack_bytes(ty, data, rows, cols)?;
+    let len = packed_len(ty, data.len(), rows, cols)?;
+    let group_bytes = cols / 32 * block_bytes(ty)?;
+    let row_bytes = data.len() / rows.max(1);
+    // Zeroed pages are not resident until written: the copy grows chunk by chunk.
+    let mut bytes = vec![0u8; len].into_boxed_slice();
+    for r0 in (0..rows).step_by(PACK_CHUNK_ROWS) {
+        let r1 = (r0 + PACK_CHUNK_ROWS).min(rows);
+        let src = r0 * row_bytes..r1 * row_bytes;
+        let dst = r0 / ROWS * group_bytes..r1 / ROWS * group_bytes;
+        pack_into(ty, &data[src.clone()], r1 - r0, cols, &mut bytes[dst]);
+        done(src);
+    }
     Some(Packed {
         ty,
         rows,
         cols,
-        group_bytes: cols / 32 * block_bytes(ty)?,
-        bytes: bytes.into_boxed_slice(),
+        group_bytes,
+        bytes,
         kernel,
     })
 }
@@ -114,17 +141,33 @@ pub fn kernel(ty: GgmlType) -> Option<PackedFn> {
 
 /// The packed bytes of `data` (see the module docs), in portable code; `None` as [`pack`] says.
 pub fn pack_bytes(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
+    let mut out = vec![0u8; packed_len(ty, data.len(), rows, cols)?];
+    pack_into(ty, data, rows, cols, &mut out);
+    Some(out)
+}
+
+/// The bytes `rows` rows of `cols` weights of `ty` take packed, when `data_len` bytes of them can be packed
+/// (`None` as [`pack`] says).
+pub fn packed_len(ty: GgmlType, data_len: usize, rows: usize, cols: usize) -> Option<usize> {
     let bb = block_bytes(ty)?;
-    let src_bb = ty.geometry().block_bytes;
     if rows % ROWS != 0 || cols % 32 != 0 || cols == 0 {
         return None;
     }
-    let nb = cols / 32;
-    let row_bytes = nb * src_bb;
-    if data.len() != rows.checked_mul(row_bytes)? {
+    let row_bytes = cols / 32 * ty.geometry().block_bytes;
+    if data_len != rows.checked_mul(row_bytes)? {
         return None;
     }
-    let mut out = vec![0u8; rows / ROWS * nb * bb];
+    Some(rows / ROWS * (cols / 32) * bb)
+}
+
+/// Packs `rows` rows of `data` into `out` ([`packed_len`] bytes; both checked by the caller): the groups of rows
+/// `0..rows` in order, so consecutive calls over consecutive rows fill consecutive parts of one packed matrix.
+pub fn pack_into(ty: GgmlType, data: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    let bb = block_bytes(ty).expect("a packed type");
+    let src_bb = ty.geometry().block_bytes;
+    let nb = cols / 32;
+    let row_bytes = nb * src_bb;
+    assert_eq!(out.len(), rows / ROWS * nb * bb, "packed bytes");
     for (gi, group) in out.chunks_exact_mut(nb * bb).enumerate() {
         for (b, dst) in group.chunks_exact_mut(bb).enumerate() {
             for r in 0..ROWS {
@@ -150,7 +193,6 @@ pub fn pack_bytes(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Option
             }
         }
     }
-    Some(out)
 }
 
 /// The packed kernels' results in scalar code, in their float order (the module docs): row `r` of `group` (of

@@ -388,6 +388,8 @@ pub struct Engine {
     pub path: PathBuf,
     /// Time to load the model (mapping, weight map, tokenizer), ms; the device's start is not included.
     pub load_ms: f64,
+    /// The speed switches of its device as the start line gave them ([`crate::switches::SpeedReport`]).
+    pub speed_switches: String,
     backend: AnyBackend,
     flags: EngineFlags,
     faults: FaultPlan,
@@ -515,7 +517,8 @@ impl Engine {
             },
             (None, None) => crate::switches::Target::host(),
         };
-        eprintln!("strata: {}", crate::switches::SpeedReport::of(&target));
+        let speed_switches = crate::switches::SpeedReport::of(&target).to_string();
+        eprintln!("strata: {speed_switches}");
         if faults.probe_unsynced && backend.cudas().is_empty() {
             return Err(EngineError::FaultRule {
                 why: format!(
@@ -606,6 +609,7 @@ impl Engine {
             tokenizer,
             template,
             load_ms,
+            speed_switches,
             path,
             backend,
             flags: flags.clone(),
