@@ -168,15 +168,11 @@ impl CpuBackend {
                     // packed kernel (the same bits in any batch). Tiles start at multiples of PREFILL_ROWS, a
                     // multiple of 8, and a packed matrix has whole groups of 8 rows.
                     let mut ys = [[0f32; crate::quant::packed::ROWS]; MANY_TOKENS];
-                    let groups = rows / crate::quant::packed::ROWS;
                     for g0 in (t0..t1).step_by(MANY_TOKENS) {
                         let g1 = (g0 + MANY_TOKENS).min(t1);
                         let vs: [_; MANY_TOKENS] = std::array::from_fn(|k| qa.vector((g0 + k).min(g1 - 1)));
                         let (vs, ys) = (&vs[..g1 - g0], &mut ys[..g1 - g0]);
                         for grp in r0 / crate::quant::packed::ROWS..r1 / crate::quant::packed::ROWS {
-                            if g0 == t0 && grp + 1 < groups {
-                                prefetch_bytes(p.group(grp + 1));
-                            }
                             (p.kernel)(p.group(grp), vs, ys);
                             for (k, y) in ys.iter().enumerate() {
                                 for (i, v) in y.iter().enumerate() {
