@@ -372,10 +372,7 @@ fn split_plans(
     println!(
         "\nlayer split over {} ({}): {}",
         a.device,
-        match &a.layer_split {
-            LayerSplit::Auto => "auto, by what each card may hold".to_string(),
-            s => format!("--layer-split {s}"),
-        },
+        a.layer_split.how(),
         stages
             .iter()
             .map(|s| format!("cuda:{} {} layers", s.ord, s.layers.len()))
@@ -391,7 +388,7 @@ fn split_plans(
             plan = plan.with_host_arena(WeightBytes::of(&gguf).experts, host_available_bytes());
             arena = true;
         }
-        let label = format!("cuda:{} (layers {}-{})", s.ord, s.layers.start, s.layers.end - 1);
+        let label = layer_split::stage_label(&Device::Cuda(s.ord), &s.layers);
         println!(
             "\nmemory plan  {label}  {}  --max-context {} --kv {} --prefill {} --expert-cache {}{}",
             path.display(),

@@ -198,14 +198,10 @@ impl GgufFile {
         range.and_then(|r| self.bytes.get(r)).unwrap_or(&[])
     }
 
-    /// Tells the OS that `info`'s bytes will not be read again soon: on a mapped file, `madvise(MADV_DONTNEED)`
-    /// over them, so their pages leave this process's resident set (a later read maps them again from the page
-    /// cache or the file, with the same bytes). Nothing for bytes held in memory, or a tensor outside the file.
-    pub fn release(&self, info: &TensorInfo) {
-        self.release_range(info, 0..usize::MAX);
-    }
-
-    /// [`GgufFile::release`] of bytes `range` of `info`'s (clamped to them).
+    /// Tells the OS that bytes `range` of `info`'s (clamped to them) will not be read again soon: on a mapped
+    /// file, `madvise(MADV_DONTNEED)` over them, so their pages leave this process's resident set (a later read
+    /// maps them again from the page cache or the file, with the same bytes). Nothing for bytes held in memory,
+    /// or a tensor outside the file.
     pub fn release_range(&self, info: &TensorInfo, range: std::ops::Range<usize>) {
         #[cfg(unix)]
         if let Bytes::Mapped(m) = &self.bytes {

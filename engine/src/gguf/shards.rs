@@ -168,11 +168,6 @@ impl GgufModel {
         self.shards.get(info.shard).map_or(&[], |s| s.tensor_data(info))
     }
 
-    /// [`GgufFile::release`] of `info` in its shard.
-    pub fn release(&self, info: &TensorInfo) {
-        self.release_range(info, 0..usize::MAX);
-    }
-
     /// [`GgufFile::release_range`] of `info` in its shard.
     pub fn release_range(&self, info: &TensorInfo, range: std::ops::Range<usize>) {
         if let Some(s) = self.shards.get(info.shard) {

@@ -50,7 +50,21 @@ impl fmt::Display for LayerSplit {
     }
 }
 
+/// A stage as messages name it: `cuda:1 (layers 24-47)`.
+pub fn stage_label(device: &dyn fmt::Display, layers: &Range<usize>) -> String {
+    format!("{device} (layers {}-{})", layers.start, layers.end.saturating_sub(1))
+}
+
 impl LayerSplit {
+    /// How the layers were placed, as the split's start line says it: `auto, by what each card may hold` or
+    /// `--layer-split 20,28`.
+    pub fn how(&self) -> String {
+        match self {
+            LayerSplit::Auto => "auto, by what each card may hold".to_string(),
+            s => format!("--layer-split {s}"),
+        }
+    }
+
     /// The layers of each of `room.len()` devices, contiguous and in order, covering `0..n_layer`.
     ///
     /// `room[i]` is what device `i` may hold for its layers, in bytes (its free memory or budget less its
@@ -236,20 +250,27 @@ pub fn stage_plan(
     free: u64,
     config: &PlanConfig,
 ) -> Result<MemoryPlan, KvError> {
-    let n_layer = hp.n_layer as usize;
-    let tied = tied_head(gguf.tensors().iter().map(|t| t.name.as_str()));
     let mut config = *config;
     config.budget = config.budget.map(|b| scaled(b, share));
     config.reserve = scaled(config.reserve, share);
     let mut stage_hp = hp.clone();
     stage_hp.n_layer = layers.len() as u32;
-    // The slot size stays the model's (a slot holds any expert); the layers are the stage's.
+    let (weights, geometry) = stage_parts(gguf, hp, layers);
+    MemoryPlan::new(&weights, &stage_hp, geometry.as_ref(), &config, scaled(free, share))
+}
+
+/// What the part of a model computing `layers` holds, as [`stage_plan`] plans it: its tensors' bytes (its
+/// blocks', and the embeddings or the head at the ends) and its routed experts' geometry (the model's slot size,
+/// since a slot holds any expert; the stage's layers).
+pub fn stage_parts(gguf: &GgufModel, hp: &HParams, layers: &Range<usize>) -> (WeightBytes, Option<ExpertGeometry>) {
+    let n_layer = hp.n_layer as usize;
+    let tied = tied_head(gguf.tensors().iter().map(|t| t.name.as_str()));
+    let weights = WeightBytes::of_matching(gguf, |name| stage_holds(name, layers, n_layer, tied));
     let geometry = ExpertGeometry::of(gguf, hp).map(|g| ExpertGeometry {
         moe_layers: moe_layers_in(gguf, layers),
         ..g
     });
-    let weights = WeightBytes::of_matching(gguf, |name| stage_holds(name, layers, n_layer, tied));
-    MemoryPlan::new(&weights, &stage_hp, geometry.as_ref(), &config, scaled(free, share))
+    (weights, geometry)
 }
 
 /// The layers in `layers` with routed experts (`blk.N.ffn_*_exps` tensors).

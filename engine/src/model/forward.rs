@@ -271,7 +271,7 @@ impl Model {
 
     /// Packs the dense matrices the CPU's matmul reads every step (attention, dense FFNs, the output head) eight
     /// rows at a time ([`crate::quant::packed`]) where their type has a packed layout, and releases the file's
-    /// pages of each once packed ([`crate::gguf::GgufModel::release`]; the token embeddings' rows are still read
+    /// pages of each once packed ([`crate::backend::MatRef::pack`]; the token embeddings' rows are still read
     /// from the file). Returns how many matrices were packed and their bytes. Routed experts and routers are left
     /// as they are.
     ///
@@ -290,10 +290,8 @@ impl Model {
         }
         let need: u64 = mats
             .iter()
-            .filter(|m| {
-                crate::quant::packed::block_bytes(m.info.ty).is_some() && m.rows % crate::quant::packed::ROWS == 0
-            })
-            .map(|m| m.info.n_bytes)
+            .filter_map(|m| crate::quant::packed::packed_len(m.info.ty, m.info.n_bytes as usize, m.rows, m.cols))
+            .map(|n| n as u64)
             .sum();
         if limit.is_some_and(|l| need > l) {
             return Err(need);

@@ -19,7 +19,7 @@ use crate::experts::profile::ExpertProfile;
 use crate::experts::store::host_available_bytes;
 use crate::experts::trace::{RoutingReplay, RoutingSource};
 use crate::memory::{
-    CacheSize, ExpertFlags, ExpertGeometry, ExpertPlacement, MemoryPlan, PlanConfig, Verdict, WeightBytes, human_bytes,
+    CacheSize, ExpertFlags, ExpertPlacement, MemoryPlan, PlanConfig, Verdict, WeightBytes, human_bytes,
 };
 pub use crate::memory::{PlanFlags, PrefillChunk};
 use crate::model::{Model, ModelError};
@@ -689,13 +689,7 @@ impl Engine {
                 .iter()
                 .filter_map(|st| {
                     let stats = st.be.cuda()?.take_expert_cache_stats()?;
-                    let label = format!(
-                        "{} (layers {}-{})",
-                        st.device,
-                        st.layers.start,
-                        st.layers.end.saturating_sub(1)
-                    );
-                    Some((label, stats))
+                    Some((crate::memory::split::stage_label(&st.device, &st.layers), stats))
                 })
                 .collect(),
             None => self
@@ -981,7 +975,7 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
         .enumerate()
         .map(|(i, s)| DevicePart {
             device: Device::Cuda(s.ord),
-            label: format!("cuda:{} (layers {}-{})", s.ord, s.layers.start, s.layers.end - 1),
+            label: crate::memory::split::stage_label(&Device::Cuda(s.ord), &s.layers),
             layers: s.layers,
             whole: false,
             share: s.share,
@@ -990,11 +984,7 @@ fn place_split(backend: &mut AnyBackend, model: &Model, flags: &EngineFlags) -> 
         .collect();
     eprintln!(
         "strata: layer split over {device} ({}): {}",
-        if flags.layer_split == crate::memory::split::LayerSplit::Auto {
-            "auto, by what each card may hold".to_string()
-        } else {
-            format!("--layer-split {}", flags.layer_split)
-        },
+        flags.layer_split.how(),
         parts
             .iter()
             .map(|p| format!("{} {} layers", p.label, p.layers.len()))
@@ -1067,19 +1057,7 @@ fn plan_device(
             why: format!("{}--kv {}: {e}", stage_prefix(part), flags.plan.kv),
         })?;
     let free = plan.free;
-    let config = PlanConfig {
-        budget: plan.budget,
-        ..config
-    };
-    let geometry = ExpertGeometry::of(&model.gguf, &model.hp).map(|g| ExpertGeometry {
-        moe_layers: model.moe_layers_in(&part.layers),
-        ..g
-    });
-    let tied = crate::memory::split::tied_head(model.gguf.tensors().iter().map(|t| t.name.as_str()));
-    let n_layer = model.hp.n_layer as usize;
-    let weights = WeightBytes::of_matching(&model.gguf, |name| {
-        crate::memory::split::stage_holds(name, &part.layers, n_layer, tied)
-    });
+    let (weights, geometry) = crate::memory::split::stage_parts(&model.gguf, &model.hp, &part.layers);
     if !whole {
         eprintln!("strata: {}: memory plan of its layers:\n{}", part.label, plan.to_text());
     }
@@ -1087,7 +1065,7 @@ fn plan_device(
         // The arena holds every expert of the model, whichever stage caches them.
         plan = plan.with_host_arena(WeightBytes::of(&model.gguf).experts, host_available_bytes());
     }
-    let budget = config
+    let budget = plan
         .budget
         .map(|b| format!(", budget {:.2} GiB", b as f64 / GIB))
         .unwrap_or_default();
