@@ -156,57 +156,62 @@ struct Q8kStage {
     float d[MMV_X_MAX / 256];
 };
 __device__ __forceinline__ int q8k_natural(int v) { return v + 16 * (v >> 7); }
+// Super-block sb of x (or of glu_act(x) * xu) into st: one warp's work (every lane of it calls it).
+template <bool NATURAL>
+__device__ __forceinline__ void stage_q8k_sb(const float* __restrict__ x, const float* __restrict__ xu, int act, int sb,
+                                             Q8kStage& st) {
+    int lane = threadIdx.x & 31;
+    const float4* x4 = (const float4*)(x + 256 * sb + 8 * lane);
+    float4 a = x4[0], b = x4[1];
+    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    if (xu) {
+        const float4* u4 = (const float4*)(xu + 256 * sb + 8 * lane);
+        float4 c = u4[0], e = u4[1];
+        float u[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = glu_act(v[k], act) * u[k];
+    }
+    float am = 0.f;
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        bad |= !(fabsf(v[k]) <= 3.402823466e38f);
+        am = fmaxf(am, fabsf(v[k]));
+    }
+    am = warp_max(am);
+    bad = __any_sync(0xffffffffu, bad);
+    float d = 0.f, is = 0.f;
+    if (bad) {
+        d = __int_as_float(0x7fc00000);
+    } else if (am >= 1e-30f) {
+        d = am / 127.f;
+        is = 127.f / am;
+    }
+    u32 w[2] = {0, 0};
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        int q = __float2int_rn(v[k] * is);
+        sum += q;
+        w[k >> 2] |= (u32)(q & 0xFF) << (8 * (k & 3));
+    }
+    // Values 8 lane .. 8 lane + 7: run hl = lane / 4 % 2, lane p = 2 (lane / 8) + lane / 2 % 2, bytes 8 (lane % 2)..
+    int at = NATURAL ? q8k_natural(256 * sb + 8 * lane) / 4
+                     : ((sb * 2 + ((lane >> 2) & 1)) * 8 + 2 * (lane >> 3) + ((lane >> 1) & 1)) * 4 + 2 * (lane & 1);
+    st.codes[at] = w[0];
+    st.codes[at + 1] = w[1];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (!(lane & 1)) st.bsum[sb * 16 + (lane >> 1)] = (short)sum;
+    if (lane == 0) st.d[sb] = d;
+}
+
 // Fills st from x (cols <= MMV_X_MAX, a multiple of 256), or from glu_act(x) * xu when xu is given (the GLU of a
 // MoE down projection, fused), in the Q4_K lanes' order or (NATURAL) Q6_K's; every thread of the block calls it (it
 // synchronises).
 template <bool NATURAL>
 __device__ __forceinline__ void stage_q8k(const float* __restrict__ x, const float* __restrict__ xu, int act, int cols,
                                           Q8kStage& st) {
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int sb = warp; sb < cols / 256; sb += blockDim.x >> 5) {
-        const float4* x4 = (const float4*)(x + 256 * sb + 8 * lane);
-        float4 a = x4[0], b = x4[1];
-        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        if (xu) {
-            const float4* u4 = (const float4*)(xu + 256 * sb + 8 * lane);
-            float4 c = u4[0], e = u4[1];
-            float u[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = glu_act(v[k], act) * u[k];
-        }
-        float am = 0.f;
-        bool bad = false;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            bad |= !(fabsf(v[k]) <= 3.402823466e38f);
-            am = fmaxf(am, fabsf(v[k]));
-        }
-        am = warp_max(am);
-        bad = __any_sync(0xffffffffu, bad);
-        float d = 0.f, is = 0.f;
-        if (bad) {
-            d = __int_as_float(0x7fc00000);
-        } else if (am >= 1e-30f) {
-            d = am / 127.f;
-            is = 127.f / am;
-        }
-        u32 w[2] = {0, 0};
-        int sum = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            int q = __float2int_rn(v[k] * is);
-            sum += q;
-            w[k >> 2] |= (u32)(q & 0xFF) << (8 * (k & 3));
-        }
-        // Values 8 lane .. 8 lane + 7: run hl = lane / 4 % 2, lane p = 2 (lane / 8) + lane / 2 % 2, bytes 8 (lane % 2)..
-        int at = NATURAL ? q8k_natural(256 * sb + 8 * lane) / 4
-                         : ((sb * 2 + ((lane >> 2) & 1)) * 8 + 2 * (lane >> 3) + ((lane >> 1) & 1)) * 4 + 2 * (lane & 1);
-        st.codes[at] = w[0];
-        st.codes[at + 1] = w[1];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        if (!(lane & 1)) st.bsum[sb * 16 + (lane >> 1)] = (short)sum;
-        if (lane == 0) st.d[sb] = d;
-    }
+    for (int sb = threadIdx.x >> 5; sb < cols / 256; sb += blockDim.x >> 5) stage_q8k_sb<NATURAL>(x, xu, act, sb, st);
     __syncthreads();
 }
 
@@ -227,21 +232,14 @@ struct MmvQ4K {
         return __shfl_sync(0xFFu << (lane & 24), f.h, (lane & 24) | k);
     }
     static constexpr bool Q8 = true, NATURAL = false;
-    // The lane's 32 values against Q8_K activations: integer sums per sub-block, the scales and mins after.
-    static __device__ __forceinline__ float dot_q8(const Part& f, const u8* __restrict__ b, const Q8kStage& st, int sb,
-                                                   int p) {
-        int j = p >> 1, h = p & 1;
-        const uint4* c4 = (const uint4*)st.codes;
-        uint4 xl = c4[(sb * 2) * 8 + p], xh = c4[(sb * 2 + 1) * 8 + p];
-        int sl = 0, sh = 0;
-        sl = dp4a((int)(f.q.x & 0x0F0F0F0Fu), (int)xl.x, sl);
-        sl = dp4a((int)(f.q.y & 0x0F0F0F0Fu), (int)xl.y, sl);
-        sl = dp4a((int)(f.q.z & 0x0F0F0F0Fu), (int)xl.z, sl);
-        sl = dp4a((int)(f.q.w & 0x0F0F0F0Fu), (int)xl.w, sl);
-        sh = dp4a((int)((f.q.x >> 4) & 0x0F0F0F0Fu), (int)xh.x, sh);
-        sh = dp4a((int)((f.q.y >> 4) & 0x0F0F0F0Fu), (int)xh.y, sh);
-        sh = dp4a((int)((f.q.z >> 4) & 0x0F0F0F0Fu), (int)xh.z, sh);
-        sh = dp4a((int)((f.q.w >> 4) & 0x0F0F0F0Fu), (int)xh.w, sh);
+    // The lane's two sub-blocks' 6-bit scales and mins and the super-block's d and dmin (what dot_q8 needs of the
+    // weights besides the codes: decoded once for all the activation rows a loaded part meets).
+    struct Scales {
+        int sc0, sc1, m0, m1;
+        float d, dmin;
+    };
+    static __device__ __forceinline__ Scales scales(const Part& f, const u8* __restrict__ b, int p) {
+        int j = p >> 1;
         // Sub-blocks 2 j and 2 j + 1's 6-bit scales and mins (scale_min_k4), four bytes at a time: scales[0..4)
         // are w1, [4..8) w2, [8..12) w3.
         u32 w0 = head_word(f, 0), w1 = head_word(f, 1), w2 = head_word(f, 2), w3 = head_word(f, 3), scw, mw;
@@ -253,10 +251,47 @@ struct MmvQ4K {
             mw = ((w3 >> 4) & 0x0F0F0F0Fu) | ((w2 >> 2) & 0x30303030u);
         }
         int at = 16 * (j & 1);
-        int sc0 = (scw >> at) & 0xFF, sc1 = (scw >> (at + 8)) & 0xFF, m0 = (mw >> at) & 0xFF, m1 = (mw >> (at + 8)) & 0xFF;
+        return {(int)((scw >> at) & 0xFF), (int)((scw >> (at + 8)) & 0xFF), (int)((mw >> at) & 0xFF),
+                (int)((mw >> (at + 8)) & 0xFF), h2f((u16)(w0 & 0xFFFF)), h2f((u16)(w0 >> 16))};
+    }
+    // The lane's 32 values against Q8_K activations: integer sums per sub-block, the scales and mins after.
+    static __device__ __forceinline__ float dot_q8(const Part& f, const u8* __restrict__ b, const Q8kStage& st, int sb,
+                                                   int p) {
+        return dot_q8s(f, scales(f, b, p), st, sb, p);
+    }
+    // The part's 32 codes as bytes: low nibbles (sub-block 2 j) and high (2 j + 1), unpacked once for all the
+    // activation rows a loaded part meets.
+    struct Codes {
+        int lo[4], hi[4];
+    };
+    static __device__ __forceinline__ Codes codes(const Part& f) {
+        u32 q[4] = {f.q.x, f.q.y, f.q.z, f.q.w};
+        Codes c;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            c.lo[i] = (int)(q[i] & 0x0F0F0F0Fu);
+            c.hi[i] = (int)((q[i] >> 4) & 0x0F0F0F0Fu);
+        }
+        return c;
+    }
+    static __device__ __forceinline__ float dot_q8s(const Part& f, const Scales& k, const Q8kStage& st, int sb, int p) {
+        return dot_q8c(codes(f), k, st, sb, p);
+    }
+    static __device__ __forceinline__ float dot_q8c(const Codes& c, const Scales& k, const Q8kStage& st, int sb, int p) {
+        int j = p >> 1, h = p & 1;
+        const uint4* c4 = (const uint4*)st.codes;
+        uint4 xl = c4[(sb * 2) * 8 + p], xh = c4[(sb * 2 + 1) * 8 + p];
+        int sl = 0, sh = 0;
+        sl = dp4a(c.lo[0], (int)xl.x, sl);
+        sl = dp4a(c.lo[1], (int)xl.y, sl);
+        sl = dp4a(c.lo[2], (int)xl.z, sl);
+        sl = dp4a(c.lo[3], (int)xl.w, sl);
+        sh = dp4a(c.hi[0], (int)xh.x, sh);
+        sh = dp4a(c.hi[1], (int)xh.y, sh);
+        sh = dp4a(c.hi[2], (int)xh.z, sh);
+        sh = dp4a(c.hi[3], (int)xh.w, sh);
         int bl = st.bsum[sb * 16 + 4 * j + h], bh = st.bsum[sb * 16 + 4 * j + 2 + h];
-        float d = h2f((u16)(w0 & 0xFFFF)), dmin = h2f((u16)(w0 >> 16));
-        return st.d[sb] * (d * (float)(sc0 * sl + sc1 * sh) - dmin * (float)(m0 * bl + m1 * bh));
+        return st.d[sb] * (k.d * (float)(k.sc0 * sl + k.sc1 * sh) - k.dmin * (float)(k.m0 * bl + k.m1 * bh));
     }
     static __device__ __forceinline__ int x4(int sb, int p, int hl, int i, bool perm) {
         return perm ? ((sb * 2 + hl) * 4 + i) * 8 + p
@@ -311,14 +346,45 @@ struct MmvQ6K {
 #else
     static constexpr bool Q8 = true, NATURAL = true;
 #endif
+    // The lane's four parts' scales (bytes of the super-block's tail) and d: read once for all the activation rows
+    // a loaded part meets.
+    struct Scales {
+        int sc[4];
+        float d;
+    };
+    static __device__ __forceinline__ Scales scales(const Part& f, const u8* __restrict__ b, int p) {
+        int n = (p >> 2) & 1, c0 = 8 * (p & 3);
+        const u8* sc = b + 192 + 8 * n + (c0 >> 4);
+        return {{(int)(i8)sc[0], (int)(i8)sc[2], (int)(i8)sc[4], (int)(i8)sc[6]}, h2f((u16)f.d)};
+    }
     // The lane's 32 values against Q8_K activations (the CPU's vec_dot_q8 for Q6_K): per part an integer sum of
     // (q - 32) * a over its 8 values (two dp4a for q * a, two for the sum of a), times the part's scale; the scales
     // of the two weights' and the activations' super-blocks after.
     static __device__ __forceinline__ float dot_q8(const Part& f, const u8* __restrict__ b, const Q8kStage& st, int sb,
                                                    int p) {
-        int n = (p >> 2) & 1, c0 = 8 * (p & 3);
-        const u8* sc = b + 192 + 8 * n + (c0 >> 4);
+        return dot_q8s(f, scales(f, b, p), st, sb, p);
+    }
+    // The part's 32 six-bit codes as bytes (q[part][w]: 4 values each), unpacked once for all the activation rows
+    // a loaded part meets.
+    struct Codes {
+        int q[4][2];
+    };
+    static __device__ __forceinline__ Codes codes(const Part& f) {
         u32 lw[2][2] = {{f.l0.x, f.l0.y}, {f.l1.x, f.l1.y}}, hw[2] = {f.qh.x, f.qh.y};
+        Codes c;
+#pragma unroll
+        for (int part = 0; part < 4; ++part)
+#pragma unroll
+            for (int w = 0; w < 2; ++w)
+                c.q[part][w] = (int)(((lw[part & 1][w] >> (4 * (part >> 1))) & 0x0F0F0F0Fu) |
+                                     (((hw[w] >> (2 * part)) & 0x03030303u) << 4));
+        return c;
+    }
+    static __device__ __forceinline__ float dot_q8s(const Part& f, const Scales& k, const Q8kStage& st, int sb, int p) {
+        return dot_q8c(codes(f), k, st, sb, p);
+    }
+    static __device__ __forceinline__ float dot_q8c(const Codes& c, const Scales& k, const Q8kStage& st, int sb, int p) {
+        int n = (p >> 2) & 1, c0 = 8 * (p & 3);
         const uint2* c2 = (const uint2*)st.codes;
         int acc = 0;
 #pragma unroll
@@ -327,14 +393,13 @@ struct MmvQ6K {
             int s = 0, sa = 0;
 #pragma unroll
             for (int w = 0; w < 2; ++w) {
-                u32 q = ((lw[part & 1][w] >> (4 * (part >> 1))) & 0x0F0F0F0Fu) | (((hw[w] >> (2 * part)) & 0x03030303u) << 4);
                 int av = (int)(w ? a.y : a.x);
-                s = dp4a((int)q, av, s);
+                s = dp4a(c.q[part][w], av, s);
                 sa = dp4a(0x01010101, av, sa);
             }
-            acc += (int)(i8)sc[2 * part] * (s - 32 * sa);
+            acc += k.sc[part] * (s - 32 * sa);
         }
-        return h2f((u16)f.d) * st.d[sb] * (float)acc;
+        return k.d * st.d[sb] * (float)acc;
     }
     static __device__ __forceinline__ int x4(int sb, int p, int part, int w, bool perm) {
         return perm ? ((sb * 4 + part) * 2 + w) * 8 + p
@@ -374,6 +439,19 @@ struct MmvQ6K {
     }
 };
 
+// The lane's parts (eight lanes a super-block) of super-blocks base + lane / 8 and base + lane / 8 + 4 of the rows
+// w[0..R) (null: absent) into f: a warp step of mmv_fast_rows and mmvt_rows.
+template <class Q, int R>
+__device__ __forceinline__ void mmv_load_step(typename Q::Part (*f)[2], const u8* const* w, int base, int nsb, int lane) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            int sb = base + (lane >> 3) + 4 * u;
+            if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, lane & 7);
+        }
+}
+
 // The rows w[0..R) (null: absent) times the activation row x (global) into acc; every thread of the block calls it
 // (it stages x and synchronises).
 template <class Q, int R>
@@ -382,28 +460,14 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
     __shared__ float4 xs_fast[MMV_X_MAX / 4];
     int nsb = cols / 256, p = lane & 7;
     typename Q::Part f[R][2];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            int sb = (lane >> 3) + 4 * u;
-            if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
-        }
+    mmv_load_step<Q, R>(f, w, 0, nsb, lane);
     pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
     if constexpr (Q::Q8) {
         if (cols <= MMV_X_MAX) {
             Q8kStage& st = *(Q8kStage*)xs_fast;
             stage_q8k<Q::NATURAL>(x, xu, act, cols, st);
             for (int base = 0; base < nsb; base += 8) {
-                if (base > 0) {
-#pragma unroll
-                    for (int r = 0; r < R; ++r)
-#pragma unroll
-                        for (int u = 0; u < 2; ++u) {
-                            int sb = base + (lane >> 3) + 4 * u;
-                            if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
-                        }
-                }
+                if (base > 0) mmv_load_step<Q, R>(f, w, base, nsb, lane);
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -425,15 +489,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
         xs = xs_fast;
     }
     for (int base = 0; base < nsb; base += 8) {
-        if (base > 0) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    int sb = base + (lane >> 3) + 4 * u;
-                    if (w[r] && sb < nsb) Q::load(f[r][u], w[r] + Q::SB_BYTES * sb, p);
-                }
-        }
+        if (base > 0) mmv_load_step<Q, R>(f, w, base, nsb, lane);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -475,9 +531,16 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         for (int u = 0; u < NB; ++u)
             if (w[i] && u < nsb) Q::load(f[i][u], w[i] + Q::SB_BYTES * u, p);
     pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
-#pragma unroll
-    for (int t = 0; t < T; ++t)
-        if (t < n) stage_q8k<Q::NATURAL>(x[t], xu[t], act, cols, st_group[t]);
+    if constexpr (T == 1) {
+        stage_q8k<Q::NATURAL>(x[0], xu[0], act, cols, st_group[0]);
+    } else {
+        // The n rows' super-blocks spread over the block's warps, one barrier for all.
+        for (int k = threadIdx.x >> 5; k < n * nsb; k += blockDim.x >> 5) {
+            int t = k / nsb;
+            stage_q8k_sb<Q::NATURAL>(x[t], xu[t], act, k - t * nsb, st_group[t]);
+        }
+        __syncthreads();
+    }
     for (int b0 = 0; b0 < nsb; b0 += NB) {
         if (b0 > 0) {
 #pragma unroll
@@ -490,10 +553,13 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         for (int i = 0; i < RG; ++i)
 #pragma unroll
             for (int u = 0; u < NB; ++u)
-                if (w[i] && b0 + u < nsb)
+                if (w[i] && b0 + u < nsb) {
+                    typename Q::Scales k = Q::scales(f[i][u], w[i] + Q::SB_BYTES * (b0 + u), p);
+                    typename Q::Codes c = Q::codes(f[i][u]);
 #pragma unroll
                     for (int t = 0; t < T; ++t)
-                        if (t < n) acc[i][t] += Q::dot_q8(f[i][u], w[i] + Q::SB_BYTES * (b0 + u), st_group[t], b0 + u, p);
+                        if (t < n) acc[i][t] += Q::dot_q8c(c, k, st_group[t], b0 + u, p);
+                }
     }
 #pragma unroll
     for (int i = 0; i < RG; ++i)
@@ -660,6 +726,114 @@ STRATA_MMV_MOE_GROUP(q6_k, MmvQ6K, ) // unbounded, as mmv_moe_q6_k (its weights 
 // asks for it stops.
 extern "C" __global__ void mmv_moe_group_q6_k(const u8*, const u8*, const float*, float*, float*, const int*, int, int,
                                               int, long long, long long, const float*, int, int) {
+    pdl_enter();
+    __trap();
+}
+#endif
+
+// q8k_stage: the n_tok activation rows x[t] (cols values, a multiple of 256, at most MMV_X_MAX) quantized to Q8_K
+// as stage_q8k stages them, into out[t] in global memory, in Q4_K's lane order or (natural) Q6_K's: once for a
+// launch of mmvt_T, whose blocks all read them (from L1), where staging them in each block cost more than the
+// weights' loads. Grid (n_tok, ceil(cols / 2048)), block 256: warp w stages super-block 8 blockIdx.y + w.
+static_assert(sizeof(Q8kStage) == 5184, "Q8K_STAGE_BYTES in cuda/matmul.rs");
+extern "C" __global__ void q8k_stage(const float* __restrict__ x, Q8kStage* __restrict__ out, int cols, int natural) {
+    pdl_enter();
+    int t = blockIdx.x, sb = blockIdx.y * 8 + (threadIdx.x >> 5);
+    if (sb >= cols / 256) return; // a whole warp
+    const float* xt = x + (long long)t * cols;
+    if (natural)
+        stage_q8k_sb<true>(xt, nullptr, 0, sb, out[t]);
+    else
+        stage_q8k_sb<false>(xt, nullptr, 0, sb, out[t]);
+}
+
+// mmvt_T: mmv_T for a step of several tokens (a batch of decode steps, a short prompt chunk): each weight row is
+// loaded once for up to MMV_T tokens (blockIdx.y's: tokens MMV_T y .. MMV_T y + MMV_T - 1), so a step of n tokens
+// reads each matrix ceil(n / MMV_T) times instead of n times. The activations come staged by q8k_stage (st[t], in
+// the type's lane order, read through L1). A warp computes R rows (4 in mmvt_T, 1 in mmvt1_T) as mmv_fast_rows
+// lays them out: eight lanes a super-block, four super-blocks a warp step; a lane decodes a loaded part's scales
+// once for all the tokens, and a token's sums take one order whatever the step's other tokens are, so a token
+// gets the same bits alone and in any step (this is the batch-invariant dense kernel too). Rows are numbered over
+// the three matrices as in mmv_T. Grid (ceil((r0 + r1 + r2) / (8 R)), ceil(n_tok / MMV_T)), block 256. Q4_K and
+// Q6_K rows of 256 to MMV_X_MAX values, a multiple of 256 (the host checks: cuda/matmul.rs, mmvt_fits).
+#define MMV_T 8
+template <class Q, int R>
+__device__ __forceinline__ void mmvt_rows(const u8* const* w, const Q8kStage* __restrict__ st, int n, int cols,
+                                          int lane, float (*acc)[MMV_T]) {
+    int nsb = cols / 256, p = lane & 7;
+    typename Q::Part f[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < MMV_T; ++t) acc[r][t] = 0.f;
+    mmv_load_step<Q, R>(f, w, 0, nsb, lane);
+    pdl_enter(); // the weights' first loads are in flight; the staged activations come from the kernel before
+    for (int base = 0; base < nsb; base += 8) {
+        if (base > 0) mmv_load_step<Q, R>(f, w, base, nsb, lane);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            int sb = base + (lane >> 3) + 4 * u;
+            if (sb >= nsb) continue;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (!w[r]) continue;
+                typename Q::Scales k = Q::scales(f[r][u], w[r] + Q::SB_BYTES * sb, p);
+                typename Q::Codes c = Q::codes(f[r][u]);
+#pragma unroll
+                for (int t = 0; t < MMV_T; ++t)
+                    if (t < n) acc[r][t] += Q::dot_q8c(c, k, st[t], sb, p);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < MMV_T; ++t) acc[r][t] = warp_sum(acc[r][t]);
+}
+#define STRATA_MMVT(name, Q, pre, R)                                                                            \
+    extern "C" __global__ void pre##name(const u8* __restrict__ w0, const u8* __restrict__ w1,                 \
+                                         const u8* __restrict__ w2, const Q8kStage* __restrict__ st,           \
+                                         float* __restrict__ y0, float* __restrict__ y1,                       \
+                                         float* __restrict__ y2, int r0, int r1, int r2, int cols,             \
+                                         long long row_bytes, int n_tok) {                                      \
+        int lane = threadIdx.x & 31, t0 = blockIdx.y * MMV_T, n = min(MMV_T, n_tok - t0);                      \
+        int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * R;                                                  \
+        const u8* w[R];                                                                                         \
+        float* y[R];                                                                                            \
+        int rows[R];                                                                                            \
+        _Pragma("unroll") for (int i = 0; i < R; ++i) {                                                         \
+            int r = first + i;                                                                                  \
+            w[i] = nullptr, y[i] = nullptr, rows[i] = 0;                                                        \
+            if (r < r0) {                                                                                       \
+                w[i] = w0 + (long long)r * row_bytes, y[i] = y0 + r, rows[i] = r0;                              \
+            } else if ((r -= r0) < r1) {                                                                        \
+                w[i] = w1 + (long long)r * row_bytes, y[i] = y1 + r, rows[i] = r1;                              \
+            } else if ((r -= r1) < r2) {                                                                        \
+                w[i] = w2 + (long long)r * row_bytes, y[i] = y2 + r, rows[i] = r2;                              \
+            }                                                                                                   \
+        }                                                                                                       \
+        float acc[R][MMV_T];                                                                                    \
+        mmvt_rows<Q, R>(w, st + t0, n, cols, lane, acc);                                                        \
+        if (lane == 0)                                                                                          \
+            _Pragma("unroll") for (int i = 0; i < R; ++i)                                                       \
+                _Pragma("unroll") for (int t = 0; t < MMV_T; ++t)                                               \
+                    if (w[i] && t < n) y[i][(long long)(t0 + t) * rows[i]] = acc[i][t];                         \
+    }
+STRATA_MMVT(q4_k, MmvQ4K, mmvt_, MMV_R)
+STRATA_MMVT(q4_k, MmvQ4K, mmvt1_, 1)
+#ifndef MMV_Q6K_F32
+STRATA_MMVT(q6_k, MmvQ6K, mmvt_, MMV_R)
+STRATA_MMVT(q6_k, MmvQ6K, mmvt1_, 1)
+#else
+// A measurement build with f32 activations for Q6_K (MMV_Q6K_F32): no Q8_K kernel of several tokens; a step that
+// asks for it stops.
+extern "C" __global__ void mmvt_q6_k(const u8*, const u8*, const u8*, const Q8kStage*, float*, float*, float*, int,
+                                     int, int, int, long long, int) {
+    pdl_enter();
+    __trap();
+}
+extern "C" __global__ void mmvt1_q6_k(const u8*, const u8*, const u8*, const Q8kStage*, float*, float*, float*, int,
+                                      int, int, int, long long, int) {
     pdl_enter();
     __trap();
 }

@@ -343,11 +343,11 @@ pub const SWITCHES: &[Switch] = &[
     ),
     speed(
         MOE_GROUPS,
-        "0",
+        "1 on CUDA",
         true,
         Applies::Cuda,
-        false,
-        "1: a CUDA step of several tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once for up to 4 of the tokens routed to it, instead of once per token (the same results, bit for bit; off: on the H200 no faster, 836 against 900 tok/s with 8 sequences decoding together, 1,280 against 1,318 with 16)",
+        true,
+        "0: a CUDA step of 8 or more tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once per token routed to it, instead of once for up to 4 of them (the same results, bit for bit; on an H100, 30B shape, 32 sequences decoding together 1,818 tok/s grouped against 1,606, 8: 1,122 against 1,116)",
     ),
     speed(
         INT8_FLASH,
@@ -359,8 +359,8 @@ pub const SWITCHES: &[Switch] = &[
     ),
     sw(
         MMV_DENSE_TOKENS,
-        "8",
-        "N (4-64): most tokens a CUDA dense matmul runs as matrix-vector products, each token's the kernel of a lone decode step, instead of an f16 copy of the matrix and cuBLAS (tuning; on an H100, 30B shape: 8 sequences decoding together 941 tok/s at 8 against 840 at 4; 16 sequences 1,110 at 16 against 1,248 at 4)",
+        "16",
+        "N (4-64): most tokens a CUDA dense matmul runs as matrix-vector products (Q4_K and Q6_K rows read once for 8 tokens), instead of an f16 copy of the matrix and cuBLAS (tuning; on an H100, 30B shape: 16 sequences decoding together 1,340 tok/s at 16 against 1,234 at 8; 32 sequences 1,529 at 32 against 1,627 at 8)",
     ),
     sw(
         BATCH_SPLIT_CELLS,
@@ -720,6 +720,7 @@ mod tests {
         if host_vnni() {
             want.push("CPU_VNNI");
         }
+        want.push("MOE_GROUPS");
         assert!(
             line.starts_with(&format!(
                 "sm_90: {} exact speed switches on (STRATA_ARCH_DEFAULTS=0 turns the defaults off",

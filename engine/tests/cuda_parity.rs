@@ -120,6 +120,11 @@ fn matmul_matches_cpu() {
             (128, 768, 37),
             (200, 1024, 130),
             (72, 2560, 2),
+            // Several tokens per loaded row (mmvt_*, Q4_K and Q6_K): 8 tokens, one block's; 5 across three
+            // matrices' worth of rows; rows over MMV_X_MAX values stay on the per-token kernels.
+            (300, 2048, 8),
+            (1000, 4096, 5),
+            (40, 4352, 3),
             (8500, 256, 1),
             (40, 4352, 1),
             // K = 288, not a multiple of the GEMM's 64-value steps (its zero-filled last half step); 32-value block
@@ -227,6 +232,83 @@ fn matmul_many_and_get_rows_match_cpu() {
             rel_err(&down(&gpu, &od, ids.len() * cols), &want),
             1e-6,
         ));
+    }
+    report(&rows_out);
+}
+
+/// The dense kernel of several tokens (`mmvt_*`: each Q4_K or Q6_K weight row loaded once for up to 8 tokens)
+/// gives every token the bits it gets alone, whatever the step's size (1 to 19 tokens, so one, two and three
+/// blocks of tokens, full and partial; and 1,030, which takes two launches) and whether the rows come one matrix
+/// or three to a launch; and it stays within 1e-5 of the CPU, which computes the same integer products of Q8_K
+/// activations (only the f32 sums' order differs). Batch-invariant, so that every token count takes it.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn several_tokens_per_loaded_row_give_each_token_its_bits_alone() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    gpu.set_batch_invariant(true);
+    let mut rng = Rng(29);
+    let mut rows_out = Vec::new();
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for (shapes, cols) in [(vec![333usize], 2048usize), (vec![520, 64, 72], 1024), (vec![96], 4096)] {
+            let datas: Vec<Vec<u8>> = shapes
+                .iter()
+                .map(|&r| quantized(ty, r, cols, &mut rng).unwrap())
+                .collect();
+            let ws: Vec<QMat<'_>> = datas
+                .iter()
+                .zip(&shapes)
+                .map(|(d, &r)| QMat::new(ty, d, r, cols).unwrap())
+                .collect();
+            let n_max = 19;
+            let x = rng.vec(n_max * cols, 1.0);
+            // Each token alone.
+            let alone: Vec<Vec<Vec<f32>>> = (0..n_max)
+                .map(|t| {
+                    let xd = up(&gpu, &x[t * cols..(t + 1) * cols]);
+                    let mut outs: Vec<DevVec> = ws.iter().map(|w| up(&gpu, &vec![f32::NAN; w.rows])).collect();
+                    let mut refs: Vec<&mut DevVec> = outs.iter_mut().collect();
+                    gpu.matmul_many(&ws, &xd, 1, &mut refs);
+                    ws.iter().zip(&outs).map(|(w, o)| down(&gpu, o, w.rows)).collect()
+                })
+                .collect();
+            let mut differ = 0usize;
+            for n in [2usize, 5, 8, 9, 16, 19, 1030] {
+                // Token t is token t % 19 of x.
+                let xs: Vec<f32> = (0..n)
+                    .flat_map(|t| x[(t % n_max) * cols..(t % n_max + 1) * cols].iter().copied())
+                    .collect();
+                let xd = up(&gpu, &xs);
+                let mut outs: Vec<DevVec> = ws.iter().map(|w| up(&gpu, &vec![f32::NAN; n * w.rows])).collect();
+                let mut refs: Vec<&mut DevVec> = outs.iter_mut().collect();
+                gpu.matmul_many(&ws, &xd, n, &mut refs);
+                for (i, w) in ws.iter().enumerate() {
+                    let got = down(&gpu, &outs[i], n * w.rows);
+                    for t in 0..n {
+                        let a = &alone[t % n_max][i];
+                        let b = &got[t * w.rows..(t + 1) * w.rows];
+                        differ += a.iter().zip(b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                    }
+                    if n == n_max {
+                        let mut want = vec![0f32; n * w.rows];
+                        cpu.matmul(w, &x[..n * cols], n, &mut want);
+                        rows_out.push(Row(
+                            format!(
+                                "mmvt {ty} {}x{cols} matrix {i} of {}, {n} tokens against the CPU",
+                                w.rows,
+                                ws.len()
+                            ),
+                            rel_err(&got, &want),
+                            1e-5,
+                        ));
+                    }
+                }
+            }
+            rows_out.push(Row(
+                format!("mmvt {ty} {shapes:?}x{cols}: values differing from each token alone (2-19 tokens)"),
+                differ as f64,
+                0.0,
+            ));
+        }
     }
     report(&rows_out);
 }

@@ -1201,14 +1201,14 @@ mod tests {
                 "FETCH_OVERLAP-off",
                 "CPU_AVX512-on",
                 "CPU_VNNI-off",
-                "MOE_GROUPS-on",
+                "MOE_GROUPS-off",
                 "all-exact-off"
             ]
         );
         assert_eq!(arms[1].env["STRATA_PDL"], "0");
         assert_eq!(arms[4].env["STRATA_CPU_AVX512"], "1");
         assert_eq!(arms[5].env["STRATA_CPU_VNNI"], "0");
-        assert_eq!(arms[6].env["STRATA_MOE_GROUPS"], "1");
+        assert_eq!(arms[6].env["STRATA_MOE_GROUPS"], "0");
         let all_off = &arms[7].env;
         assert_eq!(
             (

@@ -5,7 +5,7 @@ use cudarc::cublas::sys as blas_sys;
 
 use super::error::CudaError;
 use super::launch::Arg;
-use super::{Gpu, Inner, Slot, grid1, mmv_rows_per_block, typed};
+use super::{Gpu, Inner, MMV_X_MAX, Slot, grid1, mmv_rows_per_block, typed};
 use crate::backend::QMat;
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
@@ -14,9 +14,25 @@ use crate::quant::GgmlType;
 /// Most rows of a grid's second dimension (CUDA's limit): `mmv`'s launches carry a token per row.
 const GRID_Y_MAX: usize = 65_535;
 
+/// Tokens one block of `mmvt_*` reads each weight row for (kernels/matvec.cu, MMV_T).
+const MMVT_TOKENS: usize = 8;
+/// Bytes of one activation row staged as Q8_K (kernels/matvec.cu, `Q8kStage`; a static_assert there checks it).
+const Q8K_STAGE_BYTES: usize = 5184;
+/// Most tokens one `mmvt_*` launch takes (a longer batch-invariant prefill runs in parts), so the Q8_K staging
+/// stays at 5 MiB.
+const MMVT_MAX_TOKENS: usize = 1024;
+
+/// Whether `mmvt_*` (several tokens per loaded weight row) computes `w`: Q4_K or Q6_K rows of 256 to
+/// [`MMV_X_MAX`] values (the Q8_K staging's size).
+pub(super) fn mmvt_fits(w: &QMat<'_>) -> bool {
+    matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K) && w.cols.is_multiple_of(256) && (256..=MMV_X_MAX).contains(&w.cols)
+}
+
 impl Inner {
     /// Matrix-vector products of up to three matrices of one type and width over the same `n_tok` activation
-    /// rows (one launch): `ys[i][t][r] = ws[i][r] · x[t]`.
+    /// rows (one launch): `ys[i][t][r] = ws[i][r] · x[t]`. Several tokens (or one, when batch-invariant) of a
+    /// matrix [`mmvt_fits`] takes take `mmvt_*`, which reads each weight row once for up to [`MMVT_TOKENS`] of
+    /// them and gives a token the same bits whatever the others are; otherwise each token reads the rows again.
     pub(super) fn mmv(
         &mut self,
         gpu: &Gpu,
@@ -26,14 +42,19 @@ impl Inner {
     ) -> Result<(), CudaError> {
         assert!((1..=3).contains(&ws.len()), "mmv: one to three matrices");
         let w0 = ws[0].0;
-        if n_tok > GRID_Y_MAX {
-            // A token per block row: launches of at most the grid's rows.
-            for t0 in (0..n_tok).step_by(GRID_Y_MAX) {
+        let t_max = if (n_tok > 1 || self.batch_invariant) && mmvt_fits(w0) {
+            MMVT_MAX_TOKENS
+        } else {
+            GRID_Y_MAX
+        };
+        if n_tok > t_max {
+            // Launches of at most t_max tokens: the grid's rows (a token per block row), or mmvt's staging.
+            for t0 in (0..n_tok).step_by(t_max) {
                 let at: Vec<(&QMat<'_>, u64, u64)> = ws
                     .iter()
                     .map(|&(w, wp, yp)| (w, wp, yp + (t0 * w.rows * 4) as u64))
                     .collect();
-                self.mmv(gpu, &at, xp + (t0 * w0.cols * 4) as u64, (n_tok - t0).min(GRID_Y_MAX))?;
+                self.mmv(gpu, &at, xp + (t0 * w0.cols * 4) as u64, (n_tok - t0).min(t_max))?;
             }
             return Ok(());
         }
@@ -42,6 +63,7 @@ impl Inner {
             p[i] = (*wp, *yp, w.rows as i32);
         }
         let total: usize = ws.iter().map(|(w, _, _)| w.rows).sum();
+        let mmvt = (n_tok > 1 || self.batch_invariant) && mmvt_fits(w0);
         if ws.len() == 1 && w0.ty == GgmlType::F32 && total <= 1024 && w0.cols.is_multiple_of(4) {
             // A router: too few rows to spread a warp per row over the SMs.
             return gpu.launch(
@@ -59,28 +81,51 @@ impl Inner {
         }
         // Four rows per warp only where that still gives every SM of a large GPU two blocks (264 at 132 SMs):
         // smaller matrices take the one-row kernel, whose blocks spread over all of them.
-        let (kernel, per_block) = match mmv_rows_per_block(w0.ty) {
-            32 if total.div_ceil(32) < 264 => (typed("mmv1_", w0.ty), 8),
-            n => (typed("mmv_", w0.ty), n),
+        let one_row = total.div_ceil(32) < 264;
+        let (kernel, per_block, x, grid_y) = if mmvt {
+            // The activations quantized once, then every block of the product reads them.
+            let st = self.slot(gpu, Slot::Q8k, n_tok * Q8K_STAGE_BYTES)?;
+            gpu.launch(
+                "q8k_stage",
+                (n_tok as u32, w0.cols.div_ceil(2048) as u32, 1),
+                (256, 1, 1),
+                &[
+                    Arg::P(xp),
+                    Arg::P(st),
+                    Arg::I(w0.cols as i32),
+                    Arg::I((w0.ty == GgmlType::Q6_K) as i32),
+                ],
+            )?;
+            let (k, n) = if one_row { ("mmvt1_", 8) } else { ("mmvt_", 32) };
+            (typed(k, w0.ty), n, st, n_tok.div_ceil(MMVT_TOKENS))
+        } else {
+            match mmv_rows_per_block(w0.ty) {
+                32 if one_row => (typed("mmv1_", w0.ty), 8, xp, n_tok),
+                n => (typed("mmv_", w0.ty), n, xp, n_tok),
+            }
         };
+        let mut args = vec![
+            Arg::P(p[0].0),
+            Arg::P(p[1].0),
+            Arg::P(p[2].0),
+            Arg::P(x),
+            Arg::P(p[0].1),
+            Arg::P(p[1].1),
+            Arg::P(p[2].1),
+            Arg::I(p[0].2),
+            Arg::I(p[1].2),
+            Arg::I(p[2].2),
+            Arg::I(w0.cols as i32),
+            Arg::L(w0.row_bytes as i64),
+        ];
+        if mmvt {
+            args.push(Arg::I(n_tok as i32));
+        }
         gpu.launch(
             kernel,
-            (total.div_ceil(per_block) as u32, n_tok as u32, 1),
+            (total.div_ceil(per_block) as u32, grid_y as u32, 1),
             (256, 1, 1),
-            &[
-                Arg::P(p[0].0),
-                Arg::P(p[1].0),
-                Arg::P(p[2].0),
-                Arg::P(xp),
-                Arg::P(p[0].1),
-                Arg::P(p[1].1),
-                Arg::P(p[2].1),
-                Arg::I(p[0].2),
-                Arg::I(p[1].2),
-                Arg::I(p[2].2),
-                Arg::I(w0.cols as i32),
-                Arg::L(w0.row_bytes as i64),
-            ],
+            &args,
         )
     }
 

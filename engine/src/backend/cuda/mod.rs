@@ -77,11 +77,16 @@ use weights::{ResidentStore, WeightStore};
 
 /// Most tokens a matmul runs as matrix-vector products; larger batches use the GEMM.
 const MMV_MAX_TOKENS: usize = 4;
-/// Most tokens a dense matmul runs as matrix-vector products by default (`STRATA_MMV_DENSE_TOKENS`): each token
-/// reads the matrix again (from L2 when it fits), where the GEMM first writes an f16 copy of it; measured on an
-/// H100 with the 30B shape's 10 MB of dense weights a layer, 8 is faster than 4 at 8 tokens and 16 slower at 16
-/// (`reports/2026-12-05-h100-batch-invariant.md`).
-const MMV_DENSE_TOKENS: usize = 8;
+/// Most tokens a dense matmul runs as matrix-vector products by default (`STRATA_MMV_DENSE_TOKENS`): Q4_K and
+/// Q6_K matrices read each row once for 8 tokens (`mmvt_*`), where the GEMM first writes an f16 copy of the
+/// matrix; on an H100 with the 30B shape, 16 sequences decoding together 1,340 tok/s at 16 against 1,234 at 8,
+/// and 32 no faster at 32 (`reports/2026-12-06-h100-mmvt.md`).
+const MMV_DENSE_TOKENS: usize = 16;
+
+/// Fewest tokens of a step whose experts are grouped by expert with `STRATA_MOE_GROUPS` on: on an H100 with the
+/// 30B shape, 4 sequences decoding together 741 tok/s grouped against 789 per slot, 8: 1,122 against 1,116,
+/// 32: 1,818 against 1,606 (`reports/2026-12-06-h100-mmvt.md`).
+const MOE_GROUP_MIN_TOKENS: usize = 8;
 
 /// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
@@ -157,8 +162,10 @@ enum Slot {
     KvTable,
     /// A step's routing slots grouped by expert (`moe_groups`, read by `mmv_moe_group_*`).
     MoeGroups,
+    /// A step's activation rows quantized to Q8_K (`q8k_stage`, read by `mmvt_*`).
+    Q8k,
 }
-const SLOTS: usize = 28;
+const SLOTS: usize = 29;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
 /// Routing slots that share one weight read in `mmv_moe_group_*`, the ints of a group in the table `moe_groups`
@@ -242,9 +249,9 @@ struct Inner {
     /// The last MoE op ran on the CPU backend through host copies (its routing is in the op's scratch), not on
     /// the device (its routing is in [`Slot::MoeIds`]).
     moe_on_host: bool,
-    /// A step of several tokens groups its routing slots by expert (`STRATA_MOE_GROUPS`, read at start; tests
-    /// compare both ways).
-    moe_groups: bool,
+    /// Fewest tokens of a step whose routing slots are grouped by expert ([`MOE_GROUP_MIN_TOKENS`] with
+    /// `STRATA_MOE_GROUPS` on, read at start; `usize::MAX`: never; tests set 2 and compare both ways).
+    moe_groups_from: usize,
     /// Most tokens of a step of several sequences without an expert cache whose experts run on the device's
     /// routing (`STRATA_MOE_DEVICE_TOKENS`, read at start, at most [`MOE_DEVICE_TOKENS_MAX`]).
     moe_device_tokens: usize,
@@ -402,7 +409,10 @@ impl CudaBackend {
             }));
         }
         let batch_attention = crate::switches::speed_on(crate::switches::BATCH_ATTENTION, &gpu.target);
-        let moe_groups = crate::switches::speed_on(crate::switches::MOE_GROUPS, &gpu.target);
+        let moe_groups_from = match crate::switches::speed_on(crate::switches::MOE_GROUPS, &gpu.target) {
+            true => MOE_GROUP_MIN_TOKENS,
+            false => usize::MAX,
+        };
         let int8_flash = crate::switches::speed_on(crate::switches::INT8_FLASH, &gpu.target);
         let moe_device_tokens =
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
@@ -433,7 +443,7 @@ impl CudaBackend {
                 experts: None,
                 replay: None,
                 moe_on_host: false,
-                moe_groups,
+                moe_groups_from,
                 moe_device_tokens,
                 step_sequences: 1,
                 mmv_dense_tokens,
@@ -468,10 +478,11 @@ impl CudaBackend {
         self.int8_flash.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Whether a step of several tokens groups its routing slots by expert, each expert's rows read once per group
-    /// (`STRATA_MOE_GROUPS`, read at start; the results are the same bit for bit: tests compare both ways).
+    /// Whether every step of several tokens groups its routing slots by expert, each expert's rows read once per
+    /// group (off: none does). At start `STRATA_MOE_GROUPS` decides, for steps of [`MOE_GROUP_MIN_TOKENS`] or
+    /// more; the results are the same bit for bit (tests compare both ways).
     pub fn set_moe_groups(&self, on: bool) {
-        self.lock().moe_groups = on;
+        self.lock().moe_groups_from = if on { 2 } else { usize::MAX };
     }
 
     /// The most tokens of a step of several sequences without an expert cache whose experts run on the device's
@@ -1078,8 +1089,12 @@ impl Backend for CudaBackend {
         assert_eq!(ws.len(), outs.len(), "matmul_many: one output per matrix");
         // Batch-invariant steps fuse at every size, so each matrix takes the same kernel (chosen by the launch's
         // rows) whatever the step's tokens.
-        let fusable = (n_tok <= MMV_MAX_TOKENS || self.lock().batch_invariant)
-            && (1..=3).contains(&ws.len())
+        let fusable = {
+            let s = self.lock();
+            n_tok <= MMV_MAX_TOKENS
+                || s.batch_invariant
+                || (n_tok <= s.mmv_dense_tokens && ws.iter().all(matmul::mmvt_fits))
+        } && (1..=3).contains(&ws.len())
             && ws
                 .iter()
                 .all(|w| gpu_computes(w) && w.ty == ws[0].ty && w.cols == ws[0].cols);

@@ -515,7 +515,7 @@ impl Inner {
                     let at = resident(self)?;
                     // Several tokens: their slots grouped by expert, each expert's rows read once per group.
                     let groupable = groups_experts(&ex.gate) || groups_experts(&ex.down);
-                    let groups = match n_tok > 1 && self.moe_groups && groupable {
+                    let groups = match n_tok >= self.moe_groups_from && groupable {
                         true => Some(self.moe_groups(gpu, ids, slots)?),
                         false => None,
                     };
