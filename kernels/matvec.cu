@@ -509,7 +509,7 @@ __device__ __forceinline__ void mmv_fast_rows(const u8* const* w, const float* _
 // flight; each loaded weight part is used for the n <= T activation rows x[0..n) (with xu[t], or null: see
 // stage_q8k), and each row's sum takes three shuffles. acc[i][t] gets row i's product with x[t] (every lane of the
 // group), computed in the same order whatever n is, so a token's result does not depend on the others. st_group:
-// the block's T stages in shared memory (the kernel's, 16-byte aligned: dot_q8 reads them as uint4 / uint2). Every
+// the block's T stages in shared memory (the kernel's, 16-byte aligned: dot_q8c reads them as uint4 / uint2). Every
 // thread of the block calls it (it stages x and synchronises).
 template <class Q, int RG, int NB, int T>
 __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long long row_bytes, int first, int rows,

@@ -120,8 +120,8 @@ fn matmul_matches_cpu() {
             (128, 768, 37),
             (200, 1024, 130),
             (72, 2560, 2),
-            // Several tokens per loaded row (mmvt_*, Q4_K and Q6_K): 8 tokens, one block's; 5 across three
-            // matrices' worth of rows; rows over MMV_X_MAX values stay on the per-token kernels.
+            // Several tokens per loaded row (mmvt_*, Q4_K and Q6_K): 8 tokens, one block's; 5 tokens of rows of
+            // MMV_X_MAX values; rows over MMV_X_MAX values stay on the per-token kernels.
             (300, 2048, 8),
             (1000, 4096, 5),
             (40, 4352, 3),
@@ -239,17 +239,25 @@ fn matmul_many_and_get_rows_match_cpu() {
 /// The dense kernel of several tokens (`mmvt_*`: each Q4_K or Q6_K weight row loaded once for up to 8 tokens)
 /// gives every token the bits it gets alone, whatever the step's size (1 to 19 tokens, so one, two and three
 /// blocks of tokens, full and partial; and 1,030, which takes two launches) and whether the rows come one matrix
-/// or three to a launch; and it stays within 1e-5 of the CPU, which computes the same integer products of Q8_K
-/// activations (only the f32 sums' order differs). Batch-invariant, so that every token count takes it.
+/// or three to a launch, one row a warp (`mmvt1_*`) or four (`mmvt_*`, 8,508 rows whose matrices part inside a
+/// warp); and it stays within 1e-5 of the CPU, which computes the same integer products of Q8_K activations (only
+/// the f32 sums' order differs). Batch-invariant, so that every token count takes it; the kernel profile shows
+/// that these kernels ran (the per-token ones would pass the rest too).
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn several_tokens_per_loaded_row_give_each_token_its_bits_alone() {
     let (cpu, gpu) = (CpuBackend, gpu());
     gpu.set_batch_invariant(true);
+    gpu.gpu().set_profiling(true);
     let mut rng = Rng(29);
     let mut rows_out = Vec::new();
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-        for (shapes, cols) in [(vec![333usize], 2048usize), (vec![520, 64, 72], 1024), (vec![96], 4096)] {
+        for (shapes, cols) in [
+            (vec![333usize], 2048usize),
+            (vec![520, 64, 72], 1024),
+            (vec![96], 4096),
+            (vec![5003, 2502, 1003], 2048),
+        ] {
             let datas: Vec<Vec<u8>> = shapes
                 .iter()
                 .map(|&r| quantized(ty, r, cols, &mut rng).unwrap())
@@ -309,6 +317,10 @@ fn several_tokens_per_loaded_row_give_each_token_its_bits_alone() {
                 0.0,
             ));
         }
+    }
+    let ran: Vec<&str> = gpu.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
+    for k in ["q8k_stage", "mmvt1_q4_k", "mmvt_q4_k", "mmvt1_q6_k", "mmvt_q6_k"] {
+        assert!(ran.contains(&k), "{k} did not run: {ran:?}");
     }
     report(&rows_out);
 }
@@ -1271,8 +1283,8 @@ fn a_prefix_taken_from_another_sequence_gives_the_bits_of_computing_it() {
 /// and within 1e-3 with the default 64, where the step's experts run on the decode kernels, token by token, and
 /// the lone prompts' on the prefill kernels (as the batched decode attention is judged). Both with the dense
 /// matmuls on the decode kernels up to 4 tokens (`STRATA_MMV_DENSE_TOKENS` 4), so the lone 7-token prompt and the
-/// 57-token step both take the GEMM: at the default 8 the 7-token prompt takes the decode kernels, 3.1e-4 from the
-/// step's GEMM (H100, 2026-12-05, experts at 4), which the first arm's 1e-4 does not judge.
+/// 57-token step both take the GEMM: at 8 (the default then; 16 now) the 7-token prompt took the decode kernels,
+/// 3.1e-4 from the step's GEMM (H100, 2026-12-05, experts at 4), which the first arm's 1e-4 does not judge.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {

@@ -174,6 +174,18 @@ fn nvrtc_options() -> Vec<String> {
     o
 }
 
+/// Whether the kernels are the measurement build with f32 activations for Q6_K (`-DMMV_Q6K_F32` in
+/// `STRATA_KERNEL_DEFINES`): it has no Q8_K kernels of several tokens for Q6_K (their stubs trap), so the host
+/// keeps Q6_K matrices off `mmvt_*` and `mmv_moe_group_*`.
+pub(super) fn q6k_f32_build() -> bool {
+    static ON: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+        nvrtc_options()
+            .iter()
+            .any(|o| o.trim_start_matches("-D").starts_with("MMV_Q6K_F32"))
+    });
+    *ON
+}
+
 /// FNV-1a 64 of the program and options: the cache key's content part.
 fn content_hash(src: &str, opts: &[String]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -23,10 +23,17 @@ const Q8K_STAGE_BYTES: usize = 5184;
 const MMVT_MAX_TOKENS: usize = 1024;
 
 /// Whether `mmvt_*` (several tokens per loaded weight row) computes `w`: Q4_K or Q6_K rows of 256 to
-/// [`MMV_X_MAX`] values (the Q8_K staging's size).
+/// [`MMV_X_MAX`] values (the Q8_K staging's size); not Q6_K in the measurement build with f32 Q6_K activations
+/// ([`super::compile::q6k_f32_build`]).
 pub(super) fn mmvt_fits(w: &QMat<'_>) -> bool {
-    matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K) && w.cols.is_multiple_of(256) && (256..=MMV_X_MAX).contains(&w.cols)
+    let q6k = w.ty == GgmlType::Q6_K && !super::compile::q6k_f32_build();
+    (w.ty == GgmlType::Q4_K || q6k) && w.cols.is_multiple_of(256) && (256..=MMV_X_MAX).contains(&w.cols)
 }
+
+/// Most tokens a matrix that `mmvt_*` does not take runs as matrix-vector products, each token reading its rows
+/// again: 8, or the `STRATA_MMV_DENSE_TOKENS` setting when lower (measured on an H100 before `mmvt_*`: 16 was
+/// slower than the GEMM at 16 tokens, `reports/2026-12-05-h100-batch-invariant.md`).
+const MMV_PER_TOKEN_MAX: usize = 8;
 
 impl Inner {
     /// Matrix-vector products of up to three matrices of one type and width over the same `n_tok` activation
@@ -83,8 +90,9 @@ impl Inner {
         // smaller matrices take the one-row kernel, whose blocks spread over all of them.
         let one_row = total.div_ceil(32) < 264;
         let (kernel, per_block, x, grid_y) = if mmvt {
-            // The activations quantized once, then every block of the product reads them.
-            let st = self.slot(gpu, Slot::Q8k, n_tok * Q8K_STAGE_BYTES)?;
+            // The activations quantized once, then every block of the product reads them. The slot is sized for
+            // 16 tokens at least, so batches that grow a token at a time do not reallocate it step after step.
+            let st = self.slot(gpu, Slot::Q8k, n_tok.max(2 * MMVT_TOKENS) * Q8K_STAGE_BYTES)?;
             gpu.launch(
                 "q8k_stage",
                 (n_tok as u32, w0.cols.div_ceil(2048) as u32, 1),
@@ -143,7 +151,11 @@ impl Inner {
         yp: u64,
     ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows, w.cols);
-        if n_tok <= self.mmv_dense_tokens || self.batch_invariant {
+        let mmv_max = match mmvt_fits(w) {
+            true => self.mmv_dense_tokens,
+            false => self.mmv_dense_tokens.min(MMV_PER_TOKEN_MAX),
+        };
+        if n_tok <= mmv_max || self.batch_invariant {
             return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);
         }
         if !self.blas_failed {
