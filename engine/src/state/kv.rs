@@ -529,6 +529,18 @@ impl KvRows {
         }
     }
 
+    /// Cell `cell`'s head `head` as stored, when the rows are f16 and the cell's block is written (`None`
+    /// otherwise: [`KvRows::read_cells`] reads it). The same values `read_cells` gives, unconverted.
+    #[inline]
+    pub fn cell_f16(&self, cell: usize, head: usize) -> Option<&[half::f16]> {
+        if self.ty != GgmlType::F16 {
+            return None;
+        }
+        let block = self.blocks.get(cell / KV_BLOCK_CELLS)?;
+        let start = ((cell % KV_BLOCK_CELLS) * self.heads + head) * self.head_bytes;
+        bytemuck::try_cast_slice(&block.data[start..start + self.head_bytes]).ok()
+    }
+
     /// One head's stored bytes as f32.
     #[inline]
     fn convert(&self, bytes: &[u8], out: &mut [f32]) {

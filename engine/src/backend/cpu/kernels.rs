@@ -34,6 +34,33 @@ pub fn axpy(a: f32, v: &[f32], acc: &mut [f32]) {
     }
 }
 
+/// [`dot`] of an f16 row with `b`, converting as it reads: the same bits as `dot` of the row converted to f32 (the
+/// conversion is exact, and the lanes and their order are `dot`'s), without writing the converted row. Decode
+/// attention over an f16 KV cache reads each key once a query this way.
+#[inline]
+pub fn dot_f16(a: &[half::f16], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2, FMA and F16C were detected at run time (`quant::simd_available`).
+        return unsafe { avx2::dot_f16(a, b) };
+    }
+    a.iter().zip(b).map(|(x, y)| x.to_f32() * y).sum()
+}
+
+/// [`axpy`] of an f16 row, converting as it reads: the same bits as `axpy` of the row converted to f32 (a product
+/// then a sum, each rounded, as `axpy`'s).
+#[inline]
+pub fn axpy_f16(a: f32, v: &[half::f16], acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2, FMA and F16C were detected at run time (`quant::simd_available`).
+        return unsafe { avx2::axpy_f16(a, v, acc) };
+    }
+    for (o, x) in acc.iter_mut().zip(v) {
+        *o += a * x.to_f32();
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -80,6 +107,68 @@ mod avx2 {
         }
         s
     }
+
+    /// Eight f16 values at `p` as f32 (exact).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_f16(p: *const half::f16) -> __m256 {
+        // SAFETY: the caller keeps p..p + 8 inside its slice; an unaligned 16-byte load.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `b.len() >= a.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16(a: &[half::f16], b: &[f32]) -> f32 {
+        let n = a.len();
+        assert!(b.len() >= n);
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        // SAFETY (loads): i + 16 <= n <= len of both slices. The lanes and their order are `dot`'s.
+        while i + 16 <= n {
+            unsafe {
+                acc0 = _mm256_fmadd_ps(load_f16(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm256_fmadd_ps(load_f16(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+            }
+            i += 16;
+        }
+        while i + 8 <= n {
+            unsafe {
+                acc0 = _mm256_fmadd_ps(load_f16(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            }
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(acc0, acc1));
+        while i < n {
+            s += a[i].to_f32() * b[i];
+            i += 1;
+        }
+        s
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_f16(a: f32, v: &[half::f16], acc: &mut [f32]) {
+        let n = v.len().min(acc.len());
+        let (pv, po) = (v.as_ptr(), acc.as_mut_ptr());
+        let w = _mm256_set1_ps(a);
+        let mut i = 0;
+        // SAFETY: i + 8 <= n <= both lengths. A product then a sum, each rounded (no FMA), as `axpy`.
+        while i + 8 <= n {
+            unsafe {
+                let o = _mm256_loadu_ps(po.add(i));
+                _mm256_storeu_ps(po.add(i), _mm256_add_ps(o, _mm256_mul_ps(w, load_f16(pv.add(i)))));
+            }
+            i += 8;
+        }
+        while i < n {
+            acc[i] += a * v[i].to_f32();
+            i += 1;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -94,6 +183,25 @@ mod tests {
             let tol = |r: f32| 1e-5 * (1.0 + r.abs() * 10.0);
             let d = dot(&a[..n], &x);
             assert!((d - dot_plain(&a[..n], &x)).abs() <= tol(d), "n={n}");
+        }
+    }
+
+    /// The f16 kernels read as they convert, and give the bits of converting first: every length from 0 to 70
+    /// (the 16- and 8-wide steps and the scalar tail), values of very different magnitudes, subnormal f16s.
+    #[test]
+    fn f16_rows_give_the_bits_of_converting_first() {
+        for n in 0..=70usize {
+            let h: Vec<half::f16> = (0..n)
+                .map(|i| half::f16::from_f32(((i * 7919 % 1013) as f32 - 506.0) * [1e-6, 0.01, 3.0, 900.0][i % 4]))
+                .collect();
+            let f: Vec<f32> = h.iter().map(|x| x.to_f32()).collect();
+            let q: Vec<f32> = (0..n).map(|i| ((i * 131 % 97) as f32 - 48.0) / 13.0).collect();
+            assert_eq!(dot_f16(&h, &q).to_bits(), dot(&f, &q).to_bits(), "dot, n={n}");
+            let mut a = q.clone();
+            let mut b = q.clone();
+            axpy_f16(0.37, &h, &mut a);
+            axpy(0.37, &f, &mut b);
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "axpy, n={n}");
         }
     }
 }

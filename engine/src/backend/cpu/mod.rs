@@ -470,8 +470,16 @@ impl CpuBackend {
                 // tokens times a GQA group). Decode takes the same path, so a token's scores are the same bits
                 // whether it was decoded or prefilled: the f16 rounding of the probabilities below would
                 // otherwise turn one-ulp differences of summation order into visible ones.
-                s.k.resize(n_keys * dk, 0.0);
-                kv.k.read_cells(lo, hi + 1, g, &mut s.k[..n_keys * dk]);
+                // A decode token over an f16 cache reads each key where it lies, converting as it goes
+                // (`dot_f16`: the same bits as converting first), since the task's few queries read each key
+                // once or a GQA group's times.
+                let direct_keys = tile == 1 && f16_keys;
+                if direct_keys {
+                    s.k.resize(dk, 0.0);
+                } else {
+                    s.k.resize(n_keys * dk, 0.0);
+                    kv.k.read_cells(lo, hi + 1, g, &mut s.k[..n_keys * dk]);
+                }
                 s.scores.clear();
                 s.scores.resize(n_q * n_keys, f32::NEG_INFINITY);
                 s.acc.clear();
@@ -489,7 +497,15 @@ impl CpuBackend {
                         }
                         let row = &mut s.scores[(ti * hpt + hh) * n_keys..][..n_keys];
                         for j in first..=pos {
-                            row[j - lo] = p.scale * kernels::dot(&s.k[(j - lo) * dk..][..dk], qv);
+                            let d = match (direct_keys, kv.k.cell_f16(j, g)) {
+                                (true, Some(k16)) => kernels::dot_f16(k16, qv),
+                                (true, None) => {
+                                    kv.k.read_cells(j, j + 1, g, &mut s.k[..dk]);
+                                    kernels::dot(&s.k[..dk], qv)
+                                }
+                                (false, _) => kernels::dot(&s.k[(j - lo) * dk..][..dk], qv),
+                            };
+                            row[j - lo] = p.scale * d;
                         }
                         softmax_row(row);
                         if f16_values {
@@ -498,9 +514,27 @@ impl CpuBackend {
                     }
                 }
                 // Values: each cached value row is read once per task and added into every query that sees it.
-                // A KV block at a time (converting them all first, as the keys are, costs a pass over memory in
-                // decode, where each is read once).
-                let mut j0 = lo;
+                // A decode token over an f16 cache reads each where it lies (`axpy_f16`: the same bits as
+                // converting first); otherwise a KV block at a time (converting them all first, as the keys are,
+                // costs a pass over memory in decode, where each is read once).
+                let direct_values = tile == 1 && f16_values;
+                for j in (lo..=hi).filter(|_| direct_values) {
+                    let v16 = kv.v.cell_f16(j, g);
+                    if v16.is_none() {
+                        kv.v.read_cells(j, j + 1, g, &mut s.v[..dv]);
+                    }
+                    for qi in 0..n_q {
+                        let w = s.scores[qi * n_keys + j - lo];
+                        if w != 0.0 {
+                            let acc = &mut s.acc[qi * dv..(qi + 1) * dv];
+                            match v16 {
+                                Some(v) => kernels::axpy_f16(w, v, acc),
+                                None => kernels::axpy(w, &s.v[..dv], acc),
+                            }
+                        }
+                    }
+                }
+                let mut j0 = if direct_values { hi + 1 } else { lo };
                 while j0 <= hi {
                     let end = ((j0 / KV_BLOCK_CELLS + 1) * KV_BLOCK_CELLS).min(hi + 1);
                     let vs = &mut s.v[..(end - j0) * dv];
