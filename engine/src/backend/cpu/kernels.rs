@@ -15,7 +15,7 @@ fn has_avx2() -> bool {
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: AVX2 and FMA were detected at run time.
+        // SAFETY: AVX2, FMA and F16C were detected at run time (`quant::simd_available`).
         return unsafe { avx2::dot(a, b) };
     }
     dot_plain(a, b)
@@ -42,7 +42,7 @@ pub fn dot_f16(a: &[half::f16], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2, FMA and F16C were detected at run time (`quant::simd_available`).
-        return unsafe { avx2::dot_f16(a, b) };
+        return unsafe { avx2::dot(a, b) };
     }
     a.iter().zip(b).map(|(x, y)| x.to_f32() * y).sum()
 }
@@ -76,36 +76,42 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// # Safety
-    /// AVX2 and FMA must be available; `b.len() >= a.len()`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        assert!(b.len() >= n);
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc0 = _mm256_setzero_ps();
-        let mut acc1 = _mm256_setzero_ps();
-        let mut i = 0;
-        // SAFETY (loads): i + 16 <= n <= len of both slices.
-        while i + 16 <= n {
-            unsafe {
-                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
-            }
-            i += 16;
+    /// A row `dot` reads eight values at a time, as f32.
+    pub(super) trait Row {
+        fn len(&self) -> usize;
+        /// Value `i` as f32.
+        fn at(&self, i: usize) -> f32;
+        /// Values `i..i + 8` as f32.
+        ///
+        /// # Safety
+        /// AVX2 and F16C must be available; `i + 8 <= len`.
+        unsafe fn load8(&self, i: usize) -> __m256;
+    }
+    impl Row for &[f32] {
+        fn len(&self) -> usize {
+            <[f32]>::len(self)
         }
-        while i + 8 <= n {
-            unsafe {
-                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-            }
-            i += 8;
+        fn at(&self, i: usize) -> f32 {
+            self[i]
         }
-        let mut s = hsum(_mm256_add_ps(acc0, acc1));
-        while i < n {
-            s += a[i] * b[i];
-            i += 1;
+        #[inline(always)]
+        unsafe fn load8(&self, i: usize) -> __m256 {
+            // SAFETY: the caller keeps i + 8 <= len.
+            unsafe { _mm256_loadu_ps(self.as_ptr().add(i)) }
         }
-        s
+    }
+    impl Row for &[half::f16] {
+        fn len(&self) -> usize {
+            <[half::f16]>::len(self)
+        }
+        fn at(&self, i: usize) -> f32 {
+            self[i].to_f32()
+        }
+        #[inline(always)]
+        unsafe fn load8(&self, i: usize) -> __m256 {
+            // SAFETY: the caller keeps i + 8 <= len and has F16C; an unaligned 16-byte load, converted exactly.
+            unsafe { load_f16(self.as_ptr().add(i)) }
+        }
     }
 
     /// Eight f16 values at `p` as f32 (exact).
@@ -116,33 +122,36 @@ mod avx2 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
 
+    /// `Σ a[i] · b[i]`: two 8-lane accumulators over 16-value steps, one 8-value step, the lanes' sum, then the
+    /// scalar tail; the same order for every row type, so an f16 row gives the bits of its f32 conversion.
+    ///
     /// # Safety
     /// AVX2, FMA and F16C must be available; `b.len() >= a.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_f16(a: &[half::f16], b: &[f32]) -> f32 {
+    pub unsafe fn dot<A: Row>(a: A, b: &[f32]) -> f32 {
         let n = a.len();
         assert!(b.len() >= n);
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let pb = b.as_ptr();
         let mut acc0 = _mm256_setzero_ps();
         let mut acc1 = _mm256_setzero_ps();
         let mut i = 0;
-        // SAFETY (loads): i + 16 <= n <= len of both slices. The lanes and their order are `dot`'s.
+        // SAFETY (loads): i + 16 <= n <= len of both rows.
         while i + 16 <= n {
             unsafe {
-                acc0 = _mm256_fmadd_ps(load_f16(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-                acc1 = _mm256_fmadd_ps(load_f16(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+                acc0 = _mm256_fmadd_ps(a.load8(i), _mm256_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm256_fmadd_ps(a.load8(i + 8), _mm256_loadu_ps(pb.add(i + 8)), acc1);
             }
             i += 16;
         }
         while i + 8 <= n {
             unsafe {
-                acc0 = _mm256_fmadd_ps(load_f16(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+                acc0 = _mm256_fmadd_ps(a.load8(i), _mm256_loadu_ps(pb.add(i)), acc0);
             }
             i += 8;
         }
         let mut s = hsum(_mm256_add_ps(acc0, acc1));
         while i < n {
-            s += a[i].to_f32() * b[i];
+            s += a.at(i) * b[i];
             i += 1;
         }
         s
