@@ -83,6 +83,20 @@ fn report(rows: &[Row]) {
     assert!(bad.is_empty(), "over tolerance: {bad:?}");
 }
 
+/// One random matrix of `ty` per row count in `shapes`, `cols` wide (a type and shape the quantizer takes).
+fn quantized_all(ty: GgmlType, shapes: &[usize], cols: usize, rng: &mut Rng) -> Vec<Vec<u8>> {
+    shapes.iter().map(|&r| quantized(ty, r, cols, rng).unwrap()).collect()
+}
+
+/// [`quantized_all`]'s matrices as [`QMat`]s.
+fn mats<'a>(ty: GgmlType, datas: &'a [Vec<u8>], shapes: &[usize], cols: usize) -> Vec<QMat<'a>> {
+    datas
+        .iter()
+        .zip(shapes)
+        .map(|(d, &r)| QMat::new(ty, d, r, cols).unwrap())
+        .collect()
+}
+
 fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Option<Vec<u8>> {
     let w = rng.vec(rows * cols, 1.0);
     let mut data = vec![0u8; rows * ty.row_bytes(cols as u64)? as usize];
@@ -188,15 +202,8 @@ fn matmul_many_and_get_rows_match_cpu() {
     for ty in types() {
         let cols = 512;
         let shapes = [384usize, 128, 136];
-        let datas: Vec<Vec<u8>> = shapes
-            .iter()
-            .map(|&r| quantized(ty, r, cols, &mut rng).unwrap())
-            .collect();
-        let ws: Vec<QMat<'_>> = datas
-            .iter()
-            .zip(shapes)
-            .map(|(d, r)| QMat::new(ty, d, r, cols).unwrap())
-            .collect();
+        let datas = quantized_all(ty, &shapes, cols, &mut rng);
+        let ws = mats(ty, &datas, &shapes, cols);
         for n_tok in [1usize, 3] {
             let x = rng.vec(n_tok * cols, 1.0);
             let mut outs: Vec<DevVec> = shapes.iter().map(|&r| up(&gpu, &vec![f32::NAN; n_tok * r])).collect();
@@ -258,15 +265,8 @@ fn several_tokens_per_loaded_row_give_each_token_its_bits_alone() {
             (vec![96], 4096),
             (vec![5003, 2502, 1003], 2048),
         ] {
-            let datas: Vec<Vec<u8>> = shapes
-                .iter()
-                .map(|&r| quantized(ty, r, cols, &mut rng).unwrap())
-                .collect();
-            let ws: Vec<QMat<'_>> = datas
-                .iter()
-                .zip(&shapes)
-                .map(|(d, &r)| QMat::new(ty, d, r, cols).unwrap())
-                .collect();
+            let datas = quantized_all(ty, &shapes, cols, &mut rng);
+            let ws = mats(ty, &datas, &shapes, cols);
             let n_max = 19;
             let x = rng.vec(n_max * cols, 1.0);
             // Each token alone.

@@ -517,37 +517,39 @@ impl CpuBackend {
                 // A decode token over an f16 cache reads each where it lies (`axpy_f16`: the same bits as
                 // converting first); otherwise a KV block at a time (converting them all first, as the keys are,
                 // costs a pass over memory in decode, where each is read once).
-                let direct_values = tile == 1 && f16_values;
-                for j in (lo..=hi).filter(|_| direct_values) {
-                    let v16 = kv.v.cell_f16(j, g);
-                    if v16.is_none() {
-                        kv.v.read_cells(j, j + 1, g, &mut s.v[..dv]);
-                    }
-                    for qi in 0..n_q {
-                        let w = s.scores[qi * n_keys + j - lo];
-                        if w != 0.0 {
-                            let acc = &mut s.acc[qi * dv..(qi + 1) * dv];
-                            match v16 {
-                                Some(v) => kernels::axpy_f16(w, v, acc),
-                                None => kernels::axpy(w, &s.v[..dv], acc),
-                            }
+                if tile == 1 && f16_values {
+                    for j in lo..=hi {
+                        let v16 = kv.v.cell_f16(j, g);
+                        if v16.is_none() {
+                            kv.v.read_cells(j, j + 1, g, &mut s.v[..dv]);
                         }
-                    }
-                }
-                let mut j0 = if direct_values { hi + 1 } else { lo };
-                while j0 <= hi {
-                    let end = ((j0 / KV_BLOCK_CELLS + 1) * KV_BLOCK_CELLS).min(hi + 1);
-                    let vs = &mut s.v[..(end - j0) * dv];
-                    kv.v.read_cells(j0, end, g, vs);
-                    for (j, v) in (j0..end).zip(vs.chunks_exact(dv)) {
                         for qi in 0..n_q {
                             let w = s.scores[qi * n_keys + j - lo];
                             if w != 0.0 {
-                                kernels::axpy(w, v, &mut s.acc[qi * dv..(qi + 1) * dv]);
+                                let acc = &mut s.acc[qi * dv..(qi + 1) * dv];
+                                match v16 {
+                                    Some(v) => kernels::axpy_f16(w, v, acc),
+                                    None => kernels::axpy(w, &s.v[..dv], acc),
+                                }
                             }
                         }
                     }
-                    j0 = end;
+                } else {
+                    let mut j0 = lo;
+                    while j0 <= hi {
+                        let end = ((j0 / KV_BLOCK_CELLS + 1) * KV_BLOCK_CELLS).min(hi + 1);
+                        let vs = &mut s.v[..(end - j0) * dv];
+                        kv.v.read_cells(j0, end, g, vs);
+                        for (j, v) in (j0..end).zip(vs.chunks_exact(dv)) {
+                            for qi in 0..n_q {
+                                let w = s.scores[qi * n_keys + j - lo];
+                                if w != 0.0 {
+                                    kernels::axpy(w, v, &mut s.acc[qi * dv..(qi + 1) * dv]);
+                                }
+                            }
+                        }
+                        j0 = end;
+                    }
                 }
                 for ti in 0..toks.len() {
                     for hh in 0..hpt {

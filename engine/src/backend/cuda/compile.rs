@@ -174,16 +174,17 @@ fn nvrtc_options() -> Vec<String> {
     o
 }
 
-/// Whether the kernels are the measurement build with f32 activations for Q6_K (`-DMMV_Q6K_F32` in
-/// `STRATA_KERNEL_DEFINES`): it has no Q8_K kernels of several tokens for Q6_K (their stubs trap), so the host
-/// keeps Q6_K matrices off `mmvt_*` and `mmv_moe_group_*`.
-pub(super) fn q6k_f32_build() -> bool {
-    static ON: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+/// Whether `ty` has kernels that read a weight row once for several tokens' Q8_K activations (`mmvt_*`,
+/// `mmv_moe_group_*`): Q4_K, and Q6_K unless the kernels are the measurement build with f32 activations for Q6_K
+/// (`-DMMV_Q6K_F32` in `STRATA_KERNEL_DEFINES`), whose Q6_K ones are stubs that trap.
+pub(super) fn q8k_several_tokens(ty: crate::quant::GgmlType) -> bool {
+    use crate::quant::GgmlType;
+    static Q6K_F32: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
         nvrtc_options()
             .iter()
             .any(|o| o.trim_start_matches("-D").starts_with("MMV_Q6K_F32"))
     });
-    *ON
+    ty == GgmlType::Q4_K || (ty == GgmlType::Q6_K && !*Q6K_F32)
 }
 
 /// FNV-1a 64 of the program and options: the cache key's content part.

@@ -22,12 +22,10 @@ const Q8K_STAGE_BYTES: usize = 5184;
 /// stays at 5 MiB.
 const MMVT_MAX_TOKENS: usize = 1024;
 
-/// Whether `mmvt_*` (several tokens per loaded weight row) computes `w`: Q4_K or Q6_K rows of 256 to
-/// [`MMV_X_MAX`] values (the Q8_K staging's size); not Q6_K in the measurement build with f32 Q6_K activations
-/// ([`super::compile::q6k_f32_build`]).
+/// Whether `mmvt_*` (several tokens per loaded weight row) computes `w`: a type of
+/// [`super::compile::q8k_several_tokens`], rows of 256 to [`MMV_X_MAX`] values (the Q8_K staging's size).
 pub(super) fn mmvt_fits(w: &QMat<'_>) -> bool {
-    let q6k = w.ty == GgmlType::Q6_K && !super::compile::q6k_f32_build();
-    (w.ty == GgmlType::Q4_K || q6k) && w.cols.is_multiple_of(256) && (256..=MMV_X_MAX).contains(&w.cols)
+    super::compile::q8k_several_tokens(w.ty) && w.cols.is_multiple_of(256) && (256..=MMV_X_MAX).contains(&w.cols)
 }
 
 /// Most tokens a matrix that `mmvt_*` does not take runs as matrix-vector products, each token reading its rows

@@ -37,8 +37,7 @@ impl Inner {
 /// Whether matrix `w`'s experts have a grouped kernel (`mmv_moe_group_*`: Q4_K and Q6_K with Q8_K activations,
 /// rows of at most [`MMV_X_MAX`] values).
 fn groups_experts(w: &QMat<'_>) -> bool {
-    let q6k = w.ty == GgmlType::Q6_K && !super::compile::q6k_f32_build();
-    (w.ty == GgmlType::Q4_K || q6k) && w.cols <= MMV_X_MAX
+    super::compile::q8k_several_tokens(w.ty) && w.cols <= MMV_X_MAX
 }
 
 /// Whether a decode step's down projection computes the GLU itself while it quantizes its activations (one launch
