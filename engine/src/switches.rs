@@ -188,6 +188,8 @@ pub const INT8_FLASH: &str = "STRATA_INT8_FLASH";
 pub const MOE_DEVICE_TOKENS: &str = "STRATA_MOE_DEVICE_TOKENS";
 /// Most cells of the longest decode span a CUDA step of several sequences attends over in one launch (a tuning knob).
 pub const BATCH_SPLIT_CELLS: &str = "STRATA_BATCH_SPLIT_CELLS";
+/// Fewest rows of a tile of the CUDA prefill GEMM (a tuning knob).
+pub const GEMM_MIN_TILE: &str = "STRATA_GEMM_MIN_TILE";
 /// Most tokens a CUDA dense matmul runs as matrix-vector products (a tuning knob).
 pub const MMV_DENSE_TOKENS: &str = "STRATA_MMV_DENSE_TOKENS";
 /// Off: every speed switch the user did not set is off, whatever the arch's default.
@@ -361,6 +363,11 @@ pub const SWITCHES: &[Switch] = &[
         MMV_DENSE_TOKENS,
         "16",
         "N (4-64): most tokens a CUDA dense matmul runs as matrix-vector products (Q4_K and Q6_K rows read once for 8 tokens), instead of an f16 copy of the matrix and cuBLAS (tuning; on an H100, 30B shape: 16 sequences decoding together 1,340 tok/s at 16 against 1,234 at 8; 32 sequences 1,529 at 32 against 1,627 at 8)",
+    ),
+    sw(
+        GEMM_MIN_TILE,
+        "32",
+        "32, 64 or 128: fewest rows of a tile of the CUDA prefill GEMM over quantized weights; each tile of an expert's tokens runs at the smallest of the three heights that holds its rows and is at least this, where 128 spent most of its matrix products and activation copies on absent rows when an expert has few tokens (the same results, bit for bit; 128: every tile at 128, as before; tuning)",
     ),
     sw(
         BATCH_SPLIT_CELLS,

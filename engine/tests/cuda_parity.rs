@@ -352,6 +352,133 @@ fn gemm_fallback_matches_cpu() {
     report(&rows_out);
 }
 
+/// The prefill GEMM's tile heights (32, 64 and 128 rows: `gemm32_T`, `gemm64_T`, `gemm_T`) give the same bits:
+/// the MoE prefill (each expert's tokens one tile) and a dense matrix through our GEMM (an injected BLAS failure),
+/// with every tile at 128 against each at the smallest height that holds it; and near the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn gemm_tile_heights_give_the_same_bits() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    assert!(gpu.set_fault_policy(FaultPlan::parse("prefill_gemm:m>16").unwrap(), true));
+    gpu.gpu().set_profiling(true);
+    let mut rng = Rng(31);
+    let mut rows_out = Vec::new();
+    // (type, tokens, experts, top-k, expert width, model width): about 25, 50 and 100 tokens an expert, and a
+    // router skewed to a few experts (every height in one launch's tiles).
+    for &(ty, n_tok, ne, k, f, e, skew) in &[
+        (GgmlType::Q4_K, 100usize, 16usize, 4usize, 512usize, 256usize, false),
+        (GgmlType::Q4_K, 200, 16, 4, 256, 512, false),
+        (GgmlType::Q6_K, 100, 16, 4, 256, 256, false),
+        (GgmlType::Q8_0, 90, 16, 4, 256, 256, false),
+        (GgmlType::Q4_K, 150, 32, 4, 768, 2048, true),
+    ] {
+        let g = quantized(ty, ne * f, e, &mut rng).unwrap();
+        let u = quantized(ty, ne * f, e, &mut rng).unwrap();
+        let d = quantized(ty, ne * e, f, &mut rng).unwrap();
+        let ex = Experts {
+            gate: QMat::new(ty, &g, ne * f, e).unwrap(),
+            up: QMat::new(ty, &u, ne * f, e).unwrap(),
+            down: QMat::new(ty, &d, ne * e, f).unwrap(),
+            n_expert: ne,
+            n_ff_exp: f,
+            act: GluKind::SwiGlu,
+            layer: 0,
+        };
+        let x = rng.vec(n_tok * e, 1.0);
+        let mut logits = rng.vec(n_tok * ne, 3.0);
+        if skew {
+            // Expert 0 for every token, 1 for most, 2 for some: tiles of 128, 64 and 32 rows beside small ones.
+            for t in 0..n_tok {
+                logits[t * ne] += 50.0;
+                logits[t * ne + 1] += if t % 4 != 0 { 40.0 } else { 0.0 };
+                logits[t * ne + 2] += if t % 3 == 0 { 30.0 } else { 0.0 };
+            }
+        }
+        let mut want = vec![0f32; n_tok * e];
+        Backend::moe(
+            &cpu,
+            &ex,
+            &mut logits.clone(),
+            &x,
+            n_tok,
+            k,
+            true,
+            &mut want,
+            &mut MoeScratch::default(),
+        );
+        let mut at = Vec::new();
+        for height in [128, 64, 32] {
+            gpu.set_gemm_min_tile(height);
+            let mut bd = up(&gpu, &vec![f32::NAN; n_tok * e]);
+            let mut lg = up(&gpu, &logits);
+            gpu.moe(
+                &ex,
+                &mut lg,
+                &up(&gpu, &x),
+                n_tok,
+                k,
+                true,
+                &mut bd,
+                &mut MoeScratch::default(),
+            );
+            at.push(down(&gpu, &bd, n_tok * e));
+        }
+        let what = format!(
+            "moe prefill {ty} n_tok={n_tok} {ne} experts top-{k} {e}x{f}{}",
+            if skew { " skewed" } else { "" }
+        );
+        for (i, height) in [64, 32].iter().enumerate() {
+            let differ = at[0]
+                .iter()
+                .zip(&at[i + 1])
+                .filter(|(p, q)| p.to_bits() != q.to_bits())
+                .count();
+            rows_out.push(Row(
+                format!("{what}: values differing, tiles from {height} against 128"),
+                differ as f64,
+                0.0,
+            ));
+        }
+        rows_out.push(Row(format!("{what} against the CPU"), rel_err(&at[2], &want), 2e-2));
+    }
+    // A dense matrix through our GEMM (cuBLAS failed as injected past 16 tokens): tiles of 20, 50 and 128 + 72 rows.
+    for n_tok in [20usize, 50, 200] {
+        let (rows, cols) = (384, 512);
+        let data = quantized(GgmlType::Q4_K, rows, cols, &mut rng).unwrap();
+        let w = QMat::new(GgmlType::Q4_K, &data, rows, cols).unwrap();
+        let x = rng.vec(n_tok * cols, 1.0);
+        let mut at = Vec::new();
+        for height in [128, 32] {
+            gpu.set_gemm_min_tile(height);
+            let mut bd = up(&gpu, &vec![f32::NAN; n_tok * rows]);
+            Backend::matmul(&gpu, &w, &up(&gpu, &x), n_tok, &mut bd);
+            at.push(down(&gpu, &bd, n_tok * rows));
+        }
+        let differ = at[0]
+            .iter()
+            .zip(&at[1])
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        rows_out.push(Row(
+            format!("dense gemm q4_k n_tok={n_tok}: values differing, tiles from 32 against 128"),
+            differ as f64,
+            0.0,
+        ));
+        let mut want = vec![0f32; n_tok * rows];
+        cpu.matmul(&w, &x, n_tok, &mut want);
+        rows_out.push(Row(
+            format!("dense gemm q4_k n_tok={n_tok} against the CPU"),
+            rel_err(&at[1], &want),
+            2e-2,
+        ));
+    }
+    let ran: Vec<&str> = gpu.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
+    for k in ["gemm_q4_k", "gemm64_q4_k", "gemm32_q4_k", "gemm32_q6_k", "gemm32_q8_0"] {
+        assert!(ran.contains(&k), "{k} did not run: {ran:?}");
+    }
+    report(&rows_out);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn elementwise_ops_match_cpu() {

@@ -83,6 +83,10 @@ const MMV_MAX_TOKENS: usize = 4;
 /// and 32 no faster at 32 (`reports/2026-12-06-h100-mmvt.md`).
 const MMV_DENSE_TOKENS: usize = 16;
 
+/// Fewest rows of a prefill GEMM tile by default (`STRATA_GEMM_MIN_TILE`): a tile of at most 32 rows (an
+/// expert's tokens in a short prompt) runs on `gemm32_T`, of at most 64 on `gemm64_T`, else on `gemm_T` (128).
+const GEMM_MIN_TILE: usize = 32;
+
 /// Fewest tokens of a step whose experts are grouped by expert with `STRATA_MOE_GROUPS` on: on an H100 with the
 /// 30B shape, 4 sequences decoding together 741 tok/s grouped against 789 per slot, 8: 1,122 against 1,116,
 /// 32: 1,818 against 1,606 (`reports/2026-12-06-h100-mmvt.md`).
@@ -262,6 +266,10 @@ struct Inner {
     /// step's (`STRATA_MMV_DENSE_TOKENS`, read at start, at least [`MMV_MAX_TOKENS`], at most
     /// [`MOE_DEVICE_TOKENS_MAX`]); larger steps take the GEMM.
     mmv_dense_tokens: usize,
+    /// Fewest rows of a tile of our prefill GEMM (`STRATA_GEMM_MIN_TILE`, read at start: 32, 64 or 128): each
+    /// tile runs at the smallest height of 32, 64 and 128 that holds its rows and is at least this
+    /// ([`Inner::gemm_own`]).
+    gemm_min_tile: usize,
     /// `--batch-invariant`: every step's tokens take the kernels of a lone decode step, each token's arithmetic
     /// in one order whatever else the step carries ([`CudaBackend::set_batch_invariant`]).
     batch_invariant: bool,
@@ -422,6 +430,10 @@ impl CudaBackend {
             MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
         )
         .unwrap_or(MMV_DENSE_TOKENS);
+        let gemm_min_tile = match crate::switches::usize_in(crate::switches::GEMM_MIN_TILE, 32..=128) {
+            Some(n @ (32 | 64 | 128)) => n,
+            _ => GEMM_MIN_TILE,
+        };
         let batch_split_cells = match crate::switches::text_lossy(crate::switches::BATCH_SPLIT_CELLS) {
             Some(v) if v.trim() == "never" => usize::MAX,
             _ => crate::switches::usize_in(crate::switches::BATCH_SPLIT_CELLS, 0..=usize::MAX)
@@ -447,6 +459,7 @@ impl CudaBackend {
                 moe_device_tokens,
                 step_sequences: 1,
                 mmv_dense_tokens,
+                gemm_min_tile,
                 batch_invariant: false,
                 bi_scores: attention::BATCH_INVARIANT_SCORES,
                 routers: Vec::new(),
@@ -525,6 +538,15 @@ impl CudaBackend {
     /// set it).
     pub fn set_mmv_dense_tokens(&self, n: usize) {
         self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MOE_DEVICE_TOKENS_MAX);
+    }
+
+    /// The fewest rows of a prefill GEMM tile: each tile runs at the smallest height of 32, 64 and 128 that
+    /// holds its rows and is at least `n` (`STRATA_GEMM_MIN_TILE`, read at start, default [`GEMM_MIN_TILE`]; 128:
+    /// every tile on the 128-row kernel). Each height gives the same bits. Tests set it. Panics unless `n` is 32,
+    /// 64 or 128.
+    pub fn set_gemm_min_tile(&self, n: usize) {
+        assert!(matches!(n, 32 | 64 | 128), "gemm tile height {n}: 32, 64 or 128");
+        self.lock().gemm_min_tile = n;
     }
 
     /// The device and how its kernels were obtained.
