@@ -3,17 +3,17 @@
 // host converts them once: f32_to_f16), f32 accumulation on mma.m16n8k16. The same kernel serves a dense matrix (one "expert") and a
 // MoE layer's experts grouped by expert (each tile of rows names its expert), so one launch runs every expert.
 //
-// Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of y, rows <= M); row r of the work reads row
+// Work list: tiles[3 * i .. 3 * i + 3] = (expert, first row of y, rows <= 128); row r of the work reads row
 // xrows[r] of x (the tokens routed to the expert), or row r without xrows. Block: 256 threads (8 warps)
-// computing M rows x 128 outputs, warp w taking 32 rows (w % (M / 32)) and 128 / (8 / (M / 32)) outputs; K in
-// steps of 64: each thread dequantizes one 32-value chunk of one weight row and copies M / 4 activations per
-// step, both fetched into registers during the step before (GemmW*, below). Grid (ceil(N / 128), tiles). K must
-// be a multiple of 32 (a last half step is zero-filled).
+// computing M rows x 128 outputs, each warp 32 rows and a share of the outputs; K in steps of 64: each thread
+// dequantizes one 32-value chunk of one weight row and copies M / 4 activations per step, both fetched into
+// registers during the step before (GemmW*, below). Grid (ceil(N / 128), tiles). K must be a multiple of 32 (a
+// last half step is zero-filled).
 //
-// Three tile heights, M = 128 (gemm_T), 64 (gemm64_T) and 32 (gemm32_T): a block dequantizes its 128 weight rows
-// whatever M is, so a tile of few rows (an expert with few tokens of a short prompt) takes the smallest M that
-// holds them, where M = 128 spent three quarters of its MMAs and activation copies on absent rows. Each output
-// is the same sum in the same order at every M (one mma.m16n8k16 chain over K per element): the same bits.
+// Each block takes its tile's height M: the smallest of 32, 64 and 128 that holds the tile's rows and is at least
+// min_m. A block dequantizes its 128 weight rows whatever M is; at M = 128 a tile of few rows (an expert with few
+// tokens of a short prompt) spent most of its MMAs, fragment loads and activation copies on absent rows. Each
+// output is the same sum in the same order at every M (one mma.m16n8k16 chain over K per element): the same bits.
 #define GM_N 128
 #define GM_K 64
 #define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
@@ -40,30 +40,24 @@ struct GemmWAny {
 // Minimum resident blocks per SM asked of the compiler for the GEMM (GM_MINB): 2, 128 registers (56 bytes spilled),
 // two blocks of 8 warps per SM; at 1 the compiler takes 167 registers and one block per SM: the 30B-A3B shape's
 // pp512 / pp2048 were 7,790 / 10,367 tok/s at 1 and 8,883 / 11,994 at 2 in one call on the H200
-// (reports/2026-11-30-h200-f32e642); M = 64 takes it too (at 3, 80 registers, it spills 212 bytes). M = 32 asks
-// GM_MINB_SMALL, 3: 80 registers, 40 bytes spilled (ptxas -v). A tuning run may set them (STRATA_KERNEL_DEFINES).
+// (reports/2026-11-30-h200-f32e642). A tuning run may set it (STRATA_KERNEL_DEFINES).
 #ifndef GM_MINB
 #define GM_MINB 2
 #endif
-#ifndef GM_MINB_SMALL
-#define GM_MINB_SMALL 3
-#endif
 
-// One block of the GEMM at tile height M (see above). Per K step: the chunk fetched last step goes to shared
-// memory, the next step's chunk and activations are fetched (loads in flight during this step's MMAs), then the
-// MMAs.
+// One block of the GEMM at tile height M (see above), for the tile (expert, r0, rows); xs and ws: the block's
+// shared tiles (128 rows each). Per K step: the chunk fetched last step goes to shared memory, the next step's
+// chunk and activations are fetched (loads in flight during this step's MMAs), then the MMAs.
 template <class W, int M>
 __device__ __forceinline__ void gemm_block(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
                                            const u16* __restrict__ x, const unsigned int* __restrict__ xrows,
-                                           float* __restrict__ y, const int* __restrict__ tiles, int N, int K) {
-    constexpr int WARPS_M = M / 32, WN = 128 / (8 / WARPS_M), NB = WN / 8;
-    // Activations: 256 / M threads a row, each M / 4 halves (M / 32 16-byte loads) of the step's 64.
+                                           float* __restrict__ y, int expert, int r0, int rows, int N, int K,
+                                           u16* xs, u16* ws) {
+    // Warps WARPS_M by 8 / WARPS_M, each 32 rows by WN outputs.
+    constexpr int WARPS_M = M / 32, WN = GM_N / (8 / WARPS_M), NB = WN / 8;
+    // Activations: 256 / M threads a row, each XH halves (XV 16-byte loads) of the step's 64.
     constexpr int XT = 256 / M, XH = GM_K / XT, XV = XH / 8;
-    __shared__ __align__(16) u16 xs[M * GM_PAD];
-    __shared__ __align__(16) u16 ws[GM_N * GM_PAD];
-    int tile = blockIdx.y, n0 = blockIdx.x * GM_N;
-    pdl_enter();
-    int expert = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];
+    int n0 = blockIdx.x * GM_N;
     const u8* we = w + (long long)expert * expert_stride;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
     int wm = (warp % WARPS_M) * 32, wn = (warp / WARPS_M) * WN;
@@ -134,17 +128,24 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ w, long long e
             }
 }
 
-#define STRATA_GEMM_M(pre, M, MINB, W)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                    \
-        pre(const u8* __restrict__ w, long long expert_stride, long long row_bytes, const u16* __restrict__ x, \
-            const unsigned int* __restrict__ xrows, float* __restrict__ y, const int* __restrict__ tiles, int N, \
-            int K) {                                                                                           \
-        gemm_block<W, M>(w, expert_stride, row_bytes, x, xrows, y, tiles, N, K);                               \
-    }
+// min_m: the least tile height (32, 64 or 128; the host's STRATA_GEMM_MIN_TILE).
 #define STRATA_GEMM(name, W)                                                                                   \
-    STRATA_GEMM_M(gemm_##name, 128, GM_MINB, W)                                                                \
-    STRATA_GEMM_M(gemm64_##name, 64, GM_MINB, W)                                                         \
-    STRATA_GEMM_M(gemm32_##name, 32, GM_MINB_SMALL, W)
+    extern "C" __global__ void __launch_bounds__(256, GM_MINB)                                                 \
+        gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
+                    const u16* __restrict__ x, const unsigned int* __restrict__ xrows, float* __restrict__ y,  \
+                    const int* __restrict__ tiles, int N, int K, int min_m) {                                  \
+        __shared__ __align__(16) u16 xs[GM_N * GM_PAD];                                                        \
+        __shared__ __align__(16) u16 ws[GM_N * GM_PAD];                                                        \
+        pdl_enter();                                                                                           \
+        int tile = blockIdx.y;                                                                                 \
+        int expert = tiles[3 * tile], r0 = tiles[3 * tile + 1], rows = tiles[3 * tile + 2];                    \
+        if (rows <= 32 && min_m <= 32)                                                                         \
+            gemm_block<W, 32>(w, expert_stride, row_bytes, x, xrows, y, expert, r0, rows, N, K, xs, ws);       \
+        else if (rows <= 64 && min_m <= 64)                                                                    \
+            gemm_block<W, 64>(w, expert_stride, row_bytes, x, xrows, y, expert, r0, rows, N, K, xs, ws);       \
+        else                                                                                                   \
+            gemm_block<W, 128>(w, expert_stride, row_bytes, x, xrows, y, expert, r0, rows, N, K, xs, ws);      \
+    }
 
 // The weight fetch per type: GEMM_W_T where defined (Q4_K), else the address and the type's chunk dequantizer.
 #define GEMM_W_f32 GemmWAny<DQ_FAST_f32>

@@ -245,9 +245,8 @@ impl Inner {
 
     /// Our tensor-core GEMM (`gemm_T`, kernels/gemm.cu) over row tiles of up to 128: `tiles` lists (expert, first
     /// row, rows); expert e's matrix starts `e * expert_stride` bytes after `wp`. `y[r][n] = W_e[n] · x[r]` with
-    /// `x` `[..][k]` in f16 ([`Inner::f16_copy`]) and `y` `[..][n]` in f32. Each tile runs at the smallest height
-    /// (`gemm32_T`, `gemm64_T`, `gemm_T`: 32, 64 or 128 rows) that holds it and is at least `gemm_min_tile`: one
-    /// launch per height used, the same bits at any.
+    /// `x` `[..][k]` in f16 ([`Inner::f16_copy`]) and `y` `[..][n]` in f32. Each block computes its tile at the
+    /// smallest height of 32, 64 and 128 rows that holds it and is at least `gemm_min_tile`, the same bits at any.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm_own(
         &mut self,
@@ -260,27 +259,24 @@ impl Inner {
         yp: u64,
         tiles: &[[i32; 3]],
     ) -> Result<(), CudaError> {
-        let (sorted, spans) = tiles_by_height(tiles, self.gemm_min_tile);
-        let tp = self.upload(gpu, Slot::Tiles, bytemuck::cast_slice(&sorted))?;
-        for (prefix, first, count) in spans {
-            gpu.launch(
-                typed(prefix, w.ty),
-                (w.rows.div_ceil(128) as u32, count as u32, 1),
-                (256, 1, 1),
-                &[
-                    Arg::P(wp),
-                    Arg::L(expert_stride as i64),
-                    Arg::L(w.row_bytes as i64),
-                    Arg::P(xp),
-                    Arg::P(xrows),
-                    Arg::P(yp),
-                    Arg::P(tp + (first * std::mem::size_of::<[i32; 3]>()) as u64),
-                    Arg::I(w.rows as i32),
-                    Arg::I(w.cols as i32),
-                ],
-            )?;
-        }
-        Ok(())
+        let tp = self.upload(gpu, Slot::Tiles, bytemuck::cast_slice(tiles))?;
+        gpu.launch(
+            typed("gemm_", w.ty),
+            (w.rows.div_ceil(128) as u32, tiles.len() as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(wp),
+                Arg::L(expert_stride as i64),
+                Arg::L(w.row_bytes as i64),
+                Arg::P(xp),
+                Arg::P(xrows),
+                Arg::P(yp),
+                Arg::P(tp),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+                Arg::I(self.gemm_min_tile as i32),
+            ],
+        )
     }
 
     /// cuBLAS: out (column-major rows × n_tok) = Wᵀ' (W row-major is column-major cols × rows) · X.
@@ -320,68 +316,5 @@ impl Inner {
             )
         }
         .map_err(|e| format!("{e:?}"))
-    }
-}
-
-/// The GEMM kernels' tile heights (rows), with their name prefixes, smallest first (kernels/gemm.cu).
-const GEMM_HEIGHTS: [(usize, &str); 3] = [(32, "gemm32_"), (64, "gemm64_"), (128, "gemm_")];
-
-/// `tiles` ((expert, first row, rows <= 128) each) ordered by the height each runs at: the smallest of
-/// [`GEMM_HEIGHTS`] that holds its rows and is at least `min_height`, keeping their order within a height; with
-/// each height's kernel prefix, first tile and count in that order (heights with no tile left out).
-fn tiles_by_height(tiles: &[[i32; 3]], min_height: usize) -> (Vec<[i32; 3]>, Vec<(&'static str, usize, usize)>) {
-    let height = |t: &[i32; 3]| {
-        GEMM_HEIGHTS
-            .iter()
-            .position(|&(m, _)| m >= min_height && t[2] as usize <= m)
-            .unwrap_or(GEMM_HEIGHTS.len() - 1)
-    };
-    let mut sorted = Vec::with_capacity(tiles.len());
-    let mut spans = Vec::new();
-    for (h, &(_, prefix)) in GEMM_HEIGHTS.iter().enumerate() {
-        let first = sorted.len();
-        sorted.extend(tiles.iter().filter(|t| height(t) == h));
-        if sorted.len() > first {
-            spans.push((prefix, first, sorted.len() - first));
-        }
-    }
-    (sorted, spans)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::tiles_by_height;
-
-    #[test]
-    fn each_tile_runs_at_the_smallest_height_that_holds_it() {
-        let tiles = [
-            [0, 0, 128],
-            [0, 128, 5],
-            [1, 133, 33],
-            [2, 166, 32],
-            [3, 198, 64],
-            [4, 262, 65],
-            [5, 327, 1],
-        ];
-        let (sorted, spans) = tiles_by_height(&tiles, 32);
-        assert_eq!(
-            sorted,
-            [
-                [0, 128, 5],
-                [2, 166, 32],
-                [5, 327, 1],
-                [1, 133, 33],
-                [3, 198, 64],
-                [0, 0, 128],
-                [4, 262, 65]
-            ]
-        );
-        assert_eq!(spans, [("gemm32_", 0, 3), ("gemm64_", 3, 2), ("gemm_", 5, 2)]);
-        // A floor of 64 moves the small tiles up; 128 is one launch in the given order, as before.
-        let (_, spans) = tiles_by_height(&tiles, 64);
-        assert_eq!(spans, [("gemm64_", 0, 5), ("gemm_", 5, 2)]);
-        let (sorted, spans) = tiles_by_height(&tiles, 128);
-        assert_eq!((sorted.as_slice(), spans), (&tiles[..], vec![("gemm_", 0, 7)]));
-        assert_eq!(tiles_by_height(&[], 32), (vec![], vec![]));
     }
 }

@@ -84,7 +84,7 @@ const MMV_MAX_TOKENS: usize = 4;
 const MMV_DENSE_TOKENS: usize = 16;
 
 /// Fewest rows of a prefill GEMM tile by default (`STRATA_GEMM_MIN_TILE`): a tile of at most 32 rows (an
-/// expert's tokens in a short prompt) runs on `gemm32_T`, of at most 64 on `gemm64_T`, else on `gemm_T` (128).
+/// expert's tokens in a short prompt) is computed 32 rows high, of at most 64 64 rows high, else 128.
 const GEMM_MIN_TILE: usize = 32;
 
 /// Fewest tokens of a step whose experts are grouped by expert with `STRATA_MOE_GROUPS` on: on an H100 with the
