@@ -14,6 +14,7 @@
 // min_m. A block dequantizes its 128 weight rows whatever M is; at M = 128 a tile of few rows (an expert with few
 // tokens of a short prompt) spent most of its MMAs, fragment loads and activation copies on absent rows. Each
 // output is the same sum in the same order at every M (one mma.m16n8k16 chain over K per element): the same bits.
+#define GM_M 128 // the tallest tile (the shared activation tile's rows)
 #define GM_N 128
 #define GM_K 64
 #define GM_PAD 72 // row stride of the shared tiles in halves (64 + 8: no bank conflicts on fragment loads)
@@ -37,7 +38,8 @@ struct GemmWAny {
 };
 #define GEMM_W_q4_k Q4kChunk
 
-// Minimum resident blocks per SM asked of the compiler for the GEMM (GM_MINB): 2, 128 registers (56 bytes spilled),
+// Minimum resident blocks per SM asked of the compiler for the GEMM (GM_MINB): 2, 128 registers (Q4_K: 56 bytes
+// spilled with one tile height, 28 with the three of 2026-12-06, ptxas -v),
 // two blocks of 8 warps per SM; at 1 the compiler takes 167 registers and one block per SM: the 30B-A3B shape's
 // pp512 / pp2048 were 7,790 / 10,367 tok/s at 1 and 8,883 / 11,994 at 2 in one call on the H200
 // (reports/2026-11-30-h200-f32e642). A tuning run may set it (STRATA_KERNEL_DEFINES).
@@ -57,6 +59,7 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ w, long long e
     constexpr int WARPS_M = M / 32, WN = GM_N / (8 / WARPS_M), NB = WN / 8;
     // Activations: 256 / M threads a row, each XH halves (XV 16-byte loads) of the step's 64.
     constexpr int XT = 256 / M, XH = GM_K / XT, XV = XH / 8;
+    static_assert(M <= GM_M && M % 32 == 0 && XT * XH == GM_K && XV * 8 == XH, "a tile height the layout covers");
     int n0 = blockIdx.x * GM_N;
     const u8* we = w + (long long)expert * expert_stride;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
@@ -134,7 +137,7 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ w, long long e
         gemm_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                    \
                     const u16* __restrict__ x, const unsigned int* __restrict__ xrows, float* __restrict__ y,  \
                     const int* __restrict__ tiles, int N, int K, int min_m) {                                  \
-        __shared__ __align__(16) u16 xs[GM_N * GM_PAD];                                                        \
+        __shared__ __align__(16) u16 xs[GM_M * GM_PAD];                                                        \
         __shared__ __align__(16) u16 ws[GM_N * GM_PAD];                                                        \
         pdl_enter();                                                                                           \
         int tile = blockIdx.y;                                                                                 \

@@ -367,7 +367,7 @@ pub const SWITCHES: &[Switch] = &[
     sw(
         GEMM_MIN_TILE,
         "32",
-        "32, 64 or 128: fewest rows of a tile of the CUDA prefill GEMM over quantized weights; each block computes its tile of an expert's tokens at the smallest of the three heights that holds its rows and is at least this, where 128 spent most of its matrix products and fragment loads on absent rows when an expert has few tokens (the same results, bit for bit; 128: every tile at 128, as before; tuning)",
+        "32, 64 or 128: fewest rows of a tile of the CUDA prefill GEMM (our tensor-core kernel: the experts, and dense matrices where cuBLAS failed); each block computes its tile of an expert's tokens at the smallest of the three heights that holds its rows and is at least this, where 128 spent most of its matrix products and fragment loads on absent rows when an expert has few tokens (the same results, bit for bit; 128: every tile at 128, as before; tuning)",
     ),
     sw(
         BATCH_SPLIT_CELLS,

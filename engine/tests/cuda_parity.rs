@@ -354,9 +354,10 @@ fn gemm_fallback_matches_cpu() {
 
 /// The prefill GEMM's tile heights (a block of `gemm_T` computes 32, 64 or 128 rows) give the same bits: the MoE
 /// prefill (each expert's tokens one tile: about 25, 50 and 100 rows, and a skewed router giving every height in
-/// one launch) and a dense matrix through our GEMM (an injected BLAS failure), with every tile at 128 against each
-/// at the smallest height that holds it; and near the CPU. (That the small heights run shows as speed:
-/// `STRATA_GEMM_MIN_TILE=128` against the default in `strata bench`'s pp128.)
+/// one launch) and a dense matrix through our GEMM (an injected BLAS failure), with every tile at 128 against the
+/// least heights 64 and 32; outputs past the last whole block of 128 and K an odd multiple of 32 included, on six
+/// weight types; and near the CPU. (That the small heights run shows as speed only: `STRATA_GEMM_MIN_TILE=128`
+/// against the default in `strata bench`'s pp128, reports/2026-12-06-h100-gemm-tiles.md.)
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn gemm_tile_heights_give_the_same_bits() {
@@ -373,6 +374,12 @@ fn gemm_tile_heights_give_the_same_bits() {
         (GgmlType::Q6_K, 100, 16, 4, 256, 256, false),
         (GgmlType::Q8_0, 90, 16, 4, 256, 256, false),
         (GgmlType::Q4_K, 150, 32, 4, 768, 2048, true),
+        // Outputs past the last whole block of 128 (160, 288) and K an odd multiple of 32 (a zero-filled half
+        // step), on more types' dequantizers.
+        (GgmlType::Q4_0, 90, 16, 4, 160, 288, false),
+        (GgmlType::Q8_0, 150, 8, 2, 224, 96, true),
+        (GgmlType::F16, 60, 8, 4, 160, 288, false),
+        (GgmlType::Q5_K, 100, 16, 4, 256, 512, false),
     ] {
         let g = quantized(ty, ne * f, e, &mut rng).unwrap();
         let u = quantized(ty, ne * f, e, &mut rng).unwrap();
@@ -443,39 +450,50 @@ fn gemm_tile_heights_give_the_same_bits() {
         }
         rows_out.push(Row(format!("{what} against the CPU"), rel_err(&at[2], &want), 2e-2));
     }
-    // A dense matrix through our GEMM (cuBLAS failed as injected past 16 tokens): tiles of 20, 50 and 128 + 72 rows.
-    for n_tok in [20usize, 50, 200] {
-        let (rows, cols) = (384, 512);
-        let data = quantized(GgmlType::Q4_K, rows, cols, &mut rng).unwrap();
-        let w = QMat::new(GgmlType::Q4_K, &data, rows, cols).unwrap();
+    // A dense matrix through our GEMM (cuBLAS failed as injected past 16 tokens): tiles of 20, 50 and 128 + 72 rows,
+    // and 200 outputs of 288 values.
+    for (ty, n_tok, rows, cols) in [
+        (GgmlType::Q4_K, 20usize, 384usize, 512usize),
+        (GgmlType::Q4_K, 50, 384, 512),
+        (GgmlType::Q4_K, 200, 384, 512),
+        (GgmlType::Q8_0, 40, 200, 288),
+    ] {
+        let data = quantized(ty, rows, cols, &mut rng).unwrap();
+        let w = QMat::new(ty, &data, rows, cols).unwrap();
         let x = rng.vec(n_tok * cols, 1.0);
         let mut at = Vec::new();
-        for height in [128, 32] {
+        for height in [128, 64, 32] {
             gpu.set_gemm_min_tile(height);
             let mut bd = up(&gpu, &vec![f32::NAN; n_tok * rows]);
             Backend::matmul(&gpu, &w, &up(&gpu, &x), n_tok, &mut bd);
             at.push(down(&gpu, &bd, n_tok * rows));
         }
-        let differ = at[0]
-            .iter()
-            .zip(&at[1])
-            .filter(|(p, q)| p.to_bits() != q.to_bits())
-            .count();
-        rows_out.push(Row(
-            format!("dense gemm q4_k n_tok={n_tok}: values differing, tiles from 32 against 128"),
-            differ as f64,
-            0.0,
-        ));
+        let what = format!("dense gemm {ty} {rows}x{cols} n_tok={n_tok}");
+        for (i, height) in [64, 32].iter().enumerate() {
+            let differ = at[0]
+                .iter()
+                .zip(&at[i + 1])
+                .filter(|(p, q)| p.to_bits() != q.to_bits())
+                .count();
+            rows_out.push(Row(
+                format!("{what}: values differing, tiles from {height} against 128"),
+                differ as f64,
+                0.0,
+            ));
+        }
         let mut want = vec![0f32; n_tok * rows];
         cpu.matmul(&w, &x, n_tok, &mut want);
-        rows_out.push(Row(
-            format!("dense gemm q4_k n_tok={n_tok} against the CPU"),
-            rel_err(&at[1], &want),
-            2e-2,
-        ));
+        rows_out.push(Row(format!("{what} against the CPU"), rel_err(&at[2], &want), 2e-2));
     }
     let ran: Vec<&str> = gpu.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
-    for k in ["gemm_q4_k", "gemm_q6_k", "gemm_q8_0"] {
+    for k in [
+        "gemm_q4_k",
+        "gemm_q6_k",
+        "gemm_q8_0",
+        "gemm_q4_0",
+        "gemm_f16",
+        "gemm_q5_k",
+    ] {
         assert!(ran.contains(&k), "{k} did not run: {ran:?}");
     }
     report(&rows_out);

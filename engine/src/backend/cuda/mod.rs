@@ -84,7 +84,7 @@ const MMV_MAX_TOKENS: usize = 4;
 const MMV_DENSE_TOKENS: usize = 16;
 
 /// Fewest rows of a prefill GEMM tile by default (`STRATA_GEMM_MIN_TILE`): a tile of at most 32 rows (an
-/// expert's tokens in a short prompt) is computed 32 rows high, of at most 64 64 rows high, else 128.
+/// expert's tokens in a short prompt) is computed 32 rows high, one of 33 to 64 rows 64 high, else 128 high.
 const GEMM_MIN_TILE: usize = 32;
 
 /// Fewest tokens of a step whose experts are grouped by expert with `STRATA_MOE_GROUPS` on: on an H100 with the
@@ -432,7 +432,14 @@ impl CudaBackend {
         .unwrap_or(MMV_DENSE_TOKENS);
         let gemm_min_tile = match crate::switches::usize_in(crate::switches::GEMM_MIN_TILE, 32..=128) {
             Some(n @ (32 | 64 | 128)) => n,
-            _ => GEMM_MIN_TILE,
+            Some(n) => {
+                eprintln!(
+                    "strata: {}={n} is not 32, 64 or 128: ignored",
+                    crate::switches::GEMM_MIN_TILE
+                );
+                GEMM_MIN_TILE
+            }
+            None => GEMM_MIN_TILE,
         };
         let batch_split_cells = match crate::switches::text_lossy(crate::switches::BATCH_SPLIT_CELLS) {
             Some(v) if v.trim() == "never" => usize::MAX,
@@ -542,7 +549,7 @@ impl CudaBackend {
 
     /// The fewest rows of a prefill GEMM tile: each tile runs at the smallest height of 32, 64 and 128 that
     /// holds its rows and is at least `n` (`STRATA_GEMM_MIN_TILE`, read at start, default [`GEMM_MIN_TILE`]; 128:
-    /// every tile on the 128-row kernel). Each height gives the same bits. Tests set it. Panics unless `n` is 32,
+    /// every tile computed 128 rows high, as before). Each height gives the same bits. Tests set it. Panics unless `n` is 32,
     /// 64 or 128.
     pub fn set_gemm_min_tile(&self, n: usize) {
         assert!(matches!(n, 32 | 64 | 128), "gemm tile height {n}: 32, 64 or 128");
