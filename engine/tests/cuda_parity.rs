@@ -352,6 +352,23 @@ fn gemm_fallback_matches_cpu() {
     report(&rows_out);
 }
 
+/// Rows of values differing from `at[0]` (the GEMM with every tile 128 rows high) at the least heights 64 and 32
+/// (`at[1]`, `at[2]`): each row's tolerance is 0.
+fn same_bits_at_each_height(rows_out: &mut Vec<Row>, what: &str, at: &[Vec<f32>]) {
+    for (i, height) in [64, 32].iter().enumerate() {
+        let differ = at[0]
+            .iter()
+            .zip(&at[i + 1])
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        rows_out.push(Row(
+            format!("{what}: values differing, tiles from {height} against 128"),
+            differ as f64,
+            0.0,
+        ));
+    }
+}
+
 /// The prefill GEMM's tile heights (a block of `gemm_T` computes 32, 64 or 128 rows) give the same bits: the MoE
 /// prefill (each expert's tokens one tile: about 25, 50 and 100 rows, and a skewed router giving every height in
 /// one launch) and a dense matrix through our GEMM (an injected BLAS failure), with every tile at 128 against the
@@ -436,18 +453,7 @@ fn gemm_tile_heights_give_the_same_bits() {
             "moe prefill {ty} n_tok={n_tok} {ne} experts top-{k} {e}x{f}{}",
             if skew { " skewed" } else { "" }
         );
-        for (i, height) in [64, 32].iter().enumerate() {
-            let differ = at[0]
-                .iter()
-                .zip(&at[i + 1])
-                .filter(|(p, q)| p.to_bits() != q.to_bits())
-                .count();
-            rows_out.push(Row(
-                format!("{what}: values differing, tiles from {height} against 128"),
-                differ as f64,
-                0.0,
-            ));
-        }
+        same_bits_at_each_height(&mut rows_out, &what, &at);
         rows_out.push(Row(format!("{what} against the CPU"), rel_err(&at[2], &want), 2e-2));
     }
     // A dense matrix through our GEMM (cuBLAS failed as injected past 16 tokens): tiles of 20, 50 and 128 + 72 rows,
@@ -469,18 +475,7 @@ fn gemm_tile_heights_give_the_same_bits() {
             at.push(down(&gpu, &bd, n_tok * rows));
         }
         let what = format!("dense gemm {ty} {rows}x{cols} n_tok={n_tok}");
-        for (i, height) in [64, 32].iter().enumerate() {
-            let differ = at[0]
-                .iter()
-                .zip(&at[i + 1])
-                .filter(|(p, q)| p.to_bits() != q.to_bits())
-                .count();
-            rows_out.push(Row(
-                format!("{what}: values differing, tiles from {height} against 128"),
-                differ as f64,
-                0.0,
-            ));
-        }
+        same_bits_at_each_height(&mut rows_out, &what, &at);
         let mut want = vec![0f32; n_tok * rows];
         cpu.matmul(&w, &x, n_tok, &mut want);
         rows_out.push(Row(format!("{what} against the CPU"), rel_err(&at[2], &want), 2e-2));
