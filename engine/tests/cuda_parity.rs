@@ -97,6 +97,28 @@ fn mats<'a>(ty: GgmlType, datas: &'a [Vec<u8>], shapes: &[usize], cols: usize) -
         .collect()
 }
 
+/// Random gate, up and down matrices of `ne` experts of `ty` (`[ne * f][e]`, `[ne * f][e]`, `[ne * e][f]`), for
+/// [`experts`].
+fn expert_data(ty: GgmlType, ne: usize, f: usize, e: usize, rng: &mut Rng) -> [Vec<u8>; 3] {
+    let g = quantized(ty, ne * f, e, rng).unwrap();
+    let u = quantized(ty, ne * f, e, rng).unwrap();
+    let d = quantized(ty, ne * e, f, rng).unwrap();
+    [g, u, d]
+}
+
+/// Layer 0's SwiGLU experts over [`expert_data`]'s matrices: `ne` experts of width `f` in a model of width `e`.
+fn experts<'a>(ty: GgmlType, data: &'a [Vec<u8>; 3], ne: usize, f: usize, e: usize) -> Experts<'a> {
+    Experts {
+        gate: QMat::new(ty, &data[0], ne * f, e).unwrap(),
+        up: QMat::new(ty, &data[1], ne * f, e).unwrap(),
+        down: QMat::new(ty, &data[2], ne * e, f).unwrap(),
+        n_expert: ne,
+        n_ff_exp: f,
+        act: GluKind::SwiGlu,
+        layer: 0,
+    }
+}
+
 fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Option<Vec<u8>> {
     let w = rng.vec(rows * cols, 1.0);
     let mut data = vec![0u8; rows * ty.row_bytes(cols as u64)? as usize];
@@ -398,18 +420,8 @@ fn gemm_tile_heights_give_the_same_bits() {
         (GgmlType::F16, 60, 8, 4, 160, 288, false),
         (GgmlType::Q5_K, 100, 16, 4, 256, 512, false),
     ] {
-        let g = quantized(ty, ne * f, e, &mut rng).unwrap();
-        let u = quantized(ty, ne * f, e, &mut rng).unwrap();
-        let d = quantized(ty, ne * e, f, &mut rng).unwrap();
-        let ex = Experts {
-            gate: QMat::new(ty, &g, ne * f, e).unwrap(),
-            up: QMat::new(ty, &u, ne * f, e).unwrap(),
-            down: QMat::new(ty, &d, ne * e, f).unwrap(),
-            n_expert: ne,
-            n_ff_exp: f,
-            act: GluKind::SwiGlu,
-            layer: 0,
-        };
+        let data = expert_data(ty, ne, f, e, &mut rng);
+        let ex = experts(ty, &data, ne, f, e);
         let x = rng.vec(n_tok * e, 1.0);
         let mut logits = rng.vec(n_tok * ne, 3.0);
         if skew {
@@ -1002,18 +1014,8 @@ fn moe_ffn_matches_cpu() {
         (GgmlType::Q6_K, 2, 8, 4, 1024, 1280),
         (GgmlType::Q4_K, 1, 4, 2, 256, 4608),
     ] {
-        let g = quantized(ty, ne * f, e, &mut rng).unwrap();
-        let u = quantized(ty, ne * f, e, &mut rng).unwrap();
-        let d = quantized(ty, ne * e, f, &mut rng).unwrap();
-        let ex = Experts {
-            gate: QMat::new(ty, &g, ne * f, e).unwrap(),
-            up: QMat::new(ty, &u, ne * f, e).unwrap(),
-            down: QMat::new(ty, &d, ne * e, f).unwrap(),
-            n_expert: ne,
-            n_ff_exp: f,
-            act: GluKind::SwiGlu,
-            layer: 0,
-        };
+        let data = expert_data(ty, ne, f, e, &mut rng);
+        let ex = experts(ty, &data, ne, f, e);
         let x = rng.vec(n_tok * e, 1.0);
         // 32 experts: whole-number logits, so many probabilities tie (the lower id wins on both backends).
         let mut logits = rng.vec(n_tok * ne, 3.0);

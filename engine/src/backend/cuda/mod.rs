@@ -549,8 +549,8 @@ impl CudaBackend {
 
     /// The fewest rows of a prefill GEMM tile: each tile runs at the smallest height of 32, 64 and 128 that
     /// holds its rows and is at least `n` (`STRATA_GEMM_MIN_TILE`, read at start, default [`GEMM_MIN_TILE`]; 128:
-    /// every tile computed 128 rows high, as before). Each height gives the same bits. Tests set it. Panics unless `n` is 32,
-    /// 64 or 128.
+    /// every tile computed 128 rows high, as before). Each height gives the same bits. Tests set it. Panics unless
+    /// `n` is 32, 64 or 128.
     pub fn set_gemm_min_tile(&self, n: usize) {
         assert!(matches!(n, 32 | 64 | 128), "gemm tile height {n}: 32, 64 or 128");
         self.lock().gemm_min_tile = n;
