@@ -821,6 +821,269 @@ __device__ __forceinline__ void mmvt_rows(const u8* const* w, const Q8kStage* __
     }
 STRATA_MMVT(q4_k, MmvQ4K, mmvt_, MMV_R)
 STRATA_MMVT(q4_k, MmvQ4K, mmvt1_, 1)
+
+// Tensor cores, integers: c += a * b for one m16n8k32 tile, s8 operands, s32 accumulation (PTX mma.sync; sm_80
+// and later; exact). a: the 16x32 row-major A fragment (4 registers of four bytes: rows g and g + 8, k 4 q..4 q + 3
+// and 16 + 4 q.., with g = lane / 4, q = lane % 4), b0/b1 the 32x8 column-major B fragment (column g, the same k),
+// c: rows g and g + 8, columns 2 q and 2 q + 1. Source: PTX ISA, "Matrix Fragments for mma.m16n8k32".
+__device__ __forceinline__ void mma_s8_16832(int* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// As mma_s8_16832 for one m16n8k16 tile: a0 / a1 hold rows g and g + 8, k 4 q..4 q + 3; b0 column g, the same k.
+__device__ __forceinline__ void mma_s8_16816(int* c, u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+__device__ __forceinline__ u32 ld4_a2(const u8* p) {
+    const u16* h = (const u16*)p;
+    return (u32)h[0] | ((u32)h[1] << 16);
+}
+
+// mmq_T: mmvt_T on the integer tensor cores (the arithmetic of llama.cpp's MMQ, laid out for a decode step of a
+// few tokens), Q4_K and Q6_K: a block computes 16 rows (over the three matrices, numbered as in mmv_T) for the
+// MMV_T tokens blockIdx.y * MMV_T.. (fewer at the end: the absent columns are computed from the last token and not
+// written), its 8 warps splitting the super-blocks (warp w: w, w + 8, ..; the next one's weights load while one
+// is computed), their sums added in warp order through shared memory. Per super-block a warp runs an integer mma
+// per sub-block of the type's scales (Q::add): the A fragment holds rows g and g + 8's codes, the B fragment token
+// g's Q8_K codes (q8k_stage, NATURAL layout) at the same positions (any order of k gives the same integer sum).
+// Per row and token the scale-weighted sums are exact in 32 bits; then f32 per super-block, in the CPU's
+// vec_dot_q8 form, not in mmvt's order of float sums (within float rounding of it). A token's columns never mix
+// with another's, so its result does not depend on the step's other tokens. Grid (ceil((r0 + r1 + r2) / 16),
+// ceil(n_tok / MMV_T)), block 256; rows of 256 to MMV_X_MAX values, a multiple of 256 (the host checks:
+// cuda/matmul.rs, mmvt_fits).
+#define MMQ_ROWS 16
+// Super-block sb's 16 sums of 16 values of the stages x0 and x1, two to a word, into bw0 and bw1.
+__device__ __forceinline__ void mmq_bsums(const Q8kStage& x0, const Q8kStage& x1, int sb, u32* bw0, u32* bw1) {
+    const uint4* b0 = (const uint4*)(x0.bsum + sb * 16);
+    const uint4* b1 = (const uint4*)(x1.bsum + sb * 16);
+    uint4 b0l = b0[0], b0h = b0[1], b1l = b1[0], b1h = b1[1];
+    u32 v0[8] = {b0l.x, b0l.y, b0l.z, b0l.w, b0h.x, b0h.y, b0h.z, b0h.w};
+    u32 v1[8] = {b1l.x, b1l.y, b1l.z, b1l.w, b1h.x, b1h.y, b1h.z, b1h.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) bw0[k] = v0[k], bw1[k] = v1[k];
+}
+
+// Q4_K: one mma.m16n8k32 per 32-value sub-block s = 2 j + hl. Code byte 32 j + l of a super-block holds value
+// 64 j + l in its low nibble and that + 32 in its high; a lane takes eight consecutive bytes of both A and B (k
+// 4 q.. of the fragment is byte 8 q.., k 16 + 4 q.. byte 8 q + 4..). Per row and token: the sums over sub-blocks
+// of scale * (codes . x) and of min * (sum of x) (below 2^25 and 2^21), then d_x * (d * that - dmin * this).
+struct MmqQ4K {
+    struct Frag {
+        uint4 head[2]; // rows g and g + 8: {d, dmin, scales[12]}
+        u64 q[2][4];   // rows g and g + 8: code bytes 32 j + 8 q.. of the super-block
+    };
+    static __device__ __forceinline__ void load(Frag& f, const u8* const* w, int sb, int q) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (!w[h]) {
+                f.head[h] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) f.q[h][j] = 0;
+                continue;
+            }
+            const u8* b = w[h] + 144LL * sb;
+            f.head[h] = *(const uint4*)b;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) f.q[h][j] = *(const u64*)(b + 16 + 32 * j + 8 * q);
+        }
+    }
+    // acc += super-block sb's products; xb: token g's codes, x0 / x1: tokens 2 q and 2 q + 1's stages.
+    static __device__ __forceinline__ void add(const Frag& f, const u8* xb, const Q8kStage& x0, const Q8kStage& x1,
+                                               int sb, int q, float* acc) {
+        // Rows g and g + 8's 6-bit scales and mins, four sub-blocks to a word (scale_min_k4).
+        u32 scw[2][2], mw[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 a = f.head[h].y, b = f.head[h].z, c = f.head[h].w;
+            scw[h][0] = a & 0x3F3F3F3Fu;
+            mw[h][0] = b & 0x3F3F3F3Fu;
+            scw[h][1] = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+            mw[h][1] = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+        }
+        int isum[4] = {0, 0, 0, 0}, msum[4] = {0, 0, 0, 0};
+        u32 bw0[8], bw1[8];
+        mmq_bsums(x0, x1, sb, bw0, bw1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hl = 0; hl < 2; ++hl) {
+                int s = 2 * j + hl, sh = 4 * hl;
+                u32 a[4] = {((u32)f.q[0][j] >> sh) & 0x0F0F0F0Fu, ((u32)f.q[1][j] >> sh) & 0x0F0F0F0Fu,
+                            ((u32)(f.q[0][j] >> 32) >> sh) & 0x0F0F0F0Fu,
+                            ((u32)(f.q[1][j] >> 32) >> sh) & 0x0F0F0F0Fu};
+                u64 x = *(const u64*)(xb + q8k_natural(256 * sb + 64 * j + 32 * hl + 8 * q));
+                int c[4] = {0, 0, 0, 0};
+                mma_s8_16832(c, a, (u32)x, (u32)(x >> 32));
+                int at = 8 * (s & 3);
+                int sg = (scw[0][s >> 2] >> at) & 0xFF, s8 = (scw[1][s >> 2] >> at) & 0xFF;
+                int mg = (mw[0][s >> 2] >> at) & 0xFF, m8 = (mw[1][s >> 2] >> at) & 0xFF;
+                isum[0] += sg * c[0];
+                isum[1] += sg * c[1];
+                isum[2] += s8 * c[2];
+                isum[3] += s8 * c[3];
+                // The sums of the 32 values of sub-block s: two of Q8_K's sums of 16.
+                int e0 = (int)(short)(bw0[s] & 0xFFFF) + ((int)bw0[s] >> 16);
+                int e1 = (int)(short)(bw1[s] & 0xFFFF) + ((int)bw1[s] >> 16);
+                msum[0] += mg * e0;
+                msum[1] += mg * e1;
+                msum[2] += m8 * e0;
+                msum[3] += m8 * e1;
+            }
+        float d0 = x0.d[sb], d1 = x1.d[sb];
+        float dg = h2f((u16)(f.head[0].x & 0xFFFF)), ng = h2f((u16)(f.head[0].x >> 16));
+        float d8 = h2f((u16)(f.head[1].x & 0xFFFF)), n8 = h2f((u16)(f.head[1].x >> 16));
+        acc[0] += d0 * (dg * (float)isum[0] - ng * (float)msum[0]);
+        acc[1] += d1 * (dg * (float)isum[1] - ng * (float)msum[1]);
+        acc[2] += d0 * (d8 * (float)isum[2] - n8 * (float)msum[2]);
+        acc[3] += d1 * (d8 * (float)isum[3] - n8 * (float)msum[3]);
+    }
+};
+
+// Q6_K: scales per 16 values, so one mma.m16n8k16 per 16-value sub-block s = v / 16 = 8 n + 2 i + hh. The code of
+// value 128 n + 32 i + l is ql byte 64 n + 32 (i % 2) + l (its high nibble when i >= 2) with qh byte 32 n + l's
+// bits 2 i.. above; a lane takes l = 16 hh + 4 q... Super-blocks are 210 bytes, so half start 2 bytes off a 4-byte
+// boundary: 2-byte loads. Per row and token: the sum over sub-blocks of scale * (q . x - 32 * sum of x) (below
+// 2^29), then d_x * d times that.
+struct MmqQ6K {
+    struct Frag {
+        u32 l[2][2][2][2]; // [row g / g + 8][half n][hh][ql byte 64 n + l / 64 n + 32 + l]
+        u32 qh[2][2][2];   // [row][n][hh]: qh byte 32 n + l
+        u32 sc[2][4];      // [row]: the 16 scales (i8)
+        u32 d[2];          // [row]: d (f16)
+    };
+    static __device__ __forceinline__ void load(Frag& f, const u8* const* w, int sb, int q) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (!w[h]) {
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) f.l[h][n][hh][0] = f.l[h][n][hh][1] = f.qh[h][n][hh] = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) f.sc[h][k] = 0;
+                f.d[h] = 0;
+                continue;
+            }
+            const u8* b = w[h] + 210LL * sb;
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    int l = 16 * hh + 4 * q;
+                    f.l[h][n][hh][0] = ld4_a2(b + 64 * n + l);
+                    f.l[h][n][hh][1] = ld4_a2(b + 64 * n + 32 + l);
+                    f.qh[h][n][hh] = ld4_a2(b + 128 + 32 * n + l);
+                }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) f.sc[h][k] = ld4_a2(b + 192 + 4 * k);
+            f.d[h] = *(const u16*)(b + 208);
+        }
+    }
+    static __device__ __forceinline__ void add(const Frag& f, const u8* xb, const Q8kStage& x0, const Q8kStage& x1,
+                                               int sb, int q, float* acc) {
+        int isum[4] = {0, 0, 0, 0};
+        u32 bw0[8], bw1[8];
+        mmq_bsums(x0, x1, sb, bw0, bw1);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    int s = 8 * n + 2 * i + hh;
+                    u32 a[2];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        u32 lw = f.l[h][n][hh][i & 1];
+                        a[h] = ((i >= 2 ? lw >> 4 : lw) & 0x0F0F0F0Fu) |
+                               (((f.qh[h][n][hh] >> (2 * i)) & 0x03030303u) << 4);
+                    }
+                    u32 x = *(const u32*)(xb + q8k_natural(256 * sb + 16 * s + 4 * q));
+                    int c[4] = {0, 0, 0, 0};
+                    mma_s8_16816(c, a[0], a[1], x);
+                    int at = 8 * (s & 3);
+                    int sg = (int)(i8)((f.sc[0][s >> 2] >> at) & 0xFF), s8 = (int)(i8)((f.sc[1][s >> 2] >> at) & 0xFF);
+                    u32 p0 = bw0[s >> 1], p1 = bw1[s >> 1];
+                    int e0 = (s & 1) ? ((int)p0 >> 16) : (int)(short)(p0 & 0xFFFF);
+                    int e1 = (s & 1) ? ((int)p1 >> 16) : (int)(short)(p1 & 0xFFFF);
+                    isum[0] += sg * (c[0] - 32 * e0);
+                    isum[1] += sg * (c[1] - 32 * e1);
+                    isum[2] += s8 * (c[2] - 32 * e0);
+                    isum[3] += s8 * (c[3] - 32 * e1);
+                }
+        float d0 = x0.d[sb], d1 = x1.d[sb];
+        float dg = h2f((u16)f.d[0]), d8 = h2f((u16)f.d[1]);
+        acc[0] += dg * d0 * (float)isum[0];
+        acc[1] += dg * d1 * (float)isum[1];
+        acc[2] += d8 * d0 * (float)isum[2];
+        acc[3] += d8 * d1 * (float)isum[3];
+    }
+};
+
+template <class Q>
+__device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* __restrict__ w1,
+                                          const u8* __restrict__ w2, const Q8kStage* __restrict__ st,
+                                          float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
+                                          int r0, int r1, int r2, int cols, long long row_bytes, int n_tok) {
+    __shared__ float red[8][MMQ_ROWS * MMV_T];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    int t0 = blockIdx.y * MMV_T, n = min(MMV_T, n_tok - t0), nsb = cols / 256;
+    // Rows g and g + 8 of the tile (null: past the last).
+    const u8* w[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int r = blockIdx.x * MMQ_ROWS + g + 8 * h;
+        w[h] = nullptr;
+        if (r < r0)
+            w[h] = w0 + (long long)r * row_bytes;
+        else if ((r -= r0) < r1)
+            w[h] = w1 + (long long)r * row_bytes;
+        else if ((r -= r1) < r2)
+            w[h] = w2 + (long long)r * row_bytes;
+    }
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}; // (row g, token 2 q), (g, 2 q + 1), (g + 8, 2 q), (g + 8, 2 q + 1)
+    typename Q::Frag cur;
+    if (warp < nsb) Q::load(cur, w, warp, q);
+    pdl_enter(); // the weights' first loads are in flight; the staged activations come from the kernel before
+    const u8* xb = (const u8*)st[t0 + min(g, n - 1)].codes; // the B column's token
+    const Q8kStage& x0 = st[t0 + min(2 * q, n - 1)];         // the C columns' tokens
+    const Q8kStage& x1 = st[t0 + min(2 * q + 1, n - 1)];
+    for (int sb = warp; sb < nsb; sb += 8) {
+        typename Q::Frag nxt;
+        if (sb + 8 < nsb) Q::load(nxt, w, sb + 8, q);
+        Q::add(cur, xb, x0, x1, sb, q, acc);
+        if (sb + 8 < nsb) cur = nxt;
+    }
+    red[warp][g * MMV_T + 2 * q] = acc[0];
+    red[warp][g * MMV_T + 2 * q + 1] = acc[1];
+    red[warp][(g + 8) * MMV_T + 2 * q] = acc[2];
+    red[warp][(g + 8) * MMV_T + 2 * q + 1] = acc[3];
+    __syncthreads();
+    int i = threadIdx.x, t = i % MMV_T;
+    if (i >= MMQ_ROWS * MMV_T || t >= n) return;
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s += red[k][i];
+    int r = blockIdx.x * MMQ_ROWS + i / MMV_T;
+    if (r < r0)
+        y0[(long long)(t0 + t) * r0 + r] = s;
+    else if ((r -= r0) < r1)
+        y1[(long long)(t0 + t) * r1 + r] = s;
+    else if ((r -= r1) < r2)
+        y2[(long long)(t0 + t) * r2 + r] = s;
+}
+#define STRATA_MMQ(name, Q)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                          \
+        mmq_##name(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,            \
+                   const Q8kStage* __restrict__ st, float* __restrict__ y0, float* __restrict__ y1,            \
+                   float* __restrict__ y2, int r0, int r1, int r2, int cols, long long row_bytes, int n_tok) { \
+        mmq_tiles<Q>(w0, w1, w2, st, y0, y1, y2, r0, r1, r2, cols, row_bytes, n_tok);                          \
+    }
+STRATA_MMQ(q4_k, MmqQ4K)
+STRATA_MMQ(q6_k, MmqQ6K)
 #ifndef MMV_Q6K_F32
 STRATA_MMVT(q6_k, MmvQ6K, mmvt_, MMV_R)
 STRATA_MMVT(q6_k, MmvQ6K, mmvt1_, 1)

@@ -182,6 +182,8 @@ pub const CPU_PACK: &str = "STRATA_CPU_PACK";
 pub const BATCH_ATTENTION: &str = "STRATA_BATCH_ATTENTION";
 /// A CUDA step of several tokens reads each expert's rows once per group of the tokens routed to it.
 pub const MOE_GROUPS: &str = "STRATA_MOE_GROUPS";
+/// A CUDA dense Q4_K matmul of a few tokens on the integer tensor cores (`mmq_q4_k`).
+pub const MMQ: &str = "STRATA_MMQ";
 /// CUDA prefill attention over an int8 (Q8_0) KV cache on the tensor cores.
 pub const INT8_FLASH: &str = "STRATA_INT8_FLASH";
 /// Most tokens of a CUDA step whose experts run on the device's routing (a tuning knob).
@@ -350,6 +352,14 @@ pub const SWITCHES: &[Switch] = &[
         Applies::Cuda,
         true,
         "0: a CUDA step of 8 or more tokens whose experts run on the device's routing (up to STRATA_MOE_DEVICE_TOKENS) reads each expert's rows once per token routed to it, instead of once for up to 4 of them (the same results, bit for bit; on an H100, 30B shape, 32 sequences decoding together 1,818 tok/s grouped against 1,606, 8: 1,122 against 1,116)",
+    ),
+    speed(
+        MMQ,
+        "1 on CUDA",
+        false,
+        Applies::Cuda,
+        true,
+        "0: a CUDA dense Q4_K matrix times 2 to STRATA_MMV_DENSE_TOKENS tokens (a batch of decode steps, a short prompt) runs on dp4a, each weight row read once for 8 tokens (mmvt_q4_k), instead of on the integer tensor cores, one mma.m16n8k32 per 32-value sub-block for 16 rows and 8 tokens (mmq_q4_k: another order of float sums, logits within float rounding; the same bits for a token alone and in any step either way; --batch-invariant keeps mmvt)",
     ),
     speed(
         INT8_FLASH,
@@ -738,7 +748,7 @@ mod tests {
         assert_eq!(r.on_exact, want);
         assert_eq!(
             r.on_inexact,
-            ["DEVICE_SLOT_TABLE", "CPU_JOIN", "BATCH_ATTENTION", "INT8_FLASH"]
+            ["DEVICE_SLOT_TABLE", "CPU_JOIN", "BATCH_ATTENTION", "MMQ", "INT8_FLASH"]
         );
         assert!(r.off.contains(&"CUDA_GRAPHS".to_string()), "{line}");
         assert_eq!(r.set, ["CUDA_GRAPHS=0"]);

@@ -347,6 +347,114 @@ fn several_tokens_per_loaded_row_give_each_token_its_bits_alone() {
     report(&rows_out);
 }
 
+/// The dense Q4_K and Q6_K products of several tokens on the integer tensor cores (`mmq_*`, `STRATA_MMQ`): within 1e-5
+/// of the CPU (the same Q8_K integer products; only the f32 sums' order differs) and of `mmvt_*` (dp4a), on
+/// matrices of 1 to 16 super-blocks a row (so 1 to 8 warps of a block with work), one or three to a launch with
+/// tiles of 16 rows that part between matrices or pass the last row, and steps of 2 to 64 tokens (one to eight
+/// blocks of tokens, full and partial); every token gets the bits it gets in a step of two (its columns never
+/// mix with another token's), and a token whose activations hold a NaN spreads it to its own outputs alone. The
+/// kernel profile shows both `mmq_*` ran.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn tensor_core_q4_k_products_match_dp4a_and_the_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    gpu.set_mmv_dense_tokens(64);
+    gpu.gpu().set_profiling(true);
+    let mut rng = Rng(31);
+    let mut rows_out = Vec::new();
+    for (ty, shapes, cols) in [GgmlType::Q4_K, GgmlType::Q6_K].into_iter().flat_map(|ty| {
+        [
+            (vec![333usize], 2048usize),
+            (vec![520, 64, 72], 1024),
+            (vec![96, 7], 4096),
+            (vec![37], 256),
+            (vec![5003, 2502, 1003], 2048),
+            (vec![130], 3840),
+        ]
+        .map(|(s, c)| (ty, s, c))
+    }) {
+        let datas = quantized_all(ty, &shapes, cols, &mut rng);
+        let ws = mats(ty, &datas, &shapes, cols);
+        let n_max = 64;
+        let mut x = rng.vec(n_max * cols, 1.0);
+        let run = |x: &[f32], n: usize| -> Vec<Vec<f32>> {
+            let xd = up(&gpu, x);
+            let mut outs: Vec<DevVec> = ws.iter().map(|w| up(&gpu, &vec![f32::NAN; n * w.rows])).collect();
+            let mut refs: Vec<&mut DevVec> = outs.iter_mut().collect();
+            gpu.matmul_many(&ws, &xd, n, &mut refs);
+            ws.iter().zip(&outs).map(|(w, o)| down(&gpu, o, n * w.rows)).collect()
+        };
+        // Each token in a step of two: itself twice.
+        gpu.set_mmq(true);
+        let pairs: Vec<Vec<Vec<f32>>> = (0..n_max)
+            .map(|t| {
+                let row = &x[t * cols..(t + 1) * cols];
+                let two: Vec<f32> = row.iter().chain(row).copied().collect();
+                run(&two, 2)
+                    .into_iter()
+                    .zip(&ws)
+                    .map(|(o, w)| o[..w.rows].to_vec())
+                    .collect()
+            })
+            .collect();
+        let mut differ = 0usize;
+        for n in [2usize, 5, 8, 9, 16, 19, 64] {
+            gpu.set_mmq(true);
+            let got = run(&x[..n * cols], n);
+            gpu.set_mmq(false);
+            let dp4a = run(&x[..n * cols], n);
+            for (i, w) in ws.iter().enumerate() {
+                for t in 0..n {
+                    let a = &pairs[t][i];
+                    let b = &got[i][t * w.rows..(t + 1) * w.rows];
+                    differ += a.iter().zip(b).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+                }
+                if n == 19 || n == 64 {
+                    let mut want = vec![0f32; n * w.rows];
+                    cpu.matmul(w, &x[..n * cols], n, &mut want);
+                    let what = format!("mmq {ty} {}x{cols} matrix {i} of {}, {n} tokens", w.rows, ws.len());
+                    rows_out.push(Row(format!("{what} against the CPU"), rel_err(&got[i], &want), 1e-5));
+                    rows_out.push(Row(format!("{what} against mmvt"), rel_err(&got[i], &dp4a[i]), 1e-5));
+                }
+            }
+        }
+        rows_out.push(Row(
+            format!("mmq {ty} {shapes:?}x{cols}: values differing from each token in a step of two"),
+            differ as f64,
+            0.0,
+        ));
+        // A NaN in token 3's activations: its outputs are NaN, every other token's are its pair's bits.
+        gpu.set_mmq(true);
+        x[3 * cols + cols / 2] = f32::NAN;
+        let got = run(&x[..9 * cols], 9);
+        let mut wrong = 0usize;
+        for (i, w) in ws.iter().enumerate() {
+            for t in 0..9 {
+                let b = &got[i][t * w.rows..(t + 1) * w.rows];
+                wrong += match t {
+                    3 => b.iter().filter(|v| !v.is_nan()).count(),
+                    _ => pairs[t][i]
+                        .iter()
+                        .zip(b)
+                        .filter(|(p, q)| p.to_bits() != q.to_bits())
+                        .count(),
+                };
+            }
+        }
+        rows_out.push(Row(
+            format!("mmq {ty} {shapes:?}x{cols}: a NaN in token 3, values not as expected"),
+            wrong as f64,
+            0.0,
+        ));
+    }
+    gpu.set_mmq(true);
+    let ran: Vec<&str> = gpu.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
+    for k in ["mmq_q4_k", "mmq_q6_k", "mmvt_q4_k", "mmvt_q6_k"] {
+        assert!(ran.contains(&k), "{k} did not run: {ran:?}");
+    }
+    report(&rows_out);
+}
+
 /// The prefill GEMM through our own kernel after an injected library failure: same results, one fallback.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]

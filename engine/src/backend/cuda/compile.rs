@@ -117,6 +117,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mmv1_q6_k",
     "mmvt_q4_k",
     "mmvt1_q4_k",
+    "mmq_q4_k",
+    "mmq_q6_k",
     "mmvt1_q6_k",
     "q8k_stage",
     "mmvt_q6_k",

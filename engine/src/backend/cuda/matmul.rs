@@ -16,6 +16,8 @@ const GRID_Y_MAX: usize = 65_535;
 
 /// Tokens one block of `mmvt_*` reads each weight row for (kernels/matvec.cu, MMV_T).
 const MMVT_TOKENS: usize = 8;
+/// Rows one block of `mmq_q4_k` computes (kernels/matvec.cu, MMQ_ROWS).
+const MMQ_ROWS: usize = 16;
 /// Bytes of one activation row staged as Q8_K (kernels/matvec.cu, `Q8kStage`; a static_assert there checks it).
 const Q8K_STAGE_BYTES: usize = 5184;
 /// Most tokens one `mmvt_*` launch takes (a longer batch-invariant prefill runs in parts), so the Q8_K staging
@@ -87,6 +89,8 @@ impl Inner {
         // Four rows per warp only where that still gives every SM of a large GPU two blocks (264 at 132 SMs):
         // smaller matrices take the one-row kernel, whose blocks spread over all of them.
         let one_row = total.div_ceil(32) < 264;
+        // On the integer tensor cores: 16 rows and 8 tokens a block (the same grid rows as mmvt's).
+        let mmq = mmvt && self.mmq && !self.batch_invariant && matches!(w0.ty, GgmlType::Q4_K | GgmlType::Q6_K);
         let (kernel, per_block, x, grid_y) = if mmvt {
             // The activations quantized once, then every block of the product reads them. The slot is sized for
             // 16 tokens at least, so batches that grow a token at a time do not reallocate it step after step.
@@ -99,10 +103,15 @@ impl Inner {
                     Arg::P(xp),
                     Arg::P(st),
                     Arg::I(w0.cols as i32),
-                    Arg::I((w0.ty == GgmlType::Q6_K) as i32),
+                    // mmq_* read Q4_K's activations in order too.
+                    Arg::I((w0.ty == GgmlType::Q6_K || mmq) as i32),
                 ],
             )?;
-            let (k, n) = if one_row { ("mmvt1_", 8) } else { ("mmvt_", 32) };
+            let (k, n) = match (mmq, one_row) {
+                (true, _) => ("mmq_", MMQ_ROWS),
+                (false, true) => ("mmvt1_", 8),
+                (false, false) => ("mmvt_", 32),
+            };
             (typed(k, w0.ty), n, st, n_tok.div_ceil(MMVT_TOKENS))
         } else {
             match mmv_rows_per_block(w0.ty) {

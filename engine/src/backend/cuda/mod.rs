@@ -270,6 +270,9 @@ struct Inner {
     /// tile runs at the smallest height of 32, 64 and 128 that holds its rows and is at least this
     /// ([`Inner::gemm_own`]).
     gemm_min_tile: usize,
+    /// Dense Q4_K products of several tokens on the integer tensor cores (`mmq_q4_k`; `STRATA_MMQ`, read at
+    /// start; tests compare both ways).
+    mmq: bool,
     /// `--batch-invariant`: every step's tokens take the kernels of a lone decode step, each token's arithmetic
     /// in one order whatever else the step carries ([`CudaBackend::set_batch_invariant`]).
     batch_invariant: bool,
@@ -422,6 +425,7 @@ impl CudaBackend {
             false => usize::MAX,
         };
         let int8_flash = crate::switches::speed_on(crate::switches::INT8_FLASH, &gpu.target);
+        let mmq = crate::switches::speed_on(crate::switches::MMQ, &gpu.target);
         let moe_device_tokens =
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
                 .unwrap_or(MOE_DEVICE_TOKENS_MAX);
@@ -467,6 +471,7 @@ impl CudaBackend {
                 step_sequences: 1,
                 mmv_dense_tokens,
                 gemm_min_tile,
+                mmq,
                 batch_invariant: false,
                 bi_scores: attention::BATCH_INVARIANT_SCORES,
                 routers: Vec::new(),
@@ -545,6 +550,13 @@ impl CudaBackend {
     /// set it).
     pub fn set_mmv_dense_tokens(&self, n: usize) {
         self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MOE_DEVICE_TOKENS_MAX);
+    }
+
+    /// Whether a dense Q4_K matrix times several tokens (2 to `STRATA_MMV_DENSE_TOKENS`, not batch-invariant)
+    /// runs on the integer tensor cores (`mmq_q4_k`) or on dp4a (`mmvt_q4_k`): `STRATA_MMQ`, read at start, on by
+    /// default. The two sum in different orders (logits within float rounding of each other); tests compare them.
+    pub fn set_mmq(&self, on: bool) {
+        self.lock().mmq = on;
     }
 
     /// The fewest rows of a prefill GEMM tile: each tile runs at the smallest height of 32, 64 and 128 that
