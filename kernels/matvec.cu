@@ -1023,14 +1023,47 @@ struct MmqQ6K {
     }
 };
 
+// The block's sums for the lane's rows w[0] and w[1] (g and g + 8 of the tile; null: absent) over nsb super-blocks,
+// token g's stage sg the B column, sc0 / sc1 (tokens 2 q and 2 q + 1) the C columns; wait: pdl_enter once the
+// first weights are in flight (else the caller has waited). Returns, to thread i < 128, the sum of row i / 8 and
+// token i % 8 (the warps' sums added in warp order through shared memory); every thread calls it.
+template <class Q>
+__device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8kStage* sg, const Q8kStage* sc0,
+                                          const Q8kStage* sc1, bool wait) {
+    __shared__ float red[8][MMQ_ROWS * MMV_T];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}; // (row g, token 2 q), (g, 2 q + 1), (g + 8, 2 q), (g + 8, 2 q + 1)
+    typename Q::Frag cur;
+    if (warp < nsb) Q::load(cur, w, warp, q);
+    if (wait) pdl_enter(); // the weights' first loads are in flight; the staged activations come from the kernel before
+    const u8* xb = (const u8*)sg->codes;
+    const Q8kStage& x0 = *sc0;
+    const Q8kStage& x1 = *sc1;
+    for (int sb = warp; sb < nsb; sb += 8) {
+        typename Q::Frag nxt;
+        if (sb + 8 < nsb) Q::load(nxt, w, sb + 8, q);
+        Q::add(cur, xb, x0, x1, sb, q, acc);
+        if (sb + 8 < nsb) cur = nxt;
+    }
+    red[warp][g * MMV_T + 2 * q] = acc[0];
+    red[warp][g * MMV_T + 2 * q + 1] = acc[1];
+    red[warp][(g + 8) * MMV_T + 2 * q] = acc[2];
+    red[warp][(g + 8) * MMV_T + 2 * q + 1] = acc[3];
+    __syncthreads();
+    float s = 0.f;
+    if (threadIdx.x < MMQ_ROWS * MMV_T) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s += red[k][threadIdx.x];
+    }
+    return s;
+}
 template <class Q>
 __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                           const u8* __restrict__ w2, const Q8kStage* __restrict__ st,
                                           float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
                                           int r0, int r1, int r2, int cols, long long row_bytes, int n_tok) {
-    __shared__ float red[8][MMQ_ROWS * MMV_T];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    int t0 = blockIdx.y * MMV_T, n = min(MMV_T, n_tok - t0), nsb = cols / 256;
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int t0 = blockIdx.y * MMV_T, n = min(MMV_T, n_tok - t0);
     // Rows g and g + 8 of the tile (null: past the last).
     const u8* w[2];
 #pragma unroll
@@ -1044,29 +1077,10 @@ __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* _
         else if ((r -= r1) < r2)
             w[h] = w2 + (long long)r * row_bytes;
     }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}; // (row g, token 2 q), (g, 2 q + 1), (g + 8, 2 q), (g + 8, 2 q + 1)
-    typename Q::Frag cur;
-    if (warp < nsb) Q::load(cur, w, warp, q);
-    pdl_enter(); // the weights' first loads are in flight; the staged activations come from the kernel before
-    const u8* xb = (const u8*)st[t0 + min(g, n - 1)].codes; // the B column's token
-    const Q8kStage& x0 = st[t0 + min(2 * q, n - 1)];         // the C columns' tokens
-    const Q8kStage& x1 = st[t0 + min(2 * q + 1, n - 1)];
-    for (int sb = warp; sb < nsb; sb += 8) {
-        typename Q::Frag nxt;
-        if (sb + 8 < nsb) Q::load(nxt, w, sb + 8, q);
-        Q::add(cur, xb, x0, x1, sb, q, acc);
-        if (sb + 8 < nsb) cur = nxt;
-    }
-    red[warp][g * MMV_T + 2 * q] = acc[0];
-    red[warp][g * MMV_T + 2 * q + 1] = acc[1];
-    red[warp][(g + 8) * MMV_T + 2 * q] = acc[2];
-    red[warp][(g + 8) * MMV_T + 2 * q + 1] = acc[3];
-    __syncthreads();
+    float s = mmq_sums<Q>(w, cols / 256, st + t0 + min(g, n - 1), st + t0 + min(2 * q, n - 1),
+                          st + t0 + min(2 * q + 1, n - 1), true);
     int i = threadIdx.x, t = i % MMV_T;
     if (i >= MMQ_ROWS * MMV_T || t >= n) return;
-    float s = 0.f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) s += red[k][i];
     int r = blockIdx.x * MMQ_ROWS + i / MMV_T;
     if (r < r0)
         y0[(long long)(t0 + t) * r0 + r] = s;
@@ -1084,6 +1098,47 @@ __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* _
     }
 STRATA_MMQ(q4_k, MmqQ4K)
 STRATA_MMQ(q6_k, MmqQ6K)
+
+// mmq_moe_T: a MoE layer's experts over a prompt's tokens grouped by expert (the prefill path's grouped rows), on
+// the integer tensor cores as mmq_T, for experts with few tokens each (a short prompt), where the prefill GEMM
+// dequantizes every weight tile to f16 for a handful of rows. Work list: tiles[3 i..3 i + 3] = (expert or cache
+// slot id, first grouped row, rows <= MMV_T); grouped row r reads stage st[xrows[r]] (st[r] without xrows: the
+// activations are the grouped rows themselves) and writes y[r][0..n_out). Block (x, i) computes outputs 16 x..
+// of tile i for its rows (the absent columns are computed from the tile's last row and not written). Grid
+// (ceil(n_out / 16), tiles), block 256; the expert's rows of cols values (a multiple of 256, at most MMV_X_MAX)
+// row_bytes apart, experts expert_stride bytes apart from w.
+template <class Q>
+__device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
+                                        const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
+                                        const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {
+    pdl_enter(); // the work list and the stages come from the launches before
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int* tile = tiles + 3 * blockIdx.y;
+    int e = tile[0], first = tile[1], rows = tile[2];
+    const u8* base = w + (long long)e * expert_stride;
+    const u8* wr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int r = blockIdx.x * MMQ_ROWS + g + 8 * h;
+        wr[h] = r < n_out ? base + (long long)r * row_bytes : nullptr;
+    }
+    auto stage = [&](int t) {
+        int r = first + min(t, rows - 1);
+        return st + (xrows ? xrows[r] : r);
+    };
+    float s = mmq_sums<Q>(wr, cols / 256, stage(g), stage(2 * q), stage(2 * q + 1), false);
+    int i = threadIdx.x, t = i % MMV_T, o = blockIdx.x * MMQ_ROWS + i / MMV_T;
+    if (i < MMQ_ROWS * MMV_T && t < rows && o < n_out) y[(long long)(first + t) * n_out + o] = s;
+}
+#define STRATA_MMQ_MOE(name, Q)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                                          \
+        mmq_moe_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                  \
+                       const int* __restrict__ tiles, const Q8kStage* __restrict__ st,                          \
+                       const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {             \
+        mmq_moe<Q>(w, expert_stride, row_bytes, tiles, st, xrows, y, n_out, cols);                              \
+    }
+STRATA_MMQ_MOE(q4_k, MmqQ4K)
+STRATA_MMQ_MOE(q6_k, MmqQ6K)
 #ifndef MMV_Q6K_F32
 STRATA_MMVT(q6_k, MmvQ6K, mmvt_, MMV_R)
 STRATA_MMVT(q6_k, MmvQ6K, mmvt1_, 1)

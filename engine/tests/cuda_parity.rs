@@ -119,6 +119,42 @@ fn experts<'a>(ty: GgmlType, data: &'a [Vec<u8>; 3], ne: usize, f: usize, e: usi
     }
 }
 
+/// The CPU backend's MoE layer (normalized top-`k` weights) over `n_tok` tokens of `x` routed by `logits`.
+fn moe_cpu(ex: &Experts<'_>, logits: &[f32], x: &[f32], n_tok: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n_tok * ex.gate.cols];
+    let cpu = CpuBackend;
+    Backend::moe(
+        &cpu,
+        ex,
+        &mut logits.to_vec(),
+        &x.to_vec(),
+        n_tok,
+        k,
+        true,
+        &mut out,
+        &mut MoeScratch::default(),
+    );
+    out
+}
+
+/// [`moe_cpu`] on the GPU backend.
+fn moe_gpu(gpu: &CudaBackend, ex: &Experts<'_>, logits: &[f32], x: &[f32], n_tok: usize, k: usize) -> Vec<f32> {
+    let n = n_tok * ex.gate.cols;
+    let mut out = up(gpu, &vec![f32::NAN; n]);
+    let mut lg = up(gpu, logits);
+    gpu.moe(
+        ex,
+        &mut lg,
+        &up(gpu, x),
+        n_tok,
+        k,
+        true,
+        &mut out,
+        &mut MoeScratch::default(),
+    );
+    down(gpu, &out, n)
+}
+
 fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Option<Vec<u8>> {
     let w = rng.vec(rows * cols, 1.0);
     let mut data = vec![0u8; rows * ty.row_bytes(cols as u64)? as usize];
@@ -455,6 +491,71 @@ fn tensor_core_q4_k_products_match_dp4a_and_the_cpu() {
     report(&rows_out);
 }
 
+/// A short prompt's experts (steps of up to 128 tokens, about 8 tokens an expert under top-8 of 128) on the
+/// integer tensor cores (`mmq_moe_*`, `STRATA_MMQ`) instead of the prefill GEMM: within 1e-3 of the CPU, which
+/// computes the same integer products of Q8_K activations (the gated rows' quantization to Q8_K may round a code
+/// apart where the two sums' orders differ: measured 1.1e-4 at 128 tokens of width 2,048, 2e-7 on the smaller
+/// shapes), and within 2e-2 of the GEMM's f16 route (`STRATA_MMQ=0`); 1 to 32 tokens an
+/// expert, and a router leaning to two experts, so an expert's rows span several tiles of 8. The kernel profile
+/// shows both types' kernels ran.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn experts_with_few_tokens_on_the_tensor_cores_match_the_cpu() {
+    let gpu = gpu();
+    gpu.gpu().set_profiling(true);
+    let mut rng = Rng(37);
+    let mut rows_out = Vec::new();
+    // (type, tokens, experts, top-k, expert width, model width, skewed)
+    for &(ty, n_tok, ne, k, f, e, skew) in &[
+        (GgmlType::Q4_K, 16usize, 16usize, 4usize, 256usize, 512usize, false),
+        (GgmlType::Q4_K, 40, 16, 4, 512, 256, false),
+        (GgmlType::Q4_K, 128, 32, 8, 768, 2048, false),
+        (GgmlType::Q4_K, 8, 64, 8, 256, 512, false),
+        (GgmlType::Q4_K, 60, 16, 4, 256, 512, true),
+        (GgmlType::Q6_K, 30, 8, 2, 256, 768, false),
+        (GgmlType::Q6_K, 60, 16, 4, 512, 256, true),
+    ] {
+        let data = expert_data(ty, ne, f, e, &mut rng);
+        let ex = experts(ty, &data, ne, f, e);
+        let x = rng.vec(n_tok * e, 1.0);
+        let mut logits = rng.vec(n_tok * ne, 3.0);
+        if skew {
+            // Experts 0 and 1 for most tokens (several tiles of 8 each), and weights that keep every expert's
+            // share visible in the sum.
+            for t in 0..n_tok {
+                logits[t * ne] += 4.0;
+                logits[t * ne + 1] += if t % 4 != 0 { 3.0 } else { 0.0 };
+            }
+        }
+        let want = moe_cpu(&ex, &logits, &x, n_tok, k);
+        let mut got = Vec::new();
+        for on in [true, false] {
+            gpu.set_mmq(on);
+            got.push(moe_gpu(&gpu, &ex, &logits, &x, n_tok, k));
+        }
+        let what = format!(
+            "moe prefill {ty} n_tok={n_tok} {ne} experts top-{k} {e}x{f}{}",
+            if skew { " skewed" } else { "" }
+        );
+        rows_out.push(Row(
+            format!("{what}, mmq, against the CPU"),
+            rel_err(&got[0], &want),
+            1e-3,
+        ));
+        rows_out.push(Row(
+            format!("{what}, mmq against the GEMM"),
+            rel_err(&got[0], &got[1]),
+            2e-2,
+        ));
+    }
+    gpu.set_mmq(true);
+    let ran: Vec<&str> = gpu.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
+    for k in ["mmq_moe_q4_k", "mmq_moe_q6_k", "gemm_q4_k", "gemm_q6_k"] {
+        assert!(ran.contains(&k), "{k} did not run: {ran:?}");
+    }
+    report(&rows_out);
+}
+
 /// The prefill GEMM through our own kernel after an injected library failure: same results, one fallback.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
@@ -509,6 +610,8 @@ fn same_bits_at_each_height(rows_out: &mut Vec<Row>, what: &str, at: &[Vec<f32>]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn gemm_tile_heights_give_the_same_bits() {
     let (cpu, gpu) = (CpuBackend, gpu());
+    // Prompts of up to 128 tokens would run their experts on mmq_moe_*, not the GEMM.
+    gpu.set_mmq(false);
     assert!(gpu.set_fault_policy(FaultPlan::parse("prefill_gemm:m>16").unwrap(), true));
     gpu.gpu().set_profiling(true);
     let mut rng = Rng(31);
@@ -540,34 +643,11 @@ fn gemm_tile_heights_give_the_same_bits() {
                 logits[t * ne + 2] += if t % 3 == 0 { 30.0 } else { 0.0 };
             }
         }
-        let mut want = vec![0f32; n_tok * e];
-        Backend::moe(
-            &cpu,
-            &ex,
-            &mut logits.clone(),
-            &x,
-            n_tok,
-            k,
-            true,
-            &mut want,
-            &mut MoeScratch::default(),
-        );
+        let want = moe_cpu(&ex, &logits, &x, n_tok, k);
         let mut at = Vec::new();
         for height in [128, 64, 32] {
             gpu.set_gemm_min_tile(height);
-            let mut bd = up(&gpu, &vec![f32::NAN; n_tok * e]);
-            let mut lg = up(&gpu, &logits);
-            gpu.moe(
-                &ex,
-                &mut lg,
-                &up(&gpu, &x),
-                n_tok,
-                k,
-                true,
-                &mut bd,
-                &mut MoeScratch::default(),
-            );
-            at.push(down(&gpu, &bd, n_tok * e));
+            at.push(moe_gpu(&gpu, &ex, &logits, &x, n_tok, k));
         }
         let what = format!(
             "moe prefill {ty} n_tok={n_tok} {ne} experts top-{k} {e}x{f}{}",

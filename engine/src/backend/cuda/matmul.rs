@@ -14,12 +14,31 @@ use crate::quant::GgmlType;
 /// Most rows of a grid's second dimension (CUDA's limit): `mmv`'s launches carry a token per row.
 const GRID_Y_MAX: usize = 65_535;
 
-/// Tokens one block of `mmvt_*` reads each weight row for (kernels/matvec.cu, MMV_T).
-const MMVT_TOKENS: usize = 8;
+/// Tokens one block of `mmvt_*` reads each weight row for (kernels/matvec.cu, MMV_T); also the most rows of a
+/// tile of `mmq_moe_*`.
+pub(super) const MMVT_TOKENS: usize = 8;
 /// Rows one block of `mmq_q4_k` computes (kernels/matvec.cu, MMQ_ROWS).
 const MMQ_ROWS: usize = 16;
 /// Bytes of one activation row staged as Q8_K (kernels/matvec.cu, `Q8kStage`; a static_assert there checks it).
-const Q8K_STAGE_BYTES: usize = 5184;
+pub(super) const Q8K_STAGE_BYTES: usize = 5184;
+
+/// `n_tok` activation rows of `cols` values at `xp` quantized to Q8_K (`q8k_stage`) into the stages at `st`
+/// (`Q8K_STAGE_BYTES` a row), in Q4_K's lane order or in order (`natural`). Errors: the launch failed.
+pub(super) fn q8k_stage_into(
+    gpu: &Gpu,
+    xp: u64,
+    st: u64,
+    n_tok: usize,
+    cols: usize,
+    natural: bool,
+) -> Result<(), CudaError> {
+    gpu.launch(
+        "q8k_stage",
+        (n_tok as u32, cols.div_ceil(2048) as u32, 1),
+        (256, 1, 1),
+        &[Arg::P(xp), Arg::P(st), Arg::I(cols as i32), Arg::I(natural as i32)],
+    )
+}
 /// Most tokens one `mmvt_*` launch takes (a longer batch-invariant prefill runs in parts), so the Q8_K staging
 /// stays at 5 MiB.
 const MMVT_MAX_TOKENS: usize = 1024;
@@ -94,19 +113,9 @@ impl Inner {
         let (kernel, per_block, x, grid_y) = if mmvt {
             // The activations quantized once, then every block of the product reads them. The slot is sized for
             // 16 tokens at least, so batches that grow a token at a time do not reallocate it step after step.
-            let st = self.slot(gpu, Slot::Q8k, n_tok.max(2 * MMVT_TOKENS) * Q8K_STAGE_BYTES)?;
-            gpu.launch(
-                "q8k_stage",
-                (n_tok as u32, w0.cols.div_ceil(2048) as u32, 1),
-                (256, 1, 1),
-                &[
-                    Arg::P(xp),
-                    Arg::P(st),
-                    Arg::I(w0.cols as i32),
-                    // mmq_* read Q4_K's activations in order too.
-                    Arg::I((w0.ty == GgmlType::Q6_K || mmq) as i32),
-                ],
-            )?;
+            // mmq_* read Q4_K's activations in order too.
+            let natural = w0.ty == GgmlType::Q6_K || mmq;
+            let st = self.q8k_stage(gpu, Slot::Q8k, xp, n_tok, n_tok.max(2 * MMVT_TOKENS), w0.cols, natural)?;
             let (k, n) = match (mmq, one_row) {
                 (true, _) => ("mmq_", MMQ_ROWS),
                 (false, true) => ("mmvt1_", 8),
@@ -141,6 +150,60 @@ impl Inner {
             (total.div_ceil(per_block) as u32, grid_y as u32, 1),
             (256, 1, 1),
             &args,
+        )
+    }
+
+    /// `n_tok` activation rows of `cols` values at `xp` quantized to Q8_K (`q8k_stage`) into `slot`, sized for
+    /// at least `room` rows: in Q4_K's lane order, or in order (`natural`: Q6_K's kernels and `mmq_*`). Returns
+    /// the stages' address (`Q8K_STAGE_BYTES` a row). `cols` is a multiple of 256, at most [`MMV_X_MAX`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn q8k_stage(
+        &mut self,
+        gpu: &Gpu,
+        slot: Slot,
+        xp: u64,
+        n_tok: usize,
+        room: usize,
+        cols: usize,
+        natural: bool,
+    ) -> Result<u64, CudaError> {
+        let st = self.slot(gpu, slot, n_tok.max(room) * Q8K_STAGE_BYTES)?;
+        q8k_stage_into(gpu, xp, st, n_tok, cols, natural)?;
+        Ok(st)
+    }
+
+    /// A MoE layer's matrix `w` (one expert's rows; experts `expert_stride` bytes apart from `wp`) over the
+    /// grouped rows of experts with few tokens, on the integer tensor cores (`mmq_moe_*`): `tiles` are (expert or
+    /// cache slot id, first grouped row, rows <= 8); grouped row r reads the Q8_K stage `st` + `xrows[r]` (row r
+    /// without `xrows`) and writes row r of `yp` (`[rows][w.rows]` f32). Errors: the upload or the launch failed.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mmq_moe(
+        &mut self,
+        gpu: &Gpu,
+        w: &QMat<'_>,
+        wp: u64,
+        expert_stride: usize,
+        st: u64,
+        xrows: u64,
+        yp: u64,
+        tiles: &[[i32; 3]],
+    ) -> Result<(), CudaError> {
+        let tp = self.upload(gpu, Slot::MmqTiles, bytemuck::cast_slice(tiles))?;
+        gpu.launch(
+            typed("mmq_moe_", w.ty),
+            (w.rows.div_ceil(MMQ_ROWS) as u32, tiles.len() as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::P(wp),
+                Arg::L(expert_stride as i64),
+                Arg::L(w.row_bytes as i64),
+                Arg::P(tp),
+                Arg::P(st),
+                Arg::P(xrows),
+                Arg::P(yp),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+            ],
         )
     }
 

@@ -168,8 +168,13 @@ enum Slot {
     MoeGroups,
     /// A step's activation rows quantized to Q8_K (`q8k_stage`, read by `mmvt_*`).
     Q8k,
+    /// A prefill step's work list of experts with few tokens (`mmq_moe_*`), its tokens quantized to Q8_K, and
+    /// its gated rows quantized to Q8_K for the down projection.
+    MmqTiles,
+    MoeQ8k,
+    MoeQ8kDown,
 }
-const SLOTS: usize = 29;
+const SLOTS: usize = 32;
 /// Counters in [`Slot::Counters`] (one per token of a decode step).
 const COUNTERS: usize = 64;
 /// Routing slots that share one weight read in `mmv_moe_group_*`, the ints of a group in the table `moe_groups`
