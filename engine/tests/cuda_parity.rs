@@ -119,6 +119,25 @@ fn experts<'a>(ty: GgmlType, data: &'a [Vec<u8>; 3], ne: usize, f: usize, e: usi
     }
 }
 
+/// A MoE layer's inputs: `n_tok` activation rows of width `e` and router logits over `ne` experts, leaning to the
+/// first experts by `lean`: expert 0's logit plus `lean[0]` for every token, expert 1's plus `lean[1]` for three
+/// tokens in four, expert 2's plus `lean[2]` for one in three.
+fn moe_inputs(rng: &mut Rng, n_tok: usize, ne: usize, e: usize, lean: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let x = rng.vec(n_tok * e, 1.0);
+    let mut logits = rng.vec(n_tok * ne, 3.0);
+    for t in 0..n_tok {
+        for (i, &b) in lean.iter().enumerate() {
+            let on = match i {
+                0 => true,
+                1 => t % 4 != 0,
+                _ => t % 3 == 0,
+            };
+            logits[t * ne + i] += if on { b } else { 0.0 };
+        }
+    }
+    (x, logits)
+}
+
 /// The CPU backend's MoE layer (normalized top-`k` weights) over `n_tok` tokens of `x` routed by `logits`.
 fn moe_cpu(ex: &Experts<'_>, logits: &[f32], x: &[f32], n_tok: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0f32; n_tok * ex.gate.cols];
@@ -517,16 +536,9 @@ fn experts_with_few_tokens_on_the_tensor_cores_match_the_cpu() {
     ] {
         let data = expert_data(ty, ne, f, e, &mut rng);
         let ex = experts(ty, &data, ne, f, e);
-        let x = rng.vec(n_tok * e, 1.0);
-        let mut logits = rng.vec(n_tok * ne, 3.0);
-        if skew {
-            // Experts 0 and 1 for most tokens (several tiles of 8 each), and weights that keep every expert's
-            // share visible in the sum.
-            for t in 0..n_tok {
-                logits[t * ne] += 4.0;
-                logits[t * ne + 1] += if t % 4 != 0 { 3.0 } else { 0.0 };
-            }
-        }
+        // Leaning to experts 0 and 1 (several tiles of 8 each), with weights that keep every expert's share
+        // visible in the sum.
+        let (x, logits) = moe_inputs(&mut rng, n_tok, ne, e, if skew { &[4.0, 3.0] } else { &[] });
         let want = moe_cpu(&ex, &logits, &x, n_tok, k);
         let mut got = Vec::new();
         for on in [true, false] {
@@ -633,16 +645,8 @@ fn gemm_tile_heights_give_the_same_bits() {
     ] {
         let data = expert_data(ty, ne, f, e, &mut rng);
         let ex = experts(ty, &data, ne, f, e);
-        let x = rng.vec(n_tok * e, 1.0);
-        let mut logits = rng.vec(n_tok * ne, 3.0);
-        if skew {
-            // Expert 0 for every token, 1 for most, 2 for some: tiles of 128, 64 and 32 rows beside small ones.
-            for t in 0..n_tok {
-                logits[t * ne] += 50.0;
-                logits[t * ne + 1] += if t % 4 != 0 { 40.0 } else { 0.0 };
-                logits[t * ne + 2] += if t % 3 == 0 { 30.0 } else { 0.0 };
-            }
-        }
+        // Skewed: expert 0 for every token, 1 for most, 2 for some: tiles of 128, 64 and 32 rows beside small ones.
+        let (x, logits) = moe_inputs(&mut rng, n_tok, ne, e, if skew { &[50.0, 40.0, 30.0] } else { &[] });
         let want = moe_cpu(&ex, &logits, &x, n_tok, k);
         let mut at = Vec::new();
         for height in [128, 64, 32] {
