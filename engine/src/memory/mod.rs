@@ -519,30 +519,22 @@ impl MemoryPlan {
 
 /// [`MemoryPlan::limit`] of a device with `free` bytes free, a budget and a reserve.
 /// The prefill buffers' bytes ([`Part::PrefillBuffers`]) for chunks of `chunk` tokens: six f32 buffers of the
-/// widest row (the FFN's, or the routed experts' together), one f16 copy of the chunk's hidden states, the
-/// largest dense matrix (`largest_elements`) dequantized to f16 for the GEMM, and for a MoE the Q8_K stages of a
-/// step of at most [`MMQ_MOE_TOKENS`] tokens and its routed rows (the CUDA backend's `mmq_moe_*`, 5,184 bytes a
-/// row). Saturating.
+/// widest row (the FFN's, or the routed experts' together), one f16 copy of the chunk's hidden states, and the
+/// largest dense matrix (`largest_elements`) dequantized to f16 for the GEMM. Saturating.
 pub fn prefill_bytes(hp: &HParams, largest_elements: u64, chunk: usize) -> u64 {
     let chunk = chunk as u64;
     let widest = (hp.n_embd.max(hp.n_ff).max(hp.n_ff_exp * hp.n_expert_used.max(1)) as u64).max(1);
-    let stages = match hp.n_expert_used {
-        0 => 0,
-        k => chunk
-            .min(MMQ_MOE_TOKENS as u64)
-            .saturating_mul(k as u64 + 1)
-            .saturating_mul(5184),
-    };
     chunk
         .saturating_mul(widest)
         .saturating_mul(4 * 6)
         .saturating_add(largest_elements.saturating_mul(2))
         .saturating_add(chunk.saturating_mul(hp.n_embd as u64).saturating_mul(2))
-        .saturating_add(stages)
 }
 
-/// Most tokens of a prefill step whose experts with few tokens run on the CUDA backend's integer tensor cores
-/// (`mmq_moe_*`), so their Q8_K stages stay small (about 5 MiB at 128 tokens of top-8).
+/// Most tokens of a prefill step whose experts run on the CUDA backend's integer tensor cores (`mmq_moe_*`), so
+/// their Q8_K stages stay small: 5,184 bytes a token and a routed row, 5.7 MiB at 128 tokens of top-8. The memory
+/// plan does not count them apart: such a step leaves most of the chunk's f32 buffers unused (a chunk of 512
+/// tokens plans 75 MiB of them on the Qwen3-30B-A3B shape) and takes no f16 copies for the GEMM.
 pub const MMQ_MOE_TOKENS: usize = 128;
 
 pub(crate) fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {

@@ -275,8 +275,9 @@ struct Inner {
     /// tile runs at the smallest height of 32, 64 and 128 that holds its rows and is at least this
     /// ([`Inner::gemm_own`]).
     gemm_min_tile: usize,
-    /// Dense Q4_K products of several tokens on the integer tensor cores (`mmq_q4_k`; `STRATA_MMQ`, read at
-    /// start; tests compare both ways).
+    /// Q4_K and Q6_K products of several tokens on the integer tensor cores (`mmq_*` for dense matrices,
+    /// `mmq_moe_*` for the experts of prompt steps of up to 128 tokens; `STRATA_MMQ`, read at start; tests compare
+    /// both ways).
     mmq: bool,
     /// `--batch-invariant`: every step's tokens take the kernels of a lone decode step, each token's arithmetic
     /// in one order whatever else the step carries ([`CudaBackend::set_batch_invariant`]).
@@ -557,9 +558,11 @@ impl CudaBackend {
         self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MOE_DEVICE_TOKENS_MAX);
     }
 
-    /// Whether a dense Q4_K matrix times several tokens (2 to `STRATA_MMV_DENSE_TOKENS`, not batch-invariant)
-    /// runs on the integer tensor cores (`mmq_q4_k`) or on dp4a (`mmvt_q4_k`): `STRATA_MMQ`, read at start, on by
-    /// default. The two sum in different orders (logits within float rounding of each other); tests compare them.
+    /// Whether a dense Q4_K or Q6_K matrix times several tokens (2 to `STRATA_MMV_DENSE_TOKENS`, not
+    /// batch-invariant) runs on the integer tensor cores (`mmq_*`) or on dp4a (`mmvt_*`), and whether a prompt
+    /// step of up to [`crate::memory::MMQ_MOE_TOKENS`] tokens runs its experts there (`mmq_moe_*`) or on the f16
+    /// GEMM: `STRATA_MMQ`, read at start, on by default. The routes sum in different orders (the GEMM's f16
+    /// activations sit further from the CPU); tests compare them.
     pub fn set_mmq(&self, on: bool) {
         self.lock().mmq = on;
     }
