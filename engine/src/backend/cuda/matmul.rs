@@ -109,7 +109,7 @@ impl Inner {
         // smaller matrices take the one-row kernel, whose blocks spread over all of them.
         let one_row = total.div_ceil(32) < 264;
         // On the integer tensor cores: 16 rows and 8 tokens a block (the same grid rows as mmvt's).
-        let mmq = mmvt && self.mmq && !self.batch_invariant && matches!(w0.ty, GgmlType::Q4_K | GgmlType::Q6_K);
+        let mmq = mmvt && self.mmq_on() && matches!(w0.ty, GgmlType::Q4_K | GgmlType::Q6_K);
         let (kernel, per_block, x, grid_y) = if mmvt {
             // The activations quantized once, then every block of the product reads them. The slot is sized for
             // 16 tokens at least, so batches that grow a token at a time do not reallocate it step after step.
@@ -151,6 +151,12 @@ impl Inner {
             (256, 1, 1),
             &args,
         )
+    }
+
+    /// Whether products of several Q4_K / Q6_K tokens may take the integer tensor cores (`mmq_*`, `mmq_moe_*`):
+    /// `STRATA_MMQ` on and not batch-invariant (which keeps a lone decode step's kernels).
+    pub(super) fn mmq_on(&self) -> bool {
+        self.mmq && !self.batch_invariant
     }
 
     /// `n_tok` activation rows of `cols` values at `xp` quantized to Q8_K (`q8k_stage`) into `slot`, sized for

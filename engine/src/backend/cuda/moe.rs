@@ -620,18 +620,9 @@ impl Inner {
             // of an expert's rows), a longer one on the GEMM (f16 activations). Not both in one step: a GEMM launch
             // for a few busy experts costs about what one for all of them does (its blocks' K loop, not the bytes,
             // sets its time), measured on an H100 at 128 tokens (reports/2026-12-06-h100-mmq.md).
-            let mmq = self.mmq
-                && !self.batch_invariant
+            let mmq = self.mmq_on()
                 && n_tok <= crate::memory::MMQ_MOE_TOKENS
                 && [&ex.gate, &ex.up, &ex.down].iter().all(|w| mmvt_fits(w));
-            let mut runs = Vec::new();
-            let mut at_row = 0;
-            while at_row < slots {
-                let e = ids_h[order[at_row] as usize];
-                let m = order[at_row..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
-                runs.push((e, at_row, m));
-                at_row += m;
-            }
             let (xf, gf) = match !mmq {
                 true => (
                     self.f16_copy(gpu, Slot::XF16, xp, n_tok * n_embd)?,
@@ -656,41 +647,35 @@ impl Inner {
             let gate = ex.gate.rows_slice(0, nff);
             let upm = ex.up.rows_slice(0, nff);
             let down = ex.down.rows_slice(0, n_embd);
-            // Launches per matrix for a group of experts: GEMM tiles of up to 128 grouped rows, and tiles of up to
+            // Launches per matrix for a group of experts: tiles of up to 128 grouped rows for the GEMM, or of up to
             // 8 for mmq_moe_*, each naming its expert (or its slot). Without a cache every expert is one group;
             // with one, a group ends when the staging slots are full.
-            let group = |s: &mut Self,
-                         tiles: &[[i32; 3]],
-                         mtiles: &[[i32; 3]],
-                         rows: std::ops::Range<usize>|
-             -> Result<(), CudaError> {
-                if tiles.is_empty() && mtiles.is_empty() {
+            let height = if mmq { MMVT_TOKENS } else { 128 };
+            let group = |s: &mut Self, tiles: &[[i32; 3]], rows: std::ops::Range<usize>| -> Result<(), CudaError> {
+                if tiles.is_empty() {
                     return Ok(());
                 }
-                if !tiles.is_empty() {
-                    s.gemm_own(gpu, &gate, at.base[0], at.stride[0], xf, ip, gp, tiles)?;
-                    s.gemm_own(gpu, &upm, at.base[1], at.stride[1], xf, ip, up, tiles)?;
-                }
-                if !mtiles.is_empty() {
-                    s.mmq_moe(gpu, &gate, at.base[0], at.stride[0], xq, ip, gp, mtiles)?;
-                    s.mmq_moe(gpu, &upm, at.base[1], at.stride[1], xq, ip, up, mtiles)?;
-                }
                 let (r0, n) = ((rows.start * nff) as u64, rows.len() * nff);
-                glu_dev(gpu, gp + r0 * 4, up + r0 * 4, n, ex.act)?;
-                if !tiles.is_empty() {
-                    f16_rows(gpu, gp + r0 * 4, gf + r0 * 2, n)?;
-                    s.gemm_own(gpu, &down, at.base[2], at.stride[2], gf, 0, dp, tiles)?;
-                }
-                if !mtiles.is_empty() {
+                if mmq {
+                    s.mmq_moe(gpu, &gate, at.base[0], at.stride[0], xq, ip, gp, tiles)?;
+                    s.mmq_moe(gpu, &upm, at.base[1], at.stride[1], xq, ip, up, tiles)?;
+                    glu_dev(gpu, gp + r0 * 4, up + r0 * 4, n, ex.act)?;
                     let stage = gq + (rows.start * Q8K_STAGE_BYTES) as u64;
                     q8k_stage_into(gpu, gp + r0 * 4, stage, rows.len(), nff, true)?;
-                    s.mmq_moe(gpu, &down, at.base[2], at.stride[2], gq, 0, dp, mtiles)?;
+                    s.mmq_moe(gpu, &down, at.base[2], at.stride[2], gq, 0, dp, tiles)
+                } else {
+                    s.gemm_own(gpu, &gate, at.base[0], at.stride[0], xf, ip, gp, tiles)?;
+                    s.gemm_own(gpu, &upm, at.base[1], at.stride[1], xf, ip, up, tiles)?;
+                    glu_dev(gpu, gp + r0 * 4, up + r0 * 4, n, ex.act)?;
+                    f16_rows(gpu, gp + r0 * 4, gf + r0 * 2, n)?;
+                    s.gemm_own(gpu, &down, at.base[2], at.stride[2], gf, 0, dp, tiles)
                 }
-                Ok(())
             };
-            let (mut tiles, mut mtiles): (Vec<[i32; 3]>, Vec<[i32; 3]>) = (Vec::new(), Vec::new());
-            let mut group_first = 0;
-            for &(e, first, m) in &runs {
+            let mut tiles: Vec<[i32; 3]> = Vec::new();
+            let (mut first, mut group_first) = (0, 0);
+            while first < slots {
+                let e = ids_h[order[first] as usize];
+                let m = order[first..].iter().take_while(|&&s| ids_h[s as usize] == e).count();
                 let at_slot = match pool.as_deref_mut() {
                     None => e,
                     Some(pool) => match pool.slot(&gpu.stream, ex, e)? {
@@ -699,30 +684,26 @@ impl Inner {
                             // The group's staging slots are taken: queue its launches (after its uploads), then
                             // stage the next group into the other half while they run.
                             pool.ready(&gpu.stream)?;
-                            group(self, &tiles, &mtiles, group_first..first)?;
+                            group(self, &tiles, group_first..first)?;
                             pool.group_done(&gpu.stream)?;
                             tiles.clear();
-                            mtiles.clear();
                             group_first = first;
                             pool.slot(&gpu.stream, ex, e)?
                                 .expect("a staging slot is free in the other half")
                         }
                     },
                 };
-                let (list, height) = match mmq {
-                    true => (&mut mtiles, MMVT_TOKENS),
-                    false => (&mut tiles, 128),
-                };
-                list.extend(
+                tiles.extend(
                     (0..m)
                         .step_by(height)
                         .map(|off| [at_slot as i32, (first + off) as i32, (m - off).min(height) as i32]),
                 );
+                first += m;
             }
             if let Some(pool) = pool.as_deref_mut() {
                 pool.ready(&gpu.stream)?;
             }
-            group(self, &tiles, &mtiles, group_first..slots)?;
+            group(self, &tiles, group_first..slots)?;
             if let Some(pool) = pool {
                 pool.group_done(&gpu.stream)?;
             }
