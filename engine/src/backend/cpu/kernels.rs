@@ -61,6 +61,56 @@ pub fn axpy_f16(a: f32, v: &[half::f16], acc: &mut [f32]) {
     }
 }
 
+/// [`dot_f16`] of the f16 row `a` with each of `out.len()` queries at once: `out[h] = dot_f16(a, q[h * n..][..n])`
+/// with `n = a.len()`, the same bits, each value of `a` converted once for all of them (decode attention: a key
+/// against a GQA group's query heads). `q` holds at least `out.len() * a.len()` values.
+#[inline]
+pub fn dots_f16(a: &[half::f16], q: &[f32], out: &mut [f32]) {
+    let n = a.len();
+    assert!(q.len() >= out.len() * n, "dots_f16: queries");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        for (h0, o) in (0..out.len()).step_by(4).zip(out.chunks_mut(4)) {
+            let q = &q[h0 * n..];
+            // SAFETY: AVX2, FMA and F16C were detected at run time; `q` holds o.len() rows of n values.
+            unsafe {
+                match o.len() {
+                    1 => avx2::dots::<1>(a, q, o),
+                    2 => avx2::dots::<2>(a, q, o),
+                    3 => avx2::dots::<3>(a, q, o),
+                    _ => avx2::dots::<4>(a, q, o),
+                }
+            }
+        }
+        return;
+    }
+    for (h, o) in out.iter_mut().enumerate() {
+        *o = dot_f16(a, &q[h * n..][..n]);
+    }
+}
+
+/// `acc += w[j] · rows[j]` for each `j` in order with `w[j] != 0` (each `rows[j]` an f16 row of `acc.len()`
+/// values): the bits of [`axpy_f16`] row after row, with the sums kept in registers across the rows where `acc`
+/// is a multiple of 64 values long (decode attention: a head's weighted sum of the cached values it sees).
+#[inline]
+pub fn axpy_rows_f16(w: &[f32], rows: &[&[half::f16]], acc: &mut [f32]) {
+    assert_eq!(w.len(), rows.len(), "axpy_rows_f16: weights");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && acc.len().is_multiple_of(64) && rows.iter().all(|r| r.len() == acc.len()) {
+        for c in (0..acc.len()).step_by(64) {
+            // SAFETY: AVX2, FMA and F16C were detected at run time; every row holds acc.len() values, so c..c + 64
+            // lies inside each row and inside acc.
+            unsafe { avx2::axpy_rows64(w, rows, c, &mut acc[c..c + 64]) }
+        }
+        return;
+    }
+    for (&a, v) in w.iter().zip(rows) {
+        if a != 0.0 {
+            axpy_f16(a, v, acc);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -157,6 +207,76 @@ mod avx2 {
         s
     }
 
+    /// `dot` of the f16 row `a` with `M` query rows of `a.len()` values at `q`, into `out[..M]`: each query's lanes
+    /// and order are `dot`'s, so each sum has its bits; a loaded step of `a` serves all `M`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `q` holds `M * a.len()` values, `out` `M`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // h indexes both accumulators and the query rows
+    pub unsafe fn dots<const M: usize>(a: &[half::f16], q: &[f32], out: &mut [f32]) {
+        let n = a.len();
+        assert!(q.len() >= M * n && out.len() >= M);
+        let (pa, pq) = (a.as_ptr(), q.as_ptr());
+        let mut acc0 = [_mm256_setzero_ps(); M];
+        let mut acc1 = [_mm256_setzero_ps(); M];
+        let mut i = 0;
+        // SAFETY (loads): i + 16 <= n, and query h's row is pq + h n .. + n.
+        while i + 16 <= n {
+            unsafe {
+                let (k0, k1) = (load_f16(pa.add(i)), load_f16(pa.add(i + 8)));
+                for h in 0..M {
+                    let r = pq.add(h * n + i);
+                    acc0[h] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(r), acc0[h]);
+                    acc1[h] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(r.add(8)), acc1[h]);
+                }
+            }
+            i += 16;
+        }
+        if i + 8 <= n {
+            unsafe {
+                let k0 = load_f16(pa.add(i));
+                for h in 0..M {
+                    acc0[h] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(pq.add(h * n + i)), acc0[h]);
+                }
+            }
+            i += 8;
+        }
+        for h in 0..M {
+            let mut s = hsum(_mm256_add_ps(acc0[h], acc1[h]));
+            for j in i..n {
+                s += a[j].to_f32() * q[h * n + j];
+            }
+            out[h] = s;
+        }
+    }
+
+    /// Columns `c..c + 64` of `axpy_rows_f16`: the 64 sums in eight registers across the rows.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; every row holds at least `c + 64` values; `acc` 64.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_rows64(w: &[f32], rows: &[&[half::f16]], c: usize, acc: &mut [f32]) {
+        assert!(acc.len() >= 64);
+        let po = acc.as_mut_ptr();
+        // SAFETY: po..po + 64 lies in acc.
+        let mut s: [__m256; 8] = std::array::from_fn(|r| unsafe { _mm256_loadu_ps(po.add(8 * r)) });
+        for (&a, v) in w.iter().zip(rows) {
+            if a != 0.0 {
+                assert!(v.len() >= c + 64);
+                let (wv, pv) = (_mm256_set1_ps(a), v.as_ptr());
+                for (r, s) in s.iter_mut().enumerate() {
+                    // SAFETY: c + 8 r + 8 <= c + 64 <= v.len(). A product then a sum, each rounded, as `axpy`.
+                    *s = _mm256_add_ps(*s, _mm256_mul_ps(wv, unsafe { load_f16(pv.add(c + 8 * r)) }));
+                }
+            }
+        }
+        for (r, s) in s.iter().enumerate() {
+            // SAFETY: po + 8 r + 8 <= po + 64.
+            unsafe { _mm256_storeu_ps(po.add(8 * r), *s) };
+        }
+    }
+
     /// # Safety
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -211,6 +331,55 @@ mod tests {
             axpy_f16(0.37, &h, &mut a);
             axpy(0.37, &f, &mut b);
             assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "axpy, n={n}");
+        }
+    }
+
+    /// A head's weighted sum of value rows, its sums in registers, gives the bits of adding one row at a time:
+    /// widths of 64, 128 and 256 (the register path) and others (the row-by-row path), weights of 0 skipped.
+    #[test]
+    fn value_rows_give_the_bits_of_one_row_at_a_time() {
+        for n in [0usize, 5, 64, 72, 128, 256] {
+            let rows: Vec<Vec<half::f16>> = (0..37)
+                .map(|j| {
+                    (0..n)
+                        .map(|i| half::f16::from_f32(((i * 7919 + j * 31) % 1013) as f32 / 97.0 - 5.0))
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<&[half::f16]> = rows.iter().map(|r| &r[..]).collect();
+            let w: Vec<f32> = (0..37)
+                .map(|j| if j % 5 == 2 { 0.0 } else { 1.0 / (1.0 + j as f32) })
+                .collect();
+            let start: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.01).collect();
+            let mut got = start.clone();
+            axpy_rows_f16(&w, &refs, &mut got);
+            let mut want = start;
+            for (&a, r) in w.iter().zip(&refs) {
+                if a != 0.0 {
+                    axpy_f16(a, r, &mut want);
+                }
+            }
+            assert!(got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()), "n={n}");
+        }
+    }
+
+    /// A key against several query heads at once gives each head the bits of the one-head kernel: every length
+    /// from 0 to 70, 1 to 9 heads (chunks of four and the remainders).
+    #[test]
+    fn several_heads_give_the_bits_of_one_at_a_time() {
+        for n in 0..=70usize {
+            let h: Vec<half::f16> = (0..n)
+                .map(|i| half::f16::from_f32(((i * 7919 % 1013) as f32 - 506.0) * [1e-6, 0.01, 3.0, 900.0][i % 4]))
+                .collect();
+            for heads in 1..=9usize {
+                let q: Vec<f32> = (0..heads * n).map(|i| ((i * 131 % 97) as f32 - 48.0) / 13.0).collect();
+                let mut got = vec![f32::NAN; heads];
+                dots_f16(&h, &q, &mut got);
+                for (k, g) in got.iter().enumerate() {
+                    let want = dot_f16(&h, &q[k * n..][..n]);
+                    assert_eq!(g.to_bits(), want.to_bits(), "dots, n={n} heads={heads} head {k}");
+                }
+            }
         }
     }
 }

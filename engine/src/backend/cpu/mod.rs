@@ -287,13 +287,15 @@ fn round_f16(x: f32) -> f32 {
 /// Per-task buffers of the attention.
 struct AttnScratch {
     scores: Vec<f32>,
-    /// The current query rounded to f16.
+    /// The current query rounded to f16 (a decode task's query heads, `[hpt][head_dim]`, over an f16 cache).
     q: Vec<f32>,
     /// The task's keys in f32, `[n_keys][head_dim]`.
     k: Vec<f32>,
     acc: Vec<f32>,
     /// The value rows of one KV block in f32.
     v: Vec<f32>,
+    /// One key's scores for the task's heads (decode over an f16 cache).
+    d: Vec<f32>,
 }
 
 /// The ops on host slices, lengths taken from the slices: what the [`Backend`] impl below runs on the used
@@ -439,6 +441,7 @@ impl CpuBackend {
                 k: Vec::new(),
                 acc: Vec::new(),
                 v: vec![0.0; KV_BLOCK_CELLS * dv],
+                d: Vec::new(),
             },
             |s, task| {
                 super::progress::tick();
@@ -484,8 +487,37 @@ impl CpuBackend {
                 s.scores.resize(n_q * n_keys, f32::NEG_INFINITY);
                 s.acc.clear();
                 s.acc.resize(n_q * dv, 0.0);
-                // Scores: query (t, hh) against every key it may see.
-                for (ti, &pos) in toks.iter().enumerate() {
+                // Scores: query (t, hh) against every key it may see. A decode token over an f16 cache takes each
+                // key once for the task's heads (`dots_f16`: each head's bits of `dot_f16`).
+                let grouped_keys = direct_keys && hpt > 1;
+                if grouped_keys {
+                    let pos = toks[0] as usize;
+                    let first = first_key(pos);
+                    s.q.clear();
+                    s.q.extend(q[(t0 * p.n_head + h0) * dk..][..hpt * dk].iter().map(|&x| round_f16(x)));
+                    s.d.resize(hpt, 0.0);
+                    for j in first..=pos {
+                        match kv.k.cell_f16(j, g) {
+                            Some(k16) => kernels::dots_f16(k16, &s.q, &mut s.d),
+                            None => {
+                                kv.k.read_cells(j, j + 1, g, &mut s.k[..dk]);
+                                for (hh, d) in s.d.iter_mut().enumerate() {
+                                    *d = kernels::dot(&s.k[..dk], &s.q[hh * dk..][..dk]);
+                                }
+                            }
+                        }
+                        for (hh, &d) in s.d.iter().enumerate() {
+                            s.scores[hh * n_keys + j - lo] = p.scale * d;
+                        }
+                    }
+                    for row in s.scores.chunks_mut(n_keys) {
+                        softmax_row(row);
+                        if f16_values {
+                            row.iter_mut().for_each(|x| *x = round_f16(*x));
+                        }
+                    }
+                }
+                for (ti, &pos) in toks.iter().enumerate().filter(|_| !grouped_keys) {
                     let pos = pos as usize;
                     let first = first_key(pos);
                     for hh in 0..hpt {
@@ -517,20 +549,24 @@ impl CpuBackend {
                 // A decode token over an f16 cache reads each where it lies (`axpy_f16`: the same bits as
                 // converting first); otherwise a KV block at a time (converting them all first, as the keys are,
                 // costs a pass over memory in decode, where each is read once).
-                if tile == 1 && f16_values {
+                let rows: Option<Vec<&[half::f16]>> = match tile == 1 && f16_values {
+                    true => (lo..=hi).map(|j| kv.v.cell_f16(j, g)).collect(),
+                    false => None,
+                };
+                if let Some(rows) = rows {
+                    // Each head's weighted sum of the values where they lie, its sums in registers across them
+                    // (`axpy_rows_f16`: the bits of `axpy_f16` one value after another).
+                    for qi in 0..n_q {
+                        let w = &s.scores[qi * n_keys..][..n_keys];
+                        kernels::axpy_rows_f16(w, &rows, &mut s.acc[qi * dv..(qi + 1) * dv]);
+                    }
+                } else if tile == 1 && f16_values {
                     for j in lo..=hi {
-                        let v16 = kv.v.cell_f16(j, g);
-                        if v16.is_none() {
-                            kv.v.read_cells(j, j + 1, g, &mut s.v[..dv]);
-                        }
+                        kv.v.read_cells(j, j + 1, g, &mut s.v[..dv]);
                         for qi in 0..n_q {
                             let w = s.scores[qi * n_keys + j - lo];
                             if w != 0.0 {
-                                let acc = &mut s.acc[qi * dv..(qi + 1) * dv];
-                                match v16 {
-                                    Some(v) => kernels::axpy_f16(w, v, acc),
-                                    None => kernels::axpy(w, &s.v[..dv], acc),
-                                }
+                                kernels::axpy(w, &s.v[..dv], &mut s.acc[qi * dv..(qi + 1) * dv]);
                             }
                         }
                     }
