@@ -572,6 +572,11 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
 // has at most four (so a launch of 2048 rows of 768 values per expert is one wave of blocks), else one. The host
 // sizes the grid by it (cuda/mod.rs, mmv_moe_rows_per_block): change both together.
 #define MMV_MOE_RG_SHORT 2
+// Super-blocks a lane of the grouped MoE kernel (mmv_moe_group_T) loads at once for rows of more than four: 8 (a
+// tuning run may set 4 through STRATA_KERNEL_DEFINES).
+#ifndef MMV_MOE_NB_LONG
+#define MMV_MOE_NB_LONG 8
+#endif
 
 // Minimum resident blocks per SM asked of the compiler (__launch_bounds__(256, n)) for the fast matrix-vector
 // kernels (MMV_MINB: unset, no bound, the compiler's choice of registers) and the Q4_K MoE one (MMV_MOE_MINB: 3, so
@@ -703,7 +708,7 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         if (short_rows)                                                                                         \
             mmv_group_rows<Q, RG, 4, T>(base, row_bytes, first, rows, xs, xus, n, act, cols, lane, st, acc);    \
         else                                                                                                    \
-            mmv_group_rows<Q, 1, 8, T>(base, row_bytes, first, rows, xs, xus, n, act, cols, lane, st, acc);     \
+            mmv_group_rows<Q, 1, MMV_MOE_NB_LONG, T>(base, row_bytes, first, rows, xs, xus, n, act, cols, lane, st, acc); \
         _Pragma("unroll") for (int i = 0; i < RG; ++i)                                                          \
             _Pragma("unroll") for (int t = 0; t < T; ++t)                                                       \
                 if ((short_rows || i == 0) && t < n && (lane & 7) == 0 && first + 4 * i + q < rows)             \
