@@ -489,8 +489,7 @@ impl CpuBackend {
                 s.acc.resize(n_q * dv, 0.0);
                 // Scores: query (t, hh) against every key it may see. A decode token over an f16 cache takes each
                 // key once for the task's heads (`dots_f16`: each head's bits of `dot_f16`).
-                let grouped_keys = direct_keys && hpt > 1;
-                if grouped_keys {
+                if direct_keys {
                     let pos = toks[0] as usize;
                     let first = first_key(pos);
                     s.q.clear();
@@ -516,39 +515,32 @@ impl CpuBackend {
                             row.iter_mut().for_each(|x| *x = round_f16(*x));
                         }
                     }
-                }
-                for (ti, &pos) in toks.iter().enumerate().filter(|_| !grouped_keys) {
-                    let pos = pos as usize;
-                    let first = first_key(pos);
-                    for hh in 0..hpt {
-                        let mut qv = &q[((t0 + ti) * p.n_head + h0 + hh) * dk..][..dk];
-                        if f16_keys {
-                            s.q.clear();
-                            s.q.extend(qv.iter().map(|&x| round_f16(x)));
-                            qv = &s.q;
-                        }
-                        let row = &mut s.scores[(ti * hpt + hh) * n_keys..][..n_keys];
-                        for j in first..=pos {
-                            let d = match (direct_keys, kv.k.cell_f16(j, g)) {
-                                (true, Some(k16)) => kernels::dot_f16(k16, qv),
-                                (true, None) => {
-                                    kv.k.read_cells(j, j + 1, g, &mut s.k[..dk]);
-                                    kernels::dot(&s.k[..dk], qv)
-                                }
-                                (false, _) => kernels::dot(&s.k[(j - lo) * dk..][..dk], qv),
-                            };
-                            row[j - lo] = p.scale * d;
-                        }
-                        softmax_row(row);
-                        if f16_values {
-                            row.iter_mut().for_each(|x| *x = round_f16(*x));
+                } else {
+                    for (ti, &pos) in toks.iter().enumerate() {
+                        let pos = pos as usize;
+                        let first = first_key(pos);
+                        for hh in 0..hpt {
+                            let mut qv = &q[((t0 + ti) * p.n_head + h0 + hh) * dk..][..dk];
+                            if f16_keys {
+                                s.q.clear();
+                                s.q.extend(qv.iter().map(|&x| round_f16(x)));
+                                qv = &s.q;
+                            }
+                            let row = &mut s.scores[(ti * hpt + hh) * n_keys..][..n_keys];
+                            for j in first..=pos {
+                                row[j - lo] = p.scale * kernels::dot(&s.k[(j - lo) * dk..][..dk], qv);
+                            }
+                            softmax_row(row);
+                            if f16_values {
+                                row.iter_mut().for_each(|x| *x = round_f16(*x));
+                            }
                         }
                     }
                 }
                 // Values: each cached value row is read once per task and added into every query that sees it.
-                // A decode token over an f16 cache reads each where it lies (`axpy_f16`: the same bits as
-                // converting first); otherwise a KV block at a time (converting them all first, as the keys are,
-                // costs a pass over memory in decode, where each is read once).
+                // A decode token over an f16 cache reads each where it lies (the same bits as converting first);
+                // otherwise a KV block at a time (converting them all first, as the keys are, costs a pass over
+                // memory in decode, where each is read once).
                 let rows: Option<Vec<&[half::f16]>> = match tile == 1 && f16_values {
                     true => (lo..=hi).map(|j| kv.v.cell_f16(j, g)).collect(),
                     false => None,
@@ -562,16 +554,6 @@ impl CpuBackend {
                         for qi in 0..n_q {
                             let w = &s.scores[qi * n_keys + c..qi * n_keys + e];
                             kernels::axpy_rows_f16(w, &rows[c..e], &mut s.acc[qi * dv..(qi + 1) * dv]);
-                        }
-                    }
-                } else if tile == 1 && f16_values {
-                    for j in lo..=hi {
-                        kv.v.read_cells(j, j + 1, g, &mut s.v[..dv]);
-                        for qi in 0..n_q {
-                            let w = s.scores[qi * n_keys + j - lo];
-                            if w != 0.0 {
-                                kernels::axpy(w, &s.v[..dv], &mut s.acc[qi * dv..(qi + 1) * dv]);
-                            }
                         }
                     }
                 } else {
