@@ -752,6 +752,22 @@ extern "C" __global__ void q8k_stage(const float* __restrict__ x, Q8kStage* __re
         stage_q8k_sb<false>(xt, nullptr, 0, sb, out[t]);
 }
 
+// q8k_stage_glu: q8k_stage of glu_act(x[t]) * xu[t], n_rows rows (the gated rows of a MoE step: the glu kernel's
+// values, staged for the down projection of mmq_moe_group_T in one launch instead of two). Grid (n_rows,
+// ceil(cols / 2048)), block 256.
+extern "C" __global__ void q8k_stage_glu(const float* __restrict__ x, const float* __restrict__ xu, int act,
+                                         Q8kStage* __restrict__ out, int cols, int natural) {
+    pdl_enter();
+    int t = blockIdx.x, sb = blockIdx.y * 8 + (threadIdx.x >> 5);
+    if (sb >= cols / 256) return; // a whole warp
+    const float* xt = x + (long long)t * cols;
+    const float* ut = xu + (long long)t * cols;
+    if (natural)
+        stage_q8k_sb<true>(xt, ut, act, sb, out[t]);
+    else
+        stage_q8k_sb<false>(xt, ut, act, sb, out[t]);
+}
+
 // mmvt_T: mmv_T for a step of several tokens (a batch of decode steps, a short prompt chunk): each weight row is
 // loaded once for up to MMV_T tokens (blockIdx.y's: tokens MMV_T y .. MMV_T y + MMV_T - 1), so a step of n tokens
 // reads each matrix ceil(n / MMV_T) times instead of n times. The activations come staged by q8k_stage (st[t], in
@@ -1144,6 +1160,50 @@ __device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expe
     }
 STRATA_MMQ_MOE(q4_k, MmqQ4K)
 STRATA_MMQ_MOE(q6_k, MmqQ6K)
+
+// mmq_moe_group_T: mmq_moe_T over moe_groups' table (a decode step of several tokens whose experts are resident and
+// routed on the device, no host round trip): group g (blockIdx.y) is a tile of its n <= MOE_GROUP_T routing slots
+// of one expert; slot s reads stage st[s / x_div] (a token's activations for gate and up, x_div = k; the slot's own
+// gated row for down, x_div = 1) and writes y[s][0..n_out), where y is ya, or yb for blockIdx.z = 1 (gate and up
+// in one launch, wa and wb). A slot's sums are mmq_moe_T's for the same stage, whatever the group's other slots
+// (the mma's columns do not mix). Grid (ceil(n_out / 16), most groups, 1 or 2), block 256; blocks past the count
+// compute nothing.
+template <class Q>
+__device__ __forceinline__ void mmq_moe_group(const u8* __restrict__ wa, const u8* __restrict__ wb,
+                                              long long expert_stride, long long row_bytes,
+                                              const int* __restrict__ groups, const Q8kStage* __restrict__ st,
+                                              int x_div, float* __restrict__ ya, float* __restrict__ yb, int n_out,
+                                              int cols) {
+    pdl_enter(); // the group table and the stages come from the launches before
+    if ((int)blockIdx.y >= (int)ld_cg_u32((const u32*)groups)) return;
+    const u32* gr = (const u32*)groups + 1 + blockIdx.y * MOE_GROUP_INTS;
+    u32 e = ld_cg_u32(gr);
+    int n = (int)ld_cg_u32(gr + 1);
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const u8* base = (blockIdx.z ? wb : wa) + (long long)e * expert_stride;
+    const u8* wr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int r = blockIdx.x * MMQ_ROWS + g + 8 * h;
+        wr[h] = r < n_out ? base + (long long)r * row_bytes : nullptr;
+    }
+    auto slot = [&](int t) { return (int)ld_cg_u32(gr + 2 + min(t, n - 1)); };
+    float s = mmq_sums<Q>(wr, cols / 256, st + slot(g) / x_div, st + slot(2 * q) / x_div,
+                          st + slot(2 * q + 1) / x_div, false);
+    int i = threadIdx.x, t = i % MMV_T, o = blockIdx.x * MMQ_ROWS + i / MMV_T;
+    float* y = blockIdx.z ? yb : ya;
+    if (i < MMQ_ROWS * MMV_T && t < n && o < n_out) y[(long long)slot(t) * n_out + o] = s;
+}
+#define STRATA_MMQ_MOE_GROUP(name, Q)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                                          \
+        mmq_moe_group_##name(const u8* __restrict__ wa, const u8* __restrict__ wb, long long expert_stride,     \
+                             long long row_bytes, const int* __restrict__ groups,                               \
+                             const Q8kStage* __restrict__ st, int x_div, float* __restrict__ ya,                \
+                             float* __restrict__ yb, int n_out, int cols) {                                     \
+        mmq_moe_group<Q>(wa, wb, expert_stride, row_bytes, groups, st, x_div, ya, yb, n_out, cols);             \
+    }
+STRATA_MMQ_MOE_GROUP(q4_k, MmqQ4K)
+STRATA_MMQ_MOE_GROUP(q6_k, MmqQ6K)
 #ifndef MMV_Q6K_F32
 STRATA_MMVT(q6_k, MmvQ6K, mmvt_, MMV_R)
 STRATA_MMVT(q6_k, MmvQ6K, mmvt1_, 1)

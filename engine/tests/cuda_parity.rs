@@ -2230,6 +2230,25 @@ fn batched_decode_attention_equals_attending_run_by_run() {
     g.set_batch_split_cells(strata_engine::backend::cuda::BATCH_SPLIT_CELLS);
 }
 
+/// Six prompts of 3 to 90 tokens for the grouped-experts tests.
+fn grouped_prompts() -> Vec<Vec<u32>> {
+    [5u32, 30, 90, 12, 3, 61]
+        .iter()
+        .map(|&n| (0..n).map(|i| 300 + (i * 41 + n) % 1500).collect())
+        .collect()
+}
+
+/// The tiny Qwen3-MoE with experts of type `ty` and rows of 1,280 values (five super-blocks: the grouped kernels'
+/// long-row path) into 256-value rows (the short-row path), written into `dir`.
+fn grouped_model(dir: &std::path::Path, ty: GgmlType) -> Model {
+    let mut spec = SynthSpec::tiny_qwen3moe();
+    spec.n_embd = 1280;
+    spec.types.experts = ty;
+    let path = dir.join(format!("tiny-qwen3moe-{ty:?}.gguf"));
+    spec.write(&path).unwrap();
+    Model::load(&path).unwrap()
+}
+
 /// Steps of several tokens group their routing slots by expert (`mmv_moe_group_*`, `STRATA_MOE_GROUPS`), steps of
 /// up to 64 tokens on the device's routing (`STRATA_MOE_DEVICE_TOKENS` 64, so the prompt chunks in steps of several
 /// sequences take the grouped kernels too): with Q4_K and with Q6_K experts, rows of 1,280 values (five super-blocks: the kernels' long-row path) into
@@ -2240,19 +2259,11 @@ fn batched_decode_attention_equals_attending_run_by_run() {
 fn grouped_experts_give_the_bits_of_each_slot_alone() {
     let dir = std::env::temp_dir().join(format!("strata-cuda-groups-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let prompts: Vec<Vec<u32>> = [5u32, 30, 90, 12, 3, 61]
-        .iter()
-        .map(|&n| (0..n).map(|i| 300 + (i * 41 + n) % 1500).collect())
-        .collect();
+    let prompts = grouped_prompts();
     let g = gpu();
     g.set_moe_device_tokens(64);
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-        let mut spec = SynthSpec::tiny_qwen3moe();
-        spec.n_embd = 1280;
-        spec.types.experts = ty;
-        let path = dir.join(format!("tiny-qwen3moe-{ty:?}.gguf"));
-        spec.write(&path).unwrap();
-        let model = Model::load(&path).unwrap();
+        let model = grouped_model(&dir, ty);
         g.set_moe_groups(false);
         let (t_slot, l_slot) = batched_greedy(&g, &model, &prompts, 16);
         g.set_moe_groups(true);
@@ -2272,6 +2283,53 @@ fn grouped_experts_give_the_bits_of_each_slot_alone() {
             "grouped experts, {ty:?}: {} steps bit for bit",
             l_group.iter().map(Vec::len).sum::<usize>()
         );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A step of several tokens whose experts are grouped on the device may run them on the integer tensor cores
+/// (`mmq_moe_group_*`, `STRATA_MOE_MMQ_TOKENS`): the same greedy tokens as the dp4a kernels (`mmv_moe_group_*`),
+/// logits within 1e-3 of the largest (another order of float sums over the same Q8_K integer products), Q4_K and
+/// Q6_K experts; and the kernels ran.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn grouped_experts_on_the_tensor_cores_match_the_dp4a_kernels() {
+    let dir = std::env::temp_dir().join(format!("strata-cuda-mmq-groups-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompts = grouped_prompts();
+    let g = gpu();
+    g.set_moe_device_tokens(64);
+    g.set_moe_groups(true);
+    g.set_mmq(true);
+    g.gpu().set_profiling(true);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let model = grouped_model(&dir, ty);
+        g.set_moe_mmq_from(usize::MAX);
+        let (t_dp4a, l_dp4a) = batched_greedy(&g, &model, &prompts, 16);
+        g.set_moe_mmq_from(2);
+        let (t_mmq, l_mmq) = batched_greedy(&g, &model, &prompts, 16);
+        let (mut worst, mut differ) = (0f32, 0usize);
+        for (i, (a, b)) in l_mmq.iter().zip(&l_dp4a).enumerate() {
+            assert_eq!(a.len(), b.len(), "{ty:?} sequence {i}: steps");
+            for (x, y) in a.iter().zip(b) {
+                let top = y.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                worst = worst.max(d / top);
+                differ += x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
+            }
+        }
+        println!("mmq grouped experts, {ty:?}: logits within {worst:.2e} of the largest of dp4a's, {differ} differ");
+        assert!(worst <= 1e-3, "{ty:?}: logits {worst:.2e} of the largest from dp4a's");
+        assert!(
+            differ > 0,
+            "{ty:?}: the dp4a kernels' bits everywhere: the tensor-core path did not run"
+        );
+        assert_eq!(t_mmq, t_dp4a, "{ty:?}: greedy tokens");
+        let name = format!("mmq_moe_group_{}", format!("{ty:?}").to_lowercase());
+        let ran: Vec<&str> = g.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
+        for k in [name.as_str(), "q8k_stage_glu", "moe_groups"] {
+            assert!(ran.contains(&k), "{k} did not run: {ran:?}");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -17,8 +17,8 @@ const GRID_Y_MAX: usize = 65_535;
 /// Tokens one block of `mmvt_*` reads each weight row for (kernels/matvec.cu, MMV_T); also the most rows of a
 /// tile of `mmq_moe_*`.
 pub(super) const MMVT_TOKENS: usize = 8;
-/// Rows one block of `mmq_*` and `mmq_moe_*` computes (kernels/matvec.cu, MMQ_ROWS).
-const MMQ_ROWS: usize = 16;
+/// Rows one block of `mmq_*`, `mmq_moe_*` and `mmq_moe_group_*` computes (kernels/matvec.cu, MMQ_ROWS).
+pub(super) const MMQ_ROWS: usize = 16;
 /// Bytes of one activation row staged as Q8_K (kernels/matvec.cu, `Q8kStage`; a static_assert there checks it).
 pub(super) const Q8K_STAGE_BYTES: usize = 5184;
 
