@@ -1044,27 +1044,31 @@ struct MmqQ6K {
     }
 };
 
-// The block's sums for the lane's rows w[0] and w[1] (g and g + 8 of the tile; null: absent) over nsb super-blocks,
-// token g's stage sg the B column, sc0 / sc1 (tokens 2 q and 2 q + 1) the C columns; wait: pdl_enter once the
-// first weights are in flight (else the caller has waited). Returns, to thread i < 128, the sum of row i / 8 and
-// token i % 8 (the warps' sums added in warp order through shared memory); every thread calls it.
-template <class Q>
+// The block's sums for the lane's rows w[0] and w[1] (g and g + 8 of its warp's tile; null: absent) over nsb
+// super-blocks, token g's stage sg the B column, sc0 / sc1 (tokens 2 q and 2 q + 1) the C columns; wait: pdl_enter
+// once the first weights are in flight (else the caller has waited). The block's 8 warps split RT tiles of 16 rows
+// (warp w works on tile w / (8 / RT)), each tile's warps its super-blocks. Returns, to thread i < 128 RT, the sum
+// of row i % 128 / 8 of tile i / 128 and token i % 8 (a tile's warps' sums added in warp order through shared
+// memory); every thread calls it.
+template <class Q, int RT = 1>
 __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8kStage* sg, const Q8kStage* sc0,
                                           const Q8kStage* sc1, bool wait) {
+    constexpr int WT = 8 / RT; // warps a tile
     __shared__ float red[8][MMQ_ROWS * MMV_T];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    int wt = RT == 1 ? warp : warp % WT;
     float acc[4] = {0.f, 0.f, 0.f, 0.f}; // (row g, token 2 q), (g, 2 q + 1), (g + 8, 2 q), (g + 8, 2 q + 1)
     typename Q::Frag cur;
-    if (warp < nsb) Q::load(cur, w, warp, q);
+    if (wt < nsb) Q::load(cur, w, wt, q);
     if (wait) pdl_enter(); // the weights' first loads are in flight; the staged activations come from the kernel before
     const u8* xb = (const u8*)sg->codes;
     const Q8kStage& x0 = *sc0;
     const Q8kStage& x1 = *sc1;
-    for (int sb = warp; sb < nsb; sb += 8) {
+    for (int sb = wt; sb < nsb; sb += WT) {
         typename Q::Frag nxt;
-        if (sb + 8 < nsb) Q::load(nxt, w, sb + 8, q);
+        if (sb + WT < nsb) Q::load(nxt, w, sb + WT, q);
         Q::add(cur, xb, x0, x1, sb, q, acc);
-        if (sb + 8 < nsb) cur = nxt;
+        if (sb + WT < nsb) cur = nxt;
     }
     red[warp][g * MMV_T + 2 * q] = acc[0];
     red[warp][g * MMV_T + 2 * q + 1] = acc[1];
@@ -1072,9 +1076,11 @@ __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8k
     red[warp][(g + 8) * MMV_T + 2 * q + 1] = acc[3];
     __syncthreads();
     float s = 0.f;
-    if (threadIdx.x < MMQ_ROWS * MMV_T) {
+    if (threadIdx.x < MMQ_ROWS * MMV_T * RT) {
+        int t0 = RT == 1 ? 0 : threadIdx.x / (MMQ_ROWS * MMV_T) * WT;
+        unsigned j = RT == 1 ? threadIdx.x : threadIdx.x % (MMQ_ROWS * MMV_T);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) s += red[k][threadIdx.x];
+        for (int k = 0; k < WT; ++k) s += red[t0 + k][j];
     }
     return s;
 }
@@ -1168,6 +1174,35 @@ STRATA_MMQ_MOE(q6_k, MmqQ6K)
 // in one launch, wa and wb). A slot's sums are mmq_moe_T's for the same stage, whatever the group's other slots
 // (the mma's columns do not mix). Grid (ceil(n_out / 16), most groups, 1 or 2), block 256; blocks past the count
 // compute nothing.
+// MMQ_GROUP_RT2 (a measurement define; off): rows of at most 1,024 values (four super-blocks, an expert's down
+// projection) take two 16-row tiles a block (four warps a tile), so that more of the block's warps have a
+// super-block; its blocks past the rows compute nothing (the host still sizes the grid for one tile a block).
+template <class Q, int RT>
+__device__ __forceinline__ void mmq_moe_group_tiles(const u8* __restrict__ wa, const u8* __restrict__ wb,
+                                                    long long expert_stride, long long row_bytes, const u32* gr,
+                                                    const Q8kStage* __restrict__ st, int x_div,
+                                                    float* __restrict__ ya, float* __restrict__ yb, int n_out,
+                                                    int cols) {
+    u32 e = ld_cg_u32(gr);
+    int n = (int)ld_cg_u32(gr + 1);
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, tile = (threadIdx.x >> 5) / (8 / RT);
+    int first = (blockIdx.x * RT + tile) * MMQ_ROWS;
+    if (blockIdx.x * RT * MMQ_ROWS >= n_out) return; // the whole block
+    const u8* base = (blockIdx.z ? wb : wa) + (long long)e * expert_stride;
+    const u8* wr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int r = first + g + 8 * h;
+        wr[h] = r < n_out ? base + (long long)r * row_bytes : nullptr;
+    }
+    auto slot = [&](int t) { return (int)ld_cg_u32(gr + 2 + min(t, n - 1)); };
+    float s = mmq_sums<Q, RT>(wr, cols / 256, st + slot(g) / x_div, st + slot(2 * q) / x_div,
+                              st + slot(2 * q + 1) / x_div, false);
+    int i = threadIdx.x % (MMQ_ROWS * MMV_T), t = i % MMV_T;
+    int o = (blockIdx.x * RT + (int)threadIdx.x / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i / MMV_T;
+    float* y = blockIdx.z ? yb : ya;
+    if ((int)threadIdx.x < MMQ_ROWS * MMV_T * RT && t < n && o < n_out) y[(long long)slot(t) * n_out + o] = s;
+}
 template <class Q>
 __device__ __forceinline__ void mmq_moe_group(const u8* __restrict__ wa, const u8* __restrict__ wb,
                                               long long expert_stride, long long row_bytes,
@@ -1177,22 +1212,13 @@ __device__ __forceinline__ void mmq_moe_group(const u8* __restrict__ wa, const u
     pdl_enter(); // the group table and the stages come from the launches before
     if ((int)blockIdx.y >= (int)ld_cg_u32((const u32*)groups)) return;
     const u32* gr = (const u32*)groups + 1 + blockIdx.y * MOE_GROUP_INTS;
-    u32 e = ld_cg_u32(gr);
-    int n = (int)ld_cg_u32(gr + 1);
-    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const u8* base = (blockIdx.z ? wb : wa) + (long long)e * expert_stride;
-    const u8* wr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int r = blockIdx.x * MMQ_ROWS + g + 8 * h;
-        wr[h] = r < n_out ? base + (long long)r * row_bytes : nullptr;
+#if MMQ_GROUP_RT2
+    if (cols <= 1024) {
+        mmq_moe_group_tiles<Q, 2>(wa, wb, expert_stride, row_bytes, gr, st, x_div, ya, yb, n_out, cols);
+        return;
     }
-    auto slot = [&](int t) { return (int)ld_cg_u32(gr + 2 + min(t, n - 1)); };
-    float s = mmq_sums<Q>(wr, cols / 256, st + slot(g) / x_div, st + slot(2 * q) / x_div,
-                          st + slot(2 * q + 1) / x_div, false);
-    int i = threadIdx.x, t = i % MMV_T, o = blockIdx.x * MMQ_ROWS + i / MMV_T;
-    float* y = blockIdx.z ? yb : ya;
-    if (i < MMQ_ROWS * MMV_T && t < n && o < n_out) y[(long long)slot(t) * n_out + o] = s;
+#endif
+    mmq_moe_group_tiles<Q, 1>(wa, wb, expert_stride, row_bytes, gr, st, x_div, ya, yb, n_out, cols);
 }
 #define STRATA_MMQ_MOE_GROUP(name, Q)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
