@@ -1187,7 +1187,10 @@ __device__ __forceinline__ void mmq_moe_group_tiles(const u8* __restrict__ wa, c
     int n = (int)ld_cg_u32(gr + 1);
     int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, tile = (threadIdx.x >> 5) / (8 / RT);
     int first = (blockIdx.x * RT + tile) * MMQ_ROWS;
-    if (blockIdx.x * RT * MMQ_ROWS >= n_out) return; // the whole block
+    if (blockIdx.x * RT * MMQ_ROWS >= n_out) { // the whole block
+        pdl_enter();
+        return;
+    }
     const u8* base = (blockIdx.z ? wb : wa) + (long long)e * expert_stride;
     const u8* wr[2];
 #pragma unroll
@@ -1197,7 +1200,7 @@ __device__ __forceinline__ void mmq_moe_group_tiles(const u8* __restrict__ wa, c
     }
     auto slot = [&](int t) { return (int)ld_cg_u32(gr + 2 + min(t, n - 1)); };
     float s = mmq_sums<Q, RT>(wr, cols / 256, st + slot(g) / x_div, st + slot(2 * q) / x_div,
-                              st + slot(2 * q + 1) / x_div, false);
+                              st + slot(2 * q + 1) / x_div, true);
     int i = threadIdx.x % (MMQ_ROWS * MMV_T), t = i % MMV_T;
     int o = (blockIdx.x * RT + (int)threadIdx.x / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i / MMV_T;
     float* y = blockIdx.z ? yb : ya;
@@ -1209,8 +1212,14 @@ __device__ __forceinline__ void mmq_moe_group(const u8* __restrict__ wa, const u
                                               const int* __restrict__ groups, const Q8kStage* __restrict__ st,
                                               int x_div, float* __restrict__ ya, float* __restrict__ yb, int n_out,
                                               int cols) {
-    pdl_enter(); // the group table and the stages come from the launches before
-    if ((int)blockIdx.y >= (int)ld_cg_u32((const u32*)groups)) return;
+    // The group table was written two launches back at least (moe_groups, then q8k_stage or q8k_stage_glu, and
+    // the gate launch before up's when they are two): it is read through L2 before the wait (pdl_enter says why
+    // that holds), and the weights' first loads go out before it too (mmq_sums); the stages come from the launch
+    // just before.
+    if ((int)blockIdx.y >= (int)ld_cg_u32((const u32*)groups)) {
+        pdl_enter();
+        return;
+    }
     const u32* gr = (const u32*)groups + 1 + blockIdx.y * MOE_GROUP_INTS;
 #if MMQ_GROUP_RT2
     if (cols <= 1024) {

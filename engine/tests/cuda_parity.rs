@@ -2319,12 +2319,15 @@ fn grouped_experts_on_the_tensor_cores_match_the_dp4a_kernels() {
             }
         }
         println!("mmq grouped experts, {ty:?}: logits within {worst:.2e} of the largest of dp4a's, {differ} differ");
+        assert_eq!(
+            t_mmq, t_dp4a,
+            "{ty:?}: greedy tokens (logits within {worst:.2e} of the largest)"
+        );
         assert!(worst <= 1e-3, "{ty:?}: logits {worst:.2e} of the largest from dp4a's");
         assert!(
             differ > 0,
             "{ty:?}: the dp4a kernels' bits everywhere: the tensor-core path did not run"
         );
-        assert_eq!(t_mmq, t_dp4a, "{ty:?}: greedy tokens");
         let name = format!("mmq_moe_group_{}", format!("{ty:?}").to_lowercase());
         let ran: Vec<&str> = g.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
         for k in [name.as_str(), "q8k_stage_glu", "moe_groups"] {
