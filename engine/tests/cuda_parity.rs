@@ -2241,10 +2241,16 @@ fn grouped_prompts() -> Vec<Vec<u32>> {
 /// The tiny Qwen3-MoE with experts of type `ty` and rows of 1,280 values (five super-blocks: the grouped kernels'
 /// long-row path) into 256-value rows (the short-row path), written into `dir`.
 fn grouped_model(dir: &std::path::Path, ty: GgmlType) -> Model {
+    grouped_model_down(dir, ty, None)
+}
+
+/// [`grouped_model`] with the down projections at `down` when given (Q4_K_M's layout: Q4_K gate and up, Q6_K down).
+fn grouped_model_down(dir: &std::path::Path, ty: GgmlType, down: Option<GgmlType>) -> Model {
     let mut spec = SynthSpec::tiny_qwen3moe();
     spec.n_embd = 1280;
     spec.types.experts = ty;
-    let path = dir.join(format!("tiny-qwen3moe-{ty:?}.gguf"));
+    spec.types.experts_down = down;
+    let path = dir.join(format!("tiny-qwen3moe-{ty:?}-{down:?}.gguf"));
     spec.write(&path).unwrap();
     Model::load(&path).unwrap()
 }
@@ -2289,8 +2295,9 @@ fn grouped_experts_give_the_bits_of_each_slot_alone() {
 
 /// A step of several tokens whose experts are grouped on the device may run them on the integer tensor cores
 /// (`mmq_moe_group_*`, `STRATA_MOE_MMQ_TOKENS`): the same greedy tokens as the dp4a kernels (`mmv_moe_group_*`),
-/// logits within 1e-3 of the largest (another order of float sums over the same Q8_K integer products), Q4_K and
-/// Q6_K experts; and the kernels ran.
+/// logits within 1e-3 of the largest (another order of float sums over the same Q8_K integer products), with Q4_K
+/// experts, Q6_K experts, and Q4_K gate and up over a Q6_K down (Q4_K_M's layout: the dp4a path then runs the GLU
+/// apart); and the kernels ran.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn grouped_experts_on_the_tensor_cores_match_the_dp4a_kernels() {
@@ -2302,8 +2309,10 @@ fn grouped_experts_on_the_tensor_cores_match_the_dp4a_kernels() {
     g.set_moe_groups(true);
     g.set_mmq(true);
     g.gpu().set_profiling(true);
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-        let model = grouped_model(&dir, ty);
+    let mixed = (GgmlType::Q4_K, Some(GgmlType::Q6_K));
+    for (ty, down) in [(GgmlType::Q4_K, None), (GgmlType::Q6_K, None), mixed] {
+        let model = grouped_model_down(&dir, ty, down);
+        let ty = (ty, down);
         g.set_moe_mmq_from(usize::MAX);
         let (t_dp4a, l_dp4a) = batched_greedy(&g, &model, &prompts, 16);
         g.set_moe_mmq_from(2);
@@ -2328,9 +2337,10 @@ fn grouped_experts_on_the_tensor_cores_match_the_dp4a_kernels() {
             differ > 0,
             "{ty:?}: the dp4a kernels' bits everywhere: the tensor-core path did not run"
         );
-        let name = format!("mmq_moe_group_{}", format!("{ty:?}").to_lowercase());
+        let name = |t: GgmlType| format!("mmq_moe_group_{}", format!("{t:?}").to_lowercase());
+        let (gate, down) = (name(ty.0), name(ty.1.unwrap_or(ty.0)));
         let ran: Vec<&str> = g.gpu().kernel_profile().iter().map(|(k, _, _)| *k).collect();
-        for k in [name.as_str(), "q8k_stage_glu", "moe_groups"] {
+        for k in [gate.as_str(), down.as_str(), "q8k_stage_glu", "moe_groups"] {
             assert!(ran.contains(&k), "{k} did not run: {ran:?}");
         }
     }
