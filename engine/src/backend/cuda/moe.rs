@@ -41,6 +41,12 @@ fn groups_experts(w: &QMat<'_>) -> bool {
     super::compile::q8k_several_tokens(w.ty) && w.cols <= MMV_X_MAX
 }
 
+/// The most groups `moe_groups` makes of `slots` routing slots over `n_expert` experts (the grouped kernels' grid):
+/// at most one per slot, and per expert one per [`MOE_GROUP_T`] of its slots.
+fn most_groups(slots: usize, n_expert: usize) -> usize {
+    slots.min(slots.min(n_expert) + slots / MOE_GROUP_T)
+}
+
 /// Whether a decode step's down projection computes the GLU itself while it quantizes its activations (one launch
 /// fewer): the Q4_K one, for rows within its staging; other types take the GLU kernel first.
 fn fuses_glu(ex: &Experts<'_>) -> bool {
@@ -335,8 +341,7 @@ impl Inner {
         let (n_embd, nff) = (ex.gate.cols, ex.n_ff_exp);
         let [gp, up, dp] = bufs;
         let same = ex.gate.ty == ex.up.ty;
-        // Groups in a step: at most one per slot, and per expert one per MOE_GROUP_T of its slots.
-        let most_groups = slots.min(slots.min(ex.n_expert) + slots / MOE_GROUP_T);
+        let most_groups = most_groups(slots, ex.n_expert);
         #[allow(clippy::too_many_arguments)]
         let launch = |m: usize,
                       wb: u64,
@@ -437,8 +442,7 @@ impl Inner {
     ) -> Result<(), CudaError> {
         let (n_embd, nff, slots) = (ex.gate.cols, ex.n_ff_exp, n_tok * k);
         let [gp, up, dp] = bufs;
-        // Groups in a step: at most one per slot, and per expert one per MOE_GROUP_T of its slots.
-        let most_groups = slots.min(slots.min(ex.n_expert) + slots / MOE_GROUP_T);
+        let most_groups = most_groups(slots, ex.n_expert);
         let xq = self.q8k_stage(gpu, Slot::MoeQ8k, xp, n_tok, n_tok, n_embd, true)?;
         let gq = self.slot(gpu, Slot::MoeQ8kDown, slots * Q8K_STAGE_BYTES)?;
         // Matrix m (0 gate, 1 up, 2 down: n_out rows an expert) over stages st, slot s reading st[s / x_div], into
