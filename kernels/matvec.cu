@@ -1134,28 +1134,48 @@ STRATA_MMQ(q6_k, MmqQ6K)
 // of tile i for its rows (the absent columns are computed from the tile's last row and not written). Grid
 // (ceil(n_out / 16), tiles), block 256; the expert's rows of cols values (a multiple of 256, at most MMV_X_MAX)
 // row_bytes apart, experts expert_stride bytes apart from w.
-template <class Q>
-__device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
-                                        const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
-                                        const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {
-    pdl_enter(); // the work list and the stages come from the launches before
+// MMQ_MOE_RT2 (a measurement define; off): rows of at most 1,024 values (the down projection) take two 16-row tiles
+// a block, as MMQ_GROUP_RT2 does for mmq_moe_group_T; MMQ_MOE_RT2=2: rows of any width.
+// Block (x, i)'s part of mmq_moe_T: RT tiles of 16 rows from 16 RT x (RT 1: mmq_moe's; 2: MMQ_MOE_RT2's, where the
+// blocks past the rows compute nothing, since the host sizes the grid for one tile a block).
+template <class Q, int RT>
+__device__ __forceinline__ void mmq_moe_tiles(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
+                                              const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
+                                              const u32* __restrict__ xrows, float* __restrict__ y, int n_out,
+                                              int cols) {
     int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int tl = RT == 1 ? 0 : (int)(threadIdx.x >> 5) / (8 / RT);
+    if (RT > 1 && (int)blockIdx.x * RT * MMQ_ROWS >= n_out) return;
     const int* tile = tiles + 3 * blockIdx.y;
     int e = tile[0], first = tile[1], rows = tile[2];
     const u8* base = w + (long long)e * expert_stride;
     const u8* wr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        int r = blockIdx.x * MMQ_ROWS + g + 8 * h;
+        int r = (blockIdx.x * RT + tl) * MMQ_ROWS + g + 8 * h;
         wr[h] = r < n_out ? base + (long long)r * row_bytes : nullptr;
     }
     auto stage = [&](int t) {
         int r = first + min(t, rows - 1);
         return st + (xrows ? xrows[r] : r);
     };
-    float s = mmq_sums<Q>(wr, cols / 256, stage(g), stage(2 * q), stage(2 * q + 1), false);
-    int i = threadIdx.x, t = i % MMV_T, o = blockIdx.x * MMQ_ROWS + i / MMV_T;
-    if (i < MMQ_ROWS * MMV_T && t < rows && o < n_out) y[(long long)(first + t) * n_out + o] = s;
+    float s = mmq_sums<Q, RT>(wr, cols / 256, stage(g), stage(2 * q), stage(2 * q + 1), false);
+    int i = RT == 1 ? (int)threadIdx.x : (int)threadIdx.x % (MMQ_ROWS * MMV_T), t = i % MMV_T;
+    int o = (blockIdx.x * RT + (RT == 1 ? 0 : (int)threadIdx.x / (MMQ_ROWS * MMV_T))) * MMQ_ROWS + i / MMV_T;
+    if ((int)threadIdx.x < MMQ_ROWS * MMV_T * RT && t < rows && o < n_out) y[(long long)(first + t) * n_out + o] = s;
+}
+template <class Q>
+__device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
+                                        const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
+                                        const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {
+    pdl_enter(); // the work list and the stages come from the launches before
+#if MMQ_MOE_RT2
+    if (cols <= 1024 || MMQ_MOE_RT2 > 1) {
+        mmq_moe_tiles<Q, 2>(w, expert_stride, row_bytes, tiles, st, xrows, y, n_out, cols);
+        return;
+    }
+#endif
+    mmq_moe_tiles<Q, 1>(w, expert_stride, row_bytes, tiles, st, xrows, y, n_out, cols);
 }
 #define STRATA_MMQ_MOE(name, Q)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
@@ -1177,6 +1197,7 @@ STRATA_MMQ_MOE(q6_k, MmqQ6K)
 // MMQ_GROUP_RT2 (a measurement define; off): rows of at most 1,024 values (four super-blocks, an expert's down
 // projection) take two 16-row tiles a block (four warps a tile), so that more of the block's warps have a
 // super-block; its blocks past the rows compute nothing (the host still sizes the grid for one tile a block).
+// MMQ_GROUP_RT2=2: rows of any width (gate and up's four warps a tile then pipeline two super-blocks each).
 template <class Q, int RT>
 __device__ __forceinline__ void mmq_moe_group_tiles(const u8* __restrict__ wa, const u8* __restrict__ wb,
                                                     long long expert_stride, long long row_bytes, const u32* gr,
@@ -1222,7 +1243,7 @@ __device__ __forceinline__ void mmq_moe_group(const u8* __restrict__ wa, const u
     }
     const u32* gr = (const u32*)groups + 1 + blockIdx.y * MOE_GROUP_INTS;
 #if MMQ_GROUP_RT2
-    if (cols <= 1024) {
+    if (cols <= 1024 || MMQ_GROUP_RT2 > 1) {
         mmq_moe_group_tiles<Q, 2>(wa, wb, expert_stride, row_bytes, gr, st, x_div, ya, yb, n_out, cols);
         return;
     }
