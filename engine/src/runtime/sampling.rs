@@ -187,6 +187,30 @@ fn by_logit_desc(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
     (b.logit + 0.0).total_cmp(&(a.logit + 0.0)).then(a.id.cmp(&b.id))
 }
 
+/// A candidate ordered so that a max-heap keeps the worst on top: the greatest under [`by_logit_desc`].
+#[derive(Debug, Clone, Copy)]
+struct Worst(Candidate);
+
+impl PartialEq for Worst {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+
+impl Eq for Worst {}
+
+impl PartialOrd for Worst {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Worst {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        by_logit_desc(&self.0, &other.0)
+    }
+}
+
 /// Samples one token per decode step with llama.cpp's default chain (see [`Sampler::sample`]).
 ///
 /// One sampler serves one generation (one sequence); it owns its random state and scratch buffers.
@@ -204,6 +228,8 @@ pub struct Sampler {
     seen: Vec<u32>,
     /// Tokens still in the running after each filter.
     candidates: Vec<Candidate>,
+    /// Top-k's running selection: the best `top_k` finite logits seen so far, worst on top.
+    best: std::collections::BinaryHeap<Worst>,
 }
 
 impl Sampler {
@@ -220,6 +246,7 @@ impl Sampler {
             });
         }
         let seed = params.seed.unwrap_or_else(entropy_seed);
+        let heap = params.top_k.min(vocab_size) + 1;
         Ok(Sampler {
             params,
             seed,
@@ -228,6 +255,7 @@ impl Sampler {
             counts: vec![0; vocab_size],
             seen: Vec::with_capacity(vocab_size),
             candidates: Vec::with_capacity(vocab_size),
+            best: std::collections::BinaryHeap::with_capacity(heap),
         })
     }
 
@@ -416,21 +444,52 @@ impl Sampler {
     fn filter(&mut self) {
         let candidates = &mut self.candidates;
         candidates.clear();
-        candidates.extend(
-            self.logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(id, &logit)| Candidate { id: id as u32, logit }),
-        );
-
-        let mut sorted = false;
         let k = self.params.top_k;
-        if k > 0 && k < candidates.len() {
-            candidates.select_nth_unstable_by(k - 1, by_logit_desc);
-            candidates.truncate(k);
-            candidates.sort_unstable_by(by_logit_desc);
-            sorted = true;
+        let mut sorted = false;
+        if k == 0 {
+            candidates.extend(
+                self.logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| l.is_finite())
+                    .map(|(id, &logit)| Candidate { id: id as u32, logit }),
+            );
+        } else {
+            // Top-k in one pass: a heap of the best k so far, worst on top; a logit below the worst's cannot
+            // enter (ties go to `by_logit_desc`, lower id first). The same survivors as ordering every finite
+            // logit, without touching the others twice.
+            let best = &mut self.best;
+            best.clear();
+            let mut finite = 0usize;
+            let mut floor = f32::NEG_INFINITY;
+            for (id, &logit) in self.logits.iter().enumerate() {
+                if !logit.is_finite() {
+                    continue;
+                }
+                finite += 1;
+                let c = Candidate { id: id as u32, logit };
+                if best.len() < k {
+                    best.push(Worst(c));
+                    if best.len() == k {
+                        floor = best.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
+                    }
+                } else if logit >= floor {
+                    if let Some(mut worst) = best.peek_mut()
+                        && by_logit_desc(&c, &worst.0) == std::cmp::Ordering::Less
+                    {
+                        *worst = Worst(c); // sifted down when `worst` drops
+                    }
+                    floor = best.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
+                }
+            }
+            candidates.extend(best.drain().map(|w| w.0));
+            if k < finite {
+                candidates.sort_unstable_by(by_logit_desc);
+                sorted = true;
+            } else {
+                // Every finite logit survives top-k: in id order, as the chain collects them.
+                candidates.sort_unstable_by_key(|c| c.id);
+            }
         }
         self.nucleus_and_min_p(sorted);
     }
@@ -807,6 +866,54 @@ mod tests {
         assert_eq!(got.len(), want.len());
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             assert!((g - w).abs() < 1e-6, "logit {i}: got {g}, want {w} (all: {got:?})");
+        }
+    }
+
+    /// Top-k's one-pass selection keeps the candidates, in the order, that ordering every finite logit gives
+    /// (select the k-th, keep k, sort; with at most k finite logits all of them in id order): logits with many
+    /// ties, ±0, ±inf and NaN, k from 1 to past the vocabulary, over many steps of one sampler (its heap reused).
+    #[test]
+    fn top_k_in_one_pass_keeps_the_candidates_of_a_full_ordering() {
+        let mut rng = Xoshiro256StarStar::from_seed(5);
+        for &k in &[1usize, 2, 3, 7, 40, 64, 199, 200, 201, 1000] {
+            let params = SamplingParams {
+                top_k: k,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: Some(1),
+                ..SamplingParams::default()
+            };
+            let mut s = Sampler::new(params, 200).unwrap();
+            for step in 0..50 {
+                // Few distinct values (many ties), some of them specials.
+                let logits: Vec<f32> = (0..200)
+                    .map(|_| match rng.next_u64() % 12 {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        2 if step % 5 == 0 => f32::INFINITY,
+                        3 => -0.0,
+                        4 => 0.0,
+                        r => (r as f32 - 8.0) * 0.5 + if step % 2 == 0 { 0.0 } else { rng.next_f64() as f32 },
+                    })
+                    .map(|l| if l == f32::INFINITY { 3.0 } else { l })
+                    .collect();
+                let mut want: Vec<Candidate> = logits
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| l.is_finite())
+                    .map(|(id, &logit)| Candidate { id: id as u32, logit })
+                    .collect();
+                if k < want.len() {
+                    want.select_nth_unstable_by(k - 1, by_logit_desc);
+                    want.truncate(k);
+                    want.sort_unstable_by(by_logit_desc);
+                }
+                s.logits.copy_from_slice(&logits);
+                s.filter();
+                let got: Vec<(u32, u32)> = s.candidates.iter().map(|c| (c.id, c.logit.to_bits())).collect();
+                let want: Vec<(u32, u32)> = want.iter().map(|c| (c.id, c.logit.to_bits())).collect();
+                assert_eq!(got, want, "top_k {k}, step {step}");
+            }
         }
     }
 
