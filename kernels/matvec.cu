@@ -752,22 +752,6 @@ extern "C" __global__ void q8k_stage(const float* __restrict__ x, Q8kStage* __re
         stage_q8k_sb<false>(xt, nullptr, 0, sb, out[t]);
 }
 
-// q8k_stage_glu: q8k_stage of glu_act(x[t]) * xu[t], n_rows rows (the gated rows of a MoE step: the glu kernel's
-// values, staged for the down projection of mmq_moe_group_T in one launch instead of two). Grid (n_rows,
-// ceil(cols / 2048)), block 256.
-extern "C" __global__ void q8k_stage_glu(const float* __restrict__ x, const float* __restrict__ xu, int act,
-                                         Q8kStage* __restrict__ out, int cols, int natural) {
-    pdl_enter();
-    int t = blockIdx.x, sb = blockIdx.y * 8 + (threadIdx.x >> 5);
-    if (sb >= cols / 256) return; // a whole warp
-    const float* xt = x + (long long)t * cols;
-    const float* ut = xu + (long long)t * cols;
-    if (natural)
-        stage_q8k_sb<true>(xt, ut, act, sb, out[t]);
-    else
-        stage_q8k_sb<false>(xt, ut, act, sb, out[t]);
-}
-
 // mmvt_T: mmv_T for a step of several tokens (a batch of decode steps, a short prompt chunk): each weight row is
 // loaded once for up to MMV_T tokens (blockIdx.y's: tokens MMV_T y .. MMV_T y + MMV_T - 1), so a step of n tokens
 // reads each matrix ceil(n / MMV_T) times instead of n times. The activations come staged by q8k_stage (st[t], in
@@ -1126,18 +1110,22 @@ __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* _
 STRATA_MMQ(q4_k, MmqQ4K)
 STRATA_MMQ(q6_k, MmqQ6K)
 
+// Tiles of 16 rows a block of mmq_moe_T computes (the host's MMQ_MOE_ROWS is 16 times this): 2, four warps a tile.
+// With 1, a width of 2,048 gave each of a block's 8 warps one super-block (nothing to pipeline) and an expert's down
+// projection of 768 left 5 of them idle. On an H100, 30B shape: pp128 4,894 tok/s against 4,407 with 1, pp16 1,562
+// against 1,501 (reports/2026-12-07-h100-mmq-rt2.md).
+constexpr int MMQ_MOE_RT = 2;
+
 // mmq_moe_T: a MoE layer's experts over a prompt's tokens grouped by expert (the prefill path's grouped rows), on
 // the integer tensor cores as mmq_T, for experts with few tokens each (a short prompt), where the prefill GEMM
 // dequantizes every weight tile to f16 for a handful of rows. Work list: tiles[3 i..3 i + 3] = (expert or cache
 // slot id, first grouped row, rows <= MMV_T); grouped row r reads stage st[xrows[r]] (st[r] without xrows: the
-// activations are the grouped rows themselves) and writes y[r][0..n_out). Block (x, i) computes outputs 16 x..
-// of tile i for its rows (the absent columns are computed from the tile's last row and not written). Grid
-// (ceil(n_out / 16), tiles), block 256; the expert's rows of cols values (a multiple of 256, at most MMV_X_MAX)
-// row_bytes apart, experts expert_stride bytes apart from w.
-// MMQ_MOE_RT2 (a measurement define; off): rows of at most 1,024 values (the down projection) take two 16-row tiles
-// a block, as MMQ_GROUP_RT2 does for mmq_moe_group_T; MMQ_MOE_RT2=2: rows of any width.
-// Block (x, i)'s part of mmq_moe_T: RT tiles of 16 rows from 16 RT x (RT 1: mmq_moe's; 2: MMQ_MOE_RT2's, where the
-// blocks past the rows compute nothing, since the host sizes the grid for one tile a block).
+// activations are the grouped rows themselves) and writes y[r][0..n_out). Block (x, i) computes outputs
+// 16 MMQ_MOE_RT x.. of tile i for its rows (the absent columns are computed from the tile's last row and not
+// written). Grid (ceil(n_out / (16 MMQ_MOE_RT)), tiles), block 256; the expert's rows of cols values (a multiple of
+// 256, at most MMV_X_MAX) row_bytes apart, experts expert_stride bytes apart from w.
+// mmq_moe_tiles: block (x, i)'s part, RT tiles of 16 rows from 16 RT x, 8 / RT warps a tile; its tiles past the
+// rows compute nothing.
 template <class Q, int RT>
 __device__ __forceinline__ void mmq_moe_tiles(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
                                               const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
@@ -1169,13 +1157,7 @@ __device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expe
                                         const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
                                         const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {
     pdl_enter(); // the work list and the stages come from the launches before
-#if MMQ_MOE_RT2
-    if (cols <= 1024 || MMQ_MOE_RT2 > 1) {
-        mmq_moe_tiles<Q, 2>(w, expert_stride, row_bytes, tiles, st, xrows, y, n_out, cols);
-        return;
-    }
-#endif
-    mmq_moe_tiles<Q, 1>(w, expert_stride, row_bytes, tiles, st, xrows, y, n_out, cols);
+    mmq_moe_tiles<Q, MMQ_MOE_RT>(w, expert_stride, row_bytes, tiles, st, xrows, y, n_out, cols);
 }
 #define STRATA_MMQ_MOE(name, Q)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
@@ -1186,80 +1168,6 @@ __device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expe
     }
 STRATA_MMQ_MOE(q4_k, MmqQ4K)
 STRATA_MMQ_MOE(q6_k, MmqQ6K)
-
-// mmq_moe_group_T: mmq_moe_T over moe_groups' table (a decode step of several tokens whose experts are resident and
-// routed on the device, no host round trip): group g (blockIdx.y) is a tile of its n <= MOE_GROUP_T routing slots
-// of one expert; slot s reads stage st[s / x_div] (a token's activations for gate and up, x_div = k; the slot's own
-// gated row for down, x_div = 1) and writes y[s][0..n_out), where y is ya, or yb for blockIdx.z = 1 (gate and up
-// in one launch, wa and wb). A slot's sums are mmq_moe_T's for the same stage, whatever the group's other slots
-// (the mma's columns do not mix). Grid (ceil(n_out / 16), most groups, 1 or 2), block 256; blocks past the count
-// compute nothing.
-// MMQ_GROUP_RT2 (a measurement define; off): rows of at most 1,024 values (four super-blocks, an expert's down
-// projection) take two 16-row tiles a block (four warps a tile), so that more of the block's warps have a
-// super-block; its blocks past the rows compute nothing (the host still sizes the grid for one tile a block).
-// MMQ_GROUP_RT2=2: rows of any width (gate and up's four warps a tile then pipeline two super-blocks each).
-template <class Q, int RT>
-__device__ __forceinline__ void mmq_moe_group_tiles(const u8* __restrict__ wa, const u8* __restrict__ wb,
-                                                    long long expert_stride, long long row_bytes, const u32* gr,
-                                                    const Q8kStage* __restrict__ st, int x_div,
-                                                    float* __restrict__ ya, float* __restrict__ yb, int n_out,
-                                                    int cols) {
-    u32 e = ld_cg_u32(gr);
-    int n = (int)ld_cg_u32(gr + 1);
-    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, tile = (threadIdx.x >> 5) / (8 / RT);
-    int first = (blockIdx.x * RT + tile) * MMQ_ROWS;
-    if (blockIdx.x * RT * MMQ_ROWS >= n_out) { // the whole block
-        pdl_enter();
-        return;
-    }
-    const u8* base = (blockIdx.z ? wb : wa) + (long long)e * expert_stride;
-    const u8* wr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int r = first + g + 8 * h;
-        wr[h] = r < n_out ? base + (long long)r * row_bytes : nullptr;
-    }
-    auto slot = [&](int t) { return (int)ld_cg_u32(gr + 2 + min(t, n - 1)); };
-    float s = mmq_sums<Q, RT>(wr, cols / 256, st + slot(g) / x_div, st + slot(2 * q) / x_div,
-                              st + slot(2 * q + 1) / x_div, true);
-    int i = threadIdx.x % (MMQ_ROWS * MMV_T), t = i % MMV_T;
-    int o = (blockIdx.x * RT + (int)threadIdx.x / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i / MMV_T;
-    float* y = blockIdx.z ? yb : ya;
-    if ((int)threadIdx.x < MMQ_ROWS * MMV_T * RT && t < n && o < n_out) y[(long long)slot(t) * n_out + o] = s;
-}
-template <class Q>
-__device__ __forceinline__ void mmq_moe_group(const u8* __restrict__ wa, const u8* __restrict__ wb,
-                                              long long expert_stride, long long row_bytes,
-                                              const int* __restrict__ groups, const Q8kStage* __restrict__ st,
-                                              int x_div, float* __restrict__ ya, float* __restrict__ yb, int n_out,
-                                              int cols) {
-    // The group table was written two launches back at least (moe_groups, then q8k_stage or q8k_stage_glu, and
-    // the gate launch before up's when they are two): it is read through L2 before the wait (pdl_enter says why
-    // that holds), and the weights' first loads go out before it too (mmq_sums); the stages come from the launch
-    // just before.
-    if ((int)blockIdx.y >= (int)ld_cg_u32((const u32*)groups)) {
-        pdl_enter();
-        return;
-    }
-    const u32* gr = (const u32*)groups + 1 + blockIdx.y * MOE_GROUP_INTS;
-#if MMQ_GROUP_RT2
-    if (cols <= 1024 || MMQ_GROUP_RT2 > 1) {
-        mmq_moe_group_tiles<Q, 2>(wa, wb, expert_stride, row_bytes, gr, st, x_div, ya, yb, n_out, cols);
-        return;
-    }
-#endif
-    mmq_moe_group_tiles<Q, 1>(wa, wb, expert_stride, row_bytes, gr, st, x_div, ya, yb, n_out, cols);
-}
-#define STRATA_MMQ_MOE_GROUP(name, Q)                                                                           \
-    extern "C" __global__ void __launch_bounds__(256)                                                          \
-        mmq_moe_group_##name(const u8* __restrict__ wa, const u8* __restrict__ wb, long long expert_stride,     \
-                             long long row_bytes, const int* __restrict__ groups,                               \
-                             const Q8kStage* __restrict__ st, int x_div, float* __restrict__ ya,                \
-                             float* __restrict__ yb, int n_out, int cols) {                                     \
-        mmq_moe_group<Q>(wa, wb, expert_stride, row_bytes, groups, st, x_div, ya, yb, n_out, cols);             \
-    }
-STRATA_MMQ_MOE_GROUP(q4_k, MmqQ4K)
-STRATA_MMQ_MOE_GROUP(q6_k, MmqQ6K)
 #ifndef MMV_Q6K_F32
 STRATA_MMVT(q6_k, MmvQ6K, mmvt_, MMV_R)
 STRATA_MMVT(q6_k, MmvQ6K, mmvt1_, 1)

@@ -195,8 +195,8 @@ pub const BATCH_SPLIT_CELLS: &str = "STRATA_BATCH_SPLIT_CELLS";
 pub const GEMM_MIN_TILE: &str = "STRATA_GEMM_MIN_TILE";
 /// Most tokens a CUDA dense matmul runs as matrix-vector products (a tuning knob).
 pub const MMV_DENSE_TOKENS: &str = "STRATA_MMV_DENSE_TOKENS";
-/// Fewest tokens of a CUDA step of grouped experts that runs them on the integer tensor cores (a tuning knob).
-pub const MOE_MMQ_TOKENS: &str = "STRATA_MOE_MMQ_TOKENS";
+/// Most tokens of a CUDA prefill step whose experts run on the integer tensor cores (a tuning knob).
+pub const MMQ_PREFILL_TOKENS: &str = "STRATA_MMQ_PREFILL_TOKENS";
 /// Off: every speed switch the user did not set is off, whatever the arch's default.
 pub const ARCH_DEFAULTS: &str = "STRATA_ARCH_DEFAULTS";
 /// A digest of every step's logits in each `request` event (for `same_logits_as`).
@@ -378,9 +378,9 @@ pub const SWITCHES: &[Switch] = &[
         "N (4-64): most tokens a CUDA dense matmul runs as matrix-vector products (Q4_K and Q6_K rows read once for 8 tokens), instead of an f16 copy of the matrix and cuBLAS (tuning; on an H100, 30B shape: 16 sequences decoding together 1,340 tok/s at 16 against 1,234 at 8; 32 sequences 1,529 at 32 against 1,627 at 8)",
     ),
     sw(
-        MOE_MMQ_TOKENS,
-        "65",
-        "N (2-65): fewest tokens of a CUDA step whose experts are grouped on the device (STRATA_MOE_GROUPS, resident experts) that runs its Q4_K/Q6_K experts on the integer tensor cores (mmq_moe_group_*: mmq_moe_*'s sums, one mma per sub-block for 16 rows and a group's slots) instead of on dp4a (mmv_moe_group_*); 65: never; off with STRATA_MMQ=0 or --batch-invariant (tuning)",
+        MMQ_PREFILL_TOKENS,
+        "128",
+        "N (1-256): most tokens of a CUDA prefill step (a prompt chunk with any decode tokens beside it) whose Q4_K/Q6_K experts run on the integer tensor cores (mmq_moe_*: tiles of up to 8 of an expert's tokens, Q8_K activations) instead of the f16 GEMM; off with STRATA_MMQ=0 or --batch-invariant (tuning)",
     ),
     sw(
         GEMM_MIN_TILE,

@@ -531,11 +531,15 @@ pub fn prefill_bytes(hp: &HParams, largest_elements: u64, chunk: usize) -> u64 {
         .saturating_add(chunk.saturating_mul(hp.n_embd as u64).saturating_mul(2))
 }
 
-/// Most tokens of a prefill step whose experts run on the CUDA backend's integer tensor cores (`mmq_moe_*`), so
-/// their Q8_K stages stay small: 5,184 bytes a token and a routed row, 5.7 MiB at 128 tokens of top-8. The memory
-/// plan does not count them apart: such a step leaves most of the chunk's f32 buffers unused (a chunk of 512
-/// tokens plans 75 MiB of them on the Qwen3-30B-A3B shape) and takes no f16 copies for the GEMM.
+/// Most tokens of a prefill step whose experts run on the CUDA backend's integer tensor cores (`mmq_moe_*`) by
+/// default (`STRATA_MMQ_PREFILL_TOKENS` sets it, up to [`MMQ_MOE_TOKENS_MAX`]).
 pub const MMQ_MOE_TOKENS: usize = 128;
+
+/// The most `STRATA_MMQ_PREFILL_TOKENS` may say, so that the Q8_K stages of such a step stay small: 5,184 bytes a
+/// token and a routed row, 11.4 MiB at 256 tokens of top-8. The memory plan does not count them apart: such a step
+/// leaves most of the chunk's f32 buffers unused (a chunk of 512 tokens plans 75 MiB of them on the Qwen3-30B-A3B
+/// shape) and takes no f16 copies for the GEMM.
+pub const MMQ_MOE_TOKENS_MAX: usize = 256;
 
 pub(crate) fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {
     budget.map_or(free, |b| free.min(b.saturating_add(reserve)))

@@ -17,8 +17,10 @@ const GRID_Y_MAX: usize = 65_535;
 /// Tokens one block of `mmvt_*` reads each weight row for (kernels/matvec.cu, MMV_T); also the most rows of a
 /// tile of `mmq_moe_*`.
 pub(super) const MMVT_TOKENS: usize = 8;
-/// Rows one block of `mmq_*`, `mmq_moe_*` and `mmq_moe_group_*` computes (kernels/matvec.cu, MMQ_ROWS).
-pub(super) const MMQ_ROWS: usize = 16;
+/// Rows one block of `mmq_*` computes, and one tile of `mmq_moe_*` (kernels/matvec.cu, MMQ_ROWS).
+const MMQ_ROWS: usize = 16;
+/// Rows one block of `mmq_moe_*` computes: two tiles of [`MMQ_ROWS`] (kernels/matvec.cu, MMQ_MOE_RT).
+pub(super) const MMQ_MOE_ROWS: usize = 2 * MMQ_ROWS;
 /// Bytes of one activation row staged as Q8_K (kernels/matvec.cu, `Q8kStage`; a static_assert there checks it).
 pub(super) const Q8K_STAGE_BYTES: usize = 5184;
 
@@ -197,7 +199,7 @@ impl Inner {
         let tp = self.upload(gpu, Slot::MmqTiles, bytemuck::cast_slice(tiles))?;
         gpu.launch(
             typed("mmq_moe_", w.ty),
-            (w.rows.div_ceil(MMQ_ROWS) as u32, tiles.len() as u32, 1),
+            (w.rows.div_ceil(MMQ_MOE_ROWS) as u32, tiles.len() as u32, 1),
             (256, 1, 1),
             &[
                 Arg::P(wp),

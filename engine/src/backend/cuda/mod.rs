@@ -92,10 +92,6 @@ const GEMM_MIN_TILE: usize = 32;
 /// 32: 1,818 against 1,606 (`reports/2026-12-06-h100-mmvt.md`).
 const MOE_GROUP_MIN_TOKENS: usize = 8;
 
-/// Fewest tokens of a step of grouped experts that runs them on the integer tensor cores by default
-/// (`STRATA_MOE_MMQ_TOKENS`; [`MOE_DEVICE_TOKENS_MAX`] + 1: never).
-const MOE_MMQ_MIN_TOKENS: usize = MOE_DEVICE_TOKENS_MAX + 1;
-
 /// The kernel-name suffix of a weight type the GPU computes with; `None`: the CPU runs that matmul.
 pub fn kernel_type(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
@@ -265,9 +261,9 @@ struct Inner {
     /// Fewest tokens of a step whose routing slots are grouped by expert ([`MOE_GROUP_MIN_TOKENS`] with
     /// `STRATA_MOE_GROUPS` on, read at start; `usize::MAX`: never; tests set 2 and compare both ways).
     moe_groups_from: usize,
-    /// Fewest tokens of a step of grouped experts that runs them on `mmq_moe_group_*` (`STRATA_MOE_MMQ_TOKENS`,
-    /// read at start, default [`MOE_MMQ_MIN_TOKENS`]; tests set it).
-    moe_mmq_from: usize,
+    /// Most tokens of a prefill step whose experts run on `mmq_moe_*` (`STRATA_MMQ_PREFILL_TOKENS`, read at start,
+    /// default [`crate::memory::MMQ_MOE_TOKENS`], at most [`crate::memory::MMQ_MOE_TOKENS_MAX`]; tests set it).
+    mmq_moe_tokens: usize,
     /// Most tokens of a step of several sequences without an expert cache whose experts run on the device's
     /// routing (`STRATA_MOE_DEVICE_TOKENS`, read at start, at most [`MOE_DEVICE_TOKENS_MAX`]).
     moe_device_tokens: usize,
@@ -438,9 +434,12 @@ impl CudaBackend {
             false => usize::MAX,
         };
         let int8_flash = crate::switches::speed_on(crate::switches::INT8_FLASH, &gpu.target);
-        let moe_mmq_from = crate::switches::usize_in(crate::switches::MOE_MMQ_TOKENS, 2..=MOE_DEVICE_TOKENS_MAX + 1)
-            .unwrap_or(MOE_MMQ_MIN_TOKENS);
         let mmq = crate::switches::speed_on(crate::switches::MMQ, &gpu.target);
+        let mmq_moe_tokens = crate::switches::usize_in(
+            crate::switches::MMQ_PREFILL_TOKENS,
+            1..=crate::memory::MMQ_MOE_TOKENS_MAX,
+        )
+        .unwrap_or(crate::memory::MMQ_MOE_TOKENS);
         let moe_device_tokens =
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
                 .unwrap_or(MOE_DEVICE_TOKENS_MAX);
@@ -482,7 +481,7 @@ impl CudaBackend {
                 replay: None,
                 moe_on_host: false,
                 moe_groups_from,
-                moe_mmq_from,
+                mmq_moe_tokens,
                 moe_device_tokens,
                 step_sequences: 1,
                 mmv_dense_tokens,
@@ -526,12 +525,11 @@ impl CudaBackend {
         self.lock().moe_groups_from = if on { 2 } else { usize::MAX };
     }
 
-    /// The fewest tokens of a step of grouped experts (see [`CudaBackend::set_moe_groups`]) that runs its Q4_K and
-    /// Q6_K experts on the integer tensor cores (`mmq_moe_group_*`, with `STRATA_MMQ` on outside
-    /// `--batch-invariant`); `usize::MAX`: never. At start `STRATA_MOE_MMQ_TOKENS` decides. A slot's sums are
-    /// those `mmq_moe_*` gives its token in a prompt step, not the dp4a kernels' (within float rounding).
-    pub fn set_moe_mmq_from(&self, n: usize) {
-        self.lock().moe_mmq_from = n;
+    /// The most tokens of a prefill step whose Q4_K and Q6_K experts run on the integer tensor cores (`mmq_moe_*`,
+    /// with `STRATA_MMQ` on outside `--batch-invariant`; longer steps take the f16 GEMM), `n` clamped to
+    /// 1..=[`crate::memory::MMQ_MOE_TOKENS_MAX`] (`STRATA_MMQ_PREFILL_TOKENS`, read at start; tests set it).
+    pub fn set_mmq_prefill_tokens(&self, n: usize) {
+        self.lock().mmq_moe_tokens = n.clamp(1, crate::memory::MMQ_MOE_TOKENS_MAX);
     }
 
     /// The most tokens of a step of several sequences without an expert cache whose experts run on the device's
@@ -578,7 +576,7 @@ impl CudaBackend {
 
     /// Whether a dense Q4_K or Q6_K matrix times several tokens (2 to `STRATA_MMV_DENSE_TOKENS`, not
     /// batch-invariant) runs on the integer tensor cores (`mmq_*`) or on dp4a (`mmvt_*`), and whether a prompt
-    /// step of up to [`crate::memory::MMQ_MOE_TOKENS`] tokens runs its experts there (`mmq_moe_*`) or on the f16
+    /// step of up to `STRATA_MMQ_PREFILL_TOKENS` tokens runs its experts there (`mmq_moe_*`) or on the f16
     /// GEMM: `STRATA_MMQ`, read at start, on by default. The routes sum in different orders (the GEMM's f16
     /// activations sit further from the CPU); tests compare them.
     pub fn set_mmq(&self, on: bool) {

@@ -4,7 +4,7 @@
 use super::error::CudaError;
 use super::experts::ExpertPool;
 use super::launch::Arg;
-use super::matmul::{MMQ_ROWS, MMVT_TOKENS, Q8K_STAGE_BYTES, mmvt_fits, q8k_stage_into};
+use super::matmul::{MMVT_TOKENS, Q8K_STAGE_BYTES, mmvt_fits, q8k_stage_into};
 use super::{
     CudaBackend, DevVec, Gpu, Inner, MMV_MAX_TOKENS, MMV_X_MAX, MOE_GROUP_INTS, MOE_GROUP_MAX_SLOTS, MOE_GROUP_T, Slot,
     glu_code, glu_dev, gpu_computes, grid1, mmv_moe_rows_per_block, norm_threads, typed,
@@ -415,80 +415,6 @@ impl Inner {
         )
     }
 
-    /// Whether a step of `n_tok` tokens whose routing slots are grouped by expert runs its experts on the integer
-    /// tensor cores ([`Inner::mmq_experts_grouped`]): `STRATA_MMQ` on outside `--batch-invariant`, at least
-    /// `STRATA_MOE_MMQ_TOKENS` tokens, and gate, up and down of a type and width `mmq_moe_*` takes.
-    fn mmq_groups_experts(&self, ex: &Experts<'_>, n_tok: usize) -> bool {
-        self.mmq_on() && n_tok >= self.moe_mmq_from && [&ex.gate, &ex.up, &ex.down].iter().all(|w| mmvt_fits(w))
-    }
-
-    /// The experts of a step of several tokens on the integer tensor cores, over `groups` ([`Inner::moe_groups`]
-    /// of its `n_tok * k` routing slots; the experts resident at `at`): the tokens `xp` (`[n_tok][n_embd]`)
-    /// quantized to Q8_K once (`q8k_stage`), gate and up by `mmq_moe_group_*` (one launch when they share type and
-    /// stride), the gated rows quantized with the GLU in one launch (`q8k_stage_glu`), then the down projection.
-    /// `bufs` are the gate, up and down outputs, as [`Inner::mmv_experts`]'s. A slot gets the sums `mmq_moe_*`
-    /// gives its token in a prompt step, whatever the step's other slots. Errors: a buffer or a launch failed.
-    #[allow(clippy::too_many_arguments)]
-    fn mmq_experts_grouped(
-        &mut self,
-        gpu: &Gpu,
-        ex: &Experts<'_>,
-        at: &ExpertsAt,
-        groups: u64,
-        xp: u64,
-        bufs: [u64; 3],
-        k: usize,
-        n_tok: usize,
-    ) -> Result<(), CudaError> {
-        let (n_embd, nff, slots) = (ex.gate.cols, ex.n_ff_exp, n_tok * k);
-        let [gp, up, dp] = bufs;
-        let most_groups = most_groups(slots, ex.n_expert);
-        let xq = self.q8k_stage(gpu, Slot::MoeQ8k, xp, n_tok, n_tok, n_embd, true)?;
-        let gq = self.slot(gpu, Slot::MoeQ8kDown, slots * Q8K_STAGE_BYTES)?;
-        // Matrix m (0 gate, 1 up, 2 down: n_out rows an expert) over stages st, slot s reading st[s / x_div], into
-        // ya (and yb for the second matrix of a launch of two, at.base[m + 1]).
-        let launch = |m: usize, w: &QMat<'_>, n_out: usize, z: u32, st: u64, x_div: usize, ya: u64, yb: u64| {
-            gpu.launch(
-                typed("mmq_moe_group_", w.ty),
-                (n_out.div_ceil(MMQ_ROWS) as u32, most_groups as u32, z),
-                (256, 1, 1),
-                &[
-                    Arg::P(at.base[m]),
-                    Arg::P(if z == 2 { at.base[m + 1] } else { at.base[m] }),
-                    Arg::L(at.stride[m] as i64),
-                    Arg::L(w.row_bytes as i64),
-                    Arg::P(groups),
-                    Arg::P(st),
-                    Arg::I(x_div as i32),
-                    Arg::P(ya),
-                    Arg::P(yb),
-                    Arg::I(n_out as i32),
-                    Arg::I(w.cols as i32),
-                ],
-            )
-        };
-        if ex.gate.ty == ex.up.ty && ex.gate.row_bytes == ex.up.row_bytes && at.stride[0] == at.stride[1] {
-            launch(0, &ex.gate, nff, 2, xq, k, gp, up)?;
-        } else {
-            launch(0, &ex.gate, nff, 1, xq, k, gp, gp)?;
-            launch(1, &ex.up, nff, 1, xq, k, up, up)?;
-        }
-        gpu.launch(
-            "q8k_stage_glu",
-            (slots as u32, nff.div_ceil(2048) as u32, 1),
-            (256, 1, 1),
-            &[
-                Arg::P(gp),
-                Arg::P(up),
-                Arg::I(glu_code(ex.act)),
-                Arg::P(gq),
-                Arg::I(nff as i32),
-                Arg::I(1),
-            ],
-        )?;
-        launch(2, &ex.down, n_embd, 1, gq, 1, dp, dp)
-    }
-
     /// The expert prefetch (`--expert-prefetch`) after layer `ex`'s experts on the device's table (the overlap
     /// path, which a fused GLU needs): the router of the layer right after it on this layer's input `xp`
     /// (`router_route`, into the prefetch's own slots), then [`ExpertPool::table_prefetch`] of the experts it
@@ -599,12 +525,7 @@ impl Inner {
                         true => Some(self.moe_groups(gpu, ids, slots)?),
                         false => None,
                     };
-                    match groups {
-                        Some(groups) if self.mmq_groups_experts(ex, n_tok) => {
-                            self.mmq_experts_grouped(gpu, ex, &at, groups, xp, bufs, k, n_tok)?
-                        }
-                        _ => self.mmv_experts(gpu, ex, &at, ids, groups, xp, bufs, k, slots, true)?,
-                    }
+                    self.mmv_experts(gpu, ex, &at, ids, groups, xp, bufs, k, slots, true)?;
                 }
                 Some(pool) if pool.table_active() => {
                     // The device's slot table: the misses are copied in from the mapped arena and every expert is
@@ -700,12 +621,12 @@ impl Inner {
             // Row r of the grouped work reads token tok_of_row[r] of x directly (no gathered copy).
             let tok_of_row: Vec<u32> = order.iter().map(|&s| s / k as u32).collect();
             let ip = self.upload(gpu, Slot::Idx, bytemuck::cast_slice(&tok_of_row))?;
-            // A step of at most MMQ_MOE_TOKENS tokens runs its experts on mmq_moe_* (Q8_K activations, tiles of 8
+            // A step of at most mmq_moe_tokens (STRATA_MMQ_PREFILL_TOKENS) runs its experts on mmq_moe_* (Q8_K activations, tiles of 8
             // of an expert's rows), a longer one on the GEMM (f16 activations). Not both in one step: a GEMM launch
             // for a few busy experts costs about what one for all of them does (its blocks' K loop, not the bytes,
             // sets its time), measured on an H100 at 128 tokens (reports/2026-12-06-h100-mmq.md).
             let mmq = self.mmq_on()
-                && n_tok <= crate::memory::MMQ_MOE_TOKENS
+                && n_tok <= self.mmq_moe_tokens
                 && [&ex.gate, &ex.up, &ex.down].iter().all(|w| mmvt_fits(w));
             let (xf, gf) = match !mmq {
                 true => (

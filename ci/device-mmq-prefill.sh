@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 20, on the GPU machine: mmq_moe_* at two 16-row tiles a block (the default now) against one (the build in
+# carry/strata-base), and STRATA_MMQ_PREFILL_TOKENS=256 (a prompt step of up to 256 tokens runs its experts on
+# mmq_moe_* instead of the f16 GEMM). The CUDA tests of the prompt path; `strata bench` on the 30B shape at 16 to
+# 256 prompt tokens; scenarios/h200-load.yaml's 32-slot arm with the knob at 256, then at its default. Each step
+# runs only while the call (600 s) has time. Needs in carry/: strata.xz, strata-base.xz, strata-harness.xz and
+# cuda_parity.xz (release builds, stripped, xz-compressed; cuda_parity is the test binary of
+# `cargo test --release -p strata-engine --test cuda_parity --no-run`). Logs and reports go to $OUT.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+nvidia-smi -L
+(cd carry && xz -d -f -k strata.xz strata-base.xz strata-harness.xz cuda_parity.xz && chmod +x strata strata-base strata-harness cuda_parity)
+carry/strata --version; carry/strata-base --version
+M=synth:qwen3-30b-a3b
+bench() { # name, binary, env...
+  local n=$1 b=$2; shift 2
+  env "$@" $b bench --device cuda:0 --model $M --prompt-tokens 16,128,136,192,256 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench-$n.md 2> $OUT/bench-$n.log || tail -5 $OUT/bench-$n.log
+  echo "== bench $n at ${SECONDS}s"
+  grep -E "^\| (tg|pp)" $OUT/bench-$n.md | awk -F'|' -v n=$n '{printf "%-8s %-14s %10s\n", n, $2, $3}'
+}
+timeout 200 carry/cuda_parity --ignored --test-threads 1 experts_with_few_tokens tensor_core_q4_k gemm_tile_heights moe_ffn tiny_qwen3moe > $OUT/parity.txt 2>&1
+echo "parity rc $? at ${SECONDS}s"
+grep -E "^test .*(ok|FAILED)$|test result|panicked" $OUT/parity.txt | head -12
+grep -E "moe prefill .*(200|256)" $OUT/parity.txt | head -4
+bench base carry/strata-base
+bench new carry/strata
+bench new256 carry/strata STRATA_MMQ_PREFILL_TOKENS=256
+bench base2 carry/strata-base
+for arm in parallel-32-mmq-prefill-256 parallel-32; do
+  [ $SECONDS -lt 470 ] || break
+  mkdir -p $OUT/load
+  carry/strata-harness run scenarios/h200-load.yaml --strata carry/strata --arm slots=$arm --out $OUT/load > $OUT/load-$arm.log 2>&1; echo "== load $arm rc $? at ${SECONDS}s"
+  f=$(ls -d $OUT/load/*/ | head -1); cp $f/report.md $OUT/load-$arm.md; rm -rf $OUT/load
+  grep -E "^\| (single|load)" $OUT/load-$arm.md
+done
