@@ -24,9 +24,9 @@ timeout 200 carry/cuda_parity --ignored --test-threads 1 experts_with_few_tokens
 echo "parity rc $? at ${SECONDS}s"
 grep -E "^test .*(ok|FAILED)$|test result|panicked" $OUT/parity.txt | head -12
 grep -E "moe prefill .*(200|256)" $OUT/parity.txt | head -4
-bench base carry/strata-base
 bench new carry/strata
 bench new256 carry/strata STRATA_MMQ_PREFILL_TOKENS=256
+[ $SECONDS -lt $((BUDGET - 70)) ] && bench base carry/strata-base
 [ $SECONDS -lt $((BUDGET - 250)) ] && bench base2 carry/strata-base
 for arm in parallel-32-mmq-prefill-256 parallel-32; do
   [ $SECONDS -lt $((BUDGET - 100)) ] || break
