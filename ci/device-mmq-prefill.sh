@@ -20,7 +20,7 @@ bench() { # name, binary, env...
   echo "== bench $n at ${SECONDS}s"
   grep -E "^\| (tg|pp)" $OUT/bench-$n.md | awk -F'|' -v n=$n '{printf "%-8s %-14s %10s\n", n, $2, $3}'
 }
-timeout 200 carry/cuda_parity --ignored --test-threads 1 experts_with_few_tokens tensor_core_q4_k gemm_tile_heights moe_ffn tiny_qwen3moe > $OUT/parity.txt 2>&1
+timeout 200 carry/cuda_parity --ignored --test-threads 1 --nocapture experts_with_few_tokens tensor_core_q4_k gemm_tile_heights moe_ffn tiny_qwen3moe > $OUT/parity.txt 2>&1
 echo "parity rc $? at ${SECONDS}s"
 grep -E "^test .*(ok|FAILED)$|test result|panicked" $OUT/parity.txt | head -12
 grep -E "moe prefill .*(200|256)" $OUT/parity.txt | head -4

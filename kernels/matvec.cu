@@ -1113,7 +1113,7 @@ STRATA_MMQ(q6_k, MmqQ6K)
 // Tiles of 16 rows a block of mmq_moe_T computes (the host's MMQ_MOE_ROWS is 16 times this): 2, four warps a tile.
 // With 1, a width of 2,048 gave each of a block's 8 warps one super-block (nothing to pipeline) and an expert's down
 // projection of 768 left 5 of them idle. On an H100, 30B shape: pp128 4,894 tok/s against 4,407 with 1, pp16 1,562
-// against 1,501 (reports/2026-12-07-h100-mmq-rt2.md).
+// against 1,502 (reports/2026-12-07-h100-moe-mmq/).
 constexpr int MMQ_MOE_RT = 2;
 
 // mmq_moe_T: a MoE layer's experts over a prompt's tokens grouped by expert (the prefill path's grouped rows), on

@@ -510,13 +510,14 @@ fn tensor_core_q4_k_products_match_dp4a_and_the_cpu() {
     report(&rows_out);
 }
 
-/// A short prompt's experts (steps of up to 128 tokens, about 8 tokens an expert under top-8 of 128) on the
+/// A short prompt's experts (steps of up to `STRATA_MMQ_PREFILL_TOKENS`, set to 256 here: about 8 tokens an expert
+/// at 128 tokens under top-8 of 128) on the
 /// integer tensor cores (`mmq_moe_*`, `STRATA_MMQ`) instead of the prefill GEMM: within 1e-3 of the CPU, which
 /// computes the same integer products of Q8_K activations (the gated rows' quantization to Q8_K may round a code
 /// apart where the two sums' orders differ: measured 1.1e-4 at 128 tokens of width 2,048, 2e-7 on the smaller
 /// shapes), and within 2e-2 of the GEMM's f16 route (`STRATA_MMQ=0`); 1 to 32 tokens an
-/// expert, and a router leaning to two experts, so an expert's rows span several tiles of 8. The kernel profile
-/// shows both types' kernels ran.
+/// expert, and a router leaning to two experts, so an expert's rows span several tiles of 8. Each case's two routes
+/// differ in some bits (so the mmq route ran), and the kernel profile shows both types' kernels ran.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn experts_with_few_tokens_on_the_tensor_cores_match_the_cpu() {
@@ -563,6 +564,12 @@ fn experts_with_few_tokens_on_the_tensor_cores_match_the_cpu() {
             rel_err(&got[0], &got[1]),
             2e-2,
         ));
+        let differ = got[0]
+            .iter()
+            .zip(&got[1])
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert!(differ > 0, "{what}: the mmq route gave the GEMM's bits (did it run?)");
     }
     gpu.set_mmq(true);
     gpu.set_mmq_prefill_tokens(strata_engine::memory::MMQ_MOE_TOKENS);

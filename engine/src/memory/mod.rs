@@ -536,9 +536,10 @@ pub fn prefill_bytes(hp: &HParams, largest_elements: u64, chunk: usize) -> u64 {
 pub const MMQ_MOE_TOKENS: usize = 128;
 
 /// The most `STRATA_MMQ_PREFILL_TOKENS` may say, so that the Q8_K stages of such a step stay small: 5,184 bytes a
-/// token and a routed row, 11.4 MiB at 256 tokens of top-8. The memory plan does not count them apart: such a step
-/// leaves most of the chunk's f32 buffers unused (a chunk of 512 tokens plans 75 MiB of them on the Qwen3-30B-A3B
-/// shape) and takes no f16 copies for the GEMM.
+/// token and a routed row, 11.4 MiB asked at 256 tokens of top-8 (a scratch slot grows by half again, so up to about
+/// 17 MiB taken). The memory plan does not count them apart: such a step leaves most of the chunk's f32 buffers
+/// unused (a chunk of 512 tokens plans 75 MiB of them on the Qwen3-30B-A3B shape) and takes no f16 copies for the
+/// GEMM.
 pub const MMQ_MOE_TOKENS_MAX: usize = 256;
 
 pub(crate) fn limit_of(free: u64, budget: Option<u64>, reserve: u64) -> u64 {
