@@ -1123,17 +1123,15 @@ constexpr int MMQ_MOE_RT = 2;
 // activations are the grouped rows themselves) and writes y[r][0..n_out). Block (x, i) computes outputs
 // 16 MMQ_MOE_RT x.. of tile i for its rows (the absent columns are computed from the tile's last row and not
 // written). Grid (ceil(n_out / (16 MMQ_MOE_RT)), tiles), block 256; the expert's rows of cols values (a multiple of
-// 256, at most MMV_X_MAX) row_bytes apart, experts expert_stride bytes apart from w.
-// mmq_moe_tiles: block (x, i)'s part, RT tiles of 16 rows from 16 RT x, 8 / RT warps a tile; its tiles past the
-// rows compute nothing.
-template <class Q, int RT>
-__device__ __forceinline__ void mmq_moe_tiles(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
-                                              const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
-                                              const u32* __restrict__ xrows, float* __restrict__ y, int n_out,
-                                              int cols) {
-    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    int tl = RT == 1 ? 0 : (int)(threadIdx.x >> 5) / (8 / RT);
-    if (RT > 1 && (int)blockIdx.x * RT * MMQ_ROWS >= n_out) return;
+// 256, at most MMV_X_MAX) row_bytes apart, experts expert_stride bytes apart from w. The block's tile tl is its
+// warps tl * 8 / MMQ_MOE_RT onwards; a tile past the rows loads nothing and writes nothing.
+template <class Q>
+__device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
+                                        const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
+                                        const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {
+    constexpr int RT = MMQ_MOE_RT;
+    pdl_enter(); // the work list and the stages come from the launches before
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, tl = (int)(threadIdx.x >> 5) / (8 / RT);
     const int* tile = tiles + 3 * blockIdx.y;
     int e = tile[0], first = tile[1], rows = tile[2];
     const u8* base = w + (long long)e * expert_stride;
@@ -1148,16 +1146,9 @@ __device__ __forceinline__ void mmq_moe_tiles(const u8* __restrict__ w, long lon
         return st + (xrows ? xrows[r] : r);
     };
     float s = mmq_sums<Q, RT>(wr, cols / 256, stage(g), stage(2 * q), stage(2 * q + 1), false);
-    int i = RT == 1 ? (int)threadIdx.x : (int)threadIdx.x % (MMQ_ROWS * MMV_T), t = i % MMV_T;
-    int o = (blockIdx.x * RT + (RT == 1 ? 0 : (int)threadIdx.x / (MMQ_ROWS * MMV_T))) * MMQ_ROWS + i / MMV_T;
+    int i = (int)threadIdx.x % (MMQ_ROWS * MMV_T), t = i % MMV_T;
+    int o = (blockIdx.x * RT + (int)threadIdx.x / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i / MMV_T;
     if ((int)threadIdx.x < MMQ_ROWS * MMV_T * RT && t < rows && o < n_out) y[(long long)(first + t) * n_out + o] = s;
-}
-template <class Q>
-__device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expert_stride, long long row_bytes,
-                                        const int* __restrict__ tiles, const Q8kStage* __restrict__ st,
-                                        const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {
-    pdl_enter(); // the work list and the stages come from the launches before
-    mmq_moe_tiles<Q, MMQ_MOE_RT>(w, expert_stride, row_bytes, tiles, st, xrows, y, n_out, cols);
 }
 #define STRATA_MMQ_MOE(name, Q)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256)                                                          \

@@ -473,10 +473,12 @@ impl Sampler {
                     if best.len() == k {
                         floor = best.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
                     }
-                } else if logit >= floor {
-                    if let Some(mut worst) = best.peek_mut()
-                        && by_logit_desc(&c, &worst.0) == std::cmp::Ordering::Less
-                    {
+                } else if logit >= floor
+                    && best
+                        .peek()
+                        .is_some_and(|w| by_logit_desc(&c, &w.0) == std::cmp::Ordering::Less)
+                {
+                    if let Some(mut worst) = best.peek_mut() {
                         *worst = Worst(c); // sifted down when `worst` drops
                     }
                     floor = best.peek().map_or(f32::NEG_INFINITY, |w| w.0.logit);
@@ -871,7 +873,7 @@ mod tests {
 
     /// Top-k's one-pass selection keeps the candidates, in the order, that ordering every finite logit gives
     /// (select the k-th, keep k, sort; with at most k finite logits all of them in id order): logits with many
-    /// ties, ±0, ±inf and NaN, k from 1 to past the vocabulary, over many steps of one sampler (its heap reused).
+    /// ties, ±0, -inf and NaN (`filter` never sees +inf: `try_sample` returns first), k from 1 to past the vocabulary, over many steps of one sampler (its heap reused).
     #[test]
     fn top_k_in_one_pass_keeps_the_candidates_of_a_full_ordering() {
         let mut rng = Xoshiro256StarStar::from_seed(5);

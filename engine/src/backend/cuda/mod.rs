@@ -280,8 +280,7 @@ struct Inner {
     gemm_min_tile: usize,
     /// Q4_K and Q6_K products of several tokens on the integer tensor cores (`mmq_*` for dense matrices,
     /// `mmq_moe_*` for the experts of prompt steps of up to `STRATA_MMQ_PREFILL_TOKENS`; `STRATA_MMQ`, read at
-    /// start; tests compare
-    /// both ways).
+    /// start; tests compare both ways).
     mmq: bool,
     /// `--batch-invariant`: every step's tokens take the kernels of a lone decode step, each token's arithmetic
     /// in one order whatever else the step carries ([`CudaBackend::set_batch_invariant`]).
