@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 20, on the GPU machine: mmq_moe_* at two 16-row tiles a block (the default now) against one (the build in
-# carry/strata-base), and STRATA_MMQ_PREFILL_TOKENS=256 (a prompt step of up to 256 tokens runs its experts on
-# mmq_moe_* instead of the f16 GEMM). The CUDA tests of the prompt path; `strata bench` on the 30B shape at 16 to
-# 256 prompt tokens; scenarios/h200-load.yaml's 32-slot arm with the knob at 256, then at its default. Each step
-# runs only while the call (600 s) has time. Needs in carry/: strata.xz, strata-base.xz, strata-harness.xz and
+# carry/strata-base), STRATA_MMQ_PREFILL_TOKENS=256 (a prompt step of up to 256 tokens runs its experts on
+# mmq_moe_* instead of the f16 GEMM) and STRATA_MMV_DENSE_TOKENS=256 (its dense matrices on mmq_* instead of an
+# f16 copy and cuBLAS). The CUDA tests of the prompt path; `strata bench` on the 30B shape at 16 to 256 prompt
+# tokens, knobs at their defaults, both at 256, each alone; scenarios/h200-load.yaml's 32-slot arm at the
+# defaults, then with both at 256. Each step runs only while the call (600 s) has time. Needs in carry/: strata.xz, strata-base.xz, strata-harness.xz and
 # cuda_parity.xz (release builds, stripped, xz-compressed; cuda_parity is the test binary of
 # `cargo test --release -p strata-engine --test cuda_parity --no-run`). Logs and reports go to $OUT.
 # BUDGET (seconds, default 600): a shorter call leaves out what would not end in time.
@@ -24,14 +25,18 @@ timeout 200 carry/cuda_parity --ignored --test-threads 1 --nocapture experts_wit
 echo "parity rc $? at ${SECONDS}s"
 grep -E "^test .*(ok|FAILED)$|test result|panicked" $OUT/parity.txt | head -12
 grep -E "moe prefill .*(200|256)" $OUT/parity.txt | head -4
-bench new carry/strata
-bench new256 carry/strata STRATA_MMQ_PREFILL_TOKENS=256
-[ $SECONDS -lt $((BUDGET - 70)) ] && bench base carry/strata-base
-[ $SECONDS -lt $((BUDGET - 250)) ] && bench base2 carry/strata-base
-for arm in parallel-32-mmq-prefill-256 parallel-32; do
-  [ $SECONDS -lt $((BUDGET - 100)) ] || break
+load() { # arm
+  [ $SECONDS -lt $((BUDGET - 100)) ] || return
+  local arm=$1
   mkdir -p $OUT/load
   carry/strata-harness run scenarios/h200-load.yaml --strata carry/strata --arm slots=$arm --out $OUT/load > $OUT/load-$arm.log 2>&1; echo "== load $arm rc $? at ${SECONDS}s"
   f=$(ls -d $OUT/load/*/ | head -1); cp $f/report.md $OUT/load-$arm.md; rm -rf $OUT/load
   grep -E "^\| (single|load)" $OUT/load-$arm.md
-done
+}
+bench new carry/strata
+load parallel-32
+bench all256 carry/strata STRATA_MMQ_PREFILL_TOKENS=256 STRATA_MMV_DENSE_TOKENS=256
+load parallel-32-mmq-256
+[ $SECONDS -lt $((BUDGET - 70)) ] && bench experts256 carry/strata STRATA_MMQ_PREFILL_TOKENS=256
+[ $SECONDS -lt $((BUDGET - 70)) ] && bench dense256 carry/strata STRATA_MMV_DENSE_TOKENS=256
+[ $SECONDS -lt $((BUDGET - 70)) ] && bench base carry/strata-base
