@@ -33,8 +33,32 @@ load() { # arm
   f=$(ls -d $OUT/load/*/ | head -1); cp $f/report.md $OUT/load-$arm.md; rm -rf $OUT/load
   grep -E "^\| (single|load)" $OUT/load-$arm.md
 }
+ncu_pp128() { # Nsight Compute (clocks left alone) over the first mmq_* launches of a 128-token prompt, knobs at 256
+  [ $SECONDS -lt $((BUDGET - 120)) ] || return
+  local NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  local m=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_sector_hit_rate.pct
+  m=$m,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,launch__grid_size
+  m=$m,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
+  m=$m,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio
+  m=$m,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio
+  STRATA_MMQ_PREFILL_TOKENS=256 STRATA_MMV_DENSE_TOKENS=256 timeout 150 "$NCU" --clock-control none --csv --page raw \
+    --kernel-name regex:mmq_ --launch-count 8 --metrics $m \
+    carry/strata bench --device cuda:0 --model $M --prompt-tokens 128 --gen-tokens 1 --reps 1 --llama-bench off \
+    > $OUT/ncu-pp128.csv 2> $OUT/ncu-pp128.err
+  echo "== ncu rc $? at ${SECONDS}s"
+  python3 - $OUT/ncu-pp128.csv <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if len(rows) < 3: print("ncu: no rows"); sys.exit()
+h = rows[0]; keep = [i for i, n in enumerate(h) if n in ("Kernel Name",) or "__" in n]
+short = lambda n: n.replace("smsp__average_warps_issue_stalled_", "stall_").replace("_per_issue_active.ratio", "").split(".")[0]
+for r in rows[2:]:
+    print(" ".join(f"{short(h[i])}={r[i]}" for i in keep))
+PY
+}
 bench new carry/strata
 load parallel-32
+ncu_pp128
 bench all256 carry/strata STRATA_MMQ_PREFILL_TOKENS=256 STRATA_MMV_DENSE_TOKENS=256
 load parallel-32-mmq-256
 [ $SECONDS -lt $((BUDGET - 70)) ] && bench experts256 carry/strata STRATA_MMQ_PREFILL_TOKENS=256
