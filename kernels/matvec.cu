@@ -1115,6 +1115,15 @@ STRATA_MMQ(q6_k, MmqQ6K)
 // projection of 768 left 5 of them idle. On an H100, 30B shape: pp128 4,894 tok/s against 4,407 with 1, pp16 1,562
 // against 1,502 (reports/2026-12-07-h100-moe-mmq/).
 constexpr int MMQ_MOE_RT = 2;
+// Minimum resident blocks per SM asked of the compiler for mmq_moe_T (unset: no bound). At 128 registers a thread
+// an SM holds 2 of its blocks (16 warps); Nsight Compute on an H100, pp128, a layer's gate launch: 25% of the warps
+// active, DRAM 24% of peak, long-scoreboard stalls leading (reports/2026-12-07-h100-mmq-knobs/). A tuning run may set
+// it through STRATA_KERNEL_DEFINES (-DMMQ_MOE_MINB=3: at most 80 registers).
+#ifdef MMQ_MOE_MINB
+#define MMQ_MOE_BOUNDS __launch_bounds__(256, MMQ_MOE_MINB)
+#else
+#define MMQ_MOE_BOUNDS __launch_bounds__(256)
+#endif
 
 // mmq_moe_T: a MoE layer's experts over a prompt's tokens grouped by expert (the prefill path's grouped rows), on
 // the integer tensor cores as mmq_T, for experts with few tokens each (a short prompt), where the prefill GEMM
@@ -1151,7 +1160,7 @@ __device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expe
     if ((int)threadIdx.x < MMQ_ROWS * MMV_T * RT && t < rows && o < n_out) y[(long long)(first + t) * n_out + o] = s;
 }
 #define STRATA_MMQ_MOE(name, Q)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256)                                                          \
+    extern "C" __global__ void MMQ_MOE_BOUNDS                                                                  \
         mmq_moe_##name(const u8* __restrict__ w, long long expert_stride, long long row_bytes,                  \
                        const int* __restrict__ tiles, const Q8kStage* __restrict__ st,                          \
                        const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {             \

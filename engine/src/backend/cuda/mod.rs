@@ -82,9 +82,6 @@ const MMV_MAX_TOKENS: usize = 4;
 /// matrix; on an H100 with the 30B shape, 16 sequences decoding together 1,340 tok/s at 16 against 1,234 at 8,
 /// and 32 no faster at 32 (`reports/2026-12-06-h100-mmvt.md`).
 const MMV_DENSE_TOKENS: usize = 16;
-/// The most `STRATA_MMV_DENSE_TOKENS` takes: a prompt step of up to 256 tokens (the most whose experts may take
-/// `mmq_moe_*`) may run its dense matrices on the same kernels (tuning; launches of more than 1,024 tokens split).
-const MMV_DENSE_TOKENS_MAX: usize = crate::memory::MMQ_MOE_TOKENS_MAX;
 
 /// Fewest rows of a prefill GEMM tile by default (`STRATA_GEMM_MIN_TILE`): a tile of at most 32 rows (an
 /// expert's tokens in a short prompt) is computed 32 rows high, one of 33 to 64 rows 64 high, else 128 high.
@@ -275,7 +272,7 @@ struct Inner {
     step_sequences: usize,
     /// Most tokens a dense matmul runs as matrix-vector products, one token per block column as a lone decode
     /// step's (`STRATA_MMV_DENSE_TOKENS`, read at start, at least [`MMV_MAX_TOKENS`], at most
-    /// [`MMV_DENSE_TOKENS_MAX`]); larger steps take the GEMM.
+    /// [`MOE_DEVICE_TOKENS_MAX`]); larger steps take the GEMM.
     mmv_dense_tokens: usize,
     /// Fewest rows of a tile of our prefill GEMM (`STRATA_GEMM_MIN_TILE`, read at start: 32, 64 or 128): each
     /// tile runs at the smallest height of 32, 64 and 128 that holds its rows and is at least this
@@ -446,9 +443,11 @@ impl CudaBackend {
         let moe_device_tokens =
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
                 .unwrap_or(MOE_DEVICE_TOKENS_MAX);
-        let mmv_dense_tokens =
-            crate::switches::usize_in(crate::switches::MMV_DENSE_TOKENS, MMV_MAX_TOKENS..=MMV_DENSE_TOKENS_MAX)
-                .unwrap_or(MMV_DENSE_TOKENS);
+        let mmv_dense_tokens = crate::switches::usize_in(
+            crate::switches::MMV_DENSE_TOKENS,
+            MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
+        )
+        .unwrap_or(MMV_DENSE_TOKENS);
         let gemm_min_tile = match crate::switches::usize_in(crate::switches::GEMM_MIN_TILE, 32..=128) {
             Some(n @ (32 | 64 | 128)) => n,
             Some(n) => {
@@ -569,10 +568,10 @@ impl CudaBackend {
     }
 
     /// The most tokens a dense matmul runs as matrix-vector products, `n` clamped to
-    /// [`MMV_MAX_TOKENS`]..=[`MMV_DENSE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start, default
-    /// [`MMV_DENSE_TOKENS`]; tests set it).
+    /// [`MMV_MAX_TOKENS`]..=[`MOE_DEVICE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start, default 8; tests
+    /// set it).
     pub fn set_mmv_dense_tokens(&self, n: usize) {
-        self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MMV_DENSE_TOKENS_MAX);
+        self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MOE_DEVICE_TOKENS_MAX);
     }
 
     /// Whether a dense Q4_K or Q6_K matrix times several tokens (2 to `STRATA_MMV_DENSE_TOKENS`, not
