@@ -5,7 +5,8 @@
 # peak). In order, each step only while the call has time (BUDGET seconds, default 600):
 # 1. the CUDA tests of the prompt path (their summary printed first: the parity of 200- and 256-token steps gates
 #    the knob's default);
-# 2. `strata bench` on the 30B shape at 16 to 256 prompt tokens: defaults, the knob at 256, the define;
+#    Then tensor_core_q4_k under -DMMQ_DENSE_RT=2 (mmq_q4_k / mmq_q6_k at two 16-row tiles a block).
+# 2. `strata bench` on the 30B shape at 16 to 256 prompt tokens: defaults, the knob at 256, each define;
 # 3. scenarios/h200-load.yaml's 32-slot arm at the defaults (on an H200 first), then with the knob at 256;
 # 4. Nsight Compute (clocks left alone) over a 128-token prompt's first mmq_moe_* launches, a line a launch.
 # Needs in carry/: strata.xz, strata-harness.xz and cuda_parity.xz (release builds, stripped, xz-compressed;
@@ -22,6 +23,9 @@ timeout $((BUDGET / 4)) carry/cuda_parity --ignored --test-threads 1 --nocapture
 echo "parity rc $? at ${SECONDS}s"
 grep -E "^test .*(ok|FAILED)$|test result|panicked" $OUT/parity.txt | head -12
 grep -E "moe prefill .*(200|256)" $OUT/parity.txt | head -4
+STRATA_KERNEL_DEFINES=-DMMQ_DENSE_RT=2 timeout $((BUDGET / 8)) carry/cuda_parity --ignored --test-threads 1 tensor_core_q4_k > $OUT/logs/parity-dense-rt2.txt 2>&1
+echo "parity under -DMMQ_DENSE_RT=2 rc $? at ${SECONDS}s"
+grep -E "^test .*(ok|FAILED)$|panicked" $OUT/logs/parity-dense-rt2.txt | head -3
 bench() { # name, env...
   [ $SECONDS -lt $((BUDGET - 60)) ] || return
   local n=$1; shift
@@ -61,8 +65,9 @@ PY
 bench new
 if nvidia-smi -L | grep -q H200; then load parallel-32; fi
 bench mmq256 STRATA_MMQ_PREFILL_TOKENS=256
-load parallel-32-mmq-prefill-256
+bench denseRT2 STRATA_KERNEL_DEFINES=-DMMQ_DENSE_RT=2
 bench minb3 STRATA_KERNEL_DEFINES=-DMMQ_MOE_MINB=3
+load parallel-32-mmq-prefill-256
 if ! nvidia-smi -L | grep -q H200; then load parallel-32; fi
 ncu_pp128
 tar -C $OUT -czf $OUT/logs.tgz logs && rm -rf $OUT/logs

@@ -1068,18 +1068,31 @@ __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8k
     }
     return s;
 }
-template <class Q>
+// Tiles of 16 rows a block of mmq_T computes: 1, the host's grid being a block per 16 rows. A tuning run may set
+// MMQ_DENSE_RT=2 through STRATA_KERNEL_DEFINES: two tiles a block, four warps a tile, as mmq_moe_T. The host's
+// grid stays as it is, so its second half of blocks only waits and exits. Measured on an H100 at 128 tokens
+// (STRATA_MMV_DENSE_TOKENS up to 256 then): one tile a block, 50 us a launch, latency-bound
+// (reports/2026-12-07-h100-mmq-knobs/).
+#ifndef MMQ_DENSE_RT
+#define MMQ_DENSE_RT 1
+#endif
+template <class Q, int RT>
 __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                           const u8* __restrict__ w2, const Q8kStage* __restrict__ st,
                                           float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
                                           int r0, int r1, int r2, int cols, long long row_bytes, int n_tok) {
     int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     int t0 = blockIdx.y * MMV_T, n = min(MMV_T, n_tok - t0);
-    // Rows g and g + 8 of the tile (null: past the last).
+    if (RT > 1 && (int)blockIdx.x * RT * MMQ_ROWS >= r0 + r1 + r2) {
+        pdl_enter(); // every kernel waits before its dependents launch
+        return;
+    }
+    int tl = RT == 1 ? 0 : (int)(threadIdx.x >> 5) / (8 / RT);
+    // Rows g and g + 8 of the warp's tile (null: past the last).
     const u8* w[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        int r = blockIdx.x * MMQ_ROWS + g + 8 * h;
+        int r = (blockIdx.x * RT + tl) * MMQ_ROWS + g + 8 * h;
         w[h] = nullptr;
         if (r < r0)
             w[h] = w0 + (long long)r * row_bytes;
@@ -1088,11 +1101,12 @@ __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* _
         else if ((r -= r1) < r2)
             w[h] = w2 + (long long)r * row_bytes;
     }
-    float s = mmq_sums<Q>(w, cols / 256, st + t0 + min(g, n - 1), st + t0 + min(2 * q, n - 1),
-                          st + t0 + min(2 * q + 1, n - 1), true);
+    float s = mmq_sums<Q, RT>(w, cols / 256, st + t0 + min(g, n - 1), st + t0 + min(2 * q, n - 1),
+                              st + t0 + min(2 * q + 1, n - 1), true);
     int i = threadIdx.x, t = i % MMV_T;
-    if (i >= MMQ_ROWS * MMV_T || t >= n) return;
-    int r = blockIdx.x * MMQ_ROWS + i / MMV_T;
+    if (i >= MMQ_ROWS * MMV_T * RT || t >= n) return;
+    int r = RT == 1 ? blockIdx.x * MMQ_ROWS + i / MMV_T
+                    : (blockIdx.x * RT + i / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i % (MMQ_ROWS * MMV_T) / MMV_T;
     if (r < r0)
         y0[(long long)(t0 + t) * r0 + r] = s;
     else if ((r -= r0) < r1)
@@ -1105,7 +1119,7 @@ __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* _
         mmq_##name(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,            \
                    const Q8kStage* __restrict__ st, float* __restrict__ y0, float* __restrict__ y1,            \
                    float* __restrict__ y2, int r0, int r1, int r2, int cols, long long row_bytes, int n_tok) { \
-        mmq_tiles<Q>(w0, w1, w2, st, y0, y1, y2, r0, r1, r2, cols, row_bytes, n_tok);                          \
+        mmq_tiles<Q, MMQ_DENSE_RT>(w0, w1, w2, st, y0, y1, y2, r0, r1, r2, cols, row_bytes, n_tok);            \
     }
 STRATA_MMQ(q4_k, MmqQ4K)
 STRATA_MMQ(q6_k, MmqQ6K)
