@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 20, on the GPU machine: a prompt step's experts on the integer tensor cores (mmq_moe_*) past 128 tokens
 # (STRATA_MMQ_PREFILL_TOKENS=256), and mmq_moe_* asked for 3 resident blocks an SM (-DMMQ_MOE_MINB=3 through
-# STRATA_KERNEL_DEFINES, at most 80 registers: Nsight Compute found it at 2 blocks, 25% of the warps, DRAM 24% of
-# peak). In order, each step only while the call has time (BUDGET seconds, default 600):
+# STRATA_KERNEL_DEFINES, at most 80 registers: Nsight Compute found it at 2 blocks, 24% of the warps active, DRAM
+# 24% of peak), and the dense mmq_* at two tiles a block (-DMMQ_DENSE_RT=2). In order, each step only while the call has time (BUDGET seconds, default 600):
 # 1. the CUDA tests of the prompt path (their summary printed first: the parity of 200- and 256-token steps gates
-#    the knob's default);
-#    Then tensor_core_q4_k under -DMMQ_DENSE_RT=2 (mmq_q4_k / mmq_q6_k at two 16-row tiles a block).
-# 2. `strata bench` on the 30B shape at 16 to 256 prompt tokens: defaults, the knob at 256, each define;
+#    the knob's default), then tensor_core_q4_k under -DMMQ_DENSE_RT=2 (mmq_q4_k / mmq_q6_k at two 16-row tiles
+#    a block);
+# 2. `strata bench` on the 30B shape at 16 to 256 prompt tokens: defaults, the knob at 256, each define (the dense
+#    mmq_* run only at pp16 and tg32 x8: past STRATA_MMV_DENSE_TOKENS, 16, a step takes cuBLAS; -DMMQ_MOE_MINB=3
+#    spills registers, so that arm measures occupancy and spills together);
 # 3. scenarios/h200-load.yaml's 32-slot arm at the defaults (on an H200 first), then with the knob at 256;
 # 4. Nsight Compute (clocks left alone) over a 128-token prompt's first mmq_moe_* launches, a line a launch.
 # Needs in carry/: strata.xz, strata-harness.xz and cuda_parity.xz (release builds, stripped, xz-compressed;
@@ -29,7 +31,7 @@ grep -E "^test .*(ok|FAILED)$|panicked" $OUT/logs/parity-dense-rt2.txt | head -3
 bench() { # name, env...
   [ $SECONDS -lt $((BUDGET - 60)) ] || return
   local n=$1; shift
-  env "$@" carry/strata bench --device cuda:0 --model $M --prompt-tokens 16,128,136,192,256 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench-$n.md 2> $OUT/logs/bench-$n.log || tail -5 $OUT/logs/bench-$n.log
+  env "$@" timeout $((BUDGET - SECONDS - 15)) carry/strata bench --device cuda:0 --model $M --prompt-tokens 16,128,136,192,256 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench-$n.md 2> $OUT/logs/bench-$n.log || tail -5 $OUT/logs/bench-$n.log
   echo "== bench $n at ${SECONDS}s"
   grep -E "^\| (tg|pp)" $OUT/bench-$n.md | awk -F'|' -v n=$n '{printf "%-10s %-14s %10s\n", n, $2, $3}'
 }
@@ -37,7 +39,7 @@ load() { # arm
   [ $SECONDS -lt $((BUDGET - 100)) ] || return
   local arm=$1
   mkdir -p $OUT/load
-  carry/strata-harness run scenarios/h200-load.yaml --strata carry/strata --arm slots=$arm --out $OUT/load > $OUT/logs/load-$arm.log 2>&1; echo "== load $arm rc $? at ${SECONDS}s"
+  timeout $((BUDGET - SECONDS - 15)) carry/strata-harness run scenarios/h200-load.yaml --strata carry/strata --arm slots=$arm --out $OUT/load > $OUT/logs/load-$arm.log 2>&1; echo "== load $arm rc $? at ${SECONDS}s"
   f=$(ls -d $OUT/load/*/ | head -1); cp $f/report.md $OUT/load-$arm.md; cp -r $f/logs $OUT/logs/load-$arm; rm -rf $OUT/load
   grep -E "^\| (single|load)" $OUT/load-$arm.md
 }

@@ -1037,6 +1037,7 @@ struct MmqQ6K {
 template <class Q, int RT = 1>
 __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8kStage* sg, const Q8kStage* sc0,
                                           const Q8kStage* sc1, bool wait) {
+    static_assert(RT == 1 || RT == 2, "a block's 256 threads return the sums of two tiles at most");
     constexpr int WT = 8 / RT; // warps a tile
     __shared__ float red[8][MMQ_ROWS * MMV_T];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -1070,9 +1071,10 @@ __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8k
 }
 // Tiles of 16 rows a block of mmq_T computes: 1, the host's grid being a block per 16 rows. A tuning run may set
 // MMQ_DENSE_RT=2 through STRATA_KERNEL_DEFINES: two tiles a block, four warps a tile, as mmq_moe_T. The host's
-// grid stays as it is, so its second half of blocks only waits and exits. Measured on an H100 at 128 tokens
-// (STRATA_MMV_DENSE_TOKENS up to 256 then): one tile a block, 50 us a launch, latency-bound
-// (reports/2026-12-07-h100-mmq-knobs/).
+// grid stays as it is, so its second half of blocks only waits and exits. For the steps of 2 to
+// STRATA_MMV_DENSE_TOKENS tokens that take mmq_* (decode batches, short prompts): at one tile a block a 2,048-wide
+// row gives each warp one super-block, nothing to pipeline; on an H100 the kernel took 50 us a launch at 128 tokens
+// (reports/2026-12-07-h100-mmq-knobs/, when that knob reached 256).
 #ifndef MMQ_DENSE_RT
 #define MMQ_DENSE_RT 1
 #endif
@@ -1130,9 +1132,10 @@ STRATA_MMQ(q6_k, MmqQ6K)
 // against 1,502 (reports/2026-12-07-h100-moe-mmq/).
 constexpr int MMQ_MOE_RT = 2;
 // Minimum resident blocks per SM asked of the compiler for mmq_moe_T (unset: no bound). At 128 registers a thread
-// an SM holds 2 of its blocks (16 warps); Nsight Compute on an H100, pp128, a layer's gate launch: 25% of the warps
-// active, DRAM 24% of peak, long-scoreboard stalls leading (reports/2026-12-07-h100-mmq-knobs/). A tuning run may set
-// it through STRATA_KERNEL_DEFINES (-DMMQ_MOE_MINB=3: at most 80 registers).
+// an SM holds 2 of its blocks (16 warps, 25% of its warps); Nsight Compute on an H100, pp128, a layer's gate
+// launch: 24% of the warps active, DRAM 24% of peak, long-scoreboard stalls leading
+// (reports/2026-12-07-h100-mmq-knobs/). A tuning run may set it through STRATA_KERNEL_DEFINES (-DMMQ_MOE_MINB=3: at
+// most 80 registers, and NVRTC for sm_90 spills 144/112 bytes in mmq_moe_q4_k, 360/196 in mmq_moe_q6_k).
 #ifdef MMQ_MOE_MINB
 #define MMQ_MOE_BOUNDS __launch_bounds__(256, MMQ_MOE_MINB)
 #else
