@@ -64,12 +64,13 @@ for r in rows[2:]:
     print(" | ".join(f"{h[i].split('.')[0].replace('smsp__average_warps_issue_stalled_', '')}={r[i]}" for i in cols))
 PY
 }
+h200=$(nvidia-smi -L | grep -c H200)
 bench new
-if nvidia-smi -L | grep -q H200; then load parallel-32; fi
+if [ "$h200" -gt 0 ]; then load parallel-32; fi
 bench mmq256 STRATA_MMQ_PREFILL_TOKENS=256
 bench denseRT2 STRATA_KERNEL_DEFINES=-DMMQ_DENSE_RT=2
 bench minb3 STRATA_KERNEL_DEFINES=-DMMQ_MOE_MINB=3
 load parallel-32-mmq-prefill-256
-if ! nvidia-smi -L | grep -q H200; then load parallel-32; fi
+if [ "$h200" -eq 0 ]; then load parallel-32; fi
 ncu_pp128
 tar -C $OUT -czf $OUT/logs.tgz logs && rm -rf $OUT/logs

@@ -1034,6 +1034,19 @@ struct MmqQ6K {
 // (warp w works on tile w / (8 / RT)), each tile's warps its super-blocks. Returns, to thread i < 128 RT, the sum
 // of row i % 128 / 8 of tile i / 128 and token i % 8 (a tile's warps' sums added in warp order through shared
 // memory); every thread calls it.
+// The tile of a block's RT tiles of 16 rows that the calling warp works on in mmq_sums.
+template <int RT>
+__device__ __forceinline__ int mmq_warp_tile() {
+    return RT == 1 ? 0 : (int)(threadIdx.x >> 5) / (8 / RT);
+}
+// The row whose sum mmq_sums returns to the calling thread i < 128 RT (row i % 128 / 8 of tile i / 128, its token
+// i % 8), the block's first tile being tile0 (16 tile0 its first row).
+template <int RT>
+__device__ __forceinline__ int mmq_sum_row(int tile0) {
+    int i = (int)threadIdx.x;
+    return RT == 1 ? tile0 * MMQ_ROWS + i / MMV_T
+                   : (tile0 + i / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i % (MMQ_ROWS * MMV_T) / MMV_T;
+}
 template <class Q, int RT = 1>
 __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8kStage* sg, const Q8kStage* sc0,
                                           const Q8kStage* sc1, bool wait) {
@@ -1089,7 +1102,7 @@ __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* _
         pdl_enter(); // every kernel waits before its dependents launch
         return;
     }
-    int tl = RT == 1 ? 0 : (int)(threadIdx.x >> 5) / (8 / RT);
+    int tl = mmq_warp_tile<RT>();
     // Rows g and g + 8 of the warp's tile (null: past the last).
     const u8* w[2];
 #pragma unroll
@@ -1107,8 +1120,7 @@ __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* _
                               st + t0 + min(2 * q + 1, n - 1), true);
     int i = threadIdx.x, t = i % MMV_T;
     if (i >= MMQ_ROWS * MMV_T * RT || t >= n) return;
-    int r = RT == 1 ? blockIdx.x * MMQ_ROWS + i / MMV_T
-                    : (blockIdx.x * RT + i / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i % (MMQ_ROWS * MMV_T) / MMV_T;
+    int r = mmq_sum_row<RT>(blockIdx.x * RT);
     if (r < r0)
         y0[(long long)(t0 + t) * r0 + r] = s;
     else if ((r -= r0) < r1)
@@ -1157,7 +1169,7 @@ __device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expe
                                         const u32* __restrict__ xrows, float* __restrict__ y, int n_out, int cols) {
     constexpr int RT = MMQ_MOE_RT;
     pdl_enter(); // the work list and the stages come from the launches before
-    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, tl = (int)(threadIdx.x >> 5) / (8 / RT);
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, tl = mmq_warp_tile<RT>();
     const int* tile = tiles + 3 * blockIdx.y;
     int e = tile[0], first = tile[1], rows = tile[2];
     const u8* base = w + (long long)e * expert_stride;
@@ -1172,8 +1184,7 @@ __device__ __forceinline__ void mmq_moe(const u8* __restrict__ w, long long expe
         return st + (xrows ? xrows[r] : r);
     };
     float s = mmq_sums<Q, RT>(wr, cols / 256, stage(g), stage(2 * q), stage(2 * q + 1), false);
-    int i = (int)threadIdx.x % (MMQ_ROWS * MMV_T), t = i % MMV_T;
-    int o = (blockIdx.x * RT + (int)threadIdx.x / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i / MMV_T;
+    int t = (int)threadIdx.x % (MMQ_ROWS * MMV_T) % MMV_T, o = mmq_sum_row<RT>(blockIdx.x * RT);
     if ((int)threadIdx.x < MMQ_ROWS * MMV_T * RT && t < rows && o < n_out) y[(long long)(first + t) * n_out + o] = s;
 }
 #define STRATA_MMQ_MOE(name, Q)                                                                                 \
