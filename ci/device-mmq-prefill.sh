@@ -10,7 +10,8 @@
 #    mmq_* run only at pp16 and tg32 x8: past STRATA_MMV_DENSE_TOKENS, 16, a step takes cuBLAS; -DMMQ_MOE_MINB=3
 #    spills registers, so that arm measures occupancy and spills together);
 # 3. scenarios/h200-load.yaml's 32-slot arm at the defaults (on an H200 first), then with the knob at 256;
-# 4. Nsight Compute (clocks left alone) over a 128-token prompt's first mmq_moe_* launches, a line a launch.
+# 4. Nsight Compute (clocks left alone) over a 128-token prompt's first mmq_moe_* launches, then over decode's
+#    mmv_moe_group_* at 8 sequences, a line a launch.
 # Needs in carry/: strata.xz, strata-harness.xz and cuda_parity.xz (release builds, stripped, xz-compressed;
 # cuda_parity is the test binary of `cargo test --release -p strata-engine --test cuda_parity --no-run`). $OUT gets
 # the bench and load reports, the parity output and the logs in one tarball (the device returns 8 files at most).
@@ -43,17 +44,18 @@ load() { # arm
   f=$(ls -d $OUT/load/*/ | head -1); cp $f/report.md $OUT/load-$arm.md; cp -r $f/logs $OUT/logs/load-$arm; rm -rf $OUT/load
   grep -E "^\| (single|load)" $OUT/load-$arm.md
 }
-ncu_pp128() {
+ncu_run() { # name, kernel regex, launches to skip, bench arguments...
   [ $SECONDS -lt $((BUDGET - 90)) ] || return
+  local name=$1 re=$2 skip=$3; shift 3
   local NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   local m=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_sector_hit_rate.pct
   m=$m,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size
   m=$m,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio
-  timeout 80 "$NCU" --clock-control none --csv --page raw --kernel-name regex:mmq_moe --launch-count 6 --metrics $m \
-    carry/strata bench --device cuda:0 --model $M --prompt-tokens 128 --gen-tokens 1 --reps 1 --llama-bench off \
-    > $OUT/logs/ncu-pp128.csv 2> $OUT/logs/ncu-pp128.err
-  echo "== ncu rc $? at ${SECONDS}s"
-  python3 - $OUT/logs/ncu-pp128.csv "$m" <<'PY'
+  timeout 80 "$NCU" --clock-control none --csv --page raw --kernel-name regex:$re --launch-skip $skip --launch-count 6 --metrics $m \
+    carry/strata bench --device cuda:0 --model $M --llama-bench off "$@" \
+    > $OUT/logs/ncu-$name.csv 2> $OUT/logs/ncu-$name.err
+  echo "== ncu $name rc $? at ${SECONDS}s"
+  python3 - $OUT/logs/ncu-$name.csv "$m" <<'PY'
 import csv, sys
 want = sys.argv[2].split(",")
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
@@ -72,5 +74,7 @@ bench denseRT2 STRATA_KERNEL_DEFINES=-DMMQ_DENSE_RT=2
 bench minb3 STRATA_KERNEL_DEFINES=-DMMQ_MOE_MINB=3
 load parallel-32-mmq-prefill-256
 if [ "$h200" -eq 0 ]; then load parallel-32; fi
-ncu_pp128
+ncu_run pp128 mmq_moe 0 --prompt-tokens 128 --gen-tokens 1 --reps 1
+# decode at 8 sequences: past the prompt steps' launches (2 matrices x 48 layers each)
+ncu_run x8 mmv_moe_group 200 --prompt-tokens 16 --gen-tokens 4 --sequences 8 --reps 1
 tar -C $OUT -czf $OUT/logs.tgz logs && rm -rf $OUT/logs
