@@ -6,9 +6,7 @@
 # 1. the CUDA tests of the prompt path (their summary printed first: the parity of 200- and 256-token steps gates
 #    the knob's default), then tensor_core_q4_k under -DMMQ_DENSE_RT=2 (mmq_q4_k / mmq_q6_k at two 16-row tiles
 #    a block);
-# 2. `strata bench` on the 30B shape at 16 to 256 prompt tokens: defaults; then decode of 8 and 16 sequences at
-#    the defaults and with the grouped expert kernel's L2 prefetch one and two waves ahead
-#    (-DMMV_MOE_PREFETCH_AHEAD=396, 792), the defaults again; then the knob at 256, each define (the dense
+# 2. `strata bench` on the 30B shape at 16 to 256 prompt tokens: defaults, the knob at 256, each define (the dense
 #    mmq_* run only at pp16 and tg32 x8: past STRATA_MMV_DENSE_TOKENS, 16, a step takes cuBLAS; -DMMQ_MOE_MINB=3
 #    spills registers, so that arm measures occupancy and spills together);
 # 3. scenarios/h200-load.yaml's 32-slot arm at the defaults (on an H200 first), then with the knob at 256;
@@ -37,13 +35,6 @@ bench() { # name, env...
   env "$@" timeout $((BUDGET - SECONDS - 15)) carry/strata bench --device cuda:0 --model $M --prompt-tokens 16,128,136,192,256 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench-$n.md 2> $OUT/logs/bench-$n.log || tail -5 $OUT/logs/bench-$n.log
   echo "== bench $n at ${SECONDS}s"
   grep -E "^\| (tg|pp)" $OUT/bench-$n.md | awk -F'|' -v n=$n '{printf "%-10s %-14s %10s\n", n, $2, $3}'
-}
-dec() { # name, env...: decode of 8 and 16 sequences only (what the grouped expert kernel's defines move)
-  [ $SECONDS -lt $((BUDGET - 60)) ] || return
-  local n=$1; shift
-  env "$@" timeout $((BUDGET - SECONDS - 15)) carry/strata bench --device cuda:0 --model $M --prompt-tokens 16 --gen-tokens 32 --sequences 8,16 --reps 2 --llama-bench off > $OUT/logs/dec-$n.md 2> $OUT/logs/dec-$n.log || tail -5 $OUT/logs/dec-$n.log
-  echo "== dec $n at ${SECONDS}s"
-  grep -E "^\| tg" $OUT/logs/dec-$n.md | awk -F'|' -v n=$n '{printf "%-10s %-14s %10s %s\n", n, $2, $3, $4}'
 }
 load() { # arm
   [ $SECONDS -lt $((BUDGET - 100)) ] || return
@@ -78,14 +69,10 @@ PY
 h200=$(nvidia-smi -L | grep -c H200)
 bench new
 if [ "$h200" -gt 0 ]; then load parallel-32; fi
-dec base
-dec pf396 STRATA_KERNEL_DEFINES=-DMMV_MOE_PREFETCH_AHEAD=396
-dec pf792 STRATA_KERNEL_DEFINES=-DMMV_MOE_PREFETCH_AHEAD=792
-dec base2
 bench mmq256 STRATA_MMQ_PREFILL_TOKENS=256
 bench denseRT2 STRATA_KERNEL_DEFINES=-DMMQ_DENSE_RT=2
-load parallel-32-mmq-prefill-256
 bench minb3 STRATA_KERNEL_DEFINES=-DMMQ_MOE_MINB=3
+load parallel-32-mmq-prefill-256
 if [ "$h200" -eq 0 ]; then load parallel-32; fi
 ncu_run pp128 mmq_moe 0 --prompt-tokens 128 --gen-tokens 1 --reps 1
 # decode at 8 sequences: past the prompt steps' launches (2 matrices x 48 layers each)

@@ -669,31 +669,6 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
                     if (w[i]) y[first + i] = acc[i];                                                            \
         }                                                                                                       \
     }
-// A measurement define, unset by default (the same PTX): MMV_MOE_PREFETCH_AHEAD=D has thread 0 of each block of
-// mmv_moe_group_T ask the L2 cache for the weight rows of the block D places later in launch order (blockIdx x
-// fastest, then y, then z), one bulk prefetch (cp.async.bulk.prefetch.L2, sm_90), so that when that block starts
-// its loads hit L2 while the memory keeps streaming whatever the blocks' turnover (Nsight Compute: the kernel waits
-// on its weights' loads, 2026-12-06-h100-moe-staged.md). D near the resident blocks (3 an SM x 132 SMs) is one wave
-// ahead. Results are unchanged: a prefetch moves no value.
-#if defined(MMV_MOE_PREFETCH_AHEAD) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void moe_group_prefetch(const u8* wa, const u8* wb, const u32* groups, int rows,
-                                                   int rows_per_block, long long row_bytes,
-                                                   long long expert_stride) {
-    long long gx = gridDim.x, gy = gridDim.y;
-    long long at = blockIdx.x + gx * (blockIdx.y + gy * (long long)blockIdx.z) + MMV_MOE_PREFETCH_AHEAD;
-    int x = (int)(at % gx), y = (int)((at / gx) % gy), z = (int)(at / (gx * gy));
-    if (z >= (int)gridDim.z || y >= (int)ld_cg_u32(groups)) return;
-    int first = x * rows_per_block, n = min(rows_per_block, rows - first);
-    if (n <= 0) return;
-    const u8* p = (z ? wb : wa) + (long long)ld_cg_u32(groups + 1 + y * MOE_GROUP_INTS) * expert_stride +
-                  (long long)first * row_bytes;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((u32)(n * row_bytes) & ~15u) : "memory");
-}
-#define MOE_GROUP_PREFETCH(...) if (threadIdx.x == 0) moe_group_prefetch(__VA_ARGS__)
-#else
-#define MOE_GROUP_PREFETCH(...)
-#endif
-
 // mmv_moe_group_T: mmv_moe_T over groups of routing slots that share an expert (a step of several tokens), so
 // each weight row is read once for up to MOE_GROUP_T slots instead of once per slot. groups (moe_groups, written on
 // the device): groups[0] is the count; group g at groups + 1 + g * MOE_GROUP_INTS is (expert or cache slot id,
@@ -728,7 +703,6 @@ __device__ __forceinline__ void moe_group_prefetch(const u8* wa, const u8* wb, c
         bool short_rows = cols <= 1024;                                                                         \
         int warp = threadIdx.x >> 5, q = lane >> 3;                                                             \
         int first = blockIdx.x * (short_rows ? 32 * RG : 32) + warp * (short_rows ? 4 * RG : 4);                \
-        MOE_GROUP_PREFETCH(wa, wb, (const u32*)groups, rows, short_rows ? 32 * RG : 32, row_bytes, expert_stride); \
         __shared__ __align__(16) Q8kStage st[T];                                                                \
         float acc[RG][T];                                                                                       \
         if (short_rows)                                                                                         \
