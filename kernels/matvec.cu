@@ -1082,15 +1082,12 @@ __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8k
     }
     return s;
 }
-// Tiles of 16 rows a block of mmq_T computes: 1, the host's grid being a block per 16 rows. A tuning run may set
-// MMQ_DENSE_RT=2 through STRATA_KERNEL_DEFINES: two tiles a block, four warps a tile, as mmq_moe_T. The host's
-// grid stays as it is, so its second half of blocks only waits and exits. For the steps of 2 to
-// STRATA_MMV_DENSE_TOKENS tokens that take mmq_* (decode batches, short prompts): at one tile a block a 2,048-wide
-// row gives each warp one super-block, nothing to pipeline; on an H100 the kernel took 50 us a launch at 128 tokens
-// (reports/2026-12-07-h100-mmq-knobs/, when that knob reached 256).
-#ifndef MMQ_DENSE_RT
-#define MMQ_DENSE_RT 1
-#endif
+// Tiles of 16 rows a block of mmq_T computes (the host's MMQ_DENSE_ROWS is 16 times this): 2, four warps a tile,
+// as mmq_moe_T. At one tile a block a 2,048-wide row gave each warp one super-block, nothing to pipeline. For the
+// steps of 2 to STRATA_MMV_DENSE_TOKENS tokens that take mmq_* (decode batches, short prompts): on an H100, 30B
+// shape, tg32 x8 1,258.5 tok/s against 1,244.3 at one tile, pp16 1,754.7 against 1,735.6
+// (reports/2026-12-07-h100-mmq-prefill-256/).
+constexpr int MMQ_DENSE_RT = 2;
 template <class Q, int RT>
 __device__ __forceinline__ void mmq_tiles(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                           const u8* __restrict__ w2, const Q8kStage* __restrict__ st,
@@ -1143,16 +1140,11 @@ STRATA_MMQ(q6_k, MmqQ6K)
 // projection of 768 left 5 of them idle. On an H100, 30B shape: pp128 4,894 tok/s against 4,407 with 1, pp16 1,562
 // against 1,502 (reports/2026-12-07-h100-moe-mmq/).
 constexpr int MMQ_MOE_RT = 2;
-// Minimum resident blocks per SM asked of the compiler for mmq_moe_T (unset: no bound). At 128 registers a thread
-// an SM holds 2 of its blocks (16 warps, 25% of its warps); Nsight Compute on an H100, pp128, a layer's gate
-// launch: 24% of the warps active, DRAM 24% of peak, long-scoreboard stalls leading
-// (reports/2026-12-07-h100-mmq-knobs/). A tuning run may set it through STRATA_KERNEL_DEFINES (-DMMQ_MOE_MINB=3: at
-// most 80 registers, and NVRTC for sm_90 spills 144/112 bytes in mmq_moe_q4_k, 360/196 in mmq_moe_q6_k).
-#ifdef MMQ_MOE_MINB
-#define MMQ_MOE_BOUNDS __launch_bounds__(256, MMQ_MOE_MINB)
-#else
+// mmq_moe_T takes the compiler's choice of registers: 128 a thread, 2 blocks an SM (Nsight Compute on an H100,
+// pp128, a layer's gate launch: 24% of the warps active, DRAM 24% of peak, long-scoreboard stalls leading). Asked
+// for 3 blocks (at most 80 registers) NVRTC spills 144/112 bytes in mmq_moe_q4_k, and pp128 fell 8%
+// (reports/2026-12-07-h100-mmq-knobs/, 2026-12-07-h100-mmq-prefill-256/).
 #define MMQ_MOE_BOUNDS __launch_bounds__(256)
-#endif
 
 // mmq_moe_T: a MoE layer's experts over a prompt's tokens grouped by expert (the prefill path's grouped rows), on
 // the integer tensor cores as mmq_T, for experts with few tokens each (a short prompt), where the prefill GEMM

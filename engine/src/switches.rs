@@ -362,7 +362,7 @@ pub const SWITCHES: &[Switch] = &[
         false,
         Applies::Cuda,
         true,
-        "0: a CUDA dense Q4_K or Q6_K matrix times 2 to STRATA_MMV_DENSE_TOKENS tokens (a batch of decode steps, a short prompt) runs on dp4a, each weight row read once for 8 tokens (mmvt_*), and a prompt step of up to STRATA_MMQ_PREFILL_TOKENS (128) runs its Q4_K/Q6_K experts on the f16 GEMM, instead of both on the integer tensor cores, one mma per sub-block of the type's scales for 16 rows and 8 tokens (mmq_*, mmq_moe_*: the same Q8_K integer products as the CPU's with another order of float sums, logits within float rounding of dp4a's; the f16 GEMM sits further from the CPU, about 1.4e-2 relative on the experts; a token's bits are the same in any step of 2 or more tokens either way; --batch-invariant keeps mmvt)",
+        "0: a CUDA dense Q4_K or Q6_K matrix times 2 to STRATA_MMV_DENSE_TOKENS tokens (a batch of decode steps, a short prompt) runs on dp4a, each weight row read once for 8 tokens (mmvt_*), and a prompt step of up to STRATA_MMQ_PREFILL_TOKENS (256) runs its Q4_K/Q6_K experts on the f16 GEMM, instead of both on the integer tensor cores, one mma per sub-block of the type's scales for 16 rows and 8 tokens (mmq_*, mmq_moe_*: the same Q8_K integer products as the CPU's with another order of float sums, logits within float rounding of dp4a's; the f16 GEMM sits further from the CPU, about 1.4e-2 relative on the experts; a token's bits are the same in any step of 2 or more tokens either way; --batch-invariant keeps mmvt)",
     ),
     speed(
         INT8_FLASH,

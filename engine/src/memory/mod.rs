@@ -532,8 +532,10 @@ pub fn prefill_bytes(hp: &HParams, largest_elements: u64, chunk: usize) -> u64 {
 }
 
 /// Most tokens of a prefill step whose experts run on the CUDA backend's integer tensor cores (`mmq_moe_*`) by
-/// default (`STRATA_MMQ_PREFILL_TOKENS` sets it, up to [`MMQ_MOE_TOKENS_MAX`]).
-pub const MMQ_MOE_TOKENS: usize = 128;
+/// default (`STRATA_MMQ_PREFILL_TOKENS` sets it, up to [`MMQ_MOE_TOKENS_MAX`]): past it they take the f16 GEMM. On
+/// an H100, Qwen3-30B-A3B shape, 256 against 128: pp136 +9.5%, pp192 +3.9%, pp256 the same
+/// (reports/2026-12-07-h100-mmq-prefill-256/).
+pub const MMQ_MOE_TOKENS: usize = 256;
 
 /// The most `STRATA_MMQ_PREFILL_TOKENS` may say, so that the Q8_K stages of such a step stay small: 5,184 bytes a
 /// token and a routed row, 11.4 MiB asked at 256 tokens of top-8 (a scratch slot grows by half again, so up to about

@@ -17,8 +17,10 @@ const GRID_Y_MAX: usize = 65_535;
 /// Tokens one block of `mmvt_*` reads each weight row for (kernels/matvec.cu, MMV_T); also the most rows of a
 /// tile of `mmq_moe_*`.
 pub(super) const MMVT_TOKENS: usize = 8;
-/// Rows one block of `mmq_*` computes, and one tile of `mmq_moe_*` (kernels/matvec.cu, MMQ_ROWS).
+/// Rows of one tile of `mmq_*` and `mmq_moe_*` (kernels/matvec.cu, MMQ_ROWS).
 const MMQ_ROWS: usize = 16;
+/// Rows one block of `mmq_*` computes: two tiles of [`MMQ_ROWS`] (kernels/matvec.cu, MMQ_DENSE_RT).
+const MMQ_DENSE_ROWS: usize = 2 * MMQ_ROWS;
 /// Rows one block of `mmq_moe_*` computes: two tiles of [`MMQ_ROWS`] (kernels/matvec.cu, MMQ_MOE_RT).
 pub(super) const MMQ_MOE_ROWS: usize = 2 * MMQ_ROWS;
 /// Bytes of one activation row staged as Q8_K (kernels/matvec.cu, `Q8kStage`; a static_assert there checks it).
@@ -119,7 +121,7 @@ impl Inner {
             let natural = w0.ty == GgmlType::Q6_K || mmq;
             let st = self.q8k_stage(gpu, Slot::Q8k, xp, n_tok, n_tok.max(2 * MMVT_TOKENS), w0.cols, natural)?;
             let (k, n) = match (mmq, one_row) {
-                (true, _) => ("mmq_", MMQ_ROWS),
+                (true, _) => ("mmq_", MMQ_DENSE_ROWS),
                 (false, true) => ("mmvt1_", 8),
                 (false, false) => ("mmvt_", 32),
             };
