@@ -848,15 +848,16 @@ __device__ __forceinline__ u32 ld4_a2(const u8* p) {
 }
 
 // mmq_T: mmvt_T on the integer tensor cores (the arithmetic of llama.cpp's MMQ, laid out for a decode step of a
-// few tokens), Q4_K and Q6_K: a block computes 16 rows (over the three matrices, numbered as in mmv_T) for the
-// MMV_T tokens blockIdx.y * MMV_T.. (fewer at the end: the absent columns are computed from the last token and not
-// written), its 8 warps splitting the super-blocks (warp w: w, w + 8, ..; the next one's weights load while one
-// is computed), their sums added in warp order through shared memory. Per super-block a warp runs an integer mma
+// few tokens), Q4_K and Q6_K: a block computes two tiles of 16 rows (MMQ_DENSE_RT; over the three matrices,
+// numbered as in mmv_T) for the MMV_T tokens blockIdx.y * MMV_T.. (fewer at the end: the absent columns are
+// computed from the last token and not written), four warps a tile splitting its super-blocks (warp w of a tile:
+// w, w + 4, ..; the next one's weights load while one is computed), their sums added in warp order through shared
+// memory. Per super-block a warp runs an integer mma
 // per sub-block of the type's scales (Q::add): the A fragment holds rows g and g + 8's codes, the B fragment token
 // g's Q8_K codes (q8k_stage, NATURAL layout) at the same positions (any order of k gives the same integer sum).
 // Per row and token the scale-weighted sums are exact in 32 bits; then f32 per super-block, in the CPU's
 // vec_dot_q8 form, not in mmvt's order of float sums (within float rounding of it). A token's columns never mix
-// with another's, so its result does not depend on the step's other tokens. Grid (ceil((r0 + r1 + r2) / 16),
+// with another's, so its result does not depend on the step's other tokens. Grid (ceil((r0 + r1 + r2) / 32),
 // ceil(n_tok / MMV_T)), block 256; rows of 256 to MMV_X_MAX values, a multiple of 256 (the host checks:
 // cuda/matmul.rs, mmvt_fits).
 #define MMQ_ROWS 16
@@ -1082,7 +1083,8 @@ __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8k
     }
     return s;
 }
-// Tiles of 16 rows a block of mmq_T computes (the host's MMQ_DENSE_ROWS is 16 times this): 2, four warps a tile,
+// Tiles of 16 rows a block of mmq_T computes (the host's MMQ_DENSE_ROWS is 16 times this; a grid sized for fewer
+// rows a block would leave rows unwritten: compile.rs tests that the two agree): 2, four warps a tile,
 // as mmq_moe_T. At one tile a block a 2,048-wide row gave each warp one super-block, nothing to pipeline. For the
 // steps of 2 to STRATA_MMV_DENSE_TOKENS tokens that take mmq_* (decode batches, short prompts): on an H100, 30B
 // shape, tg32 x8 1,258.5 tok/s against 1,244.3 at one tile, pp16 1,754.7 against 1,735.6

@@ -379,7 +379,7 @@ pub const SWITCHES: &[Switch] = &[
     ),
     sw(
         MMQ_PREFILL_TOKENS,
-        "128",
+        "256",
         "N (1-256): most tokens of a CUDA prefill step (a prompt chunk with any decode tokens beside it) whose Q4_K/Q6_K experts run on the integer tensor cores (mmq_moe_*: tiles of up to 8 of an expert's tokens, Q8_K activations) instead of the f16 GEMM; off with STRATA_MMQ=0 or --batch-invariant (tuning)",
     ),
     sw(

@@ -18,9 +18,9 @@ const GRID_Y_MAX: usize = 65_535;
 /// tile of `mmq_moe_*`.
 pub(super) const MMVT_TOKENS: usize = 8;
 /// Rows of one tile of `mmq_*` and `mmq_moe_*` (kernels/matvec.cu, MMQ_ROWS).
-const MMQ_ROWS: usize = 16;
+pub(super) const MMQ_ROWS: usize = 16;
 /// Rows one block of `mmq_*` computes: two tiles of [`MMQ_ROWS`] (kernels/matvec.cu, MMQ_DENSE_RT).
-const MMQ_DENSE_ROWS: usize = 2 * MMQ_ROWS;
+pub(super) const MMQ_DENSE_ROWS: usize = 2 * MMQ_ROWS;
 /// Rows one block of `mmq_moe_*` computes: two tiles of [`MMQ_ROWS`] (kernels/matvec.cu, MMQ_MOE_RT).
 pub(super) const MMQ_MOE_ROWS: usize = 2 * MMQ_ROWS;
 /// Bytes of one activation row staged as Q8_K (kernels/matvec.cu, `Q8kStage`; a static_assert there checks it).
@@ -112,7 +112,7 @@ impl Inner {
         // Four rows per warp only where that still gives every SM of a large GPU two blocks (264 at 132 SMs):
         // smaller matrices take the one-row kernel, whose blocks spread over all of them.
         let one_row = total.div_ceil(32) < 264;
-        // On the integer tensor cores: 16 rows and 8 tokens a block (the same grid rows as mmvt's).
+        // On the integer tensor cores: two tiles of 16 rows and 8 tokens a block.
         let mmq = mmvt && self.mmq_on() && matches!(w0.ty, GgmlType::Q4_K | GgmlType::Q6_K);
         let (kernel, per_block, x, grid_y) = if mmvt {
             // The activations quantized once, then every block of the product reads them. The slot is sized for
