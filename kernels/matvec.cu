@@ -852,9 +852,9 @@ __device__ __forceinline__ u32 ld4_a2(const u8* p) {
 // numbered as in mmv_T) for the MMV_T tokens blockIdx.y * MMV_T.. (fewer at the end: the absent columns are
 // computed from the last token and not written), four warps a tile splitting its super-blocks (warp w of a tile:
 // w, w + 4, ..; the next one's weights load while one is computed), their sums added in warp order through shared
-// memory. Per super-block a warp runs an integer mma
-// per sub-block of the type's scales (Q::add): the A fragment holds rows g and g + 8's codes, the B fragment token
-// g's Q8_K codes (q8k_stage, NATURAL layout) at the same positions (any order of k gives the same integer sum).
+// memory. Per super-block a warp runs an integer mma per sub-block of the type's scales (Q::add): the A fragment
+// holds rows g and g + 8's codes, the B fragment token g's Q8_K codes (q8k_stage, NATURAL layout) at the same
+// positions (any order of k gives the same integer sum).
 // Per row and token the scale-weighted sums are exact in 32 bits; then f32 per super-block, in the CPU's
 // vec_dot_q8 form, not in mmvt's order of float sums (within float rounding of it). A token's columns never mix
 // with another's, so its result does not depend on the step's other tokens. Grid (ceil((r0 + r1 + r2) / 32),
@@ -1029,12 +1029,6 @@ struct MmqQ6K {
     }
 };
 
-// The block's sums for the lane's rows w[0] and w[1] (g and g + 8 of its warp's tile; null: absent) over nsb
-// super-blocks, token g's stage sg the B column, sc0 / sc1 (tokens 2 q and 2 q + 1) the C columns; wait: pdl_enter
-// once the first weights are in flight (else the caller has waited). The block's 8 warps split RT tiles of 16 rows
-// (warp w works on tile w / (8 / RT)), each tile's warps its super-blocks. Returns, to thread i < 128 RT, the sum
-// of row i % 128 / 8 of tile i / 128 and token i % 8 (a tile's warps' sums added in warp order through shared
-// memory); every thread calls it.
 // The tile of a block's RT tiles of 16 rows that the calling warp works on in mmq_sums.
 template <int RT>
 __device__ __forceinline__ int mmq_warp_tile() {
@@ -1048,6 +1042,12 @@ __device__ __forceinline__ int mmq_sum_row(int tile0) {
     return RT == 1 ? tile0 * MMQ_ROWS + i / MMV_T
                    : (tile0 + i / (MMQ_ROWS * MMV_T)) * MMQ_ROWS + i % (MMQ_ROWS * MMV_T) / MMV_T;
 }
+// The block's sums for the lane's rows w[0] and w[1] (g and g + 8 of its warp's tile; null: absent) over nsb
+// super-blocks, token g's stage sg the B column, sc0 / sc1 (tokens 2 q and 2 q + 1) the C columns; wait: pdl_enter
+// once the first weights are in flight (else the caller has waited). The block's 8 warps split RT tiles of 16 rows
+// (warp w works on tile w / (8 / RT)), each tile's warps its super-blocks. Returns, to thread i < 128 RT, the sum
+// of row i % 128 / 8 of tile i / 128 and token i % 8 (a tile's warps' sums added in warp order through shared
+// memory); every thread calls it.
 template <class Q, int RT = 1>
 __device__ __forceinline__ float mmq_sums(const u8* const* w, int nsb, const Q8kStage* sg, const Q8kStage* sc0,
                                           const Q8kStage* sc1, bool wait) {

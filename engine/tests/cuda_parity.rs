@@ -405,8 +405,8 @@ fn several_tokens_per_loaded_row_give_each_token_its_bits_alone() {
 /// The dense Q4_K and Q6_K products of several tokens on the integer tensor cores (`mmq_*`, `STRATA_MMQ`): within 1e-5
 /// of the CPU (the same Q8_K integer products; only the f32 sums' order differs) and of `mmvt_*` (dp4a), on
 /// matrices of 1 to 16 super-blocks a row (so 1 to 4 warps of a tile with work), one or three to a launch with
-/// tiles of 16 rows (two a block) that part between matrices or pass the last row, and steps of 2 to 64 tokens (one to eight
-/// blocks of tokens, full and partial); every token gets the bits it gets in a step of two (its columns never
+/// tiles of 16 rows (two a block) that part between matrices or pass the last row, and steps of 2 to 64 tokens
+/// (one to eight blocks of tokens, full and partial); every token gets the bits it gets in a step of two (its columns never
 /// mix with another token's), and a token whose activations hold a NaN spreads it to its own outputs alone. The
 /// kernel profile shows both `mmq_*` ran.
 #[test]
