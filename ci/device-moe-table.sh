@@ -13,7 +13,7 @@ D=-DMMV_MOE_GROUP_ONE_TRIP=1
 nvidia-smi -L
 (cd carry && xz -d -f -k strata.xz cuda_parity.xz && chmod +x strata cuda_parity)
 carry/strata --version
-STRATA_KERNEL_DEFINES=$D timeout 90 carry/cuda_parity --ignored --test-threads 1 --nocapture grouped_experts > $OUT/parity.txt 2>&1
+STRATA_KERNEL_DEFINES=$D timeout 150 carry/cuda_parity --ignored --test-threads 1 --nocapture grouped_experts > $OUT/parity.txt 2>&1
 echo "parity ($D) rc $? at ${SECONDS}s"; grep -E "grouped experts|test result|panicked" $OUT/parity.txt | head -6
 b() { # name [defines]
   [ $SECONDS -lt $((BUDGET - 40)) ] || return

@@ -673,10 +673,10 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
 // t < T: 0 past n), returning when g is past the count. By default the count, then the id and n, then the slots:
 // three trips to L2 one after another. MMV_MOE_GROUP_ONE_TRIP (a measurement define, not yet measured): all of them
 // in one trip (the table holds as many groups as the grid has, so group g's ints are there to read: left from an
-// earlier step when g is past the count, and then unused), so the weights' loads, which need the id, and the
-// activations' staging, which needs the slots, start two trips sooner. Nsight Compute put about a quarter of the
-// kernel's stall samples at 8 sequences on this chain and the activation loads after it
-// (reports/2026-12-07-h100-moe-runs/).
+// earlier step, or never written, when g is past the count, and then unused), so the weights' first loads, which
+// need the id, go out one trip sooner and the activations' staging, which needs the slots, two trips sooner.
+// Nsight Compute put about a quarter of the kernel's stall samples at 8 sequences on this chain and the
+// activation loads after it (reports/2026-12-07-h100-moe-order-ncu/).
 #ifdef MMV_MOE_GROUP_ONE_TRIP
 #define MMV_MOE_GROUP_HEAD(T)                                                                                   \
     const u32* gr = (const u32*)groups + 1 + g * MOE_GROUP_INTS;                                               \
