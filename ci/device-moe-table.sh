@@ -3,12 +3,12 @@
 # (the group count and the whole group read in one trip to L2, where the default takes three one after another)
 # against the default kernels, one binary (carry/strata): 1. the grouped experts' CUDA test under the define (bit
 # for bit against slot by slot); 2. `strata bench` decode of 1, 8 and 16 sequences, default and define
-# interleaved, three times each while the call has time (BUDGET seconds, default 240).
+# interleaved, three times each while the call has time (BUDGET seconds, default 330).
 # Needs in carry/: strata.xz and cuda_parity.xz (release builds, stripped, xz-compressed; cuda_parity is the test
 # binary of `cargo test --release -p strata-engine --test cuda_parity --no-run`).
 set -u
 OUT=${OUT:-out}; mkdir -p $OUT
-BUDGET=${BUDGET:-240}
+BUDGET=${BUDGET:-330}
 D=-DMMV_MOE_GROUP_ONE_TRIP=1
 nvidia-smi -L
 (cd carry && xz -d -f -k strata.xz cuda_parity.xz && chmod +x strata cuda_parity)
