@@ -530,6 +530,18 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
 #pragma unroll
         for (int u = 0; u < NB; ++u)
             if (w[i] && u < nsb) Q::load(f[i][u], w[i] + Q::SB_BYTES * u, p);
+#ifdef MMV_MOE_L2_BEFORE_WAIT
+    // A measurement define, not yet measured: ptxas places the wait below (griddepcontrol.wait) above the loads
+    // just written, in the SASS of mmv_moe_group_q4_k (reports/2026-12-07-h100-moe-order-ncu/), so a launch whose
+    // weights could load during the kernel before's tail (the grouped down projection, groups_early) waits first.
+    // Here each lane also asks L2 for 128-byte lines p, p + 8, ... of its group's rows (whole rows) before the
+    // wait; whether ptxas keeps these above it is what to check in the SASS.
+#pragma unroll
+    for (int i = 0; i < RG; ++i)
+        if (w[i])
+            for (int l = p; l * 128 < nsb * Q::SB_BYTES; l += 8)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w[i] + 128 * l));
+#endif
     pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
     if constexpr (T == 1) {
         stage_q8k<Q::NATURAL>(x[0], xu[0], act, cols, st_group[0]);
