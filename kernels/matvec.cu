@@ -530,18 +530,6 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
 #pragma unroll
         for (int u = 0; u < NB; ++u)
             if (w[i] && u < nsb) Q::load(f[i][u], w[i] + Q::SB_BYTES * u, p);
-#ifdef MMV_MOE_L2_BEFORE_WAIT
-    // A measurement define, not yet measured: ptxas places the wait below (griddepcontrol.wait) above the loads
-    // just written, in the SASS of mmv_moe_group_q4_k (reports/2026-12-07-h100-moe-order-ncu/), so a launch whose
-    // weights could load during the kernel before's tail (the grouped down projection, groups_early) waits first.
-    // Here each lane also asks L2 for 128-byte lines p, p + 8, ... of its group's rows (whole rows) before the
-    // wait; whether ptxas keeps these above it is what to check in the SASS.
-#pragma unroll
-    for (int i = 0; i < RG; ++i)
-        if (w[i])
-            for (int l = p; l * 128 < nsb * Q::SB_BYTES; l += 8)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(w[i] + 128 * l));
-#endif
     pdl_enter(); // the weights' first loads are in flight; the activations come from the kernel before
     if constexpr (T == 1) {
         stage_q8k<Q::NATURAL>(x[0], xu[0], act, cols, st_group[0]);
@@ -681,37 +669,6 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
                     if (w[i]) y[first + i] = acc[i];                                                            \
         }                                                                                                       \
     }
-// The start of mmv_moe_group_T: group g of moe_groups' table into (id, n) and the slots (MMV_MOE_GROUP_SLOT(t) for
-// t < T: 0 past n), returning when g is past the count. By default the count, then the id and n, then the slots:
-// three trips to L2 one after another. MMV_MOE_GROUP_ONE_TRIP (a measurement define, not yet measured): all of them
-// in one trip (the table holds as many groups as the grid has, so group g's ints are there to read: left from an
-// earlier step, or never written, when g is past the count, and then unused), so the weights' first loads, which
-// need the id, go out one trip sooner and the activations' staging, which needs the slots, two trips sooner.
-// Nsight Compute put about a quarter of the kernel's stall samples at 8 sequences on this chain and the
-// activation loads after it (reports/2026-12-07-h100-moe-order-ncu/).
-#ifdef MMV_MOE_GROUP_ONE_TRIP
-#define MMV_MOE_GROUP_HEAD(T)                                                                                   \
-    const u32* gr = (const u32*)groups + 1 + g * MOE_GROUP_INTS;                                               \
-    u32 count_ = ld_cg_u32((const u32*)groups), id = ld_cg_u32(gr), n_ = ld_cg_u32(gr + 1), read_[T];           \
-    _Pragma("unroll") for (int t = 0; t < T; ++t) read_[t] = ld_cg_u32(gr + 2 + t);                             \
-    if (g >= (int)count_) {                                                                                     \
-        pdl_enter();                                                                                            \
-        return;                                                                                                 \
-    }                                                                                                           \
-    int n = (int)n_
-#define MMV_MOE_GROUP_SLOT(t) (t < n ? (int)read_[t] : 0)
-#else
-#define MMV_MOE_GROUP_HEAD(T)                                                                                   \
-    if (g >= (int)ld_cg_u32((const u32*)groups)) {                                                              \
-        pdl_enter();                                                                                            \
-        return;                                                                                                 \
-    }                                                                                                           \
-    const u32* gr = (const u32*)groups + 1 + g * MOE_GROUP_INTS;                                               \
-    u32 id = ld_cg_u32(gr);                                                                                     \
-    int n = (int)ld_cg_u32(gr + 1)
-#define MMV_MOE_GROUP_SLOT(t) (t < n ? (int)ld_cg_u32(gr + 2 + t) : 0)
-#endif
-
 // mmv_moe_group_T: mmv_moe_T over groups of routing slots that share an expert (a step of several tokens), so
 // each weight row is read once for up to MOE_GROUP_T slots instead of once per slot. groups (moe_groups, written on
 // the device): groups[0] is the count; group g at groups + 1 + g * MOE_GROUP_INTS is (expert or cache slot id,
@@ -729,13 +686,16 @@ __device__ __forceinline__ void mmv_group_rows(const u8* __restrict__ base, long
         constexpr int T = MOE_GROUP_T, RG = MMV_MOE_RG_SHORT;                                                   \
         int lane = threadIdx.x & 31, g = blockIdx.y;                                                            \
         if (!groups_early) pdl_enter();                                                                         \
-        MMV_MOE_GROUP_HEAD(T);                                                                                  \
+        if (g >= (int)ld_cg_u32((const u32*)groups)) { pdl_enter(); return; }                                 \
+        const u32* gr = (const u32*)groups + 1 + g * MOE_GROUP_INTS;                                           \
+        u32 id = ld_cg_u32(gr);                                                                                 \
+        int n = (int)ld_cg_u32(gr + 1);                                                                         \
         const u8* base = (blockIdx.z ? wb : wa) + (long long)id * expert_stride;                             \
         const float* xs[T];                                                                                     \
         const float* xus[T];                                                                                    \
         int slot[T];                                                                                            \
         _Pragma("unroll") for (int t = 0; t < T; ++t) {                                                         \
-            slot[t] = MMV_MOE_GROUP_SLOT(t);                                                                    \
+            slot[t] = t < n ? (int)ld_cg_u32(gr + 2 + t) : 0;                                                   \
             xs[t] = x + (long long)(slot[t] / x_div) * cols;                                                    \
             xus[t] = xu ? xu + (long long)(slot[t] / x_div) * cols : nullptr;                                   \
         }                                                                                                       \

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 20, on the GPU machine (meant for an H200): the served figures of scenarios/h200-load.yaml at today's
+# defaults beside `strata bench`'s single stream and 8-sequence decode on the same card. In order, each step only
+# while the call has time (BUDGET seconds, default 420): the bench (prompt 16 and 128, decode of 1 and 8
+# sequences); the scenario's 32-slot arm (1 to 32 clients); its single stream (--parallel 1).
+# Needs in carry/: strata.xz and strata-harness.xz (release builds, stripped, xz-compressed). $OUT gets the bench
+# and load reports, the logs in one tarball.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT/logs"
+BUDGET=${BUDGET:-420}
+nvidia-smi -L
+(cd carry && xz -d -f -k strata.xz strata-harness.xz && chmod +x strata strata-harness)
+carry/strata --version
+timeout $((BUDGET / 3)) carry/strata bench --device cuda:0 --model synth:qwen3-30b-a3b --prompt-tokens 16,128 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench.md 2> $OUT/logs/bench.log || tail -5 $OUT/logs/bench.log
+echo "== bench at ${SECONDS}s"; grep -E "^\| (tg|pp)" $OUT/bench.md | awk -F'|' '{printf "%-14s %10s\n", $2, $3}'
+load() { # arm (5 client counts of 15 s and a server start: about 90 s)
+  [ $SECONDS -lt $((BUDGET - 100)) ] || return
+  local arm=$1
+  mkdir -p $OUT/load
+  timeout $((BUDGET - SECONDS - 10)) carry/strata-harness run scenarios/h200-load.yaml --strata carry/strata --arm slots=$arm --out $OUT/load > $OUT/logs/load-$arm.log 2>&1; echo "== load $arm rc $? at ${SECONDS}s"
+  f=$(ls -d $OUT/load/*/ 2>/dev/null | head -1)
+  [ -n "$f" ] && [ -f "$f/report.md" ] || { tail -5 $OUT/logs/load-$arm.log; rm -rf $OUT/load; return; }
+  cp $f/report.md $OUT/load-$arm.md; cp -r $f/logs $OUT/logs/load-$arm; rm -rf $OUT/load
+  grep -E "^\| (single|load)" $OUT/load-$arm.md
+}
+load parallel-32
+load parallel-1
+tar -C $OUT -czf $OUT/logs.tgz logs && rm -rf $OUT/logs
+nvidia-smi -L
