@@ -430,12 +430,10 @@ extern "C" __global__ void attn_decode(const float* __restrict__ q, const u8* __
 // over the keys (pass 1: row max and sum, the sum in f64; pass 2: p = exp(s - max) * (1 / sum) rounded to f16, as
 // the CPU rounds its probabilities against an f16 cache), then P.V on the tensor cores with f32 accumulation.
 //
-// A block serves one KV head and 16 * tgroups consecutive tokens for hw = group / gridDim.z query heads of its GQA
-// group, so each key and value tile is read once for all of them: warp w takes head (kv head * group + blockIdx.z
-// * hw + w % hw) and tokens 16 (w / hw).. of the block. Block 32 * hw * tgroups threads (at most 256); grid
-// (ceil(n_tok / (16 * tgroups)), n_head_kv, group / hw). A short prompt splits the group (gridDim.z > 1) so the
-// grid has more blocks; a warp computes the same values either way. dk and dv are multiples of 16, at most 128.
-// Keys in tiles of 64.
+// A block serves one KV head and 16 * tgroups consecutive tokens for every query head of its GQA group, so each
+// key and value tile is read once for all of them: warp w takes head (kv head * group + w % group) and tokens
+// 16 (w / group).. of the block. Block 32 * group * tgroups threads (at most 256); grid
+// (ceil(n_tok / (16 * tgroups)), n_head_kv). dk and dv are multiples of 16, at most 128. Keys in tiles of 64.
 //
 // kty / vty 1: a Q8_0 (int8) cache, whose rows are dequantized into the f16 tiles (d * q rounded to f16; dk or dv
 // then a multiple of 32). Not the CPU's rounding there (it takes the queries and the probabilities in f32 against
@@ -490,11 +488,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_prefill_f16(
     __shared__ __align__(16) u16 ks[FA_KEYS * KS];
     __shared__ __align__(16) u16 vs[FA_KEYS * KS];
     __shared__ int lo_hi[2];
-    int group = n_head / n_head_kv, hw = group / gridDim.z, g = blockIdx.y;
+    int group = n_head / n_head_kv, g = blockIdx.y;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-    int h = g * group + blockIdx.z * hw + warp % hw;
+    int h = g * group + warp % group;
     // The last tokens (the most keys) first: the longest blocks start in the first wave, the short ones fill in.
-    int t0 = (gridDim.x - 1 - blockIdx.x) * 16 * tgroups + 16 * (warp / hw);
+    int t0 = (gridDim.x - 1 - blockIdx.x) * 16 * tgroups + 16 * (warp / group);
     int rows[2] = {t0 + gid, t0 + gid + 8};
     int last[2], first[2];
     for (int i = 0; i < 2; ++i) {

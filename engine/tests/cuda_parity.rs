@@ -1034,62 +1034,6 @@ fn attention_matches_cpu() {
     report(&rows);
 }
 
-/// A short prompt's tensor-core attention splits each GQA group's query heads over several blocks (`attn_prefill_f16`
-/// with gridDim.z > 1) when the unsplit grid has fewer blocks than the card has multiprocessors: the same bits as
-/// unsplit, over f16 and int8 caches, with and without a window, for a first chunk and a chunk after cached cells.
-#[test]
-#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
-fn attention_head_split_gives_the_same_bits() {
-    let gpu = gpu();
-    gpu.set_int8_flash(true);
-    let sms = gpu.gpu().sms;
-    let mut rng = Rng(11);
-    let mut rows = Vec::new();
-    for kv_ty in [KvType::F16, KvType::Int8] {
-        // The tensor cores' shapes (heads at most 128 wide) whose GQA group splits (2, 4 and 8 query heads).
-        for &shape in ATTN_SHAPES[..4].iter().filter(|s| (s.0 / s.1) % 2 == 0) {
-            let (_, mut kg, p) = attn_case(shape, kv_ty);
-            let (nh, nkv, hd) = (p.n_head, p.n_head_kv, p.head_dim);
-            let mut pos0 = 0;
-            for n in [16usize, 40] {
-                // The unsplit grid: ceil(n / (16 * tgroups)) x nkv blocks; below the multiprocessors, it splits.
-                let blocks = n.div_ceil(16 * (8 / (nh / nkv)).max(1)) * nkv;
-                assert!(blocks < sms, "{blocks} blocks would not split on {sms} multiprocessors");
-                let pos: Vec<u32> = (pos0..pos0 + n).map(|p| p as u32).collect();
-                let (k, v) = (rng.vec(n * nkv * hd, 2.0), rng.vec(n * nkv * hd, 1.0));
-                let q = up(&gpu, &rng.vec(n * nh * hd, 2.0));
-                gpu.store_kv(&mut kg.layers[0], &up(&gpu, &k), &up(&gpu, &v), &pos);
-                let mut out = Vec::new();
-                for split in [false, true] {
-                    gpu.set_attn_head_split(split);
-                    let mut bd = up(&gpu, &vec![f32::NAN; n * nh * hd]);
-                    Backend::attention(&gpu, &q, &kg.layers[0], &pos, &p, &mut bd);
-                    out.push(down(&gpu, &bd, n * nh * hd));
-                }
-                let same = out[0]
-                    .iter()
-                    .zip(&out[1])
-                    .filter(|(a, b)| a.to_bits() == b.to_bits())
-                    .count();
-                println!(
-                    "head split kv={kv_ty} h={nh}/{nkv} d={hd} n_tok={n} at {pos0} window={:?}: {same} of {} values the same bits",
-                    p.window,
-                    out[0].len()
-                );
-                assert!(out[0].iter().all(|x| x.is_finite()), "unsplit output not finite");
-                rows.push(Row(
-                    format!("head split kv={kv_ty} h={nh}/{nkv} d={hd} n_tok={n} at {pos0}: values differing"),
-                    (out[0].len() - same) as f64,
-                    0.0,
-                ));
-                pos0 += n;
-            }
-        }
-    }
-    gpu.set_attn_head_split(true);
-    report(&rows);
-}
-
 /// `STRATA_INT8_FLASH`: prefill attention over an int8 cache on the tensor cores, its keys and values dequantized to
 /// f16 tiles and its queries and probabilities rounded to f16 (the CPU keeps them in f32 against an int8 cache),
 /// against the CPU: within 3e-3 relative error of the output (the score-matrix path: 1e-4), and not the bits of the

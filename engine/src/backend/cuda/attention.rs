@@ -459,23 +459,11 @@ impl CudaBackend {
             let tensor_cores = group <= 8 && tile_ok(kty, dk) && tile_ok(vty, dv);
             if tensor_cores {
                 // A block: one KV head, 16-token groups for every query head of its GQA group (8 warps at most).
-                // A short prompt splits the group's heads over gridDim.z, halving while the grid has fewer blocks
-                // than the card has multiprocessors (a 128-token prompt of 32 heads over 4 KV heads: 32 blocks
-                // unsplit): each warp computes the same values either way, its key and value tiles read by each
-                // block that needs them.
                 let tgroups = (8 / group).max(1);
-                let blocks = n_tok.div_ceil(16 * tgroups) * p.n_head_kv;
-                let mut split = 1;
-                while self.attn_head_split.load(std::sync::atomic::Ordering::Relaxed)
-                    && group.is_multiple_of(2 * split)
-                    && blocks * split < g.sms
-                {
-                    split *= 2;
-                }
                 return g.launch(
                     "attn_prefill_f16",
-                    (n_tok.div_ceil(16 * tgroups) as u32, p.n_head_kv as u32, split as u32),
-                    ((32 * (group / split) * tgroups) as u32, 1, 1),
+                    (n_tok.div_ceil(16 * tgroups) as u32, p.n_head_kv as u32, 1),
+                    ((32 * group * tgroups) as u32, 1, 1),
                     &[
                         Arg::P(q.ptr()),
                         Arg::P(kp),

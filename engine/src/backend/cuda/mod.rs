@@ -303,9 +303,6 @@ pub struct CudaBackend {
     /// Prefill attention over an int8 cache on the tensor cores (`STRATA_INT8_FLASH`, read at start; tests compare
     /// both ways).
     int8_flash: std::sync::atomic::AtomicBool,
-    /// A short prompt's tensor-core attention splits each GQA group's query heads over several blocks (on; tests
-    /// compare both ways: the same bits).
-    attn_head_split: std::sync::atomic::AtomicBool,
     /// A step of several sequences whose longest decode span is over this many cells attends split over the keys
     /// (`STRATA_BATCH_SPLIT_CELLS`, read at start, default [`BATCH_SPLIT_CELLS`]: never; tests set it).
     batch_split_cells: std::sync::atomic::AtomicUsize,
@@ -497,7 +494,6 @@ impl CudaBackend {
             cpu: CpuBackend,
             batch_attention: std::sync::atomic::AtomicBool::new(batch_attention),
             int8_flash: std::sync::atomic::AtomicBool::new(int8_flash),
-            attn_head_split: std::sync::atomic::AtomicBool::new(true),
             batch_split_cells: std::sync::atomic::AtomicUsize::new(batch_split_cells),
         })
     }
@@ -520,13 +516,6 @@ impl CudaBackend {
     /// (`STRATA_INT8_FLASH`, read at start; not the CPU's rounding: tests compare both ways by KL divergence).
     pub fn set_int8_flash(&self, on: bool) {
         self.int8_flash.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether a short prompt's tensor-core attention (`attn_prefill_f16`) splits each GQA group's query heads over
-    /// several blocks when the grid would have fewer blocks than the card has multiprocessors (on by default; the
-    /// results are the same bits either way, which a test checks).
-    pub fn set_attn_head_split(&self, on: bool) {
-        self.attn_head_split.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether every step of several tokens groups its routing slots by expert, each expert's rows read once per
