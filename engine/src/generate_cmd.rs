@@ -31,6 +31,7 @@ fn sampler(args: &SamplingArgs, vocab: usize) -> Result<Sampler> {
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,
         seed: args.seed,
+        logit_bias: Vec::new(),
     };
     Sampler::new(params, vocab).context("invalid sampling flags")
 }

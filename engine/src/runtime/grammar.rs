@@ -109,7 +109,7 @@ impl GrammarEnv {
     pub fn matcher(&self, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
         let grammar = match spec {
             GrammarSpec::JsonSchema { schema } => {
-                check_schema_depth(schema)?;
+                check_schema_size(schema)?;
                 TopLevelGrammar::from_json_schema(schema.clone())
             }
             GrammarSpec::Lark { grammar } => TopLevelGrammar::from_lark(grammar.clone()),
@@ -135,20 +135,37 @@ impl GrammarEnv {
 /// abort the process; real schemas (Pydantic's, OpenAI's strict ones) stay far below this.
 pub const MAX_SCHEMA_DEPTH: usize = 128;
 
+/// The most properties one object of a JSON schema may list. llguidance's compiler also recurses once per
+/// property of an object (about 7,000 fit a 2 MiB thread stack), and its compile time grows faster than the count
+/// (5,000 optional properties took 9 s on a 2-core machine); OpenAI's structured outputs allow 5,000 in a whole
+/// schema, real tool schemas a few dozen.
+pub const MAX_SCHEMA_PROPERTIES: usize = 1000;
+
 /// Checks that `schema` nests at most [`MAX_SCHEMA_DEPTH`] levels with its local `$ref`s followed (a recursive
-/// reference counts once).
+/// reference counts once) and that no object in it lists more than [`MAX_SCHEMA_PROPERTIES`] properties.
 ///
 /// Errors: [`GrammarError::Unsupported`] naming the limit.
-pub fn check_schema_depth(schema: &serde_json::Value) -> Result<(), GrammarError> {
+pub fn check_schema_size(schema: &serde_json::Value) -> Result<(), GrammarError> {
     use serde_json::Value as J;
     use std::collections::HashMap;
-    /// Depth of `v`, at most `limit + 1`; `memo` holds finished `$ref` targets, `open` those being walked.
-    fn depth(v: &J, root: &J, level: usize, memo: &mut HashMap<String, usize>, open: &mut Vec<String>) -> usize {
+    /// Depth of `v`, at most `limit + 1`; `memo` holds finished `$ref` targets, `open` those being walked;
+    /// `widest` gets the most properties an object walked lists.
+    fn depth(
+        v: &J,
+        root: &J,
+        level: usize,
+        memo: &mut HashMap<String, usize>,
+        open: &mut Vec<String>,
+        widest: &mut usize,
+    ) -> usize {
         if level > MAX_SCHEMA_DEPTH {
             return 1;
         }
         let children = match v {
             J::Object(map) => {
+                if let Some(J::Object(props)) = map.get("properties") {
+                    *widest = (*widest).max(props.len());
+                }
                 let mut d = 0;
                 if let Some(J::String(r)) = map.get("$ref")
                     && let Some(ptr) = r.strip_prefix('#')
@@ -159,7 +176,7 @@ pub fn check_schema_depth(schema: &serde_json::Value) -> Result<(), GrammarError
                         0
                     } else if let Some(target) = root.pointer(ptr) {
                         open.push(ptr.to_string());
-                        let m = depth(target, root, level + 1, memo, open);
+                        let m = depth(target, root, level + 1, memo, open, widest);
                         open.pop();
                         memo.insert(ptr.to_string(), m);
                         m
@@ -169,23 +186,31 @@ pub fn check_schema_depth(schema: &serde_json::Value) -> Result<(), GrammarError
                     d = d.max(sub);
                 }
                 for x in map.values() {
-                    d = d.max(depth(x, root, level + 1, memo, open));
+                    d = d.max(depth(x, root, level + 1, memo, open, widest));
                 }
                 d
             }
             J::Array(items) => items
                 .iter()
-                .map(|x| depth(x, root, level + 1, memo, open))
+                .map(|x| depth(x, root, level + 1, memo, open, widest))
                 .max()
                 .unwrap_or(0),
             _ => 0,
         };
         1 + children
     }
-    if depth(schema, schema, 0, &mut HashMap::new(), &mut Vec::new()) > MAX_SCHEMA_DEPTH {
+    let mut widest = 0;
+    if depth(schema, schema, 0, &mut HashMap::new(), &mut Vec::new(), &mut widest) > MAX_SCHEMA_DEPTH {
         return Err(GrammarError::Unsupported {
             message: format!(
                 "the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays and $ref hops counted)"
+            ),
+        });
+    }
+    if widest > MAX_SCHEMA_PROPERTIES {
+        return Err(GrammarError::Unsupported {
+            message: format!(
+                "an object in the schema lists {widest} properties; at most {MAX_SCHEMA_PROPERTIES} are supported"
             ),
         });
     }

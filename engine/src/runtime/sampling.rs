@@ -3,7 +3,7 @@
 //!
 //! | entry | what | errors |
 //! |---|---|---|
-//! | [`SamplingParams`] | temperature, top-k, top-p, min-p, penalties, seed; `llama-cli` defaults | bad value |
+//! | [`SamplingParams`] | temperature, top-k, top-p, min-p, penalties, seed, logit bias; `llama-cli` defaults | bad value |
 //! | [`Sampler::new`] | a sampler for one generation, scratch sized to the vocabulary | bad parameter |
 //! | [`Sampler::sample`] | logits + token history to a token id (never fails; fallbacks documented) | none |
 //! | [`Sampler::try_sample`] | the same, reporting a wrong logits length or no usable logit | [`SamplingError`] |
@@ -58,6 +58,11 @@ pub struct SamplingParams {
     /// Seed of the random draw. The same seed, logits and history give the same tokens; `None` seeds from the
     /// clock and process entropy (llama.cpp's `LLAMA_DEFAULT_SEED`), and [`Sampler::seed`] tells which seed.
     pub seed: Option<u64>,
+    /// Added to the logits of these token ids before anything else (`logit_bias`, llama.cpp's `logit_bias`
+    /// sampler, first in its chain; OpenAI's `logit_bias`, where -100 in effect bans a token and 100 forces it).
+    /// Each bias must be finite and each id below the vocabulary size ([`Sampler::new`]); an id listed twice gets
+    /// both biases.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -72,6 +77,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -90,6 +96,7 @@ impl SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: Some(0),
+            logit_bias: Vec::new(),
         }
     }
 
@@ -139,6 +146,9 @@ impl SamplingParams {
                 self.frequency_penalty,
                 "a finite number (0 = off)",
             ));
+        }
+        if let Some(&(id, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return Err(bad("logit_bias", format!("{b} for token {id}"), "a finite number"));
         }
         Ok(())
     }
@@ -245,6 +255,13 @@ impl Sampler {
                 expected: "between 1 and 2^32 - 1",
             });
         }
+        if let Some(&(id, _)) = params.logit_bias.iter().find(|(id, _)| *id as usize >= vocab_size) {
+            return Err(SamplingError::InvalidParam {
+                name: "logit_bias",
+                value: format!("token {id}"),
+                expected: "token ids below the vocabulary size",
+            });
+        }
         let seed = params.seed.unwrap_or_else(entropy_seed);
         let heap = params.top_k.min(vocab_size) + 1;
         Ok(Sampler {
@@ -284,7 +301,8 @@ impl Sampler {
     /// Picks the next token from one step's `logits` (one per vocabulary id) given `history`, the tokens so far
     /// (prompt and generated, oldest first; llama.cpp's CLI feeds the prompt to the penalties too).
     ///
-    /// The chain, in llama.cpp's default order (`common_params_sampling::samplers`, then `llama_sampler_dist`):
+    /// The chain, in llama.cpp's default order (`common_params_sampling::samplers`, then `llama_sampler_dist`),
+    /// after `logit_bias` (added first, as llama.cpp's `logit_bias` sampler heads its chain):
     /// 1. **penalties** (`llama_sampler_penalties`): over the last `repeat_last_n` history tokens, a token seen
     ///    `c` times gets `logit / repeat_penalty` if its logit is > 0, else `logit * repeat_penalty`, then
     ///    `- c * frequency_penalty - presence_penalty`;
@@ -327,6 +345,9 @@ impl Sampler {
             });
         }
         self.logits.copy_from_slice(logits);
+        for &(id, b) in &self.params.logit_bias {
+            self.logits[id as usize] += b;
+        }
         self.apply_penalties(history);
 
         let best = argmax(&self.logits).ok_or(SamplingError::NoUsableLogit)?;
@@ -342,11 +363,11 @@ impl Sampler {
         Ok(self.draw())
     }
 
-    /// Whether [`Sampler::try_sample_top`] gives this sampler's token: the penalties are off, and the chain is
+    /// Whether [`Sampler::try_sample_top`] gives this sampler's token: the penalties and the logit bias are off, and the chain is
     /// greedy or keeps at most `top_k <= TOP_LOGITS` tokens.
     pub fn can_use_top(&self) -> bool {
         let p = &self.params;
-        !p.penalties_active() && (p.is_greedy() || (1..=TOP_LOGITS).contains(&p.top_k))
+        !p.penalties_active() && p.logit_bias.is_empty() && (p.is_greedy() || (1..=TOP_LOGITS).contains(&p.top_k))
     }
 
     /// [`Sampler::try_sample`] from a step's [`TopLogits`] instead of its logits: the same token and the same
@@ -821,7 +842,55 @@ mod tests {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: Some(seed),
+            logit_bias: Vec::new(),
         }
+    }
+
+    /// `logit_bias` is added before everything else: -100 takes the argmax out of greedy decoding and a positive
+    /// bias makes a token the argmax; the top-logits shortcut is off with a bias; biased logits are what the
+    /// filters saw; a bias on an id past the vocabulary or not finite is refused.
+    #[test]
+    fn logit_bias_moves_the_choice() {
+        let logits = [1.0f32, 3.0, 2.0, 0.5];
+        let greedy = |bias: Vec<(u32, f32)>| {
+            let params = SamplingParams {
+                logit_bias: bias,
+                ..SamplingParams::greedy()
+            };
+            let mut s = Sampler::new(params, logits.len()).unwrap();
+            (s.sample(&logits, &[]), s.can_use_top(), s.penalised_logits().to_vec())
+        };
+        assert_eq!(greedy(vec![]).0, 1);
+        assert!(greedy(vec![]).1);
+        let (id, top, seen) = greedy(vec![(1, -100.0)]);
+        assert_eq!((id, top), (2, false));
+        assert_eq!(seen, vec![1.0, -97.0, 2.0, 0.5]);
+        assert_eq!(greedy(vec![(3, 5.0)]).0, 3);
+        // Listed twice: both biases.
+        assert_eq!(greedy(vec![(0, 1.5), (0, 1.0)]).0, 0);
+        // Sampling at temperature 1 never draws a token biased by -100 among four.
+        let params = SamplingParams {
+            logit_bias: vec![(1, -100.0)],
+            ..plain(7)
+        };
+        let mut s = Sampler::new(params, logits.len()).unwrap();
+        assert!((0..500).all(|_| s.sample(&logits, &[]) != 1));
+        let past = SamplingParams {
+            logit_bias: vec![(4, 1.0)],
+            ..plain(1)
+        };
+        assert!(matches!(
+            Sampler::new(past, logits.len()),
+            Err(SamplingError::InvalidParam { name: "logit_bias", .. })
+        ));
+        let nan = SamplingParams {
+            logit_bias: vec![(0, f32::NAN)],
+            ..plain(1)
+        };
+        assert!(matches!(
+            nan.validate(),
+            Err(SamplingError::InvalidParam { name: "logit_bias", .. })
+        ));
     }
 
     fn softmax(logits: &[f32]) -> Vec<f64> {

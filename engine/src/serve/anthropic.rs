@@ -351,6 +351,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         })
         .await?;
     let format = state.model.tool_format;
+    api::check_stop(API, "stop_sequences", &req.stop_sequences)?;
     if grammar.is_some() && req.stop_sequences.iter().any(|s| !s.is_empty()) {
         return Err(ApiError::invalid(
             API,
@@ -363,7 +364,7 @@ async fn run(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<Respo
         prompt,
         max_tokens,
         stop: req.stop_sequences,
-        sampling: api::sampling(API, &req.sampling)?,
+        sampling: api::sampling(API, &req.sampling, state.model.tokenizer.vocab_size())?,
         logprobs: None,
         grammar,
     };

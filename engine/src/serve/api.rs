@@ -505,7 +505,7 @@ impl ModelInfo {
 }
 
 /// The sampling fields a request may name: OpenAI's (`temperature`, `top_p`, `frequency_penalty`,
-/// `presence_penalty`, `seed`), Anthropic's (`temperature`, `top_p`, `top_k`), and llama.cpp server's extensions
+/// `presence_penalty`, `seed`, `logit_bias`), Anthropic's (`temperature`, `top_p`, `top_k`), and llama.cpp server's extensions
 /// on either API (`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`). Every one named is used, through the same
 /// sampler chain as `strata generate` ([`crate::runtime::sampling::Sampler`]); the others take
 /// [`server_sampling_defaults`].
@@ -521,6 +521,9 @@ pub struct SamplingFields {
     pub presence_penalty: Option<f32>,
     /// A seed for the random draw: the same seed and request give the same answer; -1 or absent draws one.
     pub seed: Option<i64>,
+    /// OpenAI's `logit_bias`: token ids (as strings, the JSON object's keys) to a bias from -100 to 100 added to
+    /// their logits.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 /// What a request samples with when it names nothing: temperature 1 and top_p 1 (OpenAI's and Anthropic's
@@ -534,6 +537,41 @@ pub fn server_sampling_defaults() -> SamplingParams {
     }
 }
 
+/// The most stop strings a request may give, and the longest one in bytes. The worker checks every generated
+/// token against each stop string inside the step that serves all running requests, so their number and size are
+/// bounded (OpenAI's API takes 4; these leave room for clients that send more).
+pub const MAX_STOP_STRINGS: usize = 32;
+/// See [`MAX_STOP_STRINGS`].
+pub const MAX_STOP_BYTES: usize = 1024;
+
+/// Checks a request's stop strings (`field`: `stop` or `stop_sequences`) against [`MAX_STOP_STRINGS`] and
+/// [`MAX_STOP_BYTES`].
+///
+/// Errors: 400 naming `field`, the count or the long string's index and the limit.
+pub fn check_stop(api: Api, field: &str, stop: &[String]) -> Result<(), ApiError> {
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::field(
+            api,
+            field,
+            format!(
+                "{field} has {} strings; at most {MAX_STOP_STRINGS} are supported",
+                stop.len()
+            ),
+        ));
+    }
+    if let Some((i, s)) = stop.iter().enumerate().find(|(_, s)| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::field(
+            api,
+            field,
+            format!(
+                "{field}[{i}] is {} bytes long; at most {MAX_STOP_BYTES} are supported",
+                s.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `repeat_penalty`'s range on the APIs: a logit divided by less than 0.001 (or multiplied by more than 1000)
 /// may overflow f32 to infinity, which would take every draw.
 const MIN_REPEAT_PENALTY: f32 = 0.001;
@@ -544,10 +582,12 @@ const MAX_REPEAT_PENALTY: f32 = 1000.0;
 /// Ranges are each API's own: `temperature` 0..2 on OpenAI's and 0..1 on Anthropic's (0 is greedy), `top_p` and
 /// `min_p` 0..1 (`top_p: 0` and `min_p: 1` keep the most likely token alone, `top_p: 1` and `min_p: 0` are off),
 /// `frequency_penalty` and `presence_penalty` -2..2, `top_k` ≥ 0 (0 is off), `repeat_penalty` 0.001..1000 (1 is off),
-/// `repeat_last_n` ≥ -1 (-1: the whole history, 0: penalties off), `seed` ≥ -1.
+/// `repeat_last_n` ≥ -1 (-1: the whole history, 0: penalties off), `seed` ≥ -1, `logit_bias` token ids below
+/// `vocab` (the served model's vocabulary size) to biases -100..100.
 ///
-/// Errors: a value outside its range or not finite: 400 naming the field (OpenAI's `param`).
-pub fn sampling(api: Api, f: &SamplingFields) -> Result<SamplingParams, ApiError> {
+/// Errors: a value outside its range or not finite, a `logit_bias` key that is not a token id of this model: 400
+/// naming the field (OpenAI's `param`).
+pub fn sampling(api: Api, f: &SamplingFields, vocab: usize) -> Result<SamplingParams, ApiError> {
     fn range(api: Api, name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
         match v {
             Some(x) if !(x.is_finite() && (lo..=hi).contains(&x)) => Err(ApiError::field(
@@ -604,6 +644,25 @@ pub fn sampling(api: Api, f: &SamplingFields) -> Result<SamplingParams, ApiError
         Some(-1) | None => None,
         Some(s) => Some(s as u64),
     };
+    let mut logit_bias = Vec::new();
+    for (key, &bias) in f.logit_bias.iter().flatten() {
+        let id = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::field(
+                    api,
+                    "logit_bias",
+                    format!(
+                        "logit_bias: `{key}` is not a token id of this model (0 to {})",
+                        vocab.saturating_sub(1)
+                    ),
+                )
+            })?;
+        range(api, "logit_bias", Some(bias), -100.0, 100.0)?;
+        logit_bias.push((id, bias));
+    }
     let params = SamplingParams {
         temperature: range(api, "temperature", f.temperature, 0.0, max_temperature)?.unwrap_or(d.temperature),
         top_p: range(api, "top_p", f.top_p, 0.0, 1.0)?.unwrap_or(d.top_p),
@@ -615,6 +674,7 @@ pub fn sampling(api: Api, f: &SamplingFields) -> Result<SamplingParams, ApiError
             .unwrap_or(d.frequency_penalty),
         presence_penalty: range(api, "presence_penalty", f.presence_penalty, -2.0, 2.0)?.unwrap_or(d.presence_penalty),
         seed,
+        logit_bias,
     };
     // The sampler's own rules, so the worker never refuses what the front accepted.
     params.validate().map_err(|e| ApiError::invalid(api, e.to_string()))?;

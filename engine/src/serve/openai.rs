@@ -433,6 +433,7 @@ fn engine_request(
     let max = c.max_completion_tokens.or(c.max_tokens).or(default_max);
     let max_tokens = state.model.limit(API, &prompt, max)?;
     let stop = c.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();
+    api::check_stop(API, "stop", &stop)?;
     if grammar.is_some() && stop.iter().any(|s| !s.is_empty()) {
         return Err(ApiError::field(
             API,
@@ -444,7 +445,7 @@ fn engine_request(
         prompt,
         max_tokens,
         stop,
-        sampling: api::sampling(API, &c.sampling)?,
+        sampling: api::sampling(API, &c.sampling, state.model.tokenizer.vocab_size())?,
         logprobs: logprobs_asked(c, kind)?,
         grammar,
     })

@@ -160,7 +160,7 @@ pub fn tool(
         Some(s) if s.is_object() => s.clone(),
         Some(_) => return Err(format!("{at}: the parameter schema must be a JSON object")),
     };
-    crate::runtime::grammar::check_schema_depth(&parameters).map_err(|e| format!("{at}: {e}"))?;
+    crate::runtime::grammar::check_schema_size(&parameters).map_err(|e| format!("{at}: {e}"))?;
     if description.is_some_and(|d| !d.is_null() && !d.is_string()) {
         return Err(format!("{at}: description must be a string"));
     }

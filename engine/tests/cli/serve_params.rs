@@ -173,6 +173,11 @@ fn out_of_range_values_name_their_field() {
         ("repeat_penalty", json!(0)),
         ("repeat_last_n", json!(-2)),
         ("seed", json!(-5)),
+        ("logit_bias", json!({"abc": 5})),
+        ("logit_bias", json!({"1": 101})),
+        ("logit_bias", json!({"99999999": 1})),
+        ("stop", json!(vec!["x"; 33])),
+        ("stop", json!(["a", "b".repeat(1025)])),
     ] {
         let (status, v) = s.post("/v1/chat/completions", &chat(json!({ field: bad })));
         assert_eq!(status, 400, "{field}={bad}: {v}");
@@ -187,6 +192,31 @@ fn out_of_range_values_name_their_field() {
     // Within range on OpenAI's: 2 is its top.
     let (status, v) = s.post("/v1/chat/completions", &chat(json!({"temperature": 2, "seed": -1})));
     assert_eq!(status, 200, "{v}");
+}
+
+/// OpenAI's `logit_bias`: -100 on the greedy answer's first token changes the answer and its first token; +100
+/// on another token makes the answer start with that token.
+#[test]
+fn logit_bias_bans_and_forces_tokens() {
+    let s = Server::start();
+    let first_id = |text: &str| {
+        let (status, v) = s.post("/tokenize", &json!({"content": text, "parse_special": false}));
+        assert_eq!(status, 200, "{v}");
+        v["tokens"][0].as_u64().unwrap()
+    };
+    let base = chat(&s, &json!({"temperature": 0}));
+    let first = first_id(&base);
+    let banned = chat(&s, &json!({"temperature": 0, "logit_bias": {first.to_string(): -100}}));
+    assert_ne!(banned, base);
+    assert_ne!(first_id(&banned), first, "{base:?} then {banned:?}");
+    let forced_id = first_id("Banana");
+    let (_, piece) = s.post("/detokenize", &json!({"tokens": [forced_id]}));
+    let piece = piece["content"].as_str().unwrap().to_string();
+    let forced = chat(
+        &s,
+        &json!({"temperature": 0, "logit_bias": {forced_id.to_string(): 100}}),
+    );
+    assert!(forced.starts_with(&piece), "{piece:?} forced, got {forced:?}");
 }
 
 /// The answer's first words, to stop on.

@@ -279,6 +279,28 @@ fn tool_and_schema_edge_cases_hold() {
     );
     assert_eq!(status, 400, "{v}");
     assert_eq!(s.health()["status"], "ok");
+    // An object of 10,000 properties (flat: the depth check passes it), which overflowed the compiler's stack.
+    let props: serde_json::Map<String, Value> = (0..10_000)
+        .map(|i| (format!("p{i}"), json!({"type": "string"})))
+        .collect();
+    let wide = json!({"type": "object", "properties": props});
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("10000 properties"),
+        "{v}"
+    );
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4, "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": wide}}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(s.health()["status"], "ok");
 
     // Pydantic-style parameters.
     let pyd = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
