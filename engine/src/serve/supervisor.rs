@@ -75,6 +75,40 @@ pub struct WorkerState {
 struct Job {
     request: EngineRequest,
     events: mpsc::UnboundedSender<JobEvent>,
+    /// Its place in `--max-queue`, and the task that gives it back when the client leaves first.
+    place: Arc<QueuePlace>,
+    watcher: tokio::task::AbortHandle,
+}
+
+impl Job {
+    /// The supervisor took the job off the queue: its place is free.
+    fn dequeued(&self) {
+        self.watcher.abort();
+        self.place.give_back();
+    }
+}
+
+/// How many times `--max-queue` entries the job channel holds: entries whose clients left while waiting give
+/// their places back at once but stay in the channel until the supervisor reaches them, so live requests find
+/// room behind them, and the channel (so the memory of waiting prompts) stays bounded.
+const QUEUE_SLACK: usize = 8;
+
+/// A waiting request's place in `--max-queue` (and in `strata_queue_depth`), given back once: when the supervisor
+/// takes the job, or when its client goes away first (a client that gives up while queued frees its place at
+/// once, not when a slot frees).
+struct QueuePlace {
+    live: Arc<std::sync::atomic::AtomicUsize>,
+    held: std::sync::atomic::AtomicBool,
+    metrics: Arc<Metrics>,
+}
+
+impl QueuePlace {
+    fn give_back(&self) {
+        if self.held.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            self.live.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            self.metrics.queue_depth.dec();
+        }
+    }
 }
 
 /// The handlers' side of the supervisor: cheap to clone.
@@ -84,6 +118,8 @@ pub struct Supervisor {
     state: watch::Receiver<WorkerState>,
     metrics: Arc<Metrics>,
     max_queue: usize,
+    /// Requests waiting whose clients are still there (at most `max_queue`).
+    live: Arc<std::sync::atomic::AtomicUsize>,
     /// Set by [`Supervisor::end_all`].
     ending: Arc<watch::Sender<bool>>,
     /// `GET /slots` queries for the worker.
@@ -122,7 +158,7 @@ impl Supervisor {
     /// Starts the supervision task (it spawns the first worker at once) on the current tokio runtime.
     pub fn start(config: SupervisorConfig, metrics: Arc<Metrics>) -> Supervisor {
         let max_queue = config.max_queue.max(1);
-        let (jobs_tx, jobs_rx) = mpsc::channel(max_queue);
+        let (jobs_tx, jobs_rx) = mpsc::channel(max_queue.saturating_mul(QUEUE_SLACK));
         let (state_tx, state_rx) = watch::channel(WorkerState::default());
         let (ending, ending_rx) = watch::channel(false);
         let (queries, queries_rx) = mpsc::unbounded_channel();
@@ -139,6 +175,7 @@ impl Supervisor {
             state: state_rx,
             metrics,
             max_queue,
+            live: Arc::default(),
             ending: Arc::new(ending),
             queries,
         }
@@ -160,19 +197,51 @@ impl Supervisor {
     }
 
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver cancels the request
-    /// (the worker stops within one token).
+    /// (the worker stops within one token; while it waits in the queue, it gives its place back at once). Call
+    /// on the tokio runtime.
     ///
-    /// Errors: [`SubmitError::QueueFull`].
+    /// Errors: [`SubmitError::QueueFull`]: `--max-queue` requests wait already (or the channel holds
+    /// [`QUEUE_SLACK`] times that, most of them left by their clients).
     pub fn submit(&self, request: EngineRequest) -> Result<mpsc::UnboundedReceiver<JobEvent>, SubmitError> {
+        use std::sync::atomic::Ordering;
+        let full = SubmitError::QueueFull {
+            max_queue: self.max_queue,
+        };
+        if self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_queue).then_some(n + 1)
+            })
+            .is_err()
+        {
+            return Err(full);
+        }
+        self.metrics.queue_depth.inc();
+        let place = Arc::new(QueuePlace {
+            live: self.live.clone(),
+            held: true.into(),
+            metrics: self.metrics.clone(),
+        });
         let (tx, rx) = mpsc::unbounded_channel();
-        match self.jobs.try_send(Job { request, events: tx }) {
-            Ok(()) => {
-                self.metrics.queue_depth.inc();
-                Ok(rx)
+        let watcher = {
+            let (events, place) = (tx.clone(), place.clone());
+            tokio::spawn(async move {
+                events.closed().await;
+                place.give_back();
+            })
+            .abort_handle()
+        };
+        match self.jobs.try_send(Job {
+            request,
+            events: tx,
+            place,
+            watcher,
+        }) {
+            Ok(()) => Ok(rx),
+            Err(e) => {
+                e.into_inner().dequeued();
+                Err(full)
             }
-            Err(_) => Err(SubmitError::QueueFull {
-                max_queue: self.max_queue,
-            }),
         }
     }
 
@@ -321,7 +390,7 @@ async fn supervise(
             Ok(w) => w,
             Err(e) => {
                 eprintln!("strata serve: cannot start the engine worker: {e}");
-                fail_queued(&mut jobs, &metrics, &format!("the engine cannot start ({e})"));
+                fail_queued(&mut jobs, &format!("the engine cannot start ({e})"));
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(30));
                 continue;
@@ -350,7 +419,7 @@ async fn supervise(
             eprintln!("strata serve: the engine worker {why}");
             let (cause, label, fault) = bury(&mut worker, Some((why, "load_timeout"))).await;
             report_death(&metrics, &state, &cause, &label, fault.as_deref(), "while loading");
-            fail_queued(&mut jobs, &metrics, &death_message(&cause));
+            fail_queued(&mut jobs, &death_message(&cause));
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(30));
             continue;
@@ -359,7 +428,7 @@ async fn supervise(
             let (cause, label, fault) = bury(&mut worker, None).await;
             if !ever_ready {
                 let why = format!("the engine worker could not load the model ({cause})");
-                fail_queued(&mut jobs, &metrics, &why);
+                fail_queued(&mut jobs, &why);
                 state.send_modify(|s| {
                     s.last_death = Some(cause.clone());
                     s.gave_up = Some(why);
@@ -367,7 +436,7 @@ async fn supervise(
                 return;
             }
             report_death(&metrics, &state, &cause, &label, fault.as_deref(), "while loading");
-            fail_queued(&mut jobs, &metrics, &death_message(&cause));
+            fail_queued(&mut jobs, &death_message(&cause));
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(30));
             continue;
@@ -396,7 +465,7 @@ async fn supervise(
         };
         let (cause, label, fault) = death;
         report_death(&metrics, &state, &cause, &label, fault.as_deref(), "");
-        fail_queued(&mut jobs, &metrics, &death_message(&cause));
+        fail_queued(&mut jobs, &death_message(&cause));
     }
 }
 
@@ -448,9 +517,9 @@ fn report_death(
 }
 
 /// Ends every request waiting in the queue with a 503 carrying `message`.
-fn fail_queued(jobs: &mut mpsc::Receiver<Job>, metrics: &Metrics, message: &str) {
+fn fail_queued(jobs: &mut mpsc::Receiver<Job>, message: &str) {
     while let Ok(job) = jobs.try_recv() {
-        metrics.queue_depth.dec();
+        job.dequeued();
         let _ = job.events.send(JobEvent::Failed {
             status: 503,
             message: message.to_string(),
@@ -507,7 +576,7 @@ async fn serve(
         tokio::select! {
             job = jobs.recv(), if inflight.len() < parallel => {
                 let Some(job) = job else { break Ok(()) };
-                metrics.queue_depth.dec();
+                job.dequeued();
                 if job.events.is_closed() {
                     continue;
                 }
