@@ -333,6 +333,21 @@ fn bad_input_gets_4xx_in_each_api_shape_and_the_server_keeps_serving() {
     assert!(metrics.contains(r#"strata_requests_total{endpoint="/v1/chat/completions",status="400"}"#));
 }
 
+/// A streamed chat request of `max_tokens` whose first chunk has arrived, so the worker is busy with it.
+fn busy_stream(s: &Server, messages: &Value, max_tokens: usize) -> reqwest::blocking::Response {
+    use std::io::Read;
+    let mut r = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .json(&json!({"messages": messages, "max_tokens": max_tokens, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut chunk = [0u8; 64];
+    assert!(r.read(&mut chunk).unwrap() > 0, "the first stream sent nothing");
+    r
+}
+
 /// With `--parallel 1 --max-queue 1`: while one request is being answered, one more waits and is answered, and the rest get
 /// 503 with Retry-After. The first request is a stream whose first chunk is read before the others are sent, so
 /// the worker is busy with it (concurrent first requests would race for the one queue place).
@@ -341,15 +356,7 @@ fn full_queue_answers_503_with_retry_after() {
     use std::io::Read;
     let s = std::sync::Arc::new(Server::start_with(&["--parallel", "1", "--max-queue", "1"], &[]));
     let story = json!([{"role": "user", "content": "Tell me a long story."}]);
-    let mut first = s
-        .client
-        .post(s.url("/v1/chat/completions"))
-        .json(&json!({"messages": story, "max_tokens": 160, "stream": true}))
-        .send()
-        .unwrap();
-    assert_eq!(first.status().as_u16(), 200);
-    let mut chunk = [0u8; 64];
-    assert!(first.read(&mut chunk).unwrap() > 0, "the first stream sent nothing");
+    let mut first = busy_stream(&s, &story, 160);
     let body = json!({"messages": story, "max_tokens": 4});
     let handles: Vec<_> = (0..4)
         .map(|_| {
@@ -383,15 +390,7 @@ fn clients_that_leave_the_queue_free_their_places() {
     use std::io::Read;
     let s = Server::start_with(&["--parallel", "1", "--max-queue", "2"], &[]);
     let story = json!([{"role": "user", "content": "Tell me a long story."}]);
-    let mut first = s
-        .client
-        .post(s.url("/v1/chat/completions"))
-        .json(&json!({"messages": story, "max_tokens": 200, "stream": true}))
-        .send()
-        .unwrap();
-    assert_eq!(first.status().as_u16(), 200);
-    let mut chunk = [0u8; 64];
-    assert!(first.read(&mut chunk).unwrap() > 0, "the first stream sent nothing");
+    let mut first = busy_stream(&s, &story, 200);
     let body = json!({"messages": story, "max_tokens": 4});
     let quitter = reqwest::blocking::Client::builder()
         .timeout(std::time::Duration::from_millis(300))
