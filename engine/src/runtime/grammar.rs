@@ -135,37 +135,44 @@ impl GrammarEnv {
 /// abort the process; real schemas (Pydantic's, OpenAI's strict ones) stay far below this.
 pub const MAX_SCHEMA_DEPTH: usize = 128;
 
-/// The most properties one object of a JSON schema may list. llguidance's compiler also recurses once per
-/// property of an object (about 7,000 fit a 2 MiB thread stack), and its compile time grows faster than the count
-/// (5,000 optional properties took 9 s on a 2-core machine); OpenAI's structured outputs allow 5,000 in a whole
-/// schema, real tool schemas a few dozen.
+/// The most property names a JSON schema may hold in all: each object's `properties` keys and the `required`
+/// names it does not list there (llguidance adds those as properties too), summed over every object, a `$ref`
+/// target counted where it is defined and once more where it is first used. llguidance's compiler recurses once
+/// per property of an object, and merges an `allOf`'s objects into one (about 7,000 properties fit a 2 MiB thread
+/// stack), and its compile time grows faster than the count (1,000 optional properties took 0.4 s, 5,000 took 9 s
+/// on a 2-core machine), so the sum bounds the merged objects too. Real tool schemas hold a few dozen.
 pub const MAX_SCHEMA_PROPERTIES: usize = 1000;
 
 /// Checks that `schema` nests at most [`MAX_SCHEMA_DEPTH`] levels with its local `$ref`s followed (a recursive
-/// reference counts once) and that no object in it lists more than [`MAX_SCHEMA_PROPERTIES`] properties.
+/// reference counts once) and holds at most [`MAX_SCHEMA_PROPERTIES`] property names.
 ///
 /// Errors: [`GrammarError::Unsupported`] naming the limit.
 pub fn check_schema_size(schema: &serde_json::Value) -> Result<(), GrammarError> {
     use serde_json::Value as J;
     use std::collections::HashMap;
     /// Depth of `v`, at most `limit + 1`; `memo` holds finished `$ref` targets, `open` those being walked;
-    /// `widest` gets the most properties an object walked lists.
+    /// `names` sums the property names of the objects walked.
     fn depth(
         v: &J,
         root: &J,
         level: usize,
         memo: &mut HashMap<String, usize>,
         open: &mut Vec<String>,
-        widest: &mut usize,
+        names: &mut usize,
     ) -> usize {
         if level > MAX_SCHEMA_DEPTH {
             return 1;
         }
         let children = match v {
             J::Object(map) => {
-                if let Some(J::Object(props)) = map.get("properties") {
-                    *widest = (*widest).max(props.len());
-                }
+                let props = map.get("properties").and_then(J::as_object);
+                let listed = props.map_or(0, |p| p.len());
+                let extra = map.get("required").and_then(J::as_array).map_or(0, |r| {
+                    r.iter()
+                        .filter(|n| n.as_str().is_none_or(|n| props.is_none_or(|p| !p.contains_key(n))))
+                        .count()
+                });
+                *names = names.saturating_add(listed + extra);
                 let mut d = 0;
                 if let Some(J::String(r)) = map.get("$ref")
                     && let Some(ptr) = r.strip_prefix('#')
@@ -176,7 +183,7 @@ pub fn check_schema_size(schema: &serde_json::Value) -> Result<(), GrammarError>
                         0
                     } else if let Some(target) = root.pointer(ptr) {
                         open.push(ptr.to_string());
-                        let m = depth(target, root, level + 1, memo, open, widest);
+                        let m = depth(target, root, level + 1, memo, open, names);
                         open.pop();
                         memo.insert(ptr.to_string(), m);
                         m
@@ -186,31 +193,31 @@ pub fn check_schema_size(schema: &serde_json::Value) -> Result<(), GrammarError>
                     d = d.max(sub);
                 }
                 for x in map.values() {
-                    d = d.max(depth(x, root, level + 1, memo, open, widest));
+                    d = d.max(depth(x, root, level + 1, memo, open, names));
                 }
                 d
             }
             J::Array(items) => items
                 .iter()
-                .map(|x| depth(x, root, level + 1, memo, open, widest))
+                .map(|x| depth(x, root, level + 1, memo, open, names))
                 .max()
                 .unwrap_or(0),
             _ => 0,
         };
         1 + children
     }
-    let mut widest = 0;
-    if depth(schema, schema, 0, &mut HashMap::new(), &mut Vec::new(), &mut widest) > MAX_SCHEMA_DEPTH {
+    let mut names = 0;
+    if depth(schema, schema, 0, &mut HashMap::new(), &mut Vec::new(), &mut names) > MAX_SCHEMA_DEPTH {
         return Err(GrammarError::Unsupported {
             message: format!(
                 "the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays and $ref hops counted)"
             ),
         });
     }
-    if widest > MAX_SCHEMA_PROPERTIES {
+    if names > MAX_SCHEMA_PROPERTIES {
         return Err(GrammarError::Unsupported {
             message: format!(
-                "an object in the schema lists {widest} properties; at most {MAX_SCHEMA_PROPERTIES} are supported"
+                "the schema holds {names} property names (properties and required, over all its objects); at most {MAX_SCHEMA_PROPERTIES} are supported"
             ),
         });
     }

@@ -572,6 +572,10 @@ pub fn check_stop(api: Api, field: &str, stop: &[String]) -> Result<(), ApiError
     Ok(())
 }
 
+/// The most `logit_bias` entries a request may give (each is added to its token's logit every step, inside the
+/// step all running requests share; OpenAI's API takes 300).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
 /// `repeat_penalty`'s range on the APIs: a logit divided by less than 0.001 (or multiplied by more than 1000)
 /// may overflow f32 to infinity, which would take every draw.
 const MIN_REPEAT_PENALTY: f32 = 0.001;
@@ -645,11 +649,19 @@ pub fn sampling(api: Api, f: &SamplingFields, vocab: usize) -> Result<SamplingPa
         Some(s) => Some(s as u64),
     };
     let mut logit_bias = Vec::new();
+    if let Some(n) = f.logit_bias.as_ref().map(|b| b.len()).filter(|&n| n > MAX_LOGIT_BIAS) {
+        return Err(ApiError::field(
+            api,
+            "logit_bias",
+            format!("logit_bias has {n} entries; at most {MAX_LOGIT_BIAS} are supported"),
+        ));
+    }
     for (key, &bias) in f.logit_bias.iter().flatten() {
+        // Canonical ids only ("5", not "05" or "+5"), so no token gets two entries.
         let id = key
             .parse::<u32>()
             .ok()
-            .filter(|&id| (id as usize) < vocab)
+            .filter(|&id| (id as usize) < vocab && *key == id.to_string())
             .ok_or_else(|| {
                 ApiError::field(
                     api,

@@ -75,14 +75,20 @@ pub struct WorkerState {
 struct Job {
     request: EngineRequest,
     events: mpsc::UnboundedSender<JobEvent>,
-    /// Its place in `--max-queue`, and the task that gives it back when the client leaves first.
+    /// Its place in `--max-queue`, given back when the job is taken off the queue or dropped.
+    ticket: QueueTicket,
+}
+
+/// A queued job's [`QueuePlace`] and the task that gives it back when the client leaves first; dropping the
+/// ticket (the supervisor took the job, or the job was dropped unserved) stops the task, which holds a clone of
+/// the job's event sender, and gives the place back.
+struct QueueTicket {
     place: Arc<QueuePlace>,
     watcher: tokio::task::AbortHandle,
 }
 
-impl Job {
-    /// The supervisor took the job off the queue: its place is free.
-    fn dequeued(&self) {
+impl Drop for QueueTicket {
+    fn drop(&mut self) {
         self.watcher.abort();
         self.place.give_back();
     }
@@ -231,17 +237,14 @@ impl Supervisor {
             })
             .abort_handle()
         };
+        let ticket = QueueTicket { place, watcher };
         match self.jobs.try_send(Job {
             request,
             events: tx,
-            place,
-            watcher,
+            ticket,
         }) {
             Ok(()) => Ok(rx),
-            Err(e) => {
-                e.into_inner().dequeued();
-                Err(full)
-            }
+            Err(_) => Err(full), // the job, and so its ticket, dropped: the place is given back
         }
     }
 
@@ -519,7 +522,7 @@ fn report_death(
 /// Ends every request waiting in the queue with a 503 carrying `message`.
 fn fail_queued(jobs: &mut mpsc::Receiver<Job>, message: &str) {
     while let Ok(job) = jobs.try_recv() {
-        job.dequeued();
+        drop(job.ticket);
         let _ = job.events.send(JobEvent::Failed {
             status: 503,
             message: message.to_string(),
@@ -576,7 +579,7 @@ async fn serve(
         tokio::select! {
             job = jobs.recv(), if inflight.len() < parallel => {
                 let Some(job) = job else { break Ok(()) };
-                job.dequeued();
+                drop(job.ticket);
                 if job.events.is_closed() {
                     continue;
                 }

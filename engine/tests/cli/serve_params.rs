@@ -176,6 +176,15 @@ fn out_of_range_values_name_their_field() {
         ("logit_bias", json!({"abc": 5})),
         ("logit_bias", json!({"1": 101})),
         ("logit_bias", json!({"99999999": 1})),
+        ("logit_bias", json!({"05": 1})),
+        (
+            "logit_bias",
+            json!(
+                (0..1025)
+                    .map(|i| (i.to_string(), json!(1)))
+                    .collect::<serde_json::Map<_, _>>()
+            ),
+        ),
         ("stop", json!(vec!["x"; 33])),
         ("stop", json!(["a", "b".repeat(1025)])),
     ] {
@@ -184,11 +193,13 @@ fn out_of_range_values_name_their_field() {
         assert_eq!(v["error"]["param"], field, "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
     }
-    // Anthropic's temperature stops at 1.
-    let (status, v) = s.post("/v1/messages", &chat(json!({"temperature": 1.5})));
-    assert_eq!(status, 400, "{v}");
-    assert_eq!(v["type"], "error");
-    assert!(v["error"]["message"].as_str().unwrap().contains("temperature"), "{v}");
+    // Anthropic's temperature stops at 1; its stop_sequences have the same limits as OpenAI's stop.
+    for (field, bad) in [("temperature", json!(1.5)), ("stop_sequences", json!(vec!["x"; 33]))] {
+        let (status, v) = s.post("/v1/messages", &chat(json!({ field: bad })));
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["type"], "error");
+        assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
+    }
     // Within range on OpenAI's: 2 is its top.
     let (status, v) = s.post("/v1/chat/completions", &chat(json!({"temperature": 2, "seed": -1})));
     assert_eq!(status, 200, "{v}");

@@ -279,27 +279,44 @@ fn tool_and_schema_edge_cases_hold() {
     );
     assert_eq!(status, 400, "{v}");
     assert_eq!(s.health()["status"], "ok");
-    // An object of 10,000 properties (flat: the depth check passes it), which overflowed the compiler's stack.
-    let props: serde_json::Map<String, Value> = (0..10_000)
-        .map(|i| (format!("p{i}"), json!({"type": "string"})))
+    // Flat schemas (the depth check passes them) whose objects llguidance's compiler recursed through until the
+    // stack overflowed: 10,000 properties; 10,000 names only in `required`; seven `allOf` branches of 1,000.
+    let props = |from: usize, n: usize| -> serde_json::Map<String, Value> {
+        (from..from + n)
+            .map(|i| (format!("p{i}"), json!({"type": "string"})))
+            .collect()
+    };
+    let names: Vec<String> = (0..10_000).map(|i| format!("p{i}")).collect();
+    let branches: Vec<Value> = (0..7)
+        .map(|b| json!({"type": "object", "properties": props(1000 * b, 1000)}))
         .collect();
-    let wide = json!({"type": "object", "properties": props});
-    let (status, v) = s.post(
-        "/v1/chat/completions",
-        &json!({"messages": ask(), "max_tokens": 4,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}}),
-    );
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"].as_str().unwrap().contains("10000 properties"),
-        "{v}"
-    );
-    let (status, v) = s.post(
-        "/v1/chat/completions",
-        &json!({"messages": ask(), "max_tokens": 4, "tool_choice": "required",
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": wide}}]}),
-    );
-    assert_eq!(status, 400, "{v}");
+    let wide_ones = [
+        (json!({"type": "object", "properties": props(0, 10_000)}), 10_000),
+        (json!({"type": "object", "required": names}), 10_000),
+        (json!({"allOf": branches}), 7_000),
+    ];
+    for (wide, n) in &wide_ones {
+        let (status, v) = s.post(
+            "/v1/chat/completions",
+            &json!({"messages": ask(), "max_tokens": 4,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}}),
+        );
+        assert_eq!(status, 400, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("{n} property names")),
+            "{v}"
+        );
+        let (status, v) = s.post(
+            "/v1/chat/completions",
+            &json!({"messages": ask(), "max_tokens": 4, "tool_choice": "required",
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": wide}}]}),
+        );
+        assert_eq!(status, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("tools[0]"), "{v}");
+    }
     assert_eq!(s.health()["status"], "ok");
 
     // Pydantic-style parameters.
