@@ -71,6 +71,11 @@ struct CompletionRequest {
     prompt: OneOrMany,
     #[serde(flatten)]
     common: Common,
+    /// Legacy completions' options Strata does not implement: refused when set to anything but their off value,
+    /// so they are never silently dropped.
+    echo: Option<bool>,
+    best_of: Option<i64>,
+    suffix: Option<String>,
 }
 
 /// The message roles of OpenAI's chat API (`developer` is its newer name for `system`).
@@ -501,6 +506,19 @@ async fn complete(state: Shared, body: Result<Bytes, BytesRejection>) -> Result<
                     "tools",
                     "tools are offered on /v1/chat/completions, not on legacy completions",
                 ));
+            }
+            for (field, set) in [
+                ("echo", req.echo == Some(true)),
+                ("best_of", req.best_of.is_some_and(|b| b != 1)),
+                ("suffix", req.suffix.as_ref().is_some_and(|s| !s.is_empty())),
+            ] {
+                if set {
+                    return Err(ApiError::field(
+                        API,
+                        field,
+                        format!("{field} is not supported on /v1/completions (leave it out, or at its default)"),
+                    ));
+                }
             }
             let grammar = st
                 .model

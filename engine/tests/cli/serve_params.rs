@@ -200,6 +200,17 @@ fn out_of_range_values_name_their_field() {
         assert_eq!(v["type"], "error");
         assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
     }
+    // Legacy completions' options that are not implemented are refused, not dropped; their defaults pass.
+    for (field, bad) in [("echo", json!(true)), ("best_of", json!(3)), ("suffix", json!("end"))] {
+        let (status, v) = s.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2, field: bad}));
+        assert_eq!(status, 400, "{field}={bad}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+    let (status, v) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "Hi", "max_tokens": 2, "echo": false, "best_of": 1, "suffix": ""}),
+    );
+    assert_eq!(status, 200, "{v}");
     // Within range on OpenAI's: 2 is its top.
     let (status, v) = s.post("/v1/chat/completions", &chat(json!({"temperature": 2, "seed": -1})));
     assert_eq!(status, 200, "{v}");
