@@ -15,16 +15,7 @@ nvidia-smi -L
 carry/strata --version
 timeout $((BUDGET / 3)) carry/strata bench --device cuda:0 --model synth:qwen3-30b-a3b --prompt-tokens 16,128 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench.md 2> $OUT/logs/bench.log || tail -5 $OUT/logs/bench.log
 echo "== bench at ${SECONDS}s"; grep -E "^\| (tg|pp)" $OUT/bench.md | awk -F'|' '{printf "%-14s %10s\n", $2, $3}'
-load() { # arm (5 client counts of 15 s and a server start: about 90 s)
-  [ $SECONDS -lt $((BUDGET - 100)) ] || return
-  local arm=$1
-  mkdir -p $OUT/load
-  timeout $((BUDGET - SECONDS - 10)) carry/strata-harness run scenarios/h200-load.yaml --strata carry/strata --arm slots=$arm --out $OUT/load > $OUT/logs/load-$arm.log 2>&1; echo "== load $arm rc $? at ${SECONDS}s"
-  f=$(ls -d $OUT/load/*/ 2>/dev/null | head -1)
-  [ -n "$f" ] && [ -f "$f/report.md" ] || { tail -5 $OUT/logs/load-$arm.log; rm -rf $OUT/load; return; }
-  cp $f/report.md $OUT/load-$arm.md; cp -r $f/logs $OUT/logs/load-$arm; rm -rf $OUT/load
-  grep -E "^\| (single|load)" $OUT/load-$arm.md
-}
+source "$(dirname "$0")/device-load.sh" # load ARM: a scenario arm, about 90 s
 load parallel-32
 load parallel-1
 offload() { # name, bench args
