@@ -213,6 +213,8 @@ pub const TRACE_TENSORS: &str = "STRATA_TRACE_TENSORS";
 pub const WORKER_FAULT_AFTER_TOKENS: &str = "STRATA_WORKER_FAULT_AFTER_TOKENS";
 /// The serve worker fails before loading its model.
 pub const WORKER_FAULT_AT_LOAD: &str = "STRATA_WORKER_FAULT_AT_LOAD";
+/// The serve worker waits before compiling each request's grammar.
+pub const WORKER_GRAMMAR_DELAY_MS: &str = "STRATA_WORKER_GRAMMAR_DELAY_MS";
 
 /// A folder searched first for `sim:PROFILE` device profiles.
 pub const DEVICE_PROFILES: &str = "STRATA_DEVICE_PROFILES";
@@ -442,6 +444,12 @@ pub const SWITCHES: &[Switch] = &[
         "0",
         "1: the serve worker exits with an error before loading its model (a test of `strata serve` giving up \
          when its first worker cannot load); hang: it never loads (a test of --load-timeout-s)",
+    ),
+    sw(
+        WORKER_GRAMMAR_DELAY_MS,
+        "0",
+        "N: the serve worker waits N ms before compiling each request's grammar (a test that a slow compile never \
+         stalls the other requests' steps)",
     ),
 ];
 

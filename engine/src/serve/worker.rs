@@ -164,18 +164,28 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     // The reader thread turns stdin lines into jobs, and sets a request's cancel flag when the front cancels it
     // (before or after its job arrives), so a cancel reaches a generation in progress. Stdin closing means the
     // front is gone.
+    // A job's sampler is built here too, and one with a grammar goes to the compile thread first (compiling a
+    // schema takes up to about a second, and indexing the vocabulary for the first one about as long), so the
+    // stepping thread only ever takes ready jobs and no compile stalls the running sequences' steps.
+    let vocab = model.weights.output.rows;
     let flags_by_id: Arc<Mutex<CancelFlags>> = Arc::default();
     let running_id = Arc::new(AtomicU64::new(0));
     let (jobs_tx, jobs_rx) = mpsc::channel::<Work>();
+    let (compile_tx, compile_rx) = mpsc::channel::<Work>();
     {
         let flags_by_id = flags_by_id.clone();
+        let jobs_tx = jobs_tx.clone();
         std::thread::spawn(move || {
             for line in std::io::stdin().lock().lines() {
                 let Ok(line) = line else { break };
                 match serde_json::from_str::<Command>(&line) {
                     Ok(Command::Generate(job)) => {
                         let flag = lock(&flags_by_id).flag(job.id);
-                        if jobs_tx.send(Work::Job(Box::new(job), flag)).is_err() {
+                        let (to, sampler) = match job.grammar {
+                            Some(_) => (&compile_tx, Err(String::new())),
+                            None => (&jobs_tx, plain_sampler(&job, vocab)),
+                        };
+                        if to.send(Work::Job(Box::new(job), flag, sampler)).is_err() {
                             break;
                         }
                     }
@@ -214,11 +224,30 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         });
     }
     let fault_after: Option<usize> = crate::switches::text_lossy(ENV_FAULT_AFTER_TOKENS).and_then(|v| v.parse().ok());
-    let mut samplers = Samplers {
-        vocab: model.weights.output.rows,
-        tokenizer,
-        grammar: None,
-    };
+    std::thread::scope(|scope| {
+        // llguidance's compiler recurses per schema level and property: the main thread's stack size, not a spawned
+        // thread's 2 MiB (the front's limits keep a schema within 2 MiB; this is the margin).
+        std::thread::Builder::new()
+            .name("grammar".into())
+            .stack_size(8 << 20)
+            .spawn_scoped(scope, move || compile_grammars(compile_rx, jobs_tx, tokenizer, vocab))
+            .expect("the grammar thread starts");
+        step_loop(&engine, &mut batcher, &jobs_rx, &flags_by_id, &running_id, fault_after);
+    });
+    Ok(())
+}
+
+/// The stepping thread: takes every ready job at each step boundary, steps the batch and sends what it made,
+/// until every job sender is gone.
+fn step_loop(
+    engine: &Engine,
+    batcher: &mut Batcher<'_, AnyBackend>,
+    jobs_rx: &mpsc::Receiver<Work>,
+    flags_by_id: &Mutex<CancelFlags>,
+    running_id: &AtomicU64,
+    fault_after: Option<usize>,
+) {
+    let tokenizer = &engine.tokenizer;
     let mut sent: HashMap<u64, usize> = HashMap::new();
     let mut totals = StepTotals::default();
     let mut last_kv = batcher.kv_usage();
@@ -233,13 +262,13 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 log_batching(&mut totals, last_step.duration_since(period_start));
             }
             match jobs_rx.recv() {
-                Ok(w) => take(&mut batcher, w, &mut samplers),
+                Ok(w) => take(batcher, w),
                 Err(_) => break,
             }
             period_start = std::time::Instant::now();
         }
         while let Ok(w) = jobs_rx.try_recv() {
-            take(&mut batcher, w, &mut samplers);
+            take(batcher, w);
         }
         running_id.store(batcher.ids().next().unwrap_or(0), Ordering::SeqCst);
         let report = batcher.step(tokenizer, &mut |ev| match ev {
@@ -260,13 +289,13 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
             }
             BatchEvent::Done { id, stats } => {
                 sent.remove(&id);
-                lock(&flags_by_id).forget(id);
+                lock(flags_by_id).forget(id);
                 done(id, &stats);
                 engine.emit_expert_cache(Some(id));
             }
             BatchEvent::Failed { id, error } => {
                 sent.remove(&id);
-                lock(&flags_by_id).forget(id);
+                lock(flags_by_id).forget(id);
                 failed(id, error);
             }
         });
@@ -284,7 +313,6 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
             period_start = std::time::Instant::now();
         }
     }
-    Ok(())
 }
 
 /// Logs what batching did over `busy` (when steps carried several sequences) and starts the next totals.
@@ -331,18 +359,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// What the reader thread hands the stepping thread, which takes it between two steps.
+/// A job's sampler, or why its settings or grammar were refused (the front checks both, so only a front of
+/// another version sends one).
+type BuiltSampler = Result<Box<dyn TokenSampler + Send>, String>;
+
+/// What the reader and compile threads hand the stepping thread, which takes it between two steps.
 enum Work {
-    /// A job, with its cancel flag.
-    Job(Box<GenerateJob>, Arc<AtomicBool>),
+    /// A job, with its cancel flag and its sampler.
+    Job(Box<GenerateJob>, Arc<AtomicBool>, BuiltSampler),
     /// A `slots` command: answered with the slots as they stand between steps.
     Slots(u64),
 }
 
 /// Takes `w` between two steps: queues a job on the scheduler, or answers a `slots` command.
-fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, samplers: &mut Samplers<'_>) {
+fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work) {
     match w {
-        Work::Job(job, cancel) => admit(batcher, *job, cancel, samplers),
+        Work::Job(job, cancel, sampler) => admit(batcher, *job, cancel, sampler),
         Work::Slots(id) => send(&Message::Slots {
             id,
             slots: batcher.slots(),
@@ -350,46 +382,48 @@ fn take(batcher: &mut Batcher<'_, AnyBackend>, w: Work, samplers: &mut Samplers<
     }
 }
 
-/// What the worker builds a job's sampler from: the vocabulary and, once a job asks for a grammar, the
-/// vocabulary indexed for the constraint engine.
-struct Samplers<'t> {
-    vocab: usize,
-    tokenizer: &'t Tokenizer,
-    grammar: Option<Arc<GrammarEnv>>,
+/// The sampler of `job`'s sampling settings, without its grammar.
+fn plain_sampler(job: &GenerateJob, vocab: usize) -> BuiltSampler {
+    match Sampler::new(job.sampling.clone(), vocab) {
+        Ok(s) => Ok(Box::new(s)),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
-impl Samplers<'_> {
-    /// The sampler of `job`: its sampling settings, under its grammar when it has one.
-    ///
-    /// Errors: a setting or grammar refused (the front checks both, so only a front of another version sends
-    /// one).
-    fn build(&mut self, job: &GenerateJob) -> Result<Box<dyn TokenSampler + Send>, String> {
-        let sampler = Sampler::new(job.sampling.clone(), self.vocab).map_err(|e| e.to_string())?;
-        let Some(spec) = &job.grammar else {
-            return Ok(Box::new(sampler));
+/// The compile thread: gives each job from `rx` its sampler under its grammar and hands it to the stepping
+/// thread, in arrival order, until the reader thread is gone. The vocabulary is indexed for the constraint engine
+/// when the first grammar arrives.
+fn compile_grammars(rx: mpsc::Receiver<Work>, to: mpsc::Sender<Work>, tokenizer: &Tokenizer, vocab: usize) {
+    let delay = crate::switches::usize_in(crate::switches::WORKER_GRAMMAR_DELAY_MS, 0..=600_000).unwrap_or(0);
+    let mut env: Option<Arc<GrammarEnv>> = None;
+    for w in rx {
+        let Work::Job(job, cancel, _) = w else {
+            continue;
         };
-        let env = match &self.grammar {
-            Some(env) => env.clone(),
-            None => {
-                let env = Arc::new(GrammarEnv::new(self.tokenizer).map_err(|e| e.to_string())?);
-                self.grammar = Some(env.clone());
-                env
-            }
-        };
-        let matcher = env.matcher(spec).map_err(|e| e.to_string())?;
-        Ok(Box::new(Constrained::new(Box::new(sampler), matcher, env)))
+        std::thread::sleep(std::time::Duration::from_millis(delay as u64));
+        let sampler = plain_sampler(&job, vocab).and_then(|inner| {
+            let Some(spec) = &job.grammar else {
+                return Ok(inner);
+            };
+            let env = match &env {
+                Some(env) => env.clone(),
+                None => env
+                    .insert(Arc::new(GrammarEnv::new(tokenizer).map_err(|e| e.to_string())?))
+                    .clone(),
+            };
+            let matcher = env.matcher(spec).map_err(|e| e.to_string())?;
+            Ok(Box::new(Constrained::new(inner, matcher, env)) as Box<dyn TokenSampler + Send>)
+        });
+        if to.send(Work::Job(job, cancel, sampler)).is_err() {
+            break;
+        }
     }
 }
 
 /// Queues a job on the scheduler with its sampler, or answers `failed` when its sampling settings or grammar
-/// are refused.
-fn admit(
-    batcher: &mut Batcher<'_, AnyBackend>,
-    job: GenerateJob,
-    cancel: Arc<AtomicBool>,
-    samplers: &mut Samplers<'_>,
-) {
-    match samplers.build(&job) {
+/// were refused.
+fn admit(batcher: &mut Batcher<'_, AnyBackend>, job: GenerateJob, cancel: Arc<AtomicBool>, sampler: BuiltSampler) {
+    match sampler {
         Ok(sampler) => batcher.submit(BatchJob {
             id: job.id,
             prompt: job.prompt,

@@ -250,3 +250,38 @@ fn slots_show_each_requests_state_and_the_cache_it_left() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// A request's grammar is compiled off the stepping thread: with every compile made a minute slow
+/// (`STRATA_WORKER_GRAMMAR_DELAY_MS`), a stream already running goes on to its end while a structured-output
+/// request that arrived after its first token is still compiling (before, the compile ran between two steps and
+/// every running sequence waited for it).
+#[test]
+fn a_grammar_compiling_never_stalls_the_running_streams() {
+    const DELAY: Duration = Duration::from_secs(60);
+    let s = Server::start_with(&[], &[("STRATA_WORKER_GRAMMAR_DELAY_MS", "60000")]);
+    let mut sse = s.chat_stream(&request(QUESTIONS[0], true));
+    loop {
+        let ev = sse.next_event().expect("the stream's first token");
+        let v: Value = serde_json::from_str(&ev.data).unwrap();
+        if v["choices"][0]["delta"]["content"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+        {
+            break;
+        }
+    }
+    // The structured request, from a thread that holds no handle on the server (it ends with the test).
+    let (url, client) = (s.url("/v1/chat/completions"), s.client.clone());
+    let body = json!({"messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
+                      "response_format": {"type": "json_object"}});
+    let sent = Instant::now();
+    let structured = std::thread::spawn(move || client.post(url).json(&body).send().map(|r| r.status()));
+    let rest = sse.rest();
+    let ended = Instant::now();
+    assert_eq!(rest.last().map(|e| e.data.as_str()), Some("[DONE]"), "{rest:?}");
+    assert!(
+        ended - sent < DELAY && !structured.is_finished(),
+        "the running stream ended {:?} after the structured request was sent (its compile takes {DELAY:?})",
+        ended - sent
+    );
+}
