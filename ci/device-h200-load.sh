@@ -2,7 +2,8 @@
 # Issue 20, on the GPU machine (meant for an H200): the served figures of scenarios/h200-load.yaml at today's
 # defaults beside `strata bench`'s single stream and 8-sequence decode on the same card. In order, each step only
 # while the call has time (BUDGET seconds, default 420): the bench (prompt 16 and 128, decode of 1 and 8
-# sequences); the scenario's 32-slot arm (1 to 32 clients); its single stream (--parallel 1); then, with OFFLOAD=1,
+# sequences); the scenario's 32-slot arm (1 to 32 clients) and its single stream (--parallel 1), or the arms
+# LOAD_ARMS names (BENCH=0 leaves the bench out); then, with OFFLOAD=1,
 # issue 16's decode figures (tg64, pp512) through the expert cache under --vram-budget 10.7GiB (locality and
 # uniform routing traces) and 1.9GiB (locality).
 # Needs in carry/: strata.xz and strata-harness.xz (release builds, stripped, xz-compressed). $OUT gets the bench
@@ -13,11 +14,10 @@ BUDGET=${BUDGET:-420}
 nvidia-smi -L
 (cd carry && xz -d -f -k strata.xz strata-harness.xz && chmod +x strata strata-harness)
 carry/strata --version
-timeout $((BUDGET / 3)) carry/strata bench --device cuda:0 --model synth:qwen3-30b-a3b --prompt-tokens 16,128 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench.md 2> $OUT/logs/bench.log || tail -5 $OUT/logs/bench.log
-echo "== bench at ${SECONDS}s"; grep -E "^\| (tg|pp)" $OUT/bench.md | awk -F'|' '{printf "%-14s %10s\n", $2, $3}'
+[ "${BENCH:-1}" = 1 ] && timeout $((BUDGET / 3)) carry/strata bench --device cuda:0 --model synth:qwen3-30b-a3b --prompt-tokens 16,128 --gen-tokens 32 --sequences 1,8 --reps 2 --llama-bench off > $OUT/bench.md 2> $OUT/logs/bench.log || tail -5 $OUT/logs/bench.log
+echo "== bench at ${SECONDS}s"; [ -f $OUT/bench.md ] && grep -E "^\| (tg|pp)" $OUT/bench.md | awk -F'|' '{printf "%-14s %10s\n", $2, $3}'
 source "$(dirname "$0")/device-load.sh" # load ARM: a scenario arm, about 90 s
-load parallel-32
-load parallel-1
+for arm in ${LOAD_ARMS:-parallel-32 parallel-1}; do load $arm; done
 offload() { # name, bench args
   [ "${OFFLOAD:-0}" = 1 ] && [ $SECONDS -lt $((BUDGET - 60)) ] || return
   local n=$1; shift
