@@ -12,11 +12,12 @@ nvidia-smi -L
 carry/strata --version
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 "$NCU" --version | tail -1
-# The bench runs the single stream first, so eight sequences' steps come later: more launches are kept.
+# The bench runs the single stream first, so eight sequences' steps come later: more launches are kept (on an
+# H100, 12,000 past 30,000 were still single-stream steps; raise SKIP8).
 for n in ${SEQS:-1 8}; do
   [ $SECONDS -lt $((BUDGET - 60)) ] || break
   timeout $((BUDGET - SECONDS - 20)) "$NCU" --clock-control none --cache-control ${CACHE:-none} \
-    --metrics gpu__time_duration.sum --csv --launch-skip 30000 --launch-count $((n == 1 ? 2000 : 12000)) \
+    --metrics gpu__time_duration.sum --csv --launch-skip $((n == 1 ? 30000 : ${SKIP8:-60000})) --launch-count $((n == 1 ? 2000 : 12000)) \
     carry/strata bench --device cuda:0 --model synth:qwen3-30b-a3b --llama-bench off --prompt-tokens 16 \
     --gen-tokens 64 --sequences $n --reps 1 > $OUT/ncu-x$n.csv 2> $OUT/logs/ncu-x$n.log
   echo "== ncu x$n rc $? at ${SECONDS}s"
