@@ -93,7 +93,8 @@ pub fn rss_bytes(pid: Option<u32>) -> u64 {
 }
 
 /// Runs the worker until stdin closes: loads the model, sends `ready`, then serves `generate` commands in
-/// arrival order.
+/// arrival order, except that a job with a grammar joins once the grammar thread has compiled it (later jobs
+/// without one, and `slots` queries, may go ahead of it).
 ///
 /// Errors: the model cannot be loaded (the front sees the exit and reports it).
 pub fn run(flags: &WorkerFlags) -> Result<()> {
@@ -164,14 +165,15 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     // The reader thread turns stdin lines into jobs, and sets a request's cancel flag when the front cancels it
     // (before or after its job arrives), so a cancel reaches a generation in progress. Stdin closing means the
     // front is gone.
-    // A job's sampler is built here too, and one with a grammar goes to the compile thread first (compiling a
-    // schema takes up to about a second, and indexing the vocabulary for the first one about as long), so the
+    // A job's sampler is built here too, and one with a grammar goes to the grammar thread first (compiling a
+    // schema takes up to about a second, and indexing the vocabulary for the first one up to about a second for a
+    // large vocabulary), so the
     // stepping thread only ever takes ready jobs and no compile stalls the running sequences' steps.
     let vocab = model.weights.output.rows;
     let flags_by_id: Arc<Mutex<CancelFlags>> = Arc::default();
     let running_id = Arc::new(AtomicU64::new(0));
     let (jobs_tx, jobs_rx) = mpsc::channel::<Work>();
-    let (compile_tx, compile_rx) = mpsc::channel::<Work>();
+    let (compile_tx, compile_rx) = mpsc::channel::<(Box<GenerateJob>, Arc<AtomicBool>)>();
     {
         let flags_by_id = flags_by_id.clone();
         let jobs_tx = jobs_tx.clone();
@@ -181,11 +183,14 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
                 match serde_json::from_str::<Command>(&line) {
                     Ok(Command::Generate(job)) => {
                         let flag = lock(&flags_by_id).flag(job.id);
-                        let (to, sampler) = match job.grammar {
-                            Some(_) => (&compile_tx, Err(String::new())),
-                            None => (&jobs_tx, plain_sampler(&job, vocab)),
+                        let sent = match job.grammar {
+                            Some(_) => compile_tx.send((Box::new(job), flag)).is_ok(),
+                            None => {
+                                let sampler = plain_sampler(&job, vocab);
+                                jobs_tx.send(Work::Job(Box::new(job), flag, sampler)).is_ok()
+                            }
                         };
-                        if to.send(Work::Job(Box::new(job), flag, sampler)).is_err() {
+                        if !sent {
                             break;
                         }
                     }
@@ -363,7 +368,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// another version sends one).
 type BuiltSampler = Result<Box<dyn TokenSampler + Send>, String>;
 
-/// What the reader and compile threads hand the stepping thread, which takes it between two steps.
+/// What the reader and grammar threads hand the stepping thread, which takes it between two steps.
 enum Work {
     /// A job, with its cancel flag and its sampler.
     Job(Box<GenerateJob>, Arc<AtomicBool>, BuiltSampler),
@@ -390,16 +395,26 @@ fn plain_sampler(job: &GenerateJob, vocab: usize) -> BuiltSampler {
     }
 }
 
-/// The compile thread: gives each job from `rx` its sampler under its grammar and hands it to the stepping
+/// The grammar thread: gives each job from `rx` its sampler under its grammar and hands it to the stepping
 /// thread, in arrival order, until the reader thread is gone. The vocabulary is indexed for the constraint engine
-/// when the first grammar arrives.
-fn compile_grammars(rx: mpsc::Receiver<Work>, to: mpsc::Sender<Work>, tokenizer: &Tokenizer, vocab: usize) {
+/// when the first grammar arrives. A job cancelled before its turn goes on uncompiled (its plain sampler), and
+/// the scheduler ends it as cancelled, so it holds up no job behind it.
+fn compile_grammars(
+    rx: mpsc::Receiver<(Box<GenerateJob>, Arc<AtomicBool>)>,
+    to: mpsc::Sender<Work>,
+    tokenizer: &Tokenizer,
+    vocab: usize,
+) {
     let delay = crate::switches::usize_in(crate::switches::WORKER_GRAMMAR_DELAY_MS, 0..=600_000).unwrap_or(0);
     let mut env: Option<Arc<GrammarEnv>> = None;
-    for w in rx {
-        let Work::Job(job, cancel, _) = w else {
+    for (job, cancel) in rx {
+        if cancel.load(Ordering::SeqCst) {
+            let sampler = plain_sampler(&job, vocab);
+            if to.send(Work::Job(job, cancel, sampler)).is_err() {
+                break;
+            }
             continue;
-        };
+        }
         std::thread::sleep(std::time::Duration::from_millis(delay as u64));
         let sampler = plain_sampler(&job, vocab).and_then(|inner| {
             let Some(spec) = &job.grammar else {

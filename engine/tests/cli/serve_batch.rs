@@ -259,7 +259,10 @@ fn slots_show_each_requests_state_and_the_cache_it_left() {
 fn a_grammar_compiling_never_stalls_the_running_streams() {
     const DELAY: Duration = Duration::from_secs(60);
     let s = Server::start_with(&[], &[("STRATA_WORKER_GRAMMAR_DELAY_MS", "60000")]);
-    let mut sse = s.chat_stream(&request(QUESTIONS[0], true));
+    // A long answer, so the structured request reaches the worker well before the stream could end.
+    let mut long = request(QUESTIONS[0], true);
+    long["max_tokens"] = json!(200);
+    let mut sse = s.chat_stream(&long);
     loop {
         let ev = sse.next_event().expect("the stream's first token");
         let v: Value = serde_json::from_str(&ev.data).unwrap();
