@@ -144,9 +144,11 @@ pub const MAX_SCHEMA_DEPTH: usize = 128;
 pub const MAX_SCHEMA_PROPERTIES: usize = 1000;
 
 /// Checks that `schema` nests at most [`MAX_SCHEMA_DEPTH`] levels with its local `$ref`s followed (a recursive
-/// reference counts once) and holds at most [`MAX_SCHEMA_PROPERTIES`] property names.
+/// reference counts once), holds at most [`MAX_SCHEMA_PROPERTIES`] property names, and has no `$ref` that leads
+/// back to itself through `$ref`s alone (`{"$ref": "#"}`, or two definitions naming each other): such a schema
+/// describes no value, and the constraint engine would only find that out mid-answer.
 ///
-/// Errors: [`GrammarError::Unsupported`] naming the limit.
+/// Errors: [`GrammarError::Unsupported`] naming the limit or the loop.
 pub fn check_schema_size(schema: &serde_json::Value) -> Result<(), GrammarError> {
     use serde_json::Value as J;
     use std::collections::HashMap;
@@ -206,11 +208,46 @@ pub fn check_schema_size(schema: &serde_json::Value) -> Result<(), GrammarError>
         };
         1 + children
     }
+    /// The first `$ref` of a node under `v` whose chain of `$ref`s (each target's own `$ref`, as long as it has
+    /// one) comes back to a node of the chain; `ends` holds the nodes whose chains are known to end.
+    fn ref_loop(v: &J, root: &J, ends: &mut std::collections::HashSet<*const J>) -> Option<String> {
+        match v {
+            J::Object(map) => {
+                let mut chain: Vec<*const J> = vec![v];
+                let mut at = v;
+                while let Some(J::String(r)) = at.get("$ref") {
+                    let Some(next) = r.strip_prefix('#').and_then(|p| root.pointer(p)) else {
+                        break;
+                    };
+                    let p = next as *const J;
+                    if ends.contains(&p) {
+                        break;
+                    }
+                    if chain.contains(&p) {
+                        return Some(r.clone());
+                    }
+                    chain.push(p);
+                    at = next;
+                }
+                ends.extend(chain);
+                map.values().find_map(|x| ref_loop(x, root, ends))
+            }
+            J::Array(items) => items.iter().find_map(|x| ref_loop(x, root, ends)),
+            _ => None,
+        }
+    }
     let mut names = 0;
     if depth(schema, schema, 0, &mut HashMap::new(), &mut Vec::new(), &mut names) > MAX_SCHEMA_DEPTH {
         return Err(GrammarError::Unsupported {
             message: format!(
                 "the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (objects, arrays and $ref hops counted)"
+            ),
+        });
+    }
+    if let Some(r) = ref_loop(schema, schema, &mut Default::default()) {
+        return Err(GrammarError::Unsupported {
+            message: format!(
+                "the schema's \"$ref\": \"{r}\" leads back to itself through $refs alone, so no value matches it"
             ),
         });
     }

@@ -144,7 +144,8 @@ fn valid_name(name: &str) -> bool {
 
 /// Reads one tool from its name, description and parameter schema; `at` names it for errors.
 ///
-/// Errors: a missing or invalid name, a schema that is not an object.
+/// Errors: a missing or invalid name, a schema that is not a JSON object or whose `type` is not `"object"` (the
+/// arguments are an object, as OpenAI requires), a schema [`crate::runtime::grammar::check_schema_size`] refuses.
 pub fn tool(
     at: &str,
     name: Option<&Value>,
@@ -160,6 +161,13 @@ pub fn tool(
         Some(s) if s.is_object() => s.clone(),
         Some(_) => return Err(format!("{at}: the parameter schema must be a JSON object")),
     };
+    if let Some(ty) = parameters.get("type")
+        && ty != "object"
+    {
+        return Err(format!(
+            "{at}: the parameter schema must have type \"object\" (the arguments are an object), not {ty}"
+        ));
+    }
     crate::runtime::grammar::check_schema_size(&parameters).map_err(|e| format!("{at}: {e}"))?;
     if description.is_some_and(|d| !d.is_null() && !d.is_string()) {
         return Err(format!("{at}: description must be a string"));

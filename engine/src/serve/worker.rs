@@ -172,6 +172,9 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     let vocab = model.weights.output.rows;
     let flags_by_id: Arc<Mutex<CancelFlags>> = Arc::default();
     let running_id = Arc::new(AtomicU64::new(0));
+    // The job whose grammar is being compiled (0: none): the heartbeat speaks for it, so a long compile is not
+    // taken for a silent worker.
+    let compiling_id = Arc::new(AtomicU64::new(0));
     let (jobs_tx, jobs_rx) = mpsc::channel::<Work>();
     let (compile_tx, compile_rx) = mpsc::channel::<(Box<GenerateJob>, Arc<AtomicBool>)>();
     {
@@ -213,16 +216,20 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         pid: std::process::id(),
     });
 
-    // The heartbeat: while requests run and the engine starts work, the front hears so every HEARTBEAT.
+    // The heartbeat: while requests run and the engine starts work, or a grammar compiles, the front hears so
+    // every HEARTBEAT.
     {
-        let running_id = running_id.clone();
+        let (running_id, compiling_id) = (running_id.clone(), compiling_id.clone());
         std::thread::spawn(move || {
             let mut seen = crate::backend::progress::ticks();
             loop {
                 std::thread::sleep(super::protocol::HEARTBEAT);
                 let (id, now) = (running_id.load(Ordering::SeqCst), crate::backend::progress::ticks());
+                let compiling = compiling_id.load(Ordering::SeqCst);
                 if id != 0 && now != seen {
                     send(&Message::Busy { id });
+                } else if compiling != 0 {
+                    send(&Message::Busy { id: compiling });
                 }
                 seen = now;
             }
@@ -235,7 +242,9 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
         std::thread::Builder::new()
             .name("grammar".into())
             .stack_size(8 << 20)
-            .spawn_scoped(scope, move || compile_grammars(compile_rx, jobs_tx, tokenizer, vocab))
+            .spawn_scoped(scope, || {
+                compile_grammars(compile_rx, jobs_tx, tokenizer, vocab, &compiling_id)
+            })
             .expect("the grammar thread starts");
         step_loop(&engine, &mut batcher, &jobs_rx, &flags_by_id, &running_id, fault_after);
     });
@@ -404,6 +413,7 @@ fn compile_grammars(
     to: mpsc::Sender<Work>,
     tokenizer: &Tokenizer,
     vocab: usize,
+    compiling: &AtomicU64,
 ) {
     let delay = crate::switches::usize_in(crate::switches::WORKER_GRAMMAR_DELAY_MS, 0..=600_000).unwrap_or(0);
     let mut env: Option<Arc<GrammarEnv>> = None;
@@ -415,6 +425,7 @@ fn compile_grammars(
             }
             continue;
         }
+        compiling.store(job.id, Ordering::SeqCst);
         std::thread::sleep(std::time::Duration::from_millis(delay as u64));
         let sampler = plain_sampler(&job, vocab).and_then(|inner| {
             let Some(spec) = &job.grammar else {
@@ -429,6 +440,7 @@ fn compile_grammars(
             let matcher = env.matcher(spec).map_err(|e| e.to_string())?;
             Ok(Box::new(Constrained::new(inner, matcher, env)) as Box<dyn TokenSampler + Send>)
         });
+        compiling.store(0, Ordering::SeqCst);
         if to.send(Work::Job(job, cancel, sampler)).is_err() {
             break;
         }

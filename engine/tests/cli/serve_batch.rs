@@ -288,3 +288,19 @@ fn a_grammar_compiling_never_stalls_the_running_streams() {
         ended - sent
     );
 }
+
+/// A grammar compiling is work, not silence: with every compile 4 s long and `--watchdog-s 2`, a structured request
+/// alone on the server is answered by the same worker (the heartbeat speaks for the compile; before, the watchdog
+/// killed the worker and the request got a 503).
+#[test]
+fn a_grammar_compiling_is_not_silence_to_the_watchdog() {
+    let s = Server::start_with(&["--watchdog-s", "2"], &[("STRATA_WORKER_GRAMMAR_DELAY_MS", "4000")]);
+    let pid = s.worker_pid();
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
+                "response_format": {"type": "json_object"}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(s.worker_pid(), pid, "the worker was restarted");
+}

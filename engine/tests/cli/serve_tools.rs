@@ -318,6 +318,52 @@ fn tool_and_schema_edge_cases_hold() {
         assert!(v["error"]["message"].as_str().unwrap().contains("tools[0]"), "{v}");
     }
     assert_eq!(s.health()["status"], "ok");
+    // $refs that lead back to themselves through $refs alone describe no value: refused up front (they used to
+    // pass, and the answer ended empty with "stop" when the constraint engine found out mid-answer).
+    let loops = [
+        json!({"$ref": "#"}),
+        json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+        json!({"$defs": {"a": {"$ref": "#/$defs/a"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+               "required": ["x"]}),
+    ];
+    for looped in &loops {
+        let (status, v) = s.post(
+            "/v1/chat/completions",
+            &json!({"messages": ask(), "max_tokens": 4,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": looped}}}),
+        );
+        assert_eq!(status, 400, "{looped}: {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("leads back to itself"),
+            "{v}"
+        );
+    }
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4, "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": loops[2]}}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    // A tree (a $ref back to an object that holds it) is a real schema, not a loop.
+    let tree = json!({"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "maxItems": 2,
+                      "items": {"$ref": "#/$defs/n"}}}, "additionalProperties": false}}, "$ref": "#/$defs/n"});
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": tree}}}),
+    );
+    assert_eq!(status, 200, "{v}");
+    // A tool's arguments are an object: parameters of another type are refused (OpenAI's rule).
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4, "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("type \"object\""),
+        "{v}"
+    );
 
     // Pydantic-style parameters.
     let pyd = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
