@@ -259,6 +259,11 @@ fn anthropic_tool_use_round_trip() {
 #[test]
 fn tool_and_schema_edge_cases_hold() {
     let s = Server::start();
+    // A chat request of 4 tokens whose answer must match `schema`.
+    let with_schema = |schema: &Value| {
+        json!({"messages": ask(), "max_tokens": 4,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    };
     // A 1000-long $ref chain.
     let mut defs = serde_json::Map::new();
     for i in 0..1000 {
@@ -266,11 +271,7 @@ fn tool_and_schema_edge_cases_hold() {
     }
     defs.insert("a1000".into(), json!({"type": "integer"}));
     let schema = json!({"$ref": "#/$defs/a0", "$defs": defs});
-    let (status, v) = s.post(
-        "/v1/chat/completions",
-        &json!({"messages": ask(), "max_tokens": 4,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
-    );
+    let (status, v) = s.post("/v1/chat/completions", &with_schema(&schema));
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("nests deeper"), "{v}");
     let (status, v) = s.post(
@@ -296,11 +297,7 @@ fn tool_and_schema_edge_cases_hold() {
         (json!({"allOf": branches}), 7_000),
     ];
     for (wide, n) in &wide_ones {
-        let (status, v) = s.post(
-            "/v1/chat/completions",
-            &json!({"messages": ask(), "max_tokens": 4,
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}}),
-        );
+        let (status, v) = s.post("/v1/chat/completions", &with_schema(wide));
         assert_eq!(status, 400, "{v}");
         assert!(
             v["error"]["message"]
@@ -327,11 +324,7 @@ fn tool_and_schema_edge_cases_hold() {
                "required": ["x"]}),
     ];
     for looped in &loops {
-        let (status, v) = s.post(
-            "/v1/chat/completions",
-            &json!({"messages": ask(), "max_tokens": 4,
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": looped}}}),
-        );
+        let (status, v) = s.post("/v1/chat/completions", &with_schema(looped));
         assert_eq!(status, 400, "{looped}: {v}");
         assert!(
             v["error"]["message"].as_str().unwrap().contains("leads back to itself"),
@@ -347,11 +340,7 @@ fn tool_and_schema_edge_cases_hold() {
     // A tree (a $ref back to an object that holds it) is a real schema, not a loop.
     let tree = json!({"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "maxItems": 2,
                       "items": {"$ref": "#/$defs/n"}}}, "additionalProperties": false}}, "$ref": "#/$defs/n"});
-    let (status, v) = s.post(
-        "/v1/chat/completions",
-        &json!({"messages": ask(), "max_tokens": 4,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": tree}}}),
-    );
+    let (status, v) = s.post("/v1/chat/completions", &with_schema(&tree));
     assert_eq!(status, 200, "{v}");
     // A tool's arguments are an object: parameters of another type are refused (OpenAI's rule).
     let (status, v) = s.post(
