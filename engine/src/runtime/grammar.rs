@@ -226,11 +226,17 @@ pub fn check_schema_size(schema: &serde_json::Value) -> Result<(), GrammarError>
                     if chain.contains(&p) {
                         return Some(r.clone());
                     }
+                    if chain.len() > MAX_SCHEMA_DEPTH {
+                        break;
+                    }
                     chain.push(p);
                     at = next;
                 }
                 ends.extend(chain);
-                map.values().find_map(|x| ref_loop(x, root, ends))
+                // Values (a default, a constant, examples) are data, not schemas: a "$ref" there means nothing.
+                map.iter()
+                    .filter(|(k, _)| !matches!(k.as_str(), "default" | "const" | "enum" | "examples"))
+                    .find_map(|(_, x)| ref_loop(x, root, ends))
             }
             J::Array(items) => items.iter().find_map(|x| ref_loop(x, root, ends)),
             _ => None,

@@ -161,8 +161,10 @@ pub fn tool(
         Some(s) if s.is_object() => s.clone(),
         Some(_) => return Err(format!("{at}: the parameter schema must be a JSON object")),
     };
+    // `"object"`, or a list of types that holds it (`["object", "null"]`).
     if let Some(ty) = parameters.get("type")
         && ty != "object"
+        && !ty.as_array().is_some_and(|t| t.iter().any(|t| t == "object"))
     {
         return Err(format!(
             "{at}: the parameter schema must have type \"object\" (the arguments are an object), not {ty}"

@@ -342,7 +342,20 @@ fn tool_and_schema_edge_cases_hold() {
                       "items": {"$ref": "#/$defs/n"}}}, "additionalProperties": false}}, "$ref": "#/$defs/n"});
     let (status, v) = s.post("/v1/chat/completions", &with_schema(&tree));
     assert_eq!(status, 200, "{v}");
-    // A tool's arguments are an object: parameters of another type are refused (OpenAI's rule).
+    // A $ref inside a value (a default) is data, not a loop.
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &with_schema(&json!({"type": "object", "default": {"$ref": "#/default"}})),
+    );
+    assert_eq!(status, 200, "{v}");
+    // A tool's arguments are an object: parameters of another type are refused (OpenAI's rule); a list of types
+    // holding "object" passes.
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": ask(), "max_tokens": 4, "tools": [{"type": "function", "function": {"name": "f",
+                "parameters": {"type": ["object", "null"], "properties": {"a": {"type": "string"}}}}}]}),
+    );
+    assert_eq!(status, 200, "{v}");
     let (status, v) = s.post(
         "/v1/chat/completions",
         &json!({"messages": ask(), "max_tokens": 4, "tool_choice": "required",
