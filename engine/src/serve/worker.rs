@@ -167,8 +167,8 @@ pub fn run(flags: &WorkerFlags) -> Result<()> {
     // front is gone.
     // A job's sampler is built here too, and one with a grammar goes to the grammar thread first (compiling a
     // schema takes up to about a second, and indexing the vocabulary for the first one up to about a second for a
-    // large vocabulary), so the
-    // stepping thread only ever takes ready jobs and no compile stalls the running sequences' steps.
+    // large vocabulary), so the stepping thread only ever takes ready jobs and no compile stalls the running
+    // sequences' steps.
     let vocab = model.weights.output.rows;
     let flags_by_id: Arc<Mutex<CancelFlags>> = Arc::default();
     let running_id = Arc::new(AtomicU64::new(0));
@@ -418,19 +418,12 @@ fn compile_grammars(
     let delay = crate::switches::usize_in(crate::switches::WORKER_GRAMMAR_DELAY_MS, 0..=600_000).unwrap_or(0);
     let mut env: Option<Arc<GrammarEnv>> = None;
     for (job, cancel) in rx {
-        if cancel.load(Ordering::SeqCst) {
-            let sampler = plain_sampler(&job, vocab);
-            if to.send(Work::Job(job, cancel, sampler)).is_err() {
-                break;
-            }
-            continue;
-        }
-        compiling.store(job.id, Ordering::SeqCst);
-        std::thread::sleep(std::time::Duration::from_millis(delay as u64));
         let sampler = plain_sampler(&job, vocab).and_then(|inner| {
-            let Some(spec) = &job.grammar else {
+            let Some(spec) = job.grammar.as_ref().filter(|_| !cancel.load(Ordering::SeqCst)) else {
                 return Ok(inner);
             };
+            compiling.store(job.id, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(delay as u64));
             let env = match &env {
                 Some(env) => env.clone(),
                 None => env
