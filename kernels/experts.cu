@@ -4,7 +4,8 @@
 // CUDA graph (backend/cuda/experts.rs, DeviceTable, keeps the host's bookkeeping in step with it).
 //
 // Codes of the lookup log (expert_lookup's log[2 j + 1]): a hit's slot, an admission's slot | LOOKUP_ADMITTED,
-// LOOKUP_STAGED (read for this step alone, into a staging slot), LOOKUP_CPU (computed by the CPU: cpu_join), or
+// LOOKUP_STAGED (read for this step alone, into a staging slot), LOOKUP_CPU (computed by the CPU: cpu_join),
+// LOOKUP_REPEAT (an expert an earlier routing slot of the layer-step looked up already: read where that one is), or
 // LOOKUP_BAD (an expert id outside the model: nothing is looked up or fetched, and the host fails the step when it
 // reads the log). experts.rs mirrors these.
 #define LOOKUP_ADMITTED 0x80000000u
@@ -14,6 +15,9 @@
 // LOOKUP_PREFETCHED: a miss read from the prefetch's staging slot (expert_prefetch). The prefetch log's codes besides
 // an admission's slot | LOOKUP_ADMITTED: PREFETCH_CACHED, PREFETCH_SKIPPED, PREFETCH_STAGED (see expert_prefetch).
 #define LOOKUP_PREFETCHED 0xFFFFFFF9u
+#define LOOKUP_REPEAT 0xFFFFFFF8u
+// LOOKUP_NO_ROOM: a miss past the staging slots (the host never runs such a step on the device's table).
+#define LOOKUP_NO_ROOM 0xFFFFFFF7u
 #define PREFETCH_CACHED 0xFFFFFFFCu
 #define PREFETCH_SKIPPED 0xFFFFFFFBu
 #define PREFETCH_STAGED 0xFFFFFFFAu
@@ -30,65 +34,78 @@
 #define JOIN_FAILED 64
 #define JOIN_PAIRS 96
 
-// Of the k routing slots' flags (thread j's is `flag`), how many are set before slot j and in all, through `shared`
-// ([64]); every thread of the block calls it, and it ends with a barrier.
-__device__ __forceinline__ void count_flags(bool flag, int k, u32* shared, u32* before, u32* total) {
+// Of the n routing slots' flags (thread j's is `flag`), how many are set before slot j and in all, through `shared`
+// ([blockDim.x], n <= blockDim.x); every thread of the block calls it, and it ends with a barrier.
+__device__ __forceinline__ void count_flags(bool flag, int n, u32* shared, u32* before, u32* total) {
     shared[threadIdx.x] = flag;
     __syncthreads();
-    u32 b = 0, n = 0;
-    for (int i = 0; i < k; ++i) {
+    u32 b = 0, c = 0;
+    for (int i = 0; i < n; ++i) {
         b += i < (int)threadIdx.x ? shared[i] : 0;
-        n += shared[i];
+        c += shared[i];
     }
     *before = b;
-    *total = n;
+    *total = c;
 }
 
-// Routing slot j of one token at layer `layer` (its expert ids[j], j < k) to the slot the expert kernels read:
-// table[layer * n_expert + e] when cached. Of the layer-step's m misses, the CPU computes the last
-// cpu_take[m] in routing order (cpu_take null: none); the others, in routing order, take the next of the host's
-// free slots (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]), the first `cap` of them (the upload cap per
-// layer and step), and enter the table; any other is read into staging slot `staging + j` for this step alone.
-// Every miss the link carries joins the fetch list (fetch[0] misses, then (expert, slot) pairs, in routing order)
-// for expert_fetch. Writes slot_ids[j]; the same split in two, for computing the hits while the misses are
-// fetched: slot_ids[k + j] the hits' slots (MOE_SKIP for a miss), slot_ids[2 k + j] the fetched misses' (MOE_SKIP
-// for a hit); a CPU job is MOE_SKIP in all three. And the log: log[2 j] = e, log[2 j + 1] = its code. With CPU
-// jobs, the token's activations x ([n_embd]) are copied to join_x (mapped), the jobs published in join_host and
-// their routing slots in join_dev (see JOIN_*). One block of 64 threads, thread j for routing slot j (k <= 64):
-// the outcome is the one a single thread taking the slots in routing order would reach, which is the order the
-// host replays the log in.
-extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int layer, int n_expert, int* table,
-                                         const u32* __restrict__ free_slots, u32* ctl, u32* __restrict__ slot_ids,
-                                         u32* __restrict__ fetch, u32* __restrict__ log, int staging, int cap,
-                                         const int* __restrict__ cpu_take, const float* __restrict__ x, int n_embd,
-                                         u32* join_dev, u32* join_host, float* join_x, u32* pf_list,
+// Routing slot j of a step's n routing slots (n_tok tokens x top-k, in token order) at layer `layer` (its expert
+// ids[j], j < n) to the slot the expert kernels read: table[layer * n_expert + e] when cached. An expert an earlier
+// routing slot of the step chose too is looked up once, by the first: a later one reads where it does, with code
+// LOOKUP_REPEAT. Of the layer-step's m (distinct) misses, the CPU computes the last cpu_take[m] in routing order
+// (cpu_take null: none; steps of one token only); the others, in routing order, take the next of the host's free
+// slots (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]), the first `cap` of them (the upload cap per layer
+// and step), and enter the table; the rest are read, in order, into staging slots staging, staging + 1, ... for
+// this step alone (n_staging of them: the host runs a step here only when its distinct experts fit them; past
+// them, LOOKUP_NO_ROOM, and the host fails the step). Every miss the link carries joins the fetch list (fetch[0]
+// misses, then (expert, slot) pairs, in routing order) for expert_fetch. Writes slot_ids[j]; the same split in
+// two, for computing the hits while the misses are fetched: slot_ids[n + j] the hits' slots (MOE_SKIP for a
+// miss), slot_ids[2 n + j] the fetched misses' (MOE_SKIP for a hit); a CPU job is MOE_SKIP in all three. And the
+// log: log[2 j] = e, log[2 j + 1] = its code. With CPU jobs, the token's activations x ([n_embd]) are copied to
+// join_x (mapped), the jobs published in join_host and their routing slots in join_dev (see JOIN_*). pf_list
+// (expert_prefetch's, steps of one token only: n = k) or null. One block of at least n threads (n <= 1024),
+// thread j for routing slot j: the outcome is the one a single thread taking the slots in routing order would
+// reach, which is the order the host replays the log in.
+extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int n, int layer, int n_expert, int* table,
+                                         const u32* __restrict__ free_slots, u32* ctl, u32* slot_ids,
+                                         u32* __restrict__ fetch, u32* __restrict__ log, int staging, int n_staging,
+                                         int cap, const int* __restrict__ cpu_take, const float* __restrict__ x,
+                                         int n_embd, u32* join_dev, u32* join_host, float* join_x, u32* pf_list,
                                          int pf_staging) {
     pdl_enter();
-    __shared__ u32 missed[64];
+    __shared__ u32 missed[1024];
     int j = threadIdx.x;
-    bool here = j < k;
+    bool here = j < n;
     u32 e = here ? ids[j] : 0;
+    // The first routing slot with this expert looks it up.
+    int first = j;
+    for (int i = 0; here && i < j; ++i)
+        if (ids[i] == e) {
+            first = i;
+            break;
+        }
+    bool repeat = first != j;
     bool bad = e >= (u32)n_expert;
     int* t = table + (long long)layer * n_expert + (bad ? 0 : e);
-    int s = here && !bad ? *t : 0;
-    bool miss = here && !bad && s < 0;
+    bool looks = here && !bad && !repeat;
+    int s = looks ? *t : 0;
+    bool miss = looks && s < 0;
     // A miss expert_prefetch copied into a prefetch staging slot for this layer is read there, like a hit; the
     // slots the prefetch admitted for this layer count against its cap.
     bool prefetched = false;
     bool pf_here = pf_list && pf_list[0] == (u32)layer;
     if (pf_here) {
-        u32 pre = pf_list[1 + k];
+        u32 pre = pf_list[1 + n];
         cap = pre >= (u32)cap ? 0 : cap - (int)pre;
     }
     if (miss && pf_here)
-        for (int i = 0; i < k; ++i)
+        for (int i = 0; i < n; ++i)
             if (pf_list[1 + i] == e) {
                 s = pf_staging + i;
                 prefetched = true;
                 miss = false;
             }
     u32 before, total;
-    count_flags(miss, k, missed, &before, &total);
+    count_flags(miss, n, missed, &before, &total);
     // Every thread has read pf_list: it names this layer's prefetch no more.
     if (j == 0 && pf_list) pf_list[0] = MOE_SKIP;
     u32 avail = ctl[0], taken = ctl[1];
@@ -98,14 +115,19 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
         on_cpu = c <= 0 ? 0 : ((u32)c > total ? total : (u32)c);
     }
     u32 linked = total - on_cpu;  // misses the link carries
+    // The first `admit` of them take free slots; the others staging slots.
+    u32 room = avail > taken ? avail - taken : 0;
+    u32 admit = cap <= 0 ? 0 : min(linked, min((u32)cap, room));
     __syncthreads();  // every thread has read ctl[1] before thread 0 moves it
     if (on_cpu > 0)
         for (int i = j; i < n_embd; i += blockDim.x) join_x[i] = x[i];
     if (here) {
         u32 code = prefetched ? LOOKUP_PREFETCHED : (u32)s;
         bool cpu = miss && before >= linked;
-        if (bad) {
-            s = staging + j;
+        if (repeat) {
+            code = LOOKUP_REPEAT;
+        } else if (bad) {
+            s = staging;
             code = LOOKUP_BAD;
         } else if (cpu) {
             u32 q = before - linked;
@@ -114,29 +136,36 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int k, int
             join_dev[3 + q] = (u32)j;
             code = LOOKUP_CPU;
         } else if (miss) {
-            if ((int)before < cap && taken + before < avail) {
+            if (before < admit) {
                 s = (int)free_slots[taken + before];
                 *t = s;
                 code = (u32)s | LOOKUP_ADMITTED;
-            } else {
-                s = staging + j;
+            } else if ((int)(before - admit) < n_staging) {
+                s = staging + (int)(before - admit);
                 code = LOOKUP_STAGED;
+            } else {
+                s = staging;
+                code = LOOKUP_NO_ROOM;
             }
             fetch[1 + 2 * before] = e;
             fetch[2 + 2 * before] = (u32)s;
         }
-        slot_ids[j] = cpu ? MOE_SKIP : (u32)s;
-        slot_ids[k + j] = miss ? MOE_SKIP : (u32)s;
-        slot_ids[2 * k + j] = miss && !cpu ? (u32)s : MOE_SKIP;
+        if (!repeat) {
+            slot_ids[j] = cpu ? MOE_SKIP : (u32)s;
+            slot_ids[n + j] = miss ? MOE_SKIP : (u32)s;
+            slot_ids[2 * n + j] = miss && !cpu ? (u32)s : MOE_SKIP;
+        }
         log[2 * j] = e;
         log[2 * j + 1] = code;
     }
     // The CPU reads the activations and jobs once it sees the request's number: they reach host memory first.
     if (on_cpu > 0) __threadfence_system();
     __syncthreads();
+    // A repeat reads where its first routing slot does (written before the barrier).
+    if (here && repeat)
+        for (int p = 0; p < 3; ++p) slot_ids[p * n + j] = slot_ids[p * n + first];
     if (j == 0) {
-        u32 admitted = (int)linked < cap ? linked : (u32)cap;
-        ctl[1] = taken + admitted < avail ? taken + admitted : (taken > avail ? taken : avail);
+        ctl[1] = taken + admit;
         fetch[0] = linked;
         if (on_cpu > 0) {
             u32 seq = join_dev[0] + 1;

@@ -1702,6 +1702,8 @@ struct CacheFixture {
     geo: strata_engine::memory::ExpertGeometry,
     tokens: Vec<u32>,
     want: Vec<f32>,
+    /// The staging slots [`CacheFixture::cached_gpu`] makes: one sequence's unless a test says otherwise.
+    staging: usize,
 }
 
 impl CacheFixture {
@@ -1719,6 +1721,7 @@ impl CacheFixture {
         CacheFixture {
             dir,
             model,
+            staging: geo.staging(1, u64::MAX),
             geo,
             tokens,
             want,
@@ -1744,7 +1747,7 @@ impl CacheFixture {
             n_layer: self.model.hp.n_layer as usize,
             n_expert: self.geo.n_expert,
             slots,
-            staging: self.geo.staging(),
+            staging: self.staging,
             slot_bytes: self.geo.slot_bytes as usize,
             policy,
             k: self.model.hp.n_expert_used as usize,
@@ -1799,7 +1802,9 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
     };
     // With the device's slot table, the CPU joins it: `cpu` computes every miss inside the step's graph; `auto`
     // measures both paths (the device's, the link and the CPU splitting each layer's misses there, and the host's)
-    // in its first 24 decode steps, then keeps one.
+    // in its first 24 decode steps, then keeps one. Steps of several tokens decide on the host under `cpu`, and
+    // on the device's table under `auto`, uploading every miss: with 64 slots, the single tokens' few misses
+    // may all go over the link there, so the CPU's share is asserted with 4 slots.
     for (slots, policy, cost, device_table) in [
         (0, MissPolicy::Cpu, None, false),
         (4, MissPolicy::Cpu, None, false),
@@ -1807,6 +1812,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
         (0, MissPolicy::Cpu, None, true),
         (4, MissPolicy::Cpu, None, true),
         (64, MissPolicy::Auto, Some(even), true),
+        (4, MissPolicy::Auto, Some(even), true),
     ] {
         let (g, pin) = f.cached_gpu(slots, Policy::Lru, device_table, u32::MAX, true, false);
         assert!(pin.is_some(), "the arena is page-locked");
@@ -1880,10 +1886,12 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
             same_prefill,
             "{slots} slots {policy}: prefill uploads, its logits must not change"
         );
-        assert!(
-            st.decode.cpu_computed > 0,
-            "{slots} slots {policy}: the CPU computed nothing"
-        );
+        if !(device_table && policy == MissPolicy::Auto && slots == 64) {
+            assert!(
+                st.decode.cpu_computed > 0,
+                "{slots} slots {policy}: the CPU computed nothing"
+            );
+        }
         if policy == MissPolicy::Auto {
             assert!(
                 st.decode.bytes_uploaded > 0,
@@ -1908,7 +1916,7 @@ fn cpu_computed_misses_stay_within_kld_of_the_resident_run() {
 fn the_expert_cache_gives_the_resident_logits_bit_for_bit() {
     use strata_engine::experts::cache::Policy;
     let mut f = CacheFixture::new("cache");
-    assert_eq!((f.geo.all(), f.geo.staging()), (128, 8));
+    assert_eq!((f.geo.all(), f.staging), (128, 8));
     let mut cases = 0;
     // The last configuration prefetches each next layer's experts (`--expert-prefetch`; the others do not).
     for (arena, device_table, overlap, prefetch) in [
@@ -2131,6 +2139,89 @@ fn scheduled_greedy(
     }
     let logits = logs.iter().map(|l| l.lock().unwrap().clone()).collect();
     (tokens, logits, most)
+}
+
+/// Steps of several sequences decide their experts on the expert cache's device slot table, and give the
+/// all-resident run's bits (issue 16, point 6; issue 20's batches): six sequences through the continuous-batching
+/// scheduler (prompts of 3 to 300 tokens: 64-token chunks beside the others' decode tokens), Q4_K experts read by
+/// the grouped decode kernels, with the staging the memory plan gives several sequences (a layer's every expert)
+/// and caches of 0, 4, 64 and 127 slots, the misses fetched beside the hits or before them, give every sequence
+/// the logits bits and tokens of the same batch with every expert resident; and steps of several tokens ran on
+/// the table.
+#[test]
+#[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
+fn batched_steps_on_the_device_slot_table_give_the_resident_bits() {
+    use strata_engine::experts::cache::Policy;
+    let mut f = CacheFixture::new("cache-batch");
+    f.model.use_arena(None, |_, _| {}).unwrap();
+    let prompts: Vec<Vec<u32>> = [7u32, 150, 300, 40, 3, 90]
+        .iter()
+        .map(|&n| (0..n).map(|i| 300 + (i * 37 + n) % 1500).collect())
+        .collect();
+    let (want_tokens, want, most) = scheduled_greedy(&gpu(), &f.model, &prompts, 24, KvType::F16);
+    assert!(most >= 4, "the steps never carried four decode tokens");
+    let mut cases = 0;
+    f.staging = f.geo.staging(prompts.len(), u64::MAX);
+    assert_eq!(f.staging, f.geo.n_expert);
+    let staging = f.staging;
+    for overlap in [true, false] {
+        for slots in [0, 4, 64, 127] {
+            let (g, pin) = f.cached_gpu(slots, Policy::Lru, true, u32::MAX, overlap, false);
+            let (tokens, got, _) = scheduled_greedy(&g, &f.model, &prompts, 24, KvType::F16);
+            let st = g.expert_cache_stats().unwrap();
+            let [one, many] = g.expert_table_steps().unwrap();
+            g.synchronize().unwrap();
+            drop(g);
+            drop(pin);
+            let differing: usize = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| {
+                    a.iter()
+                        .zip(b)
+                        .filter(|(x, y)| x.iter().zip(y.iter()).any(|(p, q)| p.to_bits() != q.to_bits()))
+                        .count()
+                })
+                .sum();
+            println!(
+                "batched, {slots} slots, {staging} staging, fetch {}: table steps {one} of one token, {many} of several; decode {} lookups {} hits; {differing} steps' logits differ",
+                if overlap { "beside the hits" } else { "first" },
+                st.decode.cache.lookups,
+                st.decode.cache.hits,
+            );
+            assert_eq!(tokens, want_tokens, "{slots} slots, {staging} staging: tokens");
+            assert_eq!(
+                differing, 0,
+                "{slots} slots, {staging} staging: logits differ from the resident run"
+            );
+            assert!(
+                many > 0,
+                "{slots} slots, {staging} staging: no step of several tokens on the table"
+            );
+            assert!(st.decode.cache.lookups > 0, "the cache was not used");
+            if slots == 0 {
+                assert_eq!(st.decode.cache.hits, 0);
+            }
+            if slots == 127 {
+                assert!(st.decode.cache.hits > 0, "127 of 128 slots never hit");
+            }
+            cases += 1;
+        }
+    }
+    println!("batched on the device's slot table: {cases} configurations bit-identical to the resident run");
+    // Beside it, the same batch deciding on the host, layer by layer (no device table): steps of more than 4 tokens
+    // take the prefill kernels there, not the resident run's decode kernels.
+    let (g, pin) = f.cached_gpu(64, Policy::Lru, false, u32::MAX, true, false);
+    let (_, got, _) = scheduled_greedy(&g, &f.model, &prompts, 24, KvType::F16);
+    assert_eq!(g.expert_table_steps().unwrap(), [0, 0]);
+    drop(g);
+    drop(pin);
+    let differing = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| a.iter().zip(b).filter(|(x, y)| x != y).count())
+        .sum::<usize>();
+    println!("batched, 64 slots, host's table: {differing} steps' logits differ from the resident run");
 }
 
 /// With batch-invariant kernels (`--batch-invariant`), six sequences through the continuous-batching scheduler on

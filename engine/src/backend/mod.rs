@@ -778,6 +778,15 @@ pub trait Backend: Send + Sync {
     /// Ends the step begun by [`Backend::step_begin`] (a GPU backend launches the step's graph here).
     fn step_end(&self) {}
 
+    /// Brackets one forward pass of `sequences` sequences together (`runtime::session::step_together`, `n_tok`
+    /// tokens in all), which is never recorded as a graph: a GPU's expert cache may decide such a step's experts
+    /// on the device's slot table when it fits there (DESIGN.md section 3, "Expert cache"). The default ignores
+    /// it.
+    fn batch_step_begin(&self, _n_tok: usize, _sequences: usize) {}
+
+    /// Ends the pass [`Backend::batch_step_begin`] began (its launches are queued).
+    fn batch_step_end(&self) {}
+
     /// The forward pass is at layer `il` (`0` also at the start of a step, before the embeddings). A layer split
     /// ([`split`]) moves to the stage computing it, and answers `true` at the first layer of a stage after the
     /// first: the caller then sizes its scratch buffers again (on the new stage) and carries the residual stream

@@ -355,7 +355,7 @@ impl MemoryPlan {
         let room = limit_of(free, config.budget, config.reserve).saturating_sub(others);
         match experts {
             Some(g) if weights.experts > 0 => {
-                let placement = cache::size_cache(config.cache, g, room, weights.experts);
+                let placement = cache::size_cache(config.cache, g, config.sequences, room, weights.experts);
                 plan.parts.extend(match placement {
                     ExpertPlacement::AllResident => vec![(Part::Experts, weights.experts)],
                     ExpertPlacement::Cache {

@@ -558,7 +558,16 @@ pub(crate) fn step_together<'s, 'm, B: Backend>(
         s.top_last = false;
         kvs.push(&mut s.kv);
     }
+    // --dump-routing reads the router's choices mid-step: such a step decides its experts on the host (as a
+    // single sequence's, which is then not a graph).
+    let bracket = !model.dumps_routing();
+    if bracket {
+        be.batch_step_begin(tokens.len(), layout.runs().len());
+    }
     let out = model.forward(be, &tokens, &layout, &mut kvs, scratch, want);
+    if bracket {
+        be.batch_step_end();
+    }
     drop(kvs);
     for (s, t) in parts.iter_mut() {
         s.tokens.extend_from_slice(t);

@@ -229,10 +229,12 @@ fn original_sizing(
         let placement = if config.cache == CacheSize::Auto && weights.experts <= room {
             ExpertPlacement::AllResident
         } else {
+            // (One sequence's staging: the original's slots for steps of any size.)
             size_cache(
                 config.cache,
                 &g,
-                room.saturating_add(g.staging() as u64 * g.slot_bytes),
+                1,
+                room.saturating_add(g.staging(1, room) as u64 * g.slot_bytes),
                 u64::MAX,
             )
         };

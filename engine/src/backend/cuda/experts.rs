@@ -261,6 +261,11 @@ const PREFETCH_SKIPPED: u32 = u32::MAX - 4;
 const PREFETCH_STAGED: u32 = u32::MAX - 5;
 /// `expert_lookup`'s code for a miss read from the prefetch's staging slot.
 const LOOKUP_PREFETCHED: u32 = u32::MAX - 6;
+/// `expert_lookup`'s code for an expert an earlier routing slot of the layer-step looked up (read where that one
+/// is; not a lookup of its own).
+const LOOKUP_REPEAT: u32 = u32::MAX - 7;
+/// `expert_lookup`'s code for a miss past the staging slots (a step the host should not have run on the table).
+const LOOKUP_NO_ROOM: u32 = u32::MAX - 8;
 /// Blocks per matrix of `expert_fetch` unless `STRATA_FETCH_BLOCKS` says otherwise (two waves of 256 threads on
 /// 132 SMs: enough loads in flight for the link).
 const FETCH_BLOCKS: u32 = 264;
@@ -271,12 +276,30 @@ fn fetch_blocks() -> u32 {
     crate::switches::usize_in(crate::switches::FETCH_BLOCKS, 1..=4096).map_or(FETCH_BLOCKS, |n| n as u32)
 }
 
-/// The device's copy of the slot table, for decode steps of one token whose experts are in a mapped page-locked
-/// arena (DESIGN.md section 3, "Expert cache": a step that hits decides on the device, inside the CUDA graph).
+/// Most tokens of a step on the device's slot table ([`DeviceTable::tokens_max`]) for a pool made for `config`: as
+/// many as the staging slots hold the distinct experts of (`staging / k`; any number when they hold one layer's
+/// every expert), at most [`super::MOE_DEVICE_TOKENS_MAX`] and 1,024 routing slots (`expert_lookup`'s block, and
+/// what `moe_groups` groups).
+fn table_tokens(config: &ExpertCacheConfig) -> usize {
+    let k = config.k.max(1);
+    let staged = match config.staging >= config.n_expert {
+        true => usize::MAX,
+        false => config.staging / k,
+    };
+    staged
+        .min(super::MOE_DEVICE_TOKENS_MAX)
+        .min(super::MOE_GROUP_MAX_SLOTS / k)
+        .max(1)
+}
+
+/// The device's copy of the slot table, for decode steps whose experts are in a mapped page-locked arena (DESIGN.md
+/// section 3, "Expert cache": a step that hits decides on the device, inside the CUDA graph): steps of one token,
+/// and steps of up to [`DeviceTable::tokens_max`] tokens (several sequences' decode tokens, or a short prompt
+/// chunk), which are not graphs but keep their routing on the device too.
 ///
 /// Each MoE layer of such a step launches `expert_lookup`, which maps the router's experts to slots through the
-/// table and gives each miss one of the free slots the host set aside (entering the table) or, when none is left,
-/// a staging slot; then `expert_fetch`, which copies the misses from the arena, read in place over the link, into
+/// table (an expert several tokens chose, once) and gives each miss one of the free slots the host set aside
+/// (entering the table) or, when none is left, a staging slot; then `expert_fetch`, which copies the misses from the arena, read in place over the link, into
 /// their slots; then the expert kernels read every expert from its slot, so the results are the resident run's
 /// bit for bit. No host round trip is needed, so the step is one CUDA graph.
 ///
@@ -291,16 +314,24 @@ struct DeviceTable {
     /// `ctl`'s contents as uploaded (rewritten once `uploaded` has passed).
     ctl_host: Option<PinnedHostSlice<u32>>,
     uploaded: CudaEvent,
+    /// Most tokens of a step on the table: the staging slots hold their distinct experts (`staging / k` tokens,
+    /// any number when they hold a layer's every expert), at most [`super::MOE_DEVICE_TOKENS_MAX`] and 1,024
+    /// routing slots (`expert_lookup`'s block).
+    tokens_max: usize,
+    /// Tokens of the current step, or of the last one while its log is pending.
+    tokens: usize,
+    /// Steps begun on the table: of one token, and of several.
+    steps: [u64; 2],
     /// The current layer's misses: their count, then (expert, slot) pairs.
     fetch: DevBuf,
-    /// The step's lookups, `[n_layer][k]` (expert, code) pairs; [`LOG_EMPTY`] where no lookup ran.
+    /// The step's lookups, `[n_layer][tokens * k]` (expert, code) pairs; [`LOG_EMPTY`] where no lookup ran.
     log: DevBuf,
     log_host: Option<PinnedHostSlice<u32>>,
     /// Recorded after the log's read-back.
     logged: CudaEvent,
     /// A step's log is read back (or queued) and not replayed yet.
     log_pending: bool,
-    /// A trace's routing of the step, `[n_layer][k]`, uploaded before it (`--routing-trace`).
+    /// A trace's routing of the step, `[n_layer][tokens * k]`, uploaded before it (`--routing-trace`).
     replay: DevBuf,
     replay_host: Option<PinnedHostSlice<u32>>,
     arena: HostMapping,
@@ -357,20 +388,25 @@ impl DeviceTable {
         let ctx = stream.context();
         let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
         let cells = config.n_layer * config.n_expert;
-        // A step's lookups, and as many prefetches.
+        let tokens_max = table_tokens(config);
+        let routed = tokens_max * config.k;
+        // A step's lookups, and as many prefetches (steps of one token).
         let free_max = config
             .slots
-            .min(config.n_layer * config.k * if config.prefetch { 2 } else { 1 });
+            .min(config.n_layer * config.k * tokens_max.max(if config.prefetch { 2 } else { 1 }));
         Ok(DeviceTable {
             ctl: DevBuf::alloc(stream, (cells + free_max + 2) * 4)?,
             ctl_host: None,
             uploaded: ev()?,
-            fetch: DevBuf::alloc(stream, (1 + 2 * config.k) * 4)?,
-            log: DevBuf::alloc(stream, config.n_layer * config.k * 2 * 4)?,
+            tokens_max,
+            tokens: 1,
+            steps: [0; 2],
+            fetch: DevBuf::alloc(stream, (1 + 2 * routed) * 4)?,
+            log: DevBuf::alloc(stream, config.n_layer * routed * 2 * 4)?,
             log_host: None,
             logged: ev()?,
             log_pending: false,
-            replay: DevBuf::alloc(stream, config.n_layer * config.k * 4)?,
+            replay: DevBuf::alloc(stream, config.n_layer * routed * 4)?,
             replay_host: None,
             arena,
             layer_bytes: vec![0; config.n_layer],
@@ -408,31 +444,43 @@ impl DeviceTable {
 
 impl ExpertPool {
     /// Starts a forward step of `n_tok` tokens (before any of its launches) and says whether it decides its
-    /// experts on the device's slot table ([`DeviceTable`]): a step of one token whose experts are in a mapped
-    /// arena, unless the table is switched off, or the miss policy is `cpu` and the CPU cannot join the table
-    /// ([`CpuJoin`]); under `auto`, when the [`PathChooser`] says so by the step times it measures. Such a
-    /// step is prepared with [`ExpertPool::table_step_begin`]. Called again before the step ends, it only repeats
-    /// the answer.
+    /// experts on the device's slot table ([`DeviceTable`]), when its experts are in a mapped arena and the table
+    /// is not switched off:
+    /// - a step of one token, unless the miss policy is `cpu` and the CPU cannot join the table ([`CpuJoin`]);
+    ///   under `auto`, when the [`PathChooser`] says so by the step times it measures;
+    /// - a step of several tokens (sequences' decode tokens, a short prompt chunk) of at most
+    ///   [`DeviceTable::tokens_max`] and `most` (the most tokens the resident experts' run takes on the decode
+    ///   kernels for the step: the same kernels give the same bits), unless the miss policy is `cpu`: its misses
+    ///   are all uploaded (the CPU joins steps of one token only), with no prefetch.
+    ///
+    /// Such a step is prepared with [`ExpertPool::table_step_begin`]. Called again before the step ends, it only
+    /// repeats the answer.
     ///
     /// Errors: as [`ExpertPool::table_step_begin`]; a step time could not be read.
     pub(super) fn decode_step_begin(
         &mut self,
         stream: &Arc<CudaStream>,
         n_tok: usize,
+        most: usize,
         replay: Option<&mut crate::experts::trace::RoutingReplay>,
     ) -> Result<bool, CudaError> {
         if self.step_open {
             return Ok(self.table_active());
         }
         self.step_open = true;
-        if n_tok != 1 || self.table.is_none() || !self.config.device_table {
+        let on_table = self.config.device_table && self.table.as_ref().is_some_and(|t| n_tok <= t.tokens_max.min(most));
+        if n_tok != 1 || !on_table {
             // A prompt's chunk (or a step of several tokens) between measured decode steps: the cache it leaves
             // is not the one they measured, so `auto`'s round starts over.
             self.chooser.interrupt();
             if let Some(j) = self.join() {
                 j.disarm();
             }
-            return Ok(false);
+            let several = on_table && n_tok > 1 && self.miss.policy != MissPolicy::Cpu;
+            if several {
+                self.table_step_begin(stream, n_tok, replay, false)?;
+            }
+            return Ok(several);
         }
         // Outside `auto`'s measured choice, `--expert-prefetch` alone says whether the device's table prefetches.
         let device = if self.config.prefetch {
@@ -448,7 +496,7 @@ impl ExpertPool {
             (MissPolicy::Auto, Some(_)) => self.choose_path(stream)?,
         };
         if path.on_device() {
-            self.table_step_begin(stream, replay, path == DecodePath::DevicePrefetch)?;
+            self.table_step_begin(stream, 1, replay, path == DecodePath::DevicePrefetch)?;
         } else if let Some(j) = self.join() {
             j.disarm();
         }
@@ -530,14 +578,16 @@ impl ExpertPool {
         self.table.as_ref().is_some_and(|t| t.active)
     }
 
-    /// Prepares a step that uses the device's table: replays the last step's log, frees slots for this step's
-    /// misses, and queues the upload of the table, the free slots and (with `replay`) the trace's routing of the
-    /// step on `stream`, before any of the step's launches.
+    /// Prepares a step of `n_tok` tokens (at most [`DeviceTable::tokens_max`]) that uses the device's table:
+    /// replays the last step's log, frees slots for this step's misses, and queues the upload of the table, the
+    /// free slots and (with `replay`) the trace's routing of the step on `stream`, before any of the step's
+    /// launches. `prefetch`: the step prefetches (one token only).
     ///
     /// Errors: a copy or event failed; the device's last step and the host's bookkeeping disagree.
     fn table_step_begin(
         &mut self,
         stream: &Arc<CudaStream>,
+        n_tok: usize,
         replay: Option<&mut crate::experts::trace::RoutingReplay>,
         prefetch: bool,
     ) -> Result<(), CudaError> {
@@ -547,6 +597,9 @@ impl ExpertPool {
         if t.active {
             return Ok(());
         }
+        assert!(n_tok >= 1 && n_tok <= t.tokens_max, "a table step of {n_tok} tokens");
+        t.tokens = n_tok;
+        t.steps[(n_tok > 1) as usize] += 1;
         let target = t.free_target(slots, k);
         self.cache.reserve_free(target);
         self.stats.decode.cache += self.cache.take_stats();
@@ -573,26 +626,35 @@ impl ExpertPool {
         // has passed.
         unsafe { cudarc::driver::result::memcpy_htod_async(t.ctl.ptr, &h[..n], stream.cu_stream()) }.map_err(e())?;
         if let Some(r) = replay {
-            let h = pinned(&mut t.replay_host, ctx, n_layer * k)?;
-            let mut ids = Vec::with_capacity(k);
+            let routed = n_tok * k;
+            let h = pinned(&mut t.replay_host, ctx, n_layer * routed)?;
+            let mut ids = Vec::with_capacity(routed);
             for l in 0..n_layer {
-                r.next(l, 1, &mut ids);
-                h[l * k..(l + 1) * k].copy_from_slice(&ids);
+                r.next(l, n_tok, &mut ids);
+                h[l * routed..(l + 1) * routed].copy_from_slice(&ids);
             }
-            // SAFETY: as above (`replay` holds `n_layer * k` words).
-            unsafe { cudarc::driver::result::memcpy_htod_async(t.replay.ptr, &h[..n_layer * k], stream.cu_stream()) }
-                .map_err(e())?;
+            // SAFETY: as above (`replay` holds `n_layer * tokens_max * k` words).
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(t.replay.ptr, &h[..n_layer * routed], stream.cu_stream())
+            }
+            .map_err(e())?;
         }
         if let Some(j) = &t.join {
             j.arm();
         }
         t.uploaded.record(stream).map_err(e())?;
-        // SAFETY: `log` and `pf_log` are this many bytes of device memory.
-        for b in [&t.log, &t.pf_log, &t.pf_list] {
-            unsafe { cudarc::driver::result::memset_d8_async(b.ptr, 0xFF, b.bytes, stream.cu_stream()) }.map_err(e())?;
+        // The step's part of the log, and the prefetch's.
+        let log_bytes = n_layer * n_tok * k * 2 * 4;
+        for (b, bytes) in [
+            (&t.log, log_bytes),
+            (&t.pf_log, t.pf_log.bytes),
+            (&t.pf_list, t.pf_list.bytes),
+        ] {
+            // SAFETY: each buffer holds at least `bytes` bytes of device memory (`log`: `tokens_max` tokens).
+            unsafe { cudarc::driver::result::memset_d8_async(b.ptr, 0xFF, bytes, stream.cu_stream()) }.map_err(e())?;
         }
         t.prefetched_for = None;
-        t.prefetching = prefetch && self.config.prefetch;
+        t.prefetching = prefetch && self.config.prefetch && n_tok == 1;
         t.active = true;
         Ok(())
     }
@@ -606,9 +668,13 @@ impl ExpertPool {
             return Ok(());
         };
         t.active = false;
-        let n = t.log.bytes / 4;
         let e = || CudaError::driver("reading the expert lookup log back");
-        for (log, host) in [(&t.log, &mut t.log_host), (&t.pf_log, &mut t.pf_log_host)] {
+        let k = self.config.k;
+        let words = |tokens: usize| self.config.n_layer * tokens * k * 2;
+        for (log, host, n) in [
+            (&t.log, &mut t.log_host, words(t.tokens)),
+            (&t.pf_log, &mut t.pf_log_host, words(1)),
+        ] {
             let h = pinned(host, stream.context(), n)?;
             // SAFETY: `log` holds `n` words; `h` is read only after `logged` has passed.
             unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut h[..n], log.ptr, stream.cu_stream()) }
@@ -647,7 +713,11 @@ impl ExpertPool {
         let (mut misses, mut prefetches) = (0usize, 0usize);
         let phase = &mut self.stats.decode;
         let mut fetched: Vec<u32> = Vec::with_capacity(k);
-        for (layer, region) in log[..self.config.n_layer * k * 2].chunks_exact(k * 2).enumerate() {
+        let routed = t.tokens * k;
+        for (layer, region) in log[..self.config.n_layer * routed * 2]
+            .chunks_exact(routed * 2)
+            .enumerate()
+        {
             // The prefetch for this layer ran after the previous layer's lookups and before this one's.
             fetched.clear();
             let pf = &pf_log[layer * k * 2..(layer + 1) * k * 2];
@@ -688,6 +758,16 @@ impl ExpertPool {
                         "layer {layer}'s router chose expert {expert} of {}",
                         self.config.n_expert
                     )));
+                }
+                if code == LOOKUP_NO_ROOM {
+                    return Err(CudaError::ExpertTable(format!(
+                        "a step of {} tokens at layer {layer} missed more experts than the {} staging slots hold",
+                        t.tokens, self.config.staging
+                    )));
+                }
+                if code == LOOKUP_REPEAT {
+                    // Another token's routing slot looked it up in this layer-step.
+                    continue;
                 }
                 let seen = match code {
                     LOOKUP_STAGED | LOOKUP_CPU | LOOKUP_PREFETCHED => Access::Bypassed,
@@ -733,14 +813,15 @@ impl ExpertPool {
         Ok(())
     }
 
-    /// Queues the lookup of a decode layer-step of one token in the device's table (in a step begun by
-    /// [`ExpertPool::table_step_begin`]): `ids` holds the router's `k` experts; the slots they are read from go to
-    /// `slot_ids` (`3 k` words: every slot, then the hits' alone and the misses' alone, the others `MOE_SKIP`,
-    /// kernels/experts.cu), and the misses to the fetch list that [`ExpertPool::table_fetch`] copies in. With a
-    /// routing trace (`replayed`), its experts for the layer (uploaded by [`ExpertPool::table_step_begin`]) are
-    /// looked up instead of the router's. With a [`CpuJoin`], the CPU's share of the misses (by the miss plan) is
-    /// published with the token's activations `x` (`[n_embd]` f32), and left out of all three parts and the fetch
-    /// list: [`ExpertPool::table_cpu_join`] writes their rows.
+    /// Queues the lookup of a layer-step in the device's table (in a step begun by
+    /// [`ExpertPool::table_step_begin`], of `n_tok` tokens): `ids` holds the router's `n_tok * k` experts; the
+    /// slots they are read from go to `slot_ids` (`3 n_tok k` words: every slot, then the hits' alone and the
+    /// misses' alone, the others `MOE_SKIP`, kernels/experts.cu), and the misses to the fetch list that
+    /// [`ExpertPool::table_fetch`] copies in. With a routing trace (`replayed`), its experts for the layer
+    /// (uploaded by [`ExpertPool::table_step_begin`]) are looked up instead of the router's. In a step of one
+    /// token with a [`CpuJoin`], the CPU's share of the misses (by the miss plan) is published with the token's
+    /// activations `x` (`[n_embd]` f32), and left out of all three parts and the fetch list:
+    /// [`ExpertPool::table_cpu_join`] writes their rows.
     ///
     /// Errors: a launch failed.
     #[allow(clippy::too_many_arguments)]
@@ -764,16 +845,20 @@ impl ExpertPool {
         );
         let t = self.table.as_mut().expect("a device table");
         t.layer_bytes[ex.layer] = ex.expert_bytes();
+        let (one, routed) = (t.tokens == 1, t.tokens * k);
         // A routing trace's experts for this layer-step were uploaded with the table: read them in place of the
         // router's (nothing after the lookup reads the router's ids).
         let ids = if replayed {
-            t.replay.ptr + (ex.layer * k * 4) as u64
+            t.replay.ptr + (ex.layer * routed * 4) as u64
         } else {
             ids
         };
         let cells = self.config.n_layer * self.config.n_expert;
-        assert!(k <= 64, "expert_lookup serves top-k of at most 64");
-        let [take, join_dev, join_host, join_x] = match t.join.as_mut() {
+        assert!(
+            k <= 64 && routed <= 1024,
+            "expert_lookup serves 1,024 routing slots, top-k of at most 64"
+        );
+        let [take, join_dev, join_host, join_x] = match t.join.as_mut().filter(|_| one) {
             Some(j) => {
                 j.register(&gpu.stream, ex)?;
                 j.lookup_args(ex.layer)
@@ -783,10 +868,10 @@ impl ExpertPool {
         gpu.launch(
             "expert_lookup",
             (1, 1, 1),
-            (64, 1, 1),
+            (routed.next_multiple_of(32).max(64) as u32, 1, 1),
             &[
                 Arg::P(ids),
-                Arg::I(k as i32),
+                Arg::I(routed as i32),
                 Arg::I(ex.layer as i32),
                 Arg::I(ex.n_expert as i32),
                 Arg::P(t.ctl.ptr),
@@ -794,8 +879,9 @@ impl ExpertPool {
                 Arg::P(t.ctl.ptr + ((cells + t.free_max) * 4) as u64),
                 Arg::P(slot_ids),
                 Arg::P(t.fetch.ptr),
-                Arg::P(t.log.ptr + (ex.layer * k * 2 * 4) as u64),
+                Arg::P(t.log.ptr + (ex.layer * routed * 2 * 4) as u64),
                 Arg::I(self.config.slots as i32),
+                Arg::I(self.config.staging as i32),
                 Arg::I(self.config.upload_cap.min(i32::MAX as u32) as i32),
                 Arg::P(take),
                 Arg::P(x),
@@ -803,14 +889,26 @@ impl ExpertPool {
                 Arg::P(join_dev),
                 Arg::P(join_host),
                 Arg::P(join_x),
-                Arg::P(if self.config.prefetch { t.pf_list.ptr } else { 0 }),
+                Arg::P(if self.config.prefetch && one { t.pf_list.ptr } else { 0 }),
                 Arg::I(t.pf_staging),
             ],
         )
     }
 
-    /// Whether [`ExpertPool::table_lookup`] may give the CPU misses (then [`ExpertPool::table_cpu_join`] follows
-    /// the layer's expert launches).
+    /// Steps begun on the device's table ([`ExpertPool::table_step_begin`]) since the pool was made: of one token,
+    /// and of several.
+    pub(super) fn table_steps(&self) -> [u64; 2] {
+        self.table.as_ref().map_or([0; 2], |t| t.steps)
+    }
+
+    /// Most tokens of a step on the device's slot table (0 without one): [`ExpertPool::decode_step_begin`] puts
+    /// no larger step there.
+    pub(super) fn table_tokens(&self) -> usize {
+        self.table.as_ref().map_or(0, |t| t.tokens_max)
+    }
+
+    /// Whether [`ExpertPool::table_lookup`] may give the CPU misses in a step of one token (then
+    /// [`ExpertPool::table_cpu_join`] follows the layer's expert launches).
     pub(super) fn table_joins(&self) -> bool {
         self.join().is_some()
     }

@@ -788,6 +788,12 @@ impl CudaBackend {
         }
     }
 
+    /// Forward steps that decided their experts on the expert cache's device slot table since it was made: of one
+    /// token, and of several (`None` without a cache).
+    pub fn expert_table_steps(&self) -> Option<[u64; 2]> {
+        self.lock().experts.as_ref().map(ExpertPool::table_steps)
+    }
+
     /// The expert cache's lookups of each expert since it was made, `[layer * n_expert + expert]` (`None`
     /// without a cache).
     pub fn expert_lookups(&self) -> Option<Vec<u64>> {
@@ -982,7 +988,7 @@ impl CudaBackend {
         }
         // With an expert cache, a recorded step reads the device's slot table: replay it only when this step
         // uses the table too (else the step runs, and decides on the host).
-        if !self.decode_step_begin(1) && self.lock().experts.is_some() {
+        if !self.decode_step_begin(1, 1) && self.lock().experts.is_some() {
             return false;
         }
         // The path just chosen sets the step's variant: the graph must be of the same one.
@@ -997,14 +1003,21 @@ impl CudaBackend {
         replayed
     }
 
-    /// Starts a forward step of `n_tok` tokens for the expert cache, if there is one
+    /// Starts a forward step of `n_tok` tokens of `sequences` sequences for the expert cache, if there is one
     /// ([`ExpertPool::decode_step_begin`]): whether the step decides its experts on the device's slot table.
-    fn decode_step_begin(&self, n_tok: usize) -> bool {
+    fn decode_step_begin(&self, n_tok: usize, sequences: usize) -> bool {
         let mut s = self.lock();
         let s = &mut *s;
+        // The most tokens such a step's resident experts would take on the decode kernels (the forward pass tells
+        // the backend its sequences again).
+        s.step_sequences = sequences;
+        let most = match s.experts.as_ref() {
+            Some(p) => s.device_routed_tokens(None, p.config().k),
+            None => 0,
+        };
         match s.experts.as_mut() {
             Some(p) => {
-                let table = Self::check(p.decode_step_begin(&self.gpu.stream, n_tok, s.replay.as_mut()));
+                let table = Self::check(p.decode_step_begin(&self.gpu.stream, n_tok, most, s.replay.as_mut()));
                 // With and without the prefetch a decode step launches other kernels: graphs of their own.
                 self.gpu.set_step_variant(p.prefetching() as u8);
                 table
@@ -1335,7 +1348,7 @@ impl Backend for CudaBackend {
     }
 
     fn step_begin(&self, n_tok: usize, key: StepKey) {
-        self.decode_step_begin(n_tok);
+        self.decode_step_begin(n_tok, 1);
         self.gpu.step_begin(key, n_tok == 1);
     }
 
@@ -1346,6 +1359,14 @@ impl Backend for CudaBackend {
             Self::check(self.gpu.join());
         }
         Self::check(self.gpu.step_end());
+        self.decode_step_end();
+    }
+
+    fn batch_step_begin(&self, n_tok: usize, sequences: usize) {
+        self.decode_step_begin(n_tok, sequences);
+    }
+
+    fn batch_step_end(&self) {
         self.decode_step_end();
     }
 

@@ -19,18 +19,21 @@ fn moe_on_device(ex: &Experts<'_>) -> bool {
 }
 
 impl Inner {
-    /// Most tokens of a step whose experts run on the device's routing, with no host read-back of it (larger steps
-    /// read it back and group the slots by expert on the host, as prefill does): with an expert cache (`cached`),
-    /// the decode kernels' [`MMV_MAX_TOKENS`] (its staging slots are sized for them); for one sequence the same,
-    /// so its logits are the same bits with a cache and without; for a step of several sequences without a
-    /// cache, the `STRATA_MOE_DEVICE_TOKENS` setting, within what the group table takes (`k` experts per token).
-    /// Batch-invariant steps take the device's routing at every size without a cache, in groups of this many
+    /// Most tokens of a step whose experts run on the decode kernels, by id (larger steps read the routing back
+    /// and group the slots by expert on the host, as prefill does): with an expert cache (`pool`), in a step on
+    /// its device slot table, what the table takes ([`ExpertPool::table_tokens`]: the step fits, or it would not
+    /// be on the table), else [`MMV_MAX_TOKENS`] (its staging slots are sized for them: each layer reads the
+    /// routing back to place them); for one sequence without a cache the same, so its logits are the same bits
+    /// with a cache and without; for a step of several sequences without a cache, the `STRATA_MOE_DEVICE_TOKENS`
+    /// setting, within what the group table takes (`k` experts per token). Batch-invariant steps take the
+    /// device's routing at every size without a cache, in groups of this many
     /// ([`CudaBackend::set_batch_invariant`]).
-    fn device_routed_tokens(&self, cached: bool, k: usize) -> usize {
-        if cached || (self.step_sequences <= 1 && !self.batch_invariant) {
-            MMV_MAX_TOKENS
-        } else {
-            self.moe_device_tokens.min(MOE_GROUP_MAX_SLOTS / k.max(1)).max(1)
+    pub(super) fn device_routed_tokens(&self, pool: Option<&ExpertPool>, k: usize) -> usize {
+        match pool {
+            Some(p) if p.table_active() => p.table_tokens(),
+            Some(_) => MMV_MAX_TOKENS,
+            None if self.step_sequences <= 1 && !self.batch_invariant => MMV_MAX_TOKENS,
+            None => self.moe_device_tokens.min(MOE_GROUP_MAX_SLOTS / k.max(1)).max(1),
         }
     }
 }
@@ -102,7 +105,7 @@ impl CudaBackend {
         s.moe_on_host = false;
         // Batch-invariant: every token on the device's routing, in groups it takes.
         let group = match s.batch_invariant {
-            true => s.device_routed_tokens(s.experts.is_some(), k),
+            true => s.device_routed_tokens(s.experts.as_ref(), k),
             false => n_tok,
         };
         Self::check((|| {
@@ -136,7 +139,7 @@ impl CudaBackend {
         let n_embd = ex.gate.cols;
         let (device_tokens, invariant) = {
             let s = self.lock();
-            (s.device_routed_tokens(s.experts.is_some(), k), s.batch_invariant)
+            (s.device_routed_tokens(s.experts.as_ref(), k), s.batch_invariant)
         };
         if (n_tok > device_tokens && !invariant) || !moe_on_device(ex) {
             return crate::backend::moe_add_rms_norm_steps(
@@ -301,6 +304,24 @@ impl Inner {
         let r = self.moe_dispatch_with(gpu, ex, xp, n_tok, k, normalized, sum, pool.as_mut());
         self.experts = pool;
         r
+    }
+
+    /// For a step of `n_tok` tokens whose routing slots at `ids` (`slots`: expert or cache slot ids, `MOE_SKIP`
+    /// left out) read `ex`'s experts: their group table ([`Inner::moe_groups`]) when the step has several tokens,
+    /// groups are on and a matrix of `ex` has a grouped kernel; else `None` (one weight read per slot).
+    fn step_groups(
+        &mut self,
+        gpu: &Gpu,
+        ex: &Experts<'_>,
+        ids: u64,
+        n_tok: usize,
+        slots: usize,
+    ) -> Result<Option<u64>, CudaError> {
+        let groupable = groups_experts(&ex.gate) || groups_experts(&ex.down);
+        match n_tok >= self.moe_groups_from && groupable {
+            true => self.moe_groups(gpu, ids, slots).map(Some),
+            false => Ok(None),
+        }
     }
 
     /// The routing slots at `ids` (`slots` of them) grouped by expert on the device (`moe_groups`): the group
@@ -513,28 +534,25 @@ impl Inner {
                 ],
             })
         };
-        let rows_map = if n_tok <= self.device_routed_tokens(pool.is_some(), k) {
+        let rows_map = if n_tok <= self.device_routed_tokens(pool.as_deref(), k) {
             // Decode: every slot reaches its expert by id on the device (by its cache slot's id with a cache).
             let bufs = [gp, up, dp];
             match pool.as_deref_mut() {
                 None => {
                     let at = resident(self)?;
-                    // Several tokens: their slots grouped by expert, each expert's rows read once per group.
-                    let groupable = groups_experts(&ex.gate) || groups_experts(&ex.down);
-                    let groups = match n_tok >= self.moe_groups_from && groupable {
-                        true => Some(self.moe_groups(gpu, ids, slots)?),
-                        false => None,
-                    };
+                    let groups = self.step_groups(gpu, ex, ids, n_tok, slots)?;
                     self.mmv_experts(gpu, ex, &at, ids, groups, xp, bufs, k, slots, true)?;
                 }
                 Some(pool) if pool.table_active() => {
                     // The device's slot table: the misses are copied in from the mapped arena and every expert is
-                    // read from its slot (no host round trip: the step stays a graph); with a CPU join, the CPU
-                    // computes its share of the misses meanwhile, and cpu_join writes their rows before the sum.
+                    // read from its slot (no host round trip: a step of one token stays a graph); with a CPU join
+                    // (steps of one token), the CPU computes its share of the misses meanwhile, and cpu_join
+                    // writes their rows before the sum. Several tokens' slots are grouped by cache slot, as the
+                    // resident experts' by expert: the same bits.
                     let sp = self.slot(gpu, Slot::MoeSlotIds, 3 * slots * 4)?;
                     pool.table_lookup(gpu, ex, ids, xp, sp, self.replay.is_some())?;
                     let at = pool_at(pool, ex);
-                    let joins = pool.table_joins();
+                    let joins = n_tok == 1 && pool.table_joins();
                     // The GLU is fused into the Q4_K down projection alone; a separate GLU launch spans every
                     // slot, so the two halves below could not run side by side.
                     if pool.config().fetch_overlap && fuses_glu(ex) {
@@ -548,7 +566,8 @@ impl Inner {
                         gpu.to_main()?;
                         // Experts prefetched for this layer are hits: their copies come first.
                         pool.wait_prefetch(gpu, ex.layer)?;
-                        self.mmv_experts(gpu, ex, &at, hits, None, xp, bufs, k, slots, false)?;
+                        let groups = self.step_groups(gpu, ex, hits, n_tok, slots)?;
+                        self.mmv_experts(gpu, ex, &at, hits, groups, xp, bufs, k, slots, false)?;
                         if joins {
                             pool.table_cpu_join(gpu, dp, n_embd)?;
                         }
@@ -557,7 +576,8 @@ impl Inner {
                     } else {
                         pool.wait_prefetch(gpu, ex.layer)?;
                         pool.table_fetch(gpu, ex)?;
-                        self.mmv_experts(gpu, ex, &at, sp, None, xp, bufs, k, slots, false)?;
+                        let groups = self.step_groups(gpu, ex, sp, n_tok, slots)?;
+                        self.mmv_experts(gpu, ex, &at, sp, groups, xp, bufs, k, slots, false)?;
                         if joins {
                             pool.table_cpu_join(gpu, dp, n_embd)?;
                         }

@@ -577,6 +577,23 @@ impl Backend for AnyBackend {
             AnyBackend::Cpu(..) => {}
         }
     }
+    fn batch_step_begin(&self, n_tok: usize, sequences: usize) {
+        match self {
+            AnyBackend::Cuda(c) => c.batch_step_begin(n_tok, sequences),
+            AnyBackend::Split(s) => s
+                .stages()
+                .iter()
+                .for_each(|st| st.be.batch_step_begin(n_tok, sequences)),
+            AnyBackend::Cpu(..) => {}
+        }
+    }
+    fn batch_step_end(&self) {
+        match self {
+            AnyBackend::Cuda(c) => c.batch_step_end(),
+            AnyBackend::Split(s) => s.stages().iter().for_each(|st| st.be.batch_step_end()),
+            AnyBackend::Cpu(..) => {}
+        }
+    }
     fn release_slot(&self, slot: SeqSlot) {
         match self {
             AnyBackend::Cuda(c) => c.release_slot(slot),
