@@ -156,7 +156,7 @@ pub const SYNC_LAUNCHES: &str = "STRATA_SYNC_LAUNCHES";
 pub const PDL: &str = "STRATA_PDL";
 /// CUDA graphs for decode steps.
 pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
-/// The expert cache's slot table on the device for decode steps of one token.
+/// The expert cache's slot table on the device for decode steps (of one token, and of several that fit it).
 pub const DEVICE_SLOT_TABLE: &str = "STRATA_DEVICE_SLOT_TABLE";
 /// Expert fetches of decode steps on a second stream, beside the hits' compute.
 pub const FETCH_OVERLAP: &str = "STRATA_FETCH_OVERLAP";
@@ -280,7 +280,7 @@ pub const SWITCHES: &[Switch] = &[
         false,
         Applies::Cuda,
         true,
-        "0: decode steps through the expert cache decide on the host, layer by layer (a round trip each), instead of on the device inside the CUDA graph",
+        "0: decode steps through the expert cache decide on the host, layer by layer (a round trip each), instead of on the device (inside the CUDA graph for a step of one token)",
     ),
     speed(
         FETCH_OVERLAP,

@@ -1721,7 +1721,7 @@ impl CacheFixture {
         CacheFixture {
             dir,
             model,
-            staging: geo.staging(1, u64::MAX),
+            staging: geo.staging(false, u64::MAX),
             geo,
             tokens,
             want,
@@ -2145,9 +2145,9 @@ fn scheduled_greedy(
 /// all-resident run's bits (issue 16, point 6; issue 20's batches): six sequences through the continuous-batching
 /// scheduler (prompts of 3 to 300 tokens: 64-token chunks beside the others' decode tokens), Q4_K experts read by
 /// the grouped decode kernels, with the staging the memory plan gives several sequences (a layer's every expert)
-/// and caches of 0, 4, 64 and 127 slots, the misses fetched beside the hits or before them, give every sequence
-/// the logits bits and tokens of the same batch with every expert resident; and steps of several tokens ran on
-/// the table.
+/// and caches of 0, 4, 64 and 127 slots, the misses fetched beside the hits or before them (and 64 slots with the
+/// next layer prefetched at steps of one token, 4 slots with `--upload-cap 1`), give every sequence the logits bits
+/// and tokens of the same batch with every expert resident; and steps of several tokens ran on the table.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn batched_steps_on_the_device_slot_table_give_the_resident_bits() {
@@ -2161,52 +2161,57 @@ fn batched_steps_on_the_device_slot_table_give_the_resident_bits() {
     let (want_tokens, want, most) = scheduled_greedy(&gpu(), &f.model, &prompts, 24, KvType::F16);
     assert!(most >= 4, "the steps never carried four decode tokens");
     let mut cases = 0;
-    f.staging = f.geo.staging(prompts.len(), u64::MAX);
+    f.staging = f.geo.staging(true, u64::MAX);
     assert_eq!(f.staging, f.geo.n_expert);
     let staging = f.staging;
-    for overlap in [true, false] {
-        for slots in [0, 4, 64, 127] {
-            let (g, pin) = f.cached_gpu(slots, Policy::Lru, true, u32::MAX, overlap, false);
-            let (tokens, got, _) = scheduled_greedy(&g, &f.model, &prompts, 24, KvType::F16);
-            let st = g.expert_cache_stats().unwrap();
-            let [one, many] = g.expert_table_steps().unwrap();
-            g.synchronize().unwrap();
-            drop(g);
-            drop(pin);
-            let differing: usize = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| {
-                    a.iter()
-                        .zip(b)
-                        .filter(|(x, y)| x.iter().zip(y.iter()).any(|(p, q)| p.to_bits() != q.to_bits()))
-                        .count()
-                })
-                .sum();
-            println!(
-                "batched, {slots} slots, {staging} staging, fetch {}: table steps {one} of one token, {many} of several; decode {} lookups {} hits; {differing} steps' logits differ",
-                if overlap { "beside the hits" } else { "first" },
-                st.decode.cache.lookups,
-                st.decode.cache.hits,
-            );
-            assert_eq!(tokens, want_tokens, "{slots} slots, {staging} staging: tokens");
-            assert_eq!(
-                differing, 0,
-                "{slots} slots, {staging} staging: logits differ from the resident run"
-            );
-            assert!(
-                many > 0,
-                "{slots} slots, {staging} staging: no step of several tokens on the table"
-            );
-            assert!(st.decode.cache.lookups > 0, "the cache was not used");
-            if slots == 0 {
-                assert_eq!(st.decode.cache.hits, 0);
-            }
-            if slots == 127 {
-                assert!(st.decode.cache.hits > 0, "127 of 128 slots never hit");
-            }
-            cases += 1;
+    let mut configs: Vec<(usize, bool, bool, u32)> = [true, false]
+        .iter()
+        .flat_map(|&overlap| [0, 4, 64, 127].map(|slots| (slots, overlap, false, u32::MAX)))
+        .collect();
+    configs.extend([(64, true, true, u32::MAX), (4, true, false, 1)]);
+    for (slots, overlap, prefetch, cap) in configs {
+        let (g, pin) = f.cached_gpu(slots, Policy::Lru, true, cap, overlap, prefetch);
+        let (tokens, got, _) = scheduled_greedy(&g, &f.model, &prompts, 24, KvType::F16);
+        let st = g.expert_cache_stats().unwrap();
+        let [one, many] = g.expert_table_steps().unwrap();
+        g.synchronize().unwrap();
+        drop(g);
+        drop(pin);
+        let differing: usize = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| {
+                a.iter()
+                    .zip(b)
+                    .filter(|(x, y)| x.iter().zip(y.iter()).any(|(p, q)| p.to_bits() != q.to_bits()))
+                    .count()
+            })
+            .sum();
+        println!(
+            "batched, {slots} slots, {staging} staging, fetch {}{}{}: table steps {one} of one token, {many} of several; decode {} lookups {} hits; {differing} steps' logits differ",
+            if overlap { "beside the hits" } else { "first" },
+            if prefetch { ", prefetch" } else { "" },
+            if cap == 1 { ", upload cap 1" } else { "" },
+            st.decode.cache.lookups,
+            st.decode.cache.hits,
+        );
+        assert_eq!(tokens, want_tokens, "{slots} slots, {staging} staging: tokens");
+        assert_eq!(
+            differing, 0,
+            "{slots} slots, {staging} staging: logits differ from the resident run"
+        );
+        assert!(
+            many > 0,
+            "{slots} slots, {staging} staging: no step of several tokens on the table"
+        );
+        assert!(st.decode.cache.lookups > 0, "the cache was not used");
+        if slots == 0 {
+            assert_eq!(st.decode.cache.hits, 0);
         }
+        if slots == 127 {
+            assert!(st.decode.cache.hits > 0, "127 of 128 slots never hit");
+        }
+        cases += 1;
     }
     println!("batched on the device's slot table: {cases} configurations bit-identical to the resident run");
     // Beside it, the same batch deciding on the host, layer by layer (no device table): steps of more than 4 tokens

@@ -319,16 +319,16 @@ impl ExpertGeometry {
         self.moe_layers * self.n_expert
     }
 
-    /// Staging slots a device keeps beside a cache that does not hold every expert, out of `room` bytes, for
-    /// `sequences` sequences (`--parallel`): [`STAGING_TOKENS`] x top-k (at most one layer's experts), what one
-    /// sequence's decode steps need; for several sequences, one layer's every expert, the most any step can
-    /// miss, so steps of several sequences decide their experts on the device too (the CUDA backend's slot
-    /// table), with the kernels and the bits of the resident run, unless that would take over an eighth of
-    /// `room`, which a small cache keeps for its hits (then the host decides steps of more than
-    /// [`STAGING_TOKENS`] tokens, layer by layer).
-    pub fn staging(&self, sequences: usize, room: u64) -> usize {
+    /// Staging slots a device keeps beside a cache that does not hold every expert, out of `room` bytes:
+    /// [`STAGING_TOKENS`] x top-k (at most one layer's experts), what one sequence's decode steps need; for steps of
+    /// `several` sequences (`--parallel` of 2 or more, and their steps may use the device's slot table:
+    /// [`super::PlanConfig::table_steps`]), one layer's every expert, the most any step can miss, so those steps
+    /// decide their experts on the device too (the CUDA backend's slot table), with the kernels and the bits of the
+    /// resident run, unless that would take over an eighth of `room`, which a small cache keeps for its hits (then
+    /// the host decides steps of more than [`STAGING_TOKENS`] tokens, layer by layer).
+    pub fn staging(&self, several: bool, room: u64) -> usize {
         let layer = self.n_expert as u64;
-        match sequences > 1 && layer.saturating_mul(self.slot_bytes).saturating_mul(8) <= room {
+        match several && layer.saturating_mul(self.slot_bytes).saturating_mul(8) <= room {
             true => self.n_expert,
             false => (STAGING_TOKENS * self.k).min(self.n_expert),
         }
@@ -351,8 +351,8 @@ pub enum ExpertPlacement {
 
 /// The slots a device gets: `size` as asked, against `room`, the bytes the plan leaves for experts after
 /// everything else (dense weights, KV cache, prefill buffers; the reserve is already out of it), for experts of
-/// `expert_bytes` in all, and the staging slots beside them for steps of `sequences` tokens
-/// ([`ExpertGeometry::staging`]).
+/// `expert_bytes` in all, and the staging slots beside them, for steps of `several` sequences or not
+/// ([`ExpertGeometry::staging`]; with a fixed count, out of the room its slots leave).
 ///
 /// `auto` keeps every expert resident when their `expert_bytes` fit in `room`, else takes as many slots as `room` holds beside
 /// the staging slots (0 when even those do not fit: the plan then does not fit). A count is capped at every
@@ -360,17 +360,23 @@ pub enum ExpertPlacement {
 pub fn size_cache(
     size: CacheSize,
     geometry: &ExpertGeometry,
-    sequences: usize,
+    several: bool,
     room: u64,
     expert_bytes: u64,
 ) -> ExpertPlacement {
     let all = geometry.all();
     let slot = geometry.slot_bytes.max(1);
-    let staging = geometry.staging(sequences, room);
-    let slots = match size {
-        CacheSize::Slots(n) => n.min(all),
-        CacheSize::Auto if expert_bytes <= room => all,
-        CacheSize::Auto => (room.saturating_sub(staging as u64 * slot) / slot).min(all as u64) as usize,
+    let (slots, staging) = match size {
+        CacheSize::Slots(n) => {
+            let n = n.min(all);
+            (n, geometry.staging(several, room.saturating_sub(n as u64 * slot)))
+        }
+        CacheSize::Auto if expert_bytes <= room => (all, 0),
+        CacheSize::Auto => {
+            let staging = geometry.staging(several, room);
+            let slots = (room.saturating_sub(staging as u64 * slot) / slot).min(all as u64) as usize;
+            (slots, staging)
+        }
     };
     if slots >= all {
         ExpertPlacement::AllResident
@@ -397,9 +403,9 @@ mod tests {
     #[test]
     fn auto_keeps_everything_resident_when_it_fits_and_counts_slots_beside_staging_when_not() {
         assert_eq!(G.all(), 64);
-        assert_eq!(G.staging(1, u64::MAX), 8);
+        assert_eq!(G.staging(false, u64::MAX), 8);
         assert_eq!(
-            size_cache(CacheSize::Auto, &G, 1, 64_000, 64_000),
+            size_cache(CacheSize::Auto, &G, false, 64_000, 64_000),
             ExpertPlacement::AllResident
         );
         // 63,999 bytes: not all 64; 8 staging slots take 8,000, leaving 55 slots.
@@ -408,23 +414,23 @@ mod tests {
             staging: 8,
             slot_bytes: 1000,
         };
-        assert_eq!(size_cache(CacheSize::Auto, &G, 1, 63_999, 64_000), c(55));
-        assert_eq!(size_cache(CacheSize::Auto, &G, 1, 8_999, 64_000), c(0));
-        assert_eq!(size_cache(CacheSize::Auto, &G, 1, 100, 64_000), c(0));
-        assert_eq!(size_cache(CacheSize::Slots(10), &G, 1, u64::MAX, 64_000), c(10));
-        assert_eq!(size_cache(CacheSize::Slots(0), &G, 1, u64::MAX, 64_000), c(0));
+        assert_eq!(size_cache(CacheSize::Auto, &G, false, 63_999, 64_000), c(55));
+        assert_eq!(size_cache(CacheSize::Auto, &G, false, 8_999, 64_000), c(0));
+        assert_eq!(size_cache(CacheSize::Auto, &G, false, 100, 64_000), c(0));
+        assert_eq!(size_cache(CacheSize::Slots(10), &G, false, u64::MAX, 64_000), c(10));
+        assert_eq!(size_cache(CacheSize::Slots(0), &G, false, u64::MAX, 64_000), c(0));
         assert_eq!(
-            size_cache(CacheSize::Slots(64), &G, 1, 0, 64_000),
+            size_cache(CacheSize::Slots(64), &G, false, 0, 64_000),
             ExpertPlacement::AllResident
         );
         assert_eq!(
-            size_cache(CacheSize::Slots(1000), &G, 1, 0, 64_000),
+            size_cache(CacheSize::Slots(1000), &G, false, 0, 64_000),
             ExpertPlacement::AllResident
         );
         // Mixed quant types: slots are as large as the largest layer's expert, but `auto` keeps every expert
         // resident when their real bytes fit.
         assert_eq!(
-            size_cache(CacheSize::Auto, &G, 1, 50_000, 50_000),
+            size_cache(CacheSize::Auto, &G, false, 50_000, 50_000),
             ExpertPlacement::AllResident
         );
         // Staging is at most one layer's experts.
@@ -433,7 +439,7 @@ mod tests {
             n_expert: 16,
             ..G
         };
-        assert_eq!(wide.staging(1, u64::MAX), 16);
+        assert_eq!(wide.staging(false, u64::MAX), 16);
     }
 
     /// Several sequences get a layer's every expert as staging slots (any step stays on the device's slot table)
@@ -441,11 +447,11 @@ mod tests {
     #[test]
     fn several_sequences_stage_a_layer_while_the_room_allows() {
         // Top-2 of 16 experts, 1,000-byte slots: 4 tokens stage 8 experts.
-        assert_eq!(G.staging(1, u64::MAX), 8);
-        assert_eq!(G.staging(2, u64::MAX), 16);
-        assert_eq!(G.staging(64, 128_000), 16);
+        assert_eq!(G.staging(false, u64::MAX), 8);
+        assert_eq!(G.staging(true, u64::MAX), 16);
+        assert_eq!(G.staging(true, 128_000), 16);
         // 16 slots are 16,000 bytes: over an eighth of 127,999.
-        assert_eq!(G.staging(64, 127_999), 8);
+        assert_eq!(G.staging(true, 127_999), 8);
         // The slots beside them are what the room leaves.
         let c = |slots, staging| ExpertPlacement::Cache {
             slots,
@@ -453,9 +459,18 @@ mod tests {
             slot_bytes: 1000,
         };
         let big = ExpertGeometry { moe_layers: 40, ..G };
-        assert_eq!(size_cache(CacheSize::Auto, &big, 8, 200_000, 640_000), c(184, 16));
-        assert_eq!(size_cache(CacheSize::Auto, &big, 8, 127_999, 640_000), c(119, 8));
-        assert_eq!(size_cache(CacheSize::Auto, &big, 1, 200_000, 640_000), c(192, 8));
+        assert_eq!(size_cache(CacheSize::Auto, &big, true, 200_000, 640_000), c(184, 16));
+        assert_eq!(size_cache(CacheSize::Auto, &big, true, 127_999, 640_000), c(119, 8));
+        assert_eq!(size_cache(CacheSize::Auto, &big, false, 200_000, 640_000), c(192, 8));
+        // A fixed count: the eighth is of the room its slots leave (100 slots leave 100,000 bytes: 8 staging).
+        assert_eq!(
+            size_cache(CacheSize::Slots(100), &big, true, 200_000, 640_000),
+            c(100, 8)
+        );
+        assert_eq!(
+            size_cache(CacheSize::Slots(50), &big, true, 200_000, 640_000),
+            c(50, 16)
+        );
     }
 
     #[test]

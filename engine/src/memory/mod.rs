@@ -7,6 +7,7 @@
 //! Sizes are bytes. The KV cache is sized as [`crate::state::kv::KvCache`] allocates it (cells x
 //! [`KvShape::cell_bytes`]), so the plan and the allocation cannot disagree.
 
+use crate::experts::miss::MissPolicy;
 use std::fmt;
 
 pub mod cache;
@@ -217,6 +218,10 @@ pub struct PlanConfig {
     pub cache: CacheSize,
     /// `--vram-budget`: the most bytes the plan's parts may take, the reserve apart.
     pub budget: Option<u64>,
+    /// Whether steps of several sequences may decide their experts on a GPU's device slot table, so the staging
+    /// slots are sized for them ([`cache::ExpertGeometry::staging`]): the experts in the page-locked arena (not
+    /// `--mmap-experts`) and a miss policy other than `cpu`.
+    pub table_steps: bool,
 }
 
 impl PlanConfig {
@@ -232,6 +237,7 @@ impl PlanConfig {
             reserve: flags.experts.reserve_bytes(),
             cache: flags.experts.expert_cache,
             budget: flags.experts.vram_budget,
+            table_steps: !flags.experts.mmap_experts && flags.experts.miss_policy != MissPolicy::Cpu,
         }
     }
 }
@@ -355,7 +361,13 @@ impl MemoryPlan {
         let room = limit_of(free, config.budget, config.reserve).saturating_sub(others);
         match experts {
             Some(g) if weights.experts > 0 => {
-                let placement = cache::size_cache(config.cache, g, config.sequences, room, weights.experts);
+                let placement = cache::size_cache(
+                    config.cache,
+                    g,
+                    config.sequences > 1 && config.table_steps,
+                    room,
+                    weights.experts,
+                );
                 plan.parts.extend(match placement {
                     ExpertPlacement::AllResident => vec![(Part::Experts, weights.experts)],
                     ExpertPlacement::Cache {
@@ -702,6 +714,7 @@ mod tests {
             reserve: 7,
             cache: CacheSize::Auto,
             budget: None,
+            table_steps: true,
         };
         let plan = MemoryPlan::new(&W, &h, None, &cfg, u64::MAX).unwrap();
         let mut cache = crate::state::kv::KvCache::new(&h.kv_shape(), 300, KvType::F16).unwrap();
@@ -775,6 +788,7 @@ mod tests {
             reserve: 100,
             cache: CacheSize::Auto,
             budget: None,
+            table_steps: true,
         };
         let resident = MemoryPlan::new(&w, &hp(64), Some(&g), &cfg, u64::MAX).unwrap();
         assert_eq!(resident.experts, Some(ExpertPlacement::AllResident));
@@ -837,6 +851,7 @@ mod tests {
             reserve: 0,
             cache: CacheSize::Auto,
             budget: None,
+            table_steps: true,
         };
         assert_eq!(
             MemoryPlan::new(&W, &hp(48), None, &cfg, u64::MAX),

@@ -406,6 +406,7 @@ mod tests {
             reserve,
             cache: super::super::CacheSize::Slots(usize::MAX),
             budget: None,
+            table_steps: true,
         }
     }
 

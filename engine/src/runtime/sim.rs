@@ -229,12 +229,12 @@ fn original_sizing(
         let placement = if config.cache == CacheSize::Auto && weights.experts <= room {
             ExpertPlacement::AllResident
         } else {
-            // (One sequence's staging: the original's slots for steps of any size.)
+            // (One sequence's staging, given back to the room: the original's slots.)
             size_cache(
                 config.cache,
                 &g,
-                1,
-                room.saturating_add(g.staging(1, room) as u64 * g.slot_bytes),
+                false,
+                room.saturating_add(g.staging(false, room) as u64 * g.slot_bytes),
                 u64::MAX,
             )
         };

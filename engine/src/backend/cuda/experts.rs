@@ -55,8 +55,9 @@ pub struct ExpertCacheConfig {
     pub policy: Policy,
     /// Experts each token chooses (top-k).
     pub k: usize,
-    /// The page-locked expert arena as kernels address it, when the experts are in one: decode steps of one token
-    /// then keep the slot table on the device ([`DeviceTable`]), reading misses from it in place.
+    /// The page-locked expert arena as kernels address it, when the experts are in one: decode steps (of one token,
+    /// and of several that fit [`DeviceTable::tokens_max`]) then keep the slot table on the device
+    /// ([`DeviceTable`]), reading misses from it in place.
     pub arena: Option<HostMapping>,
     /// Whether such steps may use the device's table (`STRATA_DEVICE_SLOT_TABLE`; off: every decode step decides
     /// on the host, layer by layer).
@@ -276,15 +277,15 @@ fn fetch_blocks() -> u32 {
     crate::switches::usize_in(crate::switches::FETCH_BLOCKS, 1..=4096).map_or(FETCH_BLOCKS, |n| n as u32)
 }
 
-/// Most tokens of a step on the device's slot table ([`DeviceTable::tokens_max`]) for a pool made for `config`: as
-/// many as the staging slots hold the distinct experts of (`staging / k`; any number when they hold one layer's
-/// every expert), at most [`super::MOE_DEVICE_TOKENS_MAX`] and 1,024 routing slots (`expert_lookup`'s block, and
-/// what `moe_groups` groups).
-fn table_tokens(config: &ExpertCacheConfig) -> usize {
-    let k = config.k.max(1);
-    let staged = match config.staging >= config.n_expert {
+/// Most tokens of a step on the device's slot table ([`DeviceTable::tokens_max`]) for a pool of `staging` staging
+/// slots, `n_expert` experts a layer and top-`k`: as many as the staging slots hold the distinct experts of
+/// (`staging / k`; any number when they hold one layer's every expert), at most [`super::MOE_DEVICE_TOKENS_MAX`]
+/// and 1,024 routing slots (`expert_lookup`'s block, and what `moe_groups` groups).
+fn tokens_on_table(staging: usize, n_expert: usize, k: usize) -> usize {
+    let k = k.max(1);
+    let staged = match staging >= n_expert {
         true => usize::MAX,
-        false => config.staging / k,
+        false => staging / k,
     };
     staged
         .min(super::MOE_DEVICE_TOKENS_MAX)
@@ -301,13 +302,13 @@ fn table_tokens(config: &ExpertCacheConfig) -> usize {
 /// table (an expert several tokens chose, once) and gives each miss one of the free slots the host set aside
 /// (entering the table) or, when none is left, a staging slot; then `expert_fetch`, which copies the misses from the arena, read in place over the link, into
 /// their slots; then the expert kernels read every expert from its slot, so the results are the resident run's
-/// bit for bit. No host round trip is needed, so the step is one CUDA graph.
+/// bit for bit. No host round trip is needed, so a step of one token is one CUDA graph.
 ///
 /// The host's [`SlotCache`] stays the one bookkeeper: before such a step ([`ExpertPool::table_step_begin`]) it
 /// replays the last step's lookup log ([`SlotCache::replay`]: the same hits, admissions and staged misses, in
 /// the device's order), frees slots for the step's misses by evicting its policy's victims, and uploads its table
-/// and free slots; the device admits only into those, in that order. Every host-side step (prefill, steps of
-/// several tokens, the CPU's misses) replays a pending log first, so both tables always agree.
+/// and free slots; the device admits only into those, in that order. Every host-side step (prefill, steps the
+/// table does not take, the CPU's misses) replays a pending log first, so both tables always agree.
 struct DeviceTable {
     /// `[n_layer * n_expert]` slot table (i32, -1: none), then `free_max` free slots, then (free slots, taken).
     ctl: DevBuf,
@@ -388,7 +389,7 @@ impl DeviceTable {
         let ctx = stream.context();
         let ev = || ctx.new_event(None).map_err(CudaError::driver("event creation"));
         let cells = config.n_layer * config.n_expert;
-        let tokens_max = table_tokens(config);
+        let tokens_max = tokens_on_table(config.staging, config.n_expert, config.k);
         let routed = tokens_max * config.k;
         // A step's lookups, and as many prefetches (steps of one token).
         let free_max = config
@@ -639,7 +640,8 @@ impl ExpertPool {
             }
             .map_err(e())?;
         }
-        if let Some(j) = &t.join {
+        // The CPU joins steps of one token alone.
+        if let Some(j) = t.join.as_ref().filter(|_| n_tok == 1) {
             j.arm();
         }
         t.uploaded.record(stream).map_err(e())?;
@@ -751,7 +753,7 @@ impl ExpertPool {
             if region[0] == LOG_EMPTY {
                 continue;
             }
-            for pair in region.chunks_exact(2) {
+            for (j, pair) in region.chunks_exact(2).enumerate() {
                 let (expert, code) = (pair[0], pair[1]);
                 if code == LOOKUP_BAD {
                     return Err(CudaError::ExpertTable(format!(
@@ -767,6 +769,14 @@ impl ExpertPool {
                 }
                 if code == LOOKUP_REPEAT {
                     // Another token's routing slot looked it up in this layer-step.
+                    if !region[..j * 2]
+                        .chunks_exact(2)
+                        .any(|p| p[0] == expert && p[1] != LOOKUP_REPEAT)
+                    {
+                        return Err(CudaError::ExpertTable(format!(
+                            "layer {layer}: routing slot {j} repeats expert {expert}, which no earlier slot looked up"
+                        )));
+                    }
                     continue;
                 }
                 let seen = match code {
@@ -825,10 +835,12 @@ impl ExpertPool {
     ///
     /// Errors: a launch failed.
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn table_lookup(
         &mut self,
         gpu: &super::Gpu,
         ex: &Experts<'_>,
+        n_tok: usize,
         ids: u64,
         x: u64,
         slot_ids: u64,
@@ -844,8 +856,9 @@ impl ExpertPool {
             ex.layer
         );
         let t = self.table.as_mut().expect("a device table");
+        assert_eq!(n_tok, t.tokens, "a layer-step of the table's step");
         t.layer_bytes[ex.layer] = ex.expert_bytes();
-        let (one, routed) = (t.tokens == 1, t.tokens * k);
+        let (one, routed) = (n_tok == 1, n_tok * k);
         // A routing trace's experts for this layer-step were uploaded with the table: read them in place of the
         // router's (nothing after the lookup reads the router's ids).
         let ids = if replayed {
@@ -1120,7 +1133,7 @@ pub struct ExpertPool {
     miss: MissPlan,
     /// This layer-step's CPU-computed misses.
     pub(super) cpu: CpuMisses,
-    /// The device's copy of the slot table (decode steps of one token, experts in a mapped arena).
+    /// The device's copy of the slot table (decode steps, experts in a mapped arena).
     table: Option<DeviceTable>,
     /// Between [`ExpertPool::decode_step_begin`] and [`ExpertPool::decode_step_end`].
     step_open: bool,
@@ -1714,5 +1727,25 @@ impl Drop for HostPin {
             // SAFETY: `ptr` was registered by `new` and is still allocated (see there).
             let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tokens_on_table;
+
+    /// The device's slot table takes the steps whose distinct experts its staging slots hold: `staging / k` tokens,
+    /// or, when they hold a layer's every expert, any step of up to 64 tokens and 1,024 routing slots.
+    #[test]
+    fn the_table_takes_the_steps_whose_experts_the_staging_slots_hold() {
+        // The 30B shape: 128 experts, top-8.
+        assert_eq!(tokens_on_table(32, 128, 8), 4);
+        assert_eq!(tokens_on_table(64, 128, 8), 8);
+        assert_eq!(tokens_on_table(128, 128, 8), 64);
+        // 1,024 routing slots at most.
+        assert_eq!(tokens_on_table(128, 128, 64), 16);
+        // The parity tests' model: 32 experts, top-2.
+        assert_eq!(tokens_on_table(8, 32, 2), 4);
+        assert_eq!(tokens_on_table(32, 32, 2), 64);
     }
 }

@@ -1026,6 +1026,14 @@ impl CudaBackend {
         }
     }
 
+    /// A prefetch whose layer never ran (a step that stopped early) leaves its copies on the side stream: the
+    /// stream joins it (a step's graph holds no branch that is not joined).
+    fn join_open_prefetch(&self) {
+        if self.lock().experts.as_mut().is_some_and(ExpertPool::take_open_prefetch) {
+            Self::check(self.gpu.join());
+        }
+    }
+
     /// Ends the step [`CudaBackend::decode_step_begin`] started ([`ExpertPool::decode_step_end`]).
     fn decode_step_end(&self) {
         if let Some(p) = self.lock().experts.as_mut() {
@@ -1353,11 +1361,7 @@ impl Backend for CudaBackend {
     }
 
     fn step_end(&self) {
-        // A prefetch whose layer never ran (a step that stopped early) leaves its copies on the side stream: a
-        // step's graph holds no branch that is not joined.
-        if self.lock().experts.as_mut().is_some_and(ExpertPool::take_open_prefetch) {
-            Self::check(self.gpu.join());
-        }
+        self.join_open_prefetch();
         Self::check(self.gpu.step_end());
         self.decode_step_end();
     }
@@ -1367,6 +1371,7 @@ impl Backend for CudaBackend {
     }
 
     fn batch_step_end(&self) {
+        self.join_open_prefetch();
         self.decode_step_end();
     }
 

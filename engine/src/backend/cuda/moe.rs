@@ -550,7 +550,7 @@ impl Inner {
                     // writes their rows before the sum. Several tokens' slots are grouped by cache slot, as the
                     // resident experts' by expert: the same bits.
                     let sp = self.slot(gpu, Slot::MoeSlotIds, 3 * slots * 4)?;
-                    pool.table_lookup(gpu, ex, ids, xp, sp, self.replay.is_some())?;
+                    pool.table_lookup(gpu, ex, n_tok, ids, xp, sp, self.replay.is_some())?;
                     let at = pool_at(pool, ex);
                     let joins = n_tok == 1 && pool.table_joins();
                     // The GLU is fused into the Q4_K down projection alone; a separate GLU launch spans every
