@@ -835,7 +835,6 @@ impl ExpertPool {
     ///
     /// Errors: a launch failed.
     #[allow(clippy::too_many_arguments)]
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn table_lookup(
         &mut self,
         gpu: &super::Gpu,
