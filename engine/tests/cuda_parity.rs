@@ -2141,6 +2141,15 @@ fn scheduled_greedy(
     (tokens, logits, most)
 }
 
+/// Of each sequence's steps in `got` and `want` ([`scheduled_greedy`]'s logits), how many differ in any bit.
+fn steps_differing(got: &StepsLogits, want: &StepsLogits) -> usize {
+    let bits = |a: &Vec<f32>, b: &Vec<f32>| a.iter().zip(b).any(|(p, q)| p.to_bits() != q.to_bits());
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| a.iter().zip(b).filter(|(x, y)| bits(x, y)).count())
+        .sum()
+}
+
 /// Steps of several sequences decide their experts on the expert cache's device slot table, and give the
 /// all-resident run's bits (issue 16, point 6; issue 20's batches): six sequences through the continuous-batching
 /// scheduler (prompts of 3 to 300 tokens: 64-token chunks beside the others' decode tokens), Q4_K experts read by
@@ -2177,16 +2186,7 @@ fn batched_steps_on_the_device_slot_table_give_the_resident_bits() {
         g.synchronize().unwrap();
         drop(g);
         drop(pin);
-        let differing: usize = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| {
-                a.iter()
-                    .zip(b)
-                    .filter(|(x, y)| x.iter().zip(y.iter()).any(|(p, q)| p.to_bits() != q.to_bits()))
-                    .count()
-            })
-            .sum();
+        let differing = steps_differing(&got, &want);
         println!(
             "batched, {slots} slots, {staging} staging, fetch {}{}{}: table steps {one} of one token, {many} of several; decode {} lookups {} hits; {differing} steps' logits differ",
             if overlap { "beside the hits" } else { "first" },
@@ -2221,11 +2221,7 @@ fn batched_steps_on_the_device_slot_table_give_the_resident_bits() {
     assert_eq!(g.expert_table_steps().unwrap(), [0, 0]);
     drop(g);
     drop(pin);
-    let differing = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| a.iter().zip(b).filter(|(x, y)| x != y).count())
-        .sum::<usize>();
+    let differing = steps_differing(&got, &want);
     println!("batched, 64 slots, host's table: {differing} steps' logits differ from the resident run");
 }
 

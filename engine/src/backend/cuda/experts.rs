@@ -716,10 +716,15 @@ impl ExpertPool {
         let phase = &mut self.stats.decode;
         let mut fetched: Vec<u32> = Vec::with_capacity(k);
         let routed = t.tokens * k;
+        // The experts the current layer-step looked up (a repeat names one of them): marks, and their list.
+        let (mut looked, mut looked_list) = (vec![false; self.config.n_expert], Vec::with_capacity(routed));
         for (layer, region) in log[..self.config.n_layer * routed * 2]
             .chunks_exact(routed * 2)
             .enumerate()
         {
+            for e in looked_list.drain(..) {
+                looked[e as usize] = false;
+            }
             // The prefetch for this layer ran after the previous layer's lookups and before this one's.
             fetched.clear();
             let pf = &pf_log[layer * k * 2..(layer + 1) * k * 2];
@@ -769,10 +774,7 @@ impl ExpertPool {
                 }
                 if code == LOOKUP_REPEAT {
                     // Another token's routing slot looked it up in this layer-step.
-                    if !region[..j * 2]
-                        .chunks_exact(2)
-                        .any(|p| p[0] == expert && p[1] != LOOKUP_REPEAT)
-                    {
+                    if !looked.get(expert as usize).copied().unwrap_or(false) {
                         return Err(CudaError::ExpertTable(format!(
                             "layer {layer}: routing slot {j} repeats expert {expert}, which no earlier slot looked up"
                         )));
@@ -796,6 +798,8 @@ impl ExpertPool {
                         "the device looked up {id:?}, outside the model"
                     )));
                 }
+                looked[expert as usize] = true;
+                looked_list.push(expert);
                 self.cache.replay(id, seen).map_err(CudaError::ExpertTable)?;
                 if code == LOOKUP_PREFETCHED || matches!(seen, Access::Hit { .. }) && fetched.contains(&expert) {
                     phase.prefetch_used += 1;
