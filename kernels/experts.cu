@@ -57,8 +57,9 @@ __device__ __forceinline__ void count_flags(bool flag, int n, u32* shared, u32* 
 // slots (free_slots[ctl[1]], ctl[1] + 1, ... while below ctl[0]), the first `cap` of them (the upload cap per layer
 // and step), and enter the table; the rest are read, in order, into staging slots staging, staging + 1, ... for
 // this step alone (n_staging of them: the host runs a step here only when its distinct experts fit them; past
-// them, LOOKUP_NO_ROOM, and the host fails the step). Every miss the link carries joins the fetch list (fetch[0]
-// misses, then (expert, slot) pairs, in routing order) for expert_fetch. Writes slot_ids[j]; the same split in
+// them, LOOKUP_NO_ROOM: not fetched, read from the first staging slot, and the host fails the step). Every other
+// miss the link carries joins the fetch list (fetch[0] misses, then (expert, slot) pairs, in routing order) for
+// expert_fetch. Writes slot_ids[j]; the same split in
 // two, for computing the hits while the misses are fetched: slot_ids[n + j] the hits' slots (MOE_SKIP for a
 // miss), slot_ids[2 n + j] the fetched misses' (MOE_SKIP for a hit); a CPU job is MOE_SKIP in all three. And the
 // log: log[2 j] = e, log[2 j + 1] = its code. With CPU jobs, the token's activations x ([n_embd]) are copied to
@@ -73,14 +74,16 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int n, int
                                          int n_embd, u32* join_dev, u32* join_host, float* join_x, u32* pf_list,
                                          int pf_staging) {
     pdl_enter();
-    __shared__ u32 missed[1024];
+    __shared__ u32 missed[1024], sid[1024];
     int j = threadIdx.x;
     bool here = j < n;
     u32 e = here ? ids[j] : 0;
+    sid[j] = e;
+    __syncthreads();
     // The first routing slot with this expert looks it up.
     int first = j;
     for (int i = 0; here && i < j; ++i)
-        if (ids[i] == e) {
+        if (sid[i] == e) {
             first = i;
             break;
         }
@@ -148,8 +151,10 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int n, int
                 s = staging;
                 code = LOOKUP_NO_ROOM;
             }
-            fetch[1 + 2 * before] = e;
-            fetch[2 + 2 * before] = (u32)s;
+            if (code != LOOKUP_NO_ROOM) {
+                fetch[1 + 2 * before] = e;
+                fetch[2 + 2 * before] = (u32)s;
+            }
         }
         if (!repeat) {
             slot_ids[j] = cpu ? MOE_SKIP : (u32)s;
@@ -167,7 +172,8 @@ extern "C" __global__ void expert_lookup(const u32* __restrict__ ids, int n, int
         for (int p = 0; p < 3; ++p) slot_ids[p * n + j] = slot_ids[p * n + first];
     if (j == 0) {
         ctl[1] = taken + admit;
-        fetch[0] = linked;
+        // The misses past the staging slots are the last ones: left out.
+        fetch[0] = min(linked, admit + (u32)n_staging);
         if (on_cpu > 0) {
             u32 seq = join_dev[0] + 1;
             if (seq == 0) seq = 1;
