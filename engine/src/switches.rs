@@ -158,7 +158,7 @@ pub const PDL: &str = "STRATA_PDL";
 pub const CUDA_GRAPHS: &str = "STRATA_CUDA_GRAPHS";
 /// The expert cache's slot table on the device for decode steps (of one token, and of several that fit it).
 pub const DEVICE_SLOT_TABLE: &str = "STRATA_DEVICE_SLOT_TABLE";
-/// Expert fetches of decode steps on a second stream, beside the hits' compute.
+/// Expert fetches of one-token decode steps on a second stream, beside the hits' compute.
 pub const FETCH_OVERLAP: &str = "STRATA_FETCH_OVERLAP";
 /// The CPU computing its share of expert misses inside decode graphs, on the device's slot table.
 pub const CPU_JOIN: &str = "STRATA_CPU_JOIN";
@@ -288,7 +288,7 @@ pub const SWITCHES: &[Switch] = &[
         true,
         Applies::Cuda,
         true,
-        "0: on the device's slot table, a MoE layer's misses are copied in before any of its experts is computed, instead of on a second stream while the hits are computed",
+        "0: on the device's slot table, a MoE layer's misses in a step of one token are copied in before any of its experts is computed (as in steps of several tokens), instead of on a second stream while the hits are computed",
     ),
     speed(
         CPU_JOIN,

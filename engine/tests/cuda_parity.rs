@@ -2189,7 +2189,12 @@ fn batched_steps_on_the_device_slot_table_give_the_resident_bits() {
         let differing = steps_differing(&got, &want);
         println!(
             "batched, {slots} slots, {staging} staging, fetch {}{}{}: table steps {one} of one token, {many} of several; decode {} lookups {} hits; {differing} steps' logits differ",
-            if overlap { "beside the hits" } else { "first" },
+            // Steps of several tokens fetch first either way.
+            if overlap {
+                "beside the hits in one-token steps"
+            } else {
+                "first"
+            },
             if prefetch { ", prefetch" } else { "" },
             if cap == 1 { ", upload cap 1" } else { "" },
             st.decode.cache.lookups,

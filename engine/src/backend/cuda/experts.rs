@@ -65,8 +65,9 @@ pub struct ExpertCacheConfig {
     /// At most this many misses of a MoE layer in a decode step take a cache slot (`--upload-cap`); the others
     /// are staged for that step alone, or computed by the CPU. `u32::MAX`: no cap.
     pub upload_cap: u32,
-    /// On the device's table, a layer's misses are copied in and computed on a second stream while its hits are
-    /// computed (`STRATA_FETCH_OVERLAP`; off: copied in before any expert of the layer is computed).
+    /// On the device's table, in a step of one token, a layer's misses are copied in and computed on a second
+    /// stream while its hits are computed (`STRATA_FETCH_OVERLAP`; off, and in steps of several tokens: copied in
+    /// before any expert of the layer is computed).
     pub fetch_overlap: bool,
     /// There, the CPU computes its share of a layer's misses by the miss plan inside the step's graph
     /// ([`super::join`], `STRATA_CPU_JOIN`; off: a plan that uses the CPU takes the host's path, a round trip per

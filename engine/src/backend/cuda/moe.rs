@@ -554,8 +554,11 @@ impl Inner {
                     let at = pool_at(pool, ex);
                     let joins = n_tok == 1 && pool.table_joins();
                     // The GLU is fused into the Q4_K down projection alone; a separate GLU launch spans every
-                    // slot, so the two halves below could not run side by side.
-                    if pool.config().fetch_overlap && fuses_glu(ex) {
+                    // slot, so the two halves below could not run side by side. A step of several tokens fetches
+                    // first: its misses' launches, ungrouped beside the hits' grouped ones, and the second
+                    // stream's events cost more than the overlap gave (x8 decode on the 30B shape at 10.7 GiB, an
+                    // H100: 944 tok/s fetching first against 882 and 887 beside, reports/2026-12-07-h100-fetch-first/).
+                    if pool.config().fetch_overlap && n_tok == 1 && fuses_glu(ex) {
                         // On a second stream, the misses are copied in and computed; on the stream, the hits
                         // are computed meanwhile (each half skips the other's slots: MOE_SKIP). The sum waits
                         // for both.
