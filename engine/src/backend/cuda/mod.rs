@@ -77,11 +77,17 @@ use weights::{ResidentStore, WeightStore};
 
 /// Most tokens a matmul runs as matrix-vector products; larger batches use the GEMM.
 const MMV_MAX_TOKENS: usize = 4;
-/// Most tokens a dense matmul runs as matrix-vector products by default (`STRATA_MMV_DENSE_TOKENS`): Q4_K and
-/// Q6_K matrices read each row once for 8 tokens (`mmvt_*`), where the GEMM first writes an f16 copy of the
-/// matrix; on an H100 with the 30B shape, 16 sequences decoding together 1,340 tok/s at 16 against 1,234 at 8,
-/// and 32 no faster at 32 (`reports/2026-12-06-h100-mmvt.md`).
+/// Most tokens a dense matmul runs as matrix-vector products by default (`STRATA_MMV_DENSE_TOKENS`) on dp4a
+/// (`STRATA_MMQ=0`): Q4_K and Q6_K matrices read each row once for 8 tokens (`mmvt_*`), where the GEMM first
+/// writes an f16 copy of the matrix; on an H100 with the 30B shape, 16 sequences decoding together 1,340 tok/s at
+/// 16 against 1,234 at 8, and 32 no faster at 32 (`reports/2026-12-06-h100-mmvt.md`).
 const MMV_DENSE_TOKENS: usize = 16;
+/// The same on the integer tensor cores (`mmq_*`, `STRATA_MMQ` on): on an H100 with the 30B shape, against 16
+/// (the f16 copy and cuBLAS past it), pp32 +17%, pp64 +7%, 32 sequences decoding together +12%, pp128 the same,
+/// pp256 -9% and pp512 -16% with 512 (`reports/2026-12-07-h100-mmq-dense/`).
+const MMV_DENSE_TOKENS_MMQ: usize = 64;
+/// Most tokens `STRATA_MMV_DENSE_TOKENS` may name: a prompt step of up to 512 tokens on `mmq_*` (a tuning knob).
+const MMV_DENSE_TOKENS_MAX: usize = 512;
 
 /// Fewest rows of a prefill GEMM tile by default (`STRATA_GEMM_MIN_TILE`): a tile of at most 32 rows (an
 /// expert's tokens in a short prompt) is computed 32 rows high, one of 33 to 64 rows 64 high, else 128 high.
@@ -445,9 +451,12 @@ impl CudaBackend {
                 .unwrap_or(MOE_DEVICE_TOKENS_MAX);
         let mmv_dense_tokens = crate::switches::usize_in(
             crate::switches::MMV_DENSE_TOKENS,
-            MMV_MAX_TOKENS..=MOE_DEVICE_TOKENS_MAX,
+            MMV_MAX_TOKENS..=MMV_DENSE_TOKENS_MAX,
         )
-        .unwrap_or(MMV_DENSE_TOKENS);
+        .unwrap_or(match mmq {
+            true => MMV_DENSE_TOKENS_MMQ,
+            false => MMV_DENSE_TOKENS,
+        });
         let gemm_min_tile = match crate::switches::usize_in(crate::switches::GEMM_MIN_TILE, 32..=128) {
             Some(n @ (32 | 64 | 128)) => n,
             Some(n) => {
@@ -568,10 +577,10 @@ impl CudaBackend {
     }
 
     /// The most tokens a dense matmul runs as matrix-vector products, `n` clamped to
-    /// [`MMV_MAX_TOKENS`]..=[`MOE_DEVICE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start, default 8; tests
+    /// [`MMV_MAX_TOKENS`]..=[`MMV_DENSE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start, default 64, 16 with `STRATA_MMQ=0`; tests
     /// set it).
     pub fn set_mmv_dense_tokens(&self, n: usize) {
-        self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MOE_DEVICE_TOKENS_MAX);
+        self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MMV_DENSE_TOKENS_MAX);
     }
 
     /// Whether a dense Q4_K or Q6_K matrix times several tokens (2 to `STRATA_MMV_DENSE_TOKENS`, not
