@@ -1210,9 +1210,9 @@ extern "C" __global__ void mmvt1_q6_k(const u8*, const u8*, const u8*, const Q8k
 
 // moe_groups: the routing slots of a step of several tokens grouped by expert for mmv_moe_group_T. ids: n slots'
 // expert (or cache slot) ids, MOE_SKIP for a slot to leave out; groups as mmv_moe_group_T reads it: slots sorted by
-// (id, slot), each id's run cut into groups of at most MOE_GROUP_T. One block of MOE_GROUP_MAX_SLOTS threads
-// (n <= MOE_GROUP_MAX_SLOTS): thread s ranks slot s among all (n comparisons), then a scan of the group starts
-// numbers the groups.
+// (id, slot), each id's run cut into groups of at most MOE_GROUP_T. One block of a power of two of threads, at
+// least n and at most MOE_GROUP_MAX_SLOTS: thread s ranks slot s among all (n comparisons), then a scan of the
+// group starts numbers the groups.
 extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAX_SLOTS) moe_groups(const u32* __restrict__ ids, int n,
                                                                             int* __restrict__ groups) {
     __shared__ u32 sid[MOE_GROUP_MAX_SLOTS];
@@ -1238,7 +1238,7 @@ extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAX_SLOTS) moe_groups(con
         scan[rank] = start;
     }
     __syncthreads();
-    for (int off = 1; off < MOE_GROUP_MAX_SLOTS; off <<= 1) {
+    for (int off = 1; off < (int)blockDim.x; off <<= 1) {
         int v = s >= off ? scan[s - off] : 0;
         __syncthreads();
         scan[s] += v;
@@ -1251,7 +1251,7 @@ extern "C" __global__ void __launch_bounds__(MOE_GROUP_MAX_SLOTS) moe_groups(con
         gr[1] = m;
         for (int t = 0; t < m; ++t) gr[2 + t] = sorder[rank + t];
     }
-    if (s == MOE_GROUP_MAX_SLOTS - 1) groups[0] = scan[s];
+    if (s == (int)blockDim.x - 1) groups[0] = scan[s];
 }
 
 // f32 and f16 rows: lanes on consecutive 16-byte (8-byte) groups of the row and of x.

@@ -449,14 +449,12 @@ impl CudaBackend {
         let moe_device_tokens =
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
                 .unwrap_or(MOE_DEVICE_TOKENS_MAX);
-        let mmv_dense_tokens = crate::switches::usize_in(
-            crate::switches::MMV_DENSE_TOKENS,
-            MMV_MAX_TOKENS..=MMV_DENSE_TOKENS_MAX,
-        )
-        .unwrap_or(match mmq {
-            true => MMV_DENSE_TOKENS_MMQ,
-            false => MMV_DENSE_TOKENS,
-        });
+        let mmv_dense_tokens =
+            crate::switches::usize_in(crate::switches::MMV_DENSE_TOKENS, MMV_MAX_TOKENS..=MMV_DENSE_TOKENS_MAX)
+                .unwrap_or(match mmq {
+                    true => MMV_DENSE_TOKENS_MMQ,
+                    false => MMV_DENSE_TOKENS,
+                });
         let gemm_min_tile = match crate::switches::usize_in(crate::switches::GEMM_MIN_TILE, 32..=128) {
             Some(n @ (32 | 64 | 128)) => n,
             Some(n) => {

@@ -329,10 +329,11 @@ impl Inner {
     fn moe_groups(&mut self, gpu: &Gpu, ids: u64, slots: usize) -> Result<u64, CudaError> {
         assert!(slots <= MOE_GROUP_MAX_SLOTS, "moe_groups: {slots} routing slots");
         let groups = self.slot(gpu, Slot::MoeGroups, (1 + slots * MOE_GROUP_INTS) * 4)?;
+        // A block of the next power of two of threads: its scan runs over the block.
         gpu.launch(
             "moe_groups",
             (1, 1, 1),
-            (MOE_GROUP_MAX_SLOTS as u32, 1, 1),
+            (slots.next_power_of_two().max(32) as u32, 1, 1),
             &[Arg::P(ids), Arg::I(slots as i32), Arg::P(groups)],
         )?;
         Ok(groups)
