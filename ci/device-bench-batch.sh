@@ -5,8 +5,8 @@
 # Env: DEVICE (default cuda:0), MODEL (default synth:qwen3-30b-a3b), SEQ (default 1,4,8,16,32), GEN (decode tokens, default 64), ARMS
 # (more runs of carry/strata, separated by ";", each a list of VAR=VALUE and --flags for strata bench, e.g.
 # "--batch-invariant"; default: the experts of steps up to 64
-# tokens on the device's routing, per slot and grouped, and grouped with the dense matmuls of up to 64 tokens as
-# matrix-vector products).
+# tokens on the device's routing, per slot and grouped, and grouped with the dense matmuls of only up to 16 tokens
+# as matrix-vector products, the rest on cuBLAS).
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -34,7 +34,7 @@ if [ -x carry/strata-base ]; then
 fi
 for b in carry/strata carry/strata-base; do [ -x $b ] && echo "$b: $($b --version 2>&1)"; done
 arm new carry/strata
-IFS=";" read -ra extra <<< "${ARMS-STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=0;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1 STRATA_MMV_DENSE_TOKENS=64}"
+IFS=";" read -ra extra <<< "${ARMS-STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=0;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1;STRATA_MOE_DEVICE_TOKENS=64 STRATA_MOE_GROUPS=1 STRATA_MMV_DENSE_TOKENS=16}"
 i=0
 for a in "${extra[@]}"; do
   i=$((i+1))

@@ -376,7 +376,7 @@ pub const SWITCHES: &[Switch] = &[
     ),
     sw(
         MMV_DENSE_TOKENS,
-        "64 (16 with STRATA_MMQ=0)",
+        "64 while STRATA_MMQ is on, else 16",
         "N (4-512): most tokens a CUDA dense matmul runs as matrix-vector products (Q4_K and Q6_K rows read once for 8 tokens, on the integer tensor cores or with STRATA_MMQ=0 on dp4a), instead of an f16 copy of the matrix and cuBLAS (tuning; on an H100, 30B shape, mmq at 512 against 16: pp32 +17%, pp64 +7%, 32 sequences decoding together +12%, pp128 the same, pp256 -9%, pp512 -16%; dp4a: 16 sequences 1,340 tok/s at 16 against 1,234 at 8, 32 sequences 1,529 at 32 against 1,627 at 8)",
     ),
     sw(

@@ -199,9 +199,11 @@ fn types() -> Vec<GgmlType> {
 fn matmul_matches_cpu() {
     let _ = NEEDS_GPU;
     let (cpu, gpu) = (CpuBackend, gpu());
-    // A second backend whose library GEMM "fails" above 4 tokens: every prefill shape runs on our own kernel.
+    // A second backend whose library GEMM "fails" above 4 tokens and whose matrix-vector kernels stop at 4: every
+    // prefill shape runs on our own kernel.
     let own = self::gpu();
     assert!(own.set_fault_policy(FaultPlan::parse("prefill_gemm:m>4").unwrap(), true));
+    own.set_mmv_dense_tokens(4);
     let mut rng = Rng(7);
     let mut rows_out = Vec::new();
     for ty in types() {
@@ -406,8 +408,8 @@ fn several_tokens_per_loaded_row_give_each_token_its_bits_alone() {
 /// of the CPU (the same Q8_K integer products; only the f32 sums' order differs) and of `mmvt_*` (dp4a), on
 /// matrices of 1 to 16 super-blocks a row (so 1 to 4 warps of a tile with work), one or three to a launch with
 /// tiles of 16 rows (two a block) that part between matrices or pass the last row, and steps of 2 to 512 tokens
-/// (one to 64 blocks of tokens, full and partial; a prompt step takes them up to `STRATA_MMV_DENSE_TOKENS`); every token gets the bits it gets in a step of two (its columns never
-/// mix with another token's), and a token whose activations hold a NaN spreads it to its own outputs alone. The
+/// (one to 64 blocks of tokens, full and partial; a prompt step takes them up to `STRATA_MMV_DENSE_TOKENS`);
+/// every token gets the bits it gets in a step of two (its columns never mix with another token's), and a token whose activations hold a NaN spreads it to its own outputs alone. The
 /// kernel profile shows both `mmq_*` ran.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
@@ -590,6 +592,8 @@ fn experts_with_few_tokens_on_the_tensor_cores_match_the_cpu() {
 fn gemm_fallback_matches_cpu() {
     let (cpu, gpu) = (CpuBackend, gpu());
     assert!(gpu.set_fault_policy(FaultPlan::parse("prefill_gemm:m>64").unwrap(), true));
+    // Every size on a GEMM: 32 tokens on cuBLAS, more on ours (not on mmq_*, which takes up to 64 by default).
+    gpu.set_mmv_dense_tokens(16);
     let mut rng = Rng(11);
     let mut rows_out = Vec::new();
     for &n_tok in &[32usize, 72, 72, 200] {
@@ -1635,8 +1639,8 @@ fn a_prefix_taken_from_another_sequence_gives_the_bits_of_computing_it() {
 /// and within 1e-3 with the default 64, where the step's experts run on the decode kernels, token by token, and
 /// the lone prompts' on the prefill kernels (as the batched decode attention is judged). Both with the dense
 /// matmuls on the decode kernels up to 4 tokens (`STRATA_MMV_DENSE_TOKENS` 4), so the lone 7-token prompt and the
-/// 57-token step both take the GEMM: at 8 (the default then; 16 now) the 7-token prompt took the decode kernels,
-/// 3.1e-4 from the step's GEMM (H100, 2026-12-05, experts at 4), which the first arm's 1e-4 does not judge.
+/// 57-token step both take the GEMM: at 8 (the default then; now 64, 16 with `mmq_*` off) the 7-token prompt took
+/// the decode kernels, 3.1e-4 from the step's GEMM (H100, 2026-12-05, experts at 4), which the first arm's 1e-4 does not judge.
 #[test]
 #[ignore = "needs a CUDA GPU: run ci/device-test.sh on the device machine"]
 fn one_step_carrying_two_sequences_gives_each_its_logits_alone() {
@@ -1734,8 +1738,8 @@ impl CacheFixture {
 
     /// A fresh backend with an expert cache of `slots` slots, and the page lock of the arena when the model has
     /// one (drop it after the backend's last use). `device_table`: decode steps of one token keep the slot table
-    /// on the device (when the arena is page-locked), else they decide on the host; `fetch_overlap`: there, a
-    /// layer's misses are fetched and computed on a second stream beside its hits.
+    /// on the device (when the arena is page-locked), else they decide on the host; `fetch_overlap`: there, in a
+    /// step of one token, a layer's misses are fetched and computed on a second stream beside its hits.
     fn cached_gpu(
         &self,
         slots: usize,
@@ -2158,7 +2162,8 @@ fn steps_differing(got: &StepsLogits, want: &StepsLogits) -> usize {
 /// all-resident run's bits (issue 16, point 6; issue 20's batches): six sequences through the continuous-batching
 /// scheduler (prompts of 3 to 300 tokens: 64-token chunks beside the others' decode tokens), Q4_K experts read by
 /// the grouped decode kernels, with the staging the memory plan gives several sequences (a layer's every expert)
-/// and caches of 0, 4, 64 and 127 slots, the misses fetched beside the hits or before them (and 64 slots with the
+/// and caches of 0, 4, 64 and 127 slots, the misses of steps of one token fetched beside the hits or before them
+/// (steps of several tokens fetch first either way; and 64 slots with the
 /// next layer prefetched at steps of one token, 4 slots with `--upload-cap 1`), give every sequence the logits bits
 /// and tokens of the same batch with every expert resident; and steps of several tokens ran on the table.
 #[test]

@@ -21,10 +21,10 @@
 //! GEMMs of one group of experts (one half), the copy stream uploads the next group into the other half. Events
 //! keep it safe: a group's launches wait for its uploads ([`ExpertPool::ready`]); an upload into a half waits for
 //! the launches that last read it ([`ExpertPool::group_done`]); a layer's first upload waits for everything queued
-//! on the compute stream before it (decode steps included). On the device's slot table ([`DeviceTable`]), a
-//! layer's misses are fetched and computed on the backend's second stream while its hits are computed on the
-//! first; the layer's sum waits for both (`Gpu::fork`, `Gpu::join`; `STRATA_FETCH_OVERLAP=0`: one stream, the
-//! fetch first).
+//! on the compute stream before it (decode steps included). On the device's slot table ([`DeviceTable`]), in a
+//! step of one token, a layer's misses are fetched and computed on the backend's second stream while its hits are
+//! computed on the first; the layer's sum waits for both (`Gpu::fork`, `Gpu::join`; `STRATA_FETCH_OVERLAP=0`, and
+//! steps of several tokens: one stream, the fetch first).
 
 use std::sync::Arc;
 

@@ -163,6 +163,16 @@ impl Inner {
         self.mmq && !self.batch_invariant
     }
 
+    /// Most tokens a dense matmul runs as matrix-vector products: `STRATA_MMV_DENSE_TOKENS` (or
+    /// [`super::CudaBackend::set_mmv_dense_tokens`]) when set, else [`super::MMV_DENSE_TOKENS_MMQ`] while `mmq_*`
+    /// takes them ([`Inner::mmq_on`]) and [`super::MMV_DENSE_TOKENS`] while dp4a does.
+    pub(super) fn mmv_dense_tokens(&self) -> usize {
+        self.mmv_dense_tokens.unwrap_or(match self.mmq_on() {
+            true => super::MMV_DENSE_TOKENS_MMQ,
+            false => super::MMV_DENSE_TOKENS,
+        })
+    }
+
     /// `n_tok` activation rows of `cols` values at `xp` quantized to Q8_K (`q8k_stage`) into `slot`, sized for
     /// at least `room` rows: in Q4_K's lane order, or in order (`natural`: Q6_K's kernels and `mmq_*`). Returns
     /// the stages' address (`Q8K_STAGE_BYTES` a row). `cols` is a multiple of 256, at most [`MMV_X_MAX`].
@@ -218,8 +228,7 @@ impl Inner {
     }
 
     /// `y[t][r] = W[r] · x[t]` on device buffers: matrix-vector kernels for a few tokens (up to
-    /// `STRATA_MMV_DENSE_TOKENS`, default [`super::MMV_DENSE_TOKENS`]) and for every step when batch-invariant,
-    /// else the GEMM.
+    /// [`Inner::mmv_dense_tokens`]) and for every step when batch-invariant, else the GEMM.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_dev(
         &mut self,
@@ -232,8 +241,8 @@ impl Inner {
     ) -> Result<(), CudaError> {
         let (rows, cols) = (w.rows, w.cols);
         let mmv_max = match mmvt_fits(w) {
-            true => self.mmv_dense_tokens,
-            false => self.mmv_dense_tokens.min(MMV_PER_TOKEN_MAX),
+            true => self.mmv_dense_tokens(),
+            false => self.mmv_dense_tokens().min(MMV_PER_TOKEN_MAX),
         };
         if n_tok <= mmv_max || self.batch_invariant {
             return self.mmv(gpu, &[(w, wp, yp)], xp, n_tok);

@@ -276,10 +276,10 @@ struct Inner {
     /// The sequences the running forward pass carries ([`Backend::step_sequences`]); it holds until the next
     /// forward pass (a replayed graph is a one-token step, which takes the device's routing either way).
     step_sequences: usize,
-    /// Most tokens a dense matmul runs as matrix-vector products, one token per block column as a lone decode
-    /// step's (`STRATA_MMV_DENSE_TOKENS`, read at start, at least [`MMV_MAX_TOKENS`], at most
-    /// [`MOE_DEVICE_TOKENS_MAX`]); larger steps take the GEMM.
-    mmv_dense_tokens: usize,
+    /// Most tokens a dense matmul runs as matrix-vector products (`STRATA_MMV_DENSE_TOKENS`, read at start, at
+    /// least [`MMV_MAX_TOKENS`], at most [`MMV_DENSE_TOKENS_MAX`]); `None`: [`Inner::mmv_dense_tokens`]'s
+    /// default. Larger steps take the GEMM.
+    mmv_dense_tokens: Option<usize>,
     /// Fewest rows of a tile of our prefill GEMM (`STRATA_GEMM_MIN_TILE`, read at start: 32, 64 or 128): each
     /// tile runs at the smallest height of 32, 64 and 128 that holds its rows and is at least this
     /// ([`Inner::gemm_own`]).
@@ -450,11 +450,7 @@ impl CudaBackend {
             crate::switches::usize_in(crate::switches::MOE_DEVICE_TOKENS, 1..=MOE_DEVICE_TOKENS_MAX)
                 .unwrap_or(MOE_DEVICE_TOKENS_MAX);
         let mmv_dense_tokens =
-            crate::switches::usize_in(crate::switches::MMV_DENSE_TOKENS, MMV_MAX_TOKENS..=MMV_DENSE_TOKENS_MAX)
-                .unwrap_or(match mmq {
-                    true => MMV_DENSE_TOKENS_MMQ,
-                    false => MMV_DENSE_TOKENS,
-                });
+            crate::switches::usize_in(crate::switches::MMV_DENSE_TOKENS, MMV_MAX_TOKENS..=MMV_DENSE_TOKENS_MAX);
         let gemm_min_tile = match crate::switches::usize_in(crate::switches::GEMM_MIN_TILE, 32..=128) {
             Some(n @ (32 | 64 | 128)) => n,
             Some(n) => {
@@ -575,10 +571,10 @@ impl CudaBackend {
     }
 
     /// The most tokens a dense matmul runs as matrix-vector products, `n` clamped to
-    /// [`MMV_MAX_TOKENS`]..=[`MMV_DENSE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start, default 64, 16 with `STRATA_MMQ=0`; tests
-    /// set it).
+    /// [`MMV_MAX_TOKENS`]..=[`MMV_DENSE_TOKENS_MAX`] (`STRATA_MMV_DENSE_TOKENS`, read at start; unset, 64 while
+    /// `mmq_*` is on and 16 while it is off; tests set it).
     pub fn set_mmv_dense_tokens(&self, n: usize) {
-        self.lock().mmv_dense_tokens = n.clamp(MMV_MAX_TOKENS, MMV_DENSE_TOKENS_MAX);
+        self.lock().mmv_dense_tokens = Some(n.clamp(MMV_MAX_TOKENS, MMV_DENSE_TOKENS_MAX));
     }
 
     /// Whether a dense Q4_K or Q6_K matrix times several tokens (2 to `STRATA_MMV_DENSE_TOKENS`, not
@@ -1186,7 +1182,7 @@ impl Backend for CudaBackend {
             let s = self.lock();
             n_tok <= MMV_MAX_TOKENS
                 || s.batch_invariant
-                || (n_tok <= s.mmv_dense_tokens && ws.iter().all(matmul::mmvt_fits))
+                || (n_tok <= s.mmv_dense_tokens() && ws.iter().all(matmul::mmvt_fits))
         } && (1..=3).contains(&ws.len())
             && ws
                 .iter()

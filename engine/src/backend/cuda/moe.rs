@@ -561,8 +561,8 @@ impl Inner {
                     // H100: 944 tok/s fetching first against 882 and 887 beside, reports/2026-12-07-h100-fetch-first/).
                     if pool.config().fetch_overlap && n_tok == 1 && fuses_glu(ex) {
                         // On a second stream, the misses are copied in and computed; on the stream, the hits
-                        // are computed meanwhile (each half skips the other's slots: MOE_SKIP). The sum waits
-                        // for both.
+                        // are computed meanwhile (each half skips the other's slots: MOE_SKIP; one token's slots
+                        // have no groups). The sum waits for both.
                         let (hits, misses) = (sp + (slots * 4) as u64, sp + (2 * slots * 4) as u64);
                         gpu.fork()?;
                         pool.table_fetch(gpu, ex)?;
@@ -570,8 +570,7 @@ impl Inner {
                         gpu.to_main()?;
                         // Experts prefetched for this layer are hits: their copies come first.
                         pool.wait_prefetch(gpu, ex.layer)?;
-                        let groups = self.step_groups(gpu, ex, hits, n_tok, slots)?;
-                        self.mmv_experts(gpu, ex, &at, hits, groups, xp, bufs, k, slots, false)?;
+                        self.mmv_experts(gpu, ex, &at, hits, None, xp, bufs, k, slots, false)?;
                         if joins {
                             pool.table_cpu_join(gpu, dp, n_embd)?;
                         }
