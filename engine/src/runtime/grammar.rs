@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | [`GrammarEnv::new`] | a model's vocabulary indexed for the constraint engine, once per model | none |
 //! | [`GrammarEnv::check`] | whether a [`GrammarSpec`] can be enforced | [`GrammarError`] naming the part |
+//! | [`RecentGrammars`] | matchers for the specs a worker sees, each compiled once while among the last few | as `check` |
 //! | [`Constrained`] | a [`TokenSampler`] that masks every token the grammar forbids before its inner sampler draws | — |
 //!
 //! The engine is llguidance (Microsoft's "super-fast structured outputs", the one llama.cpp, vLLM and SGLang
@@ -127,6 +128,47 @@ impl GrammarEnv {
     /// Errors: as [`GrammarEnv::matcher`].
     pub fn check(&self, spec: &GrammarSpec) -> Result<(), GrammarError> {
         self.matcher(spec).map(|_| ())
+    }
+}
+
+/// The compiled grammars of the last [`RecentGrammars::KEPT`] specs, each kept at the answer's start: a spec seen
+/// among them again (the `n` choices of one request, or the same tool or response schema request after request)
+/// gets a deep clone (llguidance's `Matcher::deep_clone`: the parser and its lexer caches, for independent use)
+/// instead of a second compile: for a schema of 1,000 integer properties, 90 ms compiled against 0.2 ms cloned on
+/// the 2-core machine (tests/cpu, `recent_grammars_compile_a_spec_once_and_clone_it_from_the_start`).
+#[derive(Default)]
+pub struct RecentGrammars {
+    /// Most recently used first.
+    kept: std::collections::VecDeque<(GrammarSpec, Matcher)>,
+    compiles: u64,
+}
+
+impl RecentGrammars {
+    /// Specs kept compiled.
+    pub const KEPT: usize = 4;
+
+    /// A matcher for `spec` at the answer's start: a clone of the kept one when `spec` is among the last
+    /// [`RecentGrammars::KEPT`] compiled, else compiled by `env` (and kept, the oldest going). A spec that does not
+    /// compile is not kept.
+    ///
+    /// Errors: as [`GrammarEnv::matcher`].
+    pub fn matcher(&mut self, env: &GrammarEnv, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
+        if let Some(i) = self.kept.iter().position(|(s, _)| s == spec) {
+            let entry = self.kept.remove(i).expect("found");
+            let m = entry.1.deep_clone();
+            self.kept.push_front(entry);
+            return Ok(m);
+        }
+        let m = env.matcher(spec)?;
+        self.compiles += 1;
+        self.kept.push_front((spec.clone(), m.deep_clone()));
+        self.kept.truncate(Self::KEPT);
+        Ok(m)
+    }
+
+    /// Specs compiled so far (the rest were clones).
+    pub fn compiles(&self) -> u64 {
+        self.compiles
     }
 }
 

@@ -18,7 +18,7 @@ use crate::runtime::batch::{BatchEvent, BatchJob, Batcher, StepTotals};
 use crate::runtime::engine::Engine;
 use crate::runtime::generate::TokenSampler;
 use crate::runtime::generate::{GenerateError, GenerateOptions, GenerateStats};
-use crate::runtime::grammar::{Constrained, GrammarEnv};
+use crate::runtime::grammar::{Constrained, GrammarEnv, RecentGrammars};
 use crate::runtime::sampling::{MAX_TOP_LOGPROBS, Sampler};
 use crate::runtime::session::SessionError;
 use crate::tokenizer::Tokenizer;
@@ -406,8 +406,9 @@ fn plain_sampler(job: &GenerateJob, vocab: usize) -> BuiltSampler {
 
 /// The grammar thread: gives each job from `rx` its sampler under its grammar and hands it to the stepping
 /// thread, in arrival order, until the reader thread is gone. The vocabulary is indexed for the constraint engine
-/// when the first grammar arrives. A job cancelled before its turn goes on uncompiled (its plain sampler), and
-/// the scheduler ends it as cancelled, so it holds up no job behind it.
+/// when the first grammar arrives. A grammar among the last few compiled is cloned, not compiled again
+/// ([`RecentGrammars`]: a request's `n` choices compile once). A job cancelled before its turn goes on uncompiled
+/// (its plain sampler), and the scheduler ends it as cancelled, so it holds up no job behind it.
 fn compile_grammars(
     rx: mpsc::Receiver<(Box<GenerateJob>, Arc<AtomicBool>)>,
     to: mpsc::Sender<Work>,
@@ -417,6 +418,8 @@ fn compile_grammars(
 ) {
     let delay = crate::switches::usize_in(crate::switches::WORKER_GRAMMAR_DELAY_MS, 0..=600_000).unwrap_or(0);
     let mut env: Option<Arc<GrammarEnv>> = None;
+    // The `n` choices of a request, and a schema sent again, compile once.
+    let mut recent = RecentGrammars::default();
     for (job, cancel) in rx {
         let sampler = plain_sampler(&job, vocab).and_then(|inner| {
             let Some(spec) = job.grammar.as_ref().filter(|_| !cancel.load(Ordering::SeqCst)) else {
@@ -430,7 +433,7 @@ fn compile_grammars(
                     .insert(Arc::new(GrammarEnv::new(tokenizer).map_err(|e| e.to_string())?))
                     .clone(),
             };
-            let matcher = env.matcher(spec).map_err(|e| e.to_string())?;
+            let matcher = recent.matcher(&env, spec).map_err(|e| e.to_string())?;
             Ok(Box::new(Constrained::new(inner, matcher, env)) as Box<dyn TokenSampler + Send>)
         });
         compiling.store(0, Ordering::SeqCst);

@@ -54,6 +54,31 @@ fn structured_output_always_parses_and_validates() {
         assert_cat(&text);
     }
 
+    // Three choices of one request (the worker compiles the schema once and gives each a clone of it), sampled
+    // side by side: each that ends is a cat; one cut at max_tokens (the schema allows whitespace, which a hot
+    // sampler may write at length) is one begun.
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 120, "temperature": 1.2, "seed": 4, "n": 3,
+                "response_format": format}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    let mut ended = 0;
+    for c in choices {
+        let text = c["message"]["content"].as_str().unwrap();
+        match c["finish_reason"].as_str() {
+            Some("stop") => {
+                assert_cat(text);
+                ended += 1;
+            }
+            Some("length") => assert!(text.trim_start().starts_with('{'), "{text}"),
+            _ => panic!("{v}"),
+        }
+    }
+    assert!(ended > 0, "no choice ended: {v}");
+
     // json_object: any JSON object.
     let (status, v) = s.post(
         "/v1/chat/completions",

@@ -9,7 +9,7 @@ use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::model::Model;
 use strata_engine::models;
 use strata_engine::runtime::generate::{GenerateOptions, Greedy, StopReason, TokenSampler, generate};
-use strata_engine::runtime::grammar::{Constrained, GrammarEnv, GrammarSpec};
+use strata_engine::runtime::grammar::{Constrained, GrammarEnv, GrammarSpec, RecentGrammars};
 use strata_engine::runtime::sampling::{Sampler, SamplingParams};
 use strata_engine::runtime::session::{Session, SessionConfig};
 use strata_engine::state::kv::KvType;
@@ -20,6 +20,18 @@ fn run(
     tok: &Tokenizer,
     env: &Arc<GrammarEnv>,
     spec: &GrammarSpec,
+    ask: &str,
+    inner: Box<dyn TokenSampler + Send>,
+) -> (String, StopReason) {
+    run_with(model, tok, env, env.matcher(spec).unwrap(), ask, inner)
+}
+
+/// [`run`] under a matcher made elsewhere.
+fn run_with(
+    model: &Model,
+    tok: &Tokenizer,
+    env: &Arc<GrammarEnv>,
+    matcher: llguidance::Matcher,
     ask: &str,
     inner: Box<dyn TokenSampler + Send>,
 ) -> (String, StopReason) {
@@ -36,7 +48,7 @@ fn run(
         prefill_chunk: None,
     };
     let mut session = Session::new(model, &CpuBackend, config).unwrap();
-    let mut sampler = Constrained::new(inner, env.matcher(spec).unwrap(), env.clone());
+    let mut sampler = Constrained::new(inner, matcher, env.clone());
     let opts = GenerateOptions {
         max_tokens: 200,
         stop: vec![],
@@ -109,4 +121,84 @@ fn constrained_answers_parse_and_validate() {
     };
     let err = env.check(&bad).unwrap_err().to_string();
     assert!(err.contains("strin"), "{err}");
+}
+
+/// A spec seen again among the last few (a request's `n` choices, a schema sent request after request) is compiled
+/// once: its clones give the answer a fresh compile gives, each from the answer's start however far another clone
+/// went; a fifth spec pushes out the oldest.
+#[test]
+fn recent_grammars_compile_a_spec_once_and_clone_it_from_the_start() {
+    let model = Model::load(models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"))).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let env = Arc::new(GrammarEnv::new(&tok).unwrap());
+    let schema = |n: usize| GrammarSpec::JsonSchema {
+        schema: json!({
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12 + n}, "legs": {"type": "integer"}},
+            "required": ["name", "legs"],
+            "additionalProperties": false
+        }),
+    };
+    let ask = "Describe a cat.";
+    let (want, stop) = run(&model, &tok, &env, &schema(0), ask, Box::new(Greedy));
+    assert_eq!(stop, StopReason::Eog, "{want}");
+    let mut recent = RecentGrammars::default();
+    let first = recent.matcher(&env, &schema(0)).unwrap();
+    let second = recent.matcher(&env, &schema(0)).unwrap();
+    assert_eq!(recent.compiles(), 1, "the same spec again was compiled again");
+    // The first clone runs a whole answer; the second, after it, still starts at the beginning.
+    for m in [first, second] {
+        let (got, _) = run_with(&model, &tok, &env, m, ask, Box::new(Greedy));
+        assert_eq!(
+            got, want,
+            "a kept grammar's clone answers otherwise than a fresh compile"
+        );
+    }
+    // Three more specs keep the first (4 kept); a fifth pushes out the least recently used, schema(1).
+    let lark = GrammarSpec::Lark {
+        grammar: "start: \"yes\" | \"no\"".into(),
+    };
+    for spec in [&schema(1), &schema(2), &lark, &schema(0)] {
+        recent.matcher(&env, spec).unwrap();
+    }
+    assert_eq!(recent.compiles(), 4, "schema(0), still kept, was compiled again");
+    recent.matcher(&env, &schema(3)).unwrap();
+    recent.matcher(&env, &lark).unwrap();
+    assert_eq!(recent.compiles(), 5);
+    recent.matcher(&env, &schema(1)).unwrap();
+    assert_eq!(
+        recent.compiles(),
+        6,
+        "the oldest spec was still kept past four newer ones"
+    );
+    // A spec that does not compile is refused each time, and kept never.
+    let bad = GrammarSpec::JsonSchema {
+        schema: json!({"type": "object", "properties": {"a": {"type": "strin"}}}),
+    };
+    for _ in 0..2 {
+        let Err(err) = recent.matcher(&env, &bad) else {
+            panic!("an unenforceable schema compiled");
+        };
+        let err = err.to_string();
+        assert!(err.contains("strin"), "{err}");
+    }
+    assert_eq!(recent.compiles(), 6);
+    // What a clone saves: a schema of 1,000 optional properties, compiled, then cloned (printed, not judged).
+    let props: serde_json::Map<String, Value> = (0..1000)
+        .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+        .collect();
+    let big = GrammarSpec::JsonSchema {
+        schema: json!({"type": "object", "properties": props, "additionalProperties": false}),
+    };
+    let t = std::time::Instant::now();
+    recent.matcher(&env, &big).unwrap();
+    let compiled = t.elapsed();
+    let t = std::time::Instant::now();
+    recent.matcher(&env, &big).unwrap();
+    println!(
+        "a schema of 1,000 properties: compiled in {:.1} ms, cloned in {:.2} ms",
+        compiled.as_secs_f64() * 1e3,
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert_eq!(recent.compiles(), 7);
 }
