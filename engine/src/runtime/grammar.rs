@@ -106,7 +106,9 @@ impl GrammarEnv {
     /// A matcher for `spec`, at the start of the answer.
     ///
     /// Errors: [`GrammarError::Unsupported`] with the engine's message (an unknown or unsupported JSON-schema
-    /// keyword, a Lark syntax error).
+    /// keyword, a Lark syntax error), or for a JSON schema no value satisfies that way (no token can begin the
+    /// answer: `{"anyOf": [{"$ref": "#"}]}`, a `$ref` that leads only back to itself), which would answer an
+    /// empty text.
     pub fn matcher(&self, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
         let grammar = match spec {
             GrammarSpec::JsonSchema { schema } => {
@@ -116,11 +118,22 @@ impl GrammarEnv {
             GrammarSpec::Lark { grammar } => TopLevelGrammar::from_lark(grammar.clone()),
         };
         let parser = self.factory.create_parser(grammar).map_err(unsupported)?;
-        let matcher = Matcher::new(Ok(parser));
-        match matcher.get_error() {
-            Some(message) => Err(GrammarError::Unsupported { message }),
-            None => Ok(matcher),
+        let mut matcher = Matcher::new(Ok(parser));
+        if let Some(message) = matcher.get_error() {
+            return Err(GrammarError::Unsupported { message });
         }
+        if matches!(spec, GrammarSpec::JsonSchema { .. }) {
+            let mask = matcher.compute_mask().map_err(unsupported)?;
+            let begins = mask.num_set() - usize::from(mask.is_allowed(self.eos));
+            if begins == 0 {
+                return Err(GrammarError::Unsupported {
+                    message: "no JSON value satisfies the schema (nothing can begin the answer: a $ref that only \
+                              leads back to itself?)"
+                        .into(),
+                });
+            }
+        }
+        Ok(matcher)
     }
 
     /// Checks that `spec` can be enforced (what the front answers 400 for before queueing a request).

@@ -125,6 +125,16 @@ fn unenforceable_formats_are_refused_naming_the_part() {
             "response_format.json_schema.schema",
         ),
         (json!({"type": "yaml"}), "response_format.type"),
+        // A schema no value satisfies: a $ref that only leads back to itself, through anyOf or allOf.
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": [{"$ref": "#"}]}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema":
+                {"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}}}),
+            "response_format.json_schema.schema",
+        ),
     ] {
         let (status, v) = s.post(
             "/v1/chat/completions",
