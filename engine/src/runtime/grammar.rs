@@ -123,13 +123,21 @@ impl GrammarEnv {
             return Err(GrammarError::Unsupported { message });
         }
         if matches!(spec, GrammarSpec::JsonSchema { .. }) {
-            let mask = matcher.compute_mask().map_err(unsupported)?;
-            let begins = mask.num_set() - usize::from(mask.is_allowed(self.eos));
-            if begins == 0 {
+            // The engine either masks every token or stops at once (its error's first line says how).
+            let why = match matcher.compute_mask() {
+                Ok(mask) if mask.num_set() > usize::from(mask.is_allowed(self.eos)) => None,
+                Ok(_) => Some(String::new()),
+                Err(e) => Some(format!(
+                    "; the constraint engine: {}",
+                    e.to_string().lines().next().unwrap_or("")
+                )),
+            };
+            if let Some(why) = why {
                 return Err(GrammarError::Unsupported {
-                    message: "no JSON value satisfies the schema (nothing can begin the answer: a $ref that only \
-                              leads back to itself?)"
-                        .into(),
+                    message: format!(
+                        "no JSON value satisfies the schema: nothing can begin the answer (a $ref that only leads \
+                         back to itself?){why}"
+                    ),
                 });
             }
         }

@@ -257,7 +257,16 @@ pub struct ModelInfo {
     pub tool_format: ToolFormat,
     /// The vocabulary indexed for constrained decoding, built by the first request that asks for a grammar.
     grammar: std::sync::OnceLock<Result<Arc<GrammarEnv>, GrammarError>>,
+    /// The last [`GRAMMARS_CHECKED`] specs [`ModelInfo::check_grammar`] compiled and found enforceable, most
+    /// recent first: a spec sent again (the same response or tool schema, request after request) is not compiled
+    /// again at the front.
+    checked: std::sync::Mutex<std::collections::VecDeque<GrammarSpec>>,
+    /// Specs [`ModelInfo::check_grammar`] compiled.
+    compiles: AtomicUsize,
 }
+
+/// Enforceable specs the front remembers ([`ModelInfo::check_grammar`]).
+pub const GRAMMARS_CHECKED: usize = 16;
 
 impl ModelInfo {
     /// Reads the metadata of the model at `path`.
@@ -282,24 +291,48 @@ impl ModelInfo {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             grammar: std::sync::OnceLock::new(),
+            checked: std::sync::Mutex::default(),
+            compiles: AtomicUsize::new(0),
             tool_format: tool_format
                 .unwrap_or_else(|| ToolFormat::detect(template.as_ref().map_or("", |t| t.source()))),
             template,
         })
     }
 
-    /// Checks that `spec` can be enforced on this model; `param` names the request field it came from.
+    /// Checks that `spec` can be enforced on this model; `param` names the request field it came from. A spec
+    /// among the last [`GRAMMARS_CHECKED`] found enforceable is not compiled again.
     ///
     /// Errors: 400 naming `param` with the constraint engine's reason (an unsupported JSON-schema keyword, a Lark
     /// syntax error).
     pub fn check_grammar(&self, api: Api, param: &str, spec: &GrammarSpec) -> Result<(), ApiError> {
+        let checked = || self.checked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        {
+            let mut c = checked();
+            if let Some(i) = c.iter().position(|s| s == spec) {
+                let s = c.remove(i).expect("found");
+                c.push_front(s);
+                return Ok(());
+            }
+        }
         let env = self
             .grammar
             .get_or_init(|| GrammarEnv::new(&self.tokenizer).map(Arc::new))
             .as_ref()
             .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))?;
+        self.compiles.fetch_add(1, Ordering::Relaxed);
         env.check(spec)
-            .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))
+            .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))?;
+        let mut c = checked();
+        // Another request may have checked the same spec meanwhile.
+        c.retain(|s| s != spec);
+        c.push_front(spec.clone());
+        c.truncate(GRAMMARS_CHECKED);
+        Ok(())
+    }
+
+    /// Specs [`ModelInfo::check_grammar`] compiled so far (the rest it had found enforceable before).
+    pub fn grammar_compiles(&self) -> usize {
+        self.compiles.load(Ordering::Relaxed)
     }
 
     /// The grammar an answer follows: `structured` (what the request's `field` asked for, from

@@ -202,3 +202,45 @@ fn recent_grammars_compile_a_spec_once_and_clone_it_from_the_start() {
     );
     assert_eq!(recent.compiles(), 7);
 }
+
+/// The front compiles a spec it has found enforceable once: sent again (request after request), it is taken as
+/// checked; an unenforceable one is compiled (and refused) each time; past 16 newer specs the first is compiled again.
+#[test]
+fn the_front_checks_a_schema_sent_again_without_compiling_it() {
+    use strata_engine::serve::api::{Api, GRAMMARS_CHECKED, ModelInfo};
+    let path = models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"));
+    let info = ModelInfo::open(&path, 1024, None).unwrap();
+    let schema = |n: usize| GrammarSpec::JsonSchema {
+        schema: json!({"type": "object", "properties": {"n": {"type": "integer", "maximum": n}}}),
+    };
+    for _ in 0..3 {
+        info.check_grammar(Api::OpenAi, "response_format", &schema(0)).unwrap();
+    }
+    assert_eq!(
+        info.grammar_compiles(),
+        1,
+        "a schema found enforceable was compiled again"
+    );
+    let bad = GrammarSpec::JsonSchema {
+        schema: json!({"anyOf": [{"$ref": "#"}]}),
+    };
+    for _ in 0..2 {
+        let err = info.check_grammar(Api::OpenAi, "response_format", &bad).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("response_format"), "{}", err.message);
+        assert!(err.message.contains("no JSON value"), "{}", err.message);
+    }
+    assert_eq!(info.grammar_compiles(), 3);
+    for n in 1..=GRAMMARS_CHECKED {
+        info.check_grammar(Api::OpenAi, "response_format", &schema(n)).unwrap();
+    }
+    assert_eq!(info.grammar_compiles(), 3 + GRAMMARS_CHECKED);
+    info.check_grammar(Api::OpenAi, "response_format", &schema(GRAMMARS_CHECKED))
+        .unwrap();
+    assert_eq!(info.grammar_compiles(), 3 + GRAMMARS_CHECKED);
+    info.check_grammar(Api::OpenAi, "response_format", &schema(0)).unwrap();
+    assert_eq!(
+        info.grammar_compiles(),
+        4 + GRAMMARS_CHECKED,
+        "the oldest spec was kept past 16 newer ones"
+    );
+}
