@@ -95,6 +95,11 @@ impl GrammarEnv {
         let mut factory = ParserFactory::new(&env, caps, &llguidance::earley::SlicedBiasComputer::general_slices())
             .map_err(unsupported)?;
         factory.set_stderr_log_level(0);
+        // An object of n optional properties takes about 4 n items in an Earley row (llguidance's default of 2,000
+        // ends an answer of 501 at its `{`); errors in one line, without the parser's state.
+        let limits = factory.limits_mut();
+        limits.max_items_in_row = limits.max_items_in_row.max(5 * MAX_SCHEMA_PROPERTIES);
+        limits.verbose_errors = false;
         Ok(GrammarEnv {
             factory,
             eog,
@@ -152,15 +157,17 @@ impl GrammarEnv {
     }
 }
 
-/// The compiled grammars of the last [`RecentGrammars::KEPT`] specs, each kept at the answer's start: a spec seen
-/// among them again (the `n` choices of one request, or the same tool or response schema request after request)
-/// gets a deep clone (llguidance's `Matcher::deep_clone`: the parser and its lexer caches, for independent use)
-/// instead of a second compile: for a schema of 1,000 integer properties, 90 ms compiled against 0.2 ms cloned on
-/// the 2-core machine (tests/cpu, `recent_grammars_compile_a_spec_once_and_clone_it_from_the_start`).
+/// The compiled grammars of the [`RecentGrammars::KEPT`] specs used last, each kept at the answer's start: a spec
+/// seen among them again, written the same way (the `n` choices of one request, or the same tool or response
+/// schema request after request; [`spec_key`]: properties in another order are another spec, since the answer
+/// writes them in the schema's order) gets a deep clone (llguidance's `Matcher::deep_clone`: the parser and its
+/// lexer caches, for independent use) instead of a second compile: for a schema of 1,000 integer properties,
+/// 90-190 ms compiled against 0.2 ms cloned on the 2-core machine (tests/cpu,
+/// `recent_grammars_compile_a_spec_once_and_clone_it_from_the_start`).
 #[derive(Default)]
 pub struct RecentGrammars {
-    /// Most recently used first.
-    kept: std::collections::VecDeque<(GrammarSpec, Matcher)>,
+    /// Most recently used first, by [`spec_key`].
+    kept: std::collections::VecDeque<(String, Matcher)>,
     compiles: u64,
 }
 
@@ -168,13 +175,14 @@ impl RecentGrammars {
     /// Specs kept compiled.
     pub const KEPT: usize = 4;
 
-    /// A matcher for `spec` at the answer's start: a clone of the kept one when `spec` is among the last
-    /// [`RecentGrammars::KEPT`] compiled, else compiled by `env` (and kept, the oldest going). A spec that does not
-    /// compile is not kept.
+    /// A matcher for `spec` at the answer's start: a clone of the kept one when `spec` is among the
+    /// [`RecentGrammars::KEPT`] used last, else compiled by `env` (and kept, the least recently used going). A spec
+    /// that does not compile is not kept.
     ///
     /// Errors: as [`GrammarEnv::matcher`].
     pub fn matcher(&mut self, env: &GrammarEnv, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
-        if let Some(i) = self.kept.iter().position(|(s, _)| s == spec) {
+        let key = spec_key(spec);
+        if let Some(i) = self.kept.iter().position(|(s, _)| *s == key) {
             let entry = self.kept.remove(i).expect("found");
             let m = entry.1.deep_clone();
             self.kept.push_front(entry);
@@ -182,7 +190,7 @@ impl RecentGrammars {
         }
         let m = env.matcher(spec)?;
         self.compiles += 1;
-        self.kept.push_front((spec.clone(), m.deep_clone()));
+        self.kept.push_front((key, m.deep_clone()));
         self.kept.truncate(Self::KEPT);
         Ok(m)
     }
@@ -191,6 +199,13 @@ impl RecentGrammars {
     pub fn compiles(&self) -> u64 {
         self.compiles
     }
+}
+
+/// `spec` as the worker protocol writes it (JSON, object keys in the order the client wrote them): two specs with the
+/// same key compile to the same grammar. (`GrammarSpec`'s `==` is not that: with serde_json's `preserve_order`
+/// it ignores key order, while llguidance writes an object's properties in the schema's order.)
+pub fn spec_key(spec: &GrammarSpec) -> String {
+    serde_json::to_string(spec).expect("a GrammarSpec serializes")
 }
 
 /// The deepest a JSON schema may nest, counting each object, array and local `$ref` hop. llguidance's compiler

@@ -23,7 +23,7 @@ use super::supervisor::{EngineRequest, JobEvent, SubmitError};
 use super::tools::{self, Tool, ToolFormat, ToolUse};
 use crate::gguf::GgufModel;
 use crate::model::hparams::HParams;
-use crate::runtime::grammar::{GrammarEnv, GrammarError, GrammarSpec};
+use crate::runtime::grammar::{GrammarEnv, GrammarError, GrammarSpec, spec_key};
 use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 use crate::runtime::session::context_cells;
 use crate::tokenizer::{ChatContent, ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, Tokenizer};
@@ -257,16 +257,18 @@ pub struct ModelInfo {
     pub tool_format: ToolFormat,
     /// The vocabulary indexed for constrained decoding, built by the first request that asks for a grammar.
     grammar: std::sync::OnceLock<Result<Arc<GrammarEnv>, GrammarError>>,
-    /// The last [`GRAMMARS_CHECKED`] specs [`ModelInfo::check_grammar`] compiled and found enforceable, most
-    /// recent first: a spec sent again (the same response or tool schema, request after request) is not compiled
-    /// again at the front.
-    checked: std::sync::Mutex<std::collections::VecDeque<GrammarSpec>>,
-    /// Specs [`ModelInfo::check_grammar`] compiled.
+    /// The [`GRAMMARS_CHECKED`] specs [`ModelInfo::check_grammar`] found enforceable and saw last, most recent
+    /// first, by [`spec_key`] (of at most [`GRAMMAR_KEY_MAX`] bytes): a spec sent again (the same response or tool
+    /// schema, request after request) is not compiled again at the front.
+    checked: std::sync::Mutex<std::collections::VecDeque<String>>,
+    /// Specs [`ModelInfo::check_grammar`] checked anew (compiled, or refused before compiling).
     compiles: AtomicUsize,
 }
 
 /// Enforceable specs the front remembers ([`ModelInfo::check_grammar`]).
 pub const GRAMMARS_CHECKED: usize = 16;
+/// The largest spec (its [`spec_key`], bytes) the front remembers: at most 4 MiB held in all.
+pub const GRAMMAR_KEY_MAX: usize = 256 << 10;
 
 impl ModelInfo {
     /// Reads the metadata of the model at `path`.
@@ -300,15 +302,16 @@ impl ModelInfo {
     }
 
     /// Checks that `spec` can be enforced on this model; `param` names the request field it came from. A spec
-    /// among the last [`GRAMMARS_CHECKED`] found enforceable is not compiled again.
+    /// among the [`GRAMMARS_CHECKED`] found enforceable and seen last is not compiled again.
     ///
     /// Errors: 400 naming `param` with the constraint engine's reason (an unsupported JSON-schema keyword, a Lark
     /// syntax error).
     pub fn check_grammar(&self, api: Api, param: &str, spec: &GrammarSpec) -> Result<(), ApiError> {
         let checked = || self.checked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = spec_key(spec);
         {
             let mut c = checked();
-            if let Some(i) = c.iter().position(|s| s == spec) {
+            if let Some(i) = c.iter().position(|s| *s == key) {
                 let s = c.remove(i).expect("found");
                 c.push_front(s);
                 return Ok(());
@@ -322,15 +325,17 @@ impl ModelInfo {
         self.compiles.fetch_add(1, Ordering::Relaxed);
         env.check(spec)
             .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))?;
-        let mut c = checked();
-        // Another request may have checked the same spec meanwhile.
-        c.retain(|s| s != spec);
-        c.push_front(spec.clone());
-        c.truncate(GRAMMARS_CHECKED);
+        if key.len() <= GRAMMAR_KEY_MAX {
+            let mut c = checked();
+            // Another request may have checked the same spec meanwhile.
+            c.retain(|s| *s != key);
+            c.push_front(key);
+            c.truncate(GRAMMARS_CHECKED);
+        }
         Ok(())
     }
 
-    /// Specs [`ModelInfo::check_grammar`] compiled so far (the rest it had found enforceable before).
+    /// Specs [`ModelInfo::check_grammar`] checked anew so far (the rest it had found enforceable before).
     pub fn grammar_compiles(&self) -> usize {
         self.compiles.load(Ordering::Relaxed)
     }

@@ -54,9 +54,9 @@ fn structured_output_always_parses_and_validates() {
         assert_cat(&text);
     }
 
-    // Three choices of one request (the worker compiles the schema once and gives each a clone of it), sampled
-    // side by side: each that ends is a cat; one cut at max_tokens (the schema allows whitespace, which a hot
-    // sampler may write at length) is one begun.
+    // Three choices of one request, each under a clone of the grammar the worker compiled once, sampled side by
+    // side: each that ends is a cat; one cut at max_tokens (the schema allows whitespace, which a hot sampler may
+    // write at length) is one begun. (tests/cpu's grammar tests count the compiles.)
     let (status, v) = s.post(
         "/v1/chat/completions",
         &json!({"messages": messages, "max_tokens": 120, "temperature": 1.2, "seed": 4, "n": 3,

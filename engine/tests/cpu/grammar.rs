@@ -146,7 +146,7 @@ fn recent_grammars_compile_a_spec_once_and_clone_it_from_the_start() {
     let first = recent.matcher(&env, &schema(0)).unwrap();
     let second = recent.matcher(&env, &schema(0)).unwrap();
     assert_eq!(recent.compiles(), 1, "the same spec again was compiled again");
-    // The first clone runs a whole answer; the second, after it, still starts at the beginning.
+    // The compiled matcher runs a whole answer; the clone, after it, still starts at the beginning.
     for m in [first, second] {
         let (got, _) = run_with(&model, &tok, &env, m, ask, Box::new(Greedy));
         assert_eq!(
@@ -201,6 +201,46 @@ fn recent_grammars_compile_a_spec_once_and_clone_it_from_the_start() {
         t.elapsed().as_secs_f64() * 1e3
     );
     assert_eq!(recent.compiles(), 7);
+    // That schema's answer goes past its `{` (llguidance's default row limit of 2,000 items ended it there).
+    let (text, stop) = run_with(
+        &model,
+        &tok,
+        &env,
+        recent.matcher(&env, &big).unwrap(),
+        "Give p3 the value 7.",
+        Box::new(Greedy),
+    );
+    assert!(text.len() > 1, "the answer ended at {text:?}");
+    if stop == StopReason::Eog {
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert!(v.is_object(), "{text}");
+    }
+    // The same properties in another order are another spec: the answer writes them in the schema's order.
+    let ordered = |names: [&str; 2]| GrammarSpec::JsonSchema {
+        schema: json!({"type": "object", "properties": {names[0]: {"type": "integer"}, names[1]: {"type": "integer"}},
+                       "required": ["a", "b"], "additionalProperties": false}),
+    };
+    let (ab, ba) = (ordered(["a", "b"]), ordered(["b", "a"]));
+    let mut answers = Vec::new();
+    for spec in [&ab, &ba] {
+        let (text, _) = run_with(
+            &model,
+            &tok,
+            &env,
+            recent.matcher(&env, spec).unwrap(),
+            ask,
+            Box::new(Greedy),
+        );
+        answers.push(text);
+    }
+    assert_eq!(
+        recent.compiles(),
+        9,
+        "a schema with its properties reordered took another's grammar"
+    );
+    let first_key = |t: &str| t.find("\"a\"").zip(t.find("\"b\"")).map(|(a, b)| a < b);
+    assert_eq!(first_key(&answers[0]), Some(true), "{answers:?}");
+    assert_eq!(first_key(&answers[1]), Some(false), "{answers:?}");
 }
 
 /// The front compiles a spec it has found enforceable once: sent again (request after request), it is taken as
