@@ -174,10 +174,13 @@ pub struct RecentGrammars {
 impl RecentGrammars {
     /// Specs kept compiled.
     pub const KEPT: usize = 4;
+    /// The largest spec kept ([`spec_key`]'s bytes): a body of megabytes of annotations (`default`,
+    /// `description`) compiles, but is not held after its answer.
+    pub const KEY_MAX: usize = 256 << 10;
 
     /// A matcher for `spec` at the answer's start: a clone of the kept one when `spec` is among the
     /// [`RecentGrammars::KEPT`] used last, else compiled by `env` (and kept, the least recently used going). A spec
-    /// that does not compile is not kept.
+    /// that does not compile, or of more than [`RecentGrammars::KEY_MAX`] bytes, is not kept.
     ///
     /// Errors: as [`GrammarEnv::matcher`].
     pub fn matcher(&mut self, env: &GrammarEnv, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
@@ -190,8 +193,10 @@ impl RecentGrammars {
         }
         let m = env.matcher(spec)?;
         self.compiles += 1;
-        self.kept.push_front((key, m.deep_clone()));
-        self.kept.truncate(Self::KEPT);
+        if key.len() <= Self::KEY_MAX {
+            self.kept.push_front((key, m.deep_clone()));
+            self.kept.truncate(Self::KEPT);
+        }
         Ok(m)
     }
 

@@ -268,7 +268,7 @@ pub struct ModelInfo {
 /// Enforceable specs the front remembers ([`ModelInfo::check_grammar`]).
 pub const GRAMMARS_CHECKED: usize = 16;
 /// The largest spec (its [`spec_key`], bytes) the front remembers: at most 4 MiB held in all.
-pub const GRAMMAR_KEY_MAX: usize = 256 << 10;
+pub const GRAMMAR_KEY_MAX: usize = crate::runtime::grammar::RecentGrammars::KEY_MAX;
 
 impl ModelInfo {
     /// Reads the metadata of the model at `path`.

@@ -284,3 +284,28 @@ fn the_front_checks_a_schema_sent_again_without_compiling_it() {
         "the oldest spec was kept past 16 newer ones"
     );
 }
+
+/// A spec of more than `RecentGrammars::KEY_MAX` bytes (megabytes of `default`, which the compiler ignores) compiles
+/// and answers, but is not kept: sent again, it is compiled again.
+#[test]
+fn recent_grammars_keep_no_spec_past_their_size_limit() {
+    let model = Model::load(models::require(models::DEFAULT_MODEL_FILE).unwrap_or_else(|e| panic!("{e}"))).unwrap();
+    let tok = Tokenizer::from_metadata(model.gguf.metadata()).unwrap();
+    let env = Arc::new(GrammarEnv::new(&tok).unwrap());
+    let zeros = vec![0u8; RecentGrammars::KEY_MAX / 2 + 1];
+    let big = GrammarSpec::JsonSchema {
+        schema: json!({"type": "integer", "default": zeros}),
+    };
+    let mut recent = RecentGrammars::default();
+    for _ in 0..2 {
+        recent.matcher(&env, &big).unwrap();
+    }
+    assert_eq!(recent.compiles(), 2, "a spec past the size limit was kept");
+    let small = GrammarSpec::JsonSchema {
+        schema: json!({"type": "integer"}),
+    };
+    for _ in 0..2 {
+        recent.matcher(&env, &small).unwrap();
+    }
+    assert_eq!(recent.compiles(), 3);
+}
