@@ -164,19 +164,25 @@ impl GrammarEnv {
 /// lexer caches, for independent use) instead of a second compile: for a schema of 1,000 integer properties,
 /// 90-190 ms compiled against 0.2 ms cloned on the 2-core machine (tests/cpu,
 /// `recent_grammars_compile_a_spec_once_and_clone_it_from_the_start`).
-#[derive(Default)]
 pub struct RecentGrammars {
-    /// Most recently used first, by [`spec_key`].
-    kept: std::collections::VecDeque<(String, Matcher)>,
+    kept: RecentSpecs<Matcher>,
     compiles: u64,
+}
+
+impl Default for RecentGrammars {
+    fn default() -> Self {
+        RecentGrammars {
+            kept: RecentSpecs::new(Self::KEPT),
+            compiles: 0,
+        }
+    }
 }
 
 impl RecentGrammars {
     /// Specs kept compiled.
     pub const KEPT: usize = 4;
-    /// The largest spec kept ([`spec_key`]'s bytes): a body of megabytes of annotations (`default`,
-    /// `description`) compiles, but is not held after its answer.
-    pub const KEY_MAX: usize = 256 << 10;
+    /// The largest spec kept ([`RecentSpecs::KEY_MAX`]).
+    pub const KEY_MAX: usize = RecentSpecs::<Matcher>::KEY_MAX;
 
     /// A matcher for `spec` at the answer's start: a clone of the kept one when `spec` is among the
     /// [`RecentGrammars::KEPT`] used last, else compiled by `env` (and kept, the least recently used going). A spec
@@ -185,24 +191,58 @@ impl RecentGrammars {
     /// Errors: as [`GrammarEnv::matcher`].
     pub fn matcher(&mut self, env: &GrammarEnv, spec: &GrammarSpec) -> Result<Matcher, GrammarError> {
         let key = spec_key(spec);
-        if let Some(i) = self.kept.iter().position(|(s, _)| *s == key) {
-            let entry = self.kept.remove(i).expect("found");
-            let m = entry.1.deep_clone();
-            self.kept.push_front(entry);
-            return Ok(m);
+        if let Some(m) = self.kept.get(&key) {
+            return Ok(m.deep_clone());
         }
         let m = env.matcher(spec)?;
         self.compiles += 1;
-        if key.len() <= Self::KEY_MAX {
-            self.kept.push_front((key, m.deep_clone()));
-            self.kept.truncate(Self::KEPT);
-        }
+        self.kept.keep(key, m.deep_clone());
         Ok(m)
     }
 
     /// Specs compiled so far (the rest were clones).
     pub fn compiles(&self) -> u64 {
         self.compiles
+    }
+}
+
+/// The `cap` specs used last, each with a value (a compiled grammar, or nothing where only "it compiles" is kept),
+/// by [`spec_key`], most recently used first.
+pub struct RecentSpecs<V> {
+    kept: std::collections::VecDeque<(String, V)>,
+    cap: usize,
+}
+
+impl<V> RecentSpecs<V> {
+    /// The largest key kept, bytes: a body of megabytes of annotations (`default`, `description`) compiles, but
+    /// is not held after its answer.
+    pub const KEY_MAX: usize = 256 << 10;
+
+    /// Keeps at most `cap` specs.
+    pub fn new(cap: usize) -> Self {
+        RecentSpecs {
+            kept: std::collections::VecDeque::with_capacity(cap + 1),
+            cap,
+        }
+    }
+
+    /// The value kept for `key`, which becomes the most recently used.
+    pub fn get(&mut self, key: &str) -> Option<&V> {
+        let i = self.kept.iter().position(|(k, _)| k == key)?;
+        let entry = self.kept.remove(i).expect("found");
+        self.kept.push_front(entry);
+        self.kept.front().map(|(_, v)| v)
+    }
+
+    /// Keeps `value` for `key` as the most recently used (replacing one kept for it), the least recently used
+    /// going past `cap`; a key of more than [`RecentSpecs::KEY_MAX`] bytes is not kept.
+    pub fn keep(&mut self, key: String, value: V) {
+        if key.len() > Self::KEY_MAX {
+            return;
+        }
+        self.kept.retain(|(k, _)| *k != key);
+        self.kept.push_front((key, value));
+        self.kept.truncate(self.cap);
     }
 }
 

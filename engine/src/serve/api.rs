@@ -23,7 +23,7 @@ use super::supervisor::{EngineRequest, JobEvent, SubmitError};
 use super::tools::{self, Tool, ToolFormat, ToolUse};
 use crate::gguf::GgufModel;
 use crate::model::hparams::HParams;
-use crate::runtime::grammar::{GrammarEnv, GrammarError, GrammarSpec, spec_key};
+use crate::runtime::grammar::{GrammarEnv, GrammarError, GrammarSpec, RecentSpecs, spec_key};
 use crate::runtime::sampling::{SamplingParams, TokenLogprob};
 use crate::runtime::session::context_cells;
 use crate::tokenizer::{ChatContent, ChatMessage, ChatPrompt, ChatRequest, ChatTemplate, Tokenizer};
@@ -260,7 +260,7 @@ pub struct ModelInfo {
     /// The [`GRAMMARS_CHECKED`] specs [`ModelInfo::check_grammar`] found enforceable and saw last, most recent
     /// first, by [`spec_key`] (of at most [`GRAMMAR_KEY_MAX`] bytes): a spec sent again (the same response or tool
     /// schema, request after request) is not compiled again at the front.
-    checked: std::sync::Mutex<std::collections::VecDeque<String>>,
+    checked: std::sync::Mutex<RecentSpecs<()>>,
     /// Specs [`ModelInfo::check_grammar`] checked anew (compiled, or refused before compiling).
     compiles: AtomicUsize,
 }
@@ -268,7 +268,7 @@ pub struct ModelInfo {
 /// Enforceable specs the front remembers ([`ModelInfo::check_grammar`]).
 pub const GRAMMARS_CHECKED: usize = 16;
 /// The largest spec (its [`spec_key`], bytes) the front remembers: at most 4 MiB held in all.
-pub const GRAMMAR_KEY_MAX: usize = crate::runtime::grammar::RecentGrammars::KEY_MAX;
+pub const GRAMMAR_KEY_MAX: usize = RecentSpecs::<()>::KEY_MAX;
 
 impl ModelInfo {
     /// Reads the metadata of the model at `path`.
@@ -293,7 +293,7 @@ impl ModelInfo {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             grammar: std::sync::OnceLock::new(),
-            checked: std::sync::Mutex::default(),
+            checked: std::sync::Mutex::new(RecentSpecs::new(GRAMMARS_CHECKED)),
             compiles: AtomicUsize::new(0),
             tool_format: tool_format
                 .unwrap_or_else(|| ToolFormat::detect(template.as_ref().map_or("", |t| t.source()))),
@@ -309,13 +309,8 @@ impl ModelInfo {
     pub fn check_grammar(&self, api: Api, param: &str, spec: &GrammarSpec) -> Result<(), ApiError> {
         let checked = || self.checked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let key = spec_key(spec);
-        {
-            let mut c = checked();
-            if let Some(i) = c.iter().position(|s| *s == key) {
-                let s = c.remove(i).expect("found");
-                c.push_front(s);
-                return Ok(());
-            }
+        if checked().get(&key).is_some() {
+            return Ok(());
         }
         let env = self
             .grammar
@@ -325,13 +320,8 @@ impl ModelInfo {
         self.compiles.fetch_add(1, Ordering::Relaxed);
         env.check(spec)
             .map_err(|e| ApiError::field(api, param, format!("{param} cannot be enforced: {e}")))?;
-        if key.len() <= GRAMMAR_KEY_MAX {
-            let mut c = checked();
-            // Another request may have checked the same spec meanwhile.
-            c.retain(|s| *s != key);
-            c.push_front(key);
-            c.truncate(GRAMMARS_CHECKED);
-        }
+        // Another request may have checked the same spec meanwhile: `keep` replaces it.
+        checked().keep(key, ());
         Ok(())
     }
 
