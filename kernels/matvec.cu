@@ -739,17 +739,21 @@ extern "C" __global__ void mmv_moe_group_q6_k(const u8*, const u8*, const float*
 // q8k_stage: the n_tok activation rows x[t] (cols values, a multiple of 256, at most MMV_X_MAX) quantized to Q8_K
 // as stage_q8k stages them, into out[t] in global memory, in Q4_K's lane order or (natural) Q6_K's: once for a
 // launch of mmvt_T, whose blocks all read them (from L1), where staging them in each block cost more than the
-// weights' loads. Grid (n_tok, ceil(cols / 2048)), block 256: warp w stages super-block 8 blockIdx.y + w.
+// weights' loads. With xu (rows as x's), row t is glu_act(x[t]) * xu[t] (act: glu_code), the GLU of a prompt
+// step's gated rows computed as they are quantized for the down projection. Grid (n_tok, ceil(cols / 2048)), block
+// 256: warp w stages super-block 8 blockIdx.y + w.
 static_assert(sizeof(Q8kStage) == 5184, "Q8K_STAGE_BYTES in cuda/matmul.rs");
-extern "C" __global__ void q8k_stage(const float* __restrict__ x, Q8kStage* __restrict__ out, int cols, int natural) {
+extern "C" __global__ void q8k_stage(const float* __restrict__ x, const float* __restrict__ xu, Q8kStage* __restrict__ out,
+                                     int cols, int act, int natural) {
     pdl_enter();
     int t = blockIdx.x, sb = blockIdx.y * 8 + (threadIdx.x >> 5);
     if (sb >= cols / 256) return; // a whole warp
     const float* xt = x + (long long)t * cols;
+    const float* ut = xu ? xu + (long long)t * cols : nullptr;
     if (natural)
-        stage_q8k_sb<true>(xt, nullptr, 0, sb, out[t]);
+        stage_q8k_sb<true>(xt, ut, act, sb, out[t]);
     else
-        stage_q8k_sb<false>(xt, nullptr, 0, sb, out[t]);
+        stage_q8k_sb<false>(xt, ut, act, sb, out[t]);
 }
 
 // mmvt_T: mmv_T for a step of several tokens (a batch of decode steps, a short prompt chunk): each weight row is

@@ -6,7 +6,7 @@ use cudarc::cublas::sys as blas_sys;
 use super::error::CudaError;
 use super::launch::Arg;
 use super::{Gpu, Inner, MMV_X_MAX, Slot, grid1, mmv_rows_per_block, typed};
-use crate::backend::QMat;
+use crate::backend::{GluKind, QMat};
 use crate::device::fault::OP_PREFILL_GEMM;
 use crate::events::{self, EventKind, Fallback, Fault, GemmShape};
 use crate::quant::GgmlType;
@@ -27,7 +27,8 @@ pub(super) const MMQ_MOE_ROWS: usize = 2 * MMQ_ROWS;
 pub(super) const Q8K_STAGE_BYTES: usize = 5184;
 
 /// `n_tok` activation rows of `cols` values at `xp` quantized to Q8_K (`q8k_stage`) into the stages at `st`
-/// (`Q8K_STAGE_BYTES` a row), in Q4_K's lane order or in order (`natural`). Errors: the launch failed.
+/// (`Q8K_STAGE_BYTES` a row), in Q4_K's lane order or in order (`natural`). With `glu` (`up` rows as `xp`'s,
+/// the activation), row t is the GLU `act(xp[t]) * up[t]` before it is quantized. Errors: the launch failed.
 pub(super) fn q8k_stage_into(
     gpu: &Gpu,
     xp: u64,
@@ -35,12 +36,21 @@ pub(super) fn q8k_stage_into(
     n_tok: usize,
     cols: usize,
     natural: bool,
+    glu: Option<(u64, GluKind)>,
 ) -> Result<(), CudaError> {
+    let (up, act) = glu.map_or((0, 0), |(u, a)| (u, super::glu_code(a)));
     gpu.launch(
         "q8k_stage",
         (n_tok as u32, cols.div_ceil(2048) as u32, 1),
         (256, 1, 1),
-        &[Arg::P(xp), Arg::P(st), Arg::I(cols as i32), Arg::I(natural as i32)],
+        &[
+            Arg::P(xp),
+            Arg::P(up),
+            Arg::P(st),
+            Arg::I(cols as i32),
+            Arg::I(act),
+            Arg::I(natural as i32),
+        ],
     )
 }
 /// Most tokens one `mmvt_*` launch takes (a longer batch-invariant prefill runs in parts), so the Q8_K staging
@@ -188,7 +198,7 @@ impl Inner {
         natural: bool,
     ) -> Result<u64, CudaError> {
         let st = self.slot(gpu, slot, n_tok.max(room) * Q8K_STAGE_BYTES)?;
-        q8k_stage_into(gpu, xp, st, n_tok, cols, natural)?;
+        q8k_stage_into(gpu, xp, st, n_tok, cols, natural, None)?;
         Ok(st)
     }
 

@@ -687,9 +687,10 @@ impl Inner {
                 if mmq {
                     s.mmq_moe(gpu, &gate, at.base[0], at.stride[0], xq, ip, gp, tiles)?;
                     s.mmq_moe(gpu, &upm, at.base[1], at.stride[1], xq, ip, up, tiles)?;
-                    glu_dev(gpu, gp + r0 * 4, up + r0 * 4, n, ex.act)?;
+                    // The GLU computed as the gated rows are quantized for the down projection.
                     let stage = gq + (rows.start * Q8K_STAGE_BYTES) as u64;
-                    q8k_stage_into(gpu, gp + r0 * 4, stage, rows.len(), nff, true)?;
+                    let glu = Some((up + r0 * 4, ex.act));
+                    q8k_stage_into(gpu, gp + r0 * 4, stage, rows.len(), nff, true, glu)?;
                     s.mmq_moe(gpu, &down, at.base[2], at.stride[2], gq, 0, dp, tiles)
                 } else {
                     s.gemm_own(gpu, &gate, at.base[0], at.stride[0], xf, ip, gp, tiles)?;
